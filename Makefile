@@ -1,0 +1,35 @@
+# The two commands of the README. Both create .venv/ on first use.
+# torch is pinned through constraints.txt (PIP_CONSTRAINT, so isolated builds see it too):
+# on these machines torch==2.13.0 is a local CPU wheel; anything else pulls GBs of CUDA.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
+export DS_ACCELERATOR ?= cpu
+export TOKENIZERS_PARALLELISM ?= false
+export HF_HUB_OFFLINE ?= 1
+export OMP_NUM_THREADS ?= 1
+export TORCHINDUCTOR_COMPILE_THREADS ?= 1
+
+.PHONY: install test test-fast demo clean
+
+$(VENV)/.installed: setup.py requirements.txt constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest tests
+
+# Pure-logic tests only (milliseconds each).
+test-fast: install
+	$(PY) -m pytest tests/unit
+
+demo: install
+	$(PY) -m atorch.demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,36 @@
+"""Process groups, named parallel groups over one DeviceMesh, and the launcher."""
+
+from atorch.distributed.distributed import (
+    destroy_distributed,
+    device,
+    device_type,
+    find_free_port,
+    init_distributed,
+    is_initialized,
+    local_rank,
+    rank,
+    world_size,
+)
+from atorch.distributed.layout import ParallelLayout
+from atorch.distributed.parallel_group import (
+    create_parallel_group,
+    destroy_parallel_group,
+    device_mesh,
+    is_parallel_group_created,
+    parallel_config,
+    parallel_group,
+    parallel_group_ranks,
+    parallel_group_size,
+    parallel_layout,
+    parallel_rank,
+    parallel_rank_or_zero,
+    parallel_size_or_one,
+)
+
+__all__ = [
+    "ParallelLayout", "create_parallel_group", "destroy_distributed", "destroy_parallel_group", "device",
+    "device_mesh", "device_type", "find_free_port", "init_distributed", "is_initialized",
+    "is_parallel_group_created", "local_rank", "parallel_config", "parallel_group", "parallel_group_ranks",
+    "parallel_group_size", "parallel_layout", "parallel_rank", "parallel_rank_or_zero", "parallel_size_or_one",
+    "rank", "world_size",
+]

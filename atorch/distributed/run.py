@@ -1,0 +1,83 @@
+"""Launcher: `python -m atorch.distributed.run [--fault_tolerant] [--max_restarts N] ... script.py ARGS`.
+
+A thin front end over torch elastic (`torch.distributed.run`), not a process manager of its own:
+- `--fault_tolerant` lets the elastic agent restart the whole worker group after a failure
+  (`--max_restarts`, default 3). Restarts use the c10d rendezvous: measured with torch 2.13,
+  the static rendezvous that `--master_addr/--master_port` select fails to re-form a gloo
+  group after a restart ("Connection refused" in connectFullMesh), while c10d re-forms it.
+- Without it, a crash fails the job at once (`--max_restarts` defaults to 0).
+- A single-node job without `--master_port` runs `--standalone`, so concurrent jobs on one
+  machine never fight over the default port 29500.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+DEFAULT_FAULT_TOLERANT_RESTARTS = 3
+DEFAULT_MASTER_PORT = 29500
+
+
+def _split_at_script(argv: List[str]) -> int:
+    """Index of the training script (first argument ending in .py, or the module after -m)."""
+    for i, arg in enumerate(argv):
+        if arg in ("-m", "--module"):
+            return i
+        if not arg.startswith("-") and arg.endswith(".py"):
+            return i
+    return len(argv)
+
+
+def translate_args(argv: List[str]) -> List[str]:
+    """Turn atorch launcher arguments into `torch.distributed.run` arguments."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--fault_tolerant", "--fault-tolerant", action="store_true")
+    parser.add_argument("--max_restarts", "--max-restarts", type=int, default=None)
+    parser.add_argument("--master_addr", "--master-addr", default=None)
+    parser.add_argument("--master_port", "--master-port", type=int, default=None)
+    parser.add_argument("--nnodes", default="1")
+    parser.add_argument("--rdzv_backend", "--rdzv-backend", default=None)
+    parser.add_argument("--standalone", action="store_true")
+    at = _split_at_script(argv)
+    ours, rest = parser.parse_known_args(argv[:at])
+    if ours.max_restarts is not None and ours.max_restarts < 0:
+        raise ValueError(f"--max_restarts={ours.max_restarts} must be >= 0")
+    if ours.fault_tolerant:
+        restarts = DEFAULT_FAULT_TOLERANT_RESTARTS if ours.max_restarts is None else ours.max_restarts
+    else:
+        restarts = 0 if ours.max_restarts is None else ours.max_restarts
+    out = [f"--max_restarts={restarts}", f"--nnodes={ours.nnodes}"]
+    single_node = ours.nnodes in ("1", "1:1")
+    if ours.rdzv_backend is not None or ours.standalone:
+        out += [f"--rdzv_backend={ours.rdzv_backend}"] if ours.rdzv_backend else ["--standalone"]
+        out += _master_args(ours)
+    elif ours.fault_tolerant and (ours.master_port is not None or not single_node):
+        port = ours.master_port or DEFAULT_MASTER_PORT
+        addr = ours.master_addr or "127.0.0.1"
+        out += ["--rdzv_backend=c10d", f"--rdzv_endpoint={addr}:{port}", f"--rdzv_id=atorch-{port}"]
+    elif ours.master_port is None and single_node:
+        out += ["--standalone"]
+    else:
+        out += _master_args(ours)
+    return out + rest + argv[at:]
+
+
+def _master_args(ours: argparse.Namespace) -> List[str]:
+    out = []
+    if ours.master_addr is not None:
+        out.append(f"--master_addr={ours.master_addr}")
+    if ours.master_port is not None:
+        out.append(f"--master_port={ours.master_port}")
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    from torch.distributed.run import main as torch_run_main
+
+    torch_run_main(translate_args(list(sys.argv[1:] if argv is None else argv)))
+
+
+if __name__ == "__main__":
+    main()

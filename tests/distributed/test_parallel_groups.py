@@ -1,0 +1,109 @@
+"""Parallel groups over 8 and 4 gloo ranks, init_distributed, and bad input before any collective."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import atorch
+from atorch import distributed as adist
+from atorch.testing import DistributedTestError, run_distributed
+
+
+def _groups_8_ranks():
+    adist.create_parallel_group(([("tensor", 2), ("data", 2), ("pipeline", 2)], None))
+    out = {}
+    for name in ("tensor", "data", "pipeline"):
+        group = adist.parallel_group(name)
+        # The group really connects the ranks of the table: all_gather the global ranks over it.
+        gathered = [torch.zeros(1, dtype=torch.long) for _ in range(adist.parallel_group_size(name))]
+        dist.all_gather(gathered, torch.tensor([adist.rank()]), group=group)
+        out[name] = ([int(t) for t in gathered], adist.parallel_rank(name), adist.parallel_group_size(name))
+        # The DeviceMesh exposes the same groups.
+        assert adist.device_mesh(name).mesh.tolist() == out[name][0]
+    assert adist.parallel_config() == ([("tensor", 2), ("data", 2), ("pipeline", 2)], None)
+    assert adist.device_mesh().mesh_dim_names == ("pipeline", "data", "tensor")
+    assert adist.init_distributed("gloo") is True  # idempotent
+    assert adist.device() == torch.device("cpu")
+    adist.destroy_parallel_group()
+    assert not adist.is_parallel_group_created()
+    return out
+
+
+def test_eight_rank_tables_are_real_groups():
+    results = run_distributed(_groups_8_ranks, 8)
+    expected = {
+        "tensor": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "data": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "pipeline": [[0, 4], [1, 5], [2, 6], [3, 7]],
+    }
+    for rank, out in enumerate(results):
+        for name, tables in expected.items():
+            group = next(g for g in tables if rank in g)
+            assert out[name] == (group, group.index(rank), 2), (rank, name, out[name])
+
+
+def _bad_inputs_raise_everywhere():
+    messages = []
+    for config in [([("tensor", 2), ("data", 3)], None), ([("tensor", 0), ("data", 4)], None),
+                   ([("data", 2), ("data", 2)], None), ([("", 4)], None), ([], None)]:
+        try:
+            adist.create_parallel_group(config)
+        except ValueError as e:
+            messages.append(str(e))
+    adist.create_parallel_group(([("tensor", 2), ("data", 2)], None))
+    try:
+        adist.parallel_group("pipeline")
+    except ValueError as e:
+        messages.append(str(e))
+    # Nothing above touched the network: the group still works for everyone.
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    messages.append(float(t))
+    return messages
+
+
+def test_bad_input_raises_on_every_rank_without_hanging():
+    results = run_distributed(_bad_inputs_raise_everywhere, 4, timeout=120)
+    for messages in results:
+        assert len(messages) == 7, messages
+        assert "tensor=2 x data=3 = 6 does not equal world size 4" in messages[0]
+        assert "size 0" in messages[1] and "duplicated" in messages[2]
+        assert "non-empty" in messages[3] and "empty" in messages[4]
+        assert "unknown parallel group 'pipeline'" in messages[5]
+        assert messages[6] == 4.0
+
+
+def _fails_on_rank_one():
+    if adist.rank() == 1:
+        raise RuntimeError("boom on rank one")
+    dist.barrier()  # rank 0 blocks here; the helper must kill it, not hang
+
+
+def test_spawn_helper_reports_tracebacks_and_kills_stuck_ranks():
+    with pytest.raises(DistributedTestError, match="boom on rank one"):
+        run_distributed(_fails_on_rank_one, 2, timeout=60)
+
+
+def test_init_distributed_in_a_plain_process(tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text(textwrap.dedent("""
+        import os, atorch
+        import atorch.distributed as d
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(k, None)
+        assert atorch.init_distributed() is True and atorch.init_distributed() is True
+        print("world", d.rank(), d.world_size(), d.local_rank(), d.device(), os.environ["MASTER_ADDR"])
+        try:
+            atorch.init_distributed("mpi")
+        except ValueError as e:
+            print("error", e)
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "world 0 1 0 cpu 127.0.0.1" in out.stdout
+    assert "backend='mpi' is not supported" in out.stdout
