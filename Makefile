@@ -29,7 +29,7 @@ test-fast: install
 	$(PY) -m pytest tests/unit
 
 demo: install
-	$(PY) -m atorch.demo
+	$(PY) -m atorch.distributed.run --nproc_per_node 2 scripts/demo.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,20 @@
+"""The optimization library: one module per optimization, registered by name.
+
+Import `get_optimization`, `registered_names` or `resolve_strategy` from here; every module
+in this package registers itself when first needed.
+"""
+
+from atorch.auto.opt_lib.base import (
+    NoConfig,
+    Optimization,
+    Order,
+    ValidationContext,
+    canonical_name,
+    get_optimization,
+    register,
+    registered_names,
+)
+from atorch.auto.opt_lib.resolve import ResolvedOptimization, is_valid_strategy, resolve_strategy
+
+__all__ = ["NoConfig", "Optimization", "Order", "ResolvedOptimization", "ValidationContext", "canonical_name",
+           "get_optimization", "is_valid_strategy", "register", "registered_names", "resolve_strategy"]

@@ -1,0 +1,194 @@
+"""`Strategy`: an ordered list of optimizations `(name, config, tunable)`, with exact JSON round trips.
+
+Strategy files are JSON, never pickle: configs may hold plain JSON values, tuples, torch dtypes,
+classes (stored by import path) and dataclasses of those; anything else (a callable, a live
+object) is refused with the key that holds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+StrategyLike = Union["Strategy", Sequence[Any], str, os.PathLike]
+
+
+@dataclass(frozen=True)
+class StrategyItem:
+    """One optimization of a strategy. `tunable` marks a config the planner may change."""
+
+    name: str
+    config: Any = None
+    tunable: bool = False
+
+    def as_tuple(self) -> Tuple[str, Any, bool]:
+        return (self.name, self.config, self.tunable)
+
+
+def _to_item(raw: Any) -> StrategyItem:
+    if isinstance(raw, StrategyItem):
+        return raw
+    if isinstance(raw, str):
+        return StrategyItem(raw)
+    if isinstance(raw, (tuple, list)) and 1 <= len(raw) <= 3 and isinstance(raw[0], str):
+        name = raw[0]
+        config = raw[1] if len(raw) > 1 else None
+        tunable = raw[2] if len(raw) > 2 else False
+        if not isinstance(tunable, bool):
+            raise ValueError(f"strategy item {name!r}: tunable must be a bool, got {tunable!r}")
+        return StrategyItem(name, config, tunable)
+    raise ValueError(
+        f"strategy item {raw!r} must be a name, (name, config) or (name, config, tunable)")
+
+
+class Strategy:
+    """An ordered list of optimizations, as given by the user or chosen by the search."""
+
+    def __init__(self, items: Iterable[Any] = ()):
+        self._items: List[StrategyItem] = [_to_item(i) for i in items]
+
+    @classmethod
+    def from_any(cls, obj: Optional[StrategyLike]) -> "Strategy":
+        """Accept a Strategy, a list of items (names / (name, config) / (name, config, tunable)) or a JSON path."""
+        if obj is None:
+            return cls()
+        if isinstance(obj, Strategy):
+            return cls(obj._items)
+        if isinstance(obj, (str, os.PathLike)):
+            return cls.load(obj)
+        if isinstance(obj, (list, tuple)):
+            return cls(obj)
+        raise ValueError(f"load_strategy={obj!r} must be a Strategy, a list of optimizations or a JSON file path")
+
+    # -- container protocol -------------------------------------------------
+    def __iter__(self) -> Iterator[StrategyItem]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, index: int) -> StrategyItem:
+        return self._items[index]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Strategy) and self._items == other._items
+
+    def __hash__(self) -> int:
+        return hash(self.to_json())
+
+    def __repr__(self) -> str:
+        return f"Strategy({[i.as_tuple() for i in self._items]!r})"
+
+    def names(self) -> List[str]:
+        return [i.name for i in self._items]
+
+    def get(self, name: str) -> Optional[StrategyItem]:
+        return next((i for i in self._items if i.name == name), None)
+
+    def __contains__(self, name: object) -> bool:
+        return any(i.name == name for i in self._items)
+
+    def to_list(self) -> List[Tuple[str, Any, bool]]:
+        return [i.as_tuple() for i in self._items]
+
+    def describe(self) -> str:
+        """Short human name, e.g. 'parallel_mode(data=2)+amp_native+fsdp'."""
+        parts = []
+        for item in self._items:
+            if item.name == "parallel_mode" and isinstance(item.config, (tuple, list)) and item.config:
+                dims = ",".join(f"{n}={s}" for n, s in item.config[0])
+                parts.append(f"{item.name}({dims})")
+            else:
+                parts.append(item.name)
+        return "+".join(parts) if parts else "(no optimization)"
+
+    # -- JSON ---------------------------------------------------------------
+    def to_json(self, indent: Optional[int] = None) -> str:
+        payload = {"format": "atorch.strategy/1",
+                   "items": [{"name": i.name, "config": _encode(i.config, f"{i.name}.config"), "tunable": i.tunable}
+                             for i in self._items]}
+        return json.dumps(payload, indent=indent, sort_keys=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Strategy":
+        try:
+            payload = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"strategy is not valid JSON: {e}") from e
+        if not isinstance(payload, dict) or payload.get("format") != "atorch.strategy/1":
+            raise ValueError("strategy JSON must be an object with format 'atorch.strategy/1' and 'items'")
+        return cls(StrategyItem(d["name"], _decode(d.get("config")), bool(d.get("tunable", False)))
+                   for d in payload["items"])
+
+    def save(self, path: Union[str, os.PathLike]) -> None:
+        text = self.to_json(indent=2)
+        tmp = f"{os.fspath(path)}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Union[str, os.PathLike]) -> "Strategy":
+        if not os.path.isfile(path):
+            raise ValueError(f"strategy file {os.fspath(path)!r} does not exist")
+        with open(path, encoding="utf-8") as f:
+            return cls.from_json(f.read())
+
+
+def _encode(value: Any, where: str) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, list):
+        return [_encode(v, f"{where}[{k}]") for k, v in enumerate(value)]
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v, f"{where}[{k}]") for k, v in enumerate(value)]}
+    if isinstance(value, dict):
+        for k in value:
+            if not isinstance(k, str):
+                raise ValueError(f"{where}: key {k!r} is not a string; strategy JSON needs string keys")
+        return {k: _encode(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, torch.dtype):
+        return {"__dtype__": str(value).replace("torch.", "")}
+    if isinstance(value, type):
+        return {"__class__": f"{value.__module__}:{value.__qualname__}"}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: _encode(getattr(value, f.name), f"{where}.{f.name}") for f in dataclasses.fields(value)}
+        return {"__dataclass__": f"{type(value).__module__}:{type(value).__qualname__}", "fields": fields}
+    raise ValueError(f"{where} holds {type(value).__name__} {value!r}, which a JSON strategy file cannot store; "
+                     "pass it in code (load_strategy=[...]) instead of a file")
+
+
+def _import_by_path(path: str) -> Any:
+    module, _, qualname = path.partition(":")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    if isinstance(value, dict):
+        if "__tuple__" in value and len(value) == 1:
+            return tuple(_decode(v) for v in value["__tuple__"])
+        if "__dtype__" in value and len(value) == 1:
+            dtype = getattr(torch, value["__dtype__"], None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"unknown torch dtype {value['__dtype__']!r} in strategy JSON")
+            return dtype
+        if "__class__" in value and len(value) == 1:
+            return _import_by_path(value["__class__"])
+        if "__dataclass__" in value and set(value) == {"__dataclass__", "fields"}:
+            cls = _import_by_path(value["__dataclass__"])
+            if not dataclasses.is_dataclass(cls):
+                raise ValueError(f"{value['__dataclass__']} in strategy JSON is not a dataclass")
+            return cls(**{k: _decode(v) for k, v in value["fields"].items()})
+        return {k: _decode(v) for k, v in value.items()}
+    return value

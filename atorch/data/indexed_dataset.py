@@ -1,0 +1,398 @@
+"""Token files on disk: writers and readers of Megatron-LM's `.bin` + `.idx` formats.
+
+Three layouts, so corpora preprocessed here load in Megatron-LM and the reverse:
+"mmap" (`MMIDIDX` header, memory-mapped) and the older "lazy"/"cached" (`TNTIDX` header;
+lazy reads a sequence from disk when asked, cached holds the whole `.bin` in memory).
+Our files hold one sequence per document, so `doc_idx` is `0..len`; readers accept any `doc_idx`.
+
+mmap `.idx` (little endian): magic `MMIDIDX\\x00\\x00`, u64 version=1, u8 dtype code, u64 n_seq,
+u64 n_doc_idx, i32 sizes[n_seq], i64 byte pointers[n_seq], i64 doc_idx[n_doc_idx].
+lazy/cached `.idx`: magic `TNTIDX\\x00\\x00`, u64 version=1, u64 dtype code, u64 element size,
+u64 n_seq, u64 n_sizes, u64 n_doc_idx, i64 dim_offsets[n_seq+1], i64 data_offsets[n_seq+1]
+(in elements), i64 sizes[n_sizes], i64 doc_idx[n_doc_idx].
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import uuid
+from pathlib import Path
+from typing import BinaryIO, Dict, Iterator, Optional, Union
+
+import numpy as np
+
+MMAP_MAGIC = b"MMIDIDX\x00\x00"
+LEGACY_MAGIC = b"TNTIDX\x00\x00"
+FORMAT_VERSION = 1
+BINARIZATION_IMPLS = ("mmap", "lazy", "cached")
+
+DTYPE_CODES: Dict[int, np.dtype] = {
+    1: np.dtype(np.uint8), 2: np.dtype(np.int8), 3: np.dtype(np.int16), 4: np.dtype(np.int32),
+    5: np.dtype(np.int64), 6: np.dtype(np.float64), 7: np.dtype(np.float32), 8: np.dtype(np.uint16),
+}
+_CODE_OF_DTYPE = {dtype: code for code, dtype in DTYPE_CODES.items()}
+
+# Sizes and offsets are streamed through in blocks of this many entries, so building the
+# index of a billion documents needs a few MB, not GBs.
+_BLOCK = 1 << 20
+
+PathLike = Union[str, os.PathLike]
+
+
+def best_fitting_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every token id fits (vocab < 65500, as in Megatron-LM), else int32."""
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    return np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
+
+
+def dtype_code(dtype: np.dtype) -> int:
+    dtype = np.dtype(dtype)
+    if dtype not in _CODE_OF_DTYPE:
+        raise ValueError(f"dtype {dtype} has no Megatron code; use one of {sorted(map(str, _CODE_OF_DTYPE))}")
+    return _CODE_OF_DTYPE[dtype]
+
+
+def data_path(prefix: PathLike) -> Path:
+    return Path(f"{strip_suffix(prefix)}.bin")
+
+
+def index_path(prefix: PathLike) -> Path:
+    return Path(f"{strip_suffix(prefix)}.idx")
+
+
+def strip_suffix(prefix: PathLike) -> str:
+    """`corpus`, `corpus.bin` and `corpus.idx` all name the pair `corpus.bin` + `corpus.idx`."""
+    text = os.fspath(prefix)
+    for suffix in (".bin", ".idx"):
+        if text.endswith(suffix):
+            return text[: -len(suffix)]
+    return text
+
+
+def _check_impl(impl: str) -> None:
+    if impl not in BINARIZATION_IMPLS:
+        raise ValueError(f"binarization_impl={impl!r} is not supported; choose one of {list(BINARIZATION_IMPLS)}")
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+
+
+class IndexedDatasetWriter:
+    """Streams sequences into `<prefix>.bin` and writes `<prefix>.idx` on `finalize()`.
+
+    Tokens go straight to disk; the per-sequence sizes go to a temporary file, so memory stays
+    flat however large the corpus. Both files appear under their final names only when
+    `finalize()` succeeds (written to temporary names, then renamed); `abort()` removes them.
+    """
+
+    def __init__(self, prefix: PathLike, dtype: np.dtype, impl: str = "mmap") -> None:
+        _check_impl(impl)
+        self.prefix = strip_suffix(prefix)
+        self.dtype = np.dtype(dtype)
+        self.code = dtype_code(self.dtype)
+        self.impl = impl
+        self.num_sequences = 0
+        self.num_tokens = 0
+        Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
+        tag = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._bin_tmp = Path(f"{self.prefix}.bin{tag}")
+        self._idx_tmp = Path(f"{self.prefix}.idx{tag}")
+        self._sizes_tmp = Path(f"{self.prefix}.sizes{tag}")
+        self._bin: Optional[BinaryIO] = open(self._bin_tmp, "wb")
+        self._sizes: Optional[BinaryIO] = open(self._sizes_tmp, "wb")
+
+    def add_sequences(self, tokens: np.ndarray, sizes: np.ndarray) -> None:
+        """Append `len(sizes)` sequences stored back to back in the flat array `tokens`."""
+        if self._bin is None or self._sizes is None:
+            raise ValueError(f"writer for {self.prefix!r} is already finalized or aborted")
+        tokens = np.ascontiguousarray(tokens, dtype=self.dtype)
+        sizes = np.ascontiguousarray(sizes, dtype=np.int32)
+        if int(sizes.sum(dtype=np.int64)) != tokens.size:
+            raise ValueError(f"sizes sum to {int(sizes.sum())} tokens but {tokens.size} tokens were given")
+        self._bin.write(tokens.tobytes())
+        self._sizes.write(sizes.tobytes())
+        self.num_sequences += int(sizes.size)
+        self.num_tokens += int(tokens.size)
+
+    def add_sequence(self, tokens: np.ndarray) -> None:
+        tokens = np.asarray(tokens)
+        self.add_sequences(tokens, np.array([tokens.size], dtype=np.int32))
+
+    def finalize(self) -> None:
+        """Write the index and move both files to their final names (index last)."""
+        if self._bin is None or self._sizes is None:
+            raise ValueError(f"writer for {self.prefix!r} is already finalized or aborted")
+        self._bin.close()
+        self._sizes.close()
+        self._bin = self._sizes = None
+        try:
+            with open(self._idx_tmp, "wb") as index, open(self._sizes_tmp, "rb") as sizes:
+                if self.impl == "mmap":
+                    self._write_mmap_index(index, sizes)
+                else:
+                    self._write_legacy_index(index, sizes)
+            os.replace(self._bin_tmp, data_path(self.prefix))
+            os.replace(self._idx_tmp, index_path(self.prefix))
+        finally:
+            self._remove_temporaries()
+
+    def abort(self) -> None:
+        """Close and delete everything written so far; the final names are never touched."""
+        for handle in (self._bin, self._sizes):
+            if handle is not None:
+                handle.close()
+        self._bin = self._sizes = None
+        self._remove_temporaries()
+
+    def __enter__(self) -> "IndexedDatasetWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif self._bin is not None:
+            self.finalize()
+
+    def _remove_temporaries(self) -> None:
+        for path in (self._bin_tmp, self._idx_tmp, self._sizes_tmp):
+            path.unlink(missing_ok=True)
+
+    def _size_blocks(self, sizes: BinaryIO) -> Iterator[np.ndarray]:
+        sizes.seek(0)
+        while True:
+            block = np.frombuffer(sizes.read(_BLOCK * 4), dtype=np.int32)
+            if block.size == 0:
+                return
+            yield block
+
+    def _write_mmap_index(self, index: BinaryIO, sizes: BinaryIO) -> None:
+        n = self.num_sequences
+        index.write(MMAP_MAGIC)
+        index.write(struct.pack("<Q", FORMAT_VERSION))
+        index.write(struct.pack("<B", self.code))
+        index.write(struct.pack("<Q", n))
+        index.write(struct.pack("<Q", n + 1))
+        for block in self._size_blocks(sizes):
+            index.write(block.tobytes())
+        # Byte pointers: exclusive prefix sum of sizes * itemsize, carried across blocks.
+        start = 0
+        for block in self._size_blocks(sizes):
+            ends = np.cumsum(block, dtype=np.int64) * self.dtype.itemsize + start
+            index.write((ends - block.astype(np.int64) * self.dtype.itemsize).tobytes())
+            start = int(ends[-1])
+        _write_range(index, 0, n + 1)
+
+    def _write_legacy_index(self, index: BinaryIO, sizes: BinaryIO) -> None:
+        n = self.num_sequences
+        index.write(LEGACY_MAGIC)
+        index.write(struct.pack("<Q", FORMAT_VERSION))
+        index.write(struct.pack("<QQ", self.code, self.dtype.itemsize))
+        index.write(struct.pack("<QQ", n, n))
+        index.write(struct.pack("<Q", n + 1))
+        _write_range(index, 0, n + 1)  # dim_offsets: every sequence is 1-D
+        index.write(struct.pack("<q", 0))  # data_offsets, in elements
+        start = 0
+        for block in self._size_blocks(sizes):
+            ends = np.cumsum(block, dtype=np.int64) + start
+            index.write(ends.tobytes())
+            start = int(ends[-1])
+        for block in self._size_blocks(sizes):
+            index.write(block.astype(np.int64).tobytes())
+        _write_range(index, 0, n + 1)  # doc_idx
+
+
+def _write_range(f: BinaryIO, start: int, stop: int) -> None:
+    for lo in range(start, stop, _BLOCK):
+        f.write(np.arange(lo, min(lo + _BLOCK, stop), dtype=np.int64).tobytes())
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+
+
+class _IndexedTokens:
+    """What every reader offers: `len`, `[i]`, `get(i, offset, length)`, `sizes`, `doc_idx`, `dtype`."""
+
+    prefix: str
+    dtype: np.dtype
+    sizes: np.ndarray
+    doc_idx: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.sizes.shape[0])
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.get(i)
+
+    def get(self, i: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
+        raise NotImplementedError
+
+    def _window(self, i: int, offset: int, length: Optional[int]) -> tuple:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sequence {i} out of range for {self.prefix!r} with {n} sequences")
+        i %= n
+        size = int(self.sizes[i])
+        if length is None:
+            length = size - offset
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IndexError(f"tokens [{offset}, {offset + length}) out of range for sequence {i} of "
+                             f"{self.prefix!r} with {size} tokens")
+        return i, offset, length
+
+
+def _check_files(prefix: str) -> None:
+    idx, bin_ = index_path(prefix), data_path(prefix)
+    if not idx.is_file():
+        raise FileNotFoundError(f"index file {str(idx)!r} not found (data file {str(bin_)!r} "
+                                f"{'exists' if bin_.is_file() else 'is missing too'}); preprocess the corpus "
+                                "with DatasetPreprocessor to create both")
+    if not bin_.is_file():
+        raise FileNotFoundError(f"data file {str(bin_)!r} not found next to its index {str(idx)!r}")
+
+
+def _check_data_size(prefix: str, expected_bytes: int) -> None:
+    actual = data_path(prefix).stat().st_size
+    if actual != expected_bytes:
+        raise ValueError(f"data file {str(data_path(prefix))!r} has {actual} bytes but its index "
+                         f"{str(index_path(prefix))!r} describes {expected_bytes} bytes; the pair does not match "
+                         "(truncated copy, or files from different runs)")
+
+
+def _dtype_of(code: int, idx: Path) -> np.dtype:
+    if code not in DTYPE_CODES:
+        raise ValueError(f"index file {str(idx)!r} has dtype code {code}; expected one of {sorted(DTYPE_CODES)}")
+    return DTYPE_CODES[code]
+
+
+def read_magic(prefix: PathLike) -> bytes:
+    with open(index_path(prefix), "rb") as f:
+        return f.read(9)
+
+
+class MMapIndexedDataset(_IndexedTokens):
+    """Reader of the "mmap" layout: both files memory-mapped, nothing loaded up front."""
+
+    def __init__(self, prefix: PathLike) -> None:
+        self.prefix = strip_suffix(prefix)
+        _check_files(self.prefix)
+        idx = index_path(self.prefix)
+        buffer = np.memmap(idx, dtype=np.uint8, mode="r")
+        header = 9 + 8 + 1 + 8 + 8
+        if buffer.size < header or bytes(buffer[:9]) != MMAP_MAGIC:
+            raise ValueError(f"index file {str(idx)!r} does not start with {MMAP_MAGIC!r} (found "
+                             f"{bytes(buffer[:9])!r}); is it a 'lazy'/'cached' index? pass binarization_impl "
+                             "accordingly")
+        version, code, n_seq, n_doc = struct.unpack("<QBQQ", bytes(buffer[9:header]))
+        if version != FORMAT_VERSION:
+            raise ValueError(f"index file {str(idx)!r} has version {version}; expected {FORMAT_VERSION}")
+        self.dtype = _dtype_of(code, idx)
+        expected = header + n_seq * (4 + 8) + n_doc * 8
+        if buffer.size != expected:
+            raise ValueError(f"index file {str(idx)!r} has {buffer.size} bytes but its header ({n_seq} sequences, "
+                             f"{n_doc} document entries) needs {expected} bytes")
+        self.sizes = np.frombuffer(buffer, dtype=np.int32, count=n_seq, offset=header)
+        self.pointers = np.frombuffer(buffer, dtype=np.int64, count=n_seq, offset=header + 4 * n_seq)
+        self.doc_idx = np.frombuffer(buffer, dtype=np.int64, count=n_doc, offset=header + 12 * n_seq)
+        total = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize if n_seq else 0
+        _check_data_size(self.prefix, total)
+        self._index_buffer = buffer
+        self._data = np.memmap(data_path(self.prefix), dtype=np.uint8, mode="r") if total else np.zeros(0, np.uint8)
+
+    def get(self, i: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
+        i, offset, length = self._window(i, offset, length)
+        start = int(self.pointers[i]) + offset * self.dtype.itemsize
+        return np.frombuffer(self._data, dtype=self.dtype, count=length, offset=start)
+
+
+class _LegacyIndex(_IndexedTokens):
+    """Shared index parsing of the "lazy" and "cached" (`TNTIDX`) layouts."""
+
+    def __init__(self, prefix: PathLike) -> None:
+        self.prefix = strip_suffix(prefix)
+        _check_files(self.prefix)
+        idx = index_path(self.prefix)
+        raw = idx.read_bytes()
+        header = 8 + 8 + 16 + 16 + 8
+        if len(raw) < header or raw[:8] != LEGACY_MAGIC:
+            raise ValueError(f"index file {str(idx)!r} does not start with {LEGACY_MAGIC!r} (found {raw[:9]!r}); "
+                             "is it an 'mmap' index? pass binarization_impl='mmap'")
+        version, code, element_size, n_seq, n_sizes, n_doc = struct.unpack("<QQQQQQ", raw[8:header])
+        if version != FORMAT_VERSION:
+            raise ValueError(f"index file {str(idx)!r} has version {version}; expected {FORMAT_VERSION}")
+        self.dtype = _dtype_of(code, idx)
+        if element_size != self.dtype.itemsize:
+            raise ValueError(f"index file {str(idx)!r} has element size {element_size} for dtype {self.dtype}; "
+                             f"expected {self.dtype.itemsize}")
+        expected = header + 8 * (2 * (n_seq + 1) + n_sizes + n_doc)
+        if len(raw) != expected:
+            raise ValueError(f"index file {str(idx)!r} has {len(raw)} bytes but its header ({n_seq} sequences, "
+                             f"{n_sizes} sizes, {n_doc} document entries) needs {expected} bytes")
+        arrays = np.frombuffer(raw, dtype=np.int64, offset=header)
+        dim_offsets = arrays[: n_seq + 1]
+        self.data_offsets = arrays[n_seq + 1: 2 * n_seq + 2]
+        all_sizes = arrays[2 * n_seq + 2: 2 * n_seq + 2 + n_sizes]
+        self.doc_idx = arrays[2 * n_seq + 2 + n_sizes:]
+        if n_sizes != n_seq or not np.array_equal(dim_offsets, np.arange(n_seq + 1)):
+            raise ValueError(f"index file {str(idx)!r} holds multi-dimensional sequences; only 1-D token "
+                             "sequences are supported")
+        self.sizes = all_sizes
+        _check_data_size(self.prefix, int(self.data_offsets[-1]) * element_size)
+
+
+class IndexedDataset(_LegacyIndex):
+    """Reader of the "lazy" layout: the index in memory, each sequence read from disk when asked."""
+
+    def __init__(self, prefix: PathLike) -> None:
+        super().__init__(prefix)
+        self._file: Optional[BinaryIO] = None
+        self._file_pid = -1
+
+    def get(self, i: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
+        i, offset, length = self._window(i, offset, length)
+        # One handle per process: DataLoader workers fork and must not share a file position.
+        if self._file is None or self._file_pid != os.getpid():
+            self._file = open(data_path(self.prefix), "rb", buffering=0)
+            self._file_pid = os.getpid()
+        out = np.empty(length, dtype=self.dtype)
+        self._file.seek((int(self.data_offsets[i]) + offset) * self.dtype.itemsize)
+        self._file.readinto(memoryview(out).cast("B"))
+        return out
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_file"], state["_file_pid"] = None, -1
+        return state
+
+    def __del__(self) -> None:
+        if getattr(self, "_file", None) is not None:
+            self._file.close()
+
+
+class IndexedCachedDataset(_LegacyIndex):
+    """Reader of the "cached" layout: the whole `.bin` is read into memory once, at open."""
+
+    def __init__(self, prefix: PathLike) -> None:
+        super().__init__(prefix)
+        self._data = np.fromfile(data_path(self.prefix), dtype=self.dtype)
+
+    def get(self, i: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
+        i, offset, length = self._window(i, offset, length)
+        start = int(self.data_offsets[i]) + offset
+        return self._data[start: start + length]
+
+
+IndexedTokens = Union[MMapIndexedDataset, IndexedDataset, IndexedCachedDataset]
+
+
+def open_indexed_dataset(prefix: PathLike, binarization_impl: str = "mmap") -> IndexedTokens:
+    """Open `<prefix>.bin` + `<prefix>.idx` with the reader of `binarization_impl`."""
+    _check_impl(binarization_impl)
+    if binarization_impl == "mmap":
+        return MMapIndexedDataset(prefix)
+    if binarization_impl == "lazy":
+        return IndexedDataset(prefix)
+    return IndexedCachedDataset(prefix)

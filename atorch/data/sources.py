@@ -1,0 +1,211 @@
+"""Documents to preprocess, read lazily from .txt / .jsonl files, a directory of them, or a HF dataset.
+
+Unusable lines (not JSON, missing key, not UTF-8, ...) are counted and kept with their line
+numbers so the preprocessor can report them; with `strict=True` the first one raises instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, List, Union
+
+logger = logging.getLogger(__name__)
+
+TEXT_SUFFIXES = (".txt",)
+JSONL_SUFFIXES = (".jsonl", ".json")
+# Only the first problems are kept verbatim; all of them are counted.
+MAX_KEPT_PROBLEMS = 1000
+
+
+@dataclass(frozen=True)
+class LineProblem:
+    """One input line (or dataset row) that produced no document."""
+
+    source: str
+    line: int
+    """1-based line number in `source` (row index + 1 for a dataset)."""
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.source}:{self.line}: {self.reason}"
+
+
+class DocumentSource:
+    """An iterable of documents (str) that also records the input it had to skip.
+
+    Iterating again starts over and resets the record. `problems` keeps the first
+    MAX_KEPT_PROBLEMS; `problem_count` counts all of them.
+    """
+
+    def __init__(self, name: str, read: Callable[["DocumentSource"], Iterator[str]], strict: bool = False) -> None:
+        self.name = name
+        self.strict = strict
+        self.problems: List[LineProblem] = []
+        self.problem_count = 0
+        self._read = read
+
+    def __iter__(self) -> Iterator[str]:
+        self.problems, self.problem_count = [], 0
+        return self._read(self)
+
+    def report(self, source: str, line: int, reason: str) -> None:
+        problem = LineProblem(source, line, reason)
+        if self.strict:
+            raise ValueError(f"{problem} (strict=True; pass strict=False to skip and count such lines)")
+        self.problem_count += 1
+        if len(self.problems) < MAX_KEPT_PROBLEMS:
+            self.problems.append(problem)
+
+    def __repr__(self) -> str:
+        return f"DocumentSource({self.name!r}, strict={self.strict})"
+
+
+def _require_file(path: Path) -> None:
+    if not path.is_file():
+        raise FileNotFoundError(f"corpus file {str(path)!r} not found")
+
+
+def _decode(source: DocumentSource, path: Path, number: int, raw: bytes) -> Union[str, None]:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        source.report(str(path), number, f"not valid UTF-8 ({e.reason} at byte {e.start})")
+        return None
+
+
+def _strip_newline(raw: bytes) -> bytes:
+    if raw.endswith(b"\r\n"):
+        return raw[:-2]
+    return raw[:-1] if raw.endswith(b"\n") else raw
+
+
+def _read_text(path: Path, source: DocumentSource) -> Iterator[str]:
+    # Read bytes and decode line by line so a bad byte costs one line, with its number.
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            text = _decode(source, path, number, _strip_newline(raw))
+            if text is not None:
+                yield text
+
+
+def _read_jsonl(path: Path, json_key: str, source: DocumentSource) -> Iterator[str]:
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            line = _decode(source, path, number, _strip_newline(raw))
+            if line is None:
+                continue
+            if not line.strip():
+                source.report(str(path), number, "empty line, expected a JSON object")
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                source.report(str(path), number, f"not JSON ({e.msg} at column {e.colno})")
+                continue
+            text = _field(record, json_key, source, str(path), number)
+            if text is not None:
+                yield text
+
+
+def _field(record: Any, key: str, source: DocumentSource, name: str, number: int) -> Union[str, None]:
+    if not isinstance(record, dict):
+        source.report(name, number, f"a JSON {type(record).__name__}, expected an object with key {key!r}")
+        return None
+    if key not in record:
+        source.report(name, number, f"missing key {key!r} (keys: {sorted(record)[:10]})")
+        return None
+    value = record[key]
+    if not isinstance(value, str):
+        source.report(name, number, f"value of {key!r} is {type(value).__name__}, expected str")
+        return None
+    return value
+
+
+def open_text(path: Union[str, os.PathLike], strict: bool = False) -> DocumentSource:
+    """A plain text file, one document per line (the line ending is not part of the document)."""
+    path = Path(path)
+    _require_file(path)
+    return DocumentSource(str(path), lambda source: _read_text(path, source), strict)
+
+
+def open_jsonl(path: Union[str, os.PathLike], json_key: str = "text", strict: bool = False) -> DocumentSource:
+    """A JSON-lines file; each line is an object whose `json_key` holds one document."""
+    path = Path(path)
+    _require_file(path)
+    return DocumentSource(str(path), lambda source: _read_jsonl(path, json_key, source), strict)
+
+
+def open_directory(path: Union[str, os.PathLike], json_key: str = "text", strict: bool = False) -> DocumentSource:
+    """Every .txt and .jsonl/.json file under `path` (recursively, in sorted path order)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"corpus directory {str(root)!r} not found")
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    usable = [p for p in files if p.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES]
+    if not usable:
+        raise ValueError(f"corpus directory {str(root)!r} has no {'/'.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} files "
+                         f"(found {len(files)} other files)")
+    ignored = len(files) - len(usable)
+    if ignored:
+        logger.warning("%s: ignoring %d files that are not %s", root, ignored, TEXT_SUFFIXES + JSONL_SUFFIXES)
+
+    def read(source: DocumentSource) -> Iterator[str]:
+        for p in usable:
+            if p.suffix in TEXT_SUFFIXES:
+                yield from _read_text(p, source)
+            else:
+                yield from _read_jsonl(p, json_key, source)
+
+    return DocumentSource(str(root), read, strict)
+
+
+def open_hf_dataset(dataset: Iterable[Any], text_key: str = "text", strict: bool = False,
+                    batch_size: int = 1000) -> DocumentSource:
+    """A Hugging Face `datasets.Dataset` / `IterableDataset` (or any iterable of dict rows).
+
+    A map-style `Dataset` is read a column batch at a time (`dataset.iter(batch_size)`), which is
+    far faster than row by row.
+    """
+    name = getattr(dataset, "info", None) and getattr(dataset.info, "dataset_name", None) or type(dataset).__name__
+    columns = getattr(dataset, "column_names", None)
+    if isinstance(columns, list) and text_key not in columns:
+        raise ValueError(f"dataset {name!r} has no column {text_key!r}; its columns are {columns}")
+
+    def read(source: DocumentSource) -> Iterator[str]:
+        if hasattr(dataset, "iter") and isinstance(columns, list):
+            row = 0
+            for batch in dataset.iter(batch_size=batch_size):
+                for value in batch[text_key]:
+                    row += 1
+                    if isinstance(value, str):
+                        yield value
+                    else:
+                        source.report(name, row, f"value of {text_key!r} is {type(value).__name__}, expected str")
+            return
+        for row, record in enumerate(dataset, start=1):
+            text = _field(record, text_key, source, name, row)
+            if text is not None:
+                yield text
+
+    return DocumentSource(name, read, strict)
+
+
+def open_source(source: Any, json_key: str = "text", strict: bool = False) -> DocumentSource:
+    """Pick the reader by what `source` is: .txt file, .jsonl/.json file, directory, or dataset."""
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if path.is_dir():
+            return open_directory(path, json_key, strict)
+        if path.suffix in TEXT_SUFFIXES:
+            return open_text(path, strict)
+        if path.suffix in JSONL_SUFFIXES:
+            return open_jsonl(path, json_key, strict)
+        if not path.exists():
+            raise FileNotFoundError(f"corpus {str(path)!r} not found")
+        raise ValueError(f"corpus {str(path)!r} has suffix {path.suffix!r}; expected a directory or one of "
+                         f"{list(TEXT_SUFFIXES + JSONL_SUFFIXES)}")
+    return open_hf_dataset(source, json_key, strict)

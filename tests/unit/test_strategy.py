@@ -1,0 +1,64 @@
+import json
+
+import pytest
+import torch
+
+from atorch.auto import Strategy
+from atorch.auto.opt_lib import ValidationContext, is_valid_strategy, registered_names, resolve_strategy
+
+
+def test_all_item_forms_and_exact_json_round_trip(tmp_path):
+    s = Strategy(["parallel_mode",
+                  ("amp_native", {"dtype": torch.bfloat16}),
+                  ("parallel_mode_x", ([("tensor", 2), ("data", 2)], None), True),
+                  ("cls", {"wrap_cls": [torch.nn.Linear], "t": (1, (2, 3))})])
+    assert s.names() == ["parallel_mode", "amp_native", "parallel_mode_x", "cls"]
+    assert s[2].tunable is True and s[0].config is None
+    back = Strategy.from_json(s.to_json())
+    assert back == s
+    assert back[1].config["dtype"] is torch.bfloat16
+    assert back[2].config == ([("tensor", 2), ("data", 2)], None)
+    assert back[3].config["wrap_cls"] == [torch.nn.Linear] and back[3].config["t"] == (1, (2, 3))
+    path = tmp_path / "s.json"
+    s.save(path)
+    assert json.loads(path.read_text())["format"] == "atorch.strategy/1"
+    assert Strategy.from_any(str(path)) == s
+
+
+def test_unserializable_config_is_refused_with_its_key():
+    with pytest.raises(ValueError, match=r"fsdp.config.fn holds function"):
+        Strategy([("fsdp", {"fn": lambda m: m})]).to_json()
+
+
+def test_bad_items_and_files():
+    with pytest.raises(ValueError, match="must be a name"):
+        Strategy([42])
+    with pytest.raises(ValueError, match="tunable must be a bool"):
+        Strategy([("fsdp", None, "yes")])
+    with pytest.raises(ValueError, match="does not exist"):
+        Strategy.load("/nonexistent/strategy.json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        Strategy.from_json("{")
+
+
+def test_resolve_adds_parallel_mode_and_rejects_unknown_names():
+    ctx = ValidationContext(world_size=2)
+    resolved = resolve_strategy(Strategy([]), ctx)
+    assert [r.name for r in resolved] == ["parallel_mode"]
+    with pytest.raises(ValueError, match=r"unknown optimization 'fdsp'; valid names are \[.*'parallel_mode'"):
+        resolve_strategy(Strategy(["fdsp"]), ctx)
+    assert "parallel_mode" in registered_names()
+
+
+def test_parallel_mode_config_checks():
+    ctx = ValidationContext(world_size=4)
+    with pytest.raises(ValueError, match="tensor=2 x data=3 = 6 does not equal world size 4"):
+        resolve_strategy(Strategy([("parallel_mode", ([("tensor", 2), ("data", 3)], None))]), ctx)
+    with pytest.raises(ValueError, match="must be \\(\\[\\(name, size\\)"):
+        resolve_strategy(Strategy([("parallel_mode", {"data": 4})]), ctx)
+    assert is_valid_strategy(Strategy([("parallel_mode", ([("data", 4)], None))]), ctx)
+    with pytest.raises(ValueError, match="listed twice with different configs"):
+        resolve_strategy(Strategy([("parallel_mode", ([("data", 4)], None)),
+                                   ("parallel_mode", ([("tensor", 4)], None))]), ctx)
+    # The same item twice is harmless and applied once.
+    assert len(resolve_strategy(Strategy(["parallel_mode", "parallel_mode"]), ctx)) == 1
