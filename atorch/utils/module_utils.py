@@ -1,0 +1,87 @@
+"""Model-structure helpers shared by the optimizations (sharding, checkpointing, replacement).
+
+`find_transformer_block_classes` answers "what is one transformer block of this model?",
+the unit that FSDP wraps and activation checkpointing recomputes.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Sequence, Type, Union
+
+from torch import nn
+
+
+def find_transformer_block_classes(model: nn.Module) -> List[Type[nn.Module]]:
+    """The classes of the repeated transformer blocks of `model` (e.g. `LlamaDecoderLayer`).
+
+    Hugging Face models name them in `_no_split_modules` (the unit they never split over
+    devices, which is exactly one block); only names that match a submodule class are kept.
+    Other models: the class of the children of the largest `nn.ModuleList` whose children
+    all share one class (the layer stack). Returns [] when neither applies.
+    """
+    classes = _classes_from_no_split_modules(model)
+    if classes:
+        return classes
+    block = _class_of_largest_uniform_module_list(model)
+    return [block] if block is not None else []
+
+
+def _classes_from_no_split_modules(model: nn.Module) -> List[Type[nn.Module]]:
+    names = getattr(model, "_no_split_modules", None) or ()
+    if isinstance(names, str):
+        names = (names,)
+    wanted = set(names)
+    found: Dict[str, Type[nn.Module]] = {}
+    for module in model.modules():
+        cls_name = type(module).__name__
+        if cls_name in wanted and cls_name not in found:
+            found[cls_name] = type(module)
+    # `_no_split_modules` is often a set: sort by name so every rank gets the same order.
+    return [found[n] for n in sorted(wanted) if n in found]
+
+
+def _class_of_largest_uniform_module_list(model: nn.Module) -> Optional[Type[nn.Module]]:
+    best: Optional[Type[nn.Module]] = None
+    best_len = 0
+    for module in model.modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        kinds = {type(child) for child in module}
+        # len > best_len keeps the first of equally long lists (module order is deterministic).
+        if len(kinds) == 1 and len(module) > best_len:
+            best, best_len = next(iter(kinds)), len(module)
+    return best
+
+
+def resolve_module_classes(model: nn.Module, spec: Optional[Sequence[Union[str, type]]],
+                           what: str = "wrap_cls") -> List[Type[nn.Module]]:
+    """Turn a user list of classes or class names into classes present in `model`.
+
+    None means auto-detection with `find_transformer_block_classes`. Raises ValueError naming
+    an unknown class name and listing the module classes the model does have.
+    """
+    if spec is None:
+        return find_transformer_block_classes(model)
+    by_name: Dict[str, Type[nn.Module]] = {}
+    for module in model.modules():
+        by_name.setdefault(type(module).__name__, type(module))
+    classes: List[Type[nn.Module]] = []
+    for entry in spec:
+        if isinstance(entry, type) and issubclass(entry, nn.Module):
+            classes.append(entry)
+        elif isinstance(entry, str):
+            if entry not in by_name:
+                raise ValueError(f"{what}: class {entry!r} is not in the model; its module classes are "
+                                 f"{sorted(by_name)}")
+            classes.append(by_name[entry])
+        else:
+            raise ValueError(f"{what}: entry {entry!r} must be an nn.Module subclass or a class name string")
+    return classes
+
+
+def modules_of_classes(model: nn.Module, classes: Iterable[type]) -> List[nn.Module]:
+    """Submodules of `model` that are instances of `classes`, parents before children."""
+    classes = tuple(classes)
+    if not classes:
+        return []
+    return [m for m in model.modules() if isinstance(m, classes)]
