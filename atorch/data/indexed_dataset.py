@@ -302,6 +302,13 @@ class MMapIndexedDataset(_IndexedTokens):
         self._index_buffer = buffer
         self._data = np.memmap(data_path(self.prefix), dtype=np.uint8, mode="r") if total else np.zeros(0, np.uint8)
 
+    def __getstate__(self) -> dict:
+        # Pickled into DataLoader workers: send the name, not the mapped bytes.
+        return {"prefix": self.prefix}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["prefix"])
+
     def get(self, i: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
         i, offset, length = self._window(i, offset, length)
         start = int(self.pointers[i]) + offset * self.dtype.itemsize

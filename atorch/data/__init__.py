@@ -1,0 +1,27 @@
+"""Pretraining data: tokenize corpora to Megatron-LM `.bin`/`.idx` files and stream samples from them.
+
+`DatasetPreprocessor` writes the files in parallel and bounded memory; `DatasetForCausalLM`
+cuts them into fixed-length samples; `DatasetBlender`, `DistributedProxySampler` and
+`InfiniteDataLoader` mix, shard and repeat them.
+"""
+
+from atorch.data.blender import DatasetBlender, blend_schedule
+from atorch.data.causal_lm import DatasetForCausalLM
+from atorch.data.indexed_dataset import (
+    IndexedCachedDataset,
+    IndexedDataset,
+    IndexedDatasetWriter,
+    MMapIndexedDataset,
+    best_fitting_dtype,
+    open_indexed_dataset,
+)
+from atorch.data.preprocess import DatasetPreprocessor, PreprocessStats
+from atorch.data.samplers import DistributedProxySampler, InfiniteDataLoader
+from atorch.data.sources import DocumentSource, LineProblem, open_directory, open_hf_dataset, open_jsonl, open_text
+
+__all__ = [
+    "DatasetBlender", "DatasetForCausalLM", "DatasetPreprocessor", "DistributedProxySampler", "DocumentSource",
+    "IndexedCachedDataset", "IndexedDataset", "IndexedDatasetWriter", "InfiniteDataLoader", "LineProblem",
+    "MMapIndexedDataset", "PreprocessStats", "best_fitting_dtype", "blend_schedule", "open_directory",
+    "open_hf_dataset", "open_indexed_dataset", "open_jsonl", "open_text",
+]

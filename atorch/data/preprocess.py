@@ -1,0 +1,313 @@
+"""Tokenize a corpus into Megatron-LM `.bin` + `.idx` files, in parallel and in bounded memory.
+
+Documents are read lazily, tokenized in chunks by a process pool (results kept in corpus order)
+and written as they arrive, so memory depends on `workers * chunk_size`, not on the corpus size.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, List, Optional, Tuple, Union
+
+import numpy as np
+
+from atorch.data import sources
+from atorch.data.indexed_dataset import (
+    BINARIZATION_IMPLS,
+    IndexedDatasetWriter,
+    best_fitting_dtype,
+    data_path,
+    index_path,
+    strip_suffix,
+)
+from atorch.data.sources import DocumentSource, LineProblem
+
+logger = logging.getLogger(__name__)
+
+# Chunks in flight per worker: enough to keep every worker busy while the parent writes.
+_INFLIGHT_PER_WORKER = 4
+
+
+@dataclass
+class PreprocessStats:
+    """What `DatasetPreprocessor.preprocess` wrote and skipped."""
+
+    data_file: str
+    index_file: str
+    documents: int
+    """Documents written (one sequence each)."""
+    tokens: int
+    """Tokens written, EOD tokens included."""
+    empty_documents: int
+    """Documents that tokenized to nothing; not written."""
+    skipped_lines: int
+    """Input lines or rows that held no usable document (bad JSON, missing key, ...)."""
+    problems: List[LineProblem] = field(default_factory=list)
+    """The first skipped lines, with file and line number."""
+    seconds: float = 0.0
+
+    @property
+    def documents_per_second(self) -> float:
+        return self.documents / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+class _ChunkEncoder:
+    """Turns a list of texts into (flat token array, per-document sizes, number of empty texts).
+
+    Picklable, so it can travel to worker processes.
+    """
+
+    def __init__(self, tokenizer: Any, dtype: np.dtype, vocab_size: int, eod_token_id: Optional[int]) -> None:
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+        self.vocab_size = vocab_size
+        self.eod_token_id = eod_token_id
+
+    def _token_ids(self, texts: List[str]) -> List[List[int]]:
+        # The Rust tokenizer's batch call skips the Python-side BatchEncoding: ~20% faster.
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None and hasattr(self.tokenizer, "encode_batch"):
+            backend = self.tokenizer
+        if backend is not None:
+            return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+        return list(self.tokenizer(texts, add_special_tokens=False)["input_ids"])
+
+    def __call__(self, texts: List[str]) -> Tuple[np.ndarray, np.ndarray, int]:
+        ids = [doc for doc in self._token_ids(texts) if doc]
+        empty = len(texts) - len(ids)
+        if self.eod_token_id is not None:
+            for doc in ids:
+                doc.append(self.eod_token_id)
+        sizes = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(sizes.sum()))
+        if flat.size and (flat.min() < 0 or flat.max() >= self.vocab_size):
+            bad = int(flat.max()) if flat.max() >= self.vocab_size else int(flat.min())
+            raise ValueError(f"tokenizer produced token id {bad}, outside the vocabulary [0, {self.vocab_size})")
+        return flat.astype(self.dtype), sizes.astype(np.int32), empty
+
+
+_worker_encoder: Optional[_ChunkEncoder] = None
+
+
+def _init_worker(encoder: _ChunkEncoder) -> None:
+    global _worker_encoder
+    _worker_encoder = encoder
+    # Parallelism comes from the processes; Rust threads on top would oversubscribe the cores.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def _encode_in_worker(texts: List[str]) -> Tuple[np.ndarray, np.ndarray, int]:
+    assert _worker_encoder is not None, "worker initializer did not run"
+    return _worker_encoder(texts)
+
+
+def vocab_size_of(tokenizer: Any) -> int:
+    """Number of token ids a tokenizer can produce, added tokens included."""
+    if hasattr(tokenizer, "get_vocab_size"):  # tokenizers.Tokenizer
+        return int(tokenizer.get_vocab_size(with_added_tokens=True))
+    try:
+        return len(tokenizer)
+    except TypeError:
+        return int(tokenizer.vocab_size)
+
+
+class DatasetPreprocessor:
+    """Tokenizes documents into `<save_file_name>.bin` + `.idx` (Megatron-LM layouts).
+
+    Args:
+        tokenizer: a Hugging Face tokenizer, a `tokenizers.Tokenizer`, or a path to load with
+            `AutoTokenizer.from_pretrained`. Special tokens (BOS, ...) are not added.
+        chunk_size: documents per task sent to a worker.
+        binarization_impl: "mmap" (default), "lazy" or "cached"; see `atorch.data.indexed_dataset`.
+        append_eod: append `eod_token_id` to every document, so concatenated documents stay separated.
+        eod_token_id: defaults to the tokenizer's `eos_token_id`.
+        workers: tokenizing processes; 1 tokenizes in this process.
+        strict: make the first unusable input line an error instead of a counted skip.
+
+    The token dtype is the smallest that fits the vocabulary (uint16 below 65500 ids, else int32).
+    """
+
+    def __init__(self, tokenizer: Any, chunk_size: int = 512, binarization_impl: str = "mmap",
+                 append_eod: bool = True, eod_token_id: Optional[int] = None, workers: int = 1,
+                 strict: bool = False) -> None:
+        if isinstance(tokenizer, (str, os.PathLike)):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(os.fspath(tokenizer))
+        if binarization_impl not in BINARIZATION_IMPLS:
+            raise ValueError(f"binarization_impl={binarization_impl!r} is not supported; choose one of "
+                             f"{list(BINARIZATION_IMPLS)}")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.vocab_size = vocab_size_of(tokenizer)
+        if append_eod:
+            if eod_token_id is None:
+                eod_token_id = getattr(tokenizer, "eos_token_id", None)
+            if eod_token_id is None:
+                raise ValueError("append_eod=True but eod_token_id is None and the tokenizer has no eos_token_id; "
+                                 "pass eod_token_id or append_eod=False")
+            if not 0 <= eod_token_id < self.vocab_size:
+                raise ValueError(f"eod_token_id={eod_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        self.tokenizer = tokenizer
+        self.chunk_size = chunk_size
+        self.binarization_impl = binarization_impl
+        self.append_eod = append_eod
+        self.eod_token_id = eod_token_id if append_eod else None
+        self.workers = workers
+        self.strict = strict
+        self.dtype = best_fitting_dtype(self.vocab_size)
+
+    # Inputs -----------------------------------------------------------------------------------
+
+    def open_jsonl(self, path: Union[str, os.PathLike], json_key: str = "text",
+                   strict: Optional[bool] = None) -> DocumentSource:
+        return sources.open_jsonl(path, json_key, self.strict if strict is None else strict)
+
+    def open_text(self, path: Union[str, os.PathLike], strict: Optional[bool] = None) -> DocumentSource:
+        return sources.open_text(path, self.strict if strict is None else strict)
+
+    def open_directory(self, path: Union[str, os.PathLike], json_key: str = "text",
+                       strict: Optional[bool] = None) -> DocumentSource:
+        return sources.open_directory(path, json_key, self.strict if strict is None else strict)
+
+    def open_hf_dataset(self, dataset: Iterable[Any], text_key: str = "text",
+                        strict: Optional[bool] = None) -> DocumentSource:
+        return sources.open_hf_dataset(dataset, text_key, self.strict if strict is None else strict)
+
+    def open(self, source: Any, json_key: str = "text", strict: Optional[bool] = None) -> DocumentSource:
+        """A .txt or .jsonl file, a directory of them, or a HF dataset, chosen by what `source` is."""
+        return sources.open_source(source, json_key, self.strict if strict is None else strict)
+
+    # Work -------------------------------------------------------------------------------------
+
+    def preprocess(self, documents: Union[Iterable[str], str, os.PathLike], save_file_name: Union[str, os.PathLike],
+                   log_interval: int = 10000, progress_enabled: bool = True) -> PreprocessStats:
+        """Tokenize `documents` into `<save_file_name>.bin` and `.idx`; return what was written.
+
+        `documents` is any iterable of str (one document each) or a path given to `open`.
+        Nothing appears under the final names unless the whole corpus succeeds. Raises
+        ValueError for a corpus without any non-empty document.
+        """
+        if isinstance(documents, (str, os.PathLike)):
+            documents = self.open(documents)
+        if log_interval < 1:
+            raise ValueError(f"log_interval must be >= 1, got {log_interval}")
+        prefix = strip_suffix(save_file_name)
+        name = documents.name if isinstance(documents, DocumentSource) else type(documents).__name__
+        writer = IndexedDatasetWriter(prefix, self.dtype, self.binarization_impl)
+        encoder = _ChunkEncoder(self.tokenizer, self.dtype, self.vocab_size, self.eod_token_id)
+        progress = _Progress(log_interval, progress_enabled, desc=Path(prefix).name)
+        empty = 0
+        start = time.perf_counter()
+        encoded = self._encode_chunks(encoder, _chunks(documents, self.chunk_size))
+        try:
+            for flat, sizes, n_empty in encoded:
+                writer.add_sequences(flat, sizes)
+                empty += n_empty
+                progress.update(sizes.size + n_empty, flat.size)
+            if writer.num_sequences == 0:
+                skipped = documents.problem_count if isinstance(documents, DocumentSource) else 0
+                raise ValueError(f"corpus {name!r} has no non-empty document ({empty} empty documents, "
+                                 f"{skipped} unusable lines); nothing written to {prefix}.bin/.idx")
+            writer.finalize()
+        except BaseException:
+            writer.abort()
+            raise
+        finally:
+            encoded.close()  # stops the worker pool now, also on error
+            progress.close()
+        stats = PreprocessStats(str(data_path(prefix)), str(index_path(prefix)), writer.num_sequences,
+                                writer.num_tokens, empty, 0, seconds=time.perf_counter() - start)
+        if isinstance(documents, DocumentSource):
+            stats.skipped_lines, stats.problems = documents.problem_count, list(documents.problems)
+            if stats.skipped_lines:
+                shown = "; ".join(map(str, stats.problems[:10]))
+                logger.warning("%s: skipped %d unusable lines (first: %s)", name, stats.skipped_lines, shown)
+        logger.info("wrote %d documents, %d tokens to %s in %.1f s (%.0f docs/s, %.0f tokens/s)", stats.documents,
+                    stats.tokens, stats.data_file, stats.seconds, stats.documents_per_second,
+                    stats.tokens_per_second)
+        return stats
+
+    def _encode_chunks(self, encoder: _ChunkEncoder,
+                       chunks: Iterator[List[str]]) -> Iterator[Tuple[np.ndarray, np.ndarray, int]]:
+        if self.workers == 1:
+            yield from map(encoder, chunks)
+            return
+        # Fork shares the loaded tokenizer without pickling or re-importing torch in each worker.
+        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        pool = mp.get_context(method).Pool(self.workers, initializer=_init_worker, initargs=(encoder,))
+        try:
+            # apply_async with a bounded window instead of imap: Pool.imap reads its whole input
+            # ahead of the workers, which would hold the corpus in memory.
+            pending: collections.deque = collections.deque()
+            for chunk in chunks:
+                pending.append(pool.apply_async(_encode_in_worker, (chunk,)))
+                if len(pending) >= _INFLIGHT_PER_WORKER * self.workers:
+                    yield pending.popleft().get()
+            while pending:
+                yield pending.popleft().get()
+            pool.close()
+            pool.join()
+        finally:
+            pool.terminate()
+
+
+def _chunks(documents: Iterable[str], chunk_size: int) -> Iterator[List[str]]:
+    chunk: List[str] = []
+    for position, text in enumerate(documents):
+        if not isinstance(text, str):
+            raise TypeError(f"document {position} is {type(text).__name__}, expected str")
+        chunk.append(text)
+        if len(chunk) == chunk_size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+class _Progress:
+    """tqdm bar with docs/s and tokens/s, or log lines every `log_interval` documents without it."""
+
+    def __init__(self, log_interval: int, enabled: bool, desc: str) -> None:
+        self.log_interval = log_interval
+        self.enabled = enabled
+        self.documents = self.tokens = 0
+        self.next_report = log_interval
+        self.start = time.perf_counter()
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(desc=desc, unit=" docs", dynamic_ncols=True)
+
+    def update(self, documents: int, tokens: int) -> None:
+        self.documents += documents
+        self.tokens += tokens
+        if self.bar is not None:
+            self.bar.update(documents)
+        if self.documents >= self.next_report:
+            self.next_report = (self.documents // self.log_interval + 1) * self.log_interval
+            elapsed = max(time.perf_counter() - self.start, 1e-9)
+            rates = {"docs/s": f"{self.documents / elapsed:,.0f}", "tokens/s": f"{self.tokens / elapsed:,.0f}"}
+            if self.bar is not None:
+                self.bar.set_postfix(rates, refresh=False)
+            else:
+                logger.info("%d documents, %d tokens (%s docs/s, %s tokens/s)", self.documents, self.tokens,
+                            rates["docs/s"], rates["tokens/s"])
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
