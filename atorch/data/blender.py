@@ -1,0 +1,99 @@
+"""Mix several datasets in fixed proportions, deterministically and evenly over every window.
+
+Random sampling by weight drifts (a 1000-sample window of a 10% dataset holds 100 +- 9
+samples); a deterministic low-discrepancy schedule keeps every dataset within a sample or
+two of its share at every point of the stream.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+from torch.utils.data import Dataset
+
+_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
+
+
+def blend_schedule(weights: Sequence[float], size: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Which dataset (and which of its samples) fills each of `size` slots.
+
+    Error feedback in closed form: dataset d's k-th sample (k = 0, 1, ...) is due at time
+    (k + phase_d) / w_d, and slots take samples in order of due time, so the dataset furthest
+    behind its share goes next. The phases (golden-ratio steps in [0, 1)) keep datasets of equal
+    weight from coming due together, which would bunch them into runs. After n slots, dataset d
+    holds c_d samples with |c_d - w_d * n| < 1 + w_d * K (K datasets with weight > 0), so over a
+    window of W slots its share is within 2 (1 + w_d * K) / W of w_d: 1% at W = 1000 is
+    guaranteed while w_d * K <= 4, and measured worst windows stay under 0.4% for up to 100
+    datasets (tests/unit/test_data_blender.py). Vectorized, O(size log size): unlike a per-sample
+    largest-deficit loop (~1.3 us per sample and dataset in Python), it blends 10M samples in seconds.
+
+    Returns (dataset_index[size], sample_index[size]); sample_index counts per dataset from 0.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    if size < 1:
+        raise ValueError(f"size must be >= 1, got {size}")
+    if not (np.all(np.isfinite(w)) and np.all(w >= 0) and w.sum() > 0):
+        raise ValueError(f"weights must be finite, >= 0 and not all 0, got {list(weights)}")
+    w = w / w.sum()
+    times, datasets, samples = [], [], []
+    for d, weight in enumerate(w):
+        if weight == 0:
+            continue
+        # More than the largest count the bound above allows within `size` slots.
+        k = np.arange(math.ceil(weight * size) + len(w) + 2, dtype=np.int64)
+        times.append((k + (0.5 + d * _GOLDEN) % 1.0) / weight)
+        datasets.append(np.full(k.size, d, dtype=np.int32))
+        samples.append(k)
+    time, dataset, sample = np.concatenate(times), np.concatenate(datasets), np.concatenate(samples)
+    order = np.lexsort((dataset, time))[:size]  # ties go to the lower dataset index
+    return dataset[order], sample[order]
+
+
+class DatasetBlender(Dataset):
+    """A dataset whose items come from `datasets` in the proportions `weights`.
+
+    Args:
+        datasets: map-style datasets (with `len`).
+        weights: one non-negative weight per dataset, normalized to sum to 1. Default: each
+            dataset's length, so every sample appears once.
+        size: number of blended samples; default the sum of the dataset lengths. A dataset
+            asked for more samples than it has wraps around (starts its next epoch).
+
+    The order is fixed by the weights alone (see `blend_schedule`); shuffle with the sampler.
+    """
+
+    def __init__(self, datasets: Sequence[Any], weights: Optional[Sequence[float]] = None,
+                 size: Optional[int] = None) -> None:
+        self.datasets: List[Any] = list(datasets)
+        if not self.datasets:
+            raise ValueError("datasets is empty; pass at least one dataset to blend")
+        lengths = [len(d) for d in self.datasets]
+        if weights is None:
+            weights = [float(n) for n in lengths]
+            if sum(weights) == 0:
+                raise ValueError(f"all {len(lengths)} datasets are empty")
+        weights = list(weights)
+        if len(weights) != len(self.datasets):
+            raise ValueError(f"weights has {len(weights)} entries but {len(self.datasets)} datasets were given")
+        for i, (weight, length) in enumerate(zip(weights, lengths)):
+            if not math.isfinite(weight) or weight < 0:
+                raise ValueError(f"weights[{i}]={weight}; every weight must be finite and >= 0")
+            if weight > 0 and length == 0:
+                raise ValueError(f"datasets[{i}] is empty but has weight {weight}")
+        if sum(weights) <= 0:
+            raise ValueError(f"weights sum to {sum(weights)}; at least one must be > 0")
+        self.weights = [w / sum(weights) for w in weights]
+        self.size = sum(lengths) if size is None else int(size)
+        self.dataset_index, self.sample_index = blend_schedule(self.weights, self.size)
+        self._lengths = lengths
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> Any:
+        if not -self.size <= index < self.size:
+            raise IndexError(f"sample {index} out of range for {self.size} blended samples")
+        d = int(self.dataset_index[index])
+        return self.datasets[d][int(self.sample_index[index]) % self._lengths[d]]

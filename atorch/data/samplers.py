@@ -1,0 +1,120 @@
+"""Shard any sampler across data-parallel ranks, and a DataLoader that never runs out.
+
+`torch.utils.data.DistributedSampler` only shards `range(len(dataset))`; the proxy shards the
+output of an arbitrary sampler (weighted, grouped by length, ...) the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator, List, Optional
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from atorch import distributed as adist
+
+
+class DistributedProxySampler(Sampler):
+    """Each rank gets every `num_replicas`-th position of the wrapped sampler's output.
+
+    Per epoch, the positions of `sampler`'s output are optionally permuted (by `seed + epoch`,
+    the same on every rank), then rank r takes positions r, r + num_replicas, ... Every
+    position goes to exactly one rank. With `drop_last=False` the list is padded by repeating
+    its start so every rank has `ceil(len / num_replicas)` items (the `padding` positions are
+    the only ones seen twice); with `drop_last=True` the last `len % num_replicas` are dropped.
+
+    The wrapped sampler must yield the same sequence on every rank (seed its generator);
+    its `set_epoch` is called too.
+    """
+
+    def __init__(self, sampler: Any, num_replicas: Optional[int] = None, rank: Optional[int] = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+        num_replicas = adist.world_size() if num_replicas is None else num_replicas
+        rank = adist.rank() if rank is None else rank
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank={rank} is outside [0, num_replicas={num_replicas})")
+        self.sampler = sampler
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+
+    @property
+    def num_samples(self) -> int:
+        """Items per rank per epoch."""
+        n = len(self.sampler)
+        return n // self.num_replicas if self.drop_last else math.ceil(n / self.num_replicas)
+
+    @property
+    def padding(self) -> int:
+        """Positions repeated per epoch to even out the ranks (0 with drop_last)."""
+        return 0 if self.drop_last else self.num_samples * self.num_replicas - len(self.sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __iter__(self) -> Iterator[Any]:
+        items: List[Any] = list(self.sampler)
+        if len(items) != len(self.sampler):
+            raise ValueError(f"wrapped sampler yielded {len(items)} items but its len() is {len(self.sampler)}")
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            items = [items[i] for i in torch.randperm(len(items), generator=g).tolist()]
+        total = self.num_samples * self.num_replicas
+        if total > len(items):
+            repeats = math.ceil((total - len(items)) / max(len(items), 1))
+            items = items + (items * repeats)[: total - len(items)]
+        return iter(items[self.rank:total:self.num_replicas])
+
+
+class InfiniteDataLoader:
+    """Iterates `dataloader` forever; before each pass, `set_epoch(epoch)` on its samplers.
+
+    `epoch` counts the passes started, from `start_epoch`. Raises ValueError if a pass yields
+    no batch (an empty dataloader would otherwise loop forever).
+    """
+
+    def __init__(self, dataloader: DataLoader, start_epoch: int = 0) -> None:
+        self.dataloader = dataloader
+        self.epoch = start_epoch - 1
+        self._iterator: Optional[Iterator[Any]] = None
+
+    def _samplers(self) -> List[Any]:
+        found: List[Any] = []
+        batch_sampler = getattr(self.dataloader, "batch_sampler", None)
+        for candidate in (getattr(self.dataloader, "sampler", None), batch_sampler,
+                          getattr(batch_sampler, "sampler", None)):
+            if hasattr(candidate, "set_epoch") and all(candidate is not f for f in found):
+                found.append(candidate)
+        return found
+
+    def _passes(self) -> Iterator[Any]:
+        while True:
+            self.epoch += 1
+            for sampler in self._samplers():
+                sampler.set_epoch(self.epoch)
+            empty = True
+            for batch in self.dataloader:
+                empty = False
+                yield batch
+            if empty:
+                raise ValueError(f"dataloader yielded no batch in epoch {self.epoch}; it cannot be repeated forever")
+
+    def __iter__(self) -> "InfiniteDataLoader":
+        return self
+
+    def __next__(self) -> Any:
+        if self._iterator is None:
+            self._iterator = self._passes()
+        return next(self._iterator)

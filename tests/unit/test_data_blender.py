@@ -1,0 +1,99 @@
+"""DatasetBlender: realized shares within 1% over every 1000-sample window, determinism, bad weights."""
+
+import numpy as np
+import pytest
+
+from atorch.data import DatasetBlender, blend_schedule
+
+
+class Tagged:
+    """A dataset whose item i is (name, i)."""
+
+    def __init__(self, name, n):
+        self.name, self.n = name, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return (self.name, i)
+
+
+def worst_window_error(dataset_index, weights, window=1000):
+    """Largest |share - weight| of any dataset over any `window` consecutive samples."""
+    worst = 0.0
+    for d, w in enumerate(weights):
+        counts = np.concatenate([[0], np.cumsum(dataset_index == d)])
+        shares = (counts[window:] - counts[:-window]) / window
+        worst = max(worst, float(np.abs(shares - w).max()))
+    return worst
+
+
+@pytest.mark.parametrize("weights", [
+    [0.5, 0.3, 0.2], [0.97, 0.01, 0.01, 0.01], [1 / 3] * 3, [0.123, 0.877],
+    list(np.random.default_rng(0).dirichlet(np.ones(9))), [1 / 40] * 40,
+    # Many equal small weights beside a large one: due together without the phases (2% off).
+    [0.9] + [0.1 / 30] * 30, [0.5] + [0.5 / 9] * 9,
+    list(np.random.default_rng(1).dirichlet(np.ones(100) * 0.3)),
+])
+def test_every_window_of_1000_is_within_one_percent(weights):
+    dataset_index, sample_index = blend_schedule(weights, 30_000)
+    assert worst_window_error(dataset_index, np.array(weights) / sum(weights)) < 0.01
+    # Each dataset's samples are taken in order 0, 1, 2, ... with no gap or repeat.
+    for d in range(len(weights)):
+        assert sample_index[dataset_index == d].tolist() == list(range(int((dataset_index == d).sum())))
+
+
+def test_random_weights_stay_within_one_percent():
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        k = int(rng.integers(2, 50))
+        weights = rng.dirichlet(np.ones(k) * 0.5)
+        dataset_index, _ = blend_schedule(weights, 5000)
+        assert worst_window_error(dataset_index, weights) < 0.01, weights
+
+
+def test_default_weights_take_every_sample_once():
+    datasets = [Tagged("a", 300), Tagged("b", 100), Tagged("c", 600)]
+    blend = DatasetBlender(datasets)
+    assert len(blend) == 1000 and blend.weights == [0.3, 0.1, 0.6]
+    items = [blend[i] for i in range(len(blend))]
+    assert sorted(items) == sorted((d.name, i) for d in datasets for i in range(len(d)))
+    assert blend[-1] == items[-1]
+    with pytest.raises(IndexError, match="sample 1000 out of range for 1000"):
+        blend[1000]
+
+
+def test_explicit_weights_size_and_wrap_around():
+    blend = DatasetBlender([Tagged("small", 10), Tagged("big", 1000), Tagged("off", 5)], weights=[1, 1, 0],
+                           size=2000)
+    items = [blend[i] for i in range(len(blend))]
+    names = [name for name, _ in items]
+    assert names.count("small") == names.count("big") == 1000 and "off" not in names
+    # The small dataset wraps around: 100 passes over its 10 samples, in order.
+    assert [i for name, i in items if name == "small"] == list(range(10)) * 100
+    # Deterministic: the same arguments give the same order.
+    again = DatasetBlender([Tagged("small", 10), Tagged("big", 1000), Tagged("off", 5)], weights=[1, 1, 0],
+                           size=2000)
+    assert np.array_equal(again.dataset_index, blend.dataset_index)
+
+
+@pytest.mark.parametrize("datasets, weights, message", [
+    ([], None, "datasets is empty"),
+    ([Tagged("a", 3), Tagged("b", 3)], [1.0], r"weights has 1 entries but 2 datasets were given"),
+    ([Tagged("a", 3), Tagged("b", 3)], [0.5, -0.1], r"weights\[1\]=-0.1; every weight must be finite and >= 0"),
+    ([Tagged("a", 3), Tagged("b", 3)], [0.5, float("nan")], r"weights\[1\]=nan"),
+    ([Tagged("a", 3), Tagged("b", 3)], [0, 0], "weights sum to 0; at least one must be > 0"),
+    ([Tagged("a", 3), Tagged("b", 0)], [1, 1], r"datasets\[1\] is empty but has weight 1"),
+    ([Tagged("a", 0), Tagged("b", 0)], None, "all 2 datasets are empty"),
+])
+def test_bad_weights_raise(datasets, weights, message):
+    with pytest.raises(ValueError, match=message):
+        DatasetBlender(datasets, weights)
+
+
+def test_bad_size_raises():
+    with pytest.raises(ValueError, match="size must be >= 1, got 0"):
+        DatasetBlender([Tagged("a", 3)], size=0)

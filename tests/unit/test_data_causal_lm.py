@@ -1,0 +1,167 @@
+"""DatasetForCausalLM: sample boundaries, EOD placement, splits, shuffling, the index cache, bad input."""
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from atorch.data import DatasetForCausalLM, DatasetPreprocessor, IndexedDatasetWriter
+from atorch.testing.assets import corpus_documents, load_tokenizer
+
+EOD = 1
+
+
+def write_docs(prefix, docs, impl="mmap"):
+    with IndexedDatasetWriter(prefix, np.uint16, impl) as w:
+        for d in docs:
+            w.add_sequence(np.array(d))
+    return str(prefix)
+
+
+def numbered_docs(n_docs, seed=0):
+    """Documents whose tokens say where they come from: doc i holds 100*i+2, 100*i+3, ..., then EOD."""
+    rng = np.random.default_rng(seed)
+    return [[100 * i + 2 + t for t in range(int(rng.integers(1, 40)))] + [EOD] for i in range(n_docs)]
+
+
+def stream(dataset):
+    return np.concatenate([dataset.sample_tokens(i) for i in range(len(dataset))]).tolist()
+
+
+@pytest.fixture
+def data(tmp_path):
+    docs = numbered_docs(50)
+    return write_docs(tmp_path / "d", docs), docs
+
+
+def test_samples_cut_the_concatenated_stream(data):
+    prefix, docs = data
+    flat = sum(docs, [])
+    for seq in (1, 7, 64, len(flat)):
+        ds = DatasetForCausalLM(prefix, seq)
+        assert len(ds) == len(flat) // seq
+        assert stream(ds) == flat[: len(ds) * seq]  # the tail shorter than a sample is dropped
+        item = ds[len(ds) - 1]
+        assert set(item) == {"input_ids", "labels"}
+        assert item["input_ids"].dtype == torch.long and item["input_ids"].shape == (seq,)
+        assert torch.equal(item["labels"], item["input_ids"])  # HF convention: the model shifts
+        assert item["labels"].data_ptr() != item["input_ids"].data_ptr()
+    ds = DatasetForCausalLM(prefix, 7)
+    assert ds[-1]["input_ids"].tolist() == flat[(len(ds) - 1) * 7: len(ds) * 7]
+    with pytest.raises(IndexError, match=f"sample {len(ds)} out of range"):
+        ds[len(ds)]
+
+
+def test_eod_placement_on_preprocessed_corpus(tmp_path):
+    tokenizer = load_tokenizer()
+    docs = corpus_documents(30)
+    DatasetPreprocessor(tokenizer).preprocess(docs, tmp_path / "c", progress_enabled=False)
+    ds = DatasetForCausalLM(tmp_path / "c", 50)
+    tokens = np.array(stream(ds))
+    lengths = [len(tokenizer(d, add_special_tokens=False)["input_ids"]) + 1 for d in docs]
+    ends = np.cumsum(lengths) - 1
+    ends = ends[ends < tokens.size]
+    # EOD exactly at every document end, and nowhere else (the corpus text never encodes to it).
+    assert np.flatnonzero(tokens == EOD).tolist() == ends.tolist()
+
+
+def test_eod_inserted_for_files_without_it(tmp_path):
+    docs = [[5, 6, 7], [8], [9, 10]]
+    prefix = write_docs(tmp_path / "raw", docs)
+    ds = DatasetForCausalLM(prefix, 3, eod_token_id=EOD)
+    assert stream(ds) == [5, 6, 7, EOD, 8, EOD, 9, 10, EOD]
+    assert [ds.sample_tokens(i).tolist() for i in range(3)] == [[5, 6, 7], [EOD, 8, EOD], [9, 10, EOD]]
+    assert DatasetForCausalLM(prefix, 2, eod_token_id=EOD).sample_tokens(1).tolist() == [7, EOD]
+
+
+def test_splits_are_disjoint_and_complete(data):
+    prefix, docs = data
+    bounds = [0.0, 0.7, 0.9, 1.0]
+    splits = [DatasetForCausalLM(prefix, 5, name, lo, hi) for name, lo, hi in
+              zip(["train", "valid", "test"], bounds, bounds[1:])]
+    assert [s.document_range for s in splits] == [(0, 35), (35, 45), (45, 50)]
+    for split in splits:
+        lo, hi = split.document_range
+        split_flat = sum(docs[lo:hi], [])
+        assert stream(split) == split_flat[: len(split) * 5]
+        # Every token of a split's samples comes from the split's own documents.
+        assert {t // 100 for t in stream(split) if t != EOD} <= set(range(lo, hi))
+    # Rounding keeps odd fractions disjoint too.
+    a = DatasetForCausalLM(prefix, 5, "a", 0.0, 1 / 3)
+    b = DatasetForCausalLM(prefix, 5, "b", 1 / 3, 1.0)
+    assert a.document_range[1] == b.document_range[0] == 17
+
+
+def test_seed_shuffles_deterministically(data):
+    prefix, docs = data
+    plain = DatasetForCausalLM(prefix, 8)
+    first = DatasetForCausalLM(prefix, 8, seed=3)
+    again = DatasetForCausalLM(prefix, 8, seed=3)
+    other = DatasetForCausalLM(prefix, 8, seed=4)
+    assert stream(first) == stream(again) != stream(other)
+    assert stream(first) != stream(plain)
+    assert len(first) == len(plain)
+    # The document order is a permutation; the samples cut that order's stream, in permuted order.
+    order = np.load(first.index_files["doc_order"])
+    assert sorted(order.tolist()) == list(range(50)) and order.tolist() != list(range(50))
+    shuffled_flat = sum((docs[i] for i in order), [])
+    samples = np.load(first.index_files["samples"])
+    assert sorted(samples.tolist()) == list(range(len(first)))
+    for i in range(len(first)):
+        j = int(samples[i])
+        assert first.sample_tokens(i).tolist() == shuffled_flat[j * 8: (j + 1) * 8]
+
+
+@pytest.mark.parametrize("impl", ["lazy", "cached"])
+def test_legacy_files_give_the_same_samples(tmp_path, impl):
+    docs = numbered_docs(20)
+    mmap = DatasetForCausalLM(write_docs(tmp_path / "m", docs), 16, seed=1)
+    legacy = DatasetForCausalLM(write_docs(tmp_path / "l", docs, impl), 16, binarization_impl=impl, seed=1)
+    assert stream(mmap) == stream(legacy)
+
+
+def test_index_is_built_once_and_cached(data, monkeypatch):
+    prefix, _ = data
+    ds = DatasetForCausalLM(prefix, 8, "train", 0.0, 0.5, seed=7)
+    names = sorted(p.name for p in ds.index_files.values())
+    assert names == [f"d_train_8sl_0_0.5_7s_{k}.npy" for k in ("doc_offsets", "doc_order", "samples")]
+
+    def fail(self):
+        raise AssertionError("rebuilt a cached index")
+
+    monkeypatch.setattr(DatasetForCausalLM, "_build_index", fail)
+    again = DatasetForCausalLM(prefix, 8, "train", 0.0, 0.5, seed=7)
+    assert stream(again) == stream(ds)
+    # A pickled copy (a DataLoader worker) reopens the memory maps and reads the same samples.
+    clone = pickle.loads(pickle.dumps(ds))
+    assert stream(clone) == stream(ds)
+    assert len(pickle.dumps(ds)) < 2000
+
+
+def test_stale_cache_raises(tmp_path):
+    prefix = write_docs(tmp_path / "d", numbered_docs(20))
+    DatasetForCausalLM(prefix, 4, seed=0)
+    write_docs(tmp_path / "d", numbered_docs(20, seed=1))  # same name, other data
+    with pytest.raises(ValueError, match="built for other data; delete"):
+        DatasetForCausalLM(prefix, 4, seed=0)
+
+
+def test_bad_arguments(data, tmp_path):
+    prefix, docs = data
+    with pytest.raises(ValueError, match="start_weight=0.5, end_weight=0.5"):
+        DatasetForCausalLM(prefix, 4, start_weight=0.5, end_weight=0.5)
+    with pytest.raises(ValueError, match="start_weight=-0.1"):
+        DatasetForCausalLM(prefix, 4, start_weight=-0.1)
+    with pytest.raises(ValueError, match=r"end_weight=1.5"):
+        DatasetForCausalLM(prefix, 4, end_weight=1.5)
+    with pytest.raises(ValueError, match=r"split 'valid' .* of the 50 documents in .* is empty"):
+        DatasetForCausalLM(prefix, 4, "valid", 0.99, 1.0)
+    tokens = sum(map(len, docs[45:]))
+    with pytest.raises(ValueError, match=rf"max_seq_length=100000 is larger than split 'test' of .*d', which holds "
+                                         rf"{tokens} tokens \(documents \[45, 50\)\)"):
+        DatasetForCausalLM(prefix, 100000, "test", 0.9, 1.0)
+    with pytest.raises(ValueError, match="max_seq_length must be >= 1, got 0"):
+        DatasetForCausalLM(prefix, 0)
+    with pytest.raises(FileNotFoundError, match=r"index file '.*nothing\.idx' not found"):
+        DatasetForCausalLM(tmp_path / "nothing", 4)

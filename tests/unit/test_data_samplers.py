@@ -1,0 +1,105 @@
+"""DistributedProxySampler coverage (no index twice, none missing) and InfiniteDataLoader, in one process."""
+
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler, WeightedRandomSampler
+
+from atorch.data import DistributedProxySampler, InfiniteDataLoader
+
+
+def shards(sampler_factory, n_replicas, **kwargs):
+    return [list(DistributedProxySampler(sampler_factory(), n_replicas, r, **kwargs)) for r in range(n_replicas)]
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 12, 100])
+@pytest.mark.parametrize("replicas", [1, 2, 3, 4])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_every_index_on_exactly_one_rank(n, replicas, shuffle):
+    parts = shards(lambda: SequentialSampler(range(n)), replicas, shuffle=shuffle)
+    sampler = DistributedProxySampler(SequentialSampler(range(n)), replicas, 0, shuffle=shuffle)
+    assert all(len(p) == len(sampler) == -(-n // replicas) for p in parts)
+    counts = Counter(i for p in parts for i in p)
+    assert set(counts) == set(range(n))  # none missing
+    # Repeated only to even out the ranks, exactly `padding` of them.
+    assert sum(counts.values()) - n == sampler.padding == len(sampler) * replicas - n
+    if n % replicas == 0:
+        assert max(counts.values(), default=1) == 1  # no index twice
+    if not shuffle:
+        assert parts[0][:2] == list(range(n))[: 2 * replicas:replicas][:2]
+    # drop_last: no index twice, and only the remainder missing.
+    dropped = shards(lambda: SequentialSampler(range(n)), replicas, shuffle=shuffle, drop_last=True)
+    flat = [i for p in dropped for i in p]
+    assert len(flat) == len(set(flat)) == n - n % replicas
+    assert all(len(p) == n // replicas for p in dropped)
+
+
+def test_epochs_reshuffle_deterministically_and_reach_the_wrapped_sampler():
+    class EpochSampler(SequentialSampler):
+        epochs = []
+
+        def set_epoch(self, epoch):
+            self.epochs.append(epoch)
+
+    inner = EpochSampler(range(50))
+    a = DistributedProxySampler(inner, 2, 0, seed=5)
+    b = DistributedProxySampler(SequentialSampler(range(50)), 2, 1, seed=5)
+    first = list(a)
+    a.set_epoch(1)
+    b.set_epoch(1)
+    second = list(a)
+    assert first != second and sorted(second + list(b)) == list(range(50))
+    a.set_epoch(0)
+    assert list(a) == first
+    assert inner.epochs == [1, 0]
+
+
+def test_wraps_any_sampler():
+    # A weighted sampler with replacement: positions are sharded, so ranks share its exact draws.
+    def weighted():
+        return WeightedRandomSampler([0.1, 0.9, 0.5], 40, generator=torch.Generator().manual_seed(0))
+
+    draws = list(weighted())
+    parts = shards(weighted, 4, shuffle=False)
+    assert [parts[i % 4][i // 4] for i in range(40)] == draws
+    # A batch sampler: whole batches are sharded.
+    batches = shards(lambda: BatchSampler(SequentialSampler(range(10)), 3, drop_last=False), 2, shuffle=False)
+    assert batches == [[[0, 1, 2], [6, 7, 8]], [[3, 4, 5], [9]]]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match=r"rank=2 is outside \[0, num_replicas=2\)"):
+        DistributedProxySampler(SequentialSampler(range(4)), 2, 2)
+    with pytest.raises(ValueError, match="num_replicas must be >= 1, got 0"):
+        DistributedProxySampler(SequentialSampler(range(4)), 0, 0)
+    # Without a process group: a world of one.
+    assert len(DistributedProxySampler(SequentialSampler(range(4)))) == 4
+
+    class Lying(SequentialSampler):
+        def __len__(self):
+            return 5
+
+    with pytest.raises(ValueError, match="yielded 4 items but its len"):
+        list(DistributedProxySampler(Lying(range(4)), 1, 0))
+
+
+def test_infinite_dataloader_repeats_and_advances_epochs():
+    sampler = DistributedProxySampler(SequentialSampler(range(6)), 2, 1, seed=0)
+    loader = InfiniteDataLoader(DataLoader(list(range(6)), batch_size=2, sampler=sampler))
+    batches = [next(loader).tolist() for _ in range(7)]  # 2 batches per pass: 3 full passes and one more
+    assert loader.epoch == 3 and sampler.epoch == 3
+    passes = [sum(batches[i:i + 2], []) for i in range(0, 6, 2)]
+    for epoch, items in enumerate(passes):
+        sampler.set_epoch(epoch)
+        assert items == list(sampler)
+    assert passes[0] != passes[1] or passes[1] != passes[2]
+    # A plain RandomSampler has no set_epoch; the loader still repeats.
+    plain = InfiniteDataLoader(DataLoader(list(range(3)), sampler=RandomSampler(range(3))), start_epoch=5)
+    seen = [int(b) for _, b in zip(range(9), plain)]
+    assert Counter(seen) == {0: 3, 1: 3, 2: 3} and plain.epoch == 7
+
+
+def test_infinite_dataloader_refuses_an_empty_loader():
+    with pytest.raises(ValueError, match="yielded no batch in epoch 0"):
+        next(InfiniteDataLoader(DataLoader([], batch_size=2)))
