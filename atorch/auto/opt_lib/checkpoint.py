@@ -1,0 +1,184 @@
+"""`checkpoint`: non-reentrant activation checkpointing of transformer blocks, on any device.
+
+Each block keeps only its inputs during the forward pass and recomputes its activations in
+backward. The block's `forward` is wrapped in place, so module structure, parameter names,
+state-dict keys and module hooks (FSDP2's unshard/reshard among them) stay exactly as they
+were: hooks run outside the recomputed region, once per forward and once per backward.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import types
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, Union
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from atorch.auto.model_context import ModelContext
+from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, register
+from atorch.utils.module_utils import modules_of_classes, resolve_module_classes
+
+logger = logging.getLogger(__name__)
+
+ClassSpec = Union[Type[nn.Module], str]
+
+# Where the forward that ran before checkpointing was enabled is kept, when it was itself an
+# instance attribute (another wrapper); otherwise the class's forward is called.
+_INNER_FORWARD_ATTR = "_atorch_forward_before_checkpoint"
+# Keyword arguments through which Hugging Face blocks read and *write* a KV cache. Recomputing
+# the block in backward would write the cache a second time and change the recomputed shapes,
+# and training never reuses the cache, so checkpointed blocks run without one while training.
+_CACHE_KWARGS = {"use_cache": False, "past_key_values": None, "past_key_value": None, "layer_past": None}
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Which blocks to recompute in backward."""
+
+    wrap_cls: Optional[Tuple[ClassSpec, ...]] = None
+    """Block classes, or their class names; None: the model's transformer block (e.g. LlamaDecoderLayer)."""
+
+    def __post_init__(self) -> None:
+        if self.wrap_cls is None:
+            return
+        spec = self.wrap_cls
+        if isinstance(spec, (str, type)):
+            spec = (spec,)
+        if not isinstance(spec, (list, tuple)) or not spec:
+            raise ValueError(f"checkpoint: wrap_cls={self.wrap_cls!r} must be None or a non-empty list of "
+                             "nn.Module classes or class names")
+        object.__setattr__(self, "wrap_cls", tuple(spec))
+
+
+@functools.lru_cache(maxsize=None)
+def _class_forward_signature(cls: type) -> Optional[inspect.Signature]:
+    try:
+        return inspect.signature(cls.forward)
+    except (TypeError, ValueError):  # a forward without an introspectable signature
+        return None
+
+
+def _without_cache(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+                   ) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """`args, kwargs` with the KV-cache arguments of `_CACHE_KWARGS` disabled, wherever they are passed.
+
+    Blocks receive the cache positionally too (GPT-2 passes `past_key_values` second), so the
+    call is bound to the class forward's signature to find it.
+    """
+    sig = _class_forward_signature(type(module))
+    if sig is None or _INNER_FORWARD_ATTR in module.__dict__:
+        return args, {k: (_CACHE_KWARGS[k] if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
+    try:
+        bound = sig.bind(module, *args, **kwargs)
+    except TypeError:  # let the real forward raise its own error
+        return args, kwargs
+    for name, param in sig.parameters.items():
+        if name not in bound.arguments:
+            continue
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            extra = bound.arguments[name]
+            bound.arguments[name] = {k: (_CACHE_KWARGS[k] if k in _CACHE_KWARGS else v) for k, v in extra.items()}
+        elif name in _CACHE_KWARGS:
+            bound.arguments[name] = _CACHE_KWARGS[name]
+    return bound.args[1:], bound.kwargs
+
+
+def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    inner = self.__dict__.get(_INNER_FORWARD_ATTR) or functools.partial(type(self).forward, self)
+    # Outside training (evaluation, no_grad) nothing is saved for backward: nothing to recompute.
+    if not (self.training and torch.is_grad_enabled()):
+        return inner(*args, **kwargs)
+    args, kwargs = _without_cache(self, args, kwargs)
+    return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    forward = module.__dict__.get("forward")
+    return isinstance(forward, types.MethodType) and forward.__func__ is _checkpointed_forward
+
+
+def checkpoint_module(module: nn.Module) -> None:
+    """Make `module` recompute its forward during backward (non-reentrant `torch.utils.checkpoint`).
+
+    Non-reentrant because the reentrant variant drops gradients of parameters when no block
+    input requires grad (frozen embeddings under LoRA) and does not support keyword
+    arguments. The wrapper is a method bound to `module`, so `copy.deepcopy` rebinds it to
+    the copy. Idempotent.
+    """
+    if is_checkpointed(module):
+        return
+    if "forward" in module.__dict__:
+        setattr(module, _INNER_FORWARD_ATTR, module.__dict__["forward"])
+    module.forward = types.MethodType(_checkpointed_forward, module)
+
+
+def _outermost(model: nn.Module, targets: Sequence[nn.Module]) -> Tuple[List[nn.Module], int]:
+    """Targets not nested in another target, and how many nested ones were dropped."""
+    target_ids = {id(m) for m in targets}
+    kept: List[nn.Module] = []
+    nested = 0
+
+    def visit(module: nn.Module, inside_target: bool) -> None:
+        nonlocal nested
+        is_target = id(module) in target_ids
+        if is_target and inside_target:
+            nested += 1
+        elif is_target:
+            kept.append(module)
+        for child in module.children():
+            visit(child, inside_target or is_target)
+
+    visit(model, False)
+    return kept, nested
+
+
+def _block_classes(model: nn.Module, config: CheckpointConfig) -> List[Type[nn.Module]]:
+    classes = resolve_module_classes(model, config.wrap_cls, what="checkpoint wrap_cls")
+    if not classes:
+        raise ValueError(
+            f"checkpoint: found no transformer block class in {type(model).__name__} (no `_no_split_modules` "
+            "class in the model and no nn.ModuleList of a single class); pass wrap_cls=[<block class or name>]")
+    absent = [c.__name__ for c in classes if not modules_of_classes(model, [c])]
+    if absent:
+        raise ValueError(f"checkpoint: wrap_cls {absent} has no instance in {type(model).__name__}")
+    return classes
+
+
+@register
+class CheckpointOptimization(Optimization):
+    """Recompute block activations in backward: memory for time; must precede sharding wrappers."""
+
+    name = "checkpoint"
+    order = Order.CHECKPOINT
+    tunable = True
+    Config = CheckpointConfig
+
+    def validate(self, config: CheckpointConfig, context: ValidationContext) -> None:
+        if context.model is not None:
+            _block_classes(context.model, config)
+
+    def apply(self, ctx: ModelContext, config: CheckpointConfig) -> None:
+        model = ctx.model
+        classes = _block_classes(model, config)
+        if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+            # Hugging Face's own checkpointing (`activation_checkpointing_enable`) would nest a second
+            # recomputation inside ours; its per-layer switch is the `gradient_checkpointing` flag.
+            for m in model.modules():
+                if getattr(m, "gradient_checkpointing", False) is True:
+                    m.gradient_checkpointing = False
+            logger.info("checkpoint: replaced the model's Hugging Face gradient checkpointing by atorch's")
+        blocks, nested = _outermost(model, modules_of_classes(model, classes))
+        if nested:
+            logger.info("checkpoint: %d module(s) of %s are inside another checkpointed block; checkpointing "
+                        "only the outer ones", nested, [c.__name__ for c in classes])
+        for block in blocks:
+            checkpoint_module(block)
+        summary: Dict[str, Any] = {"blocks": len(blocks), "classes": sorted({type(b).__name__ for b in blocks})}
+        ctx.extra["checkpoint"] = summary
+        logger.info("checkpoint: %d blocks of %s recompute their activations in backward; while training they "
+                    "run with use_cache=False and no past_key_values", summary["blocks"], summary["classes"])

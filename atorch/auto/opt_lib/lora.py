@@ -1,0 +1,173 @@
+"""`lora`: low-rank adapters through `peft`; only the adapters train.
+
+Applied before checkpointing and sharding (Order.LORA), so those wrap the adapted blocks and
+the optimizer is built over the adapter parameters only. The model becomes a
+`peft.PeftModel`: its state-dict keys gain peft's `base_model.model.` prefix, and
+`model.save_pretrained` / `peft.get_peft_model_state_dict` save the adapters alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from atorch.auto.model_context import ModelContext
+from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, register
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA hyper-parameters (named as in the paper; `alpha` is peft's `lora_alpha`)."""
+
+    r: int = 8
+    """Adapter rank."""
+    alpha: float = 16
+    """Scaling numerator: adapter outputs are scaled by alpha / r."""
+    target_modules: Optional[Tuple[str, ...]] = None
+    """Names (or name suffixes, as peft matches them) of the layers to adapt; None: peft's default for the
+    model type (Llama: q_proj, v_proj; GPT-2: c_attn)."""
+    dropout: float = 0.0
+    """Dropout on the adapter input."""
+    seed: int = 0
+    """Seed of the adapter initialization, so every rank starts from the same adapters even where no
+    wrapper broadcasts them (sharded training) and whatever the ranks' random state."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target_modules, str):
+            object.__setattr__(self, "target_modules", (self.target_modules,))
+        elif isinstance(self.target_modules, list):
+            object.__setattr__(self, "target_modules", tuple(self.target_modules))
+
+
+def _adaptable_types() -> Tuple[type, ...]:
+    """Layer types peft's LoRA can adapt (transformers' Conv1D when transformers is loaded)."""
+    types: List[type] = [nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention]
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    if conv1d is not None:
+        types.append(conv1d)
+    return tuple(types)
+
+
+def _matches(target: str, name: str) -> bool:
+    """peft's rule for a list of target names: the full name, or its last dotted components."""
+    return name == target or name.endswith(f".{target}")
+
+
+def _model_type(model: nn.Module, model_config: Any) -> Optional[str]:
+    config = model_config if model_config is not None else getattr(model, "config", None)
+    return getattr(config, "model_type", None)
+
+
+def default_target_modules(model: nn.Module, model_config: Any = None) -> Optional[Tuple[str, ...]]:
+    """peft's default LoRA targets for the model's type, or None when peft has none."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
+
+    targets = defaults.get(_model_type(model, model_config))
+    return tuple(targets) if targets else None
+
+
+def _adaptable_layer_names(model: nn.Module) -> List[str]:
+    adaptable = _adaptable_types()
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if name and isinstance(m, adaptable)})
+
+
+def resolve_target_modules(model: nn.Module, config: LoraConfig, model_config: Any = None) -> Tuple[str, ...]:
+    """The target names for `model`, checked: each matches at least one layer, and only adaptable ones."""
+    targets = config.target_modules
+    if targets is None:
+        targets = default_target_modules(model, model_config)
+        if targets is None:
+            raise ValueError(
+                f"lora: peft has no default target modules for {type(model).__name__} (model type "
+                f"{_model_type(model, model_config)!r}); pass target_modules, e.g. some of its adaptable layer "
+                f"names {_adaptable_layer_names(model)}")
+    adaptable = _adaptable_types()
+    named = [(name, m) for name, m in model.named_modules() if name]
+    unmatched = []
+    for target in targets:
+        hits = [(name, m) for name, m in named if _matches(target, name)]
+        if not hits:
+            unmatched.append(target)
+            continue
+        bad = [(name, m) for name, m in hits if not isinstance(m, adaptable)]
+        if bad:
+            name, m = bad[0]
+            raise ValueError(
+                f"lora: target {target!r} matches {type(m).__name__} modules (e.g. {name!r}), which LoRA cannot "
+                f"adapt; adaptable layers are {[t.__name__ for t in adaptable]}, named {_adaptable_layer_names(model)}")
+    if unmatched:
+        raise ValueError(f"lora: target module(s) {unmatched} match no layer of {type(model).__name__}; its "
+                         f"adaptable layer names are {_adaptable_layer_names(model)}")
+    return tuple(targets)
+
+
+def _is_peft_model(model: nn.Module) -> bool:
+    peft_model = getattr(sys.modules.get("peft"), "PeftModel", None)
+    return peft_model is not None and isinstance(model, peft_model)
+
+
+def add_lora_adapters(model: nn.Module, config: LoraConfig, model_config: Any = None) -> nn.Module:
+    """`peft.get_peft_model(model, ...)` for `config`, with the adapters initialized from `config.seed`.
+
+    Freezes every base parameter; the returned model's trainable parameters are exactly the
+    adapters' `lora_A` / `lora_B` weights.
+    """
+    import peft
+
+    targets = resolve_target_modules(model, config, model_config)
+    # transformers' Conv1D (GPT-2) stores its weight transposed; peft must be told, or it
+    # corrects the flag itself with a warning on every call.
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    fan_in_fan_out = conv1d is not None and any(
+        isinstance(m, conv1d) for name, m in model.named_modules() if any(_matches(t, name) for t in targets))
+    peft_config = peft.LoraConfig(r=config.r, lora_alpha=config.alpha, target_modules=list(targets),
+                                  lora_dropout=config.dropout, fan_in_fan_out=fan_in_fan_out)
+    cuda_devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    # A private random stream: the adapters do not depend on (or disturb) the caller's RNG state.
+    with torch.random.fork_rng(devices=cuda_devices):
+        torch.manual_seed(config.seed)
+        return peft.get_peft_model(model, peft_config)
+
+
+@register
+class LoraOptimization(Optimization):
+    """Train low-rank adapters of the target layers instead of the full model."""
+
+    name = "lora"
+    order = Order.LORA
+    Config = LoraConfig
+
+    def validate(self, config: LoraConfig, context: ValidationContext) -> None:
+        if not isinstance(config.r, int) or isinstance(config.r, bool) or config.r < 1:
+            raise ValueError(f"lora: r={config.r!r}; expected an integer >= 1")
+        if not isinstance(config.alpha, (int, float)) or config.alpha <= 0:
+            raise ValueError(f"lora: alpha={config.alpha!r}; expected a number > 0")
+        if not isinstance(config.dropout, (int, float)) or not 0.0 <= config.dropout < 1.0:
+            raise ValueError(f"lora: dropout={config.dropout!r}; expected a probability in [0, 1)")
+        if config.target_modules is not None and (
+                not config.target_modules or not all(isinstance(t, str) and t for t in config.target_modules)):
+            raise ValueError(f"lora: target_modules={config.target_modules!r}; expected None or a non-empty list "
+                             "of layer names")
+        if context.model is None:
+            return
+        if _is_peft_model(context.model):
+            raise ValueError(f"lora: the model is already a peft {type(context.model).__name__}; pass the base "
+                             "model to auto_accelerate, or drop lora from the strategy to train the adapters it has")
+        resolve_target_modules(context.model, config, context.model_config)
+
+    def apply(self, ctx: ModelContext, config: LoraConfig) -> None:
+        ctx.model = add_lora_adapters(ctx.model, config, getattr(ctx.model, "config", None))
+        trainable = sum(p.numel() for p in ctx.model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in ctx.model.parameters())
+        summary: Dict[str, Any] = {"trainable_params": trainable, "total_params": total,
+                                   "target_modules": sorted(ctx.model.peft_config["default"].target_modules)}
+        ctx.extra["lora"] = summary
+        logger.info("lora: training %d of %d parameters (%.2f%%), adapters on %s", trainable, total,
+                    100.0 * trainable / max(total, 1), summary["target_modules"])

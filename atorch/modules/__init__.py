@@ -1,0 +1,1 @@
+"""Module implementations that optimizations swap into user models (see `atorch.modules.fused`)."""

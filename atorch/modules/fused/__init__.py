@@ -1,0 +1,9 @@
+"""Drop-in fused replacements for common transformer modules.
+
+Each replacement keeps the parameter names and the numerics (within rounding) of the
+module it replaces, so state dicts load unchanged; `module_replace` swaps them in.
+"""
+
+from atorch.modules.fused.rms_norm import FusedRMSNorm, is_llama_style_rms_norm
+
+__all__ = ["FusedRMSNorm", "is_llama_style_rms_norm"]
