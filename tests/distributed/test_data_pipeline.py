@@ -1,0 +1,99 @@
+"""The data pipeline on 4 gloo ranks posing as 2 nodes of 2: one index build per node, the same
+samples everywhere, sharded epochs that cover every sample, and a builder failure raised on every rank."""
+
+import os
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from atorch import distributed as adist
+from atorch.data import DatasetForCausalLM, DatasetPreprocessor, DistributedProxySampler, InfiniteDataLoader
+from atorch.testing import run_distributed
+from atorch.testing.assets import corpus_documents, load_tokenizer
+
+SEQ = 32
+BATCH = 4
+
+
+def _pipeline(prefix):
+    rank = adist.rank()
+    # Two nodes of two ranks on one shared filesystem: each node's local rank 0 may build.
+    os.environ["LOCAL_RANK"] = str(rank % 2)
+    builds = []
+    real_build = DatasetForCausalLM._build_index
+
+    def counting_build(self):
+        builds.append(self.split_type)
+        real_build(self)
+
+    DatasetForCausalLM._build_index = counting_build
+    train = DatasetForCausalLM(prefix, SEQ, "train", 0.0, 0.9, seed=1)
+    valid = DatasetForCausalLM(prefix, SEQ, "valid", 0.9, 1.0, seed=1)
+
+    # The wrapped sampler must give every rank the same order: a seeded, epoch-aware shuffle
+    # (its set_epoch is driven through the proxy).
+    inner = DistributedSampler(train, num_replicas=1, rank=0, shuffle=True, seed=7)
+    sampler = DistributedProxySampler(inner, seed=3)
+    loader = InfiniteDataLoader(DataLoader(train, batch_size=BATCH, sampler=sampler))
+    per_epoch = -(-len(sampler) // BATCH)
+    epochs, batches_match = [], True
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        indices = list(sampler)
+        epochs.append(indices)
+        # The next pass of the infinite loader sets the same epoch and yields those samples.
+        for b in range(per_epoch):
+            batch = next(loader)
+            expected = torch.stack([train[i]["input_ids"] for i in indices[b * BATCH:(b + 1) * BATCH]])
+            batches_match &= torch.equal(batch["input_ids"], expected) and torch.equal(batch["labels"], expected)
+        batches_match &= inner.epoch == epoch
+
+    def boom(self):
+        raise OSError("disk full")
+
+    DatasetForCausalLM._build_index = boom
+    try:
+        DatasetForCausalLM(prefix, 16, "boom", seed=2)
+        failure = None
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        failure = f"{type(e).__name__}: {e}"
+    DatasetForCausalLM._build_index = real_build
+    return {
+        "builds": builds, "lengths": (len(train), len(valid)), "epochs": epochs, "batches_match": batches_match,
+        "fingerprint": [train.sample_tokens(i).tolist() for i in (0, len(train) // 2, len(train) - 1)]
+        + [valid.sample_tokens(0).tolist()],
+        "failure": failure,
+    }
+
+
+def test_pipeline_on_two_nodes_of_two_ranks(tmp_path):
+    prefix = str(tmp_path / "corpus")
+    DatasetPreprocessor(load_tokenizer()).preprocess(corpus_documents(), prefix, progress_enabled=False)
+    results = run_distributed(_pipeline, 4, prefix, timeout=180)
+
+    # Only local ranks 0 build (both nodes may: a shared filesystem takes identical atomic renames).
+    assert results[1]["builds"] == results[3]["builds"] == []
+    assert results[0]["builds"] + results[2]["builds"], "no rank built the index"
+    assert all(set(r["builds"]) <= {"train", "valid"} for r in results)
+    cached = sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".npy")
+    assert len(cached) == 6 and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+    # Every rank reads the same samples.
+    assert len({str(r["lengths"]) + str(r["fingerprint"]) for r in results}) == 1
+    n_train = results[0]["lengths"][0]
+    for epoch in range(2):
+        shards = [r["epochs"][epoch] for r in results]
+        assert all(len(s) == -(-n_train // 4) for s in shards)
+        flat = [i for s in shards for i in s]
+        assert set(flat) == set(range(n_train))  # none missing
+        assert len(flat) - len(set(flat)) == -(-n_train // 4) * 4 - n_train  # repeats: only the padding
+    assert [r["epochs"][0] for r in results] != [r["epochs"][1] for r in results]
+    assert all(r["batches_match"] for r in results)
+
+    # A failing build reaches every rank as an exception instead of a hang at a barrier.
+    for rank, r in enumerate(results):
+        if rank % 2 == 0:
+            assert r["failure"] == "OSError: disk full"
+        else:
+            assert r["failure"].startswith("RuntimeError: building the sample index") and "failed on the local " \
+                "rank 0" in r["failure"], r["failure"]
