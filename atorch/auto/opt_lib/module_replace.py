@@ -163,10 +163,10 @@ class ModuleReplaceOptimization(Optimization):
         if plan.attention_model is not None:
             _switch_to_sdpa(plan.attention_model)
         replacements = {key: _fused_equivalent(kind, module) for key, (_, kind, module) in plan.modules.items()}
-        # Walk every parent (not named_modules, which lists a shared module under one name only)
-        # so a module registered in two places is replaced in both.
+        # Walk every parent's registered children directly: named_modules and named_children list a
+        # module registered under two names once only, and both names must get the replacement.
         for parent in list(ctx.model.modules()):
-            for child_name, child in list(parent.named_children()):
+            for child_name, child in list(parent._modules.items()):
                 if id(child) in replacements:
                     setattr(parent, child_name, replacements[id(child)])
         counts = plan.counts()

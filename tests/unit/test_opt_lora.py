@@ -1,0 +1,137 @@
+"""`lora`: only adapters train, peft defaults per model type, clear target errors, seeded adapters."""
+
+import copy
+
+import peft
+import pytest
+import torch
+from torch import nn
+
+from atorch.auto.model_context import ModelContext, call_model
+from atorch.auto.opt_lib import ValidationContext, get_optimization
+from atorch.auto.opt_lib.lora import LoraConfig, add_lora_adapters
+from atorch.testing import tiny_gpt2, tiny_llama
+
+
+def _validate(model, raw=None):
+    opt = get_optimization("lora")()
+    config = opt.parse_config(raw)
+    opt.validate(config, ValidationContext(world_size=1, model=model, model_config=getattr(model, "config", None)))
+    return opt, config
+
+
+def _apply(model, raw=None):
+    opt, config = _validate(model, raw)
+    ctx = ModelContext(model=model)
+    opt.apply(ctx, config)
+    return ctx
+
+
+def _batch():
+    x = torch.randint(4, 1024, (2, 16), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": x, "labels": x}
+
+
+@pytest.mark.parametrize("make,targets", [(tiny_llama, ["q_proj", "v_proj"]), (tiny_gpt2, ["c_attn"])],
+                         ids=["llama", "gpt2"])
+def test_only_adapters_are_trainable_with_default_targets(make, targets):
+    ctx = _apply(make(seed=0))
+    model = ctx.model
+    assert isinstance(model, peft.PeftModel)
+    assert ctx.extra["lora"]["target_modules"] == targets
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    # 2 layers x each target x (lora_A, lora_B)
+    assert len(trainable) == 2 * len(targets) * 2
+    assert all(".lora_A." in n or ".lora_B." in n for n in trainable), trainable
+    assert all(any(f".{t}." in n for t in targets) for n in trainable)
+    assert [p for p in ctx.optim_params()] == [p for p in model.parameters() if p.requires_grad]
+
+
+def test_training_step_moves_adapters_only_and_hf_loss_works():
+    base = tiny_llama(seed=0)
+    frozen_before = {n: p.detach().clone() for n, p in base.named_parameters()}
+    ctx = _apply(base, {"r": 4, "alpha": 8, "target_modules": ["o_proj", "down_proj"]})
+    optim = torch.optim.AdamW(ctx.optim_params(), lr=1e-2)
+    # The HF loss comes through the peft wrapper with unpack_dict, as auto_accelerate calls it.
+    loss = call_model(ctx.model, _batch(), "unpack_dict").loss
+    loss.backward()
+    optim.step()
+    base_model = ctx.model.get_base_model()
+    for name, p in base_model.named_parameters():
+        if "lora_" in name:
+            continue
+        original = name.replace(".base_layer", "")
+        assert p.grad is None and torch.equal(p, frozen_before[original]), name
+    lora_b = [p for n, p in base_model.named_parameters() if "lora_B" in n]
+    assert len(lora_b) == 4 and all(p.abs().sum() > 0 for p in lora_b), "lora_B starts at 0 and must move"
+
+
+def test_adapters_are_seeded_and_leave_the_global_rng_alone():
+    def adapters(seed, global_seed):
+        model = tiny_llama(seed=0)
+        torch.manual_seed(global_seed)
+        before = torch.get_rng_state()
+        model = add_lora_adapters(model, LoraConfig(seed=seed))
+        assert torch.equal(torch.get_rng_state(), before), "the caller's random stream must not advance"
+        return [p for n, p in model.named_parameters() if "lora_A" in n]
+
+    a, b, c = adapters(7, global_seed=123), adapters(7, global_seed=999), adapters(8, global_seed=123)
+    # Same seed, different global states (as on ranks that consumed randomness differently): same adapters.
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not any(torch.equal(x, y) for x, y in zip(a, c))
+
+
+def test_composes_with_non_reentrant_checkpoint():
+    # With frozen embeddings no block input requires grad; reentrant checkpointing would then
+    # drop the adapter gradients. Ours is non-reentrant: gradients must equal the plain ones.
+    plain = _apply(tiny_llama(seed=0)).model
+    ckpt = copy.deepcopy(plain)
+    ck = get_optimization("checkpoint")()
+    ctx = ModelContext(model=ckpt)
+    ck.apply(ctx, ck.parse_config(None))
+    assert ctx.extra["checkpoint"]["blocks"] == 2
+    for model in (plain, ckpt):
+        model.train()
+        call_model(model, _batch(), "unpack_dict").loss.backward()
+    pairs = [(n, p, q) for (n, p), q in zip(plain.named_parameters(), ckpt.parameters()) if p.requires_grad]
+    assert pairs
+    for name, p, q in pairs:
+        assert q.grad is not None and torch.equal(p.grad, q.grad), name
+
+
+def test_target_errors_list_the_layer_names():
+    with pytest.raises(ValueError, match=r"target module\(s\) \['qkv'\] match no layer of LlamaForCausalLM; its "
+                                         r"adaptable layer names are \['down_proj', .*'v_proj'\]"):
+        _validate(tiny_llama(), {"target_modules": ["q_proj", "qkv"]})
+    with pytest.raises(ValueError, match=r"target 'mlp' matches LlamaMLP modules \(e.g. 'model.layers.0.mlp'\), "
+                                         r"which LoRA cannot adapt"):
+        _validate(tiny_llama(), {"target_modules": "mlp"})
+
+    class Custom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+    with pytest.raises(ValueError, match=r"no default target modules for Custom .*adaptable layer names \['proj'\]"):
+        _validate(Custom())
+    _validate(Custom(), {"target_modules": ["proj"]})
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"r": 0}, r"r=0; expected an integer >= 1"),
+    ({"r": 2.5}, r"r=2.5; expected an integer >= 1"),
+    ({"alpha": 0}, r"alpha=0; expected a number > 0"),
+    ({"dropout": 1.0}, r"dropout=1.0; expected a probability in \[0, 1\)"),
+    ({"target_modules": []}, r"target_modules=\(\); expected None or a non-empty list"),
+    ({"rank": 4}, r"unknown config key\(s\) \['rank'\]; valid keys are \['r', 'alpha', 'target_modules', "
+                  r"'dropout', 'seed'\]"),
+])
+def test_config_errors(raw, message):
+    with pytest.raises(ValueError, match=message):
+        _validate(tiny_llama(), raw)
+
+
+def test_already_a_peft_model_is_refused():
+    model = add_lora_adapters(tiny_llama(), LoraConfig())
+    with pytest.raises(ValueError, match="already a peft PeftModel"):
+        _validate(model)
