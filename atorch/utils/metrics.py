@@ -20,6 +20,7 @@ Conventions (per token, one training step = forward + backward):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import re
@@ -27,7 +28,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass, fields
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
@@ -328,7 +329,8 @@ class ThroughputMeter:
     """Times windows of optimizer steps and turns each into `StepMetrics`.
 
     Call `start()` before the first step, `step()` after each, and `report(step, loss)` at a log
-    step; the window restarts after each report. On CUDA the clock waits for queued kernels.
+    step; the window restarts after each report. Work that is not training (saving a checkpoint)
+    runs inside `with meter.paused():` and is left out. On CUDA the clock waits for queued kernels.
     """
 
     def __init__(self, flops: TransformerFlops, global_batch_size: int, seq_len: int, num_devices: int,
@@ -343,6 +345,7 @@ class ThroughputMeter:
         self._clock = clock
         self._window_start: Optional[float] = None
         self._window_steps = 0
+        self._paused_s = 0.0
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -352,6 +355,16 @@ class ThroughputMeter:
     def start(self) -> None:
         self._window_start = self._now()
         self._window_steps = 0
+        self._paused_s = 0.0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave the time spent inside out of the current window."""
+        begin = self._now()
+        try:
+            yield
+        finally:
+            self._paused_s += self._now() - begin
 
     def step(self) -> None:
         self._window_steps += 1
@@ -360,8 +373,8 @@ class ThroughputMeter:
         if self._window_start is None or self._window_steps == 0:
             raise RuntimeError("ThroughputMeter.report() needs start() and at least one step()")
         now = self._now()
-        metrics = compute_step_metrics(step, loss, now - self._window_start, self._window_steps, self.global_batch_size,
+        metrics = compute_step_metrics(step, loss, now - self._window_start - self._paused_s, self._window_steps, self.global_batch_size,
                                        self.seq_len, self.num_devices, self.flops, self.peak,
                                        peak_memory_mb(self.device)[0])
-        self._window_start, self._window_steps = now, 0
+        self._window_start, self._window_steps, self._paused_s = now, 0, 0.0
         return metrics

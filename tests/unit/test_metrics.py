@@ -175,3 +175,15 @@ def test_throughput_meter_windows():
     meter.step()
     second = meter.report(5, 0.5)        # t=105: 1 step in 1 s
     assert second.step_s == 1.0 and second.step == 5
+
+
+def test_paused_time_is_left_out_of_the_window():
+    clock = iter([0.0, 2.0, 10.0, 12.0])
+    flops = TransformerFlops(matmul_params=10, num_layers=1, hidden_size=2, seq_len=4)
+    meter = ThroughputMeter(flops, 1, 4, 1, DevicePeak(None, "x"), torch.device("cpu"), clock=lambda: next(clock))
+    meter.start()                        # t=0
+    meter.step()
+    meter.step()
+    with meter.paused():                 # t=2 .. 10: a checkpoint save
+        pass
+    assert meter.report(2, 1.0).step_s == 2.0   # (12 - 0 - 8) s over 2 steps
