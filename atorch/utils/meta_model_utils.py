@@ -1,0 +1,306 @@
+"""Build models on the meta device while recording how each module was constructed, then build them for real.
+
+Under `record_module_init()` every `nn.Module` is created on the meta device (no memory, no
+random draws) and remembers its class and constructor arguments. `build_recorded_module`
+replays the construction for real: under `torch.manual_seed(s)` it returns exactly what
+`torch.manual_seed(s); Model(config)` returns. `materialize_module` does the same for a
+recorded tree but can hand each piece to a transform (e.g. tensor-parallel slicing) before
+it is placed, and can build one block at a time to bound memory.
+
+Memory, honestly: the exact mode (`per_block=False`) builds the whole model on the CPU of
+every rank once; the per-block mode keeps only one block at full size at a time, but its
+weights come from per-block seeds, so they are not bitwise those of `Model(config)` (same
+initialization rule, different random stream; identical for every parallel layout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import inspect
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, Type
+
+import torch
+from torch import nn
+
+_RECORD_ATTR = "_atorch_init_record"
+
+
+@dataclass(frozen=True)
+class InitRecord:
+    """The class and constructor arguments of a module built under `record_module_init`.
+
+    The arguments are kept by reference (a config object is shared with the model, as it is
+    after an ordinary construction).
+    """
+
+    cls: Type[nn.Module]
+    args: Tuple[Any, ...]
+    kwargs: Dict[str, Any]
+
+
+class _RecorderState:
+    """Process-wide patching state: which classes have a wrapped `__init__`, how deep recording is nested."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.depth = 0
+        self.patched: Dict[type, Callable] = {}   # class -> its original __init__
+        self.in_progress: Set[int] = set()        # ids of modules whose outermost __init__ is running
+        self.had_init_subclass = False
+        self.saved_init_subclass: Any = None
+
+
+_STATE = _RecorderState()
+
+
+def _wrap_init(cls: type) -> None:
+    original = cls.__dict__.get("__init__")
+    if original is None or not inspect.isfunction(original) or cls in _STATE.patched:
+        return
+
+    @functools.wraps(original)
+    def recording_init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        if _STATE.depth == 0 or id(self) in _STATE.in_progress:
+            return original(self, *args, **kwargs)
+        # The first wrapped __init__ to run for an object is that of its most derived class
+        # defining one, so its arguments are exactly those of `type(self)(...)`.
+        _STATE.in_progress.add(id(self))
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            _STATE.in_progress.discard(id(self))
+        object.__setattr__(self, _RECORD_ATTR, InitRecord(type(self), args, dict(kwargs)))
+
+    _STATE.patched[cls] = original
+    cls.__init__ = recording_init
+
+
+def _all_module_classes() -> List[type]:
+    seen: List[type] = [nn.Module]
+    stack = [nn.Module]
+    found = {nn.Module}
+    while stack:
+        for sub in stack.pop().__subclasses__():
+            if sub not in found:
+                found.add(sub)
+                seen.append(sub)
+                stack.append(sub)
+    return seen
+
+
+def _init_subclass_hook(cls: type, **kwargs: Any) -> None:
+    # Classes defined inside the block get recorded too; their __init__ is restored on exit.
+    super(nn.Module, cls).__init_subclass__(**kwargs)
+    _wrap_init(cls)
+
+
+def _install() -> None:
+    for cls in _all_module_classes():
+        _wrap_init(cls)
+    _STATE.had_init_subclass = "__init_subclass__" in nn.Module.__dict__
+    _STATE.saved_init_subclass = nn.Module.__dict__.get("__init_subclass__")
+    nn.Module.__init_subclass__ = classmethod(_init_subclass_hook)
+
+
+def _uninstall() -> None:
+    for cls, original in _STATE.patched.items():
+        cls.__init__ = original
+    _STATE.patched.clear()
+    if _STATE.had_init_subclass:
+        nn.Module.__init_subclass__ = _STATE.saved_init_subclass
+    else:
+        del nn.Module.__init_subclass__
+
+
+@contextlib.contextmanager
+def record_module_init() -> Iterator[None]:
+    """Build modules on the meta device and record their constructor arguments.
+
+    Nothing is allocated and no random numbers are drawn (Hugging Face models skip their
+    weight initialization on the meta device). Modules and module classes defined inside
+    the block keep working after it; every patched `__init__` is restored on exit, also when
+    the block raises. Nested blocks are allowed; the recorder is not meant for concurrent
+    use from several threads.
+    """
+    with _STATE.lock:
+        if _STATE.depth == 0:
+            _install()
+        _STATE.depth += 1
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        with _STATE.lock:
+            _STATE.depth -= 1
+            if _STATE.depth == 0:
+                _uninstall()
+
+
+def init_record(module: nn.Module) -> Optional[InitRecord]:
+    """How `module` was constructed, if it was built under `record_module_init`."""
+    return module.__dict__.get(_RECORD_ATTR)
+
+
+def is_recorded(module: nn.Module) -> bool:
+    return init_record(module) is not None
+
+
+def is_meta_module(module: nn.Module) -> bool:
+    """True when any parameter or buffer of `module` (recursively) lives on the meta device."""
+    return any(t.is_meta for t in _tensors(module))
+
+
+def _tensors(module: nn.Module, recurse: bool = True) -> Iterator[torch.Tensor]:
+    yield from module.parameters(recurse=recurse)
+    yield from (b for b in module.buffers(recurse=recurse) if b is not None)
+
+
+@contextlib.contextmanager
+def _seeded(seed: Optional[int]) -> Iterator[None]:
+    """Under `seed`, draw from a fresh stream and leave the caller's generators as they were."""
+    if seed is None:
+        yield
+        return
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def build_recorded_module(module: nn.Module, seed: Optional[int] = None) -> nn.Module:
+    """Replay `module`'s recorded construction for real, on the CPU; the meta module is unchanged.
+
+    With `seed`, the result equals `torch.manual_seed(seed); cls(*args, **kwargs)` and the
+    caller's random state is left untouched; without it, construction draws from the current
+    generators, exactly like an ordinary construction at this point of the program.
+    Raises ValueError when `module` was not recorded or its structure changed after recording.
+    """
+    record = init_record(module)
+    if record is None:
+        raise ValueError(f"{type(module).__name__} was not built under record_module_init(), so its construction "
+                         "cannot be replayed; build it inside `with record_module_init():`")
+    with _seeded(seed), torch.device("cpu"):
+        real = record.cls(*record.args, **record.kwargs)
+    _check_same_structure(module, real)
+    return real
+
+
+def _check_same_structure(meta: nn.Module, real: nn.Module) -> None:
+    meta_shapes = {k: tuple(v.shape) for k, v in meta.state_dict(keep_vars=True).items()}
+    real_shapes = {k: tuple(v.shape) for k, v in real.state_dict(keep_vars=True).items()}
+    if meta_shapes != real_shapes:
+        diff = sorted(set(meta_shapes.items()) ^ set(real_shapes.items()))[:6]
+        raise ValueError(f"{type(meta).__name__} was changed after it was recorded (differing entries, "
+                         f"first {len(diff)}: {diff}); replaying its constructor would not give this module. Make "
+                         "the change after materialization, or use materialize_module(..., per_block=True)")
+
+
+def unit_seed(base_seed: int, name: str) -> int:
+    """Seed of the block at qualified name `name` in per-block materialization (same on every rank)."""
+    digest = hashlib.sha256(f"{base_seed}|{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+Transform = Callable[[str, nn.Module, nn.Module], nn.Module]
+
+
+def materialize_module(module: nn.Module, base_seed: int, *, device: Optional[torch.device] = None,
+                       transform: Optional[Transform] = None, per_block: bool = False,
+                       block_classes: Tuple[type, ...] = (),
+                       init_fn: Optional[Callable[[nn.Module], None]] = None) -> nn.Module:
+    """A real copy of a recorded meta `module`, passed through `transform` and moved to `device`.
+
+    `transform(prefix, real, meta)` gets each built piece at full size on the CPU together
+    with its meta twin (where annotations such as tensor-parallel marks live) and returns
+    what to keep (e.g. this rank's slices); only that is moved to `device`.
+
+    `per_block=False` (exact): the whole module is built once with `build_recorded_module`
+    under `base_seed`, so the weights equal an ordinary seeded construction. `per_block=True`
+    (bounded memory): the module tree is copied on the meta device and every block (an
+    instance of `block_classes`, or a module that directly owns tensors) is built alone under
+    `unit_seed(base_seed, its name)`, re-initialized by `init_fn` (default: the root's
+    Hugging Face `_init_weights`, applied children first like `post_init`), transformed and
+    placed before the next one is built. Parameters shared between blocks (tied embeddings)
+    stay shared: the first block to own one builds it, later blocks reuse it.
+    """
+    if not per_block:
+        real = build_recorded_module(module, seed=base_seed)
+        if transform is not None:
+            real = transform("", real, module)
+        return real.to(device) if device is not None else real
+    return _materialize_per_block(module, base_seed, device, transform, tuple(block_classes), init_fn)
+
+
+def _materialize_per_block(module: nn.Module, base_seed: int, device: Optional[torch.device],
+                           transform: Optional[Transform], block_classes: Tuple[type, ...],
+                           init_fn: Optional[Callable[[nn.Module], None]]) -> nn.Module:
+    import copy
+
+    if init_fn is None:
+        hf_init = getattr(module, "_init_weights", None)
+        init_fn = hf_init if callable(hf_init) else None
+    root = copy.deepcopy(module)  # meta tensors: free to copy; keeps the user's meta model intact
+    built: Dict[int, torch.Tensor] = {}   # id(original meta tensor) -> materialized tensor
+
+    def visit(prefix: str, meta_piece: nn.Module, copy_piece: nn.Module) -> Optional[nn.Module]:
+        is_block = isinstance(meta_piece, block_classes) or any(True for _ in _tensors(meta_piece, recurse=False))
+        if is_block and any(t.is_meta for t in _tensors(meta_piece)):
+            return _build_unit(prefix, meta_piece, base_seed, device, transform, init_fn, built)
+        for name, child in list(copy_piece.named_children()):
+            meta_child = meta_piece.get_submodule(name)
+            new = visit(f"{prefix}.{name}" if prefix else name, meta_child, child)
+            if new is not None:
+                copy_piece._modules[name] = new
+        return None
+
+    new_root = visit("", module, root)
+    return new_root if new_root is not None else root
+
+
+def _build_unit(prefix: str, meta_piece: nn.Module, base_seed: int, device: Optional[torch.device],
+                transform: Optional[Transform], init_fn: Optional[Callable[[nn.Module], None]],
+                built: Dict[int, torch.Tensor]) -> nn.Module:
+    record = init_record(meta_piece)
+    if record is None:
+        raise ValueError(f"module {prefix or '(root)'!r} ({type(meta_piece).__name__}) is on the meta device but was "
+                         "not built under record_module_init(), so it cannot be materialized")
+    with _seeded(unit_seed(base_seed, prefix)), torch.device("cpu"):
+        real = record.cls(*record.args, **record.kwargs)
+        if init_fn is not None:
+            with torch.no_grad():
+                for sub in _post_order(real):
+                    init_fn(sub)
+    _check_same_structure(meta_piece, real)
+    if transform is not None:
+        real = transform(prefix, real, meta_piece)
+    if device is not None:
+        real = real.to(device)
+    # Re-tie tensors this unit shares with an earlier one, then remember this unit's tensors.
+    for mod_name, mod in meta_piece.named_modules(remove_duplicate=False):
+        real_mod = real.get_submodule(mod_name) if mod_name else real
+        for store in ("_parameters", "_buffers"):
+            for t_name, meta_t in getattr(mod, store).items():
+                if meta_t is None:
+                    continue
+                real_t = getattr(real_mod, store).get(t_name)
+                if id(meta_t) in built:
+                    shared = built[id(meta_t)]
+                    if real_t is not None and real_t.shape != shared.shape:
+                        raise ValueError(f"{prefix}.{mod_name}.{t_name} is shared with an earlier module but was "
+                                         f"transformed to shape {tuple(real_t.shape)} instead of "
+                                         f"{tuple(shared.shape)}")
+                    getattr(real_mod, store)[t_name] = shared
+                elif real_t is not None:
+                    built[id(meta_t)] = real_t
+    return real
+
+
+def _post_order(module: nn.Module) -> Iterator[nn.Module]:
+    # Children before parents, as Hugging Face's post_init applies `_init_weights`.
+    for child in module.children():
+        yield from _post_order(child)
+    yield module
