@@ -69,6 +69,23 @@ def test_same_loss_and_gradients_with_less_saved_activation_memory(make):
         assert torch.equal(p.grad, q.grad), name
 
 
+def test_dropout_masks_are_replayed_in_recomputation():
+    # With dropout, recomputation must restore the RNG state of the original forward, or the
+    # recomputed activations (and so the gradients) would differ from the ones used for the loss.
+    dropout = {"resid_pdrop": 0.2, "attn_pdrop": 0.2, "embd_pdrop": 0.2}
+    plain = tiny_gpt2(seed=0, **dropout)
+    ckpt = copy.deepcopy(plain)
+    _apply(ckpt)
+    grads = []
+    for model in (plain, ckpt):
+        model.train()
+        torch.manual_seed(1)
+        model(**_batch()).loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    for g, h in zip(*grads):
+        assert torch.equal(g, h)
+
+
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
 def test_structure_parameter_names_and_state_dict_keys_unchanged(make):
     model = make(seed=0)
