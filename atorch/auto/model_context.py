@@ -81,6 +81,11 @@ class ModelContext:
     grad_scaler: Any = None                            # amp_native with fp16
     half_dtype: Optional[torch.dtype] = None           # half
     is_sharded: bool = False                           # fsdp / zero / deepspeed own gradient sync
+    # Set in the apply phase by a sharding wrapper that turns autocast_dtype into its own mixed
+    # precision (FSDP MixedPrecisionPolicy, DeepSpeed bf16/fp16): amp_native then skips autocast,
+    # and also its GradScaler when the wrapper scales fp16 losses itself (DeepSpeed).
+    autocast_by_wrapper: bool = False
+    loss_scaling_by_wrapper: bool = False
     engine: Any = None                                 # a DeepSpeed engine, when one drives training
     # Applied to the loss the result's loss_func returns (e.g. gradient scaling for fp16).
     loss_transforms: List[Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=list)

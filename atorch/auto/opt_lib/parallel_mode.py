@@ -52,6 +52,8 @@ class ParallelModeOptimization(Optimization):
     def apply_wrapper(self, ctx: ModelContext, config: ParallelModeConfig) -> None:
         if ctx.data_parallel_size() <= 1 or ctx.is_sharded or ctx.engine is not None:
             return
+        if "ddp" in ctx.applied:  # the explicit `ddp` optimization wraps, last, with its own options
+            return
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         ctx.model = DistributedDataParallel(ctx.model, device_ids=device_ids,
                                             process_group=adist.parallel_group("data"))

@@ -1,0 +1,62 @@
+"""Precision helpers shared by `amp_native` and `half`: dtype parsing and autocast on a model's forward.
+
+Not an optimization (it registers nothing); the registry imports it like every module here.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Dict
+
+import torch
+from torch import nn
+
+# JSON strategy files and hand-written strategies may name a dtype instead of passing it.
+_DTYPE_NAMES: Dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+}
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+# Marks (and keeps) the forward that ran before autocast was added.
+_FORWARD_BEFORE_AUTOCAST = "_atorch_forward_before_autocast"
+
+
+def parse_half_dtype(value: Any, where: str) -> torch.dtype:
+    """torch.bfloat16 / torch.float16, or one of their names; anything else raises ValueError."""
+    if isinstance(value, str):
+        key = value.lower().replace("torch.", "")
+        if key in _DTYPE_NAMES:
+            return _DTYPE_NAMES[key]
+    elif value in HALF_DTYPES:
+        return value
+    raise ValueError(f"{where}: dtype={value!r} is not supported; use torch.bfloat16 or torch.float16 "
+                     f"(or one of the names {sorted(_DTYPE_NAMES)})")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def add_autocast_to_forward(module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+    """Run `module`'s forward under `torch.autocast(device_type, dtype)`.
+
+    The forward is replaced on the instance, not by wrapping the module in another one, so
+    parameter names, state-dict keys and hooks stay exactly as the user's model had them.
+    Whatever forward the instance had (possibly another instance-level wrapper) is kept and
+    called inside the autocast region.
+    """
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type, dtype=dtype):
+            return inner(*args, **kwargs)
+
+    setattr(module, _FORWARD_BEFORE_AUTOCAST, inner)
+    module.forward = forward
+
+
+def has_autocast_forward(module: nn.Module) -> bool:
+    return _FORWARD_BEFORE_AUTOCAST in vars(module)
+

@@ -1,0 +1,59 @@
+"""`ddp`: wrap the model in DistributedDataParallel over the "data" group, last of all wrappers.
+
+`parallel_mode` already does this implicitly when nothing shards; naming `ddp` makes it
+explicit, lets its options be set, and makes "DDP with fsdp" a rejected combination
+instead of a silent choice.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+from torch.nn.parallel import DistributedDataParallel
+
+from atorch import distributed as adist
+from atorch.auto.model_context import ModelContext
+from atorch.auto.opt_lib._sharding import check_bool
+from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, register
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DdpConfig:
+    find_unused_parameters: bool = False
+    """Needed when some parameters get no gradient in a step (costs a graph traversal per step)."""
+    bucket_cap_mb: Optional[float] = None
+    """Gradient all-reduce bucket size; None: DDP's default (25 MB)."""
+
+    def __post_init__(self) -> None:
+        check_bool("ddp", "find_unused_parameters", self.find_unused_parameters)
+        cap = self.bucket_cap_mb
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
+            raise ValueError(f"ddp: bucket_cap_mb={cap!r} must be a positive number or None")
+
+
+@register
+class DdpOptimization(Optimization):
+    name = "ddp"
+    order = Order.DATA_PARALLEL_WRAP
+    # These reduce(-scatter) gradients themselves; DDP on top would reduce them twice.
+    conflicts = frozenset({"fsdp", "zero2"})
+    Config = DdpConfig
+
+    def validate(self, config: DdpConfig, context: ValidationContext) -> None:
+        # zero1 with use_ds_zero=True is refused by zero1's own validation (config-dependent).
+        if context.parallel_sizes().get("data", 1) <= 1:
+            logger.info("ddp: the data-parallel size is 1, so there is nothing to average; the model is not wrapped")
+
+    def apply_wrapper(self, ctx: ModelContext, config: DdpConfig) -> None:
+        if ctx.data_parallel_size() <= 1:
+            return
+        kwargs = {"find_unused_parameters": config.find_unused_parameters}
+        if config.bucket_cap_mb is not None:
+            kwargs["bucket_cap_mb"] = config.bucket_cap_mb
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        ctx.model = DistributedDataParallel(ctx.model, device_ids=device_ids,
+                                            process_group=adist.parallel_group("data"), **kwargs)

@@ -1,0 +1,59 @@
+"""`half`: cast the whole model (parameters and floating buffers) to bf16 or fp16.
+
+Unlike `amp_native` there is no fp32 copy of the weights: memory halves, and so does the
+precision of the updates. Combined with `amp_native` of the same dtype, autocast would
+change nothing and is skipped (logged); a different dtype is a contradiction and raises.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from atorch.auto.model_context import ModelContext
+from atorch.auto.opt_lib._precision import dtype_name, parse_half_dtype
+from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, register
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HalfConfig:
+    dtype: Any = torch.bfloat16
+    """torch.bfloat16 (default) or torch.float16, or their names ("bf16", "fp16")."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", parse_half_dtype(self.dtype, "half"))
+
+
+@register
+class HalfOptimization(Optimization):
+    name = "half"
+    order = Order.HALF
+    Config = HalfConfig
+
+    @classmethod
+    def parse_config(cls, raw: Any) -> HalfConfig:
+        # Also accept a bare dtype: ("half", torch.bfloat16).
+        if isinstance(raw, (torch.dtype, str)):
+            return HalfConfig(raw)
+        return super().parse_config(raw)
+
+    def validate(self, config: HalfConfig, context: ValidationContext) -> None:
+        amp = context.configs.get("amp_native")
+        if amp is None:
+            return
+        if amp.dtype != config.dtype:
+            raise ValueError(f"optimizations 'half' (dtype={dtype_name(config.dtype)}) and 'amp_native' "
+                             f"(dtype={dtype_name(amp.dtype)}) cannot be combined: the model would be stored in one "
+                             "half dtype and computed in the other; use the same dtype for both, or only one")
+        logger.info("half and amp_native both use %s: the model is cast once and autocast is skipped",
+                    dtype_name(config.dtype))
+
+    def apply(self, ctx: ModelContext, config: HalfConfig) -> None:
+        # nn.Module.to(dtype) casts floating parameters and buffers only (token ids stay integer).
+        ctx.model.to(config.dtype)
+        ctx.half_dtype = config.dtype

@@ -1,0 +1,122 @@
+"""Per-rank bytes of parameters, gradients and optimizer state, counting only what this rank stores.
+
+The accounting behind "fsdp on N ranks holds 1/N of the training state": sharded tensors
+(FSDP2 DTensors, DeepSpeed ZeRO-3 partitions) count their local shard, sharded optimizers
+(ZeroRedundancyOptimizer, DeepSpeed ZeRO) count the state of their own share, and fp32
+master copies kept by an optimizer count as optimizer state. Activations and communication
+buffers are out of scope (see `atorch.utils.peak_memory` for peaks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Dict, Iterable, Iterator, Optional, Set, Tuple
+
+import torch
+from torch import nn
+
+try:  # torch >= 2.4 exposes DTensor publicly; the private path is the fallback.
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    from torch.distributed._tensor import DTensor
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes held by one rank."""
+
+    param_bytes: int
+    grad_bytes: int
+    optim_state_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optim_state_bytes
+
+    def as_dict(self) -> Dict[str, int]:
+        return {**asdict(self), "total_bytes": self.total_bytes}
+
+    def describe(self) -> str:
+        mib = 1024 ** 2
+        return (f"params {self.param_bytes / mib:.2f} MiB, grads {self.grad_bytes / mib:.2f} MiB, "
+                f"optimizer state {self.optim_state_bytes / mib:.2f} MiB, total {self.total_bytes / mib:.2f} MiB")
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of `tensor` this rank stores: a DTensor's local shard, a ZeRO-3 parameter's partition."""
+    if isinstance(tensor, DTensor):
+        return tensor.to_local()
+    partition = getattr(tensor, "ds_tensor", None)  # DeepSpeed ZeRO-3 keeps the shard beside an empty param
+    if isinstance(partition, torch.Tensor):
+        return partition
+    return tensor
+
+
+def _key(t: torch.Tensor) -> Tuple[int, int, int, torch.dtype]:
+    # Tied or aliased tensors (same memory, same extent) are counted once.
+    return (t.data_ptr(), t.storage_offset(), t.numel(), t.dtype)
+
+
+def _sum_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
+    seen: Set[Tuple[int, int, int, torch.dtype]] = set()
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = local_tensor(t)
+        if t.numel() == 0:
+            continue
+        key = _key(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def innermost_optimizer(optimizer: object) -> object:
+    """The optimizer that actually holds state under atorch's and torch/DeepSpeed's wrappers.
+
+    ZeroRedundancyOptimizer keeps its rank's optimizer in `.optim`; GradScalingOptimizer and
+    DeepSpeed's ZeRO optimizers keep the wrapped torch optimizer in `.optimizer`.
+    """
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    seen: Set[int] = set()
+    while id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            optimizer = optimizer.optim
+        elif isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+            optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _optimizer_tensors(optimizer: object, model_param_ids: Set[int]) -> Iterator[torch.Tensor]:
+    inner = innermost_optimizer(optimizer)
+    for state in getattr(inner, "state", {}).values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                yield value
+    # Tensors the optimizer steps that are not the model's own parameters are master copies
+    # (DeepSpeed's fp32 partitions): optimizer state too.
+    for group in getattr(inner, "param_groups", []):
+        for p in group["params"]:
+            if id(p) not in model_param_ids:
+                yield p
+
+
+def memory_breakdown(model: nn.Module, optimizer: Optional[object] = None) -> MemoryBreakdown:
+    """Bytes of parameters, gradients (`.grad`) and optimizer state this rank holds now.
+
+    Call it after `backward()` and before `zero_grad()` to see gradients. DeepSpeed keeps
+    reduced gradients in its own buffers rather than `.grad`, so its gradient bytes are not
+    seen here.
+    """
+    params = list(model.parameters())
+    param_ids = {id(p) for p in params}
+    return MemoryBreakdown(
+        param_bytes=_sum_bytes(params),
+        grad_bytes=_sum_bytes(p.grad for p in params),
+        optim_state_bytes=_sum_bytes(_optimizer_tensors(optimizer, param_ids)) if optimizer is not None else 0,
+    )
