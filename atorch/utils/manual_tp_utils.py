@@ -236,7 +236,7 @@ def resolve_tp_plan(model: nn.Module, tpinfo: TPInfo, tp_size: int, world_size: 
             if previous is not None and previous != action:
                 raise ValueError(f"module {name!r} is matched by TPInfo {previous.kind} {previous.suffix!r} and by "
                                  f"{kind} {suffix!r}; give each module one role")
-            _check_module(name, modules[name], action, tp_size)
+            _check_module_type(name, modules[name], action)
             actions[name] = action
 
     vocab_parallel_loss = False
@@ -247,8 +247,11 @@ def resolve_tp_plan(model: nn.Module, tpinfo: TPInfo, tp_size: int, world_size: 
             options["gather_output"] = gather_logits
             actions[head_name] = TPAction(COL, head_action.suffix, tuple(sorted(options.items())))
         vocab_parallel_loss = tp_size > 1 and not actions[head_name].option("gather_output", False)
+    # Config sizes first: "num_key_value_heads=2" says more than the width of one projection.
     if any(a.kind in (COL, ROW) for a in actions.values()):
         _check_config_divisibility(model, actions, tp_size)
+    for name, action in actions.items():
+        _check_module_sizes(name, modules[name], action, tp_size)
 
     shrink: Dict[str, Dict[str, int]] = {}
     for suffix, attrs in tpinfo.shrink_attrs.items():
@@ -272,26 +275,30 @@ def _output_embedding(model: nn.Module) -> Optional[nn.Module]:
         return None
 
 
-def _check_module(name: str, module: nn.Module, action: TPAction, tp_size: int) -> None:
+def _check_module_type(name: str, module: nn.Module, action: TPAction) -> None:
     cls = type(module).__name__
-    if action.kind in (COL, ROW):
-        if not (isinstance(module, nn.Linear) or _is_conv1d(module)):
-            raise ValueError(f"TPInfo {action.kind} suffix {action.suffix!r} matches {name!r}, a {cls}; "
-                             "column/row-parallel sharding applies to nn.Linear or transformers' Conv1D only")
-        in_f, out_f = _linear_sizes(module)
-        if action.kind == COL:
-            stride = action.option("stride", 1)
-            if action.option("pad_vocab", False):
-                return
-            if out_f % (tp_size * stride) != 0:
-                raise ValueError(f"column-parallel {name!r} ({cls}) has {out_f} output features, not divisible by "
-                                 f"tensor size {tp_size} x stride {stride} = {tp_size * stride}")
-        elif in_f % tp_size != 0:
-            raise ValueError(f"row-parallel {name!r} ({cls}) has {in_f} input features, not divisible by tensor "
-                             f"size {tp_size}")
-    elif action.kind == VOCAB and not isinstance(module, nn.Embedding):
+    if action.kind in (COL, ROW) and not (isinstance(module, nn.Linear) or _is_conv1d(module)):
+        raise ValueError(f"TPInfo {action.kind} suffix {action.suffix!r} matches {name!r}, a {cls}; "
+                         "column/row-parallel sharding applies to nn.Linear or transformers' Conv1D only")
+    if action.kind == VOCAB and not isinstance(module, nn.Embedding):
         raise ValueError(f"TPInfo vocab suffix {action.suffix!r} matches {name!r}, a {cls}; vocabulary-parallel "
                          "sharding applies to nn.Embedding only")
+
+
+def _check_module_sizes(name: str, module: nn.Module, action: TPAction, tp_size: int) -> None:
+    if action.kind not in (COL, ROW):
+        return  # embeddings and the LM head are padded to a multiple of the tensor size
+    cls = type(module).__name__
+    in_f, out_f = _linear_sizes(module)
+    if action.kind == ROW:
+        if in_f % tp_size != 0:
+            raise ValueError(f"row-parallel {name!r} ({cls}) has {in_f} input features, not divisible by tensor "
+                             f"size {tp_size}")
+        return
+    stride = action.option("stride", 1)
+    if not action.option("pad_vocab", False) and out_f % (tp_size * stride) != 0:
+        raise ValueError(f"column-parallel {name!r} ({cls}) has {out_f} output features, not divisible by "
+                         f"tensor size {tp_size} x stride {stride} = {tp_size * stride}")
 
 
 def _config_sizes(config: Any) -> Dict[str, int]:
