@@ -139,11 +139,22 @@ class MultiDimParallelRandomizer:
                 for (g, r), s in self._streams.items()}
 
     def set_states(self, states: Mapping[str, Mapping[str, Optional[torch.Tensor]]]) -> None:
+        """Put every stream back to `states` (from `get_states`).
+
+        A stream missing from `states` did not exist then, so it restarts from its seed: a
+        snapshot taken before a stream's first use replays that first use exactly (activation
+        recomputation of the first step).
+        """
+        keys = set()
         for name, state in states.items():
             group, _, replicated = name.rpartition("|")
-            stream = self._stream((group, bool(int(replicated))))
+            key = (group, bool(int(replicated)))
+            keys.add(key)
+            stream = self._stream(key)
             stream.cpu_state = state["cpu"].clone()
             stream.cuda_state = state["cuda"].clone() if state.get("cuda") is not None else None
+        for key in [k for k in self._streams if k not in keys and k not in self._active]:
+            del self._streams[key]
 
 
 def _layout_coords() -> Dict[str, int]:
