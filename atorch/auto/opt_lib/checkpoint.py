@@ -8,16 +8,18 @@ were: hooks run outside the recomputed region, once per forward and once per bac
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
+import sys
 import types
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, register
@@ -88,13 +90,55 @@ def _without_cache(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, A
     return bound.args[1:], bound.kwargs
 
 
+def _active_parallel_randomizer() -> Any:
+    """The tensor-parallel dropout randomizer when one was created in this process, else None.
+
+    Looked up through sys.modules: if its module was never imported, no randomizer exists.
+    """
+    module = sys.modules.get("atorch.modules.distributed_modules.randomizer")
+    if module is None:
+        return None
+    try:
+        return module.get_randomizer()
+    except RuntimeError:  # the module is loaded but no randomizer was initialized
+        return None
+
+
+def _randomizer_replay_contexts(randomizer: Any) -> Tuple[contextlib.AbstractContextManager,
+                                                           contextlib.AbstractContextManager]:
+    """Checkpoint `context_fn` making the recomputation draw the parallel streams the forward drew.
+
+    Tensor-parallel dropouts swap their own per-group stream into the default generator, so
+    torch's restoring of the default generator is not enough: the streams are snapshotted
+    when the block runs forward, set to that snapshot for the recomputation, and put back
+    afterwards so that later forwards continue where they were.
+    """
+    snapshot = randomizer.get_states()
+
+    @contextlib.contextmanager
+    def replay() -> Iterator[None]:
+        current = randomizer.get_states()
+        randomizer.set_states(snapshot)
+        try:
+            yield
+        finally:
+            randomizer.set_states(current)
+
+    return contextlib.nullcontext(), replay()
+
+
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     inner = self.__dict__.get(_INNER_FORWARD_ATTR) or functools.partial(type(self).forward, self)
     # Outside training (evaluation, no_grad) nothing is saved for backward: nothing to recompute.
     if not (self.training and torch.is_grad_enabled()):
         return inner(*args, **kwargs)
     args, kwargs = _without_cache(self, args, kwargs)
-    return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+    randomizer = _active_parallel_randomizer()
+    context_fn = (functools.partial(_randomizer_replay_contexts, randomizer) if randomizer is not None
+                  else noop_context_fn)
+    # The block's keyword arguments travel in a partial: checkpoint() would take some names
+    # (debug, context_fn, determinism_check, ...) as its own options.
+    return checkpoint(functools.partial(inner, **kwargs), *args, use_reentrant=False, context_fn=context_fn)
 
 
 def is_checkpointed(module: nn.Module) -> bool:
