@@ -1,0 +1,301 @@
+"""Layout handlers: each parallel layout's model and optimizer state in one layout-independent form.
+
+Every handler produces the same keys for the same model: `model/<fqn>` with the original
+(Hugging Face) parameter names and full logical shapes, and a flattened optimizer state
+`optim/state.<fqn>.<name>` (tensors, saved with DCP) plus `param_groups.<fqn>.<name>`
+hyperparameters (JSON). Sharded values are DTensors (FSDP2, DTensor tensor parallel) that
+DCP reshards on load, or full tensors (DDP, ZeRO optimizers, DeepSpeed) that DCP saves once.
+So a checkpoint written by any layout loads into any other.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+MODEL_PREFIX = "model/"
+OPTIM_PREFIX = "optim/"
+_PARAM_GROUPS = "param_groups."
+_STATE = "state."
+
+
+def is_deepspeed_engine(obj: Any) -> bool:
+    try:
+        from deepspeed import DeepSpeedEngine
+    except Exception:  # noqa: BLE001 - deepspeed is optional
+        return False
+    return isinstance(obj, DeepSpeedEngine)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's module under DDP, DeepSpeed engines and torch.compile wrappers."""
+    seen = 0
+    while seen < 8:
+        seen += 1
+        if is_deepspeed_engine(model) or isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            break
+    return model
+
+
+def find_hf_model(model: nn.Module) -> Tuple[Optional[nn.Module], str]:
+    """The outermost Hugging Face `PreTrainedModel` inside `model` and its name prefix ('' when it is the root)."""
+    try:
+        from transformers import PreTrainedModel
+    except Exception:  # noqa: BLE001 - transformers is optional for plain models
+        return None, ""
+    root = unwrap_model(model)
+    for name, module in root.named_modules():
+        if isinstance(module, PreTrainedModel):
+            return module, (name + "." if name else "")
+    return None, ""
+
+
+def peft_model_of(model: nn.Module) -> Optional[nn.Module]:
+    try:
+        from peft import PeftModel
+    except Exception:  # noqa: BLE001 - peft is optional
+        return None
+    root = unwrap_model(model)
+    return root if isinstance(root, PeftModel) else None
+
+
+class LayoutHandler(ABC):
+    """Reads and writes one layout's state in the common keys (without the model/ and optim/ prefixes)."""
+
+    name: str = ""
+
+    @abstractmethod
+    def model_state(self) -> Dict[str, torch.Tensor]:
+        """Tensors (possibly DTensors) to save; on load, the tensors DCP fills before `load_model_state`."""
+
+    @abstractmethod
+    def optim_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+        """(tensors, JSON-able hyperparameters) of the optimizer; on load, the tensors to fill."""
+
+    @abstractmethod
+    def load_model_state(self, state: Dict[str, torch.Tensor]) -> None:
+        """Install the filled `model_state()` tensors."""
+
+    @abstractmethod
+    def load_optim_state(self, tensors: Dict[str, torch.Tensor], values: Dict[str, Any]) -> None:
+        """Install the filled `optim_state()` tensors and the saved hyperparameters."""
+
+    @property
+    def has_optimizer(self) -> bool:
+        return False
+
+
+def split_flat_optim(flat: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """Tensors go to DCP, everything else (hyperparameters, python-number states) to JSON."""
+    tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    values = {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}
+    return tensors, values
+
+
+class TorchHandler(LayoutHandler):
+    """Plain modules, DDP, FSDP2 (`fully_shard`), tensor parallel and torch ZeRO optimizers.
+
+    Uses `torch.distributed.checkpoint.state_dict`, which strips wrapper prefixes (DDP's
+    `module.`, compile's `_orig_mod.`, activation checkpointing's wrapper) and returns FSDP2
+    shards as DTensors. atorch's tensor-parallel slices become DTensor views (`TPShards`). A
+    `ZeroRedundancyOptimizer` is handled through its local optimizer: each rank contributes the
+    full states of the parameters it owns, keyed by name.
+    """
+
+    name = "torch"
+
+    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self._local_optim = _local_optimizer(optimizer) if optimizer is not None else None
+        self.tp = TPShards(model)
+
+    @property
+    def has_optimizer(self) -> bool:
+        return self._local_optim is not None
+
+    def _options(self, **kw: Any):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(**kw)
+
+    def model_state(self) -> Dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return self.tp.to_global(get_model_state_dict(self.model, options=self._options()))
+
+    def optim_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        if self._local_optim is None:
+            return {}, {}
+        flat = get_optimizer_state_dict(self.model, self._local_optim,
+                                        options=self._options(flatten_optimizer_state_dict=True))
+        tensors, values = split_flat_optim(flat)
+        return self.tp.to_global(tensors), values
+
+    def load_model_state(self, state: Dict[str, torch.Tensor]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.model, self.tp.to_local(state), options=self._options(strict=True))
+
+    def load_optim_state(self, tensors: Dict[str, torch.Tensor], values: Dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        if self._local_optim is None:
+            return
+        set_optimizer_state_dict(self.model, self._local_optim, {**self.tp.to_local(tensors), **values},
+                                 options=self._options(flatten_optimizer_state_dict=True))
+        if self._local_optim is not self.optimizer:
+            # ZeroRedundancyOptimizer copies its own param_groups into the local optimizer at
+            # every step, so the restored hyperparameters (the scheduled lr) must go there too.
+            for outer, inner in zip(self.optimizer.param_groups, self._local_optim.param_groups):
+                outer.update({k: v for k, v in inner.items() if k != "params"})
+
+
+def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer.optim
+    return optimizer
+
+
+def optimizer_fqns(values: Dict[str, Any]) -> List[str]:
+    """Parameter names that have hyperparameters in a flattened optimizer state."""
+    names = set()
+    for key in values:
+        if key.startswith(_PARAM_GROUPS):
+            names.add(key[len(_PARAM_GROUPS):].rsplit(".", 1)[0])
+    return sorted(names)
+
+
+_WRAPPER_NAMES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+class TPShards:
+    """atorch tensor-parallel slices (`TensorParallelModule.shard_specs`) as global tensors for DCP.
+
+    A slice cut the way DTensor's `Shard(dim)` cuts (stride 1, any vocabulary padding at the
+    end) becomes a DTensor view on the "tensor" mesh with the full Hugging Face shape, so
+    each rank writes and reads only its slice and DCP reshards to any other layout. Other
+    slices (fused q|k|v with stride > 1) are gathered to the full tensor on save and sliced
+    again on load. Optimizer states with the slice's shape are handled like the parameter.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.specs: Dict[str, Tuple[Any, Any]] = {}   # fqn -> (TensorParallelModule, ShardSpec)
+        self._locals: Dict[str, torch.Tensor] = {}
+        try:
+            from atorch.modules.distributed_modules.layers import TensorParallelModule
+        except Exception:  # noqa: BLE001 - tensor parallel is optional
+            return
+        for mod_name, module in unwrap_model(model).named_modules(remove_duplicate=False):
+            if isinstance(module, TensorParallelModule) and module.tp_size > 1:
+                for pname, spec in module.shard_specs().items():
+                    fqn = f"{mod_name}.{pname}" if mod_name else pname
+                    for wrapper in _WRAPPER_NAMES:
+                        fqn = fqn.replace(wrapper, "")
+                    self.specs[fqn] = (module, spec)
+
+    def _param_of(self, key: str) -> Optional[str]:
+        if key in self.specs:
+            return key
+        if key.startswith(_STATE):
+            fqn = key[len(_STATE):].rsplit(".", 1)[0]
+            if fqn in self.specs:
+                return fqn
+        return None
+
+    def to_global(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        if not self.specs:
+            return state
+        out = dict(state)
+        for key, local in state.items():
+            fqn = self._param_of(key)
+            if fqn is None or not isinstance(local, torch.Tensor) or local.dim() == 0:
+                continue
+            module, spec = self.specs[fqn]
+            self._locals[key] = local
+            out[key] = _dtensor_view(local, module, spec)
+            if out[key] is None:
+                out[key] = _gather_full(local, module, spec)
+        return out
+
+    def to_local(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The local slices to install, after DCP filled the tensors `to_global` returned."""
+        from atorch.modules.distributed_modules.layers import shard_tensor
+
+        if not self.specs:
+            return state
+        out = dict(state)
+        for key, value in state.items():
+            local = self._locals.get(key)
+            if local is None:
+                continue
+            module, spec = self.specs[self._param_of(key)]
+            if not _is_dtensor(value):
+                # A gathered tensor: this rank keeps its slice.
+                with torch.no_grad():
+                    local.copy_(shard_tensor(value, spec, module.tp_rank).to(local.dtype))
+            out[key] = local
+        return out
+
+
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _tensor_mesh_for(module: Any):
+    """The 1-D "tensor" DeviceMesh when its group is the module's group, else None."""
+    import torch.distributed as dist
+
+    from atorch import distributed as adist
+
+    if not adist.is_parallel_group_created() or "tensor" not in adist.parallel_layout().names:
+        return None
+    mesh = adist.device_mesh("tensor")
+    if dist.get_process_group_ranks(mesh.get_group()) != dist.get_process_group_ranks(module.group):
+        return None
+    return mesh
+
+
+def _dtensor_view(local: torch.Tensor, module: Any, spec: Any):
+    """`local` as a DTensor `Shard(spec.dim)` of the unpadded full tensor, or None when the cut differs."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if spec.stride != 1:
+        return None
+    chunk = -(-spec.full_size // spec.world)  # DTensor's torch.chunk cut: ceil(full / world) per rank
+    if spec.local_size != chunk or local.shape[spec.dim] != spec.local_size:
+        return None
+    mesh = _tensor_mesh_for(module)
+    if mesh is None:
+        return None
+    start = module.tp_rank * chunk
+    rows = max(0, min(chunk, spec.full_size - start))
+    view = local.narrow(spec.dim, 0, rows)  # drops vocabulary padding rows, keeps storage shared
+    shape = list(local.shape)
+    shape[spec.dim] = spec.full_size
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(view, mesh, [Shard(spec.dim)], run_check=False, shape=torch.Size(shape),
+                              stride=stride)
+
+
+def _gather_full(local: torch.Tensor, module: Any, spec: Any) -> torch.Tensor:
+    import torch.distributed as dist
+
+    from atorch.modules.distributed_modules.layers import unshard_tensors
+
+    shards = [torch.empty_like(local) for _ in range(module.tp_size)]
+    dist.all_gather(shards, local.contiguous(), group=module.group)
+    return unshard_tensors(shards, spec).clone()

@@ -1,0 +1,322 @@
+"""Crash-safe checkpoint directories: staging, checksummed manifest, atomic commit, `latest`, rotation.
+
+A checkpoint directory exists under its final name only once it is complete: every file is
+written into `<name>.tmp-<token>`, fsynced, listed with its size and sha256 in
+`manifest.json` (written last), and the directory is renamed atomically. Readers verify the
+manifest before reading any other file, so a killed save, a truncated or edited file, or a
+missing shard is refused with the file named, and nothing is half-loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+MANIFEST_NAME = "manifest.json"
+LATEST_NAME = "latest"
+FORMAT_NAME = "atorch-checkpoint"
+FORMAT_VERSION = 1
+STAGING_MARK = ".tmp-"
+_HASH_CHUNK = 8 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete, corrupted or does not match the model; the message says which file."""
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """Size in bytes and sha256 hex digest of one file of a checkpoint."""
+
+    size: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    """The list of a checkpoint's files with their sizes and checksums, plus a short summary."""
+
+    files: Dict[str, FileRecord]
+    step: Optional[int] = None
+    created: float = field(default_factory=time.time)
+    format: str = FORMAT_NAME
+    version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "format": self.format, "version": self.version, "step": self.step, "created": self.created,
+            "files": {name: {"size": r.size, "sha256": r.sha256} for name, r in sorted(self.files.items())},
+        }, indent=1)
+
+    @classmethod
+    def read(cls, ckpt_dir: str) -> "Manifest":
+        """Parse `<ckpt_dir>/manifest.json`, refusing anything that is not an atorch manifest."""
+        path = os.path.join(ckpt_dir, MANIFEST_NAME)
+        if not os.path.isfile(path):
+            raise CheckpointError(_not_a_checkpoint_message(ckpt_dir))
+        try:
+            with open(path, "r", encoding="utf-8") as f:
+                raw = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path}: manifest is not valid JSON ({e}); the checkpoint is corrupted") from e
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+            raise CheckpointError(f"{path}: format is {raw.get('format') if isinstance(raw, dict) else raw!r}, "
+                                  f"expected {FORMAT_NAME!r}: not an atorch checkpoint")
+        if raw.get("version") != FORMAT_VERSION:
+            raise CheckpointError(f"{path}: format version {raw.get('version')!r}; this atorch reads version "
+                                  f"{FORMAT_VERSION}")
+        files: Dict[str, FileRecord] = {}
+        for name, rec in (raw.get("files") or {}).items():
+            _check_relative(name, path)
+            try:
+                files[name] = FileRecord(int(rec["size"]), str(rec["sha256"]))
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointError(f"{path}: entry {name!r} must have an integer size and a sha256") from e
+        return cls(files=files, step=raw.get("step"), created=float(raw.get("created") or 0.0))
+
+
+def _check_relative(name: str, where: str) -> None:
+    # A manifest names files inside its own directory only; anything else is a tampered manifest.
+    norm = os.path.normpath(name)
+    if os.path.isabs(name) or norm.startswith("..") or norm != name.replace("/", os.sep):
+        raise CheckpointError(f"{where}: file name {name!r} is not a plain relative path inside the checkpoint")
+
+
+def _not_a_checkpoint_message(path: str) -> str:
+    if not os.path.exists(path):
+        return f"{path}: no such checkpoint directory"
+    if not os.path.isdir(path):
+        return f"{path}: not a directory, so not a checkpoint"
+    if STAGING_MARK in os.path.basename(os.path.normpath(path)):
+        return (f"{path}: an incomplete checkpoint (a save that did not finish leaves a '{STAGING_MARK}' "
+                "directory); load the previous one or the parent directory's 'latest'")
+    return f"{path}: not a checkpoint (no {MANIFEST_NAME}; a checkpoint directory is complete only once it has one)"
+
+
+# -- hashing and durable writes ---------------------------------------------------------
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(_HASH_CHUNK)
+            if not chunk:
+                break
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename or file creation inside `path` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def record_files(root: str, names: Iterable[str]) -> Dict[str, FileRecord]:
+    """Size and sha256 of each file, fsynced on the way (the data must be durable before the manifest)."""
+    out: Dict[str, FileRecord] = {}
+    for name in names:
+        path = os.path.join(root, name)
+        fsync_file(path)
+        out[name] = FileRecord(os.path.getsize(path), sha256_file(path))
+    return out
+
+
+def list_files(root: str) -> List[str]:
+    """Every regular file under `root`, as sorted '/'-separated relative paths."""
+    out = []
+    for dirpath, _, filenames in os.walk(root):
+        for fn in filenames:
+            rel = os.path.relpath(os.path.join(dirpath, fn), root)
+            out.append(rel.replace(os.sep, "/"))
+    return sorted(out)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write `text` to `path` through a temporary file, fsync and rename: readers see old or new, never half."""
+    tmp = f"{path}{STAGING_MARK}{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+# -- verification -----------------------------------------------------------------------
+
+def verify_files(ckpt_dir: str, manifest: Manifest, names: Sequence[str]) -> List[str]:
+    """Problems with `names` (missing, truncated/extended, checksum mismatch), one message per file."""
+    problems = []
+    for name in names:
+        rec = manifest.files[name]
+        path = os.path.join(ckpt_dir, name)
+        if not os.path.isfile(path):
+            problems.append(f"{path}: missing (the manifest lists it with {rec.size} bytes)")
+            continue
+        size = os.path.getsize(path)
+        if size != rec.size:
+            what = "truncated" if size < rec.size else "larger than written"
+            problems.append(f"{path}: {what}: {size} bytes, the manifest says {rec.size}")
+            continue
+        digest = sha256_file(path)
+        if digest != rec.sha256:
+            problems.append(f"{path}: checksum mismatch: sha256 {digest[:16]}..., the manifest says "
+                            f"{rec.sha256[:16]}... (the file was modified or corrupted after the save)")
+    return problems
+
+
+def raise_problems(ckpt_dir: str, problems: Sequence[str]) -> None:
+    if problems:
+        raise CheckpointError(f"checkpoint {ckpt_dir} failed verification, nothing was loaded:\n  "
+                              + "\n  ".join(problems))
+
+
+# -- locating checkpoints ---------------------------------------------------------------
+
+def is_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST_NAME))
+
+
+def resolve_checkpoint_dir(path: str) -> str:
+    """`path` itself when it is a checkpoint, else the checkpoint its `latest` pointer names."""
+    path = os.path.normpath(path)
+    if is_checkpoint(path):
+        return path
+    latest = read_latest(path)
+    if latest is not None:
+        return latest
+    raise CheckpointError(_not_a_checkpoint_message(path))
+
+
+def read_latest(parent: str) -> Optional[str]:
+    """The complete checkpoint named by `<parent>/latest`, or None when there is no usable pointer."""
+    pointer = os.path.join(parent, LATEST_NAME)
+    if not os.path.isfile(pointer):
+        return None
+    with open(pointer, "r", encoding="utf-8") as f:
+        name = f.read().strip()
+    if not name:
+        return None
+    _check_relative(name, pointer)
+    target = os.path.join(parent, name)
+    if not is_checkpoint(target):
+        raise CheckpointError(f"{pointer} names {name!r}, which is not a complete checkpoint "
+                              f"({_not_a_checkpoint_message(target)})")
+    return target
+
+
+def write_latest(parent: str, name: str) -> None:
+    write_text_atomic(os.path.join(parent, LATEST_NAME), name + "\n")
+
+
+def list_checkpoints(parent: str) -> List[Tuple[str, Manifest]]:
+    """Complete atorch checkpoints directly under `parent`, oldest first (by step, then creation time)."""
+    found = []
+    if not os.path.isdir(parent):
+        return found
+    for name in os.listdir(parent):
+        path = os.path.join(parent, name)
+        if STAGING_MARK in name or not is_checkpoint(path):
+            continue
+        try:
+            manifest = Manifest.read(path)
+        except CheckpointError:
+            continue  # someone else's directory with a manifest.json: never ours to rotate
+        found.append((path, manifest))
+    found.sort(key=lambda pm: (pm[1].step if pm[1].step is not None else -1, pm[1].created))
+    return found
+
+
+# -- the commit protocol ----------------------------------------------------------------
+
+def staging_dir(final_dir: str, token: str) -> str:
+    return f"{os.path.normpath(final_dir)}{STAGING_MARK}{token}"
+
+
+def remove_stale_staging(final_dir: str, keep: Optional[str] = None) -> List[str]:
+    """Delete the `<name>.tmp-*` directories left by killed saves of this same checkpoint name."""
+    final_dir = os.path.normpath(final_dir)
+    parent, name = os.path.split(final_dir)
+    removed = []
+    if not os.path.isdir(parent or "."):
+        return removed
+    for entry in os.listdir(parent or "."):
+        path = os.path.join(parent, entry)
+        if entry.startswith(name + STAGING_MARK) and os.path.isdir(path) and path != keep:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def commit(staging: str, final_dir: str, manifest: Manifest) -> None:
+    """Write the manifest last, then atomically publish `staging` as `final_dir` (replacing an old one)."""
+    write_text_atomic(os.path.join(staging, MANIFEST_NAME), manifest.to_json())
+    for dirpath, dirnames, _ in os.walk(staging):
+        for d in dirnames:
+            fsync_dir(os.path.join(dirpath, d))
+    fsync_dir(staging)
+    final_dir = os.path.normpath(final_dir)
+    parent = os.path.dirname(os.path.abspath(final_dir))
+    old = None
+    if os.path.exists(final_dir):
+        # rename() cannot replace a non-empty directory: move the old one aside first; until the
+        # second rename the old checkpoint stays complete under its aside name.
+        old = f"{final_dir}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(final_dir, old)
+    os.rename(staging, final_dir)
+    fsync_dir(parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def rotate(parent: str, keep_last: int, protect: Sequence[str] = ()) -> List[str]:
+    """Delete the oldest complete checkpoints under `parent` so that `keep_last` remain; never `protect`."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last={keep_last}; it must be >= 1 (or None to keep every checkpoint)")
+    protected = {os.path.normpath(os.path.abspath(p)) for p in protect}
+    latest = read_latest(parent)
+    if latest is not None:
+        protected.add(os.path.normpath(os.path.abspath(latest)))
+    checkpoints = list_checkpoints(parent)
+    removable = [p for p, _ in checkpoints[:max(0, len(checkpoints) - keep_last)]
+                 if os.path.normpath(os.path.abspath(p)) not in protected]
+    for path in removable:
+        # Remove the manifest first: an interrupted rotation leaves a non-checkpoint, never a broken one.
+        os.remove(os.path.join(path, MANIFEST_NAME))
+        shutil.rmtree(path, ignore_errors=True)
+    return removable
+
+
+def read_json(ckpt_dir: str, name: str) -> Any:
+    """A JSON file of a (verified) checkpoint, with the file named in any error."""
+    path = os.path.join(ckpt_dir, name)
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path}: missing") from e
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e

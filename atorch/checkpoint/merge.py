@@ -1,0 +1,236 @@
+"""`merge_checkpoint`: a sharded checkpoint -> a Hugging Face model directory, offline, in one process.
+
+The model is rebuilt on the meta device from the checkpoint's config.json (and LoRA
+adapter config), the checkpoint's tensors are assigned to it, and transformers' own
+`save_pretrained` writes it: so the keys, tied weights, shard names and index are exactly
+what `from_pretrained` expects. Models without a Hugging Face config are written as
+safetensors (sharded with an index when large) under their module names.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import shutil
+import uuid
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+from torch import nn
+
+from atorch.checkpoint import manifest as mf
+from atorch.checkpoint.layout import MODEL_PREFIX
+from atorch.checkpoint.manifest import CheckpointError
+from atorch.checkpoint.safe_load import SafeFileSystemReader, load_dcp_metadata, tensor_entries
+from atorch.checkpoint.save_load import (
+    ADAPTER_CONFIG_NAME,
+    CONFIG_NAME,
+    DCP_DIR,
+    META_NAME,
+    _read_meta,
+    verify_checkpoint,
+)
+
+_LORA_MODES = ("merge", "adapters")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                    "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
+                    "chat_template.json", "chat_template.jinja")
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: Union[int, str]) -> int:
+    """Bytes in `size`: an int, or a string like '2GB', '500MB', '1GiB'."""
+    if isinstance(size, int) and size > 0:
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(size).upper())
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"max_shard_size={size!r}; expected a positive int of bytes or a string like '2GB' or "
+                         "'500MB'")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+
+
+def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
+                     max_shard_size: Union[int, str] = "2GB", lora: str = "merge",
+                     dtype: Optional[torch.dtype] = None, model_class: Optional[type] = None) -> str:
+    """Write the model of checkpoint `ckpt_dir` as a Hugging Face model directory `out_dir`.
+
+    Runs in one process without a process group or GPU. `tokenizer`: a tokenizer (its
+    `save_pretrained` is called) or a directory whose tokenizer files are copied. `lora`:
+    "merge" folds the adapters into the base weights (W + B @ A * scale, peft's
+    `merge_and_unload`) and writes a plain model; "adapters" writes only the adapters
+    (adapter_model.safetensors + adapter_config.json). `dtype` casts floating weights.
+    `model_class` overrides the class recorded in the checkpoint (needed for custom classes).
+    Returns `out_dir`.
+    """
+    if lora not in _LORA_MODES:
+        raise ValueError(f"lora={lora!r}; valid values are {list(_LORA_MODES)}")
+    parse_size(max_shard_size)
+    ckpt_dir = mf.resolve_checkpoint_dir(ckpt_dir)
+    manifest = verify_checkpoint(ckpt_dir, collective=False)
+    meta = _read_meta(ckpt_dir)
+    state = load_model_tensors(ckpt_dir, manifest)
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+
+    staging = None
+    target = out_dir
+    if not os.path.exists(out_dir) or (os.path.isdir(out_dir) and not os.listdir(out_dir)):
+        # A fresh output directory appears only complete, like a checkpoint.
+        staging = f"{os.path.normpath(out_dir)}{mf.STAGING_MARK}{uuid.uuid4().hex[:8]}"
+        target = staging
+    os.makedirs(target, exist_ok=True)
+    model_meta = meta.get("model") or {}
+    if model_meta.get("has_config") and CONFIG_NAME in manifest.files:
+        _save_hf(ckpt_dir, model_meta, state, target, max_shard_size, lora, model_class)
+    else:
+        if model_meta.get("peft_adapter"):
+            raise CheckpointError(f"{ckpt_dir}: a LoRA checkpoint without a Hugging Face config cannot be merged")
+        save_safetensors(state, target, max_shard_size)
+    del state
+    if tokenizer is not None:
+        _save_tokenizer(tokenizer, target)
+    if staging is not None:
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)
+        os.rename(staging, out_dir)
+        mf.fsync_dir(os.path.dirname(os.path.abspath(out_dir)))
+    return out_dir
+
+
+def load_model_tensors(ckpt_dir: str, manifest: mf.Manifest) -> Dict[str, torch.Tensor]:
+    """Every model tensor of a verified checkpoint, full size, on CPU, keyed by module name."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp_dir = os.path.join(ckpt_dir, DCP_DIR)
+    entries = tensor_entries(load_dcp_metadata(os.path.join(dcp_dir, ".metadata")))
+    state = {k: torch.empty(shape, dtype=dt) for k, (shape, dt) in entries.items() if k.startswith(MODEL_PREFIX)}
+    if not state:
+        raise CheckpointError(f"{os.path.join(dcp_dir, '.metadata')}: the checkpoint holds no model tensors")
+    allowed = [n[len(DCP_DIR) + 1:] for n in manifest.files if n.startswith(DCP_DIR + "/")]
+    dcp.load(state, storage_reader=SafeFileSystemReader(dcp_dir, allowed_files=allowed), no_dist=True)
+    return {k[len(MODEL_PREFIX):]: v for k, v in state.items()}
+
+
+def _resolve_model_class(model_meta: Dict[str, Any], config: Any, model_class: Optional[type],
+                         ckpt_dir: str) -> type:
+    if model_class is not None:
+        return model_class
+    import transformers
+
+    recorded = model_meta.get("class") or ""
+    # Only classes of the transformers package are imported by name from a checkpoint file.
+    if recorded.startswith("transformers."):
+        module_name, _, cls_name = recorded.rpartition(".")
+        try:
+            return getattr(importlib.import_module(module_name), cls_name)
+        except (ImportError, AttributeError):
+            pass
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type):
+            return cls
+    raise CheckpointError(f"{ckpt_dir}: the model class {recorded!r} is not a transformers class; pass "
+                          "model_class= to merge_checkpoint")
+
+
+def build_hf_model(ckpt_dir: str, model_meta: Dict[str, Any], state: Dict[str, torch.Tensor],
+                   model_class: Optional[type] = None) -> nn.Module:
+    """The checkpoint's model (a PeftModel for LoRA) with `state` assigned, built without initializing weights."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(ckpt_dir)
+    cls = _resolve_model_class(model_meta, config, model_class, ckpt_dir)
+    with torch.device("meta"):
+        model = cls(config)
+    adapter = model_meta.get("peft_adapter")
+    if adapter:
+        from peft import PeftConfig, get_peft_model
+
+        peft_config = PeftConfig.from_pretrained(ckpt_dir)
+        with torch.device("meta"):
+            model = get_peft_model(model, peft_config, adapter_name=adapter)
+    else:
+        prefix = model_meta.get("hf_prefix") or ""
+        if prefix:
+            state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    result = model.load_state_dict(state, strict=False, assign=True)
+    # A tied output layer is saved under both names; the tie is restored below.
+    tied = _tied_names(model)
+    missing = [k for k in result.missing_keys if k not in tied]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(
+            f"{os.path.join(ckpt_dir, DCP_DIR)}: the checkpoint does not match {cls.__name__}({CONFIG_NAME}): "
+            f"missing {missing[:5]} ({len(missing)}), unexpected {result.unexpected_keys[:5]} "
+            f"({len(result.unexpected_keys)})")
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model
+
+
+def _tied_names(model: nn.Module) -> List[str]:
+    seen: Dict[int, str] = {}
+    tied = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            tied.append(name)
+        else:
+            seen[id(p)] = name
+    return tied
+
+
+def _save_hf(ckpt_dir: str, model_meta: Dict[str, Any], state: Dict[str, torch.Tensor], out_dir: str,
+             max_shard_size: Union[int, str], lora: str, model_class: Optional[type]) -> None:
+    model = build_hf_model(ckpt_dir, model_meta, state, model_class)
+    if model_meta.get("peft_adapter"):
+        if lora == "adapters":
+            model.save_pretrained(out_dir, safe_serialization=True)
+            return
+        model = model.merge_and_unload()
+    model.save_pretrained(out_dir, max_shard_size=max_shard_size, safe_serialization=True)
+
+
+def save_safetensors(state: Dict[str, torch.Tensor], out_dir: str, max_shard_size: Union[int, str] = "2GB") -> None:
+    """`model.safetensors`, or `model-0000i-of-0000n.safetensors` shards plus `model.safetensors.index.json`."""
+    from safetensors.torch import save_file
+
+    limit = parse_size(max_shard_size)
+    shards: List[Dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key in sorted(state):
+        t = state[key].contiguous()
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    total = 0
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
+        for key, t in shard.items():
+            weight_map[key] = name
+            total += t.numel() * t.element_size()
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+
+
+def _save_tokenizer(tokenizer: Any, out_dir: str) -> None:
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(out_dir)
+        return
+    src = os.fspath(tokenizer)
+    if not os.path.isdir(src):
+        raise ValueError(f"tokenizer={tokenizer!r} must be a tokenizer object or a directory of tokenizer files")
+    copied = [n for n in _TOKENIZER_FILES if os.path.isfile(os.path.join(src, n))]
+    if not copied:
+        raise ValueError(f"tokenizer directory {src} has none of the tokenizer files {list(_TOKENIZER_FILES)}")
+    for name in copied:
+        shutil.copyfile(os.path.join(src, name), os.path.join(out_dir, name))

@@ -1,0 +1,435 @@
+"""`save_checkpoint` / `load_checkpoint`: every rank its own shard, any layout in, any layout out.
+
+A checkpoint directory holds
+  dcp/            model and optimizer tensors (torch.distributed.checkpoint), keyed by HF names
+  meta.json       step, data position, lr scheduler, grad scaler, optimizer hyperparameters,
+                  strategy, layout, model class (JSON, never pickle)
+  rng/rank_N.json each rank's Python / NumPy / torch / CUDA generator states
+  config.json     the Hugging Face config, adapter_config.json for a LoRA model
+  manifest.json   sizes and sha256 of all of the above, written last (see manifest.py)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from atorch.checkpoint import manifest as mf
+from atorch.checkpoint.layout import (
+    MODEL_PREFIX,
+    OPTIM_PREFIX,
+    LayoutHandler,
+    TorchHandler,
+    find_hf_model,
+    is_deepspeed_engine,
+    peft_model_of,
+)
+from atorch.checkpoint.manifest import CheckpointError
+from atorch.checkpoint.safe_load import SafeFileSystemReader, load_dcp_metadata, tensor_entries
+from atorch.checkpoint.state import (
+    DataPosition,
+    from_json_value,
+    resume_dataloader,
+    rng_state,
+    set_rng_state,
+    to_json_value,
+)
+
+logger = logging.getLogger(__name__)
+
+DCP_DIR = "dcp"
+META_NAME = "meta.json"
+RNG_DIR = "rng"
+CONFIG_NAME = "config.json"
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+
+# Test hook: called on every rank after all shards are written and before the manifest
+# exists (the crash-safety test kills a process here). Never set in production code.
+_before_commit_hook: Optional[Callable[[str], None]] = None
+
+
+@dataclass
+class TrainingObjects:
+    """What a checkpoint saves, taken from an `AutoAccelerateResult` or given one by one."""
+
+    model: nn.Module
+    optimizer: Optional[torch.optim.Optimizer] = None
+    lr_scheduler: Any = None
+    grad_scaler: Any = None
+    engine: Any = None
+    dataloader: Any = None
+    global_batch_size: Optional[int] = None
+    strategy: Optional[List[str]] = None
+
+    @classmethod
+    def of(cls, target: Any, optimizer: Any = None, lr_scheduler: Any = None) -> "TrainingObjects":
+        if _is_result(target):
+            args = target.args or {}
+            engine = args.get("engine")
+            return cls(model=target.model, optimizer=optimizer or target.optim,
+                       lr_scheduler=lr_scheduler or target.lr_scheduler or getattr(engine, "lr_scheduler", None), grad_scaler=args.get("grad_scaler"),
+                       engine=engine, dataloader=target.dataloader, global_batch_size=args.get("global_batch_size"),
+                       strategy=list(args.get("strategy") or []) or None)
+        if isinstance(target, nn.Module):
+            engine = target if is_deepspeed_engine(target) else None
+            return cls(model=target, optimizer=optimizer, engine=engine,
+                       lr_scheduler=lr_scheduler or getattr(engine, "lr_scheduler", None))
+        raise TypeError(f"save/load target is a {type(target).__name__}; pass the AutoAccelerateResult that "
+                        "auto_accelerate returned, or an nn.Module (with optimizer=/lr_scheduler= as needed)")
+
+    def handler(self) -> LayoutHandler:
+        if self.engine is not None:
+            from atorch.checkpoint.deepspeed_layout import DeepSpeedHandler
+
+            return DeepSpeedHandler(self.engine)
+        return TorchHandler(self.model, self.optimizer)
+
+
+def _is_result(obj: Any) -> bool:
+    return all(hasattr(obj, a) for a in ("model", "optim", "dataloader", "lr_scheduler", "args"))
+
+
+@dataclass
+class CheckpointState:
+    """What `load_checkpoint` restored, and what the training loop needs to go on."""
+
+    path: str
+    step: Optional[int]
+    data_position: Optional[DataPosition]
+    extra: Dict[str, Any] = field(default_factory=dict)
+    strategy: Optional[List[str]] = None
+    saved_world_size: int = 1
+    rng_restored: bool = False
+    optimizer_restored: bool = False
+    # The result's dataloader, started at `data_position` (None without a dataloader or position).
+    dataloader: Any = None
+
+
+# -- process-group helpers (every one is a no-op in a single process) ----------------------
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if _dist() else 1
+
+
+def _barrier() -> None:
+    if _dist():
+        dist.barrier()
+
+
+def _broadcast(value: Any) -> Any:
+    if not _dist():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_gather(value: Any) -> List[Any]:
+    if not _dist():
+        return [value]
+    out: List[Any] = [None] * _world()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _parallel_dims() -> Optional[List[List[Any]]]:
+    from atorch import distributed as adist
+
+    if not adist.is_parallel_group_created():
+        return None
+    return [[n, s] for n, s in adist.parallel_layout().dims]
+
+
+# -- save ----------------------------------------------------------------------------------
+
+def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
+                    data_position: Optional[DataPosition] = None, extra: Optional[Dict[str, Any]] = None,
+                    keep_last: Optional[int] = None, save_optimizer: bool = True, update_latest: bool = True,
+                    optimizer: Any = None, lr_scheduler: Any = None) -> str:
+    """Save model, optimizer, lr scheduler, grad scaler, RNG states, step and data position to `path`.
+
+    Call on every rank. Each rank writes its own shards; the directory appears under `path`
+    only when complete, `<parent>/latest` then names it, and with `keep_last=N` only the N
+    newest checkpoints in the parent directory are kept. `data_position` defaults to `step`
+    batches into the result's dataloader. `extra` is any JSON data, returned by
+    `load_checkpoint`. Returns the checkpoint directory.
+    """
+    objs = TrainingObjects.of(target, optimizer, lr_scheduler)
+    # Input mistakes raise here, on every rank, before any collective.
+    if not path:
+        raise ValueError("path is empty; pass the checkpoint directory, e.g. 'ckpt/step_100'")
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last={keep_last}; it must be >= 1, or None to keep every checkpoint")
+    if step is not None and (not isinstance(step, int) or step < 0):
+        raise ValueError(f"step={step!r} must be a non-negative int")
+    extra_json = to_json_value(dict(extra or {}), "extra")
+    final_dir = os.path.normpath(path)
+    parent = os.path.dirname(os.path.abspath(final_dir))
+    if data_position is None and step is not None and objs.dataloader is not None:
+        data_position = DataPosition.after_steps(step, _len_or_none(objs.dataloader),
+                                                 global_batch_size=objs.global_batch_size)
+    handler = objs.handler()
+    rank, world = _rank(), _world()
+
+    token = _broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
+    staging = mf.staging_dir(final_dir, token)
+    if rank == 0:
+        os.makedirs(parent, exist_ok=True)
+        mf.remove_stale_staging(final_dir)
+        os.makedirs(os.path.join(staging, RNG_DIR))
+    _barrier()
+
+    tensors = {MODEL_PREFIX + k: v for k, v in handler.model_state().items()}
+    optim_values: Dict[str, Any] = {}
+    has_optimizer = save_optimizer and handler.has_optimizer
+    if has_optimizer:
+        optim_tensors, local_values = handler.optim_state()
+        tensors.update({OPTIM_PREFIX + k: v for k, v in optim_tensors.items()})
+        # A torch ZeRO optimizer knows only its own parameters' hyperparameters: merge all ranks'.
+        for values in _all_gather(local_values):
+            optim_values.update(values)
+    _dcp_save(tensors, os.path.join(staging, DCP_DIR))
+    del tensors
+
+    _write_json(os.path.join(staging, RNG_DIR, f"rank_{rank:05d}.json"), rng_state())
+    if rank == 0:
+        meta = _meta(objs, handler, step, data_position, extra_json, has_optimizer, optim_values, world)
+        _write_json(os.path.join(staging, META_NAME), meta)
+        _write_model_configs(objs.model, staging)
+    if _before_commit_hook is not None:
+        _before_commit_hook(staging)
+    _barrier()
+
+    # Each rank fsyncs and hashes an interleaved share of the files; rank 0 commits.
+    names = _broadcast(mf.list_files(staging) if rank == 0 else None)
+    records: Dict[str, mf.FileRecord] = {}
+    for part in _all_gather(mf.record_files(staging, names[rank::world])):
+        records.update(part)
+    if rank == 0:
+        mf.commit(staging, final_dir, mf.Manifest(files=records, step=step))
+        if update_latest:
+            mf.write_latest(parent, os.path.basename(final_dir))
+        if keep_last is not None:
+            mf.rotate(parent, keep_last, protect=[final_dir])
+    _barrier()
+    return final_dir
+
+
+def _len_or_none(obj: Any) -> Optional[int]:
+    try:
+        return len(obj)
+    except TypeError:
+        return None
+
+
+def _dcp_save(tensors: Dict[str, torch.Tensor], dcp_dir: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    writer = dcp.FileSystemWriter(dcp_dir, single_file_per_rank=True, sync_files=True, overwrite=True)
+    dcp.save(tensors, storage_writer=writer, no_dist=not _dist())
+
+
+def _write_json(path: str, value: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _qualname(obj: Any) -> Optional[str]:
+    if obj is None:
+        return None
+    cls = obj if isinstance(obj, type) else type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _meta(objs: TrainingObjects, handler: LayoutHandler, step: Optional[int], position: Optional[DataPosition],
+          extra_json: Any, has_optimizer: bool, optim_values: Dict[str, Any], world: int) -> Dict[str, Any]:
+    hf_model, hf_prefix = find_hf_model(objs.model)
+    peft = peft_model_of(objs.model)
+    meta: Dict[str, Any] = {
+        "format": mf.FORMAT_NAME, "version": mf.FORMAT_VERSION, "step": step,
+        "data_position": position.to_json() if position is not None else None,
+        "world_size": world, "parallel_dims": _parallel_dims(), "layout": handler.name,
+        "strategy": objs.strategy,
+        "model": {"class": _qualname(hf_model) if hf_model is not None else _qualname(objs.model),
+                  "hf_prefix": hf_prefix, "has_config": hf_model is not None,
+                  "peft_adapter": getattr(peft, "active_adapter", None) if peft is not None else None},
+        "has_optimizer": has_optimizer,
+        "optimizer": ({"class": _qualname(objs.optimizer), "values": to_json_value(optim_values, "optimizer")}
+                      if has_optimizer else None),
+        "lr_scheduler": _stateful_json(objs.lr_scheduler, "lr_scheduler"),
+        "grad_scaler": _stateful_json(objs.grad_scaler, "grad_scaler"),
+        "engine": to_json_value(handler.extra_state(), "engine") if hasattr(handler, "extra_state") else None,
+        "extra": extra_json, "torch_version": torch.__version__, "created": time.time(),
+    }
+    return meta
+
+
+def _stateful_json(obj: Any, where: str) -> Optional[Dict[str, Any]]:
+    if obj is None or not hasattr(obj, "state_dict"):
+        return None
+    return {"class": _qualname(obj), "state": to_json_value(obj.state_dict(), where)}
+
+
+def _write_model_configs(model: nn.Module, staging: str) -> None:
+    hf_model, _ = find_hf_model(model)
+    if hf_model is not None:
+        hf_model.config.to_json_file(os.path.join(staging, CONFIG_NAME))
+    peft = peft_model_of(model)
+    if peft is not None:
+        # peft writes its own config as JSON (sets become lists, enums strings).
+        peft.peft_config[peft.active_adapter].save_pretrained(staging)
+
+
+# -- load ----------------------------------------------------------------------------------
+
+def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load_rng: bool = True,
+                    strict: bool = True, optimizer: Any = None, lr_scheduler: Any = None) -> CheckpointState:
+    """Load a checkpoint into `target` in its current (possibly different) parallel layout.
+
+    `path` is a checkpoint directory, or a parent directory whose `latest` names one. Every
+    file is verified against the manifest, and every model (and optimizer) key and shape is
+    checked against the checkpoint, before anything is loaded: a bad checkpoint raises
+    `CheckpointError` (a ValueError) naming the file and the problem, and changes nothing.
+    RNG states are restored when the world size is the one that saved.
+    """
+    objs = TrainingObjects.of(target, optimizer, lr_scheduler)
+    ckpt_dir = mf.resolve_checkpoint_dir(path)
+    manifest = mf.Manifest.read(ckpt_dir)
+    verify_checkpoint(ckpt_dir, manifest)
+    meta = _read_meta(ckpt_dir)
+    dcp_dir = os.path.join(ckpt_dir, DCP_DIR)
+    entries = tensor_entries(load_dcp_metadata(os.path.join(dcp_dir, ".metadata")))
+
+    handler = objs.handler()
+    targets = {MODEL_PREFIX + k: v for k, v in handler.model_state().items()}
+    problems = check_keys(targets, entries, MODEL_PREFIX, strict=strict)
+    restore_optim = load_optimizer and handler.has_optimizer
+    optim_targets: Dict[str, torch.Tensor] = {}
+    optim_values: Dict[str, Any] = {}
+    if restore_optim:
+        if not meta.get("has_optimizer"):
+            problems.append(f"{os.path.join(ckpt_dir, META_NAME)}: the checkpoint was saved without optimizer "
+                            "state; pass load_optimizer=False to load the model only")
+        else:
+            local_tensors, local_values = handler.optim_state()
+            optim_targets = {OPTIM_PREFIX + k: v for k, v in local_tensors.items()}
+            saved_values = from_json_value(meta["optimizer"]["values"])
+            problems += check_keys(optim_targets, entries, OPTIM_PREFIX, strict=False)
+            missing = sorted(k for k in local_values if k not in saved_values)
+            if missing:
+                problems.append(f"{os.path.join(ckpt_dir, META_NAME)}: no optimizer hyperparameters for "
+                                f"{len(missing)} entries, e.g. {missing[:3]} (a different model or optimizer)")
+            optim_values = {k: v for k, v in saved_values.items() if k in local_values}
+    mf.raise_problems(ckpt_dir, problems)
+
+    _dcp_load({**targets, **optim_targets}, dcp_dir, manifest)
+    handler.load_model_state({k[len(MODEL_PREFIX):]: v for k, v in targets.items()})
+    if restore_optim:
+        handler.load_optim_state({k[len(OPTIM_PREFIX):]: v for k, v in optim_targets.items()}, optim_values)
+        if hasattr(handler, "load_extra_state") and meta.get("engine") is not None:
+            handler.load_extra_state(from_json_value(meta["engine"]))
+        _load_stateful(objs.lr_scheduler, meta.get("lr_scheduler"), "lr_scheduler", ckpt_dir)
+        _load_stateful(objs.grad_scaler, meta.get("grad_scaler"), "grad_scaler", ckpt_dir)
+
+    rng_restored = False
+    rng_name = f"{RNG_DIR}/rank_{_rank():05d}.json"
+    if load_rng and meta.get("world_size") == _world() and rng_name in manifest.files:
+        set_rng_state(mf.read_json(ckpt_dir, rng_name))
+        rng_restored = True
+    position = DataPosition.from_json(meta["data_position"]) if meta.get("data_position") else None
+    dataloader = None
+    if position is not None and objs.dataloader is not None:
+        dataloader = resume_dataloader(objs.dataloader, position)
+    _barrier()
+    return CheckpointState(path=ckpt_dir, step=meta.get("step"), data_position=position,
+                           extra=from_json_value(meta.get("extra") or {}), strategy=meta.get("strategy"),
+                           saved_world_size=int(meta.get("world_size") or 1), rng_restored=rng_restored,
+                           optimizer_restored=restore_optim, dataloader=dataloader)
+
+
+def verify_checkpoint(ckpt_dir: str, manifest: Optional[mf.Manifest] = None, collective: bool = True) -> mf.Manifest:
+    """Check every file against the manifest; raise (on every rank) if any is missing, truncated or altered.
+
+    With `collective` (and a process group) the ranks share the hashing; otherwise this
+    process checks every file.
+    """
+    manifest = manifest or mf.Manifest.read(ckpt_dir)
+    names = sorted(manifest.files)
+    for required in (META_NAME, f"{DCP_DIR}/.metadata"):
+        if required not in manifest.files:
+            raise CheckpointError(f"{ckpt_dir}: the manifest does not list {required}; not an atorch checkpoint")
+    problems: List[str] = []
+    if collective and _dist():
+        for part in _all_gather(mf.verify_files(ckpt_dir, manifest, names[_rank()::_world()])):
+            problems += part
+    else:
+        problems = mf.verify_files(ckpt_dir, manifest, names)
+    mf.raise_problems(ckpt_dir, problems)
+    return manifest
+
+
+def _read_meta(ckpt_dir: str) -> Dict[str, Any]:
+    meta = mf.read_json(ckpt_dir, META_NAME)
+    if not isinstance(meta, dict) or meta.get("format") != mf.FORMAT_NAME:
+        raise CheckpointError(f"{os.path.join(ckpt_dir, META_NAME)}: not atorch checkpoint metadata")
+    return meta
+
+
+def check_keys(targets: Dict[str, torch.Tensor], entries: Dict[str, Tuple[Tuple[int, ...], torch.dtype]],
+               prefix: str, strict: bool) -> List[str]:
+    """Differences between the tensors to load and the checkpoint's, as messages (empty when they match)."""
+    problems = []
+    where = f"{DCP_DIR}/.metadata"
+    missing = sorted(k[len(prefix):] for k in targets if k not in entries)
+    if missing:
+        problems.append(f"{where}: {len(missing)} {prefix[:-1]} entries this model needs are not in the checkpoint, "
+                        f"e.g. {missing[:5]} (a checkpoint of a different model?)")
+    if strict:
+        unexpected = sorted(k[len(prefix):] for k in entries if k.startswith(prefix) and k not in targets)
+        if unexpected:
+            problems.append(f"{where}: the checkpoint has {len(unexpected)} {prefix[:-1]} entries this model does "
+                            f"not, e.g. {unexpected[:5]} (a checkpoint of a different model? strict=False ignores "
+                            "them)")
+    bad_shapes = [(k[len(prefix):], tuple(v.shape), entries[k][0]) for k, v in sorted(targets.items())
+                  if k in entries and tuple(v.shape) != entries[k][0]]
+    if bad_shapes:
+        shown = ", ".join(f"{k}: model {m} vs checkpoint {c}" for k, m, c in bad_shapes[:5])
+        problems.append(f"{where}: {len(bad_shapes)} shape mismatches: {shown}")
+    return problems
+
+
+def _dcp_load(targets: Dict[str, torch.Tensor], dcp_dir: str, manifest: mf.Manifest) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    allowed = [n[len(DCP_DIR) + 1:] for n in manifest.files if n.startswith(DCP_DIR + "/")]
+    reader = SafeFileSystemReader(dcp_dir, allowed_files=allowed)
+    dcp.load(targets, storage_reader=reader, no_dist=not _dist())
+
+
+def _load_stateful(obj: Any, saved: Optional[Dict[str, Any]], what: str, ckpt_dir: str) -> None:
+    if obj is None:
+        return
+    if saved is None:
+        logger.warning("%s: the checkpoint has no %s state; the current one is kept", ckpt_dir, what)
+        return
+    obj.load_state_dict(from_json_value(saved["state"]))
