@@ -83,7 +83,8 @@ class DatasetForCausalLM(Dataset):
 
     The index (document order, document offsets, sample order) is written once, atomically, as
     `<data_name>_<split>_<seq>sl_<start>_<end>_<seed>s_{doc_order,doc_offsets,samples}.npy`;
-    under torch.distributed the local rank 0 of each node builds it and the other ranks wait.
+    under torch.distributed the local rank 0 of each node builds it and the other ranks wait, so
+    every rank must construct the dataset (the constructor holds a collective).
     """
 
     def __init__(self, data_name: PathLike, max_seq_length: int, split_type: str = "train",

@@ -268,11 +268,6 @@ def _dtype_of(code: int, idx: Path) -> np.dtype:
     return DTYPE_CODES[code]
 
 
-def read_magic(prefix: PathLike) -> bytes:
-    with open(index_path(prefix), "rb") as f:
-        return f.read(9)
-
-
 class MMapIndexedDataset(_IndexedTokens):
     """Reader of the "mmap" layout: both files memory-mapped, nothing loaded up front."""
 
