@@ -16,7 +16,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -279,8 +279,8 @@ def _tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def tokenized_corpus(args: argparse.Namespace, tokenizer: Any) -> str:
-    """The `.bin`/`.idx` prefix of the training corpus, tokenizing (once, cached) when needed.
+def tokenized_corpus(args: argparse.Namespace, tokenizer: Any) -> Tuple[str, str]:
+    """(`.bin`/`.idx` prefix, source) of the training corpus, tokenizing (once, cached) when needed.
 
     No `--dataset_path`: the bundled corpus, with a logged notice. A path that does not exist is a
     UsageError naming it. The cache key covers the source files (path, size, mtime) and the
@@ -297,7 +297,7 @@ def tokenized_corpus(args: argparse.Namespace, tokenizer: Any) -> str:
     else:
         prefix = _is_preprocessed_prefix(args.dataset_path)
         if prefix is not None:
-            return prefix
+            return prefix, args.dataset_path
         source = Path(args.dataset_path)
         if not source.exists():
             raise UsageError(f"DATASET_PATH (--dataset_path) {args.dataset_path!r} does not exist; give a .txt or "
@@ -316,14 +316,14 @@ def tokenized_corpus(args: argparse.Namespace, tokenizer: Any) -> str:
         DatasetPreprocessor(tokenizer, workers=workers).preprocess(source, prefix, progress_enabled=False)
 
     build_once_per_node(lambda: _is_preprocessed_prefix(prefix) is not None, build, f"the tokenized corpus {prefix}")
-    return prefix
+    return prefix, str(source)
 
 
 def load_train_dataset(args: argparse.Namespace, tokenizer: Any, global_batch_size: int) -> Any:
     """`DatasetForCausalLM` of `--block_size` tokens per sample over the tokenized corpus."""
     from atorch.data import DatasetForCausalLM
 
-    prefix = tokenized_corpus(args, tokenizer)
+    prefix, source = tokenized_corpus(args, tokenizer)
     try:
         dataset = DatasetForCausalLM(prefix, max_seq_length=args.block_size, seed=args.seed)
     except ValueError as e:  # e.g. a block longer than the whole corpus
@@ -331,7 +331,7 @@ def load_train_dataset(args: argparse.Namespace, tokenizer: Any, global_batch_si
     if len(dataset) < global_batch_size:
         raise UsageError(f"the corpus {prefix!r} gives {len(dataset)} samples of {args.block_size} tokens, fewer than "
                          f"one global batch of {global_batch_size}; lower BLOCK_SIZE or the batch size")
-    print_rank0(f"data: {len(dataset)} samples of {args.block_size} tokens from {prefix}.bin")
+    print_rank0(f"data: {len(dataset)} samples of {args.block_size} tokens from {source} (tokenized: {prefix}.bin)")
     return dataset
 
 

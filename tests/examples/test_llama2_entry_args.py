@@ -166,20 +166,21 @@ def test_dataset_path_missing_falls_back_wrong_is_an_error(tmp_path, caplog):
     with pytest.raises(eu.UsageError, match=r"DATASET_PATH \(--dataset_path\) '.*nope.jsonl' does not exist"):
         eu.tokenized_corpus(args_for(tmp_path, "--dataset_path", str(tmp_path / "nope.jsonl")), tokenizer)
     with caplog.at_level("WARNING"):
-        prefix = eu.tokenized_corpus(args_for(tmp_path), tokenizer)
+        prefix, source = eu.tokenized_corpus(args_for(tmp_path), tokenizer)
     assert "not set: training on the bundled corpus" in caplog.text
+    assert source.endswith("corpus.txt")
     assert Path(prefix + ".bin").is_file() and Path(prefix).parent == tmp_path / "data_cache"
     # Cached: a second call tokenizes nothing and returns the same files.
     mtime = Path(prefix + ".bin").stat().st_mtime_ns
-    assert eu.tokenized_corpus(args_for(tmp_path), tokenizer) == prefix
+    assert eu.tokenized_corpus(args_for(tmp_path), tokenizer)[0] == prefix
     assert Path(prefix + ".bin").stat().st_mtime_ns == mtime
     # A preprocessed prefix is used as is; a changed corpus gets a new cache entry.
-    assert eu.tokenized_corpus(args_for(tmp_path, "--dataset_path", prefix + ".bin"), tokenizer) == prefix
+    assert eu.tokenized_corpus(args_for(tmp_path, "--dataset_path", prefix + ".bin"), tokenizer)[0] == prefix
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(50)))
-    first = eu.tokenized_corpus(args_for(tmp_path, "--dataset_path", str(corpus)), tokenizer)
+    first, _ = eu.tokenized_corpus(args_for(tmp_path, "--dataset_path", str(corpus)), tokenizer)
     corpus.write_text(corpus.read_text() + json.dumps({"text": "one more"}) + "\n")
-    assert eu.tokenized_corpus(args_for(tmp_path, "--dataset_path", str(corpus)), tokenizer) != first
+    assert eu.tokenized_corpus(args_for(tmp_path, "--dataset_path", str(corpus)), tokenizer)[0] != first
 
 
 def test_a_corpus_smaller_than_one_batch_is_a_usage_error(tmp_path):

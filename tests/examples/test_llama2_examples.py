@@ -141,10 +141,14 @@ def test_lora_fine_tuning_loads_weights_and_trains_only_adapters(fsdp_run, tmp_p
     from atorch.checkpoint import merge_checkpoint
     from atorch.testing.assets import corpus_documents, load_tokenizer
 
+    from transformers import LlamaForCausalLM
+
     out_dir, first = fsdp_run
     ok(first)
     model_dir = tmp_path / "model"
-    merge_checkpoint(str(out_dir / "checkpoints" / "step_20"), str(model_dir), tokenizer=load_tokenizer())
+    # model_class: the checkpoint records FSDP2's dynamic class name (see the export test below).
+    merge_checkpoint(str(out_dir / "checkpoints" / "step_20"), str(model_dir), tokenizer=load_tokenizer(),
+                     model_class=LlamaForCausalLM)
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in corpus_documents()))
 
@@ -161,7 +165,24 @@ def test_lora_fine_tuning_loads_weights_and_trains_only_adapters(fsdp_run, tmp_p
     # The pretrained weights were loaded: the loss starts near where the FSDP run ended, far
     # below the ~6.9 of a random init.
     assert metrics[0]["loss"] < 5.5, metrics[0]
-    assert "corpus.jsonl" in line_with(stdout, "data:")
+    assert f"from {corpus} (tokenized:" in line_with(stdout, "data:")
+
+
+def test_fsdp_checkpoint_exports_to_a_hugging_face_model(fsdp_run, tmp_path):
+    """The README's export step: `merge_checkpoint` of the example's checkpoint, then `from_pretrained`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from atorch.checkpoint import merge_checkpoint
+    from atorch.testing.assets import load_tokenizer
+
+    out_dir, first = fsdp_run
+    ok(first)
+    merge_checkpoint(str(out_dir / "checkpoints" / "step_20"), str(tmp_path / "hf"), tokenizer=load_tokenizer())
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert sum(p.numel() for p in model.parameters()) == 213312 and all(
+        torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_fp8_on_cpu_fails_at_start_with_a_clear_message(tmp_path):
