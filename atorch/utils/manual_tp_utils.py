@@ -26,7 +26,7 @@ Usage::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,7 @@ from atorch.modules.distributed_modules.layers import (
 from atorch.modules.distributed_modules.mappings import Group, gather_from_group, group_size
 from atorch.modules.distributed_modules.randomizer import MultiDimParallelRandomizer, fork_module_rng
 from atorch.utils.meta_model_utils import is_meta_module, materialize_module
+from atorch.utils.module_utils import find_transformer_block_classes
 
 COL, ROW, VOCAB, REPLIC_DROP, PARALLEL_DROP = "col", "row", "vocab", "replic_drop", "parallel_drop"
 _KINDS = (COL, ROW, VOCAB, REPLIC_DROP, PARALLEL_DROP)
@@ -79,7 +80,9 @@ class TPInfo:
     (input_is_parallel), `vocab` -> VocabParallelEmbedding. `replic` modules run their forward
     with the dropout stream shared by the tensor group (they see replicated activations);
     `parallel` modules with a stream distinct per tensor rank (split activations, e.g. the
-    attention module, whose attention-probability dropout acts on this rank's heads).
+    attention module, whose attention-probability dropout acts on this rank's heads; in
+    transformers 5 that dropout is functional inside the attention forward, so name the
+    attention module, e.g. GPT-2's "attn": its `attn_dropout` module is no longer called).
     `shrink_attrs` names integer attributes divided by the tensor size on matching modules
     (head counts and widths that a module uses to reshape). A dataclass, so strategies that
     hold one round-trip through JSON.
@@ -347,6 +350,7 @@ def _shrunk_values(name: str, module: nn.Module, attrs: Iterable[str], tp_size: 
 # (full parameter, its shard, how it was cut), by id of the full parameter.
 _Shared = Tuple[torch.Tensor, nn.Parameter, ShardSpec]
 
+
 def _default_group() -> Group:
     from atorch.distributed import is_parallel_group_created, parallel_layout, parallel_group
 
@@ -367,9 +371,10 @@ def tp_manual_shard_custom_fn(model: nn.Module, tpinfo: TPInfo, group: Group = N
     layers holding this rank's slices; the returned module is `model` unless `model` itself
     was matched). It must hold the same weights on every rank of the group. A meta model
     (built under `record_module_init`) gets the plan attached to its modules and is
-    returned unchanged; `materialize_tp_module` then builds only the slices. `group`
-    defaults to atorch's "tensor" group; `randomizer` (for the dropout roles) to the
-    process default at forward time. All checks run before anything changes.
+    returned unchanged; `materialize_tp_module` then builds only the slices (and takes the
+    randomizer). `group` defaults to atorch's "tensor" group; `randomizer` (for the dropout
+    roles) to the process default, looked up at forward time. All checks run before
+    anything changes.
     """
     if group is None:
         group = _default_group()
@@ -469,14 +474,21 @@ def _finish_root(model: nn.Module, plan: TPPlan, group: Group) -> None:
 
 def materialize_tp_module(module: nn.Module, base_seed: int, device: Optional[torch.device] = None,
                           per_block: bool = False, group: Group = None,
-                          randomizer: Optional[MultiDimParallelRandomizer] = None) -> nn.Module:
+                          randomizer: Optional[MultiDimParallelRandomizer] = None,
+                          block_classes: Optional[Tuple[type, ...]] = None,
+                          init_fn: Optional[Callable[[nn.Module], None]] = None) -> nn.Module:
     """Build a marked meta module (the whole model or a sub-module, e.g. a pipeline stage) as this rank's shards.
 
-    Weights equal those of `torch.manual_seed(base_seed); Model(config)` sliced for this rank
-    (`per_block=False`: one full model on the CPU per rank while building), or come from
-    per-block seeds with one block at full size at a time (`per_block=True`; the same full
-    weights for every tensor size). Unmarked parts are built too. Returns the new module;
-    the meta one is unchanged.
+    `per_block=False`: the module's recorded construction is replayed under `base_seed` on
+    the CPU (one full copy per rank while building), so a whole model gets the weights of
+    `torch.manual_seed(base_seed); Model(config)`, sliced for this rank. (A sub-module built
+    alone gets `cls(*args)` under `base_seed`, not its slice of the whole model's stream.)
+    `per_block=True`: one block at full size at a time, each from its own seed
+    (`meta_model_utils.unit_seed`), so the full weights are the same for every tensor size
+    and for any split into stages; `block_classes` defaults to the model's transformer
+    blocks and `init_fn` to its Hugging Face `_init_weights` (pass the root model's for a
+    sub-module). Unmarked parts are built too; `randomizer` (default: one seeded with
+    `base_seed`) drives the dropout roles. Returns the new module; the meta one is unchanged.
     """
     if group is None:
         group = _default_group()
@@ -489,17 +501,13 @@ def materialize_tp_module(module: nn.Module, base_seed: int, device: Optional[to
         actions, shrink = _marks(meta)
         return _apply_plan(real, prefix, actions, shrink, group, randomizer, {})
 
-    block_classes = _block_classes(module) if per_block else ()
+    if block_classes is None:
+        block_classes = tuple(find_transformer_block_classes(module)) if per_block else ()
     real = materialize_module(module, base_seed, device=device, transform=shard, per_block=per_block,
-                              block_classes=block_classes)
+                              block_classes=block_classes, init_fn=init_fn)
     if plan is not None:
         _finish_root(real, plan, group)
     return real
-
-
-def _block_classes(model: nn.Module) -> Tuple[type, ...]:
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    return tuple({type(m) for m in model.modules() if type(m).__name__ in names})
 
 
 # -- gathering --------------------------------------------------------------------

@@ -18,8 +18,10 @@ What is compared, and why the tolerances:
   `transformers` model, and that model reproduces the trained sharded model's logits.
 
 Two spawns: 4 ranks run TP=4 and TP=2 x DP=2 for Llama and GPT-2 (the meta-device path for
-two of the four, a real model for the others); 2 ranks run TP=2 for both, the per-block
-materialization, and the input errors that must be raised on every rank before any collective.
+two of the four, a real model for the others); 2 ranks run TP=2 for both, the other preset
+families (Llama with grouped-query attention, Mistral, Qwen2, GPT-NeoX: logits before and
+after one SGD step), the per-block materialization, and the input errors that must be raised
+on every rank before any collective.
 """
 
 from __future__ import annotations
@@ -179,6 +181,7 @@ def _run_2_ranks() -> Dict[str, Any]:
     from atorch.utils.tp_presets import tpinfo_for_model
 
     out: Dict[str, Any] = {"configs": [_train_one(kind, dims, meta) for kind, dims, meta in CONFIGS_2]}
+    out["families"] = _run_families()
 
     # Bad input: the same ValueError on every rank, raised before any collective (the barrier
     # below would hang if one rank had gone on into a collective).
@@ -192,6 +195,12 @@ def _run_2_ranks() -> Dict[str, Any]:
     errors["tensor_dim"] = _expect_value_error(["parallel_mode", "tensor_parallel"], _build("llama", False))
     dist.barrier()
     out["errors"] = errors
+    # A real model that differs across the tensor group cannot be sliced consistently: every rank
+    # detects it (one checksum each) and auto_accelerate reports status False everywhere.
+    torch.manual_seed(dist.get_rank())
+    status, _, _ = auto_accelerate(LlamaForCausalLM(_config("llama")), optim_func=torch.optim.AdamW,
+                                   load_strategy=[pm, "tensor_parallel"])
+    out["mismatch_status"] = status
 
     # Per-block materialization: one block at full size at a time; the gathered weights must be
     # those of the unsharded per-block build (checked by the caller), i.e. independent of T.
@@ -209,6 +218,59 @@ def _run_2_ranks() -> Dict[str, Any]:
     out["per_block_tied"] = per_block.lm_head.weight is per_block.transformer.wte.weight
     dist.barrier()
     return _portable(out)
+
+
+FAMILIES = ("llama_gqa", "mistral", "qwen2", "gpt_neox")
+
+
+def _build_family(kind: str) -> torch.nn.Module:
+    """Tiny models of the other preset families; GQA with 2 kv heads for 4 query heads (kv heads get split)."""
+    from transformers import (GPTNeoXConfig, GPTNeoXForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
+
+    common = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=64)
+    torch.manual_seed(BASE_SEED)
+    if kind == "llama_gqa":
+        return LlamaForCausalLM(tiny_llama_config(num_key_value_heads=2))
+    if kind == "mistral":
+        config = MistralConfig(num_key_value_heads=2, **common)
+        model_cls = MistralForCausalLM
+    elif kind == "qwen2":  # q/k/v carry biases
+        config = Qwen2Config(num_key_value_heads=2, **common)
+        model_cls = Qwen2ForCausalLM
+    else:  # fused query_key_value laid out head by head
+        config = GPTNeoXConfig(**common)
+        model_cls = GPTNeoXForCausalLM
+    config._attn_implementation = "eager"
+    return model_cls(config)
+
+
+def _forward_and_one_step(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Logits before and after one SGD step on the probe batch (the second checks the gradients)."""
+    ids = _probe()
+    before = _eval_logits(model, ids)
+    model.eval()  # no dropout: the step is deterministic
+    optim = torch.optim.SGD(model.parameters(), lr=1.0)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optim.step()
+    after = _eval_logits(model, ids)
+    return {"before": before, "after": after}
+
+
+def _run_families() -> Dict[str, Any]:
+    from atorch.distributed import create_parallel_group
+    from atorch.utils.manual_tp_utils import tp_manual_shard_custom_fn
+    from atorch.utils.tp_presets import tpinfo_for_model
+
+    create_parallel_group(([("tensor", dist.get_world_size())], None))
+    out = {}
+    for kind in FAMILIES:
+        model = _build_family(kind)
+        model = tp_manual_shard_custom_fn(model, tpinfo_for_model(model))
+        out[kind] = _forward_and_one_step(model)
+    dist.barrier()
+    return out
 
 
 def _build_heads(num_heads: int) -> torch.nn.Module:
@@ -329,12 +391,20 @@ def test_tp2_parity_errors_and_per_block_materialization():
     for index, (kind, dims, _) in enumerate(CONFIGS_2):
         _check_config(kind, dims, [r["configs"][index] for r in results])
 
+    for kind in FAMILIES:
+        expected = _forward_and_one_step(_build_family(kind))
+        for r in results:
+            for when in ("before", "after"):
+                err = _rel_err(r["families"][kind][when], expected[when])
+                assert err <= LOGITS_REL, (kind, when, err)
+
     for r in results:
         errors = r["errors"]
         assert "num_attention_heads=3" in errors["heads"] and "tensor parallel size 2" in errors["heads"], errors
         assert "'mlp.no_such_proj' matches no module of LlamaForCausalLM" in errors["suffix"], errors
         assert "'model.embed_tokens'" in errors["type"] and "Embedding" in errors["type"], errors
         assert "needs a 'tensor' dimension" in errors["tensor_dim"], errors
+        assert r["mismatch_status"] is False
         assert r["per_block_tied"]
 
     # Per-block weights do not depend on the tensor size: TP=2 gathered == unsharded per-block build.
