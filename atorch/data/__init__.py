@@ -3,6 +3,13 @@
 `DatasetPreprocessor` writes the files in parallel and bounded memory; `DatasetForCausalLM`
 cuts them into fixed-length samples; `DatasetBlender`, `DistributedProxySampler` and
 `InfiniteDataLoader` mix, shard and repeat them.
+
+    pre = DatasetPreprocessor(tokenizer, workers=8)                # EOD = tokenizer.eos_token_id
+    pre.preprocess(pre.open_jsonl("web.jsonl"), "data/web")        # data/web.bin + data/web.idx
+    train = DatasetForCausalLM("data/web", 2048, "train", 0.0, 0.99, seed=1)
+    valid = DatasetForCausalLM("data/web", 2048, "valid", 0.99, 1.0)
+    sampler = DistributedProxySampler(SequentialSampler(train), seed=1)  # ranks from torch.distributed
+    batches = InfiniteDataLoader(DataLoader(train, batch_size=8, sampler=sampler))
 """
 
 from atorch.data.blender import DatasetBlender, blend_schedule
