@@ -108,6 +108,8 @@ def _facts(result) -> Dict[str, Any]:
         "inner_optim": type(getattr(result.optim, "optimizer", result.optim)).__name__,
         "engine": result.args.get("engine") is not None,
         "autocast_forward": has_autocast_forward(model) or has_autocast_forward(inner),
+        "grad_scaler": result.args.get("grad_scaler") is not None,
+        "param_dtype": str(next(model.parameters()).dtype),
         "applied": list(result.args["strategy"]),
     }
 
@@ -119,7 +121,8 @@ def train_strategy(strategy: List[Any], lr: float = LR, seed: int = 0) -> Dict[s
         model_input_format="unpack_dict", dataloader_args={"batch_size": GLOBAL_BATCH}, load_strategy=strategy)
     assert status, f"auto_accelerate returned status=False for {strategy} (see the log above)"
     losses = [_global_loss(train_step(result, batch)) for _, batch in zip(range(STEPS), result.dataloader)]
-    out = {"losses": losses, "names": chosen.names(), **_facts(result)}
+    use_ds_zero = any(isinstance(item.config, dict) and item.config.get("use_ds_zero") for item in chosen)
+    out = {"losses": losses, "names": chosen.names(), "use_ds_zero": use_ds_zero, **_facts(result)}
     engine = result.args.get("engine")
     if engine is not None and hasattr(engine, "destroy"):
         engine.destroy()
@@ -150,8 +153,13 @@ def train_all(strategies: Dict[str, List[Any]], lr: float = LR) -> Dict[str, Dic
 def check_run(name: str, run: Dict[str, Any], expected: List[float], rel: float) -> None:
     """Losses within `rel` of the reference, and the wrappers the names promise were really built."""
     assert "error" not in run, f"{name} was rejected:\n{run['error']}"
-    names = run["names"]
     assert_close_losses(run["losses"], expected, rel=rel, what=name)
+    names = run["names"]
+    if run["use_ds_zero"]:
+        assert run["engine"] and run["model"] == "DeepSpeedEngine", f"{name}: no DeepSpeed engine ({run['model']})"
+        assert not run["autocast_forward"], f"{name}: DeepSpeed owns precision; autocast must not be added"
+        return
+    assert not run["engine"]
     sharded = any(n in names for n in ("fsdp", "zero2"))
     if sharded:
         assert run["dtensor_params"], f"{name}: parameters are not sharded DTensors"
@@ -161,9 +169,10 @@ def check_run(name: str, run: Dict[str, Any], expected: List[float], rel: float)
         assert run["model"] == "DistributedDataParallel", f"{name}: expected DDP over the data group, got {run['model']}"
     if "zero1" in names:
         assert run["inner_optim"] == "ZeroRedundancyOptimizer", f"{name}: optimizer is {run['inner_optim']}"
-    if "amp_native" in names:
-        # Sharded models compute in bf16 through FSDP's MixedPrecisionPolicy instead of autocast.
-        assert run["autocast_forward"] is (not sharded), f"{name}: autocast_forward={run['autocast_forward']}"
+    # Sharded models compute in half precision through FSDP's MixedPrecisionPolicy, and a model
+    # cast by `half` to the same dtype needs no autocast.
+    expect_autocast = "amp_native" in names and not sharded and "half" not in names
+    assert run["autocast_forward"] is expect_autocast, f"{name}: autocast_forward={run['autocast_forward']}"
 
 
 def fp32_strategies() -> Dict[str, List[Any]]:

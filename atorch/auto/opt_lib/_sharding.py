@@ -142,6 +142,9 @@ def deepspeed_config(ctx: ModelContext, stage: int) -> Dict[str, Any]:
         # The user's torch optimizer is passed as DeepSpeed's "client optimizer", so the update
         # rule is exactly the one asked for; DeepSpeed warns about it unless told it is intended.
         "zero_allow_untested_optimizer": True,
+        # DeepSpeed 0.19 clips gradients to norm 1.0 unless told otherwise; training must match
+        # the user's plain loop, which does not clip.
+        "gradient_clipping": 0.0,
         "steps_per_print": 2 ** 31 - 1,
         "wall_clock_breakdown": False,
     }
