@@ -32,21 +32,22 @@ def _present(model: nn.Module, suffix: str, attrs: Iterable[str]) -> List[str]:
     return []
 
 
-def _head(model: nn.Module, default: str) -> str:
-    """The LM head's attribute name (GPT-NeoX renamed `embed_out` to `lm_head` in transformers 5)."""
+def _head(model: nn.Module) -> List[Dict[str, Dict[str, bool]]]:
+    """The LM head entry, by the head's own name (GPT-NeoX renamed `embed_out` to `lm_head` in
+    transformers 5); none for a base model (LlamaModel, GPT2Model) that has no head."""
     getter = getattr(model, "get_output_embeddings", None)
     head = getter() if getter is not None else None
-    for name, module in model.named_children():
-        if module is head:
-            return name
-    return default
+    if head is None:
+        return []
+    name = next((n for n, m in model.named_modules() if m is head), None)
+    return [{name: _LM_HEAD_SPLIT}] if name else []
 
 
 def llama_tpinfo(model: nn.Module) -> TPInfo:
     """Llama and the models built like it (Mistral, Qwen2): separate q/k/v (kv heads split too), gate/up/down."""
     tpinfo = TPInfo()
     tpinfo.shard_col("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj",
-                     {_head(model, "lm_head"): _LM_HEAD_SPLIT})
+                     *_head(model))
     tpinfo.shard_row("self_attn.o_proj", "mlp.down_proj")
     tpinfo.shard_vocab("embed_tokens")
     tpinfo.parallel_drop("self_attn")
@@ -59,10 +60,10 @@ def llama_tpinfo(model: nn.Module) -> TPInfo:
 def gpt2_tpinfo(model: nn.Module) -> TPInfo:
     """GPT-2: Conv1D weights ([in, out]), fused q|k|v split per block (stride 3), LM head tied to wte."""
     tpinfo = TPInfo()
-    tpinfo.shard_col({"attn.c_attn": {"stride": 3}}, "mlp.c_fc", {_head(model, "lm_head"): _LM_HEAD_SPLIT})
+    tpinfo.shard_col({"attn.c_attn": {"stride": 3}}, "mlp.c_fc", *_head(model))
     tpinfo.shard_row("attn.c_proj", "mlp.c_proj")
     tpinfo.shard_vocab("wte")
-    tpinfo.replic_drop("attn.resid_dropout", "mlp.dropout", "transformer.drop")
+    tpinfo.replic_drop("attn.resid_dropout", "mlp.dropout", "drop")
     tpinfo.parallel_drop("attn")
     # GPT2Attention splits c_attn's output with split_size; the other two keep it consistent.
     tpinfo.shrink({"attn": _present(model, "attn", ("embed_dim", "split_size", "num_heads"))})
@@ -72,7 +73,7 @@ def gpt2_tpinfo(model: nn.Module) -> TPInfo:
 def gpt_neox_tpinfo(model: nn.Module) -> TPInfo:
     """GPT-NeoX: query_key_value is laid out head by head ([q k v] per head), so a plain split keeps whole heads."""
     tpinfo = TPInfo()
-    tpinfo.shard_col("attention.query_key_value", "mlp.dense_h_to_4h", {_head(model, "embed_out"): _LM_HEAD_SPLIT})
+    tpinfo.shard_col("attention.query_key_value", "mlp.dense_h_to_4h", *_head(model))
     tpinfo.shard_row("attention.dense", "mlp.dense_4h_to_h")
     tpinfo.shard_vocab("embed_in")
     tpinfo.replic_drop("emb_dropout", "post_attention_dropout", "post_mlp_dropout")

@@ -381,3 +381,12 @@ def test_tensor_parallel_dropout_under_activation_checkpointing_gets_the_same_gr
     assert grads[0].keys() == grads[1].keys()
     for name, grad in grads[0].items():
         assert torch.allclose(grads[1][name], grad, atol=1e-6), name
+
+
+def test_presets_fit_base_models_without_a_head():
+    from transformers import GPT2Model, LlamaModel
+
+    for model in (_meta(LlamaModel, tiny_llama_config()), _meta(GPT2Model, tiny_gpt2_config())):
+        plan = resolve_tp_plan(model, tpinfo_for_model(model), 2)
+        assert plan.output_embedding is None and not plan.vocab_parallel_loss
+        assert sum(a.kind == VOCAB for a in plan.actions.values()) == 1
