@@ -28,6 +28,7 @@ PER_DEVICE_TRAIN_BATCH_SIZE="${PER_DEVICE_TRAIN_BATCH_SIZE:-4}"
 BLOCK_SIZE="${BLOCK_SIZE:-256}"
 MAX_STEPS="${MAX_STEPS:-100}"
 LEARNING_RATE="${LEARNING_RATE:-}"               # empty: the script's default for the mode
+PEAK_TFLOPS="${PEAK_TFLOPS:-}"                   # empty: the GPU datasheet table, or a CPU matmul probe
 LOG_STEPS="${LOG_STEPS:-10}"
 SAVE_STEPS="${SAVE_STEPS:-50}"
 RESUME="${RESUME:-0}"                            # 1: the latest checkpoint in OUTPUT_DIR, or a checkpoint dir
@@ -54,6 +55,7 @@ ARGS=(--output_dir "$OUTPUT_DIR" --per_device_train_batch_size "$PER_DEVICE_TRAI
 [ -n "$TOKENIZER_NAME" ] && ARGS+=(--tokenizer_name "$TOKENIZER_NAME")
 [ -n "$DATASET_PATH" ] && ARGS+=(--dataset_path "$DATASET_PATH")
 [ -n "$LEARNING_RATE" ] && ARGS+=(--learning_rate "$LEARNING_RATE")
+[ -n "$PEAK_TFLOPS" ] && ARGS+=(--peak_tflops "$PEAK_TFLOPS")
 case "${RESUME,,}" in
   0 | false | no | off | "") ;;
   1 | true | yes | on) ARGS+=(--resume) ;;

@@ -35,10 +35,10 @@ ACCU_STEPS="${ACCU_STEPS:-4}"                      # micro-batches per optimizer
 BLOCK_SIZE="${BLOCK_SIZE:-256}"
 MAX_STEPS="${MAX_STEPS:-100}"
 LEARNING_RATE="${LEARNING_RATE:-}"               # empty: the script's default for the mode
+PEAK_TFLOPS="${PEAK_TFLOPS:-}"                   # empty: the GPU datasheet table, or a CPU matmul probe
 LOG_STEPS="${LOG_STEPS:-10}"
 SAVE_STEPS="${SAVE_STEPS:-50}"
 RESUME="${RESUME:-0}"                            # 1: the latest checkpoint in OUTPUT_DIR, or a checkpoint dir
-USE_FP8="${USE_FP8:-0}"
 if [ -n "${PER_DEVICE_TRAIN_BATCH_SIZE:-}" ]; then
   echo "warning: PER_DEVICE_TRAIN_BATCH_SIZE is not used by the 3D script; set MICRO_BATCH_SIZE and ACCU_STEPS" >&2
 fi
@@ -60,12 +60,23 @@ ARGS=(--output_dir "$OUTPUT_DIR" --model_parallel_size "$MODEL_PARALLEL_SIZE"
 [ -n "$TOKENIZER_NAME" ] && ARGS+=(--tokenizer_name "$TOKENIZER_NAME")
 [ -n "$DATASET_PATH" ] && ARGS+=(--dataset_path "$DATASET_PATH")
 [ -n "$LEARNING_RATE" ] && ARGS+=(--learning_rate "$LEARNING_RATE")
+[ -n "$PEAK_TFLOPS" ] && ARGS+=(--peak_tflops "$PEAK_TFLOPS")
 case "${RESUME,,}" in
   0 | false | no | off | "") ;;
   1 | true | yes | on) ARGS+=(--resume) ;;
   *) ARGS+=(--resume "$RESUME") ;;
 esac
-if is_true "$USE_FP8" USE_FP8; then ARGS+=(--use_fp8); fi
+# Read so that setting them is an error here rather than silently ignored.
+if is_true "${USE_FP8:-0}" USE_FP8; then
+  echo "error: USE_FP8=1 is not supported by the 3D example: deepspeed_3d_parallel sets precision in its DeepSpeed" \
+       "config and conflicts with fp8; use fsdp_llama2_entry.sh" >&2
+  exit 2
+fi
+if is_true "${USE_LORA:-0}" USE_LORA; then
+  echo "error: USE_LORA=1 is not supported by the 3D example (no LoRA on DeepSpeed pipeline stages);" \
+       "use fsdp_llama2_entry.sh" >&2
+  exit 2
+fi
 
 LAUNCH=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --nproc_per_node "$NPROC_PER_NODE")
 [ -n "$MASTER_PORT" ] && LAUNCH+=(--master_port "$MASTER_PORT")

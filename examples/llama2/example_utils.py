@@ -124,7 +124,8 @@ def check_fp8_supported(use_fp8: bool) -> None:
 
 def run_main(main: Callable[[argparse.Namespace], None], parser: argparse.ArgumentParser) -> None:
     """Parse, run, and turn a UsageError into `error: ...` on stderr and exit status 2 on every rank."""
-    logging.basicConfig(level=logging.INFO, format=f"[rank{adist.rank()}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, datefmt="%H:%M:%S",
+                        format=f"[rank{adist.rank()}] %(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parser.parse_args()
     try:
         main(args)
@@ -445,12 +446,14 @@ def train_loop(args: argparse.Namespace, run_step: Callable[[], torch.Tensor], m
 class Checkpointer:
     """`atorch.checkpoint` saves under OUTPUT_DIR/checkpoints/step_N every `save_steps` and at the end,
     keeping the newest `save_total_limit`; `resume()` restores the model, optimizer, scheduler, RNG and
-    data position from `--resume`.
+    data position from `--resume`. `strict=False` lets each rank load only the tensors it holds of a
+    checkpoint that has more (a pipeline stage); tensors the rank needs must still all be there.
     """
 
-    def __init__(self, args: argparse.Namespace, result: Any) -> None:
+    def __init__(self, args: argparse.Namespace, result: Any, strict: bool = True) -> None:
         self.args = args
         self.result = result
+        self.strict = strict
         self.directory = Path(args.output_dir) / "checkpoints"
         self.stream: Optional[BatchStream] = None
         self.last_saved_step: Optional[int] = None
@@ -472,13 +475,13 @@ class Checkpointer:
             path = self.args.resume
             if not os.path.exists(path):
                 raise UsageError(f"--resume {path!r} does not exist")
-        state = load_checkpoint(self.result, path)
+        state = load_checkpoint(self.result, path, strict=self.strict)
         step = int(state.step or 0)
         position = state.data_position
         if state.dataloader is not None and position is not None:
             self.stream = BatchStream(state.dataloader, position.epoch, position.batches_in_epoch)
-        print_rank0(f"resume: loaded {state.path} at step {step} (data epoch "
-                    f"{position.epoch if position else 0}, batch {position.batches_in_epoch if position else 0})")
+        print_rank0(f"resume: loaded {state.path} at step {step} (data: epoch {position.epoch if position else 0}, "
+                    f"{position.batches_in_epoch if position else 0} loader batches in)")
         return step
 
     def on_step_end(self, step: int) -> None:

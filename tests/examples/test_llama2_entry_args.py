@@ -25,7 +25,7 @@ import fsdp_llama2  # noqa: E402
 # Every variable an entry script reads; cleared so the caller's environment cannot leak in.
 ENTRY_VARS = ("NPROC_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "DATASET_PATH",
               "MODEL_NAME_OR_PATH", "CONFIG_NAME", "TOKENIZER_NAME", "PER_DEVICE_TRAIN_BATCH_SIZE", "BLOCK_SIZE",
-              "MAX_STEPS", "LEARNING_RATE", "LOG_STEPS", "SAVE_STEPS", "RESUME", "USE_LORA", "USE_FP8",
+              "MAX_STEPS", "LEARNING_RATE", "PEAK_TFLOPS", "LOG_STEPS", "SAVE_STEPS", "RESUME", "USE_LORA", "USE_FP8",
               "PIPELINE_PARALLEL_SIZE", "MODEL_PARALLEL_SIZE", "MICRO_BATCH_SIZE", "ACCU_STEPS", "BO_SG_MAX_IETR",
               "RANDOM_SAMPLE", "OUTPUT_DIR", "PYTHON")
 
@@ -71,19 +71,20 @@ def test_fsdp_entry_passes_every_variable(tmp_path):
         tmp_path, "fsdp_llama2_entry.sh", NPROC_PER_NODE=3, NNODES=2, NODE_RANK=1, MASTER_ADDR="10.0.0.7",
         DATASET_PATH="/data/c.jsonl", MODEL_NAME_OR_PATH="/models/llama", PER_DEVICE_TRAIN_BATCH_SIZE=5,
         BLOCK_SIZE=128, MAX_STEPS=7, LEARNING_RATE=0.01, LOG_STEPS=2, SAVE_STEPS=3, RESUME=1, USE_LORA=1, USE_FP8=1,
-        OUTPUT_DIR=str(tmp_path / "out"), TOKENIZER_NAME="/tok")
+        OUTPUT_DIR=str(tmp_path / "out"), TOKENIZER_NAME="/tok", PEAK_TFLOPS=312)
     assert pairs(launch) == {"--nnodes": "2", "--node_rank": "1", "--master_addr": "10.0.0.7",
                              "--nproc_per_node": "3", "--master_port": "29500"}   # multi-node: a fixed default port
     assert script == str(EXAMPLES / "fsdp_llama2.py")
     assert pairs(args) == {"--output_dir": str(tmp_path / "out"), "--per_device_train_batch_size": "5",
                            "--block_size": "128", "--max_steps": "7", "--log_steps": "2", "--save_steps": "3",
                            "--model_name_or_path": "/models/llama", "--tokenizer_name": "/tok",
-                           "--dataset_path": "/data/c.jsonl", "--learning_rate": "0.01", "--resume": None,
+                           "--dataset_path": "/data/c.jsonl", "--learning_rate": "0.01", "--peak_tflops": "312",
+                           "--resume": None,
                            "--use_lora": None, "--use_fp8": None}
     parsed = fsdp_llama2.build_parser().parse_args(args)
     assert (parsed.per_device_train_batch_size, parsed.block_size, parsed.max_steps, parsed.log_steps,
-            parsed.save_steps, parsed.learning_rate, parsed.resume, parsed.use_lora, parsed.use_fp8) == \
-        (5, 128, 7, 2, 3, 0.01, "latest", True, True)
+            parsed.save_steps, parsed.learning_rate, parsed.peak_tflops, parsed.resume, parsed.use_lora,
+            parsed.use_fp8) == (5, 128, 7, 2, 3, 0.01, 312.0, "latest", True, True)
 
 
 def test_defaults_single_node_and_resume_path(tmp_path):
@@ -113,12 +114,19 @@ def test_ds_3d_entry_passes_the_parallel_sizes(tmp_path):
 
     launch, script, args, _, stderr = record(
         tmp_path, "ds_3d_llama2_entry.sh", NPROC_PER_NODE=8, MODEL_PARALLEL_SIZE=2, PIPELINE_PARALLEL_SIZE=2,
-        MICRO_BATCH_SIZE=3, ACCU_STEPS=5, USE_FP8=0, PER_DEVICE_TRAIN_BATCH_SIZE=4)
+        MICRO_BATCH_SIZE=3, ACCU_STEPS=5, USE_FP8=0, USE_LORA="no", PER_DEVICE_TRAIN_BATCH_SIZE=4)
     assert script == str(EXAMPLES / "ds_3d_llama2.py")
     assert "PER_DEVICE_TRAIN_BATCH_SIZE is not used by the 3D script" in stderr
     parsed = ds_3d_llama2.build_parser().parse_args(args)
     assert (parsed.model_parallel_size, parsed.pipeline_parallel_size, parsed.micro_batch_size,
-            parsed.accu_steps, parsed.use_fp8) == (2, 2, 3, 5, False)
+            parsed.accu_steps) == (2, 2, 3, 5)
+    for var, needle in (("USE_FP8", "conflicts with fp8"), ("USE_LORA", "no LoRA on DeepSpeed pipeline stages")):
+        env = {k: v for k, v in os.environ.items() if k not in ENTRY_VARS}
+        env.update(NPROC_PER_NODE="1", PYTHON="/bin/false", **{var: "1"})
+        out = subprocess.run(["bash", str(EXAMPLES / "ds_3d_llama2_entry.sh")], env=env, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 2 and f"error: {var}=1 is not supported by the 3D example" in out.stderr
+        assert needle in out.stderr
 
 
 @pytest.mark.parametrize("entry", ["fsdp_llama2_entry.sh", "ds_3d_llama2_entry.sh", "bayes_opt_sg_llama2_entry.sh"])

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples" / "llama2"
 ENTRY_VARS = ("NPROC_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "DATASET_PATH",
               "MODEL_NAME_OR_PATH", "CONFIG_NAME", "TOKENIZER_NAME", "PER_DEVICE_TRAIN_BATCH_SIZE", "BLOCK_SIZE",
-              "MAX_STEPS", "LEARNING_RATE", "LOG_STEPS", "SAVE_STEPS", "RESUME", "USE_LORA", "USE_FP8",
+              "MAX_STEPS", "LEARNING_RATE", "PEAK_TFLOPS", "LOG_STEPS", "SAVE_STEPS", "RESUME", "USE_LORA", "USE_FP8",
               "PIPELINE_PARALLEL_SIZE", "MODEL_PARALLEL_SIZE", "MICRO_BATCH_SIZE", "ACCU_STEPS", "BO_SG_MAX_IETR",
               "RANDOM_SAMPLE", "OUTPUT_DIR")
 # Small enough for 2 cores, large enough that 20 steps visibly learn the corpus.
@@ -127,7 +127,7 @@ def test_fsdp_example_resumes_where_it_stopped(fsdp_run, tmp_path):
     out = run("fsdp_llama2_entry.sh", OUTPUT_DIR=tmp_path, MAX_STEPS=20, SAVE_STEPS=0,
               RESUME=out_dir / "checkpoints" / "step_10", **TINY)
     stdout = ok(out)
-    assert "resume: loaded" in stdout and "at step 10 (data epoch 0, batch 10)" in stdout
+    assert "resume: loaded" in stdout and "at step 10 (data: epoch 0, 10 loader batches in)" in stdout
     resumed = {int(m["step"]): m["loss"] for m in metrics_lines(stdout)}
     assert sorted(resumed) == list(range(11, 21))
     # Same weights, optimizer state, schedule and batches: the same arithmetic as the uninterrupted
@@ -218,15 +218,26 @@ def test_two_launchers_form_one_four_process_job_pretraining_from_a_config(tmp_p
     assert "global batch 16 x 64 tokens" in node0
 
 
-def test_ds_3d_example_learns_on_four_processes(tmp_path):
-    """(tensor 1, pipeline 2, data 2) on 4 CPU processes."""
-    out = run("ds_3d_llama2_entry.sh", OUTPUT_DIR=tmp_path, MAX_STEPS=20, SAVE_STEPS=20, MODEL_PARALLEL_SIZE=1,
-              PIPELINE_PARALLEL_SIZE=2, MICRO_BATCH_SIZE=2, ACCU_STEPS=2, BLOCK_SIZE=64, LOG_STEPS=1,
-              NPROC_PER_NODE=4)
+def test_ds_3d_example_learns_and_resumes_on_four_processes(tmp_path):
+    """(tensor 1, pipeline 2, data 2) on 4 CPU processes; then a resume from step 10 repeats steps 11-13."""
+    layout = dict(MODEL_PARALLEL_SIZE=1, PIPELINE_PARALLEL_SIZE=2, MICRO_BATCH_SIZE=2, ACCU_STEPS=2, BLOCK_SIZE=64,
+                  LOG_STEPS=1, NPROC_PER_NODE=4)
+    out = run("ds_3d_llama2_entry.sh", OUTPUT_DIR=tmp_path / "a", MAX_STEPS=20, SAVE_STEPS=10, **layout)
     stdout = ok(out)
     assert fields(line_with(stdout, "launch:"))["world_size"] == "4"
+    assert "layout tensor=1 data=2 pipeline=2" in stdout and "global batch 8 = micro 2 x accu 2 x data 2" in stdout
     check_learns(metrics_lines(stdout), steps=20, world_size=4)
-    assert (tmp_path / "checkpoints" / "step_20" / "manifest.json").is_file()
+    uninterrupted = {int(m["step"]): m["loss"] for m in metrics_lines(stdout)}
+
+    out = run("ds_3d_llama2_entry.sh", OUTPUT_DIR=tmp_path / "b", MAX_STEPS=13, SAVE_STEPS=0,
+              RESUME=tmp_path / "a" / "checkpoints" / "step_10", **layout)
+    stdout = ok(out)
+    # 10 steps x 2 micro-batches each were consumed per data rank.
+    assert "at step 10 (data: epoch 0, 20 loader batches in)" in stdout
+    resumed = {int(m["step"]): m["loss"] for m in metrics_lines(stdout)}
+    assert sorted(resumed) == [11, 12, 13]
+    for step, loss in resumed.items():   # printed to 4 decimals: last-digit rounding only
+        assert abs(loss - uninterrupted[step]) <= 2e-4, (step, loss, uninterrupted[step])
 
 
 def test_bayes_search_example_saves_strategy_and_plot_then_learns(tmp_path):
