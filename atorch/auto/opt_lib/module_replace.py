@@ -21,7 +21,8 @@ from atorch.modules.fused import FusedRMSNorm, is_llama_style_rms_norm
 
 logger = logging.getLogger(__name__)
 
-# Attention implementations that already avoid materializing the attention matrix.
+# Attention implementations that materialize the full attention matrix: the ones to replace.
+# Any other value ("sdpa", "flash_attention_2", "flex_attention", a hub kernel) is already fused.
 _EAGER_ATTENTION = (None, "eager")
 _KINDS = ("attention", "norm", "activation")
 
