@@ -1,5 +1,6 @@
-"""The data pipeline on 4 gloo ranks posing as 2 nodes of 2: one index build per node, the same
-samples everywhere, sharded epochs that cover every sample, and a builder failure raised on every rank."""
+"""The data pipeline on 3 gloo ranks posing as 2 nodes (ranks 0-1 and rank 2): one index build per
+node, the same samples everywhere, sharded epochs that cover every sample, and a builder failure
+raised on every rank."""
 
 import os
 
@@ -13,12 +14,13 @@ from atorch.testing.assets import corpus_documents, load_tokenizer
 
 SEQ = 32
 BATCH = 4
+LOCAL_RANKS = [0, 1, 0]
 
 
 def _pipeline(prefix):
     rank = adist.rank()
-    # Two nodes of two ranks on one shared filesystem: each node's local rank 0 may build.
-    os.environ["LOCAL_RANK"] = str(rank % 2)
+    # Node A holds ranks 0 and 1, node B rank 2, on one shared filesystem.
+    os.environ["LOCAL_RANK"] = str(LOCAL_RANKS[rank])
     builds = []
     real_build = DatasetForCausalLM._build_index
 
@@ -66,13 +68,13 @@ def _pipeline(prefix):
     }
 
 
-def test_pipeline_on_two_nodes_of_two_ranks(tmp_path):
+def test_pipeline_on_two_nodes(tmp_path):
     prefix = str(tmp_path / "corpus")
     DatasetPreprocessor(load_tokenizer()).preprocess(corpus_documents(), prefix, progress_enabled=False)
-    results = run_distributed(_pipeline, 4, prefix, timeout=180)
+    results = run_distributed(_pipeline, 3, prefix, timeout=180)
 
     # Only local ranks 0 build (both nodes may: a shared filesystem takes identical atomic renames).
-    assert results[1]["builds"] == results[3]["builds"] == []
+    assert results[1]["builds"] == []
     assert results[0]["builds"] + results[2]["builds"], "no rank built the index"
     assert all(set(r["builds"]) <= {"train", "valid"} for r in results)
     cached = sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".npy")
@@ -83,16 +85,16 @@ def test_pipeline_on_two_nodes_of_two_ranks(tmp_path):
     n_train = results[0]["lengths"][0]
     for epoch in range(2):
         shards = [r["epochs"][epoch] for r in results]
-        assert all(len(s) == -(-n_train // 4) for s in shards)
+        assert all(len(s) == -(-n_train // 3) for s in shards)
         flat = [i for s in shards for i in s]
         assert set(flat) == set(range(n_train))  # none missing
-        assert len(flat) - len(set(flat)) == -(-n_train // 4) * 4 - n_train  # repeats: only the padding
+        assert len(flat) - len(set(flat)) == -(-n_train // 3) * 3 - n_train  # repeats: only the padding
     assert [r["epochs"][0] for r in results] != [r["epochs"][1] for r in results]
     assert all(r["batches_match"] for r in results)
 
     # A failing build reaches every rank as an exception instead of a hang at a barrier.
     for rank, r in enumerate(results):
-        if rank % 2 == 0:
+        if LOCAL_RANKS[rank] == 0:
             assert r["failure"] == "OSError: disk full"
         else:
             assert r["failure"].startswith("RuntimeError: building the sample index") and "failed on the local " \
