@@ -219,9 +219,11 @@ class DatasetPreprocessor:
                 empty += n_empty
                 progress.update(sizes.size + n_empty, flat.size)
             if writer.num_sequences == 0:
+                problems = documents.problems if isinstance(documents, DocumentSource) else []
                 skipped = documents.problem_count if isinstance(documents, DocumentSource) else 0
+                first = f", first: {'; '.join(map(str, problems[:3]))}" if problems else ""
                 raise ValueError(f"corpus {name!r} has no non-empty document ({empty} empty documents, "
-                                 f"{skipped} unusable lines); nothing written to {prefix}.bin/.idx")
+                                 f"{skipped} unusable lines{first}); nothing written to {prefix}.bin/.idx")
             writer.finalize()
         except BaseException:
             writer.abort()

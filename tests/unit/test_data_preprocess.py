@@ -70,6 +70,10 @@ def test_empty_files_raise(tmp_path, tokenizer):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(ValueError, match=r"corpus '.*empty\.jsonl' has no non-empty document"):
         DatasetPreprocessor(tokenizer).preprocess(tmp_path / "empty.jsonl", tmp_path / "out", progress_enabled=False)
+    (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
+    with pytest.raises(ValueError, match=r"0 empty documents, 1 unusable lines, first: .*bad\.jsonl:1: missing key "
+                                         r"'text' \(keys: \['body'\]\)\); nothing written"):
+        DatasetPreprocessor(tokenizer).preprocess(tmp_path / "bad.jsonl", tmp_path / "out", progress_enabled=False)
     with pytest.raises(FileNotFoundError, match=r"corpus file '.*missing\.jsonl' not found"):
         DatasetPreprocessor(tokenizer).open_jsonl(tmp_path / "missing.jsonl")
 
