@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from atorch.auto.model_context import ModelContext, call_model
-from atorch.auto.opt_lib import ValidationContext, get_optimization
+from atorch.auto.opt_lib import ValidationContext, get_optimization, resolve_strategy
 from atorch.auto.opt_lib.lora import LoraConfig, add_lora_adapters
+from atorch.auto.strategy import Strategy
 from atorch.testing import tiny_gpt2, tiny_llama
 
 
@@ -129,6 +130,12 @@ def test_target_errors_list_the_layer_names():
 def test_config_errors(raw, message):
     with pytest.raises(ValueError, match=message):
         _validate(tiny_llama(), raw)
+
+
+def test_tensor_parallel_conflict_names_both():
+    model = tiny_llama()
+    with pytest.raises(ValueError, match=r"optimizations 'lora' and 'tensor_parallel' cannot be combined"):
+        resolve_strategy(Strategy(["tensor_parallel", "lora"]), ValidationContext(world_size=2, model=model))
 
 
 def test_already_a_peft_model_is_refused():

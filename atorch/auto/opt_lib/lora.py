@@ -142,6 +142,9 @@ class LoraOptimization(Optimization):
 
     name = "lora"
     order = Order.LORA
+    # tensor_parallel (applied first) turns the target linears into Column/RowParallelLinear,
+    # which peft cannot adapt; refused here rather than failing halfway through apply.
+    conflicts = frozenset({"tensor_parallel"})
     Config = LoraConfig
 
     def validate(self, config: LoraConfig, context: ValidationContext) -> None:
