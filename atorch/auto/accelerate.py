@@ -175,6 +175,9 @@ def train_step(result: AutoAccelerateResult, batch: Any) -> torch.Tensor:
     Plain loops (`loss.backward(); optim.step()`) work too; this helper also drives
     DeepSpeed engines, which need `engine.backward` / `engine.step`.
     """
+    custom_step = result.args.get("train_step")
+    if custom_step is not None:  # pipeline schedules/engines (pipeline_parallel, deepspeed_3d_parallel) step themselves
+        return custom_step(result, batch)
     batch = result.prepare_input(batch)
     output = call_model(result.model, batch, result.args["model_input_format"])
     loss = result.loss_func(batch, output)

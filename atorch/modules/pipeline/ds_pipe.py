@@ -1,0 +1,200 @@
+"""`PipeModuleFromRecordedMeta`: a DeepSpeed `PipelineModule` built from an ordinary (meta) HF model.
+
+Users do not rewrite their model into LayerSpecs: the custom patcher (a ready one for Llama
+and GPT2) names the pieces in forward order, each piece becomes one pipeline layer, stages
+are balanced by parameter count on the meta model, and only this rank's pieces are kept.
+With `tie_first`, a head that shares the input embedding's weight stays one tied weight
+across the first and last stage (DeepSpeed all-reduces its gradient between them).
+
+This module imports DeepSpeed; `atorch.modules.pipeline` exposes the class lazily.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import deepspeed
+import torch
+from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+from torch import nn
+
+from atorch.modules.pipeline.batches import CausalLMLoss
+from atorch.modules.pipeline.materialize import materialize_model
+from atorch.modules.pipeline.partition import StagePlan, plan_stages
+from atorch.modules.pipeline.patchers import (
+    CustomPatcher,
+    PatchedLayer,
+    PieceSpec,
+    expand_patcher,
+    resolve_patcher,
+    tied_head_paths,
+)
+
+logger = logging.getLogger(__name__)
+
+TIED_KEY = "tied_embedding"
+
+
+def ensure_deepspeed_comm() -> None:
+    """Make DeepSpeed's communication layer wrap the process group atorch already created."""
+    if not deepspeed.comm.is_initialized():
+        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), dist_init_required=False)
+
+
+def build_topology(num_pipeline: int, num_tensor: int, num_data: int) -> PipeModelDataParallelTopology:
+    """DeepSpeed's (pipe, data, model) topology; model varies fastest, like atorch's (tensor, data, pipeline)."""
+    return PipeModelDataParallelTopology(num_pp=num_pipeline, num_mp=num_tensor, num_dp=num_data)
+
+
+def check_topology_matches_atorch(topology: Any, rank: int) -> None:
+    """Raise unless DeepSpeed's coordinates of `rank` equal atorch's tensor/data/pipeline coordinates.
+
+    Tensor-parallel layers talk over atorch's "tensor" group while DeepSpeed reduces over its
+    own model/data groups: both must hold the same ranks.
+    """
+    from atorch import distributed as adist
+
+    coord = topology.get_coord(rank)
+    ours = {"model": adist.parallel_rank_or_zero("tensor"), "data": adist.parallel_rank_or_zero("data"),
+            "pipe": adist.parallel_rank_or_zero("pipeline")}
+    theirs = {"model": getattr(coord, "model", 0), "data": getattr(coord, "data", 0), "pipe": coord.pipe}
+    if ours != theirs:
+        raise ValueError(f"rank {rank}: DeepSpeed topology coordinates {theirs} differ from atorch's parallel "
+                         f"groups {ours}; create the groups as [('tensor', t), ('data', d), ('pipeline', p)] "
+                         "with rank_order None")
+
+
+class PieceSource:
+    """Hands out the pieces of one materialized model to the layers DeepSpeed builds on this rank.
+
+    `build()` runs on the first request (materialization, tensor-parallel sharding) and
+    `release()` drops the model, after which only the pieces of this stage stay alive.
+    """
+
+    def __init__(self, build: Callable[[], nn.Module], pieces: Sequence[PieceSpec]):
+        self._build: Optional[Callable[[], nn.Module]] = build
+        self._model: Optional[nn.Module] = None
+        self.pieces = list(pieces)
+
+    def module(self, index: int) -> nn.Module:
+        if self._model is None:
+            if self._build is None:
+                raise RuntimeError("PieceSource was released; pieces can no longer be built")
+            self._model = self._build()
+        return self._model.get_submodule(self.pieces[index].path)
+
+    def release(self) -> None:
+        self._build = None
+        self._model = None
+
+    def __repr__(self) -> str:  # DeepSpeed logs LayerSpecs with their arguments
+        return f"PieceSource({len(self.pieces)} pieces)"
+
+
+class SourcedLayer(PatchedLayer):
+    """The pipeline layer of piece `index`, taken from a `PieceSource` when DeepSpeed builds it."""
+
+    def __init__(self, source: PieceSource, index: int):
+        piece = source.pieces[index]
+        super().__init__(source.module(index), piece.patch, piece.path)
+
+
+class PipeModuleFromRecordedMeta(PipelineModule):
+    """A DeepSpeed `PipelineModule` holding this rank's stage of a Hugging Face causal LM.
+
+    Args:
+        meta_model: the model, built under `record_module_init` (or on the meta device, or with
+            real weights, which are then used as they are).
+        custom_patcher: `{module path: patch_fn}` in forward order (see `patchers`); None picks
+            the preset for the model type (Llama, GPT2).
+        tie_first: keep an LM head that shares the input embedding's weight tied to it when
+            they sit on different stages: one weight, its gradient summed over the first and
+            last stage. With False the last stage trains its own copy of the weight.
+        logit_helper: `fn(logits) -> logits` run on the last stage before the loss (gathering
+            or post-processing logits); None runs nothing.
+        partition_method: "parameters" (blocks balanced by parameter count, default) or
+            "uniform" (equal block counts). Embeddings and head never count.
+        tpinfo: the tensor-parallel plan inside each stage when `tensor_group` has more than one
+            rank (None: the preset of the model type).
+        tensor_group: the tensor-parallel group; default atorch's "tensor" group when one exists.
+        **pipeline_module_kwargs: for `PipelineModule`: `num_stages` or `topology`, `loss_fn`
+            (default: the HF causal-LM loss, vocabulary-parallel under tensor parallelism),
+            `base_seed` (also the seed the weights are materialized with; default 1234),
+            `activation_checkpoint_interval`, ...
+    """
+
+    def __init__(self, meta_model: nn.Module, custom_patcher: Optional[CustomPatcher] = None,
+                 tie_first: bool = True, logit_helper: Optional[Callable] = None,
+                 partition_method: str = "parameters", tpinfo: Any = None,
+                 tensor_group: Optional[torch.distributed.ProcessGroup] = None,
+                 **pipeline_module_kwargs: Any):
+        ensure_deepspeed_comm()
+        if logit_helper is not None and not callable(logit_helper):
+            raise ValueError(f"logit_helper={logit_helper!r} must be a callable fn(logits) -> logits")
+        kwargs = dict(pipeline_module_kwargs)
+        topology = kwargs.get("topology")
+        num_stages = topology.get_dim("pipe") if topology is not None else kwargs.get("num_stages")
+        if num_stages is None:
+            raise ValueError("PipeModuleFromRecordedMeta needs num_stages or topology")
+        if tensor_group is None:
+            tensor_group = _atorch_tensor_group()
+        patcher = resolve_patcher(meta_model, custom_patcher)
+        pieces = expand_patcher(meta_model, patcher)
+        plan = plan_stages(meta_model, pieces, num_stages, partition_method)
+        base_seed = kwargs.get("base_seed", 1234)
+        source = PieceSource(lambda: materialize_model(meta_model, base_seed, tensor_group, tpinfo), pieces)
+        tied = tied_head_paths(meta_model, pieces) if tie_first else None
+        index_of = {p.path: i for i, p in enumerate(pieces)}
+        if tied is not None and plan.stage_of(index_of[tied[0]]) == plan.stage_of(index_of[tied[1]]):
+            tied = None  # one stage holds both: they share one Parameter already, nothing to synchronize
+        layers: List[Any] = []
+        for i, piece in enumerate(pieces):
+            if tied is not None and piece.path in tied:
+                # Each side builds its own piece; DeepSpeed keeps `module.weight` equal on both
+                # stages (broadcast at start, gradients all-reduced between them).
+                layers.append(TiedLayerSpec(TIED_KEY, SourcedLayer, source, i, tied_weight_attr="module.weight"))
+            else:
+                layers.append(LayerSpec(SourcedLayer, source, i))
+        if logit_helper is not None:
+            layers.append(logit_helper)  # a function layer: DeepSpeed calls it last on the last stage
+        if "loss_fn" not in kwargs:
+            vocab_size = getattr(getattr(meta_model, "config", None), "vocab_size", None)
+            kwargs["loss_fn"] = CausalLMLoss(tensor_group, vocab_size)
+        # Plain attributes read by _partition_layers inside PipelineModule.__init__.
+        self._atorch_plan = plan
+        self._atorch_tail = 1 if logit_helper is not None else 0
+        super().__init__(layers=layers, **kwargs)
+        source.release()  # the pieces of other stages become garbage here
+        self.stage_plan: StagePlan = plan
+        self.tied_paths: Optional[Tuple[str, str]] = tied
+
+    def _partition_layers(self, method: str = "parameters") -> None:
+        # DeepSpeed's own "parameters" method builds every layer on every rank just to count
+        # parameters; the plan was computed on the meta model instead.
+        bounds = list(self._atorch_plan.bounds)
+        bounds[-1] += self._atorch_tail
+        self.parts = bounds
+        stage_id = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=bounds[stage_id], stop=bounds[stage_id + 1])
+
+    def local_layers(self) -> List[PatchedLayer]:
+        """The model pieces of this stage, in forward order."""
+        return [f for f in self.forward_funcs if isinstance(f, PatchedLayer)]
+
+    def hf_state_dict(self) -> Dict[str, torch.Tensor]:
+        """This stage's weights under the original model's state-dict keys (tensor-parallel shards as they are)."""
+        out: Dict[str, torch.Tensor] = {}
+        for layer in self.local_layers():
+            for key, value in layer.module.state_dict().items():
+                out[f"{layer.path}.{key}"] = value
+        return out
+
+
+def _atorch_tensor_group() -> Optional[torch.distributed.ProcessGroup]:
+    from atorch import distributed as adist
+
+    if adist.parallel_size_or_one("tensor") > 1:
+        return adist.parallel_group("tensor")
+    return None

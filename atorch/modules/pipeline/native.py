@@ -1,0 +1,223 @@
+"""Native pipeline parallelism: HF decoder stages driven by `torch.distributed.pipelining` schedules.
+
+`build_stage_module` cuts this rank's stage out of a (meta or real) model. The stage keeps
+its pieces under their original names, so its `state_dict()` keys are the model's own
+(`model.layers.2.mlp.up_proj.weight`) and a stage checkpoint is a slice of the HF checkpoint.
+`NativePipeline` owns the schedule (GPipe or 1F1B over atorch's "pipeline" group), the
+gradient sum of a tied embedding/head pair that sits on two stages, and the training step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from atorch.modules.pipeline.batches import CausalLMLoss, batch_rows, hf_inputs, hf_labels
+from atorch.modules.pipeline.materialize import materialize_model
+from atorch.modules.pipeline.partition import StagePlan, plan_stages
+from atorch.modules.pipeline.patchers import CustomPatcher, PieceSpec, expand_patcher, resolve_patcher, tied_head_paths
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Register `module` at dotted `path` under `root`, creating empty containers on the way."""
+    *parents, leaf = path.split(".")
+    node = root
+    for name in parents:
+        child = node._modules.get(name)
+        if child is None:
+            child = nn.Module()
+            node.add_module(name, child)
+        node = child
+    node.add_module(leaf, module)
+
+
+class PipelineStageModule(nn.Module):
+    """One pipeline stage: some pieces of a model, registered under their original paths.
+
+    `forward(*inputs)` runs the pieces' patches in order on the tuple the previous stage sent
+    (the first stage receives `(input_ids, attention_mask)`; the last returns the logits).
+    """
+
+    def __init__(self, pieces: Sequence[Tuple[PieceSpec, nn.Module]], stage_index: int, num_stages: int):
+        super().__init__()
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self._piece_specs: List[PieceSpec] = [spec for spec, _ in pieces]
+        for spec, module in pieces:
+            _attach(self, spec.path, module)
+
+    @property
+    def piece_paths(self) -> List[str]:
+        return [p.path for p in self._piece_specs]
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        x: Any = tuple(inputs)
+        for spec in self._piece_specs:
+            x = spec.patch(self.get_submodule(spec.path), x if isinstance(x, tuple) else (x,))
+        return x
+
+
+@dataclass
+class StageBuild:
+    """What `build_stage_module` decided: the stage, the plan it follows and the tied pair, if split."""
+
+    module: PipelineStageModule
+    plan: StagePlan
+    stage_index: int
+    tied_paths: Optional[Tuple[str, str]]  # (embedding, head) living on two different stages
+
+
+def build_stage_module(model: nn.Module, stage_index: int, num_stages: int,
+                       custom_patcher: Optional[CustomPatcher] = None, partition_method: str = "parameters",
+                       base_seed: int = 1234, tie_first: bool = True) -> StageBuild:
+    """Materialize `model` (if on meta) and keep the pieces of stage `stage_index` of `num_stages`.
+
+    `tie_first`: when the model ties its LM head to its input embedding and they land on
+    different stages, report the pair so their gradients are summed every step (one logical
+    weight, as in the unsplit model); False lets the two copies train apart.
+    """
+    patcher = resolve_patcher(model, custom_patcher)
+    pieces = expand_patcher(model, patcher)
+    plan = plan_stages(model, pieces, num_stages, partition_method)
+    tied = tied_head_paths(model, pieces) if tie_first else None
+    if tied is not None:
+        index = {p.path: i for i, p in enumerate(pieces)}
+        if plan.stage_of(index[tied[0]]) == plan.stage_of(index[tied[1]]):
+            tied = None  # same stage: already one Parameter
+    real = materialize_model(model, base_seed)
+    mine = [(spec, real.get_submodule(spec.path)) for spec in plan.stage_pieces(stage_index)]
+    return StageBuild(PipelineStageModule(mine, stage_index, num_stages), plan, stage_index, tied)
+
+
+class NativePipeline:
+    """The schedule of one stage and everything a training step needs around it.
+
+    Args:
+        stage_module: this rank's stage.
+        stage_index, num_stages: position in the pipeline.
+        group: the pipeline process group (atorch's "pipeline" group).
+        chunks: micro-batches per step; the per-rank batch must divide into them.
+        schedule: "gpipe" (all forwards, then all backwards) or "1f1b" (bounded activations).
+        loss_fn: `fn(logits, labels)`, averaged over micro-batches (gradients scaled to match).
+        data_group: the data-parallel group the gradients are averaged over (None: no data parallelism).
+        tied_group, tied_param: the group of the first and last stage and this stage's side of a
+            tied embedding/head weight, when the pair is split across them.
+
+    Gradients are synchronized here rather than by DDP: the micro-batches accumulate locally
+    and one coalesced all-reduce per step averages them over the data group. (DDP around a
+    stage fails in torch 2.13 when its reducer rebuilds buckets after a multi-micro-batch
+    first step: "rebuilt parameter indices size is not same as original model parameters size".)
+    """
+
+    def __init__(self, stage_module: nn.Module, stage_index: int, num_stages: int, group: dist.ProcessGroup,
+                 device: torch.device, chunks: int, schedule: str = "gpipe",
+                 loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+                 data_group: Optional[dist.ProcessGroup] = None, tied_group: Optional[dist.ProcessGroup] = None,
+                 tied_param: Optional[nn.Parameter] = None):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}; valid schedules are {list(SCHEDULES)}")
+        self.stage_module = stage_module
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.group = group
+        self.chunks = chunks
+        self.data_group = data_group
+        self.tied_group = tied_group
+        self.tied_param = tied_param
+        self.stage = PipelineStage(stage_module, stage_index, num_stages, device, group=group)
+        schedule_cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+        # scale_grads: the loss is a mean per micro-batch, so gradients are divided by `chunks`
+        # to make them the gradient of the batch mean, as in unsplit training.
+        self.schedule = schedule_cls(self.stage, n_microbatches=chunks, loss_fn=loss_fn or CausalLMLoss(),
+                                     scale_grads=True)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def forward_backward(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Run the schedule on one per-rank batch (HF dict); returns its loss on every stage.
+
+        The loss is the mean of the micro-batch losses (the batch loss for equal token counts),
+        broadcast from the last stage so every rank of the pipeline returns the same value.
+        """
+        rows = batch_rows(batch)
+        if rows % self.chunks != 0:
+            raise ValueError(f"pipeline_parallel: the per-rank batch of {rows} rows does not split into chunks="
+                             f"{self.chunks} equal micro-batches; make the global batch size a multiple of "
+                             f"chunks x data-parallel size")
+        args = hf_inputs(batch) if self.is_first else ()
+        losses: List[torch.Tensor] = []
+        target = hf_labels(batch) if self.is_last else None
+        self.schedule.step(*args, target=target, losses=losses if self.is_last else None, return_outputs=False)
+        self._average_data_parallel_grads()
+        if self.tied_param is not None and self.tied_param.grad is not None:
+            # Embedding (first stage) and head (last stage) are one weight: both apply the summed gradient.
+            dist.all_reduce(self.tied_param.grad, group=self.tied_group)
+        device = next(self.stage_module.parameters()).device
+        loss = torch.stack([l.detach().float() for l in losses]).mean() if self.is_last else \
+            torch.zeros((), device=device)
+        if self.num_stages > 1:
+            dist.broadcast(loss, src=dist.get_global_rank(self.group, self.num_stages - 1), group=self.group)
+        return loss
+
+
+    @torch.no_grad()
+    def _average_data_parallel_grads(self) -> None:
+        if self.data_group is None or dist.get_world_size(self.data_group) == 1:
+            return
+        params = [p for p in self.stage_module.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # keep the flat buffer identical in layout on every data rank
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.data_group)
+        flat.div_(dist.get_world_size(self.data_group))
+        for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            grad.copy_(synced)
+
+
+def pipeline_train_step(result: Any, batch: Any) -> torch.Tensor:
+    """`atorch.auto.train_step` for `pipeline_parallel`: schedule forward/backward, then step and zero grads.
+
+    Every rank calls it with its data rank's batch (the result's dataloader gives it); the
+    return value is that batch's loss on every rank of the pipeline.
+    """
+    pipeline: NativePipeline = result.args["pipeline"]
+    batch = result.prepare_input(batch)
+    loss = pipeline.forward_backward(batch)
+    result.optim.step()
+    result.optim.zero_grad(set_to_none=True)
+    if result.lr_scheduler is not None:
+        result.lr_scheduler.step()
+    return loss
+
+
+@torch.no_grad()
+def gather_pipeline_state_dict(stage_module: nn.Module, group: dist.ProcessGroup) -> Dict[str, torch.Tensor]:
+    """The whole model's state dict (original keys, on the CPU) on every rank of the pipeline `group`.
+
+    Collective over `group`. A tied head/embedding pair appears under both keys, like the
+    state dict of the unsplit model.
+    """
+    local = {k: v.detach().cpu() for k, v in stage_module.state_dict().items()}
+    parts: List[Optional[Dict[str, torch.Tensor]]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, local, group=group)
+    full: Dict[str, torch.Tensor] = {}
+    for part in parts:
+        full.update(part or {})
+    return full
+

@@ -1,0 +1,234 @@
+"""Forward patchers: how each piece of a Hugging Face decoder runs as one pipeline layer.
+
+A pipeline passes one tuple of tensors from layer to layer (and from stage to stage), while
+a Hugging Face model calls its sub-modules with keyword arguments it computes once (position
+ids, rotary embeddings, the 4-D causal mask). A *custom patcher* bridges the two: an ordered
+mapping `{module path: patch_fn}` where `patch_fn(module, inputs) -> outputs` runs that
+module on the tuple received from the previous layer. The path of an `nn.ModuleList` (the
+transformer blocks) expands to one layer per block; paths before it are the "pre" pieces
+(embeddings, always on the first stage), paths after it the "post" pieces (final norm and
+head, always on the last stage).
+
+The ready patchers below (Llama, GPT2) use one convention, so their pieces interoperate:
+first layer input `(input_ids, attention_mask)`, between layers `(hidden_states,
+attention_mask, position_ids)` (only `hidden_states` is floating point, so it is the only
+tensor a pipeline sends gradients for), last layer output: the logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+Tensors = Tuple[torch.Tensor, ...]
+# patch_fn(module, inputs): run `module` on the tuple from the previous layer.
+PatchFn = Callable[[Any, Tensors], Union[torch.Tensor, Tensors]]
+CustomPatcher = Mapping[str, PatchFn]
+
+PRE, BLOCK, POST = "pre", "block", "post"
+
+
+@dataclass(frozen=True)
+class PieceSpec:
+    """One pipeline layer: the module at `path` of the model, run through `patch`."""
+
+    path: str
+    patch: PatchFn
+    kind: str  # PRE, BLOCK or POST
+
+
+def get_submodule(model: nn.Module, path: str) -> nn.Module:
+    """`model.get_submodule(path)` with an error that lists what the model does have."""
+    try:
+        return model.get_submodule(path)
+    except AttributeError as e:
+        top = [n for n, _ in model.named_children()]
+        raise ValueError(f"custom_patcher path {path!r} is not a sub-module of {type(model).__name__} "
+                         f"(its top-level modules are {top})") from e
+
+
+def expand_patcher(model: nn.Module, patcher: CustomPatcher) -> List[PieceSpec]:
+    """The pipeline layers of `model` in forward order; the one ModuleList path expands per block."""
+    if not isinstance(patcher, Mapping) or not patcher:
+        raise ValueError(f"custom_patcher must be a non-empty mapping {{module path: patch_fn}}, got {patcher!r}")
+    pieces: List[PieceSpec] = []
+    block_paths = [p for p in patcher if isinstance(get_submodule(model, p), nn.ModuleList)]
+    if len(block_paths) != 1:
+        raise ValueError(f"custom_patcher must name exactly one nn.ModuleList (the transformer blocks); it names "
+                         f"{len(block_paths)}: {block_paths} among {list(patcher)}")
+    kind = PRE
+    for path, fn in patcher.items():
+        if not callable(fn):
+            raise ValueError(f"custom_patcher[{path!r}] = {fn!r} is not callable; expected patch_fn(module, inputs)")
+        if path == block_paths[0]:
+            blocks = get_submodule(model, path)
+            if len(blocks) == 0:
+                raise ValueError(f"custom_patcher block list {path!r} is empty")
+            pieces.extend(PieceSpec(f"{path}.{i}", fn, BLOCK) for i in range(len(blocks)))
+            kind = POST
+        else:
+            pieces.append(PieceSpec(path, fn, kind))
+    return pieces
+
+
+def count_blocks(model: nn.Module, patcher: CustomPatcher) -> int:
+    return sum(1 for p in expand_patcher(model, patcher) if p.kind == BLOCK)
+
+
+class PatchedLayer(nn.Module):
+    """A pipeline layer: a model piece and the patch that adapts its inputs and outputs.
+
+    `path` is the piece's name in the original model, so a stage's weights can be mapped back
+    to the model's state-dict keys (`path + "." + key`).
+    """
+
+    def __init__(self, module: nn.Module, patch: PatchFn, path: str):
+        super().__init__()
+        self.module = module
+        self.patch = patch
+        self.path = path
+
+    def forward(self, inputs: Union[torch.Tensor, Tensors]) -> Union[torch.Tensor, Tensors]:
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs,)
+        return self.patch(self.module, tuple(inputs))
+
+    def extra_repr(self) -> str:
+        return f"path={self.path!r}"
+
+
+# ---- shared pieces of the ready patchers -----------------------------------------------------
+
+def _positions(input_ids: torch.Tensor) -> torch.Tensor:
+    """Position ids 0..seq-1 for every row (no cache: training always starts at position 0)."""
+    batch, seq = input_ids.shape[:2]
+    # contiguous: pipelines send it to the next stage, and send needs contiguous tensors.
+    return torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, seq).contiguous()
+
+
+def _split_first(inputs: Tensors) -> Tuple[torch.Tensor, torch.Tensor]:
+    input_ids = inputs[0]
+    mask = inputs[1] if len(inputs) > 1 else torch.ones_like(input_ids)
+    return input_ids, mask
+
+
+def _causal_mask(config: Any, hidden: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> Any:
+    # Imported here: masking_utils pulls in much of transformers, and patchers are built once.
+    from transformers.masking_utils import create_causal_mask
+
+    return create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=mask, past_key_values=None,
+                              position_ids=positions)
+
+
+def _final_norm(norm: nn.Module, inputs: Tensors) -> torch.Tensor:
+    return norm(inputs[0])
+
+
+def _head(head: Callable[[torch.Tensor], torch.Tensor], inputs: Tensors) -> torch.Tensor:
+    return head(inputs[0])
+
+
+# ---- Llama (and models with its layout) -------------------------------------------------------
+
+def get_llama_custom_patcher(config: Any) -> Dict[str, PatchFn]:
+    """Patcher for `LlamaForCausalLM`: embed_tokens, layers (rotary + causal mask per block), norm, lm_head.
+
+    Each block recomputes the rotary cos/sin and the causal mask from the position ids and the
+    2-D mask it receives: both are cheap next to a block, and only integer tensors then cross
+    stage boundaries (floating cos/sin would be treated as activations needing gradients).
+    """
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rotary = LlamaRotaryEmbedding(config=config)  # buffers computed from the config only
+
+    def embed(embed_tokens: nn.Module, inputs: Tensors) -> Tensors:
+        input_ids, mask = _split_first(inputs)
+        return embed_tokens(input_ids), mask, _positions(input_ids)
+
+    def block(layer: nn.Module, inputs: Tensors) -> Tensors:
+        hidden, mask, positions = inputs
+        rotary.to(hidden.device)
+        cos_sin = rotary(hidden, positions)
+        hidden = layer(hidden, attention_mask=_causal_mask(config, hidden, mask, positions), position_ids=positions,
+                       position_embeddings=cos_sin)
+        return hidden, mask, positions
+
+    return {"model.embed_tokens": embed, "model.layers": block, "model.norm": _final_norm, "lm_head": _head}
+
+
+# ---- GPT2 ----------------------------------------------------------------------------------
+
+def get_gpt2_custom_patcher(config: Any) -> Dict[str, PatchFn]:
+    """Patcher for `GPT2LMHeadModel`: wte, wpe, drop, h, ln_f, lm_head (tied to wte).
+
+    Token and position embeddings are separate layers so the token embedding alone can be the
+    weight tied to the LM head.
+    """
+
+    def token_embed(wte: nn.Module, inputs: Tensors) -> Tensors:
+        input_ids, mask = _split_first(inputs)
+        return wte(input_ids), mask, _positions(input_ids)
+
+    def position_embed(wpe: nn.Module, inputs: Tensors) -> Tensors:
+        hidden, mask, positions = inputs
+        return hidden + wpe(positions), mask, positions
+
+    def dropout(drop: nn.Module, inputs: Tensors) -> Tensors:
+        hidden, mask, positions = inputs
+        return drop(hidden), mask, positions
+
+    def block(layer: nn.Module, inputs: Tensors) -> Tensors:
+        hidden, mask, positions = inputs
+        hidden = layer(hidden, None, _causal_mask(config, hidden, mask, positions), position_ids=positions)
+        return hidden, mask, positions
+
+    return {"transformer.wte": token_embed, "transformer.wpe": position_embed, "transformer.drop": dropout,
+            "transformer.h": block, "transformer.ln_f": _final_norm, "lm_head": _head}
+
+
+# model_type -> patcher factory. Only layouts tested here are listed.
+PATCHER_PRESETS: Dict[str, Callable[[Any], Dict[str, PatchFn]]] = {
+    "llama": get_llama_custom_patcher,
+    "gpt2": get_gpt2_custom_patcher,
+}
+
+
+def model_config_of(model_or_config: Any) -> Any:
+    return getattr(model_or_config, "config", model_or_config)
+
+
+def get_custom_patcher(model_or_config: Any) -> Dict[str, PatchFn]:
+    """The ready patcher for a model (or its config), found by `config.model_type`."""
+    config = model_config_of(model_or_config)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in PATCHER_PRESETS:
+        raise ValueError(f"no pipeline patcher preset for model_type {model_type!r}; presets exist for "
+                         f"{sorted(PATCHER_PRESETS)}. Pass custom_patcher={{module path: patch_fn}} "
+                         "(see atorch.modules.pipeline.patchers)")
+    return PATCHER_PRESETS[model_type](config)
+
+
+def resolve_patcher(model: nn.Module, custom_patcher: Optional[CustomPatcher]) -> CustomPatcher:
+    return custom_patcher if custom_patcher is not None else get_custom_patcher(model)
+
+
+def tied_head_paths(model: nn.Module, pieces: Sequence[PieceSpec]) -> Optional[Tuple[str, str]]:
+    """(embedding path, head path) when the model's output head shares the input embedding's weight."""
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    if get_in is None or get_out is None:
+        return None
+    emb, head = get_in(), get_out()
+    if emb is None or head is None or getattr(head, "weight", None) is None or head.weight is not emb.weight:
+        return None
+    if getattr(head, "bias", None) is not None:
+        return None  # a head with its own bias is not a pure view of the embedding
+    names = {id(m): n for n, m in model.named_modules()}
+    paths = {p.path for p in pieces}
+    emb_path, head_path = names.get(id(emb)), names.get(id(head))
+    if emb_path in paths and head_path in paths:
+        return emb_path, head_path
+    return None

@@ -1,0 +1,135 @@
+"""DeepSpeed 3D (tensor x data x pipeline) through auto_accelerate trains exactly like one process.
+
+For each layout, 5 `engine.train_batch` calls on the result's dataloader give the losses of
+plain single-process training on the same global batches (micro 2 x gas 2 x data size).
+Tolerance rel 1e-4 (fp32): the pipeline sums micro-batch gradients and tensor parallelism
+all-reduces partial matmuls, so results differ from one process by summation order only;
+Adam's normalization can amplify that on near-zero gradients, hence 1e-4 rather than 1e-6.
+One spawn per world size runs every layout in sequence to amortize process start-up.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from atorch.testing import run_distributed, tiny_gpt2, tiny_gpt2_config, tiny_llama, tiny_llama_config
+from atorch.testing.parity import TokenDataset, assert_close_losses, global_batches, reference_losses
+
+STEPS, MICRO, GAS, LAYERS, SEED, LR = 5, 2, 2, 4, 1234, 1e-3
+REL = 1e-4
+
+
+def _ds_config():
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+            "steps_per_print": 10 ** 9, "torch_adam": True}
+
+
+def _meta_model(kind, layers=LAYERS):
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+
+    from atorch.utils.meta_model_utils import record_module_init
+
+    with record_module_init():
+        if kind == "llama":
+            return LlamaForCausalLM(tiny_llama_config(num_hidden_layers=layers))
+        return GPT2LMHeadModel(tiny_gpt2_config(n_layer=layers))
+
+
+def _strategy(dims, name="deepspeed_3d_parallel", **overrides):
+    from atorch.auto.opt_lib.ds_3d_parallel_optimization import DeepSpeed3DParallelConfig
+
+    cfg = DeepSpeed3DParallelConfig(ds_config=overrides.pop("ds_config", _ds_config()), **overrides)
+    return [("parallel_mode", (dims, None)), (name, cfg)]
+
+
+def _expect_value_error(model_kind, dims, match, layers=LAYERS, **overrides):
+    from atorch.auto import auto_accelerate
+
+    try:
+        auto_accelerate(_meta_model(model_kind, layers), optim_func=torch.optim.AdamW, optim_args={"lr": LR},
+                        load_strategy=_strategy(dims, **overrides))
+    except ValueError as e:
+        assert match in str(e), str(e)
+        return str(e)
+    raise AssertionError(f"no ValueError for {dims} {overrides}")
+
+
+def _bad_inputs_raise_everywhere():
+    """Each bad input raises ValueError on every rank before any collective (a hang would time out)."""
+    world = dist.get_world_size()
+    return [
+        _expect_value_error("llama", [("tensor", 2), ("data", 1), ("pipeline", 1)],
+                            f"= 2 does not equal world size {world}"),
+        _expect_value_error("llama", [("pipeline", 2), ("data", world // 2)], "supports the parallel order"),
+        _expect_value_error("llama", [("tensor", 1), ("data", 1), ("pipeline", world)],
+                            f"pipeline size {world} is larger than the number of transformer blocks 2", layers=2),
+        _expect_value_error("llama", [("tensor", 1), ("data", 2), ("pipeline", world // 2)],
+                            "zero_optimization.stage=2",
+                            ds_config={**_ds_config(), "zero_optimization": {"stage": 2}}),
+        _expect_value_error("llama", [("tensor", 1), ("data", 2), ("pipeline", world // 2)],
+                            "train_batch_size=6 != train_micro_batch_size_per_gpu=2",
+                            ds_config={**_ds_config(), "train_batch_size": 6}),
+    ]
+
+
+def _train_layouts(cases):
+    from atorch.auto import auto_accelerate, train_step
+
+    errors = _bad_inputs_raise_everywhere()
+    out = []
+    for kind, dims, name in cases:
+        status, result, chosen = auto_accelerate(
+            _meta_model(kind), optim_func=torch.optim.AdamW, optim_args={"lr": LR}, dataset=TokenDataset(),
+            load_strategy=_strategy(dims, name=name), ignore_dryrun_on_load_strategy=True)
+        assert status, f"auto_accelerate failed for {kind} {dims}"
+        engine = result.model
+        assert type(engine).__name__ == "PipelineEngine", type(engine)
+        data_iter = iter(result.dataloader)
+        losses = [engine.train_batch(data_iter).item() for _ in range(STEPS - 1)]
+        # The generic helper drives the same engine: one global batch = GAS micro-batches per data rank.
+        losses.append(train_step(result, [next(data_iter) for _ in range(GAS)]).item())
+        out.append({"kind": kind, "dims": dims, "losses": losses, "names": chosen.names(),
+                    "global_batch": result.args["global_batch_size"],
+                    "stage_params": sum(p.numel() for p in engine.module.parameters())})
+        del engine, result, data_iter
+        dist.barrier()
+    return out, errors
+
+
+def _reference(kind, data_size):
+    model = tiny_llama(seed=SEED, num_hidden_layers=LAYERS) if kind == "llama" else \
+        tiny_gpt2(seed=SEED, n_layer=LAYERS)
+    return reference_losses(model, global_batches(TokenDataset(), MICRO * GAS * data_size, STEPS), lr=LR)
+
+
+def _check(results):
+    for cases, errors in results:
+        assert len(errors) == 5, errors
+        for case in cases:
+            data_size = dict(case["dims"]).get("data", 1)
+            assert case["global_batch"] == MICRO * GAS * data_size
+            assert case["names"] == ["parallel_mode", "deepspeed_3d_parallel"]
+            assert_close_losses(case["losses"], _reference(case["kind"], data_size), rel=REL,
+                                what=f"{case['kind']} {case['dims']}")
+
+
+@pytest.mark.heavy
+def test_ds3d_4_ranks_layouts_match_single_process():
+    cases = [
+        ("llama", [("tensor", 1), ("data", 2), ("pipeline", 2)], "deepspeed_3d_parallel"),
+        ("llama", [("tensor", 2), ("data", 1), ("pipeline", 2)], "ds_3d_parallel"),  # the alias
+        ("llama", [("tensor", 2), ("data", 2), ("pipeline", 1)], "deepspeed_3d_parallel"),
+        ("gpt2", [("tensor", 2), ("data", 1), ("pipeline", 2)], "deepspeed_3d_parallel"),  # tied wte / lm_head
+    ]
+    _check(run_distributed(_train_layouts, 4, cases, timeout=480))
+
+
+@pytest.mark.heavy
+def test_ds3d_8_ranks_tensor2_data2_pipeline2_matches_single_process():
+    cases = [("llama", [("tensor", 2), ("data", 2), ("pipeline", 2)], "deepspeed_3d_parallel")]
+    results = run_distributed(_train_layouts, 8, cases, timeout=480)
+    _check(results)
+    # Each rank holds half of the blocks (pipeline 2), tensor-sharded in two: about a quarter of the model.
+    full = sum(p.numel() for p in tiny_llama(seed=SEED, num_hidden_layers=LAYERS).parameters())
+    per_rank = [case["stage_params"] for cases, _ in results for case in cases]
+    assert max(per_rank) <= 0.26 * full, (per_rank, full)
