@@ -373,8 +373,8 @@ class ThroughputMeter:
         if self._window_start is None or self._window_steps == 0:
             raise RuntimeError("ThroughputMeter.report() needs start() and at least one step()")
         now = self._now()
-        metrics = compute_step_metrics(step, loss, now - self._window_start - self._paused_s, self._window_steps, self.global_batch_size,
-                                       self.seq_len, self.num_devices, self.flops, self.peak,
-                                       peak_memory_mb(self.device)[0])
+        seconds = now - self._window_start - self._paused_s
+        metrics = compute_step_metrics(step, loss, seconds, self._window_steps, self.global_batch_size, self.seq_len,
+                                       self.num_devices, self.flops, self.peak, peak_memory_mb(self.device)[0])
         self._window_start, self._window_steps, self._paused_s = now, 0, 0.0
         return metrics

@@ -23,7 +23,15 @@ import torch.distributed as dist
 from torch import nn
 
 from atorch import distributed as adist
-from atorch.utils.metrics import DevicePeak, StepMetrics, ThroughputMeter, TransformerFlops, device_peak, dtype_name
+from atorch.utils.metrics import (
+    DevicePeak,
+    StepMetrics,
+    ThroughputMeter,
+    TransformerFlops,
+    device_peak,
+    dtype_name,
+    peak_memory_mb,
+)
 
 logger = logging.getLogger("llama2_example")
 
@@ -52,7 +60,7 @@ def common_parser(description: str) -> argparse.ArgumentParser:
     """The arguments every example takes; each script adds its own. The entry scripts fill them from env vars."""
     parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    model = parser.add_argument_group("model (none of the three: the tiny Llama and the bundled tokenizer)")
+    model = parser.add_argument_group("model (give none: the tiny Llama and the bundled tokenizer, offline)")
     model.add_argument("--model_name_or_path", help="fine-tune: load config, weights and tokenizer from this dir")
     model.add_argument("--config_name", help="pretrain: random init from this config dir (or config.json)")
     model.add_argument("--tokenizer_name", help="tokenizer dir; defaults to the model or config dir")
@@ -155,7 +163,7 @@ def announce_launch() -> None:
 
 @dataclass
 class LoadedModel:
-    model: nn.Module
+    model: Optional[nn.Module]
     tokenizer: Any
     config: Any
     """The model's config (also when `model` is None)."""
@@ -303,12 +311,12 @@ def tokenized_corpus(args: argparse.Namespace, tokenizer: Any) -> Tuple[str, str
         if not source.exists():
             raise UsageError(f"DATASET_PATH (--dataset_path) {args.dataset_path!r} does not exist; give a .txt or "
                              ".jsonl file, a directory of them, or a preprocessed .bin/.idx prefix")
-    key = hashlib.sha256(json.dumps([_source_fingerprint(source), _tokenizer_fingerprint(tokenizer)])
-                         .encode("utf-8")).hexdigest()[:16]
+    files = _source_fingerprint(source)
+    key = hashlib.sha256(json.dumps([files, _tokenizer_fingerprint(tokenizer)]).encode("utf-8")).hexdigest()[:16]
     cache_dir = Path(args.data_cache_dir or Path(args.output_dir) / "data_cache")
     cache_dir.mkdir(parents=True, exist_ok=True)
     prefix = str(cache_dir / f"{source.stem}-{key}")
-    large = sum(size for _, size, _ in _source_fingerprint(source)) > 64 * 2 ** 20
+    large = sum(size for _, size, _ in files) > 64 * 2 ** 20
     # A worker pool only pays off on a large corpus; the other ranks wait while local rank 0 builds.
     workers = max(1, min(16, (os.cpu_count() or 1) - 1)) if large else 1
 
@@ -405,11 +413,11 @@ def build_meter(args: argparse.Namespace, flops: TransformerFlops, global_batch_
     tf32 = device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
     peak = device_peak(device, dtype_name(compute_dtype, tf32), args.peak_tflops) if is_rank0() else None
     if peak is not None:
+        peak_text = f"{peak.tflops:.4g} TFLOPs" if peak.tflops else "unknown"
         print_rank0(f"metrics: model FLOPs/token={flops.model_flops_per_token:.4g} (6N + attention, N="
                     f"{flops.matmul_params} matmul params, embeddings excluded), hardware FLOPs/token="
-                    f"{flops.hardware_flops_per_token:.4g}; peak {peak.tflops if peak.tflops else float('nan'):.4g} "
-                    f"TFLOPs = {peak.source}; peak memory = "
-                    f"{'GPU allocator max_memory_allocated' if device.type == 'cuda' else 'process RSS high-water mark'}")
+                    f"{flops.hardware_flops_per_token:.4g}; peak {peak_text} = {peak.source}; peak memory = "
+                    f"{peak_memory_mb(device)[1]}")
     return ThroughputMeter(flops, global_batch_size, args.block_size, adist.world_size(),
                            peak or DevicePeak(None, "rank 0 reports"), device)
 
@@ -494,8 +502,9 @@ class Checkpointer:
         if step == self.last_saved_step:
             return
         assert self.stream is not None, "resume() sets the stream before training"
-        position = DataPosition(self.stream.epoch, self.stream.batches_in_epoch,
-                                self.result.args.get("global_batch_size"))
+        # The position counts loader batches; one spans every data-parallel rank (micro-batches under 3D).
+        loader_batch = self.result.dataloader.batch_size * self.result.args["data_parallel_size"]
+        position = DataPosition(self.stream.epoch, self.stream.batches_in_epoch, loader_batch)
         path = save_checkpoint(self.result, str(self.directory / f"step_{step}"), step=step, data_position=position,
                                keep_last=self.args.save_total_limit)
         self.last_saved_step = step

@@ -33,7 +33,8 @@ RECORDER = f"""#!{sys.executable}
 import json, os, sys
 if sys.argv[1:2] == ["-c"]:   # the NPROC_PER_NODE default probe: let the real interpreter answer
     os.execv({sys.executable!r}, [{sys.executable!r}] + sys.argv[1:])
-print(json.dumps({{"argv": sys.argv[1:], "env": {{k: os.environ.get(k) for k in ("BO_SG_MAX_IETR", "RANDOM_SAMPLE")}}}}))
+search_env = {{k: os.environ.get(k) for k in ("BO_SG_MAX_IETR", "RANDOM_SAMPLE")}}
+print(json.dumps({{"argv": sys.argv[1:], "env": search_env}}))
 """
 
 
