@@ -140,7 +140,7 @@ def test_text_directory_and_dataset_inputs(tmp_path, tokenizer):
     assert [(pr.line, pr.reason) for pr in stats.problems] == [(2, "value of 'text' is NoneType, expected str")]
 
     class ColumnarDataset:
-        """The part of datasets.Dataset that open_hf_dataset uses (datasets itself needs numpy>=2 here)."""
+        """The part of datasets.Dataset that open_hf_dataset uses (a real one is in test_data_hf_datasets.py)."""
 
         column_names = ["content", "id"]
 
