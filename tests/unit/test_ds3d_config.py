@@ -1,0 +1,142 @@
+"""`deepspeed_3d_parallel`: config resolution, strategy validation and presets (pure, no DeepSpeed import)."""
+
+import json
+
+import pytest
+import torch
+from transformers import GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaForCausalLM
+
+from atorch.auto.opt_lib import ValidationContext, get_optimization, resolve_strategy
+from atorch.auto.opt_lib.ds_3d_parallel_optimization import (
+    DeepSpeed3DParallelConfig,
+    get_custom_patcher,
+    get_gpt2_tpinfo,
+    get_llama_custom_patcher,
+    get_llama_tpinfo,
+    get_tpinfo,
+    resolve_ds_config,
+)
+from atorch.auto.strategy import Strategy
+from atorch.testing import tiny_gpt2_config, tiny_llama_config
+from atorch.utils.manual_tp_utils import TPInfo
+
+
+def _meta(kind="llama", layers=4, **overrides):
+    with torch.device("meta"):
+        if kind == "llama":
+            return LlamaForCausalLM(tiny_llama_config(num_hidden_layers=layers, **overrides))
+        return GPT2LMHeadModel(tiny_gpt2_config(n_layer=layers, **overrides))
+
+
+def _resolve(dims, config=None, world=8, model=None, name="deepspeed_3d_parallel", extra=()):
+    strategy = Strategy([("parallel_mode", (dims, None) if dims is not None else None), (name, config), *extra])
+    return resolve_strategy(strategy, ValidationContext(world_size=world, model=model if model is not None else
+                                                        _meta()))
+
+
+T2D2P2 = [("tensor", 2), ("data", 2), ("pipeline", 2)]
+
+
+def test_resolve_ds_config_completes_batch_sizes_like_deepspeed():
+    assert resolve_ds_config(None, 2, 2)["train_batch_size"] == 2  # micro 1, gas 1
+    cfg = resolve_ds_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, 4, 2)
+    assert (cfg["train_batch_size"], cfg["gradient_clipping"]) == (24, 0.0)
+    cfg = resolve_ds_config({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}, 2, 2)
+    assert cfg["gradient_accumulation_steps"] == 4
+    cfg = resolve_ds_config({"train_batch_size": 16, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0}, 2, 1)
+    assert (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_clipping"]) == (4, 1.0)
+    raw = {"train_batch_size": 8}
+    resolve_ds_config(raw, 2, 2)
+    assert raw == {"train_batch_size": 8}  # the user's dict is not modified
+
+
+@pytest.mark.parametrize("raw, match", [
+    ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage=2 contradicts pipeline parallelism"),
+    ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage=3"),
+    ({"pipeline": {"stages": 4}}, "pipeline.stages=4 but parallel_mode has pipeline=2"),
+    ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2},
+     r"train_batch_size=10 != train_micro_batch_size_per_gpu=2 x gradient_accumulation_steps=2 x data size 2 = 8"),
+    ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}, "10 is not divisible by"),
+    ({"train_batch_size": 0}, "train_batch_size=0 must be a positive integer"),
+    ([1, 2], "must be a dict or a JSON file path"),
+])
+def test_resolve_ds_config_refuses_contradictions(raw, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_ds_config(raw, 2, 2)
+
+
+def test_ds_config_from_json_path(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 3}))
+    assert resolve_ds_config(str(path), 2, 2)["train_batch_size"] == 6
+    with pytest.raises(ValueError, match="is not a readable JSON file"):
+        resolve_ds_config(str(tmp_path / "missing.json"), 2, 2)
+
+
+def test_valid_strategies_and_alias():
+    resolved = _resolve(T2D2P2, DeepSpeed3DParallelConfig(ds_config={"train_micro_batch_size_per_gpu": 2}))
+    assert [r.name for r in resolved] == ["parallel_mode", "deepspeed_3d_parallel"]
+    assert get_optimization("ds_3d_parallel") is get_optimization("deepspeed_3d_parallel")
+    resolved = _resolve(T2D2P2, {"base_seed": 7}, name="ds_3d_parallel")  # dict configs work too
+    assert resolved[1].name == "deepspeed_3d_parallel" and resolved[1].config.base_seed == 7
+    _resolve([("data", 4), ("pipeline", 2)], model=_meta("gpt2"))  # a missing dim is size 1
+    _resolve(None, world=1)  # a single process is the (1, 1, 1) layout
+
+
+@pytest.mark.parametrize("dims, world, model, match", [
+    ([("tensor", 2), ("data", 2), ("pipeline", 3)], 8, None, "= 12 does not equal world size 8"),
+    ([("data", 2), ("tensor", 2), ("pipeline", 2)], 8, None, r"supports the parallel order \['tensor', 'data', "
+                                                             r"'pipeline'\].*got \['data', 'tensor', 'pipeline'\]"),
+    ([("pipeline", 2), ("data", 4)], 8, None, "supports the parallel order"),
+    ([("tensor", 2), ("expert", 2), ("pipeline", 2)], 8, None, "supports the parallel order"),
+    ([("tensor", 1), ("data", 1), ("pipeline", 8)], 8, None,
+     "pipeline size 8 is larger than the number of transformer blocks 4"),
+    ([("tensor", 3), ("data", 1), ("pipeline", 2)], 6, None, "tensor parallel size 3 does not divide"),
+])
+def test_bad_layouts_raise(dims, world, model, match):
+    with pytest.raises(ValueError, match=match):
+        _resolve(dims, world=world, model=model)
+
+
+def test_rank_order_and_config_fields_are_checked():
+    strategy = Strategy([("parallel_mode", ([("tensor", 2), ("data", 2)], [1, 0, 3, 2])), "deepspeed_3d_parallel"])
+    with pytest.raises(ValueError, match=r"rank_order None.*got \[1, 0, 3, 2\]"):
+        resolve_strategy(strategy, ValidationContext(world_size=4, model=_meta()))
+    with pytest.raises(ValueError, match="tie_first='yes' must be a bool"):
+        _resolve(T2D2P2, DeepSpeed3DParallelConfig(tie_first="yes"))
+    with pytest.raises(ValueError, match="logit_helper=3 must be callable"):
+        _resolve(T2D2P2, DeepSpeed3DParallelConfig(logit_helper=3))
+    with pytest.raises(ValueError, match="tpinfo must be a TPInfo"):
+        _resolve(T2D2P2, DeepSpeed3DParallelConfig(tpinfo={"col": []}))
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['stages'\]"):
+        _resolve(T2D2P2, {"stages": 2})
+    with pytest.raises(ValueError, match="TPInfo col suffix 'q_linear' matches no module"):
+        _resolve(T2D2P2, DeepSpeed3DParallelConfig(tpinfo=TPInfo().shard_col("q_linear")))
+
+
+def test_conflicts():
+    with pytest.raises(ValueError, match="'deepspeed_3d_parallel' and 'tensor_parallel' cannot be combined"):
+        _resolve(T2D2P2, extra=[("tensor_parallel", None)])
+    with pytest.raises(ValueError, match="'deepspeed_3d_parallel' and 'pipeline_parallel' cannot be combined"):
+        _resolve([("data", 4), ("pipeline", 2)], extra=[("pipeline_parallel", None)])
+
+
+def test_model_without_preset_needs_a_patcher():
+    config = GPTNeoXConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=128)
+    with torch.device("meta"):
+        model = GPTNeoXForCausalLM(config)
+    with pytest.raises(ValueError, match="no pipeline patcher preset for model_type 'gpt_neox'.*custom_patcher"):
+        _resolve([("data", 4), ("pipeline", 2)], model=model)
+
+
+def test_presets_by_model_or_config():
+    llama = _meta("llama")
+    assert sorted(get_custom_patcher(llama)) == sorted(get_custom_patcher(llama.config)) == \
+        ["lm_head", "model.embed_tokens", "model.layers", "model.norm"]
+    assert list(get_llama_custom_patcher(llama.config)) == ["model.embed_tokens", "model.layers", "model.norm",
+                                                           "lm_head"]
+    assert get_tpinfo(llama.config).col == get_tpinfo(llama).col == get_llama_tpinfo().col
+    assert "self_attn.q_proj" in get_llama_tpinfo().col and "embed_tokens" in get_llama_tpinfo().vocab
+    assert get_gpt2_tpinfo().col["attn.c_attn"] == {"stride": 3}
+    assert get_tpinfo(_meta("gpt2")).vocab == {"wte": {}}

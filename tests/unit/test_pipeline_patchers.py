@@ -1,0 +1,119 @@
+"""Patched pieces run one after another compute exactly what the Hugging Face model computes (one process).
+
+Both ways a pipeline runs them are checked: piece by piece (DeepSpeed layers) and as native
+stage modules chained together, with and without a padding mask. fp32 on CPU, same kernels
+in the same order: the tolerance is 1e-6 absolute (identical up to op fusion differences).
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from atorch.modules.pipeline import (
+    PatchedLayer,
+    causal_lm_loss,
+    expand_patcher,
+    get_custom_patcher,
+    hf_batch_fn,
+    split_micro_batches,
+)
+from atorch.modules.pipeline.batches import CausalLMLoss, hf_inputs
+from atorch.modules.pipeline.native import build_stage_module
+from atorch.modules.pipeline.patchers import tied_head_paths
+from atorch.testing import tiny_gpt2, tiny_llama
+
+
+def _model(kind):
+    return tiny_llama(seed=3, num_hidden_layers=3) if kind == "llama" else tiny_gpt2(seed=3, n_layer=3)
+
+
+def _batch(with_padding):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 1024, (3, 12), generator=g)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    if with_padding:
+        mask = torch.ones_like(ids)
+        mask[0, :4] = 0  # left padding of the first row
+        mask[2, -3:] = 0  # right padding of the last row
+        batch["attention_mask"] = mask
+    return batch
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("with_padding", [False, True])
+def test_pieces_in_sequence_equal_hf_forward(kind, with_padding):
+    model = _model(kind).eval()
+    batch = _batch(with_padding)
+    pieces = expand_patcher(model, get_custom_patcher(model))
+    layers = [PatchedLayer(model.get_submodule(p.path), p.patch, p.path) for p in pieces]
+    with torch.no_grad():
+        expected = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+        x = hf_inputs(batch)
+        for layer in layers:
+            x = layer(x)
+            if isinstance(x, tuple):  # between blocks: (hidden, mask, positions)
+                assert x[0].is_floating_point() and not x[1].is_floating_point() and not x[2].is_floating_point()
+                assert all(t.is_contiguous() for t in x)  # pipelines send them as they are
+    torch.testing.assert_close(x, expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_native_stages_chain_to_hf_logits_and_keep_hf_keys(kind):
+    model = _model(kind).eval()
+    batch = _batch(with_padding=True)
+    stages = [build_stage_module(model, s, 3).module for s in range(3)]
+    keys = [k for st in stages for k in st.state_dict()]
+    assert sorted(keys) == sorted(model.state_dict())  # disjoint, complete, original names
+    with torch.no_grad():
+        x = hf_inputs(batch)
+        for st in stages:
+            x = st(*x) if isinstance(x, tuple) else st(x)
+        expected = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    torch.testing.assert_close(x, expected, atol=1e-6, rtol=0)
+
+
+def test_loss_matches_hf_loss_and_handles_ignored_labels():
+    model = _model("llama")
+    batch = _batch(with_padding=False)
+    batch["labels"][1, 5:] = -100
+    out = model(**batch)
+    torch.testing.assert_close(causal_lm_loss(out.logits, batch["labels"]), out.loss, atol=1e-6, rtol=0)
+    torch.testing.assert_close(CausalLMLoss()(out.logits, batch["labels"]), out.loss, atol=1e-6, rtol=0)
+
+
+def test_tied_head_detection():
+    gpt2, llama = _model("gpt2"), _model("llama")
+    assert tied_head_paths(gpt2, expand_patcher(gpt2, get_custom_patcher(gpt2))) == ("transformer.wte", "lm_head")
+    assert tied_head_paths(llama, expand_patcher(llama, get_custom_patcher(llama))) is None
+
+
+def test_batch_helpers():
+    batch = _batch(with_padding=False)
+    (ids, mask), labels = hf_batch_fn(batch)
+    assert ids is batch["input_ids"] and labels is batch["labels"] and bool(mask.eq(1).all())
+    assert hf_batch_fn(((ids, mask), labels))[1] is labels  # already in pipeline form
+    with pytest.raises(ValueError, match="needs 'input_ids'"):
+        hf_batch_fn({"labels": labels})
+    parts = split_micro_batches(batch, 3)
+    assert [p["input_ids"].shape[0] for p in parts] == [1, 1, 1]
+    with pytest.raises(ValueError, match="a batch of 3 rows does not split into 2 equal micro-batches"):
+        split_micro_batches(batch, 2)
+
+
+def test_patcher_errors_name_the_problem():
+    model = _model("llama")
+    with pytest.raises(ValueError, match="'model.decoder' is not a sub-module of LlamaForCausalLM"):
+        expand_patcher(model, {"model.decoder": lambda m, x: x})
+    with pytest.raises(ValueError, match="exactly one nn.ModuleList"):
+        expand_patcher(model, {"model.embed_tokens": lambda m, x: x})
+    with pytest.raises(ValueError, match="is not callable"):
+        expand_patcher(model, {"model.embed_tokens": "embed", "model.layers": lambda m, x: x})
+    with pytest.raises(ValueError, match="non-empty mapping"):
+        expand_patcher(model, {})
+
+    class Other(nn.Module):
+        config = type("Cfg", (), {"model_type": "t5"})()
+
+    with pytest.raises(ValueError, match=r"no pipeline patcher preset for model_type 't5'; presets exist for \['gpt2', "
+                                         r"'llama'\]"):
+        get_custom_patcher(Other())

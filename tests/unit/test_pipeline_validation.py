@@ -1,0 +1,54 @@
+"""`pipeline_parallel` strategy validation: pure, no process group, a ValueError naming the values."""
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from atorch.auto.opt_lib import ValidationContext, resolve_strategy
+from atorch.auto.strategy import Strategy
+from atorch.testing import tiny_llama_config
+
+
+def _meta(layers=4):
+    with torch.device("meta"):
+        return LlamaForCausalLM(tiny_llama_config(num_hidden_layers=layers))
+
+
+def _resolve(dims, config=None, world=4, layers=4, extra=()):
+    strategy = Strategy([("parallel_mode", (dims, None)), ("pipeline_parallel", config), *extra])
+    return resolve_strategy(strategy, ValidationContext(world_size=world, model=_meta(layers)))
+
+
+def test_valid_strategy_orders_pipeline_after_groups():
+    resolved = _resolve([("data", 2), ("pipeline", 2)], {"chunks": 4, "schedule": "1f1b"})
+    assert [r.name for r in resolved] == ["parallel_mode", "pipeline_parallel"]
+    assert resolved[1].config.chunks == 4 and resolved[1].config.schedule == "1f1b"
+
+
+@pytest.mark.parametrize("dims, config, world, layers, match", [
+    ([("data", 4)], None, 4, 4, "needs a 'pipeline' dimension in parallel_mode"),
+    ([("pipeline", 4)], None, 4, 2, "pipeline size 4 is larger than the number of transformer blocks 2"),
+    ([("tensor", 2), ("pipeline", 2)], None, 4, 4, r"combines with data parallelism only, but parallel_mode has "
+                                                   r"\{'tensor': 2\}"),
+    ([("data", 2), ("pipeline", 2)], {"chunks": 0}, 4, 4, "chunks=0 must be an integer >= 1"),
+    ([("data", 2), ("pipeline", 2)], {"schedule": "zb"}, 4, 4, r"schedule='zb'; valid schedules are \['gpipe', "),
+    ([("data", 2), ("pipeline", 2)], {"partition_method": "type:Block"}, 4, 4, "valid methods are"),
+    ([("data", 2), ("pipeline", 2)], {"micro_batches": 2}, 4, 4, r"unknown config key\(s\) \['micro_batches'\]"),
+    ([("data", 2), ("pipeline", 3)], None, 4, 4, "= 6 does not equal world size 4"),
+])
+def test_bad_input_raises_value_error(dims, config, world, layers, match):
+    with pytest.raises(ValueError, match=match):
+        _resolve(dims, config, world, layers)
+
+
+def test_conflicts_and_precision():
+    with pytest.raises(ValueError, match="'fsdp' and 'pipeline_parallel' cannot be combined"):
+        _resolve([("data", 2), ("pipeline", 2)], extra=[("fsdp", None)])
+    with pytest.raises(ValueError, match="amp_native fp16 is not supported"):
+        _resolve([("data", 2), ("pipeline", 2)], extra=[("amp_native", {"dtype": torch.float16})])
+    _resolve([("data", 2), ("pipeline", 2)], extra=[("amp_native", {"dtype": torch.bfloat16})])
+
+
+def test_single_process_is_refused():
+    with pytest.raises(ValueError, match="needs more than one process"):
+        _resolve([("pipeline", 1)], world=1)
