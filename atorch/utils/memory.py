@@ -9,6 +9,7 @@ buffers are out of scope (see `atorch.utils.peak_memory` for peaks).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass
 from typing import Dict, Iterable, Iterator, Optional, Set, Tuple
 
@@ -98,12 +99,13 @@ def _optimizer_tensors(optimizer: object, model_param_ids: Set[int]) -> Iterator
         for value in state.values():
             if isinstance(value, torch.Tensor):
                 yield value
-    # Tensors the optimizer steps that are not the model's own parameters are master copies
-    # (DeepSpeed's fp32 partitions): optimizer state too.
-    for group in getattr(inner, "param_groups", []):
-        for p in group["params"]:
-            if id(p) not in model_param_ids:
-                yield p
+    # Tensors the optimizer steps or keeps state for that are not the model's own parameters are
+    # master copies (DeepSpeed's fp32 partitions): optimizer state too. ZeRO-3 puts its partitions
+    # into param_groups only during step(), so the keys of `state` are looked at as well.
+    stepped = [p for group in getattr(inner, "param_groups", []) for p in group["params"]]
+    for p in itertools.chain(stepped, getattr(inner, "state", {}).keys()):
+        if isinstance(p, torch.Tensor) and id(p) not in model_param_ids:
+            yield p
 
 
 def memory_breakdown(model: nn.Module, optimizer: Optional[object] = None) -> MemoryBreakdown:

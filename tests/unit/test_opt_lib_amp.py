@@ -1,0 +1,113 @@
+"""amp_native's pieces in one process: autocast on the instance forward, the gradient-scaling loss
+transform, and GradScalingOptimizer (steps, skips on overflow, shares state, works with LR schedulers)."""
+
+import pytest
+import torch
+from torch import nn
+
+from atorch.auto.model_context import ModelContext
+from atorch.auto.opt_lib import get_optimization
+from atorch.auto.opt_lib._precision import add_autocast_to_forward, has_autocast_forward
+from atorch.auto.opt_lib.amp_native import GradScalingOptimizer, scale_loss_gradient
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+
+
+def test_autocast_forward_keeps_state_dict_keys_and_computes_in_bf16():
+    model = _model()
+    keys = list(model.state_dict())
+    add_autocast_to_forward(model, "cpu", torch.bfloat16)
+    assert has_autocast_forward(model) and list(model.state_dict()) == keys
+    assert model(torch.randn(2, 8)).dtype is torch.bfloat16
+    assert next(model.parameters()).dtype is torch.float32  # weights stay fp32
+    assert not has_autocast_forward(_model())
+
+
+def test_loss_transform_keeps_the_value_and_scales_the_gradient():
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    w = torch.tensor([2.0], requires_grad=True)
+    loss = (w * 3.0).sum()
+    scaled = scale_loss_gradient(scaler)(loss)
+    assert scaled.item() == loss.item() == 6.0
+    scaled.backward()
+    assert w.grad.item() == 3.0 * 1024.0
+
+
+def test_grad_scaling_optimizer_trains_exactly_like_unscaled_training():
+    x = torch.randn(4, 8)
+    plain, scaled = _model(), _model()
+    ref = torch.optim.SGD(plain.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)  # a power of two: exact unscaling
+    optim = GradScalingOptimizer(torch.optim.SGD(scaled.parameters(), lr=0.1), scaler)
+    transform = scale_loss_gradient(scaler)
+    for _ in range(3):
+        plain(x).pow(2).mean().backward()
+        ref.step()
+        ref.zero_grad()
+        transform(scaled(x).pow(2).mean()).backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    for a, b in zip(plain.parameters(), scaled.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_grad_scaling_optimizer_shares_state_and_drives_lr_schedulers():
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    optim = GradScalingOptimizer(inner, torch.amp.GradScaler("cpu"))
+    assert optim.param_groups is inner.param_groups and optim.state is inner.state
+    assert optim.state_dict() == inner.state_dict()
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.5)
+    for _ in range(3):
+        scale_loss_gradient(optim.scaler)(model(torch.randn(2, 8)).sum()).backward()
+        optim.step()
+        sched.step()
+        optim.zero_grad()
+    assert inner.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 3)
+
+
+def test_overflow_skips_the_step_and_backs_off_the_scale():
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    optim = GradScalingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), scaler)
+    loss = scale_loss_gradient(scaler)(model(torch.full((1, 8), float("inf"))).sum())
+    loss.backward()
+    optim.step()
+    assert scaler.get_scale() == 2.0 ** 15
+    for a, b in zip(before, model.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="step\\(closure\\) is not supported"):
+        optim.step(lambda: 0.0)
+
+
+def test_apply_wrapper_builds_scaling_for_fp16_only_and_respects_wrappers():
+    amp = get_optimization("amp_native")()
+    fp16, bf16 = amp.parse_config(torch.float16), amp.parse_config(torch.bfloat16)
+
+    def context(**kw):
+        model = _model()
+        return ModelContext(model=model, optim=torch.optim.SGD(model.parameters(), lr=0.1), **kw)
+
+    ctx = context()
+    amp.apply(ctx, fp16)
+    amp.apply_wrapper(ctx, fp16)
+    assert ctx.autocast_dtype is torch.float16 and has_autocast_forward(ctx.model)
+    assert isinstance(ctx.optim, GradScalingOptimizer) and ctx.grad_scaler is not None and len(ctx.loss_transforms) == 1
+    ctx = context()
+    amp.apply(ctx, bf16)
+    amp.apply_wrapper(ctx, bf16)
+    assert isinstance(ctx.optim, torch.optim.SGD) and ctx.grad_scaler is None and not ctx.loss_transforms
+    # A sharding wrapper that owns precision and loss scaling (DeepSpeed): amp adds nothing.
+    ctx = context(autocast_by_wrapper=True, loss_scaling_by_wrapper=True)
+    amp.apply(ctx, fp16)
+    amp.apply_wrapper(ctx, fp16)
+    assert not has_autocast_forward(ctx.model) and ctx.grad_scaler is None
+    # A model already cast by `half` to the same dtype needs no autocast.
+    ctx = context(half_dtype=torch.bfloat16)
+    amp.apply(ctx, bf16)
+    amp.apply_wrapper(ctx, bf16)
+    assert not has_autocast_forward(ctx.model)
