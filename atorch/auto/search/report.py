@@ -1,0 +1,136 @@
+"""Reporting a search: the trial table, a PNG of throughput per trial, and the winner in one line.
+
+For people who would rather look than read: the plot shows every trial's throughput (failed
+trials at 0, marked by status) and the running best; the table has one row per dry run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Dict, Optional
+
+if TYPE_CHECKING:  # pragma: no cover
+    from atorch.auto.search.search import SearchResult
+
+logger = logging.getLogger(__name__)
+
+_STATUS_MARKERS = {"ok": ("o", "tab:blue"), "oom": ("x", "tab:red"), "timeout": ("s", "tab:orange"),
+                   "exception": ("v", "tab:purple"), "failed": ("v", "tab:gray")}
+
+
+def trials_table(result: "SearchResult") -> str:
+    """The trial table as aligned text (memory in MB, throughput in samples/s)."""
+    import pandas as pd
+
+    if result.trials.empty:
+        return "(no trial was run)"
+    df = result.trials.copy()
+    for col in ("predicted_memory", "measured_memory"):
+        df[col] = pd.to_numeric(df[col], errors="coerce") / 1e6
+    df = df.rename(columns={"predicted_memory": "pred_mem_MB", "measured_memory": "mem_MB",
+                            "predicted_throughput": "pred_throughput", "planner_seconds": "planner_s"})
+    df["reason"] = df["reason"].map(lambda r: r if len(r) <= 60 else r[:57] + "...")
+    with pd.option_context("display.max_rows", None, "display.max_columns", None, "display.width", 250,
+                           "display.float_format", "{:.4g}".format):
+        return df.to_string(index=False)
+
+
+def explain(result: "SearchResult") -> str:
+    """Why the winner won, in one line, e.g.
+    "parallel_mode(data=2)+amp_native+fsdp: 1.9x plain data-parallel; zero1 predicted 31.0 GB > 24.0 GB limit"."""
+    trials = result.trials
+    parts = []
+    if result.best is None:
+        failed = trials["status"].value_counts().to_dict() if not trials.empty else {}
+        parts.append("no strategy ran" + (f" ({_counts(failed)})" if failed else ""))
+    else:
+        name = result.best.describe()
+        ok = trials[trials["status"] == "ok"]
+        baseline = ok[ok["strategy"].map(_is_plain_data_parallel)]
+        if not baseline.empty and baseline.iloc[0]["strategy"] != name:
+            ratio = result.best_throughput / float(baseline.iloc[0]["throughput"])
+            parts.append(f"{name}: {ratio:.2g}x plain data-parallel ({result.best_throughput:.4g} samples/s)")
+        elif len(ok) > 1:
+            runner_up = ok[ok["strategy"] != name].sort_values("throughput", ascending=False).iloc[0]
+            ratio = result.best_throughput / float(runner_up["throughput"])
+            what = "plain data-parallel was fastest" if not baseline.empty else f"{name}"
+            parts.append(f"{what}: {ratio:.3g}x the runner-up {runner_up['strategy']} "
+                         f"({result.best_throughput:.4g} samples/s)")
+        else:
+            parts.append(f"{name}: the only strategy that ran ({result.best_throughput:.4g} samples/s)")
+    if not result.pruned.empty:
+        first = result.pruned.iloc[0]
+        more = len(result.pruned) - 1
+        parts.append(f"{first['strategy']} {first['reason']}" + (f" (+{more} more not run)" if more else ""))
+    failed = trials[trials["status"] != "ok"] if not trials.empty else trials
+    if result.best is not None and not failed.empty:
+        parts.append(f"{len(failed)} trial(s) failed ({_counts(failed['status'].value_counts().to_dict())})")
+    parts.append(f"{len(trials)}/{result.num_candidates} candidates run"
+                 + (f", stopped: {result.stop_reason}" if result.stop_reason else ""))
+    return "; ".join(parts)
+
+
+def _counts(counts: Dict[str, int]) -> str:
+    return ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+
+
+def _is_plain_data_parallel(label: str) -> bool:
+    # Strategy.describe() of a strategy with only a data-parallel parallel_mode.
+    return "+" not in label and label.startswith("parallel_mode") and "tensor" not in label
+
+
+def plot_trials(result: "SearchResult", path: str) -> str:
+    """Write a PNG of throughput per trial with the running best; returns `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    trials = result.trials
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    try:
+        if not trials.empty:
+            x = trials["trial"].tolist()
+            y = [float(v) for v in trials["throughput"]]
+            for status, (marker, color) in _STATUS_MARKERS.items():
+                sel = [i for i, s in enumerate(trials["status"]) if s == status]
+                if sel:
+                    ax.scatter([x[i] for i in sel], [y[i] for i in sel], marker=marker, color=color,
+                               label=status, zorder=3)
+            best, running = 0.0, []
+            for v in y:
+                best = max(best, v)
+                running.append(best)
+            ax.step(x, running, where="post", color="tab:green", label="best so far")
+            if "predicted_throughput" in trials and trials["predicted_throughput"].notna().any():
+                ax.plot(x, trials["predicted_throughput"].tolist(), linestyle=":", color="gray", label="predicted")
+        ax.set_xlabel("trial")
+        ax.set_ylabel("throughput (samples/s)")
+        title = result.best.describe() if result.best is not None else "no strategy ran"
+        ax.set_title(f"strategy search: best {title}", fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+        fig.tight_layout()
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def write_report(result: "SearchResult", directory: str, log: Optional[logging.Logger] = None) -> Dict[str, str]:
+    """Log the table and the reason; write trials.csv, search.png and best_strategy.json to `directory`."""
+    os.makedirs(directory, exist_ok=True)
+    paths = {"table": os.path.join(directory, "trials.csv"), "plot": os.path.join(directory, "search.png")}
+    result.trials.to_csv(paths["table"], index=False)
+    if not result.pruned.empty:
+        paths["pruned"] = os.path.join(directory, "pruned.csv")
+        result.pruned.to_csv(paths["pruned"], index=False)
+    plot_trials(result, paths["plot"])
+    if result.best is not None:
+        paths["strategy"] = os.path.join(directory, "best_strategy.json")
+        result.best.save(paths["strategy"])
+    (log or logger).info("strategy search trials:\n%s\n%s\nplot: %s", trials_table(result), result.reason,
+                         paths["plot"])
+    return paths

@@ -1,0 +1,145 @@
+"""Per-process peak tensor memory, on CPU as on GPU, with an optional simulated device limit.
+
+GPU: the caching allocator's high-water mark (`torch.cuda.max_memory_allocated`). CPU has no
+such counter, and the process RSS is useless for small models (the runtime alone is hundreds
+of MB and `ru_maxrss` never goes down), so on CPU a `TorchDispatchMode` counts the bytes of every
+tensor storage created while it is active and subtracts them when the storage is freed. Checked
+against the CPU allocator's own accounting (`torch.profiler` with `profile_memory=True`) on a
+tiny Llama training step: the two peaks agree to within a few bytes. What it does not see:
+allocations that never become a tensor (a kernel's private workspace, gloo's socket buffers)
+and tensors created before it started.
+
+`memory_limit_bytes` makes the out-of-memory path real on a machine with plenty of memory: the
+allocation that crosses the limit raises `torch.OutOfMemoryError` on that rank, exactly where
+a device would have failed.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+
+
+class SimulatedOutOfMemoryError(torch.OutOfMemoryError):
+    """Raised by `PeakMemoryTracker` when live tensor bytes cross the simulated device limit."""
+
+
+class _StorageCounter(TorchDispatchMode):
+    """Counts live bytes of storages created by ops run under it; raises past `limit`."""
+
+    def __init__(self, limit: Optional[int]) -> None:
+        super().__init__()
+        self.limit = limit
+        self.live = 0
+        self.peak = 0
+        # data_ptr -> bytes; keyed by address because views share one storage.
+        self._sizes: Dict[int, int] = {}
+
+    def _release(self, key: int, nbytes: int) -> None:
+        if self._sizes.pop(key, None) is not None:
+            self.live -= nbytes
+
+    def _count(self, tensor: torch.Tensor) -> None:
+        if is_traceable_wrapper_subclass(tensor):
+            # DTensor and friends own no storage; their inner (local) tensors do.
+            attrs, _ = tensor.__tensor_flatten__()
+            for attr in attrs:
+                inner = getattr(tensor, attr)
+                if isinstance(inner, torch.Tensor):
+                    self._count(inner)
+            return
+        if tensor.device.type != "cpu" or tensor.is_meta:
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse or opaque tensors
+            return
+        nbytes = storage.nbytes()
+        key = storage.data_ptr()
+        if nbytes == 0 or key == 0 or key in self._sizes:
+            return
+        self._sizes[key] = nbytes
+        # The storage's Python object lives exactly as long as the storage (PyObject preservation),
+        # so the finalizer runs when the memory goes back to the allocator.
+        weakref.finalize(storage, self._release, key, nbytes)
+        self.live += nbytes
+        if self.live > self.peak:
+            self.peak = self.live
+        if self.limit is not None and self.live > self.limit:
+            raise SimulatedOutOfMemoryError(
+                f"out of memory: {self.live} bytes of tensors live > simulated device memory limit "
+                f"{self.limit} bytes (ATORCH_DEVICE_MEMORY_LIMIT)")
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self._count(leaf)
+        return out
+
+
+class PeakMemoryTracker:
+    """Context manager measuring the peak tensor bytes allocated inside it on `device`.
+
+    `peak_bytes` is relative to entry: tensors that existed before are not counted. On CPU it
+    is exact for tensor storages (see the module docstring); on CUDA it is the allocator's
+    high-water mark minus what was allocated at entry. With `memory_limit_bytes`, crossing the
+    limit raises `torch.OutOfMemoryError` (CPU: at the allocation; CUDA: through the allocator's
+    per-process memory fraction).
+    """
+
+    def __init__(self, device: torch.device, memory_limit_bytes: Optional[int] = None) -> None:
+        self.device = torch.device(device)
+        self.memory_limit_bytes = memory_limit_bytes
+        self._counter: Optional[_StorageCounter] = None
+        self._cuda_base = 0
+        self._cuda_fraction: Optional[float] = None
+        self.peak_bytes = 0
+
+    def __enter__(self) -> "PeakMemoryTracker":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._cuda_base = torch.cuda.memory_allocated(self.device)
+            if self.memory_limit_bytes is not None:
+                total = torch.cuda.get_device_properties(self.device).total_memory
+                self._cuda_fraction = min(1.0, (self._cuda_base + self.memory_limit_bytes) / total)
+                torch.cuda.set_per_process_memory_fraction(self._cuda_fraction, self.device)
+        else:
+            self._counter = _StorageCounter(self.memory_limit_bytes)
+            self._counter.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._counter is not None:
+            self._counter.__exit__(*exc)
+            self.peak_bytes = self._counter.peak
+        elif self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._cuda_base
+            if self._cuda_fraction is not None:
+                torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+
+    @property
+    def current_peak_bytes(self) -> int:
+        """The peak so far, readable inside the context (CPU and CUDA)."""
+        if self._counter is not None:
+            return self._counter.peak
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) - self._cuda_base
+        return self.peak_bytes
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """True for a device or host out-of-memory error, simulated or real."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    text = str(error)
+    # The CPU allocator raises a plain RuntimeError; DeepSpeed and others re-wrap CUDA OOMs.
+    return isinstance(error, (RuntimeError, MemoryError)) and (
+        "out of memory" in text.lower() or "DefaultCPUAllocator: can't allocate memory" in text
+        or isinstance(error, MemoryError))

@@ -1,0 +1,171 @@
+"""Fit the cost model's constants (atorch/auto/cost_model.py) to measured runs on this machine.
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/calibrate_cost_model.py [--quick]
+
+Memory: per-rank peak tensor bytes (atorch.utils.peak_memory, exact on CPU) of plain training
+steps of tiny Llama / GPT-2 variants (batch, sequence, layers, width, vocabulary varied), in
+fp32 and under bf16 autocast, with and without activation checkpointing of every block. The
+exactly known part (parameters + gradients + Adam state) is subtracted and the rest is fitted
+by non-negative least squares on the activation features of the cost model. Time: step times
+of the same runs fitted to FLOPs / rate + layers * overhead + constant; gloo all-reduce times on
+2 processes fitted to latency + bytes / bandwidth. Prints the two dicts to paste into
+cost_model.py, and the relative error of the fitted memory model on every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+from typing import Dict, List, Tuple
+
+import numpy as np
+import torch
+from scipy.optimize import nnls
+
+from atorch.auto.cost_model import ModelShape
+from atorch.testing import tiny_gpt2, tiny_llama
+from atorch.testing.parity import TokenDataset, global_batches
+from atorch.utils.peak_memory import PeakMemoryTracker
+
+STEPS = 3
+MEMORY_FEATURES = {"plain": ["layer_bsh", "layer_bsf", "layer_bas2", "bsv", "bsh"],
+                   "checkpoint": ["bsh", "bsf", "bas2", "bsv"]}
+# Known exactly, not fitted: a checkpointed block keeps only its input, the fp32 residual stream
+# (4 bytes per element, under autocast too).
+FIXED = {"checkpoint": {"layer_bsh": 4.0}}
+
+
+def build(kind: str, layers: int, hidden: int, ffn: int, vocab: int, heads: int) -> torch.nn.Module:
+    if kind == "llama":
+        return tiny_llama(seed=0, num_hidden_layers=layers, hidden_size=hidden, intermediate_size=ffn,
+                          vocab_size=vocab, num_attention_heads=heads, num_key_value_heads=heads)
+    return tiny_gpt2(seed=0, n_layer=layers, n_embd=hidden, n_inner=ffn, vocab_size=vocab, n_head=heads)
+
+
+def run(kind: str, b: int, s: int, layers: int, hidden: int, ffn: int, vocab: int, heads: int, checkpoint: bool,
+        amp: bool) -> Tuple[int, float, ModelShape]:
+    """(peak bytes over STEPS steps, seconds of the last step, shape) of plain AdamW training."""
+    model0 = build(kind, layers, hidden, ffn, vocab, heads)
+    if checkpoint:
+        model0.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    shape = ModelShape.from_module(model0)
+    batches = global_batches(TokenDataset(n=b * STEPS, seq_len=s, vocab_size=vocab), b, STEPS)
+    seconds = 0.0
+    with PeakMemoryTracker(torch.device("cpu")) as tracker:
+        model = copy.deepcopy(model0)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for batch in batches:
+            start = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                loss = model(**batch).loss
+            loss.backward()
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            seconds = time.perf_counter() - start
+    return tracker.peak_bytes, seconds, shape
+
+
+def features(shape: ModelShape, b: int, s: int, checkpoint: bool) -> Dict[str, float]:
+    L, h, f, a, v = shape.num_layers, shape.hidden_size, shape.intermediate_size, shape.num_heads, shape.vocab_size
+    if checkpoint:
+        return {"layer_bsh": L * b * s * h, "bsh": b * s * h, "bsf": b * s * f, "bas2": b * a * s * s,
+                "bsv": b * s * v}
+    return {"layer_bsh": L * b * s * h, "layer_bsf": L * b * s * f, "layer_bas2": L * b * a * s * s,
+            "bsv": b * s * v, "bsh": b * s * h}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer configurations")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    # (kind, batch, seq, layers, hidden, ffn, vocab, heads): each feature varies on its own somewhere.
+    grid = [("llama", 8, 64, 2, 64, 128, 1024, 4), ("llama", 2, 64, 2, 64, 128, 1024, 4),
+            ("llama", 8, 128, 2, 64, 128, 1024, 4), ("llama", 8, 64, 4, 64, 128, 1024, 4),
+            ("llama", 8, 64, 2, 128, 256, 1024, 4), ("llama", 8, 64, 2, 64, 128, 4096, 4),
+            ("llama", 8, 64, 2, 64, 512, 1024, 4), ("llama", 8, 64, 2, 64, 128, 1024, 16),
+            ("llama", 4, 256, 1, 64, 128, 512, 2), ("llama", 16, 32, 6, 32, 64, 256, 2),
+            ("llama", 4, 32, 3, 96, 384, 2048, 4), ("gpt2", 8, 64, 2, 64, 128, 1024, 4),
+            ("gpt2", 4, 128, 3, 64, 256, 1024, 8), ("gpt2", 8, 32, 4, 128, 128, 512, 4)]
+    if args.quick:
+        grid = grid[:8]
+    rows: List[dict] = []
+    for cfg in grid:
+        for checkpoint in (False, True):
+            for amp in (False, True):
+                peak, seconds, shape = run(*cfg, checkpoint=checkpoint, amp=amp)
+                rows.append({"cfg": cfg, "checkpoint": checkpoint, "amp": amp, "peak": peak, "seconds": seconds,
+                             "shape": shape})
+                print(f"{cfg} checkpoint={checkpoint} amp={amp}: peak {peak} B, step {seconds * 1e3:.1f} ms",
+                      flush=True)
+
+    coefficients: Dict[str, Dict[str, float]] = {}
+    for amp in (False, True):
+        for checkpoint in (False, True):
+            key = ("bf16" if amp else "fp32") + ("_checkpoint" if checkpoint else "")
+            names = MEMORY_FEATURES["checkpoint" if checkpoint else "plain"] + (["matmul_params"] if amp else [])
+            sel = [r for r in rows if r["amp"] == amp and r["checkpoint"] == checkpoint]
+            X, y = [], []
+            for r in sel:
+                shape, (_, b, s, *_rest) = r["shape"], r["cfg"]
+                feats = features(shape, b, s, checkpoint)
+                feats["matmul_params"] = shape.num_params - shape.embedding_params / 2
+                fixed = FIXED.get("checkpoint" if checkpoint else "plain", {})
+                X.append([feats[n] for n in names])
+                # params + grads + Adam state (16 bytes a parameter) and the fixed terms are exact.
+                y.append(r["peak"] - 16 * shape.num_params - sum(v * feats[n] for n, v in fixed.items()))
+            coef, _ = nnls(np.array(X, dtype=float), np.array(y, dtype=float))
+            coefficients[key] = {**fixed, **{n: round(float(c), 3) for n, c in zip(names, coef)}}
+            pred = np.array(X) @ coef + np.array([r["peak"] for r in sel]) - np.array(y)
+            errs = [(p - r["peak"]) / r["peak"] for p, r in zip(pred, sel)]
+            worst = int(np.argmax(np.abs(errs)))
+            print(f"{key}: max |relative error| {abs(errs[worst]):.3f} over {len(sel)} runs (worst: {sel[worst]['cfg']})")
+
+    # Step time: seconds = flops / rate + layers * overhead + constant, per dtype.
+    times: Dict[str, float] = {}
+    for amp in (False, True):
+        sel = [r for r in rows if r["amp"] == amp and not r["checkpoint"]]
+        X, y = [], []
+        for r in sel:
+            shape, (_, b, s, *_rest) = r["shape"], r["cfg"]
+            matmul = shape.num_params - shape.embedding_params / 2
+            flops = b * s * (6 * matmul + 12 * shape.num_layers * s * shape.hidden_size)
+            X.append([flops, shape.num_layers, 1.0])
+            y.append(r["seconds"])
+        coef, _ = nnls(np.array(X), np.array(y))
+        times["flops_bf16" if amp else "flops_fp32"] = float(1.0 / coef[0]) if coef[0] > 0 else float("inf")
+        if not amp:
+            times["layer_overhead_s"], times["step_overhead_s"] = float(coef[1]), float(coef[2])
+    times.update(measure_allreduce())
+    print("\nACTIVATION_COEFFICIENTS =", coefficients)
+    print("DEVICE_PROFILES['cpu'] =", {k: float(f"{v:.3g}") for k, v in times.items()})
+
+
+def _allreduce_probe() -> List[Tuple[int, float]]:
+    import torch.distributed as dist
+
+    out = []
+    for numel in (256, 16384, 262144, 1048576):
+        t = torch.ones(numel)
+        dist.all_reduce(t)
+        start = time.perf_counter()
+        for _ in range(5):
+            dist.all_reduce(t)
+        out.append((numel * 4, (time.perf_counter() - start) / 5))
+    return out
+
+
+def measure_allreduce() -> Dict[str, float]:
+    """gloo all-reduce on 2 local processes: latency + bytes / bandwidth (ring volume 2(n-1)/n = 1)."""
+    from atorch.testing import run_distributed
+
+    samples = run_distributed(_allreduce_probe, 2)[0]
+    X = np.array([[1.0, nbytes] for nbytes, _ in samples])
+    y = np.array([s for _, s in samples])
+    coef, _ = nnls(X, y)
+    return {"comm_latency_s": float(coef[0]), "comm_bytes_per_s": float(1.0 / coef[1]) if coef[1] > 0 else 1e12}
+
+
+if __name__ == "__main__":
+    main()

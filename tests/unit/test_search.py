@@ -1,0 +1,351 @@
+"""The planner without processes: search space validity, HEBO-driven search on table landscapes, report.
+
+The evaluators are tables (strategy -> throughput), so every test runs in well under a second
+of evaluator time; what costs time is HEBO's GP fit per suggestion.
+"""
+
+import math
+import struct
+import time
+from typing import Dict
+
+import numpy as np
+import pytest
+
+from atorch.auto.cost_model import Estimate
+from atorch.auto.opt_lib import base as opt_base
+from atorch.auto.opt_lib import is_valid_strategy, registered_names
+from atorch.auto.opt_lib.base import Optimization, register
+from atorch.auto.search import DryRunResult, SearchResult, SearchSpace, search_strategy
+from atorch.auto.search.report import explain, plot_trials, trials_table
+from atorch.auto.strategy import Strategy
+from atorch.testing import tiny_llama
+
+ZEROS = ("t_zero1", "t_zero2", "t_zero3")
+
+
+@pytest.fixture(scope="module")
+def dummy_opts():
+    """Test-only optimizations with the metadata shapes of the real ones, removed afterwards."""
+    registered_names()  # load the real ones first, so ours never shadow a name
+    specs = {
+        "t_amp": {},
+        "t_zero1": {"conflicts": frozenset(ZEROS) - {"t_zero1"}},
+        "t_zero2": {"conflicts": frozenset(ZEROS) - {"t_zero2"}},
+        "t_zero3": {"conflicts": frozenset(ZEROS) - {"t_zero3"}, "distributed_only": True},
+        "t_ckpt": {},
+        "t_replace": {},
+        "t_ddp": {"conflicts": frozenset({"t_zero2", "t_zero3"})},
+    }
+    for name, attrs in specs.items():
+        register(type(f"Dummy_{name}", (Optimization,), {"name": name, "order": 50, **attrs}))
+    yield list(specs)
+    for name in specs:
+        opt_base._REGISTRY.pop(name, None)
+
+
+def space32(**kwargs) -> SearchSpace:
+    return SearchSpace({"amp": [None, "t_amp"], "zero": [None, "t_zero1", "t_zero2", "t_zero3"],
+                        "checkpoint": [None, "t_ckpt"], "replace": [None, "t_replace"]},
+                       world_size=kwargs.pop("world_size", 4), **kwargs)
+
+
+def landscape(space: SearchSpace, seed: int) -> Dict[Strategy, float]:
+    """Throughput = product of per-choice effects x an amp/zero interaction: structured like real
+    strategy spaces (each optimization helps or hurts by a factor, some pairs interact)."""
+    rng = np.random.default_rng(100 + seed)
+    effects = [rng.uniform(0.4, 1.6, size=len(c)) for c in space.dimensions.values()]
+    interaction = rng.uniform(0.8, 1.25, size=(2, 4))
+    table = {}
+    for cand in space.candidates():
+        value = 100.0 * interaction[cand.choices[0], cand.choices[1]]
+        for effect, i in zip(effects, cand.choices):
+            value *= effect[i]
+        table[cand.strategy] = value
+    ranked = sorted(table.values(), reverse=True)
+    assert ranked[0] > ranked[1], "the test landscape must have a unique best"
+    return table
+
+
+class Recorder:
+    """A table evaluator that records every call."""
+
+    def __init__(self, table: Dict[Strategy, float], failures: Dict[Strategy, str] = None,
+                 raising: set = frozenset(), memory: Dict[Strategy, int] = None):
+        self.table, self.failures, self.raising = table, failures or {}, raising
+        self.memory = memory or {}
+        self.calls = []
+
+    def __call__(self, strategy: Strategy) -> DryRunResult:
+        self.calls.append(strategy)
+        if strategy in self.raising:
+            raise RuntimeError("evaluator exploded")
+        if strategy in self.failures:
+            return DryRunResult(0.0, None, self.failures[strategy])
+        return DryRunResult(self.table[strategy], self.memory.get(strategy, 1000))
+
+
+# -- search space ---------------------------------------------------------------------------------
+
+def test_space_candidates_follow_registry_rules(dummy_opts):
+    space = space32()
+    assert space.size == 32
+    cands = space.candidates()
+    assert len(cands) == 32 and len({c.strategy for c in cands}) == 32
+    ctx = space.validation_context()
+    for c in cands:
+        assert is_valid_strategy(c.strategy, ctx)
+        assert c.strategy.names()[0] == "parallel_mode"     # resolve adds it and sorts by order
+    # distributed_only t_zero3 is refused at world size 1 by the same rule auto_accelerate applies.
+    single = space32(world_size=1)
+    assert len(single.candidates()) == 24
+    assert all("t_zero3" not in c.strategy for c in single.candidates())
+    # Conflicts across dimensions are removed (t_ddp conflicts with t_zero2 and t_zero3).
+    mixed = SearchSpace({"zero": [None, *ZEROS], "ddp": [None, "t_ddp"]}, world_size=2)
+    names = [set(c.strategy.names()) for c in mixed.candidates()]
+    assert len(names) == 6
+    assert not any({"t_ddp", "t_zero2"} <= n or {"t_ddp", "t_zero3"} <= n for n in names)
+    assert any("cannot be combined" in why for why in mixed.rejected.values())
+
+
+def test_space_issue_example_and_bundles(dummy_opts):
+    space = SearchSpace({"amp": [None, "t_amp"], "parallel_mode": [
+        ("parallel_mode", ([("data", 4)], None)), ("parallel_mode", ([("tensor", 2), ("data", 2)], None))]})
+    assert space.world_size == 4
+    assert len(space.candidates()) == 4
+    labels = space.labels()["parallel_mode"]
+    assert labels == ["parallel_mode(data=4)", "parallel_mode(tensor=2,data=2)"]
+    # A list choice applies several items together.
+    bundle = SearchSpace({"x": [None, ["t_amp", "t_ckpt"]]}, world_size=1)
+    assert [set(c.strategy.names()) for c in bundle.candidates()] == [
+        {"parallel_mode"}, {"parallel_mode", "t_amp", "t_ckpt"}]
+
+
+def test_space_rejects_bad_input(dummy_opts):
+    with pytest.raises(ValueError, match="no choices"):
+        SearchSpace({"amp": []})
+    with pytest.raises(ValueError, match="repeats a choice"):
+        SearchSpace({"amp": [None, "t_amp", "t_amp"]})
+    with pytest.raises(ValueError, match="must be None, an optimization name"):
+        SearchSpace({"amp": [None, 3]})
+    with pytest.raises(ValueError, match="different world sizes"):
+        SearchSpace({"p": [("parallel_mode", ([("data", 2)], None)), ("parallel_mode", ([("data", 4)], None))]})
+    with pytest.raises(ValueError, match="both excluded and included"):
+        space32().restricted(excluded=["t_amp"], included=["t_amp"])
+    # Unknown names are not candidates: the registry refuses them.
+    assert SearchSpace({"x": [None, "no_such_opt"]}).strategies() == [Strategy(["parallel_mode"])]
+
+
+def test_space_excluded_and_included(dummy_opts):
+    space = space32()
+    no_amp = space.restricted(excluded=["t_amp", "t_zero3"])
+    assert len(no_amp.candidates()) == 12
+    assert all("t_amp" not in c.strategy and "t_zero3" not in c.strategy for c in no_amp.candidates())
+    with_ckpt = space.restricted(included=["t_ckpt", "t_ddp"])   # t_ddp is offered by no dimension
+    cands = with_ckpt.candidates()
+    assert cands and all("t_ckpt" in c.strategy and "t_ddp" in c.strategy for c in cands)
+    assert len(cands) == 2 * 2 * 2                                # zero: None/zero1 only (ddp conflicts)
+
+
+def test_default_space_offers_registered_valid_strategies():
+    model = tiny_llama()
+    space = SearchSpace.default_for(model, world_size=2, device_type="cpu")
+    names = set(registered_names())
+    offered = {i.name for cs in space.dimensions.values() for c in cs for i in _items(c)}
+    assert offered <= names and "parallel_mode" in offered
+    assert [label for label in space.labels()["parallel"]][0] == "parallel_mode(data=2)"
+    cands = space.candidates()
+    assert cands
+    for c in cands:
+        assert is_valid_strategy(c.strategy, space.validation_context())
+    if "tensor_parallel" in names:
+        assert "parallel_mode(tensor=2,data=1)+tensor_parallel" in space.labels()["parallel"]
+
+
+def _items(choice):
+    from atorch.auto.search.space import choice_items
+
+    return choice_items(choice)
+
+
+# -- search ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(8))
+def test_finds_unique_best_of_32_within_12_calls_without_predictor(dummy_opts, seed):
+    space = space32()
+    table = landscape(space, seed)
+    best = max(table, key=table.get)
+    evaluator = Recorder(table)
+    result = search_strategy(space, evaluator, max_trials=12, patience=12, seed=seed)
+    assert result.best == best, result.trials[["strategy", "throughput", "source"]]
+    assert result.best_throughput == pytest.approx(table[best])
+    assert len(evaluator.calls) <= 12
+    assert len(set(evaluator.calls)) == len(evaluator.calls), "a strategy was evaluated twice"
+    assert len(result.trials) == len(evaluator.calls)
+
+
+def test_predictor_finds_best_in_few_calls(dummy_opts):
+    """A cost model off by ~30% per candidate (log-normal noise) puts the search on the best at once,
+    except where the noise hides the best deep in its ranking; then the GP still finds it within 12."""
+    found = []
+    for seed in range(8):
+        space = space32()
+        table = landscape(space, seed)
+        rng = np.random.default_rng(seed)
+        noise = {s: math.exp(rng.normal(0, 0.3)) for s in table}
+        evaluator = Recorder(table)
+        result = search_strategy(space, evaluator, max_trials=12, patience=12, seed=seed,
+                                 predictor=lambda s: Estimate(1000, 1.0 / (table[s] * noise[s])))
+        assert result.best == max(table, key=table.get), f"landscape {seed}"
+        assert result.trials["source"].iloc[0] == "predicted-top"
+        found.append(evaluator.calls.index(result.best) + 1)
+    assert max(found) <= 12 and np.median(found) <= 3, found
+
+
+def test_predicted_infeasible_candidates_are_never_run(dummy_opts):
+    space = space32()
+    table = landscape(space, 0)
+    limit = 10_000
+    # The best two candidates do not fit: the search must settle for the best that does.
+    ranked = sorted(table, key=table.get, reverse=True)
+    too_big = set(ranked[:2]) | {s for s in table if "t_zero1" in s}
+    predictor = lambda s: Estimate(limit + 1 if s in too_big else limit // 2, 1.0 / table[s])  # noqa: E731
+    evaluator = Recorder(table)
+    result = search_strategy(space, evaluator, max_trials=40, patience=40, predictor=predictor,
+                             memory_limit_bytes=limit)
+    assert not set(evaluator.calls) & too_big
+    assert len(evaluator.calls) == 32 - len(too_big)
+    assert result.best == max((s for s in table if s not in too_big), key=table.get)
+    assert len(result.pruned) == len(too_big)
+    assert result.pruned["reason"].str.contains("> 10.0 KB limit").all()
+    assert "limit" in result.reason and "\n" not in result.reason
+
+
+def test_survives_raising_and_failing_evaluators(dummy_opts):
+    space = space32()
+    table = landscape(space, 1)
+    ranked = sorted(table, key=table.get, reverse=True)
+    failures = {ranked[0]: "oom", ranked[2]: "timeout", ranked[3]: "exception: boom"}
+    evaluator = Recorder(table, failures=failures, raising={ranked[1]})
+    result = search_strategy(space, evaluator, max_trials=32, patience=32, seed=1)
+    assert len(evaluator.calls) == 32
+    assert result.best == ranked[4]
+    status = dict(zip(result.trials["strategy"], result.trials["status"]))
+    assert status[ranked[0].describe()] == "oom"
+    assert status[ranked[1].describe()] == "exception"
+    assert status[ranked[2].describe()] == "timeout"
+    reasons = dict(zip(result.trials["strategy"], result.trials["reason"]))
+    assert "RuntimeError: evaluator exploded" in reasons[ranked[1].describe()]
+    assert (result.trials.loc[result.trials["status"] != "ok", "throughput"] == 0).all()
+    assert "4 trial(s) failed" in result.reason
+
+
+def test_all_failed_and_bad_returns(dummy_opts):
+    space = space32()
+    result = search_strategy(space, lambda s: DryRunResult(0.0, None, "oom"), max_trials=5, patience=10)
+    assert result.best is None and result.best_throughput == 0
+    assert len(result.trials) == 5 and "no strategy ran (5 oom)" in result.reason
+    # A "successful" result with a nonsense throughput, or a wrong return type, is a failed trial.
+    odd = search_strategy(space, lambda s: DryRunResult(float("nan")), max_trials=2, patience=10)
+    assert odd.best is None and (odd.trials["status"] == "exception").all()
+    wrong = search_strategy(space, lambda s: 3.0, max_trials=2, patience=10)
+    assert "expected DryRunResult" in wrong.trials["reason"].iloc[0]
+
+
+def test_time_limit_is_honoured(dummy_opts):
+    space = space32()
+    table = landscape(space, 2)
+    now = [0.0]
+
+    def slow(strategy):   # every dry run takes 10 (fake) seconds
+        now[0] += 10.0
+        return DryRunResult(table[strategy])
+
+    result = search_strategy(space, slow, max_trials=30, patience=30, time_limit_s=35.0, clock=lambda: now[0])
+    # After 3 trials (30 s) a fourth would end at 40 s > 35 s: the search stops before it.
+    assert len(result.trials) == 3 and now[0] <= 35.0
+    assert "time_limit_s=35" in result.stop_reason
+
+
+def test_time_limit_with_the_real_clock(dummy_opts):
+    space = space32()
+    table = landscape(space, 2)
+
+    def slow(strategy):
+        time.sleep(0.3)
+        return DryRunResult(table[strategy])
+
+    start = time.monotonic()
+    result = search_strategy(space, slow, max_trials=30, patience=30, time_limit_s=5.0)
+    elapsed = time.monotonic() - start
+    # Every trial takes the same 0.3 s, so the search can always tell whether one more fits
+    # (the planner's one-time setup, seconds on a busy machine, is paid before the first trial).
+    assert 1 <= len(result.trials) <= 16 and elapsed <= 5.0, (len(result.trials), elapsed)
+    assert "time_limit_s=5" in result.stop_reason
+
+
+def test_stops_on_patience_and_max_trials(dummy_opts):
+    space = space32()
+    table = {s: 1.0 for s in space.strategies()}
+    table[space.strategies()[0]] = 2.0
+    flat = search_strategy(space, Recorder(table), max_trials=30, patience=3, random_samples=0,
+                           predictor=lambda s: Estimate(1, 1.0 / table[s]))
+    assert len(flat.trials) == 4 and "patience" in flat.stop_reason   # the best first, then 3 without gain
+    capped = search_strategy(space, Recorder(landscape(space, 3)), max_trials=2, patience=30)
+    assert len(capped.trials) == 2 and "max_trials=2" in capped.stop_reason
+    with pytest.raises(ValueError, match="max_trials=0"):
+        search_strategy(space, Recorder(table), max_trials=0)
+    with pytest.raises(ValueError, match="no valid candidate"):
+        search_strategy(SearchSpace({"x": ["no_such_opt"]}), Recorder(table))
+
+
+def test_trial_table_and_result_fields(dummy_opts):
+    space = space32()
+    table = landscape(space, 4)
+    result = search_strategy(space, Recorder(table, memory={s: 123 for s in table}), max_trials=6,
+                             predictor=lambda s: Estimate(456, 1.0 / table[s]), batch_size=8)
+    assert isinstance(result, SearchResult)
+    assert list(result.trials.columns) == ["trial", "strategy", "status", "throughput", "predicted_throughput",
+                                           "predicted_memory", "measured_memory", "reason", "seconds",
+                                           "planner_seconds", "source"]
+    assert result.trials["trial"].tolist() == list(range(1, 7))
+    assert (result.trials["measured_memory"] == 123).all() and (result.trials["predicted_memory"] == 456).all()
+    assert result.trials["predicted_throughput"].iloc[0] == pytest.approx(8 * table[result.evaluated[0]])
+    suggested = result.trials[result.trials["source"].str.startswith("hebo")]
+    assert len(suggested) == 1 and (suggested["planner_seconds"] > 0).all()
+    assert result.evaluated[0].describe() == result.trials["strategy"].iloc[0]
+
+
+# -- report ---------------------------------------------------------------------------------------
+
+def test_report_table_plot_and_reason(dummy_opts, tmp_path):
+    space = space32()
+    table = landscape(space, 5)
+    plain = Strategy(["parallel_mode"])
+    ranked = sorted((s for s in table if "t_zero1" not in s), key=table.get, reverse=True)   # the ones that fit
+    evaluator = Recorder(table, failures={ranked[1]: "oom"})
+    result = search_strategy(space, evaluator, max_trials=32, patience=32,
+                             predictor=lambda s: Estimate(2 * 10**9 if "t_zero1" in s else 10**9, 1.0 / table[s]),
+                             memory_limit_bytes=int(1.5e9))
+    text = trials_table(result)
+    assert result.best.describe() in text and "oom" in text and "mem_MB" in text
+    assert result.best == ranked[0]
+    line = explain(result)
+    assert line == result.reason and "\n" not in line
+    ratio = table[ranked[0]] / table[plain]
+    assert line.startswith(f"{ranked[0].describe()}: {ratio:.2g}x plain data-parallel")
+    assert "predicted 2.0 GB > 1.5 GB limit" in line and "1 trial(s) failed (1 oom)" in line
+    path = plot_trials(result, str(tmp_path / "sub" / "search.png"))
+    with open(path, "rb") as f:
+        header = f.read(24)
+    assert header[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", header[16:24])
+    assert width >= 400 and height >= 200
+
+
+def test_dry_run_result_status():
+    assert DryRunResult(5.0).status == "ok"
+    assert DryRunResult(0.0, None, "oom: rank 1: out of memory").status == "oom"
+    assert DryRunResult(0.0, None, "timeout").status == "timeout"
+    assert DryRunResult(0.0, None, "exception: ValueError: x").status == "exception"
+    assert DryRunResult(0.0, None, "weird").status == "failed"
