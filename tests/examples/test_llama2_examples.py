@@ -4,12 +4,14 @@ Each run prints one metrics line per step (LOG_STEPS=1); the tests parse them. R
 and short (a launch costs 10-30 s on the 2-core CI machine), each checked for several things.
 """
 
+import hashlib
 import json
 import math
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Dict, List
 
@@ -33,9 +35,18 @@ TINY = {"BLOCK_SIZE": 64, "PER_DEVICE_TRAIN_BATCH_SIZE": 4, "LOG_STEPS": 1, "NPR
 RUN_TIMEOUT_S = 420
 
 
+# DeepSpeed's CPU accelerator JIT-compiles a shared-memory comm op into TORCH_EXTENSIONS_DIR
+# (~/.cache/torch_extensions by default), keyed by the compile command, which holds this
+# checkout's paths: checkouts sharing one machine rebuilt it for each other (measured 75-150 s
+# a build on the shared 2-core machine). A directory per checkout builds it once.
+_CHECKOUT_KEY = hashlib.sha1(str(REPO).encode()).hexdigest()[:10]
+EXTENSIONS_DIR = Path(tempfile.gettempdir()) / f"atorch-torch-extensions-{_CHECKOUT_KEY}"
+
+
 def entry_env(**env_vars) -> Dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ENTRY_VARS}
     env.update(QUIET_ENV)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(EXTENSIONS_DIR))
     env["PYTHON"] = sys.executable
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.update({k: str(v) for k, v in env_vars.items()})
