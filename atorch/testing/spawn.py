@@ -109,7 +109,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     if errors or len(outcome) < world_size:
         missing = [r for r in range(world_size) if r not in outcome and r not in errors]
         parts = [f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors)]
-        if missing:
+        if missing and errors:
+            parts.append(f"--- ranks {missing} were still running after the failure above (killed) ---")
+        elif missing:
             parts.append(f"--- ranks {missing} did not finish within {timeout:.0f} s (killed) ---")
         raise DistributedTestError(f"{fn.__name__} failed on {world_size} ranks:\n" + "\n".join(parts))
     return [outcome[r] for r in range(world_size)]
