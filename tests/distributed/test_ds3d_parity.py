@@ -73,14 +73,28 @@ def _bad_inputs_raise_everywhere():
 
 
 def _train_layouts(cases):
+    from atorch import distributed as adist
     from atorch.auto import auto_accelerate, train_step
+    from atorch.modules.pipeline import hf_batch_fn
 
     errors = _bad_inputs_raise_everywhere()
     out = []
-    for kind, dims, name in cases:
+    for kind, dims, name, with_hooks in cases:
+        calls = {"logit_helper": 0, "batch_fn": 0}
+        hooks = {}
+        if with_hooks:  # the user's logit_helper and batch_fn are the ones DeepSpeed calls
+            def logit_helper(logits):
+                calls["logit_helper"] += 1
+                return logits
+
+            def batch_fn(batch):
+                calls["batch_fn"] += 1
+                return hf_batch_fn(batch)
+
+            hooks = {"logit_helper": logit_helper, "batch_fn": batch_fn}
         status, result, chosen = auto_accelerate(
             _meta_model(kind), optim_func=torch.optim.AdamW, optim_args={"lr": LR}, dataset=TokenDataset(),
-            load_strategy=_strategy(dims, name=name), ignore_dryrun_on_load_strategy=True)
+            load_strategy=_strategy(dims, name=name, **hooks), ignore_dryrun_on_load_strategy=True)
         assert status, f"auto_accelerate failed for {kind} {dims}"
         engine = result.model
         assert type(engine).__name__ == "PipelineEngine", type(engine)
@@ -88,6 +102,11 @@ def _train_layouts(cases):
         losses = [engine.train_batch(data_iter).item() for _ in range(STEPS - 1)]
         # The generic helper drives the same engine: one global batch = GAS micro-batches per data rank.
         losses.append(train_step(result, [next(data_iter) for _ in range(GAS)]).item())
+        if with_hooks:
+            stage, stages = adist.parallel_rank_or_zero("pipeline"), adist.parallel_size_or_one("pipeline")
+            # Every micro-batch: the helper runs on the last stage; first and last stages load batches.
+            assert calls["logit_helper"] == (STEPS * GAS if stage == stages - 1 else 0), (calls, stage)
+            assert calls["batch_fn"] == (STEPS * GAS if stage in (0, stages - 1) else 0), (calls, stage)
         out.append({"kind": kind, "dims": dims, "losses": losses, "names": chosen.names(),
                     "global_batch": result.args["global_batch_size"],
                     "stage_params": sum(p.numel() for p in engine.module.parameters())})
@@ -116,17 +135,18 @@ def _check(results):
 @pytest.mark.heavy
 def test_ds3d_4_ranks_layouts_match_single_process():
     cases = [
-        ("llama", [("tensor", 1), ("data", 2), ("pipeline", 2)], "deepspeed_3d_parallel"),
-        ("llama", [("tensor", 2), ("data", 1), ("pipeline", 2)], "ds_3d_parallel"),  # the alias
-        ("llama", [("tensor", 2), ("data", 2), ("pipeline", 1)], "deepspeed_3d_parallel"),
-        ("gpt2", [("tensor", 2), ("data", 1), ("pipeline", 2)], "deepspeed_3d_parallel"),  # tied wte / lm_head
+        ("llama", [("tensor", 1), ("data", 2), ("pipeline", 2)], "deepspeed_3d_parallel", False),
+        ("llama", [("tensor", 2), ("data", 1), ("pipeline", 2)], "ds_3d_parallel", False),  # the alias
+        ("llama", [("tensor", 2), ("data", 2), ("pipeline", 1)], "deepspeed_3d_parallel", False),
+        # tied wte / lm_head over two stages, the user's logit_helper and batch_fn
+        ("gpt2", [("tensor", 2), ("data", 1), ("pipeline", 2)], "deepspeed_3d_parallel", True),
     ]
     _check(run_distributed(_train_layouts, 4, cases, timeout=480))
 
 
 @pytest.mark.heavy
 def test_ds3d_8_ranks_tensor2_data2_pipeline2_matches_single_process():
-    cases = [("llama", [("tensor", 2), ("data", 2), ("pipeline", 2)], "deepspeed_3d_parallel")]
+    cases = [("llama", [("tensor", 2), ("data", 2), ("pipeline", 2)], "deepspeed_3d_parallel", False)]
     results = run_distributed(_train_layouts, 8, cases, timeout=480)
     _check(results)
     # Each rank holds half of the blocks (pipeline 2), tensor-sharded in two: about a quarter of the model.

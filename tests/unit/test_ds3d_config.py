@@ -140,3 +140,16 @@ def test_presets_by_model_or_config():
     assert "self_attn.q_proj" in get_llama_tpinfo().col and "embed_tokens" in get_llama_tpinfo().vocab
     assert get_gpt2_tpinfo().col["attn.c_attn"] == {"stride": 3}
     assert get_tpinfo(_meta("gpt2")).vocab == {"wte": {}}
+
+
+def test_deepspeed_topology_is_atorch_layout():
+    from atorch.distributed.layout import ParallelLayout
+    from atorch.modules.pipeline.ds_pipe import build_topology, check_topology_matches_atorch
+
+    layout = ParallelLayout.create([("tensor", 2), ("data", 2), ("pipeline", 2)], 8)
+    check_topology_matches_atorch(build_topology(2, 2, 2), layout)
+    assert layout.groups("tensor") == build_topology(2, 2, 2).get_axis_comm_lists("model")
+    check_topology_matches_atorch(build_topology(2, 1, 4), ParallelLayout.create([("data", 4), ("pipeline", 2)], 8))
+    permuted = ParallelLayout.create([("tensor", 2), ("data", 2), ("pipeline", 2)], 8, [1, 0, 2, 3, 4, 5, 6, 7])
+    with pytest.raises(ValueError, match="rank 0: DeepSpeed topology coordinates"):
+        check_topology_matches_atorch(build_topology(2, 2, 2), permuted)

@@ -201,7 +201,7 @@ class DeepSpeed3DParallelOptimization(Optimization):
         if ctx.optim_func is not None and "optimizer" in ds_config:
             raise ValueError("deepspeed_3d_parallel: both optim_func and ds_config['optimizer'] are given; pass one")
         topology = build_topology(p, t, d)
-        check_topology_matches_atorch(topology, adist.rank())
+        check_topology_matches_atorch(topology, adist.parallel_layout())
         tensor_group = adist.parallel_group("tensor") if t > 1 else None
         ctx.model = PipeModuleFromRecordedMeta(ctx.model, custom_patcher=config.custom_patcher,
                                                tie_first=config.tie_first, logit_helper=config.logit_helper,

@@ -11,7 +11,6 @@ This module imports DeepSpeed; `atorch.modules.pipeline` exposes the class lazil
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import deepspeed
@@ -32,8 +31,6 @@ from atorch.modules.pipeline.patchers import (
     tied_head_paths,
 )
 
-logger = logging.getLogger(__name__)
-
 TIED_KEY = "tied_embedding"
 
 
@@ -48,22 +45,23 @@ def build_topology(num_pipeline: int, num_tensor: int, num_data: int) -> PipeMod
     return PipeModelDataParallelTopology(num_pp=num_pipeline, num_mp=num_tensor, num_dp=num_data)
 
 
-def check_topology_matches_atorch(topology: Any, rank: int) -> None:
-    """Raise unless DeepSpeed's coordinates of `rank` equal atorch's tensor/data/pipeline coordinates.
+def check_topology_matches_atorch(topology: Any, layout: Any) -> None:
+    """Raise unless DeepSpeed's coordinates of every rank equal atorch's tensor/data/pipeline coordinates.
 
     Tensor-parallel layers talk over atorch's "tensor" group while DeepSpeed reduces over its
-    own model/data groups: both must hold the same ranks.
+    own model/data groups: both must hold the same ranks. Pure, and checks all ranks, so
+    every rank reaches the same verdict.
     """
-    from atorch import distributed as adist
-
-    coord = topology.get_coord(rank)
-    ours = {"model": adist.parallel_rank_or_zero("tensor"), "data": adist.parallel_rank_or_zero("data"),
-            "pipe": adist.parallel_rank_or_zero("pipeline")}
-    theirs = {"model": getattr(coord, "model", 0), "data": getattr(coord, "data", 0), "pipe": coord.pipe}
-    if ours != theirs:
-        raise ValueError(f"rank {rank}: DeepSpeed topology coordinates {theirs} differ from atorch's parallel "
-                         f"groups {ours}; create the groups as [('tensor', t), ('data', d), ('pipeline', p)] "
-                         "with rank_order None")
+    names = {"model": "tensor", "data": "data", "pipe": "pipeline"}
+    for rank in range(layout.world_size):
+        coord = topology.get_coord(rank)
+        coords = layout.coords(rank)
+        theirs = {axis: getattr(coord, axis, 0) for axis in names}
+        ours = {axis: coords.get(name, 0) for axis, name in names.items()}
+        if ours != theirs:
+            raise ValueError(f"rank {rank}: DeepSpeed topology coordinates {theirs} differ from atorch's parallel "
+                             f"groups {ours}; create the groups as [('tensor', t), ('data', d), ('pipeline', p)] "
+                             "with rank_order None")
 
 
 class PieceSource:
