@@ -110,7 +110,7 @@ def main(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = eu.common_parser(__doc__.splitlines()[0])
+    parser = eu.common_parser(__doc__.splitlines()[0], per_device_batch=False)
     group = parser.add_argument_group("3D parallelism")
     group.add_argument("--model_parallel_size", type=int, default=1, help="tensor-parallel degree")
     group.add_argument("--pipeline_parallel_size", type=int, default=2, help="pipeline stages")

@@ -56,8 +56,12 @@ class UsageError(ValueError):
 # -- Arguments ---------------------------------------------------------------------------------
 
 
-def common_parser(description: str) -> argparse.ArgumentParser:
-    """The arguments every example takes; each script adds its own. The entry scripts fill them from env vars."""
+def common_parser(description: str, per_device_batch: bool = True) -> argparse.ArgumentParser:
+    """The arguments every example takes; each script adds its own. The entry scripts fill them from env vars.
+
+    `per_device_batch=False` leaves out `--per_device_train_batch_size`, for scripts that size
+    their batch otherwise (micro-batches x accumulation under pipeline parallelism).
+    """
     parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     model = parser.add_argument_group("model (give none: the tiny Llama and the bundled tokenizer, offline)")
@@ -71,7 +75,8 @@ def common_parser(description: str) -> argparse.ArgumentParser:
     data.add_argument("--block_size", type=int, default=256, help="tokens per training sample")
     train = parser.add_argument_group("training")
     train.add_argument("--output_dir", default="./outputs/llama2")
-    train.add_argument("--per_device_train_batch_size", type=int, default=4)
+    if per_device_batch:
+        train.add_argument("--per_device_train_batch_size", type=int, default=4)
     train.add_argument("--max_steps", type=int, default=100, help="optimizer steps in total (resumed runs included)")
     train.add_argument("--learning_rate", type=float, default=None,
                        help=f"default by mode: {DEFAULT_LEARNING_RATES}, LoRA {LORA_LEARNING_RATE}")
@@ -99,7 +104,7 @@ def add_lora_fp8_args(parser: argparse.ArgumentParser) -> None:
 def validate_common_args(args: argparse.Namespace) -> None:
     """Raise UsageError, with the value given, for arguments no run could use."""
     for name in ("block_size", "per_device_train_batch_size", "max_steps", "log_steps"):
-        if getattr(args, name) < 1:
+        if getattr(args, name, 1) < 1:
             raise UsageError(f"--{name}={getattr(args, name)} must be >= 1")
     if args.save_total_limit < 1:
         raise UsageError(f"--save_total_limit={args.save_total_limit} must be >= 1")
