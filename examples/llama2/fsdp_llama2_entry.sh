@@ -10,7 +10,11 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-PYTHON="${PYTHON:-$(command -v python || command -v python3)}"
+PYTHON="${PYTHON:-$(command -v python || command -v python3 || true)}"
+if [ -z "$PYTHON" ]; then
+  echo "error: no python on the PATH; set PYTHON to the interpreter that has atorch installed" >&2
+  exit 2
+fi
 
 NPROC_PER_NODE="${NPROC_PER_NODE:-$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 2)')}"
 NNODES="${NNODES:-1}"
