@@ -252,7 +252,13 @@ def device_peak(device: torch.device, dtype: str = "bf16", override_tflops: Opti
 
 
 def peak_memory_mb(device: torch.device) -> Tuple[float, str]:
-    """(peak MiB, what was measured): the GPU allocator's high-water mark, or the process RSS one."""
+    """(peak MiB, what was measured): the GPU allocator's high-water mark, or the process RSS one.
+
+    On CPU this is deliberately not `atorch.utils.peak_memory.PeakMemoryTracker`: its exact count
+    sees every op through a dispatch mode, which made a tiny Llama training step about 2x slower
+    (benchmarks/llama2_examples.py), too costly next to the throughput this line reports. The RSS
+    mark includes the runtime and libraries and never goes down.
+    """
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2 ** 20, "GPU allocator max_memory_allocated"
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
