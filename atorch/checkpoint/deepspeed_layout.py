@@ -1,11 +1,13 @@
-"""DeepSpeed ZeRO-1/2 engines in the layout-independent checkpoint keys.
+"""DeepSpeed ZeRO engines (stages 1, 2 and 3) in the layout-independent checkpoint keys.
 
 Decision: DeepSpeed's own `engine.save_checkpoint` is not used. It writes pickles that its
 loader opens with `weights_only=False`, and its files are tied to the data-parallel size.
 Instead the engine's partitioned fp32 master weights and optimizer moments are assembled
-per parameter with DeepSpeed's public tensor-fragment API (`safe_get_full_*`, a collective
-over the data-parallel group) and saved under the parameter's name, exactly like a torch
-optimizer's flattened state: a DeepSpeed checkpoint loads into DDP/FSDP and back.
+per parameter with DeepSpeed's public tensor-fragment API (`safe_get_full_*` /
+`safe_set_full_*`, collectives over the data-parallel group) and saved under the
+parameter's name, exactly like a torch optimizer's flattened state: a DeepSpeed checkpoint
+loads into DDP / FSDP and back, at any data-parallel size. The cost is one full tensor per
+parameter in memory at a time on every rank while saving and loading.
 """
 
 from __future__ import annotations
@@ -13,90 +15,110 @@ from __future__ import annotations
 from typing import Any, Dict, List, Tuple
 
 import torch
+import torch.distributed as dist
 
 from atorch.checkpoint.layout import LayoutHandler
 
 # Loss-scaler fields of fp16 engines worth restoring (numbers only).
 _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis", "scale_factor", "scale_window")
+_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 
 
 class DeepSpeedHandler(LayoutHandler):
-    """A DeepSpeed engine with a ZeRO stage 1 or 2 optimizer (or no ZeRO: a plain wrapped optimizer)."""
+    """A DeepSpeed engine with a ZeRO stage 1, 2 or 3 optimizer."""
 
     name = "deepspeed"
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
-        if stage >= 3:
-            raise ValueError("DeepSpeed ZeRO stage 3 engines are not supported by atorch.checkpoint; use the "
-                             "'fsdp' optimization for fully sharded training, or ZeRO stage 1/2")
-        self.zero = engine.optimizer if stage in (1, 2) else None
+        self.stage = int(engine.zero_optimization_stage()) if hasattr(engine, "zero_optimization_stage") else 0
+        self.zero = engine.optimizer if self.stage in (1, 2, 3) else None
         self.names = {id(p): n for n, p in engine.module.named_parameters()}
 
     @property
     def has_optimizer(self) -> bool:
-        return self.engine.optimizer is not None
+        return self.zero is not None
 
     # -- model -------------------------------------------------------------------------
     def model_state(self) -> Dict[str, torch.Tensor]:
         from deepspeed.utils import safe_get_full_fp32_param
 
-        state = dict(self.engine.module.state_dict())
-        if self.zero is None:
-            return state
-        for name, p in self.engine.module.named_parameters():
-            # Low-precision training keeps the exact weights in the fp32 master copy.
-            if p.requires_grad and p.dtype != torch.float32 and name in state:
+        module = self.engine.module
+        params = dict(module.named_parameters())
+        state: Dict[str, torch.Tensor] = {}
+        for name, value in module.state_dict(keep_vars=True).items():
+            p = params.get(name)
+            if p is None:
+                state[name] = value.detach()       # a buffer: never partitioned
+            elif self.zero is not None and p.requires_grad and (self.stage == 3 or p.dtype != torch.float32):
+                # The fp32 master copy holds the exact weights (and the only full copy under ZeRO-3).
                 state[name] = safe_get_full_fp32_param(p)
+            elif self.stage == 3:
+                state[name] = _gathered(p)         # a frozen ZeRO-3 parameter
+            else:
+                state[name] = value.detach()
         return state
 
     def load_model_state(self, state: Dict[str, torch.Tensor]) -> None:
         from deepspeed.utils import safe_set_full_fp32_param
 
-        params = dict(self.engine.module.named_parameters())
+        module = self.engine.module
+        params = dict(module.named_parameters())
         with torch.no_grad():
-            for name, value in self.engine.module.state_dict(keep_vars=True).items():
-                value.copy_(state[name].to(value.dtype))
-            if self.zero is not None:
-                for name, p in params.items():
-                    if p.requires_grad:
-                        safe_set_full_fp32_param(p, state[name].to(torch.float32))
+            for name, value in module.state_dict(keep_vars=True).items():
+                p = params.get(name)
+                if p is not None and self.stage == 3:
+                    _scatter(p, state[name])
+                else:
+                    value.copy_(state[name].to(value.dtype))
+                if p is not None and p.requires_grad and self.zero is not None:
+                    safe_set_full_fp32_param(p, state[name].to(torch.float32))
 
     # -- optimizer ---------------------------------------------------------------------
-    def _groups(self) -> List[Tuple[Dict[str, Any], List[torch.nn.Parameter], Any]]:
-        """(inner param group, its model parameters, its flat fp32 partition) per ZeRO group."""
+    def _groups(self) -> List[Tuple[Dict[str, Any], List[torch.nn.Parameter], torch.Tensor]]:
+        """(inner param group, its model parameters, its flat fp32 partition) per ZeRO (sub-)group."""
         inner = self.zero.optimizer
+        if self.stage == 3:
+            # ZeRO-3 splits groups into sub-groups and hands the optimizer one flat at a time.
+            return [(inner.param_groups[self.zero.sub_group_to_group_id[i]], list(params),
+                     self.zero.fp32_partitioned_groups_flat[i]) for i, params in enumerate(self.zero.fp16_groups)]
         return [(group, list(self.zero.bit16_groups[i]), self.zero.single_partition_of_fp32_groups[i])
                 for i, group in enumerate(inner.param_groups)]
 
     def _ensure_state(self) -> None:
-        """Create the inner optimizer's state (lazily built at the first step) and link the fragments."""
+        """Create the inner optimizer's state (built lazily at the first step) and link DeepSpeed's views of it."""
         inner = self.zero.optimizer
-        if not inner.state:
-            # A zero-gradient, zero-lr step creates the state without changing any weight.
-            lrs = [g["lr"] for g in inner.param_groups]
-            for _, _, flat in self._groups():
-                flat.grad = torch.zeros_like(flat)
+        groups = self._groups()
+        # ZeRO-3 registers no state before the first step; stages 1 and 2 neither.
+        if not all(self._state_keys(flat) for _, _, flat in groups):
+            # One zero-gradient step at lr 0 over every flat partition creates the state without
+            # changing any weight; everything it touches is put back.
+            saved_groups = [(g, g["params"], g["lr"]) for g in inner.param_groups]
+            saved_grads = [(flat, flat.grad) for _, _, flat in groups]
             for g in inner.param_groups:
                 g["lr"] = 0.0
+                if self.stage == 3:
+                    g["params"] = []
+            for g, _, flat in groups:
+                flat.grad = torch.zeros_like(flat)
+                if self.stage == 3:
+                    g["params"].append(flat)
             inner.step()
-            for g, lr in zip(inner.param_groups, lrs):
-                g["lr"] = lr
-            for _, _, flat in self._groups():
-                flat.grad = None
-        self.zero._lazy_init_hp_params_optimizer_state()
+            for g, params, lr in saved_groups:
+                g["params"], g["lr"] = params, lr
+            for flat, grad in saved_grads:
+                flat.grad = grad
+        link = getattr(self.zero, "_lazy_init_hp_params_optimizer_state", None)
+        if link is not None:  # stages 1 and 2 address the state through per-parameter views
+            link()
 
     def _state_keys(self, flat: torch.Tensor) -> List[str]:
-        state = self.zero.optimizer.state[flat]
+        state = self.zero.optimizer.state.get(flat) or {}
         return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == flat.shape)
 
     def optim_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
         from deepspeed.utils import safe_get_full_optimizer_state
 
-        if self.zero is None:
-            raise ValueError("a DeepSpeed engine without ZeRO stage 1/2 has no supported optimizer state layout; "
-                             "use ZeRO stage 1 or 2, or torch DDP")
         self._ensure_state()
         tensors: Dict[str, torch.Tensor] = {}
         values: Dict[str, Any] = {}
@@ -105,7 +127,8 @@ class DeepSpeedHandler(LayoutHandler):
             for p in params:
                 name = self.names[id(p)]
                 for key in self._state_keys(flat):
-                    tensors[f"state.{name}.{key}"] = safe_get_full_optimizer_state(p, key)
+                    tensors[f"state.{name}.{key}"] = safe_get_full_optimizer_state(p, key).reshape(_shape(p))
+                # Scalars (Adam's step) are one per flat partition; saved per parameter like torch does.
                 for key, v in flat_state.items():
                     if torch.is_tensor(v) and v.dim() == 0:
                         tensors[f"state.{name}.{key}"] = v.detach().clone()
@@ -125,7 +148,6 @@ class DeepSpeedHandler(LayoutHandler):
                 name = self.names[id(p)]
                 for key in keys:
                     safe_set_full_optimizer_state(p, tensors[f"state.{name}.{key}"].to(torch.float32), key)
-            # Scalars (Adam's step) are one per flat partition; every parameter of it saved the same value.
             first = self.names[id(params[0])]
             for key, v in flat_state.items():
                 if torch.is_tensor(v) and v.dim() == 0:
@@ -138,8 +160,7 @@ class DeepSpeedHandler(LayoutHandler):
     # -- engine counters ---------------------------------------------------------------
     def extra_state(self) -> Dict[str, Any]:
         e = self.engine
-        state: Dict[str, Any] = {k: getattr(e, k) for k in ("global_steps", "global_samples", "skipped_steps",
-                                                              "micro_steps") if isinstance(getattr(e, k, None), int)}
+        state: Dict[str, Any] = {k: getattr(e, k) for k in _COUNTERS if isinstance(getattr(e, k, None), int)}
         scaler = getattr(e.optimizer, "loss_scaler", None)
         if scaler is not None:
             state["loss_scaler"] = {f: float(getattr(scaler, f)) for f in _SCALER_FIELDS
@@ -147,10 +168,30 @@ class DeepSpeedHandler(LayoutHandler):
         return state
 
     def load_extra_state(self, state: Dict[str, Any]) -> None:
-        for key in ("global_steps", "global_samples", "skipped_steps", "micro_steps"):
+        for key in _COUNTERS:
             if key in state:
                 setattr(self.engine, key, int(state[key]))
         scaler = getattr(self.engine.optimizer, "loss_scaler", None)
         for f, v in (state.get("loss_scaler") or {}).items():
             if scaler is not None and hasattr(scaler, f):
                 setattr(scaler, f, type(getattr(scaler, f))(v))
+
+
+def _shape(p: torch.nn.Parameter) -> torch.Size:
+    return p.ds_shape if hasattr(p, "ds_shape") else p.shape
+
+
+def _gathered(p: torch.nn.Parameter) -> torch.Tensor:
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+        return p.detach().clone()
+
+
+def _scatter(p: torch.nn.Parameter, full: torch.Tensor) -> None:
+    """Write `full` into a ZeRO-3 parameter's partitions (every rank holds the same `full`)."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+        if dist.get_rank() == 0:
+            p.data.copy_(full.to(p.dtype).reshape(p.shape))

@@ -136,6 +136,10 @@ class TorchHandler(LayoutHandler):
 
         if self._local_optim is None:
             return {}, {}
+        if self._local_optim is not self.optimizer:
+            # ZeroRedundancyOptimizer copies its hyperparameters into the local optimizer only at the
+            # start of a step, so the local lr lags an lr scheduler by one step: take the outer ones.
+            _copy_hyperparameters(self.optimizer.param_groups, self._local_optim.param_groups)
         flat = get_optimizer_state_dict(self.model, self._local_optim,
                                         options=self._options(flatten_optimizer_state_dict=True))
         tensors, values = split_flat_optim(flat)
@@ -156,8 +160,12 @@ class TorchHandler(LayoutHandler):
         if self._local_optim is not self.optimizer:
             # ZeroRedundancyOptimizer copies its own param_groups into the local optimizer at
             # every step, so the restored hyperparameters (the scheduled lr) must go there too.
-            for outer, inner in zip(self.optimizer.param_groups, self._local_optim.param_groups):
-                outer.update({k: v for k, v in inner.items() if k != "params"})
+            _copy_hyperparameters(self._local_optim.param_groups, self.optimizer.param_groups)
+
+
+def _copy_hyperparameters(src: List[Dict[str, Any]], dst: List[Dict[str, Any]]) -> None:
+    for s, d in zip(src, dst):
+        d.update({k: v for k, v in s.items() if k != "params"})
 
 
 def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -297,7 +297,10 @@ def rotate(parent: str, keep_last: int, protect: Sequence[str] = ()) -> List[str
     if keep_last < 1:
         raise ValueError(f"keep_last={keep_last}; it must be >= 1 (or None to keep every checkpoint)")
     protected = {os.path.normpath(os.path.abspath(p)) for p in protect}
-    latest = read_latest(parent)
+    try:
+        latest = read_latest(parent)
+    except CheckpointError:
+        latest = None  # a dangling pointer protects nothing
     if latest is not None:
         protected.add(os.path.normpath(os.path.abspath(latest)))
     checkpoints = list_checkpoints(parent)

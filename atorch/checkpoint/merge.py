@@ -29,7 +29,9 @@ from atorch.checkpoint.save_load import (
     CONFIG_NAME,
     DCP_DIR,
     META_NAME,
+    _quiet_single_process_dcp,
     _read_meta,
+    raise_checkpoint_errors,
     verify_checkpoint,
 )
 
@@ -110,7 +112,8 @@ def load_model_tensors(ckpt_dir: str, manifest: mf.Manifest) -> Dict[str, torch.
     if not state:
         raise CheckpointError(f"{os.path.join(dcp_dir, '.metadata')}: the checkpoint holds no model tensors")
     allowed = [n[len(DCP_DIR) + 1:] for n in manifest.files if n.startswith(DCP_DIR + "/")]
-    dcp.load(state, storage_reader=SafeFileSystemReader(dcp_dir, allowed_files=allowed), no_dist=True)
+    with _quiet_single_process_dcp(), raise_checkpoint_errors():
+        dcp.load(state, storage_reader=SafeFileSystemReader(dcp_dir, allowed_files=allowed), no_dist=True)
     return {k[len(MODEL_PREFIX):]: v for k, v in state.items()}
 
 

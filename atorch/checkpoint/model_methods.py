@@ -46,7 +46,8 @@ def from_parallelized(model: nn.Module, load_dir: str, strict: bool = True) -> C
 
 def attach_checkpoint_methods(result: Any) -> Any:
     """Give the result's model `save_parallelized` / `from_parallelized` methods; returns `result`."""
-    model = getattr(result, "model", result)
+    # A module (a Hugging Face model has a `.model` attribute of its own) or an AutoAccelerateResult.
+    model = result if isinstance(result, nn.Module) else getattr(result, "model", None)
     if isinstance(model, nn.Module):
         # Instance attributes (not a subclass) so DDP/FSDP/DeepSpeed wrappers keep their type.
         object.__setattr__(model, "save_parallelized", types.MethodType(save_parallelized, model))

@@ -11,12 +11,13 @@ A checkpoint directory holds
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-import shutil
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -240,11 +241,20 @@ def _len_or_none(obj: Any) -> Optional[int]:
         return None
 
 
+@contextlib.contextmanager
+def _quiet_single_process_dcp():
+    # DCP warns on every call without a process group; one process is a supported case here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def _dcp_save(tensors: Dict[str, torch.Tensor], dcp_dir: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     writer = dcp.FileSystemWriter(dcp_dir, single_file_per_rank=True, sync_files=True, overwrite=True)
-    dcp.save(tensors, storage_writer=writer, no_dist=not _dist())
+    with _quiet_single_process_dcp():
+        dcp.save(tensors, storage_writer=writer, no_dist=not _dist())
 
 
 def _write_json(path: str, value: Any) -> None:
@@ -423,7 +433,23 @@ def _dcp_load(targets: Dict[str, torch.Tensor], dcp_dir: str, manifest: mf.Manif
 
     allowed = [n[len(DCP_DIR) + 1:] for n in manifest.files if n.startswith(DCP_DIR + "/")]
     reader = SafeFileSystemReader(dcp_dir, allowed_files=allowed)
-    dcp.load(targets, storage_reader=reader, no_dist=not _dist())
+    with _quiet_single_process_dcp(), raise_checkpoint_errors():
+        dcp.load(targets, storage_reader=reader, no_dist=not _dist())
+
+
+@contextlib.contextmanager
+def raise_checkpoint_errors():
+    """DCP wraps every failure in a CheckpointException per rank; surface ours (with its file name) as is."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        for failure in (getattr(e, "failures", None) or {}).values():
+            inner = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback)
+            if isinstance(inner, CheckpointError):
+                raise inner from e
+        raise
 
 
 def _load_stateful(obj: Any, saved: Optional[Dict[str, Any]], what: str, ckpt_dir: str) -> None:

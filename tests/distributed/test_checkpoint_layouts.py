@@ -8,9 +8,8 @@ ranks and one process with identical weights (a load copies bits: exact). Merge:
 directory loads with `from_pretrained` and gives the trained model's logits (rel 1e-5: the
 tensor-parallel forward sums its matmuls in a different order than the plain model).
 
-Where an optimization is not in the registry yet (fsdp, DeepSpeed ZeRO), the layout is built
-directly with the same torch / DeepSpeed calls, so the checkpoint code runs on the real
-sharded objects either way. Three spawns: save (4 ranks), resume (4), reshard to FSDP2 (2).
+Three spawns: save (4 ranks), resume (4), reshard to FSDP2 (2). The other layouts (zero1,
+zero2, DeepSpeed ZeRO-1/3, LoRA) are in test_checkpoint_more_layouts.py.
 """
 
 import os
@@ -22,9 +21,7 @@ from typing import Dict, List, Tuple
 
 from atorch import distributed as adist
 from atorch.auto import auto_accelerate
-from atorch.auto.accelerate import AutoAccelerateResult, apply_resolved
-from atorch.auto.model_context import ModelContext
-from atorch.auto.opt_lib.base import registered_names
+from atorch.auto.accelerate import AutoAccelerateResult
 from atorch.checkpoint import load_checkpoint, merge_checkpoint, save_checkpoint
 from atorch.testing import run_distributed, tiny_llama
 from atorch.testing.parity import TokenDataset, assert_close_losses
@@ -44,68 +41,30 @@ LR = 1e-3
 SCHEDULER = (torch.optim.lr_scheduler.StepLR, {"step_size": 2, "gamma": 0.5})
 
 
+# Strategies by layout name; `world` is the number of ranks.
+def strategy_for(layout: str, world: int) -> list:
+    return {
+        "ddp": ["parallel_mode"],
+        "fsdp": ["parallel_mode", "fsdp"],
+        "tp2dp2": [("parallel_mode", ([("tensor", 2), ("data", world // 2)], None)), "tensor_parallel"],
+        "ds_zero2": ["parallel_mode", ("zero2", {"use_ds_zero": True})],
+        "zero1": ["parallel_mode", "zero1"],
+        "zero2": ["parallel_mode", "zero2"],
+        "ds_zero1": ["parallel_mode", ("zero1", {"use_ds_zero": True})],
+        "ds_zero3": ["parallel_mode", ("fsdp", {"use_ds_zero": True})],
+        "lora_ddp": ["parallel_mode", ("lora", {"r": 4, "alpha": 8})],
+    }[layout]
+
+
 def build(layout: str, seed: int = 0) -> AutoAccelerateResult:
-    """A result for `layout` on the current world: ddp | fsdp | tp2dp2 | ds_zero2 | fsdp_dp (fsdp over all ranks)."""
-    world = dist.get_world_size()
-    common = dict(optim_func=torch.optim.AdamW, dataset=TokenDataset(), optim_args={"lr": LR},
-                  model_input_format="unpack_dict", dataloader_args={"batch_size": GLOBAL_BATCH},
-                  lr_scheduler_cls=SCHEDULER[0], lr_scheduler_args=dict(SCHEDULER[1]))
-    if layout == "ddp":
-        return _accelerate(tiny_llama(seed=seed), ["parallel_mode"], common)
-    if layout == "tp2dp2":
-        return _accelerate(tiny_llama(seed=seed), [("parallel_mode", ([("tensor", 2), ("data", world // 2)], None)),
-                                                   "tensor_parallel"], common)
-    if layout == "fsdp":
-        if "fsdp" in registered_names():
-            return _accelerate(tiny_llama(seed=seed), ["parallel_mode", "fsdp"], common)
-        return _manual_fsdp(seed, common)
-    if layout == "ds_zero2":
-        return _manual_deepspeed(seed, common, stage=2)
-    raise ValueError(layout)
-
-
-def _accelerate(model, strategy, common) -> AutoAccelerateResult:
-    status, result, _ = auto_accelerate(model, load_strategy=strategy, **common)
-    assert status, f"auto_accelerate failed for {strategy}"
+    """A result for `layout` (see `strategy_for`) on the current world, through auto_accelerate."""
+    status, result, _ = auto_accelerate(
+        tiny_llama(seed=seed), optim_func=torch.optim.AdamW, dataset=TokenDataset(), optim_args={"lr": LR},
+        model_input_format="unpack_dict", dataloader_args={"batch_size": GLOBAL_BATCH},
+        lr_scheduler_cls=SCHEDULER[0], lr_scheduler_args=dict(SCHEDULER[1]),
+        load_strategy=strategy_for(layout, dist.get_world_size()))
+    assert status, f"auto_accelerate failed for {layout}"
     return result
-
-
-def _context(model, common) -> ModelContext:
-    return ModelContext(model=model, optim_func=common["optim_func"], optim_args=dict(common["optim_args"]),
-                        dataset=common["dataset"], model_input_format=common["model_input_format"],
-                        dataloader_args=dict(common["dataloader_args"]), lr_scheduler_cls=common["lr_scheduler_cls"],
-                        lr_scheduler_args=dict(common["lr_scheduler_args"]), device=adist.device())
-
-
-def _manual_fsdp(seed: int, common) -> AutoAccelerateResult:
-    from torch.distributed.fsdp import fully_shard
-
-    adist.create_parallel_group(([("data", dist.get_world_size())], None))
-    model = tiny_llama(seed=seed)
-    mesh = adist.device_mesh("data")
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    ctx = _context(model, common)
-    ctx.is_sharded = True
-    return apply_resolved(ctx, [])
-
-
-def _manual_deepspeed(seed: int, common, stage: int) -> AutoAccelerateResult:
-    import deepspeed
-
-    world = dist.get_world_size()
-    adist.create_parallel_group(([("data", world)], None))
-    model = tiny_llama(seed=seed)
-    optim = torch.optim.AdamW(model.parameters(), lr=LR)
-    scheduler = SCHEDULER[0](optim, **SCHEDULER[1])
-    config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
-    engine, ds_optim, _, ds_sched = deepspeed.initialize(model=model, optimizer=optim, lr_scheduler=scheduler,
-                                                         config=config, dist_init_required=False)
-    ctx = _context(model, common)
-    ctx.model, ctx.engine, ctx.optim, ctx.lr_scheduler, ctx.is_sharded = engine, engine, ds_optim, ds_sched, True
-    return apply_resolved(ctx, [])
 
 
 def full_weights(result: AutoAccelerateResult) -> Dict[str, torch.Tensor]:
@@ -114,7 +73,12 @@ def full_weights(result: AutoAccelerateResult) -> Dict[str, torch.Tensor]:
 
     engine = result.args.get("engine")
     if engine is not None:
-        return {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+        import deepspeed
+
+        # Under ZeRO-3 the parameters are partitioned; gather them to read the full weights.
+        params = list(engine.module.parameters()) if engine.zero_optimization_stage() == 3 else []
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=bool(params)):
+            return {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
     if result.args.get("tensor_parallel_size"):
         from atorch.utils.manual_tp_utils import gather_tp_state_dict
 

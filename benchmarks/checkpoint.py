@@ -1,0 +1,182 @@
+"""Checkpoint save / load seconds and MB/s: atorch.checkpoint vs torch.save / torch.load of the same state.
+
+Run:  .venv/bin/python benchmarks/checkpoint.py            # ~270 MB model (fp32), 3 repeats
+      .venv/bin/python benchmarks/checkpoint.py --hidden 512 --layers 2 --repeats 1   # quick
+
+Measured per case, median of `--repeats`, each in a fresh directory under `--dir`:
+  * torch.save / torch.load(weights_only=True) of the state dict (one file, no fsync), and
+    torch.save followed by fsync (what durability costs without anything else);
+  * save_checkpoint / load_checkpoint in one process: DCP shards, sha256 of every file,
+    fsync, manifest, atomic rename; load verifies every checksum first;
+  * the same with the AdamW state (weights + 2 moments: 3x the bytes);
+  * 2 ranks, FSDP2 (each rank writes and reads its half), model + optimizer.
+MB/s is the checkpoint's bytes on disk over the seconds. The disk cache is not dropped
+between write and read (no root-only knobs): reads measure the page cache plus hashing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+
+def _model(hidden: int, layers: int, vocab: int):
+    from atorch.testing import tiny_llama
+
+    return tiny_llama(seed=0, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64,
+                      num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
+                      vocab_size=vocab)
+
+
+def _with_optimizer_state(model):
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    return optim
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _median(values: List[float]) -> float:
+    return statistics.median(values)
+
+
+def bench_single(args, root: str) -> List[Dict[str, object]]:
+    from atorch.checkpoint import load_checkpoint, save_checkpoint
+
+    model = _model(args.hidden, args.layers, args.vocab)
+    optim = _with_optimizer_state(model)
+    rows = []
+    for with_optim in (False, True):
+        state = {"model": model.state_dict()}
+        if with_optim:
+            state["optim"] = optim.state_dict()
+        times: Dict[str, List[float]] = {k: [] for k in ("torch.save", "torch.save+fsync", "torch.load",
+                                                         "atorch save", "atorch load")}
+        sizes = {}
+        for i in range(args.repeats):
+            path = os.path.join(root, f"t{i}.pt")
+            times["torch.save"].append(_timed(lambda: torch.save(state, path)))
+            sizes["torch"] = os.path.getsize(path)
+            times["torch.load"].append(_timed(lambda: torch.load(path, weights_only=True)))
+            os.remove(path)
+
+            def save_and_fsync():
+                with open(path, "wb") as f:
+                    torch.save(state, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+
+            times["torch.save+fsync"].append(_timed(save_and_fsync))
+            os.remove(path)
+
+            ckpt = os.path.join(root, f"c{i}", "step_1")
+            times["atorch save"].append(_timed(lambda: save_checkpoint(
+                model, ckpt, step=1, optimizer=optim if with_optim else None)))
+            sizes["atorch"] = _dir_bytes(ckpt)
+            target = _model(args.hidden, args.layers, args.vocab)
+            target_optim = torch.optim.AdamW(target.parameters(), lr=1e-4) if with_optim else None
+            times["atorch load"].append(_timed(lambda: load_checkpoint(target, ckpt, optimizer=target_optim)))
+            shutil.rmtree(os.path.join(root, f"c{i}"))
+        what = "model + AdamW" if with_optim else "model"
+        for name, values in times.items():
+            nbytes = sizes["atorch" if name.startswith("atorch") else "torch"]
+            rows.append({"case": f"{what}, 1 process", "op": name, "seconds": _median(values),
+                         "MB": nbytes / 1e6, "MB/s": nbytes / 1e6 / _median(values)})
+    return rows
+
+
+def _fsdp_rank(hidden: int, layers: int, vocab: int, root: str, repeats: int) -> Dict[str, List[float]]:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from atorch import distributed as adist
+    from atorch.checkpoint import load_checkpoint, save_checkpoint
+
+    adist.create_parallel_group(([("data", dist.get_world_size())], None))
+
+    def build():
+        model = _model(hidden, layers, vocab)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=adist.device_mesh("data"))
+        fully_shard(model, mesh=adist.device_mesh("data"))
+        return model
+
+    model = build()
+    optim = _with_optimizer_state(model)
+    out: Dict[str, List[float]] = {"save": [], "load": [], "bytes": []}
+    for i in range(repeats):
+        ckpt = os.path.join(root, f"fsdp{i}", "step_1")
+        dist.barrier()
+        out["save"].append(_timed(lambda: save_checkpoint(model, ckpt, step=1, optimizer=optim)))
+        out["bytes"].append(float(_dir_bytes(ckpt)))
+        target = build()
+        target_optim = torch.optim.AdamW(target.parameters(), lr=1e-4)
+        dist.barrier()
+        out["load"].append(_timed(lambda: load_checkpoint(target, ckpt, optimizer=target_optim)))
+        del target, target_optim
+        dist.barrier()
+    del model, optim
+    dist.barrier()
+    return out
+
+
+def bench_fsdp(args, root: str) -> List[Dict[str, object]]:
+    from atorch.testing import run_distributed
+
+    per_rank = run_distributed(_fsdp_rank, 2, args.hidden, args.layers, args.vocab, root, args.repeats,
+                               timeout=3000)
+    nbytes = per_rank[0]["bytes"][0]
+    rows = []
+    for op in ("save", "load"):
+        seconds = _median([max(r[op][i] for r in per_rank) for i in range(args.repeats)])  # slowest rank
+        rows.append({"case": "model + AdamW, FSDP2 on 2 ranks", "op": f"atorch {op}", "seconds": seconds,
+                     "MB": nbytes / 1e6, "MB/s": nbytes / 1e6 / seconds})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--vocab", type=int, default=16000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir, removed at the end)")
+    parser.add_argument("--skip-fsdp", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    root = tempfile.mkdtemp(prefix="atorch_ckpt_bench_", dir=args.dir)
+    try:
+        params = sum(p.numel() for p in _model(args.hidden, args.layers, args.vocab).parameters())
+        print(f"model: Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: {params / 1e6:.1f} M "
+              f"params, {params * 4 / 1e6:.0f} MB fp32; repeats {args.repeats}; dir {root}")
+        rows = bench_single(args, root)
+        if not args.skip_fsdp:
+            rows += bench_fsdp(args, root)
+        print("| case | operation | seconds | MB on disk | MB/s |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['case']} | {r['op']} | {r['seconds']:.2f} | {r['MB']:.0f} | {r['MB/s']:.0f} |")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Save / load for the other layouts on 2 gloo ranks: torch zero1 (ZeroRedundancyOptimizer) and zero2
+(FSDP2 without resharding), DeepSpeed ZeRO-1 and ZeRO-3, and LoRA under DDP; a DeepSpeed checkpoint
+loads into torch FSDP2; the LoRA checkpoint merges to a plain model and to adapters.
+
+Each layout: 4 steps straight vs 2 steps, save, a fresh model (other seed) and optimizer, load, 2 steps
+(one spawn: fresh objects, same processes; the new-process resume is test_checkpoint_layouts.py). Same
+layout on both sides, fp32: exact. Cross-layout continuation (DeepSpeed -> FSDP2): rel 1e-5, the two sum
+gradients in different orders.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from atorch.checkpoint import load_checkpoint, merge_checkpoint, save_checkpoint
+from atorch.testing import run_distributed, tiny_llama
+from test_checkpoint_layouts import SCHEDULER, LR, build, compare_weights, full_weights, portable, train
+
+pytestmark = pytest.mark.heavy
+
+LAYOUTS = ("zero1", "zero2", "ds_zero1", "ds_zero3", "lora_ddp")
+STEPS, SAVE_AT = 4, 2
+PROBE = torch.randint(4, 1000, (2, 12), generator=torch.Generator().manual_seed(3))
+
+
+def _round_trips(root: str) -> dict:
+    out = {}
+    for layout in LAYOUTS:
+        result = build(layout)
+        straight = train(result, STEPS)
+        straight_weights = full_weights(result)
+        del result
+        dist.barrier()
+
+        result = build(layout)
+        first = train(result, SAVE_AT)
+        path = save_checkpoint(result, os.path.join(root, layout, f"step_{SAVE_AT}"), step=SAVE_AT)
+        saved_weights = full_weights(result)
+        logits = None
+        if layout == "lora_ddp":
+            with torch.no_grad():
+                logits = result.model(input_ids=PROBE).logits
+        del result
+        dist.barrier()
+
+        result = build(layout, seed=77)
+        state = load_checkpoint(result, path)
+        lr = [g["lr"] for g in result.optim.param_groups]
+        resumed = train(result, STEPS - SAVE_AT, dataloader=state.dataloader)
+        out[layout] = dict(straight=straight, first=first, resumed=resumed, lr=lr, weights=full_weights(result),
+                           straight_weights=straight_weights, saved_weights=saved_weights, logits=logits)
+        del result, state
+        dist.barrier()
+
+    # DeepSpeed ZeRO-1 checkpoint -> torch FSDP2: weights, moments and schedule carry over.
+    result = build("fsdp", seed=77)
+    state = load_checkpoint(result, os.path.join(root, "ds_zero1"))
+    out["ds_zero1->fsdp"] = dict(weights=full_weights(result),
+                                 resumed=train(result, STEPS - SAVE_AT, dataloader=state.dataloader))
+    del result, state
+    dist.barrier()
+    return portable(out)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("more_layouts"))
+    return root, run_distributed(_round_trips, 2, root, timeout=600)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_save_load_continues_exactly(runs, layout):
+    _, per_rank = runs
+    for rank_out in per_rank:
+        r = rank_out[layout]
+        assert r["first"] == r["straight"][:SAVE_AT]
+        assert r["resumed"] == r["straight"][SAVE_AT:], (layout, r["resumed"], r["straight"])
+        assert compare_weights(r["weights"], r["straight_weights"]) == [], layout
+        # StepLR(step_size=2, gamma=0.5) after 2 steps, restored into the fresh optimizer.
+        assert r["lr"] == [LR * SCHEDULER[1]["gamma"]] * len(r["lr"]), r["lr"]
+
+
+def test_deepspeed_checkpoint_loads_into_torch_fsdp(runs):
+    _, per_rank = runs
+    for rank_out in per_rank:
+        got, ds = rank_out["ds_zero1->fsdp"], rank_out["ds_zero1"]
+        assert compare_weights(got["weights"], ds["saved_weights"]) == []
+        for a, e in zip(got["resumed"], ds["straight"][SAVE_AT:]):
+            assert abs(a - e) <= 1e-5 * abs(e), (got["resumed"], ds["straight"])
+
+
+def test_lora_checkpoint_merges_to_a_plain_model_and_to_adapters(runs, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    root, per_rank = runs
+    expected = torch.as_tensor(per_rank[0]["lora_ddp"]["logits"])
+    merged = merge_checkpoint(os.path.join(root, "lora_ddp"), str(tmp_path / "merged"), lora="merge")
+    model, info = AutoModelForCausalLM.from_pretrained(merged, output_loading_info=True, attn_implementation="eager")
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        # W + B A * scale folded into W: the same function up to float rounding.
+        assert torch.allclose(model(input_ids=PROBE).logits, expected, rtol=1e-5, atol=1e-5)
+    adapters = merge_checkpoint(os.path.join(root, "lora_ddp"), str(tmp_path / "adapters"), lora="adapters")
+    # LoRA trains only the adapters: the base is the seed-0 model.
+    peft_model = PeftModel.from_pretrained(tiny_llama(seed=0), adapters)
+    with torch.no_grad():
+        assert torch.equal(peft_model(input_ids=PROBE).logits, expected)

@@ -1,0 +1,208 @@
+"""Bad checkpoints are refused with the file and the problem named, before anything is loaded; pickled
+payloads that would run code are refused even when the manifest was forged to match them."""
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from atorch.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from atorch.checkpoint import manifest as mf
+from atorch.checkpoint.safe_load import load_dcp_metadata, safe_torch_load
+from atorch.testing import tiny_gpt2, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A single-process checkpoint of a trained tiny Llama with its optimizer."""
+    root = str(tmp_path_factory.mktemp("bad_input"))
+    model = tiny_llama(seed=0)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(4, 1000, (2, 8))
+    model(x, labels=x).loss.backward()
+    optim.step()
+    return save_checkpoint(model, os.path.join(root, "step_1"), step=1, optimizer=optim)
+
+
+def _copy(saved, tmp_path):
+    dst = str(tmp_path / "ckpt")
+    shutil.copytree(saved, dst)
+    return dst
+
+
+def _fresh():
+    model = tiny_llama(seed=5)
+    return model, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _unchanged(model, before):
+    return all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def _shard(ckpt):
+    return sorted(n for n in os.listdir(os.path.join(ckpt, "dcp")) if n.endswith(".distcp"))[0]
+
+
+def _forge_manifest(ckpt, rel):
+    """What an attacker who can write the directory does: make the manifest match the edited file."""
+    m = mf.Manifest.read(ckpt)
+    path = os.path.join(ckpt, rel)
+    m.files[rel] = mf.FileRecord(os.path.getsize(path), hashlib.sha256(open(path, "rb").read()).hexdigest())
+    with open(os.path.join(ckpt, mf.MANIFEST_NAME), "w") as f:
+        f.write(m.to_json())
+
+
+def test_good_checkpoint_loads(saved):
+    model, _ = _fresh()
+    state = load_checkpoint(model, saved, load_optimizer=False)
+    assert state.step == 1 and state.path == saved
+
+
+def test_missing_shard(saved, tmp_path):
+    ckpt = _copy(saved, tmp_path)
+    os.remove(os.path.join(ckpt, "dcp", _shard(ckpt)))
+    model, before = _fresh()
+    with pytest.raises(CheckpointError, match=rf"dcp/{_shard(saved)}: missing"):
+        load_checkpoint(model, ckpt)
+    assert _unchanged(model, before)
+
+
+def test_checksum_mismatch(saved, tmp_path):
+    ckpt = _copy(saved, tmp_path)
+    path = os.path.join(ckpt, "dcp", _shard(ckpt))
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    model, before = _fresh()
+    with pytest.raises(CheckpointError, match=rf"{_shard(saved)}: checksum mismatch"):
+        load_checkpoint(model, ckpt)
+    assert _unchanged(model, before)
+
+
+def test_truncated_file(saved, tmp_path):
+    ckpt = _copy(saved, tmp_path)
+    path = os.path.join(ckpt, "dcp", _shard(ckpt))
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size - 100)
+    model, before = _fresh()
+    with pytest.raises(CheckpointError, match=rf"{_shard(saved)}: truncated: {size - 100} bytes, the manifest says "
+                                              rf"{size}"):
+        load_checkpoint(model, ckpt)
+    assert _unchanged(model, before)
+
+
+def test_checkpoint_of_a_different_model(saved):
+    wider = tiny_llama(seed=0, hidden_size=128, intermediate_size=256)
+    before = {k: v.clone() for k, v in wider.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"shape mismatches: .*model.embed_tokens.weight: model \(1024, 128\) "
+                                              r"vs checkpoint \(1024, 64\)"):
+        load_checkpoint(wider, saved, load_optimizer=False)
+    assert _unchanged(wider, before)
+    gpt2 = tiny_gpt2(seed=0)
+    with pytest.raises(CheckpointError, match=r"28 model entries this model needs are not in the checkpoint, e.g. \['transformer"):
+        load_checkpoint(gpt2, saved, load_optimizer=False)
+    deeper = tiny_llama(seed=0, num_hidden_layers=1)
+    with pytest.raises(CheckpointError, match=r"the checkpoint has 9 model entries this model does not"):
+        load_checkpoint(deeper, saved, load_optimizer=False)
+    load_checkpoint(deeper, saved, load_optimizer=False, strict=False)  # the first layer is all it needs
+
+
+def test_optimizer_requested_but_not_saved(tmp_path):
+    model = tiny_llama(seed=0)
+    ckpt = save_checkpoint(model, str(tmp_path / "weights_only"))
+    optim = torch.optim.AdamW(model.parameters())
+    with pytest.raises(CheckpointError, match="saved without optimizer state; pass load_optimizer=False"):
+        load_checkpoint(model, ckpt, optimizer=optim)
+
+
+def test_not_a_checkpoint(tmp_path):
+    (tmp_path / "random").mkdir()
+    (tmp_path / "random" / "weights.bin").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="not a checkpoint"):
+        load_checkpoint(tiny_llama(), str(tmp_path / "random"))
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/atorch_ckpt_pwned",))
+
+
+def test_pickled_code_in_dcp_metadata_is_refused_even_with_a_forged_manifest(saved, tmp_path):
+    ckpt = _copy(saved, tmp_path)
+    marker = "/tmp/atorch_ckpt_pwned"
+    if os.path.exists(marker):
+        os.remove(marker)
+    with open(os.path.join(ckpt, "dcp", ".metadata"), "wb") as f:
+        pickle.dump(_RunsCode(), f)
+    _forge_manifest(ckpt, "dcp/.metadata")
+    model, before = _fresh()
+    with pytest.raises(CheckpointError, match=r"\.metadata: refused to load: the pickled metadata refers to "
+                                              r"(posix|os)\.system"):
+        load_checkpoint(model, ckpt)
+    assert not os.path.exists(marker) and _unchanged(model, before)
+
+
+def test_real_dcp_metadata_passes_the_restricted_unpickler(saved):
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    assert isinstance(load_dcp_metadata(os.path.join(saved, "dcp", ".metadata")), Metadata)
+
+
+def test_byte_entries_are_refused(tmp_path):
+    """DCP would torch.load(weights_only=False) a non-tensor entry; atorch never writes one and refuses it."""
+    import torch.distributed.checkpoint as dcp
+
+    model = tiny_llama(seed=0)
+    ckpt = save_checkpoint(model, str(tmp_path / "c"))
+    # Replace the model tensors by a checkpoint where one "tensor" is a pickled object.
+    shutil.rmtree(os.path.join(ckpt, "dcp"))
+    state = {f"model/{k}": v for k, v in model.state_dict().items()}
+    state["model/lm_head.weight"] = "not a tensor"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(os.path.join(ckpt, "dcp")), no_dist=True)
+    m = mf.Manifest.read(ckpt)
+    m.files = {k: v for k, v in m.files.items() if not k.startswith("dcp/")}
+    m.files.update({f"dcp/{n}": mf.FileRecord(0, "") for n in mf.list_files(os.path.join(ckpt, "dcp"))})
+    with open(os.path.join(ckpt, mf.MANIFEST_NAME), "w") as f:
+        f.write(m.to_json())
+    for n in mf.list_files(os.path.join(ckpt, "dcp")):
+        _forge_manifest(ckpt, f"dcp/{n}")
+    # Refused before reading: the entry is not a tensor, so the model's lm_head.weight is "missing".
+    with pytest.raises(CheckpointError, match=r"1 model entries this model needs are not in the checkpoint, e.g. "
+                                              r"\['lm_head.weight'\]"):
+        load_checkpoint(tiny_llama(seed=1), ckpt)
+    # And the reader itself never unpickles it, even when asked for that entry.
+    from atorch.checkpoint.save_load import _dcp_load
+
+    with pytest.raises(CheckpointError, match="'model/lm_head.weight' is a pickled object, not a tensor; refused"):
+        _dcp_load({"model/lm_head.weight": torch.empty(1024, 64)}, os.path.join(ckpt, "dcp"), mf.Manifest.read(ckpt))
+
+
+def test_safe_torch_load_refuses_code_and_accepts_tensors(tmp_path):
+    ok = tmp_path / "ok.pt"
+    torch.save({"w": torch.ones(2)}, ok)
+    assert torch.equal(safe_torch_load(str(ok))["w"], torch.ones(2))
+    bad = tmp_path / "bad.pt"
+    torch.save({"w": _RunsCode()}, bad)
+    with pytest.raises(CheckpointError, match="bad.pt: refused to load"):
+        safe_torch_load(str(bad))
+    assert not os.path.exists("/tmp/atorch_ckpt_pwned")
+
+
+def test_tampered_json_state_is_refused(saved, tmp_path):
+    ckpt = _copy(saved, tmp_path)
+    meta_path = os.path.join(ckpt, "meta.json")
+    meta = json.load(open(meta_path))
+    meta["step"] = 999
+    json.dump(meta, open(meta_path, "w"))
+    with pytest.raises(CheckpointError, match="meta.json: checksum mismatch|meta.json: (truncated|larger)"):
+        load_checkpoint(tiny_llama(), ckpt)

@@ -1,0 +1,131 @@
+"""merge_checkpoint -> a directory plain transformers / peft load with no missing or unexpected keys and the
+same logits; save_parallelized / from_parallelized. Single process: a world of one is a layout too.
+
+Logits are compared exactly where the loaded model runs the same arithmetic as the saved one (eager
+attention on both sides), and to 1e-5 where LoRA is merged (W + B A differs from W x + B (A x) in the
+last bits).
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from atorch.checkpoint import CheckpointError, attach_checkpoint_methods, merge_checkpoint, save_checkpoint
+from atorch.checkpoint.merge import parse_size
+from atorch.testing import tiny_gpt2, tiny_llama
+from atorch.testing.assets import TOKENIZER_DIR
+
+X = torch.randint(4, 1000, (2, 10), generator=torch.Generator().manual_seed(0))
+
+
+def _train_one_step(model):
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model(X, labels=X).loss.backward()
+    optim.step()
+    return model
+
+
+def _load_hf(path):
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, attn_implementation="eager")
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    return model.eval()
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model(X).logits
+
+
+@pytest.mark.parametrize("make", [lambda: tiny_llama(seed=0, tie_word_embeddings=True), lambda: tiny_gpt2(seed=0)],
+                         ids=["llama_tied", "gpt2"])
+def test_merge_tied_models_round_trip_through_from_pretrained(tmp_path, make):
+    model = _train_one_step(make()).eval()
+    ckpt = save_checkpoint(model, str(tmp_path / "ckpt"))
+    out = merge_checkpoint(ckpt, str(tmp_path / "hf"))
+    files = sorted(os.listdir(out))
+    assert "config.json" in files and "model.safetensors" in files
+    keys = set(load_file(os.path.join(out, "model.safetensors")))
+    assert "lm_head.weight" not in keys  # tied: saved once, as save_pretrained does
+    assert keys == set(model.state_dict()) - {"lm_head.weight"}
+    assert torch.equal(_logits(_load_hf(out)), _logits(model))
+
+
+def test_merge_shards_large_models_with_an_index_and_copies_the_tokenizer(tmp_path):
+    model = _train_one_step(tiny_llama(seed=0)).eval()
+    ckpt = save_checkpoint(model, str(tmp_path / "ckpt"))
+    out = merge_checkpoint(ckpt, str(tmp_path / "hf"), max_shard_size="300KB", tokenizer=str(TOKENIZER_DIR))
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all(os.path.isfile(os.path.join(out, s)) for s in shards)
+    assert set(index["weight_map"]) == set(model.state_dict())
+    assert torch.equal(_logits(_load_hf(out)), _logits(model))
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer("hello world")["input_ids"] == AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))(
+        "hello world")["input_ids"]
+    assert not [e for e in os.listdir(tmp_path) if ".tmp-" in e]  # the output was published atomically
+
+
+def _lora_model():
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    return get_peft_model(tiny_llama(seed=0), config)
+
+
+def test_lora_merged_and_adapters_only(tmp_path):
+    from peft import PeftModel
+
+    peft_model = _train_one_step(_lora_model()).eval()
+    ckpt = save_checkpoint(peft_model, str(tmp_path / "ckpt"))
+    assert os.path.isfile(os.path.join(ckpt, "adapter_config.json"))
+    expected = _logits(peft_model)
+
+    merged = merge_checkpoint(ckpt, str(tmp_path / "merged"), lora="merge")
+    plain = _load_hf(merged)
+    assert set(plain.state_dict()) == set(tiny_llama().state_dict())
+    assert torch.allclose(_logits(plain), expected, rtol=1e-5, atol=1e-5)
+
+    adapters = merge_checkpoint(ckpt, str(tmp_path / "adapters"), lora="adapters")
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(adapters))
+    assert all("lora_" in k for k in load_file(os.path.join(adapters, "adapter_model.safetensors")))
+    reloaded = PeftModel.from_pretrained(tiny_llama(seed=0).eval(), adapters).eval()
+    assert torch.equal(_logits(reloaded), expected)
+
+
+def test_plain_module_becomes_safetensors_under_module_names(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    ckpt = save_checkpoint(model, str(tmp_path / "ckpt"))
+    out = merge_checkpoint(ckpt, str(tmp_path / "out"))
+    assert os.listdir(out) == ["model.safetensors"]
+    loaded = load_file(os.path.join(out, "model.safetensors"))
+    assert loaded.keys() == model.state_dict().keys()
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+
+
+def test_merge_input_errors(tmp_path):
+    ckpt = save_checkpoint(tiny_llama(seed=0), str(tmp_path / "ckpt"))
+    with pytest.raises(ValueError, match="lora='both'; valid values are"):
+        merge_checkpoint(ckpt, str(tmp_path / "o"), lora="both")
+    with pytest.raises(ValueError, match="max_shard_size='lots'"):
+        merge_checkpoint(ckpt, str(tmp_path / "o"), max_shard_size="lots")
+    with pytest.raises(CheckpointError, match="not a checkpoint"):
+        merge_checkpoint(str(tmp_path / "ckpt" / "dcp"), str(tmp_path / "o"))
+    assert parse_size("2GB") == 2 * 10**9 and parse_size("1MiB") == 2**20 and parse_size(123) == 123
+
+
+def test_save_parallelized_and_from_parallelized(tmp_path):
+    model = _train_one_step(tiny_llama(seed=0)).eval()
+    attach_checkpoint_methods(model)
+    model.save_parallelized(str(tmp_path / "sharded"))
+    other = attach_checkpoint_methods(tiny_llama(seed=3)).eval()
+    other.from_parallelized(str(tmp_path / "sharded"))
+    assert torch.equal(_logits(other), _logits(model))
+    model.save_parallelized(str(tmp_path / "hf"), merge_checkpoints=True, tokenizer=str(TOKENIZER_DIR))
+    assert torch.equal(_logits(_load_hf(str(tmp_path / "hf"))), _logits(model))
+    assert sorted(os.listdir(tmp_path)) == ["hf", "sharded"]  # the temporary sharded copy is gone
