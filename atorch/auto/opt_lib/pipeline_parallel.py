@@ -10,7 +10,7 @@ schedule step, averages gradients over "data" and steps the optimizer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -123,7 +123,7 @@ def _check_batch_divides(ctx: ModelContext, chunks: int) -> None:
                          "micro-batches; use a global batch size that is a multiple of chunks x data size")
 
 
-def _tied_pair(build: Any, stage: torch.nn.Module) -> tuple:
+def _tied_pair(build: Any, stage: torch.nn.Module) -> Tuple[Optional[dist.ProcessGroup], Optional[torch.nn.Parameter]]:
     """(group, this stage's tied parameter) for the first/last stages of a split tied embedding/head.
 
     Every rank creates every group (torch requires it), in the same order: one group per
@@ -138,10 +138,11 @@ def _tied_pair(build: Any, stage: torch.nn.Module) -> tuple:
         group = dist.new_group(ranks=ranks)
         if dist.get_rank() in ranks:
             mine = group
-    path = build.tied_paths[0] if build.stage_index == 0 else build.tied_paths[1] if build.stage_index == last \
-        else None
-    param = stage.get_submodule(path).weight if path is not None else None
-    return (mine, param) if param is not None else (None, None)
+    if build.stage_index == 0:
+        return mine, stage.get_submodule(build.tied_paths[0]).weight
+    if build.stage_index == last:
+        return mine, stage.get_submodule(build.tied_paths[1]).weight
+    return None, None
 
 
 def _first_last_pairs(layout: Any, last: int) -> List[List[int]]:
