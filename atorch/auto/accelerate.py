@@ -63,15 +63,23 @@ def auto_accelerate(
         dataloader_args=dict(dataloader_args or {}), lr_scheduler_cls=lr_scheduler_cls,
         lr_scheduler_args=dict(lr_scheduler_args or {}), device=adist.device())
     if load_strategy is None:
-        from atorch.auto.search.auto_search import search_for_context  # the planner, only when searching
+        from atorch.auto.search.auto_search import SearchError, search_for_context  # planner: only when searching
 
-        strategy = search_for_context(ctx, excluded=excluded, included=included, report_path=report_path)
+        try:
+            strategy = search_for_context(ctx, excluded=excluded, included=included, report_path=report_path)
+        except SearchError:  # every candidate failed its dry run: the documented status=False path
+            logger.exception("auto_accelerate: the strategy search found no strategy that runs")
+            return False, None, None
     else:
         strategy = Strategy.from_any(load_strategy)
         if not ignore_dryrun_on_load_strategy:
-            from atorch.auto.dry_runner import check_strategy_runs
+            from atorch.auto.dry_runner import DryRunError, check_strategy_runs
 
-            check_strategy_runs(ctx, strategy)
+            try:
+                check_strategy_runs(ctx, strategy)   # validates first: a bad strategy still raises ValueError
+            except DryRunError:
+                logger.exception("auto_accelerate: the loaded strategy failed its dry run")
+                return False, None, None
     # Validation raises ValueError on every rank before any collective.
     resolved = resolve_strategy(strategy, validation_context(ctx))
     try:

@@ -32,19 +32,22 @@ from atorch.auto.strategy import Strategy, StrategyLike
 # --------------------------------------------------------------------------------------------
 
 ACTIVATION_COEFFICIENTS: Dict[str, Dict[str, float]] = {
-    # feature -> bytes per (b*s*h | b*s*ffn | b*heads*s^2 | b*s*vocab), per layer where it says so.
-    "fp32": {"layer_bsh": 24.0, "layer_bsf": 16.0, "layer_bas2": 8.0, "bsv": 12.0, "bsh": 8.0},
-    "fp32_checkpoint": {"layer_bsh": 4.0, "bsh": 24.0, "bsf": 16.0, "bas2": 8.0, "bsv": 12.0},
-    "bf16": {"layer_bsh": 16.0, "layer_bsf": 10.0, "layer_bas2": 8.0, "bsv": 12.0, "bsh": 8.0},
-    "bf16_checkpoint": {"layer_bsh": 4.0, "bsh": 16.0, "bsf": 10.0, "bas2": 8.0, "bsv": 12.0},
+    # feature -> bytes per element: per layer (layer_*) of b*s*h, b*s*ffn, b*heads*s^2; once of
+    # b*s*vocab (logits, log-softmax, its gradient) and b*s*h; "matmul_params": autocast weight copies.
+    "fp32": {"layer_bsh": 36.682, "layer_bsf": 16.644, "layer_bas2": 4.388, "bsv": 16.024, "bsh": 11.312},
+    "fp32_checkpoint": {"layer_bsh": 4.0, "bsh": 11.488, "bsf": 8.831, "bas2": 0.735, "bsv": 15.62},
+    "bf16": {"layer_bsh": 31.478, "layer_bsf": 9.467, "layer_bas2": 5.556, "bsv": 14.364, "bsh": 23.078,
+             "matmul_params": 0.973},
+    "bf16_checkpoint": {"layer_bsh": 4.0, "bsh": 7.157, "bsf": 0.0, "bas2": 2.088, "bsv": 13.829,
+                        "matmul_params": 1.724},
 }
 
 # The device rates the step-time model divides by. "cpu" is measured (calibration script);
 # the GPU entry is a datasheet-derived guess (no GPU was available to calibrate on) and only
 # its ratios matter for ranking.
 DEVICE_PROFILES: Dict[str, Dict[str, float]] = {
-    "cpu": {"flops_fp32": 2.0e10, "flops_bf16": 1.0e10, "layer_overhead_s": 2.0e-3, "step_overhead_s": 5.0e-3,
-            "comm_bytes_per_s": 1.0e9, "comm_latency_s": 2.0e-4},
+    "cpu": {"flops_fp32": 3.91e10, "flops_bf16": 6.65e10, "layer_overhead_s": 6.86e-3, "step_overhead_s": 0.0,
+            "comm_bytes_per_s": 1.02e9, "comm_latency_s": 1.43e-3},
     "cuda": {"flops_fp32": 5.0e13, "flops_bf16": 4.0e14, "layer_overhead_s": 2.0e-4, "step_overhead_s": 2.0e-3,
              "comm_bytes_per_s": 1.5e11, "comm_latency_s": 2.0e-5},
 }
@@ -80,10 +83,19 @@ class ModelShape:
         attn = h * h * 2 + 2 * h * kv_heads * head_dim
         mlp = (3 if gated else 2) * h * ffn
         layer = attn + mlp + 2 * h
+        final_norm = h
+        if not gated:   # GPT-2 style: every linear and LayerNorm has a bias
+            layer += (2 * h + 2 * kv_heads * head_dim) + (ffn + h) + 2 * h
+            final_norm += h
+        else:
+            if getattr(config, "attention_bias", False):
+                layer += 2 * h + 2 * kv_heads * head_dim
+            if getattr(config, "mlp_bias", False):
+                layer += 2 * ffn + h
         positions = _config_int(config, ("n_positions",), default=0) * h
         tied = bool(getattr(config, "tie_word_embeddings", False))
         embedding = vocab * h * (1 if tied else 2) + positions
-        return cls(layers * layer + embedding + h, layers, h, ffn, heads, vocab, layer, embedding)
+        return cls(layers * layer + embedding + final_norm, layers, h, ffn, heads, vocab, layer, embedding)
 
     @classmethod
     def from_module(cls, model: nn.Module) -> "ModelShape":
@@ -127,7 +139,14 @@ def _config_int(config: Any, names: Tuple[str, ...], default: Optional[int] = No
 
 @dataclass(frozen=True)
 class StrategyTraits:
-    """What a strategy does to memory and time, read from its items and their configs."""
+    """What a strategy does to memory and time, read from its items and their configs.
+
+    Sharding follows how atorch implements it: zero1 = torch ZeroRedundancyOptimizer under DDP
+    (Adam state / d, DDP still keeps its gradient buckets); zero2 = FSDP2 without resharding
+    after forward (parameters stay gathered for backward, gradients and state / d); fsdp =
+    FSDP2 resharding after forward (one block gathered at a time, the root unit -- embeddings
+    and head -- stays gathered). `use_ds_zero` configs take the textbook ZeRO formulas.
+    """
 
     data: int = 1
     tensor: int = 1
@@ -135,12 +154,13 @@ class StrategyTraits:
     param_dtype_bytes: int = 4          # stored parameters (half: 2)
     optimizer_shard: int = 1            # zero1, zero2, fsdp
     grad_shard: int = 1                 # zero2, fsdp
-    param_shard: int = 1                # fsdp
+    param_shard: int = 1                # fsdp (and zero2's resting shards)
+    fsdp2: Optional[str] = None         # "zero2" (params kept gathered) or "fsdp" (resharded) on torch FSDP2
     checkpoint: bool = False
     fused_attention: bool = False       # module_replace: sdpa, no b*heads*s^2 matrix
     trainable_fraction: float = 1.0     # lora
     fp8: bool = False
-    ddp_buckets: bool = False           # a DDP wrapper keeps a flat gradient bucket copy
+    ddp_buckets: bool = False           # a DDP wrapper keeps a flat copy of the gradients
 
     @classmethod
     def from_strategy(cls, strategy: StrategyLike, world_size: int, shape: ModelShape) -> "StrategyTraits":
@@ -151,19 +171,23 @@ class StrategyTraits:
         names = set(s.names())
         amp = "amp_native" in names or "fp8" in names
         half = "half" in names
-        shard = data if names & {"zero1", "zero2", "fsdp"} else 1
+        sharder = next((n for n in ("fsdp", "zero2", "zero1") if n in names), None)
+        deepspeed = sharder is not None and bool(_config_field(s.get(sharder).config, "use_ds_zero", False))
+        shard = data if sharder else 1
         trainable = 1.0
         if "lora" in names:
-            cfg = s.get("lora").config
-            rank = _config_field(cfg, "r", LORA_DEFAULT_RANK)
+            rank = _config_field(s.get("lora").config, "r", LORA_DEFAULT_RANK)
             trainable = min(1.0, 2 * rank / max(1, shape.hidden_size))
+        grads_sharded = sharder in ("zero2", "fsdp")
         return cls(
             data=data, tensor=tensor,
             compute_dtype_bytes=2 if (amp or half) else 4, param_dtype_bytes=2 if half else 4,
-            optimizer_shard=shard, grad_shard=shard if names & {"zero2", "fsdp"} else 1,
-            param_shard=shard if "fsdp" in names else 1, checkpoint="checkpoint" in names,
-            fused_attention="module_replace" in names, trainable_fraction=trainable, fp8="fp8" in names,
-            ddp_buckets=data > 1 and not (names & {"zero1", "zero2", "fsdp"}))
+            optimizer_shard=shard, grad_shard=shard if grads_sharded else 1,
+            param_shard=shard if sharder == "fsdp" or (sharder == "zero2" and not deepspeed) else 1,
+            fsdp2=sharder if grads_sharded and not deepspeed else None,
+            checkpoint="checkpoint" in names, fused_attention="module_replace" in names,
+            trainable_fraction=trainable, fp8="fp8" in names,
+            ddp_buckets=data > 1 and not grads_sharded and not deepspeed)
 
 
 def _config_field(config: Any, name: str, default: Any) -> Any:
@@ -202,15 +226,18 @@ def activation_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int
     """Peak activation bytes of one rank's forward+backward (fitted coefficients, see module docstring)."""
     c = ACTIVATION_COEFFICIENTS[_coefficient_key(traits)]
     b, s, h, L = micro_batch, seq_len, shape.hidden_size, shape.num_layers
-    t = traits.tensor
-    # Tensor parallel splits the heads and the MLP width; b*s*h stays replicated (no sequence parallel).
-    bsf = b * s * shape.intermediate_size / t
-    bas2 = 0.0 if traits.fused_attention or shape.num_heads == 0 else b * (shape.num_heads / t) * s * s
+    bsf = b * s * shape.intermediate_size
+    bas2 = 0.0 if traits.fused_attention or shape.num_heads == 0 else b * shape.num_heads * s * s
     bsh = b * s * h
     bsv = b * s * shape.vocab_size
     if traits.checkpoint:
-        return (c["layer_bsh"] * L * bsh + c["bsh"] * bsh + c["bsf"] * bsf + c["bas2"] * bas2 + c["bsv"] * bsv)
-    return L * (c["layer_bsh"] * bsh + c["layer_bsf"] * bsf + c["layer_bas2"] * bas2) + c["bsv"] * bsv + c["bsh"] * bsh
+        total = c["layer_bsh"] * L * bsh + c["bsh"] * bsh + c["bsf"] * bsf + c["bas2"] * bas2 + c["bsv"] * bsv
+    else:
+        total = L * (c["layer_bsh"] * bsh + c["layer_bsf"] * bsf + c["layer_bas2"] * bas2) + c["bsv"] * bsv + \
+            c["bsh"] * bsh
+    # Measured (tests/distributed/test_dry_run.py): atorch's tensor parallel (vocab-parallel head,
+    # sharded heads and MLP) divides the per-rank activation peak by the tensor size.
+    return total / traits.tensor
 
 
 def _coefficient_key(traits: StrategyTraits) -> str:
@@ -250,25 +277,33 @@ def _shape_of(obj: Any) -> ModelShape:
 
 
 def memory_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int) -> Dict[str, float]:
-    """Per-rank bytes by kind: the ZeRO formulas plus the fitted activation model."""
+    """Per-rank bytes by kind: the ZeRO formulas, FSDP2's gathered units, and the fitted activations."""
     t = traits.tensor
-    params_per_rank = shape.embedding_params + (shape.num_params - shape.embedding_params) / t
+    # atorch's tensor_parallel shards the embeddings and the LM head too (norms are negligible).
+    params_per_rank = shape.num_params / t
     trainable = params_per_rank * traits.trainable_fraction
-    param_bytes = params_per_rank * traits.param_dtype_bytes / traits.param_shard
+    pbytes = traits.param_dtype_bytes
     # half keeps gradients and Adam state in the parameter dtype; everything else in fp32.
-    grad_bytes = trainable * traits.param_dtype_bytes / traits.grad_shard
-    opt_bytes = trainable * (ADAM_STATE_BYTES_PER_PARAM * traits.param_dtype_bytes / 4) / traits.optimizer_shard
-    out = {"params": param_bytes, "grads": grad_bytes, "optimizer": opt_bytes,
+    out = {"params": params_per_rank * pbytes / traits.param_shard,
+           "grads": trainable * pbytes / traits.grad_shard,
+           "optimizer": trainable * (ADAM_STATE_BYTES_PER_PARAM * pbytes / 4) / traits.optimizer_shard,
            "activations": activation_bytes(shape, traits, micro_batch, seq_len)}
-    if traits.compute_dtype_bytes < traits.param_dtype_bytes:
+    if traits.compute_dtype_bytes < pbytes and traits.fsdp2 is None:
         # Autocast keeps low-precision copies of the matmul weights for backward (fitted bytes/parameter).
         coef = ACTIVATION_COEFFICIENTS[_coefficient_key(traits)].get("matmul_params", 0.0)
-        out["weight_casts"] = coef * (params_per_rank - shape.embedding_params / 2) / traits.param_shard
+        out["weight_casts"] = coef * (params_per_rank - shape.embedding_params / t / 2)
     if traits.ddp_buckets:
-        out["ddp_buckets"] = trainable * traits.param_dtype_bytes
-    if traits.param_shard > 1:
-        # FSDP all-gathers one block (and prefetches the next) around each forward/backward.
-        out["gathered_blocks"] = 2 * shape.layer_params / t * traits.param_dtype_bytes
+        out["ddp_buckets"] = trainable * pbytes
+    if traits.fsdp2 is not None:
+        gathered_bytes = traits.compute_dtype_bytes if traits.compute_dtype_bytes < pbytes else pbytes
+        root = shape.embedding_params / t
+        block = shape.layer_params / t
+        if traits.fsdp2 == "zero2":   # every unit stays gathered from its forward to its backward
+            out["gathered_params"] = params_per_rank * gathered_bytes
+        else:                          # the root unit stays gathered; blocks: the current one and a prefetch
+            out["gathered_params"] = (root + 2 * block) * gathered_bytes
+        # Reduce-scatter of the largest unit: its unsharded fp32 gradients and the flat send buffer.
+        out["reduce_scatter"] = 2 * max(root, block) * 4
     return out
 
 
@@ -291,8 +326,7 @@ def time_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int, 
     bw, lat = rates["comm_bytes_per_s"], rates["comm_latency_s"]
     comm = 0.0
     collectives = 0
-    grad_bytes = (shape.num_params - shape.embedding_params) / t + shape.embedding_params
-    grad_bytes *= traits.trainable_fraction * 4
+    grad_bytes = shape.num_params / t * traits.trainable_fraction * 4
     if d > 1:
         ring = (d - 1) / d
         if traits.param_shard > 1:        # FSDP: all-gather forward, all-gather backward, reduce-scatter

@@ -55,6 +55,9 @@ class DryRunTimeout(BaseException):
     candidate's own code cannot swallow it."""
 
 
+ALARM_GRACE_S = 3.0
+
+
 @dataclass(frozen=True)
 class DryRunConfig:
     """How a candidate is run. Warm-up steps are measured for memory, profiled steps for time."""
@@ -64,7 +67,8 @@ class DryRunConfig:
     profile_steps: int = 3
     """Timed steps; throughput = global batch * profile_steps / the slowest rank's seconds."""
     timeout_s: float = 300.0
-    """Budget of one candidate on one rank, and the timeout of every process group it creates (gloo)."""
+    """Timeout of every process group a candidate creates (gloo); a Python-level hang is interrupted
+    ALARM_GRACE_S later."""
     memory_limit_bytes: Optional[int] = None
     """Simulated per-rank device memory; crossing it is an out-of-memory error at that allocation."""
 
@@ -158,7 +162,10 @@ def _run_local(ctx: ModelContext, strategy: Strategy, config: DryRunConfig) -> _
     result: Any = None
     tracker = PeakMemoryTracker(ctx.device, config.memory_limit_bytes)
     try:
-        with _preserved_rng(ctx.device), _candidate_world(config.timeout_s), _alarm(config.timeout_s):
+        # Collectives time out first, so a rank waiting on a failed peer reports a collective
+        # timeout rather than its own alarm; the alarm is for Python-level hangs.
+        with _preserved_rng(ctx.device), _candidate_world(config.timeout_s), \
+                _alarm(config.timeout_s + ALARM_GRACE_S):
             try:
                 with tracker:
                     candidate = fresh_context(ctx)
@@ -265,7 +272,9 @@ def _alarm(timeout_s: float) -> Iterator[None]:
         raise DryRunTimeout(f"dry run exceeded {timeout_s:g} s")
 
     previous = signal.signal(signal.SIGALRM, _fire)
-    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    # Re-fires every second until cancelled: a raise that lands in a weakref finalizer or a
+    # __del__ is swallowed by the interpreter, and a one-shot alarm would then be lost.
+    signal.setitimer(signal.ITIMER_REAL, timeout_s, 1.0)
     try:
         yield
     finally:
@@ -318,7 +327,9 @@ def merge_outcomes(outcomes: List[_LocalOutcome], profile_steps: int) -> DryRunR
         # A rank that merely waited for a failed peer reports a collective timeout; the peer's
         # own error is the reason. Out-of-memory first: it is what the search acts on.
         own = [o for o in failed if not o.collective_timeout] or failed
-        first = next((o for o in own if o.error_kind == "oom"), own[0])
+        # A rank's timeout is usually the consequence of another rank's error: errors first.
+        rank_of = {"oom": 0, "exception": 1, "timeout": 2}
+        first = min(own, key=lambda o: (rank_of.get(o.error_kind, 1), o.rank))
         if first.error_kind == "timeout":
             error = "timeout" + (f": rank {first.rank}: {first.message}" if first.message else "")
         else:

@@ -1,0 +1,144 @@
+"""The dry runner on 2 gloo ranks: real strategies measured and agreed, failures contained.
+
+One spawn checks it all (a spawn costs 5-20 s here): every default-space strategy runs, all
+ranks return the same result, the measured per-rank peak is within 15% of the cost model;
+then a failure on one rank only, a hang on one rank, and the simulated memory limit each
+become a failed trial, and the ranks are still in step afterwards (a plain run succeeds).
+"""
+
+import os
+import time
+
+import pytest
+import torch
+
+from atorch.auto.opt_lib.base import Optimization, get_optimization, register, registered_names
+from atorch.testing import run_distributed, tiny_llama
+
+TOLERANCE = 0.15                      # the issue's bound for the cost model on the tiny models
+CANDIDATE_TIMEOUT_S = 6.0             # per-candidate budget in the failure cases
+GLOBAL_BATCH, SEQ = 8, 64
+
+
+def _register_test_optimizations() -> None:
+    """Failure injectors, registered only inside the spawned ranks (the test process's registry stays clean)."""
+    registered_names()
+    try:
+        get_optimization("t_fail_on_rank1")
+        return
+    except ValueError:
+        pass
+
+    class FailOnRank1(Optimization):
+        name = "t_fail_on_rank1"
+        order = 95  # after sharding, before the DDP wrap: rank 0 goes on into DDP's collectives
+
+        def apply(self, ctx, config):
+            if torch.distributed.get_rank() == 1:
+                raise RuntimeError("injected failure on rank 1")
+
+    class HangOnRank0(Optimization):
+        name = "t_hang_on_rank0"
+        order = 95
+
+        def apply(self, ctx, config):
+            if torch.distributed.get_rank() == 0:
+                time.sleep(10_000)
+
+    register(FailOnRank1)
+    register(HangOnRank0)
+
+STRATEGIES = [
+    ["parallel_mode"],
+    ["parallel_mode", "amp_native"],
+    ["parallel_mode", "checkpoint"],
+    ["parallel_mode", "module_replace"],
+    ["parallel_mode", "zero1"],
+    ["parallel_mode", "zero2"],
+    ["parallel_mode", "fsdp"],
+    ["parallel_mode", "amp_native", "fsdp", "checkpoint"],
+    [("parallel_mode", ([("tensor", 2), ("data", 1)], None)), "tensor_parallel"],
+]
+
+
+def _context():
+    from atorch.auto.model_context import ModelContext
+    from atorch.testing.parity import TokenDataset
+
+    return ModelContext(model=tiny_llama(seed=0), optim_func=torch.optim.AdamW, optim_args={"lr": 1e-3},
+                        dataset=TokenDataset(n=64, seq_len=SEQ), model_input_format="unpack_dict",
+                        dataloader_args={"batch_size": GLOBAL_BATCH})
+
+
+def _dry_runs():
+    import torch.distributed as dist
+
+    from atorch import distributed as adist
+    from atorch.auto.cost_model import estimate
+    from atorch.auto.dry_runner import DryRunConfig, DryRunError, check_strategy_runs, dry_run
+    from atorch.auto.strategy import Strategy
+
+    _register_test_optimizations()
+    ctx = _context()
+    weights_before = [p.detach().clone() for p in ctx.model.parameters()]
+    rng_before = torch.random.get_rng_state()
+    out = {"runs": []}
+    for s in STRATEGIES:
+        strategy = Strategy(s)
+        r = dry_run(ctx, strategy, DryRunConfig(warmup_steps=2, profile_steps=2, timeout_s=120))
+        predicted = estimate(ctx.model, strategy, GLOBAL_BATCH, SEQ, dist.get_world_size(), "cpu")
+        out["runs"].append((strategy.describe(), r, predicted.peak_memory_bytes))
+    # The user's model and RNG stream are untouched by the dry runs; no parallel groups remain.
+    out["model_untouched"] = all(torch.equal(a, b) for a, b in zip(weights_before, ctx.model.parameters()))
+    out["rng_untouched"] = torch.equal(rng_before, torch.random.get_rng_state())
+    out["groups_left"] = adist.is_parallel_group_created()
+
+    short = DryRunConfig(warmup_steps=1, profile_steps=1, timeout_s=CANDIDATE_TIMEOUT_S)
+    start = time.monotonic()
+    out["fail_one_rank"] = dry_run(ctx, Strategy(["parallel_mode", "t_fail_on_rank1"]), short)
+    out["hang_one_rank"] = dry_run(ctx, Strategy(["parallel_mode", "t_hang_on_rank0"]), short)
+    out["oom"] = dry_run(ctx, Strategy(["parallel_mode"]),
+                         DryRunConfig(warmup_steps=1, profile_steps=1, memory_limit_bytes=4_000_000))
+    out["failure_seconds"] = time.monotonic() - start
+    out["after_failures"] = dry_run(ctx, Strategy(["parallel_mode"]), short)    # still in step?
+    # check_strategy_runs: invalid -> ValueError before any collective; failing -> DryRunError.
+    try:
+        check_strategy_runs(ctx, Strategy(["parallel_mode", "no_such_opt"]), short)
+        out["invalid"] = "no error"
+    except ValueError as e:
+        out["invalid"] = str(e)
+    try:
+        check_strategy_runs(ctx, Strategy(["parallel_mode", "t_fail_on_rank1"]), short)
+        out["failing"] = "no error"
+    except DryRunError as e:
+        out["failing"] = str(e)
+    out["good"] = check_strategy_runs(ctx, Strategy(["parallel_mode"]), short).ok
+    dist.barrier()
+    return out
+
+
+@pytest.mark.heavy
+def test_dry_runs_on_two_ranks():
+    results = run_distributed(_dry_runs, 2, timeout=600)
+    rank0, rank1 = results
+    # Every rank sees exactly the same results.
+    for key in ("fail_one_rank", "hang_one_rank", "oom", "after_failures"):
+        assert rank0[key] == rank1[key], key
+    for (name0, r0, _), (name1, r1, _) in zip(rank0["runs"], rank1["runs"]):
+        assert name0 == name1 and r0 == r1, name0
+    for name, r, predicted in rank0["runs"]:
+        assert r.ok and r.throughput > 0 and r.step_time_s > 0, (name, r)
+        measured = r.peak_memory_bytes
+        assert abs(predicted - measured) <= TOLERANCE * measured, (name, predicted, measured, predicted / measured)
+    assert rank0["model_untouched"] and rank0["rng_untouched"] and not rank0["groups_left"]
+
+    fail = rank0["fail_one_rank"]
+    assert fail.status == "exception" and "rank 1" in fail.error and "injected failure" in fail.error
+    assert rank0["hang_one_rank"].status == "timeout"
+    assert rank0["oom"].status == "oom" and "simulated device memory limit" in rank0["oom"].error
+    # Two candidates bounded by the timeout (plus teardown), not by the 30 min process-group default.
+    assert rank0["failure_seconds"] < 4 * CANDIDATE_TIMEOUT_S + 60
+    assert rank0["after_failures"].ok
+    assert "unknown optimization 'no_such_opt'" in rank0["invalid"]
+    assert "failed its dry run" in rank0["failing"] and "injected failure" in rank0["failing"]
+    assert rank0["good"] and rank1["good"]
