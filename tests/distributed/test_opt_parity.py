@@ -166,7 +166,7 @@ def check_run(name: str, run: Dict[str, Any], expected: List[float], rel: float)
         assert run["model"] != "DistributedDataParallel", f"{name}: a sharded model must not be wrapped in DDP"
     else:
         assert not run["dtensor_params"]
-        assert run["model"] == "DistributedDataParallel", f"{name}: expected DDP over the data group, got {run['model']}"
+        assert run["model"] == "DistributedDataParallel", f"{name}: expected DDP, got {run['model']}"
     if "zero1" in names:
         assert run["inner_optim"] == "ZeroRedundancyOptimizer", f"{name}: optimizer is {run['inner_optim']}"
     # Sharded models compute in half precision through FSDP's MixedPrecisionPolicy, and a model

@@ -15,7 +15,18 @@ The dataset is learnable enough that 2e-2 still rejects a run that does not trai
 import pytest
 import torch
 
-from test_opt_parity import BF16_REL, GLOBAL_BATCH, LR, STEPS, WORLD, bf16_strategies, check_run, dataset, reference, train_all
+from test_opt_parity import (
+    BF16_REL,
+    GLOBAL_BATCH,
+    LR,
+    STEPS,
+    WORLD,
+    bf16_strategies,
+    check_run,
+    dataset,
+    reference,
+    train_all,
+)
 
 from atorch.testing import run_distributed, tiny_llama
 from atorch.testing.parity import global_batches, reference_losses

@@ -1,6 +1,8 @@
 """amp_native's pieces in one process: autocast on the instance forward, the gradient-scaling loss
 transform, and GradScalingOptimizer (steps, skips on overflow, shares state, works with LR schedulers)."""
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -8,7 +10,7 @@ from torch import nn
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib import get_optimization
 from atorch.auto.opt_lib._precision import add_autocast_to_forward, has_autocast_forward
-from atorch.auto.opt_lib.amp_native import GradScalingOptimizer, scale_loss_gradient
+from atorch.auto.opt_lib.amp_native import GradScalingOptimizer
 
 
 def _model():
@@ -27,10 +29,10 @@ def test_autocast_forward_keeps_state_dict_keys_and_computes_in_bf16():
 
 
 def test_loss_transform_keeps_the_value_and_scales_the_gradient():
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     w = torch.tensor([2.0], requires_grad=True)
+    optim = GradScalingOptimizer(torch.optim.SGD([w], lr=0.1), torch.amp.GradScaler("cpu", init_scale=1024.0))
     loss = (w * 3.0).sum()
-    scaled = scale_loss_gradient(scaler)(loss)
+    scaled = optim.scale_loss(loss)
     assert scaled.item() == loss.item() == 6.0
     scaled.backward()
     assert w.grad.item() == 3.0 * 1024.0
@@ -42,7 +44,7 @@ def test_grad_scaling_optimizer_trains_exactly_like_unscaled_training():
     ref = torch.optim.SGD(plain.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)  # a power of two: exact unscaling
     optim = GradScalingOptimizer(torch.optim.SGD(scaled.parameters(), lr=0.1), scaler)
-    transform = scale_loss_gradient(scaler)
+    transform = optim.scale_loss
     for _ in range(3):
         plain(x).pow(2).mean().backward()
         ref.step()
@@ -62,7 +64,7 @@ def test_grad_scaling_optimizer_shares_state_and_drives_lr_schedulers():
     assert optim.state_dict() == inner.state_dict()
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.5)
     for _ in range(3):
-        scale_loss_gradient(optim.scaler)(model(torch.randn(2, 8)).sum()).backward()
+        optim.scale_loss(model(torch.randn(2, 8)).sum()).backward()
         optim.step()
         sched.step()
         optim.zero_grad()
@@ -74,7 +76,7 @@ def test_overflow_skips_the_step_and_backs_off_the_scale():
     before = [p.detach().clone() for p in model.parameters()]
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
     optim = GradScalingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), scaler)
-    loss = scale_loss_gradient(scaler)(model(torch.full((1, 8), float("inf"))).sum())
+    loss = optim.scale_loss(model(torch.full((1, 8), float("inf"))).sum())
     loss.backward()
     optim.step()
     assert scaler.get_scale() == 2.0 ** 15
@@ -84,7 +86,15 @@ def test_overflow_skips_the_step_and_backs_off_the_scale():
         optim.step(lambda: 0.0)
 
 
-def test_apply_wrapper_builds_scaling_for_fp16_only_and_respects_wrappers():
+def test_step_refuses_gradients_that_were_not_scaled():
+    model = _model()
+    optim = GradScalingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), torch.amp.GradScaler("cpu"))
+    model(torch.randn(2, 8)).sum().backward()  # the loss bypassed result.loss_func
+    with pytest.raises(RuntimeError, match="no loss was computed with result.loss_func since the last step"):
+        optim.step()
+
+
+def test_apply_wrapper_builds_scaling_for_fp16_only_and_respects_wrappers(caplog):
     amp = get_optimization("amp_native")()
     fp16, bf16 = amp.parse_config(torch.float16), amp.parse_config(torch.bfloat16)
 
@@ -96,7 +106,8 @@ def test_apply_wrapper_builds_scaling_for_fp16_only_and_respects_wrappers():
     amp.apply(ctx, fp16)
     amp.apply_wrapper(ctx, fp16)
     assert ctx.autocast_dtype is torch.float16 and has_autocast_forward(ctx.model)
-    assert isinstance(ctx.optim, GradScalingOptimizer) and ctx.grad_scaler is not None and len(ctx.loss_transforms) == 1
+    assert isinstance(ctx.optim, GradScalingOptimizer) and ctx.grad_scaler is ctx.optim.scaler
+    assert ctx.loss_transforms == [ctx.optim.scale_loss]
     ctx = context()
     amp.apply(ctx, bf16)
     amp.apply_wrapper(ctx, bf16)
@@ -109,5 +120,7 @@ def test_apply_wrapper_builds_scaling_for_fp16_only_and_respects_wrappers():
     # A model already cast by `half` to the same dtype needs no autocast.
     ctx = context(half_dtype=torch.bfloat16)
     amp.apply(ctx, bf16)
-    amp.apply_wrapper(ctx, bf16)
+    with caplog.at_level(logging.INFO):
+        amp.apply_wrapper(ctx, bf16)
     assert not has_autocast_forward(ctx.model)
+    assert "already cast to bfloat16 by `half`" in caplog.text

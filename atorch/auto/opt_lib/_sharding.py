@@ -76,7 +76,7 @@ def shard_with_fsdp2(ctx: ModelContext, who: str, *, wrap_cls: Optional[Sequence
                          "tensor_parallel) or build it on a real device")
     if sync_module_states:
         broadcast_module_states(model, ctx.device)
-    kwargs: Dict[str, Any] = {"mesh": adist.device_mesh("data"), "reshard_after_forward": reshard_after_forward}
+    kwargs: Dict[str, Any] = {"mesh": adist.device_mesh("data")}
     if ctx.autocast_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=ctx.autocast_dtype, reduce_dtype=torch.float32)
         ctx.autocast_by_wrapper = True
@@ -90,8 +90,10 @@ def shard_with_fsdp2(ctx: ModelContext, who: str, *, wrap_cls: Optional[Sequence
                        "parameters are all-gathered at once", who)
     # Children first: a nested block must own its parameters before an enclosing unit is made.
     for block in reversed(blocks):
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    # The root stays gathered after forward whatever the blocks do: backward starts with it
+    # (the LM head), so resharding it would only add an all-gather.
+    fully_shard(model, reshard_after_forward=False, **kwargs)
     ctx.is_sharded = True
     return {"backend": "torch_fsdp2", "wrapped_classes": sorted({type(b).__name__ for b in blocks}),
             "units": len(blocks) + 1, "reshard_after_forward": reshard_after_forward,
@@ -100,7 +102,7 @@ def shard_with_fsdp2(ctx: ModelContext, who: str, *, wrap_cls: Optional[Sequence
 
 
 # -- DeepSpeed ZeRO -------------------------------------------------------------------------
-def validate_deepspeed(who: str, stage: int, context: ValidationContext, cpu_offload: bool = False) -> None:
+def validate_deepspeed(who: str, context: ValidationContext, cpu_offload: bool = False) -> None:
     """What DeepSpeed ZeRO here cannot do, raised before any process group work."""
     sizes = context.parallel_sizes()
     others = {n: s for n, s in sizes.items() if n != "data" and s > 1}

@@ -55,23 +55,14 @@ class _ScaleGradient(torch.autograd.Function):
         return grad * scale.to(grad.dtype), None
 
 
-def scale_loss_gradient(scaler: torch.amp.GradScaler) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A loss transform: the value stays the true loss (for logging), its gradient is scaled.
-
-    Returning `scaler.scale(loss)` would make users log a loss 65536 times too large.
-    """
-
-    def transform(loss: torch.Tensor) -> torch.Tensor:
-        # scaler.scale(ones) is the public way to read the current scale as a tensor on the
-        # loss's device without a host sync.
-        scale = scaler.scale(torch.ones((), dtype=torch.float32, device=loss.device))
-        return _ScaleGradient.apply(loss, scale)
-
-    return transform
-
-
 class GradScalingOptimizer(torch.optim.Optimizer):
     """An optimizer whose `step()` is `scaler.step(optimizer); scaler.update()`.
+
+    `scale_loss` is the matching loss transform (installed behind `result.loss_func`): the
+    loss value stays the true one, for logging, while its gradient is multiplied by the
+    current scale. Returning `scaler.scale(loss)` instead would show users a loss 65536 times
+    too large. `step()` refuses to run when no loss went through `scale_loss` since the last
+    step: it would divide unscaled gradients by the scale and silently stall training.
 
     It shares (does not copy) the wrapped optimizer's `param_groups`, `state` and `defaults`,
     so LR schedulers, `zero_grad` and checkpoints act on the real optimizer. It is an
@@ -88,11 +79,24 @@ class GradScalingOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self.defaults = optimizer.defaults
+        self._loss_scaled = False
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        self._loss_scaled = True
+        # scaler.scale(ones) is the public way to get the current scale as a tensor on the
+        # loss's device without a host sync.
+        scale = self.scaler.scale(torch.ones((), dtype=torch.float32, device=loss.device))
+        return _ScaleGradient.apply(loss, scale)
 
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         if closure is not None:
             raise ValueError("amp_native fp16: step(closure) is not supported by GradScaler; call backward on the "
                              "loss returned by result.loss_func, then step()")
+        if not self._loss_scaled:
+            raise RuntimeError("amp_native fp16: no loss was computed with result.loss_func since the last step, so "
+                               "the gradients were not scaled; compute the loss with result.loss_func(batch, output) "
+                               "(or use atorch.auto.train_step) before calling backward")
+        self._loss_scaled = False
         out = self.scaler.step(self.optimizer)
         self.scaler.update()
         return out
@@ -153,5 +157,5 @@ class AmpNativeOptimization(Optimization):
         else:
             scaler = torch.amp.GradScaler(ctx.device.type)
         ctx.grad_scaler = scaler
-        ctx.loss_transforms.append(scale_loss_gradient(scaler))
         ctx.optim = GradScalingOptimizer(ctx.optim, scaler)
+        ctx.loss_transforms.append(ctx.optim.scale_loss)

@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._sharding import check_bool
-from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, register
+from atorch.auto.opt_lib.base import Optimization, Order, register
 
 logger = logging.getLogger(__name__)
 
@@ -40,16 +40,13 @@ class DdpOptimization(Optimization):
     name = "ddp"
     order = Order.DATA_PARALLEL_WRAP
     # These reduce(-scatter) gradients themselves; DDP on top would reduce them twice.
+    # (zero1 with use_ds_zero=True is refused by zero1's validation: it depends on the config.)
     conflicts = frozenset({"fsdp", "zero2"})
     Config = DdpConfig
 
-    def validate(self, config: DdpConfig, context: ValidationContext) -> None:
-        # zero1 with use_ds_zero=True is refused by zero1's own validation (config-dependent).
-        if context.parallel_sizes().get("data", 1) <= 1:
-            logger.info("ddp: the data-parallel size is 1, so there is nothing to average; the model is not wrapped")
-
     def apply_wrapper(self, ctx: ModelContext, config: DdpConfig) -> None:
         if ctx.data_parallel_size() <= 1:
+            logger.info("ddp: the data-parallel size is 1, so there is nothing to average; the model is not wrapped")
             return
         kwargs = {"find_unused_parameters": config.find_unused_parameters}
         if config.bucket_cap_mb is not None:

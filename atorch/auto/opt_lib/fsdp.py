@@ -53,7 +53,7 @@ class FsdpOptimization(Optimization):
 
     def validate(self, config: FsdpConfig, context: ValidationContext) -> None:
         if config.use_ds_zero:
-            validate_deepspeed("fsdp", 3, context, cpu_offload=config.cpu_offload)
+            validate_deepspeed("fsdp", context, cpu_offload=config.cpu_offload)
 
     def apply(self, ctx: ModelContext, config: FsdpConfig) -> None:
         if config.use_ds_zero:

@@ -7,7 +7,6 @@ change nothing and is skipped (logged); a different dtype is a contradiction and
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,8 +15,6 @@ import torch
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._precision import dtype_name, parse_half_dtype
 from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, register
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -46,12 +43,11 @@ class HalfOptimization(Optimization):
         amp = context.configs.get("amp_native")
         if amp is None:
             return
+        # The same dtype is harmless: amp_native then skips autocast and logs it when applied.
         if amp.dtype != config.dtype:
             raise ValueError(f"optimizations 'half' (dtype={dtype_name(config.dtype)}) and 'amp_native' "
                              f"(dtype={dtype_name(amp.dtype)}) cannot be combined: the model would be stored in one "
                              "half dtype and computed in the other; use the same dtype for both, or only one")
-        logger.info("half and amp_native both use %s: the model is cast once and autocast is skipped",
-                    dtype_name(config.dtype))
 
     def apply(self, ctx: ModelContext, config: HalfConfig) -> None:
         # nn.Module.to(dtype) casts floating parameters and buffers only (token ids stay integer).

@@ -9,7 +9,6 @@ updates the state of its share of the parameters, then broadcasts the updated sh
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass
 
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -18,8 +17,6 @@ from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._sharding import build_deepspeed_engine, check_bool, prepare_deepspeed, validate_deepspeed
 from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, register
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,10 +37,9 @@ class Zero1Optimization(Optimization):
     Config = Zero1Config
 
     def validate(self, config: Zero1Config, context: ValidationContext) -> None:
+        # Torch ZeRO-1 with `ddp` is fine: it relies on DDP for gradient averaging either way.
         if config.use_ds_zero:
-            validate_deepspeed("zero1", 1, context)
-        elif "ddp" in context.configs:
-            logger.info("zero1 with ddp: torch ZeRO-1 relies on DDP for gradient averaging; ddp wraps the model once")
+            validate_deepspeed("zero1", context)
 
     def apply(self, ctx: ModelContext, config: Zero1Config) -> None:
         if config.use_ds_zero:
