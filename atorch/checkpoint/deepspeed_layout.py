@@ -14,10 +14,18 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
 
+from torch import nn
+
 import torch
 import torch.distributed as dist
 
-from atorch.checkpoint.layout import LayoutHandler
+from atorch.checkpoint.layout import (
+    LayoutHandler,
+    TPShards,
+    flatten_optimizer,
+    init_optimizer_state,
+    load_flat_optimizer,
+)
 
 # Loss-scaler fields of fp16 engines worth restoring (numbers only).
 _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis", "scale_factor", "scale_window")
@@ -33,46 +41,50 @@ class DeepSpeedHandler(LayoutHandler):
         self.engine = engine
         self.stage = int(engine.zero_optimization_stage()) if hasattr(engine, "zero_optimization_stage") else 0
         self.zero = engine.optimizer if self.stage in (1, 2, 3) else None
-        self.names = {id(p): n for n, p in engine.module.named_parameters()}
+        # Without ZeRO (DeepSpeed's pipeline engine at stage 0) the engine steps a torch optimizer.
+        self.plain_optim = engine.optimizer if self.zero is None and isinstance(
+            engine.optimizer, torch.optim.Optimizer) else None
+        self.entries, named_modules = _checkpoint_entries(engine.module)
+        self.names: Dict[int, str] = {}
+        for name, value, is_param in self.entries:
+            if is_param:
+                # A tied parameter is named once, by its first name, as torch's state-dict tools name it.
+                self.names.setdefault(id(value), name)
+        self.tp = TPShards(named_modules)
 
     @property
     def has_optimizer(self) -> bool:
-        return self.zero is not None
+        return self.zero is not None or self.plain_optim is not None
 
     # -- model -------------------------------------------------------------------------
     def model_state(self) -> Dict[str, torch.Tensor]:
         from deepspeed.utils import safe_get_full_fp32_param
 
-        module = self.engine.module
-        params = dict(module.named_parameters())
         state: Dict[str, torch.Tensor] = {}
-        for name, value in module.state_dict(keep_vars=True).items():
-            p = params.get(name)
-            if p is None:
+        for name, value, is_param in self.entries:
+            if not is_param:
                 state[name] = value.detach()       # a buffer: never partitioned
-            elif self.zero is not None and p.requires_grad and (self.stage == 3 or p.dtype != torch.float32):
+            elif self.zero is not None and value.requires_grad and (self.stage == 3 or value.dtype != torch.float32):
                 # The fp32 master copy holds the exact weights (and the only full copy under ZeRO-3).
-                state[name] = safe_get_full_fp32_param(p)
+                state[name] = safe_get_full_fp32_param(value).reshape(_shape(value))
             elif self.stage == 3:
-                state[name] = _gathered(p)         # a frozen ZeRO-3 parameter
+                state[name] = _gathered(value)     # a frozen ZeRO-3 parameter
             else:
                 state[name] = value.detach()
-        return state
+        return self.tp.to_global(state)
 
     def load_model_state(self, state: Dict[str, torch.Tensor]) -> None:
         from deepspeed.utils import safe_set_full_fp32_param
 
-        module = self.engine.module
-        params = dict(module.named_parameters())
+        state = self.tp.to_local(state)
         with torch.no_grad():
-            for name, value in module.state_dict(keep_vars=True).items():
-                p = params.get(name)
-                if p is not None and self.stage == 3:
-                    _scatter(p, state[name])
-                else:
+            for name, value, is_param in self.entries:
+                if is_param and self.stage == 3:
+                    _scatter(value, state[name])
+                elif state[name] is not value:
                     value.copy_(state[name].to(value.dtype))
-                if p is not None and p.requires_grad and self.zero is not None:
-                    safe_set_full_fp32_param(p, state[name].to(torch.float32))
+                if is_param and value.requires_grad and self.zero is not None:
+                    safe_set_full_fp32_param(value, state[name].to(torch.float32))
 
     # -- optimizer ---------------------------------------------------------------------
     def _groups(self) -> List[Tuple[Dict[str, Any], List[torch.nn.Parameter], torch.Tensor]]:
@@ -119,6 +131,10 @@ class DeepSpeedHandler(LayoutHandler):
     def optim_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
         from deepspeed.utils import safe_get_full_optimizer_state
 
+        if self.zero is None:
+            init_optimizer_state(self.plain_optim)
+            tensors, values = flatten_optimizer(self.plain_optim, self.names)
+            return self.tp.to_global(tensors), values
         self._ensure_state()
         tensors: Dict[str, torch.Tensor] = {}
         values: Dict[str, Any] = {}
@@ -135,11 +151,15 @@ class DeepSpeedHandler(LayoutHandler):
                 for key, v in group.items():
                     if key != "params":
                         values[f"param_groups.{name}.{key}"] = v
-        return tensors, values
+        return self.tp.to_global(tensors), values
 
     def load_optim_state(self, tensors: Dict[str, torch.Tensor], values: Dict[str, Any]) -> None:
         from deepspeed.utils import safe_set_full_optimizer_state
 
+        tensors = self.tp.to_local(tensors)
+        if self.zero is None:
+            load_flat_optimizer(self.plain_optim, self.names, values)  # its tensors were filled in place
+            return
         self._ensure_state()
         for group, params, flat in self._groups():
             flat_state = self.zero.optimizer.state[flat]
@@ -175,6 +195,27 @@ class DeepSpeedHandler(LayoutHandler):
         for f, v in (state.get("loss_scaler") or {}).items():
             if scaler is not None and hasattr(scaler, f):
                 setattr(scaler, f, type(getattr(scaler, f))(v))
+
+
+def _checkpoint_entries(module: nn.Module) -> Tuple[List[Tuple[str, torch.Tensor, bool]], List[Tuple[str, nn.Module]]]:
+    """(name, tensor, is_parameter) for every state-dict entry under Hugging Face names, and (name, module) pairs.
+
+    A DeepSpeed `PipelineModule` names its layers by index; atorch's pipeline stages
+    (`local_layers()`) know each piece's original path, so the names are the HF model's.
+    """
+    if hasattr(module, "local_layers"):
+        pieces = [(layer.path, layer.module) for layer in module.local_layers()]
+    else:
+        pieces = [("", module)]
+    entries = []
+    named_modules: List[Tuple[str, nn.Module]] = []
+    for prefix, piece in pieces:
+        params = {id(p) for p in piece.parameters()}
+        for key, value in piece.state_dict(keep_vars=True).items():
+            entries.append((f"{prefix}.{key}" if prefix else key, value, id(value) in params))
+        named_modules += [(f"{prefix}.{n}" if prefix and n else (prefix or n), m)
+                          for n, m in piece.named_modules(remove_duplicate=False)]
+    return entries, named_modules
 
 
 def _shape(p: torch.nn.Parameter) -> torch.Size:

@@ -11,7 +11,7 @@ So a checkpoint written by any layout loads into any other.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -55,6 +55,26 @@ def find_hf_model(model: nn.Module) -> Tuple[Optional[nn.Module], str]:
         if isinstance(module, PreTrainedModel):
             return module, (name + "." if name else "")
     return None, ""
+
+
+def find_hf_config(model: nn.Module) -> Any:
+    """The Hugging Face config of `model`: its PreTrainedModel's, else any submodule's `.config`.
+
+    Pipeline stages hold pieces of a model (decoder layers, attention modules) rather than the
+    PreTrainedModel; those pieces keep a reference to the model's config.
+    """
+    hf_model, _ = find_hf_model(model)
+    if hf_model is not None:
+        return hf_model.config
+    try:
+        from transformers import PretrainedConfig
+    except Exception:  # noqa: BLE001 - transformers is optional for plain models
+        return None
+    for module in unwrap_model(model).modules():
+        config = getattr(module, "config", None)
+        if isinstance(config, PretrainedConfig):
+            return config
+    return None
 
 
 def peft_model_of(model: nn.Module) -> Optional[nn.Module]:
@@ -115,7 +135,7 @@ class TorchHandler(LayoutHandler):
         self.model = model
         self.optimizer = optimizer
         self._local_optim = _local_optimizer(optimizer) if optimizer is not None else None
-        self.tp = TPShards(model)
+        self.tp = TPShards.of_model(model)
 
     @property
     def has_optimizer(self) -> bool:
@@ -176,13 +196,66 @@ def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
-def optimizer_fqns(values: Dict[str, Any]) -> List[str]:
-    """Parameter names that have hyperparameters in a flattened optimizer state."""
-    names = set()
-    for key in values:
-        if key.startswith(_PARAM_GROUPS):
-            names.add(key[len(_PARAM_GROUPS):].rsplit(".", 1)[0])
-    return sorted(names)
+def flatten_optimizer(optimizer: torch.optim.Optimizer, name_of: Dict[int, str]
+                      ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """A torch optimizer's state in the common flattened keys, for parameters named by `name_of[id(p)]`.
+
+    The tensors are the optimizer's own (a load fills them in place); call `init_optimizer_state`
+    first on a fresh optimizer.
+    """
+    tensors: Dict[str, torch.Tensor] = {}
+    values: Dict[str, Any] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = name_of[id(p)]
+            for key, v in optimizer.state.get(p, {}).items():
+                (tensors if isinstance(v, torch.Tensor) else values)[f"{_STATE}{name}.{key}"] = v
+            for key, v in group.items():
+                if key != "params":
+                    values[f"{_PARAM_GROUPS}{name}.{key}"] = v
+    return tensors, values
+
+
+def load_flat_optimizer(optimizer: torch.optim.Optimizer, name_of: Dict[int, str], values: Dict[str, Any]) -> None:
+    """Install the non-tensor part of `flatten_optimizer`'s keys (the tensors were filled in place)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = name_of[id(p)]
+            for key in list(optimizer.state.get(p, {})):
+                v = values.get(f"{_STATE}{name}.{key}")
+                if v is not None and not isinstance(optimizer.state[p][key], torch.Tensor):
+                    optimizer.state[p][key] = v
+        if group["params"]:
+            first = name_of[id(group["params"][0])]
+            for key in list(group):
+                saved = values.get(f"{_PARAM_GROUPS}{first}.{key}")
+                if key != "params" and saved is not None:
+                    group[key] = saved
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create a fresh optimizer's state with a zero-gradient step at lr 0 (weights unchanged).
+
+    Adam-like optimizers build their state at the first step; a load needs it to exist.
+    Parameters that already have gradients or state are left as they are.
+    """
+    if optimizer.state:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if any(p.grad is not None for p in params):
+        return
+    lrs = [g.get("lr") for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        if "lr" in g:
+            g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        if lr is not None:
+            g["lr"] = lr
+    for p in params:
+        p.grad = None
 
 
 _WRAPPER_NAMES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -198,20 +271,25 @@ class TPShards:
     again on load. Optimizer states with the slice's shape are handled like the parameter.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, named_modules: Iterable[Tuple[str, nn.Module]]) -> None:
+        """`named_modules`: (checkpoint name prefix, module) pairs covering the model."""
         self.specs: Dict[str, Tuple[Any, Any]] = {}   # fqn -> (TensorParallelModule, ShardSpec)
         self._locals: Dict[str, torch.Tensor] = {}
         try:
             from atorch.modules.distributed_modules.layers import TensorParallelModule
         except Exception:  # noqa: BLE001 - tensor parallel is optional
             return
-        for mod_name, module in unwrap_model(model).named_modules(remove_duplicate=False):
+        for mod_name, module in named_modules:
             if isinstance(module, TensorParallelModule) and module.tp_size > 1:
                 for pname, spec in module.shard_specs().items():
                     fqn = f"{mod_name}.{pname}" if mod_name else pname
                     for wrapper in _WRAPPER_NAMES:
                         fqn = fqn.replace(wrapper, "")
                     self.specs[fqn] = (module, spec)
+
+    @classmethod
+    def of_model(cls, model: nn.Module) -> "TPShards":
+        return cls(unwrap_model(model).named_modules(remove_duplicate=False))
 
     def _param_of(self, key: str) -> Optional[str]:
         if key in self.specs:

@@ -118,7 +118,9 @@ def load_model_tensors(ckpt_dir: str, manifest: mf.Manifest) -> Dict[str, torch.
 
 
 def _resolve_model_class(model_meta: Dict[str, Any], config: Any, model_class: Optional[type],
-                         ckpt_dir: str) -> type:
+                         ckpt_dir: str) -> Any:
+    """A callable `f(config) -> model`: `model_class`, the recorded transformers class, the config's
+    architecture, or the causal-LM class of the config's type."""
     if model_class is not None:
         return model_class
     import transformers
@@ -135,6 +137,11 @@ def _resolve_model_class(model_meta: Dict[str, Any], config: Any, model_class: O
         cls = getattr(transformers, name, None)
         if isinstance(cls, type):
             return cls
+    # Pipeline stages record their own class; atorch pipelines split causal LMs.
+    try:
+        return transformers.AutoModelForCausalLM.from_config
+    except AttributeError:
+        pass
     raise CheckpointError(f"{ckpt_dir}: the model class {recorded!r} is not a transformers class; pass "
                           "model_class= to merge_checkpoint")
 
@@ -148,6 +155,7 @@ def build_hf_model(ckpt_dir: str, model_meta: Dict[str, Any], state: Dict[str, t
     cls = _resolve_model_class(model_meta, config, model_class, ckpt_dir)
     with torch.device("meta"):
         model = cls(config)
+    cls = type(model)
     adapter = model_meta.get("peft_adapter")
     if adapter:
         from peft import PeftConfig, get_peft_model

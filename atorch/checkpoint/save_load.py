@@ -31,6 +31,7 @@ from atorch.checkpoint.layout import (
     OPTIM_PREFIX,
     LayoutHandler,
     TorchHandler,
+    find_hf_config,
     find_hf_model,
     is_deepspeed_engine,
     peft_model_of,
@@ -71,6 +72,8 @@ class TrainingObjects:
     dataloader: Any = None
     global_batch_size: Optional[int] = None
     strategy: Optional[List[str]] = None
+    # Dataloader items one optimizer step consumes (DeepSpeed 3D's dataloader yields micro-batches).
+    batches_per_step: int = 1
 
     @classmethod
     def of(cls, target: Any, optimizer: Any = None, lr_scheduler: Any = None) -> "TrainingObjects":
@@ -80,7 +83,9 @@ class TrainingObjects:
             return cls(model=target.model, optimizer=optimizer or target.optim,
                        lr_scheduler=lr_scheduler or target.lr_scheduler or getattr(engine, "lr_scheduler", None), grad_scaler=args.get("grad_scaler"),
                        engine=engine, dataloader=target.dataloader, global_batch_size=args.get("global_batch_size"),
-                       strategy=list(args.get("strategy") or []) or None)
+                       strategy=list(args.get("strategy") or []) or None,
+                       batches_per_step=int(args.get("gradient_accumulation_steps") or 1)
+                       if "train_micro_batch_size_per_gpu" in args else 1)
         if isinstance(target, nn.Module):
             engine = target if is_deepspeed_engine(target) else None
             return cls(model=target, optimizer=optimizer, engine=engine,
@@ -185,7 +190,7 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
     final_dir = os.path.normpath(path)
     parent = os.path.dirname(os.path.abspath(final_dir))
     if data_position is None and step is not None and objs.dataloader is not None:
-        data_position = DataPosition.after_steps(step, _len_or_none(objs.dataloader),
+        data_position = DataPosition.after_steps(step * objs.batches_per_step, _len_or_none(objs.dataloader),
                                                  global_batch_size=objs.global_batch_size)
     handler = objs.handler()
     rank, world = _rank(), _world()
@@ -274,6 +279,7 @@ def _qualname(obj: Any) -> Optional[str]:
 def _meta(objs: TrainingObjects, handler: LayoutHandler, step: Optional[int], position: Optional[DataPosition],
           extra_json: Any, has_optimizer: bool, optim_values: Dict[str, Any], world: int) -> Dict[str, Any]:
     hf_model, hf_prefix = find_hf_model(objs.model)
+    hf_config = find_hf_config(objs.model)
     peft = peft_model_of(objs.model)
     meta: Dict[str, Any] = {
         "format": mf.FORMAT_NAME, "version": mf.FORMAT_VERSION, "step": step,
@@ -281,7 +287,7 @@ def _meta(objs: TrainingObjects, handler: LayoutHandler, step: Optional[int], po
         "world_size": world, "parallel_dims": _parallel_dims(), "layout": handler.name,
         "strategy": objs.strategy,
         "model": {"class": _qualname(hf_model) if hf_model is not None else _qualname(objs.model),
-                  "hf_prefix": hf_prefix, "has_config": hf_model is not None,
+                  "hf_prefix": hf_prefix, "has_config": hf_config is not None,
                   "peft_adapter": getattr(peft, "active_adapter", None) if peft is not None else None},
         "has_optimizer": has_optimizer,
         "optimizer": ({"class": _qualname(objs.optimizer), "values": to_json_value(optim_values, "optimizer")}
@@ -301,9 +307,9 @@ def _stateful_json(obj: Any, where: str) -> Optional[Dict[str, Any]]:
 
 
 def _write_model_configs(model: nn.Module, staging: str) -> None:
-    hf_model, _ = find_hf_model(model)
-    if hf_model is not None:
-        hf_model.config.to_json_file(os.path.join(staging, CONFIG_NAME))
+    config = find_hf_config(model)
+    if config is not None:
+        config.to_json_file(os.path.join(staging, CONFIG_NAME))
     peft = peft_model_of(model)
     if peft is not None:
         # peft writes its own config as JSON (sets become lists, enums strings).
@@ -332,7 +338,9 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
 
     handler = objs.handler()
     targets = {MODEL_PREFIX + k: v for k, v in handler.model_state().items()}
-    problems = check_keys(targets, entries, MODEL_PREFIX, strict=strict)
+    # A pipeline stage holds some of the model: "unexpected" means held by no rank.
+    known = set().union(*_all_gather(sorted(targets))) if _dist() else set(targets)
+    problems = check_keys(targets, entries, MODEL_PREFIX, strict=strict, known=known)
     restore_optim = load_optimizer and handler.has_optimizer
     optim_targets: Dict[str, torch.Tensor] = {}
     optim_values: Dict[str, Any] = {}
@@ -406,8 +414,13 @@ def _read_meta(ckpt_dir: str) -> Dict[str, Any]:
 
 
 def check_keys(targets: Dict[str, torch.Tensor], entries: Dict[str, Tuple[Tuple[int, ...], torch.dtype]],
-               prefix: str, strict: bool) -> List[str]:
-    """Differences between the tensors to load and the checkpoint's, as messages (empty when they match)."""
+               prefix: str, strict: bool, known: Optional[set] = None) -> List[str]:
+    """Differences between the tensors to load and the checkpoint's, as messages (empty when they match).
+
+    `known`: the keys any rank loads (default: `targets`); with `strict`, checkpoint entries
+    outside it are reported.
+    """
+    known = set(targets) if known is None else known
     problems = []
     where = f"{DCP_DIR}/.metadata"
     missing = sorted(k[len(prefix):] for k in targets if k not in entries)
@@ -415,7 +428,7 @@ def check_keys(targets: Dict[str, torch.Tensor], entries: Dict[str, Tuple[Tuple[
         problems.append(f"{where}: {len(missing)} {prefix[:-1]} entries this model needs are not in the checkpoint, "
                         f"e.g. {missing[:5]} (a checkpoint of a different model?)")
     if strict:
-        unexpected = sorted(k[len(prefix):] for k in entries if k.startswith(prefix) and k not in targets)
+        unexpected = sorted(k[len(prefix):] for k in entries if k.startswith(prefix) and k not in known)
         if unexpected:
             problems.append(f"{where}: the checkpoint has {len(unexpected)} {prefix[:-1]} entries this model does "
                             f"not, e.g. {unexpected[:5]} (a checkpoint of a different model? strict=False ignores "
