@@ -11,12 +11,15 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export OMP_NUM_THREADS ?= 1
 export TORCHINDUCTOR_COMPILE_THREADS ?= 1
+# DeepSpeed's JIT-built CPU ops live inside the venv: built once per checkout, at install.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
 .PHONY: install test test-fast demo clean
 
 $(VENV)/.installed: setup.py requirements.txt constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) scripts/prebuild_deepspeed_ops.py
 	touch $@
 
 install: $(VENV)/.installed
