@@ -116,7 +116,10 @@ def apply_resolved(ctx: ModelContext, resolved) -> AutoAccelerateResult:
         ctx.lr_scheduler = ctx.lr_scheduler_cls(ctx.optim, **ctx.lr_scheduler_args)
     if ctx.dataloader is None and ctx.dataset is not None:
         ctx.dataloader, ctx.sampler = build_dataloader(ctx)
-    return _result(ctx)
+    from atorch.checkpoint.model_methods import attach_checkpoint_methods  # imported on use: DCP is heavy
+
+    # `result.model.save_parallelized(dir, merge_checkpoints=...)` / `.from_parallelized(dir)`.
+    return attach_checkpoint_methods(_result(ctx))
 
 
 def _place_model(ctx: ModelContext) -> None:

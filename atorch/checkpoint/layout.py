@@ -189,8 +189,18 @@ def _copy_hyperparameters(src: List[Dict[str, Any]], dst: List[Dict[str, Any]]) 
 
 
 def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer that holds this rank's state, under wrappers.
+
+    Wrappers that share their inner optimizer's state (atorch's gradient-scaling optimizer for
+    fp16, whose `step` refuses to run without a scaled loss) are looked through; a
+    `ZeroRedundancyOptimizer` is replaced by its local optimizer.
+    """
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
+    for _ in range(4):
+        inner = getattr(optimizer, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer) and inner.state is optimizer.state:
+            optimizer = inner
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return optimizer.optim
     return optimizer
