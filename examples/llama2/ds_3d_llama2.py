@@ -83,7 +83,7 @@ def main(args: argparse.Namespace) -> None:
                    f"global batch {global_batch} = micro {args.micro_batch_size} x accu {args.accu_steps} x data "
                    f"{dp}, {args.block_size} tokens each")
 
-    status, result, strategy = auto_accelerate(
+    status, result, _ = auto_accelerate(
         model, optim_func=torch.optim.AdamW, dataset=dataset,
         optim_args={"lr": lr, "weight_decay": args.weight_decay}, model_input_format="unpack_dict",
         dataloader_args={"batch_size": global_batch, "shuffle": True, "seed": args.seed},

@@ -490,6 +490,8 @@ class Checkpointer:
                 raise UsageError(f"--resume {path!r} does not exist")
         state = load_checkpoint(self.result, path, strict=self.strict)
         step = int(state.step or 0)
+        if Path(state.path).resolve().parent == self.directory.resolve():
+            self.last_saved_step = step  # already on disk where this run saves: the final save skips it
         position = state.data_position
         if state.dataloader is not None and position is not None:
             self.stream = BatchStream(state.dataloader, position.epoch, position.batches_in_epoch)

@@ -50,7 +50,7 @@ def main(args: argparse.Namespace) -> None:
     eu.print_rank0(f"model: {loaded.mode} ({loaded.source}); strategy {build_strategy(args)}; lr {lr}; "
                    f"global batch {global_batch} x {args.block_size} tokens")
 
-    status, result, strategy = auto_accelerate(
+    status, result, _ = auto_accelerate(
         loaded.model, optim_func=torch.optim.AdamW, dataset=dataset,
         optim_args={"lr": lr, "weight_decay": args.weight_decay}, model_input_format="unpack_dict",
         dataloader_args={"batch_size": global_batch, "shuffle": True, "seed": args.seed},
