@@ -111,6 +111,13 @@ class LayoutHandler(ABC):
     def has_optimizer(self) -> bool:
         return False
 
+    def extra_state(self) -> Optional[Dict[str, Any]]:
+        """Layout-specific counters (JSON data) to restore with the optimizer; None when there are none."""
+        return None
+
+    def load_extra_state(self, state: Dict[str, Any]) -> None:
+        """Restore what `extra_state` returned."""
+
 
 def split_flat_optim(flat: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     """Tensors go to DCP, everything else (hyperparameters, python-number states) to JSON."""

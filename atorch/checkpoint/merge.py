@@ -28,7 +28,6 @@ from atorch.checkpoint.save_load import (
     ADAPTER_CONFIG_NAME,
     CONFIG_NAME,
     DCP_DIR,
-    META_NAME,
     _quiet_single_process_dcp,
     _read_meta,
     raise_checkpoint_errors,
@@ -73,6 +72,11 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
     ckpt_dir = mf.resolve_checkpoint_dir(ckpt_dir)
     manifest = verify_checkpoint(ckpt_dir, collective=False)
     meta = _read_meta(ckpt_dir)
+    model_meta = meta.get("model") or {}
+    is_hf = bool(model_meta.get("has_config")) and CONFIG_NAME in manifest.files
+    if model_meta.get("peft_adapter") and not (is_hf and ADAPTER_CONFIG_NAME in manifest.files):
+        raise CheckpointError(f"{ckpt_dir}: a LoRA checkpoint needs {CONFIG_NAME} and {ADAPTER_CONFIG_NAME} to be "
+                              "merged; this one lacks them")
     state = load_model_tensors(ckpt_dir, manifest)
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
@@ -84,16 +88,18 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
         staging = f"{os.path.normpath(out_dir)}{mf.STAGING_MARK}{uuid.uuid4().hex[:8]}"
         target = staging
     os.makedirs(target, exist_ok=True)
-    model_meta = meta.get("model") or {}
-    if model_meta.get("has_config") and CONFIG_NAME in manifest.files:
-        _save_hf(ckpt_dir, model_meta, state, target, max_shard_size, lora, model_class)
-    else:
-        if model_meta.get("peft_adapter"):
-            raise CheckpointError(f"{ckpt_dir}: a LoRA checkpoint without a Hugging Face config cannot be merged")
-        save_safetensors(state, target, max_shard_size)
-    del state
-    if tokenizer is not None:
-        _save_tokenizer(tokenizer, target)
+    try:
+        if is_hf:
+            _save_hf(ckpt_dir, model_meta, state, target, max_shard_size, lora, model_class)
+        else:
+            save_safetensors(state, target, max_shard_size)
+        del state
+        if tokenizer is not None:
+            _save_tokenizer(tokenizer, target)
+    except BaseException:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
     if staging is not None:
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)

@@ -6,12 +6,28 @@ import os
 import shutil
 import types
 import uuid
-from typing import Any
+from typing import Any, Optional, Tuple
 
+import torch
 from torch import nn
 
 from atorch.checkpoint import manifest as mf
-from atorch.checkpoint.save_load import CheckpointState, _barrier, _broadcast, _rank, load_checkpoint, save_checkpoint
+from atorch.checkpoint.manifest import CheckpointError
+from atorch.checkpoint.safe_load import tensor_entries
+from atorch.checkpoint.save_load import (
+    CheckpointState,
+    TrainingObjects,
+    _all_gather,
+    _barrier,
+    _broadcast,
+    _dist,
+    _quiet_single_process_dcp,
+    _rank,
+    check_keys,
+    load_checkpoint,
+    raise_checkpoint_errors,
+    save_checkpoint,
+)
 
 
 def save_parallelized(model: nn.Module, save_dir: str, merge_checkpoints: bool = False, **merge_kwargs: Any) -> str:
@@ -39,9 +55,51 @@ def save_parallelized(model: nn.Module, save_dir: str, merge_checkpoints: bool =
     return save_dir
 
 
-def from_parallelized(model: nn.Module, load_dir: str, strict: bool = True) -> CheckpointState:
-    """Load weights saved by `save_parallelized(..., merge_checkpoints=False)` (or any checkpoint) into `model`."""
-    return load_checkpoint(model, load_dir, load_optimizer=False, load_rng=False, strict=strict)
+def from_parallelized(model: nn.Module, load_dir: str, strict: bool = True) -> Optional[CheckpointState]:
+    """Load the weights `save_parallelized` wrote (either form) into `model`, in its current layout.
+
+    An atorch checkpoint (or a directory whose `latest` names one) goes through
+    `load_checkpoint` (weights only); a Hugging Face directory of safetensors is read with
+    DCP's safetensors reader, so each rank reads only its shards. Returns the checkpoint
+    state, or None for a Hugging Face directory.
+    """
+    if mf.is_checkpoint(load_dir) or os.path.isfile(os.path.join(load_dir, mf.LATEST_NAME)):
+        return load_checkpoint(model, load_dir, load_optimizer=False, load_rng=False, strict=strict)
+    if os.path.isdir(load_dir) and any(n.endswith(".safetensors") for n in os.listdir(load_dir)):
+        load_hf_weights(model, load_dir, strict=strict)
+        return None
+    raise CheckpointError(f"{load_dir}: neither an atorch checkpoint ({mf.MANIFEST_NAME}) nor a Hugging Face model "
+                          "directory (*.safetensors)")
+
+
+def load_hf_weights(model: nn.Module, hf_dir: str, strict: bool = True) -> None:
+    """Load a Hugging Face safetensors directory into `model` in any layout (call on every rank).
+
+    Keys and shapes are checked first (nothing is loaded on a mismatch). A weight the
+    directory leaves out because it is tied to another (save_pretrained drops an LM head tied
+    to the embedding) is filled through the tie.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    handler = TrainingObjects.of(model).handler()
+    targets = handler.model_state()
+    entries = tensor_entries(HuggingFaceStorageReader(hf_dir).read_metadata())
+    present = {_storage_key(v) for k, v in targets.items() if k in entries}
+    to_load = {k: v for k, v in targets.items() if k in entries or _storage_key(v) not in present}
+    # A pipeline stage holds some of the model: "unexpected" means held by no rank.
+    known = set().union(*_all_gather(sorted(targets))) if _dist() else set(targets)
+    problems = check_keys(to_load, entries, "", strict=strict, known=known, where=hf_dir)
+    mf.raise_problems(hf_dir, problems)
+    with _quiet_single_process_dcp(), raise_checkpoint_errors():
+        dcp.load(to_load, storage_reader=HuggingFaceStorageReader(hf_dir), no_dist=not _dist())
+    handler.load_model_state(targets)
+    _barrier()
+
+
+def _storage_key(t: torch.Tensor) -> Tuple[int, int]:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return (local.untyped_storage().data_ptr(), local.storage_offset())
 
 
 def attach_checkpoint_methods(result: Any) -> Any:

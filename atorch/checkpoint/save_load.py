@@ -19,7 +19,7 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -186,13 +186,20 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
         raise ValueError(f"keep_last={keep_last}; it must be >= 1, or None to keep every checkpoint")
     if step is not None and (not isinstance(step, int) or step < 0):
         raise ValueError(f"step={step!r} must be a non-negative int")
-    extra_json = to_json_value(dict(extra or {}), "extra")
+    if data_position is not None and not isinstance(data_position, DataPosition):
+        raise ValueError(f"data_position={data_position!r} must be an atorch.checkpoint.DataPosition")
     final_dir = os.path.normpath(path)
     parent = os.path.dirname(os.path.abspath(final_dir))
     if data_position is None and step is not None and objs.dataloader is not None:
         data_position = DataPosition.after_steps(step * objs.batches_per_step, _len_or_none(objs.dataloader),
                                                  global_batch_size=objs.global_batch_size)
     handler = objs.handler()
+    # Every rank encodes the small state now, so a value JSON cannot hold raises everywhere, not
+    # on rank 0 alone while the others wait in a collective.
+    small_state = {"extra": to_json_value(dict(extra or {}), "extra"),
+                   "lr_scheduler": _stateful_json(objs.lr_scheduler, "lr_scheduler"),
+                   "grad_scaler": _stateful_json(objs.grad_scaler, "grad_scaler"),
+                   "engine": to_json_value(handler.extra_state(), "engine")}
     rank, world = _rank(), _world()
 
     token = _broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
@@ -209,15 +216,16 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
     if has_optimizer:
         optim_tensors, local_values = handler.optim_state()
         tensors.update({OPTIM_PREFIX + k: v for k, v in optim_tensors.items()})
-        # A torch ZeRO optimizer knows only its own parameters' hyperparameters: merge all ranks'.
-        for values in _all_gather(local_values):
+        # A sharded optimizer (ZeRO-1, pipeline stages) knows only its own parameters'
+        # hyperparameters: merge all ranks'.
+        for values in _all_gather(to_json_value(local_values, "optimizer")):
             optim_values.update(values)
     _dcp_save(tensors, os.path.join(staging, DCP_DIR))
     del tensors
 
     _write_json(os.path.join(staging, RNG_DIR, f"rank_{rank:05d}.json"), rng_state())
     if rank == 0:
-        meta = _meta(objs, handler, step, data_position, extra_json, has_optimizer, optim_values, world)
+        meta = _meta(objs, handler, step, data_position, small_state, has_optimizer, optim_values, world)
         _write_json(os.path.join(staging, META_NAME), meta)
         _write_model_configs(objs.model, staging)
     if _before_commit_hook is not None:
@@ -277,11 +285,13 @@ def _qualname(obj: Any) -> Optional[str]:
 
 
 def _meta(objs: TrainingObjects, handler: LayoutHandler, step: Optional[int], position: Optional[DataPosition],
-          extra_json: Any, has_optimizer: bool, optim_values: Dict[str, Any], world: int) -> Dict[str, Any]:
+          small_state: Dict[str, Any], has_optimizer: bool, optim_values: Dict[str, Any], world: int
+          ) -> Dict[str, Any]:
+    """meta.json: everything but tensors and RNG states (all values already JSON data)."""
     hf_model, hf_prefix = find_hf_model(objs.model)
     hf_config = find_hf_config(objs.model)
     peft = peft_model_of(objs.model)
-    meta: Dict[str, Any] = {
+    return {
         "format": mf.FORMAT_NAME, "version": mf.FORMAT_VERSION, "step": step,
         "data_position": position.to_json() if position is not None else None,
         "world_size": world, "parallel_dims": _parallel_dims(), "layout": handler.name,
@@ -290,14 +300,9 @@ def _meta(objs: TrainingObjects, handler: LayoutHandler, step: Optional[int], po
                   "hf_prefix": hf_prefix, "has_config": hf_config is not None,
                   "peft_adapter": getattr(peft, "active_adapter", None) if peft is not None else None},
         "has_optimizer": has_optimizer,
-        "optimizer": ({"class": _qualname(objs.optimizer), "values": to_json_value(optim_values, "optimizer")}
-                      if has_optimizer else None),
-        "lr_scheduler": _stateful_json(objs.lr_scheduler, "lr_scheduler"),
-        "grad_scaler": _stateful_json(objs.grad_scaler, "grad_scaler"),
-        "engine": to_json_value(handler.extra_state(), "engine") if hasattr(handler, "extra_state") else None,
-        "extra": extra_json, "torch_version": torch.__version__, "created": time.time(),
+        "optimizer": {"class": _qualname(objs.optimizer), "values": optim_values} if has_optimizer else None,
+        **small_state, "torch_version": torch.__version__, "created": time.time(),
     }
-    return meta
 
 
 def _stateful_json(obj: Any, where: str) -> Optional[Dict[str, Any]]:
@@ -364,7 +369,7 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
     handler.load_model_state({k[len(MODEL_PREFIX):]: v for k, v in targets.items()})
     if restore_optim:
         handler.load_optim_state({k[len(OPTIM_PREFIX):]: v for k, v in optim_targets.items()}, optim_values)
-        if hasattr(handler, "load_extra_state") and meta.get("engine") is not None:
+        if meta.get("engine") is not None:
             handler.load_extra_state(from_json_value(meta["engine"]))
         _load_stateful(objs.lr_scheduler, meta.get("lr_scheduler"), "lr_scheduler", ckpt_dir)
         _load_stateful(objs.grad_scaler, meta.get("grad_scaler"), "grad_scaler", ckpt_dir)
@@ -414,23 +419,24 @@ def _read_meta(ckpt_dir: str) -> Dict[str, Any]:
 
 
 def check_keys(targets: Dict[str, torch.Tensor], entries: Dict[str, Tuple[Tuple[int, ...], torch.dtype]],
-               prefix: str, strict: bool, known: Optional[set] = None) -> List[str]:
+               prefix: str, strict: bool, known: Optional[set] = None, where: str = f"{DCP_DIR}/.metadata"
+               ) -> List[str]:
     """Differences between the tensors to load and the checkpoint's, as messages (empty when they match).
 
     `known`: the keys any rank loads (default: `targets`); with `strict`, checkpoint entries
-    outside it are reported.
+    outside it are reported. `where` names the index the entries come from.
     """
     known = set(targets) if known is None else known
     problems = []
-    where = f"{DCP_DIR}/.metadata"
+    what = prefix[:-1] or "model"
     missing = sorted(k[len(prefix):] for k in targets if k not in entries)
     if missing:
-        problems.append(f"{where}: {len(missing)} {prefix[:-1]} entries this model needs are not in the checkpoint, "
+        problems.append(f"{where}: {len(missing)} {what} entries this model needs are not in the checkpoint, "
                         f"e.g. {missing[:5]} (a checkpoint of a different model?)")
     if strict:
         unexpected = sorted(k[len(prefix):] for k in entries if k.startswith(prefix) and k not in known)
         if unexpected:
-            problems.append(f"{where}: the checkpoint has {len(unexpected)} {prefix[:-1]} entries this model does "
+            problems.append(f"{where}: the checkpoint has {len(unexpected)} {what} entries this model does "
                             f"not, e.g. {unexpected[:5]} (a checkpoint of a different model? strict=False ignores "
                             "them)")
     bad_shapes = [(k[len(prefix):], tuple(v.shape), entries[k][0]) for k, v in sorted(targets.items())

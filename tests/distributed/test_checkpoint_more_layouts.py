@@ -59,7 +59,18 @@ def _round_trips(root: str) -> dict:
     state = load_checkpoint(result, os.path.join(root, "ds_zero1"))
     out["ds_zero1->fsdp"] = dict(weights=full_weights(result),
                                  resumed=train(result, STEPS - SAVE_AT, dataloader=state.dataloader))
+    # The convenience names auto_accelerate attaches to the result's model (FSDP2 here).
+    result.model.save_parallelized(os.path.join(root, "fsdp_sharded"))
+    result.model.save_parallelized(os.path.join(root, "fsdp_hf"), merge_checkpoints=True)
+    fsdp_weights = full_weights(result)
     del result, state
+    dist.barrier()
+    result = build("ddp", seed=5)
+    result.model.from_parallelized(os.path.join(root, "fsdp_sharded"))
+    got = full_weights(result)
+    result.model.from_parallelized(os.path.join(root, "fsdp_hf"))  # the merged form, into DDP
+    out["from_parallelized"] = dict(expected=fsdp_weights, got=got, got_hf=full_weights(result))
+    del result
     dist.barrier()
     return portable(out)
 
@@ -108,3 +119,17 @@ def test_lora_checkpoint_merges_to_a_plain_model_and_to_adapters(runs, tmp_path)
     peft_model = PeftModel.from_pretrained(tiny_llama(seed=0), adapters)
     with torch.no_grad():
         assert torch.equal(peft_model(input_ids=PROBE).logits, expected)
+
+
+def test_save_parallelized_and_from_parallelized_on_the_result_model(runs):
+    from transformers import AutoModelForCausalLM
+
+    root, per_rank = runs
+    for rank_out in per_rank:
+        got = rank_out["from_parallelized"]
+        assert compare_weights(got["got"], got["expected"]) == []
+        assert compare_weights(got["got_hf"], got["expected"]) == []
+    model, info = AutoModelForCausalLM.from_pretrained(os.path.join(root, "fsdp_hf"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert compare_weights(dict(model.state_dict()), per_rank[0]["from_parallelized"]["expected"]) == []
+    assert not [e for e in os.listdir(root) if ".tmp-" in e]  # no staging or temporary sharded copy left

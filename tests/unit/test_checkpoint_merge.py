@@ -129,3 +129,14 @@ def test_save_parallelized_and_from_parallelized(tmp_path):
     model.save_parallelized(str(tmp_path / "hf"), merge_checkpoints=True, tokenizer=str(TOKENIZER_DIR))
     assert torch.equal(_logits(_load_hf(str(tmp_path / "hf"))), _logits(model))
     assert sorted(os.listdir(tmp_path)) == ["hf", "sharded"]  # the temporary sharded copy is gone
+    # from_parallelized reads the merged (Hugging Face) form too, including a tied head left out of the files.
+    tied = attach_checkpoint_methods(_train_one_step(tiny_llama(seed=0, tie_word_embeddings=True)).eval())
+    tied.save_parallelized(str(tmp_path / "hf_tied"), merge_checkpoints=True)
+    fresh = attach_checkpoint_methods(tiny_llama(seed=4, tie_word_embeddings=True)).eval()
+    assert fresh.from_parallelized(str(tmp_path / "hf_tied")) is None
+    assert torch.equal(_logits(fresh), _logits(tied))
+    with pytest.raises(CheckpointError, match=r"shape mismatches: model.embed_tokens.weight: model \(1024, 128\)"):
+        attach_checkpoint_methods(tiny_llama(hidden_size=128, tie_word_embeddings=True)).from_parallelized(
+            str(tmp_path / "hf_tied"))
+    with pytest.raises(CheckpointError, match="neither an atorch checkpoint"):
+        fresh.from_parallelized(str(tmp_path))
