@@ -93,10 +93,7 @@ def main(args: argparse.Namespace) -> None:
     del loaded, model
     eu.announce_parameters(result.model)
 
-    # A pipeline checkpoint holds every stage's layers under pipeline indices; each stage loads its
-    # own (atorch.checkpoint refuses the others' keys unless strict=False). Resume with the same
-    # PIPELINE_PARALLEL_SIZE.
-    checkpointer = eu.Checkpointer(args, result, strict=False)
+    checkpointer = eu.Checkpointer(args, result)
     start_step = checkpointer.resume()
     meter = eu.build_meter(args, flops, global_batch,
                            compute_dtype=torch.bfloat16 if torch.cuda.is_available() else None)

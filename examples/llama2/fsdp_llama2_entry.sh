@@ -16,6 +16,14 @@ if [ -z "$PYTHON" ]; then
   exit 2
 fi
 
+# DeepSpeed JIT-builds a CPU comm op on first use (minutes); `make install` prebuilds it inside the venv.
+if [ -z "${TORCH_EXTENSIONS_DIR:-}" ]; then
+  PREFIX="$("$PYTHON" -c 'import sys; print(sys.prefix)' 2>/dev/null || true)"
+  if [ -n "$PREFIX" ] && [ -d "$PREFIX/torch_extensions" ]; then
+    export TORCH_EXTENSIONS_DIR="$PREFIX/torch_extensions"
+  fi
+fi
+
 NPROC_PER_NODE="${NPROC_PER_NODE:-$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 2)')}"
 NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"

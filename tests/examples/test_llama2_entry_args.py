@@ -33,7 +33,7 @@ RECORDER = f"""#!{sys.executable}
 import json, os, sys
 if sys.argv[1:2] == ["-c"]:   # the NPROC_PER_NODE default probe: let the real interpreter answer
     os.execv({sys.executable!r}, [{sys.executable!r}] + sys.argv[1:])
-search_env = {{k: os.environ.get(k) for k in ("BO_SG_MAX_IETR", "RANDOM_SAMPLE")}}
+search_env = {{k: os.environ.get(k) for k in ("BO_SG_MAX_IETR", "RANDOM_SAMPLE", "TORCH_EXTENSIONS_DIR")}}
 print(json.dumps({{"argv": sys.argv[1:], "env": search_env}}))
 """
 
@@ -43,7 +43,7 @@ def record(tmp_path, entry, **env_vars):
     recorder = tmp_path / "python"
     recorder.write_text(RECORDER)
     recorder.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in ENTRY_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in ENTRY_VARS + ("TORCH_EXTENSIONS_DIR",)}
     env.update(PYTHON=str(recorder), **{k: str(v) for k, v in env_vars.items()})
     out = subprocess.run(["bash", str(EXAMPLES / entry)], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -89,10 +89,13 @@ def test_fsdp_entry_passes_every_variable(tmp_path):
 
 
 def test_defaults_single_node_and_resume_path(tmp_path):
-    launch, _, args, _, _ = record(tmp_path, "fsdp_llama2_entry.sh", RESUME="/ckpt/step_10", USE_LORA="false")
+    launch, _, args, env, _ = record(tmp_path, "fsdp_llama2_entry.sh", RESUME="/ckpt/step_10", USE_LORA="false")
     # NPROC_PER_NODE: the GPU count, else 2; no MASTER_PORT on one node -> the launcher's free port.
     assert pairs(launch) == {"--nnodes": "1", "--node_rank": "0", "--master_addr": "127.0.0.1",
                              "--nproc_per_node": str(torch.cuda.device_count() or 2)}
+    # DeepSpeed's CPU comm op: the one `make install` prebuilt inside the venv, when there is one.
+    prebuilt = Path(sys.prefix) / "torch_extensions"
+    assert env["TORCH_EXTENSIONS_DIR"] == (str(prebuilt) if prebuilt.is_dir() else None)
     parsed = fsdp_llama2.build_parser().parse_args(args)
     assert parsed.resume == "/ckpt/step_10" and not parsed.use_lora and not parsed.use_fp8
     assert (parsed.output_dir, parsed.block_size, parsed.per_device_train_batch_size, parsed.max_steps,
@@ -103,11 +106,12 @@ def test_bayes_entry_exports_the_search_variables(tmp_path):
     _, script, args, env, _ = record(tmp_path, "bayes_opt_sg_llama2_entry.sh", NPROC_PER_NODE=2,
                                      BO_SG_MAX_IETR=4, RANDOM_SAMPLE=1, USE_LORA=1, CONFIG_NAME="/cfg")
     assert script == str(EXAMPLES / "bayes_opt_sg_llama2.py")
-    assert env == {"BO_SG_MAX_IETR": "4", "RANDOM_SAMPLE": "1"}   # the planner reads them in each worker
+    # The planner reads them in each worker.
+    assert (env["BO_SG_MAX_IETR"], env["RANDOM_SAMPLE"]) == ("4", "1")
     parsed = bayes_opt_sg_llama2.build_parser().parse_args(args)
     assert parsed.use_lora and parsed.config_name == "/cfg" and parsed.output_dir == "./outputs/bayes_opt_sg_llama2"
     _, _, _, env, _ = record(tmp_path, "bayes_opt_sg_llama2_entry.sh", NPROC_PER_NODE=2)
-    assert env == {"BO_SG_MAX_IETR": "10", "RANDOM_SAMPLE": "3"}
+    assert (env["BO_SG_MAX_IETR"], env["RANDOM_SAMPLE"]) == ("10", "3")
 
 
 def test_ds_3d_entry_passes_the_parallel_sizes(tmp_path):
