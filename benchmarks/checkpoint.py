@@ -9,6 +9,7 @@ Measured per case, median of `--repeats`, each in a fresh directory under `--dir
   * save_checkpoint / load_checkpoint in one process: DCP shards, sha256 of every file,
     fsync, manifest, atomic rename; load verifies every checksum first;
   * the same with the AdamW state (weights + 2 moments: 3x the bytes);
+  * sha256 of the checkpoint's files alone (done once in save, once in load);
   * 2 ranks, FSDP2 (each rank writes and reads its half), model + optimizer.
 MB/s is the checkpoint's bytes on disk over the seconds. The disk cache is not dropped
 between write and read (no root-only knobs): reads measure the page cache plus hashing.
@@ -60,6 +61,7 @@ def _median(values: List[float]) -> float:
 
 def bench_single(args, root: str) -> List[Dict[str, object]]:
     from atorch.checkpoint import load_checkpoint, save_checkpoint
+    from atorch.checkpoint import manifest as mf
 
     model = _model(args.hidden, args.layers, args.vocab)
     optim = _with_optimizer_state(model)
@@ -69,7 +71,7 @@ def bench_single(args, root: str) -> List[Dict[str, object]]:
         if with_optim:
             state["optim"] = optim.state_dict()
         times: Dict[str, List[float]] = {k: [] for k in ("torch.save", "torch.save+fsync", "torch.load",
-                                                         "atorch save", "atorch load")}
+                                                         "atorch save", "atorch load", "sha256 of the files")}
         sizes = {}
         for i in range(args.repeats):
             path = os.path.join(root, f"t{i}.pt")
@@ -91,13 +93,16 @@ def bench_single(args, root: str) -> List[Dict[str, object]]:
             times["atorch save"].append(_timed(lambda: save_checkpoint(
                 model, ckpt, step=1, optimizer=optim if with_optim else None)))
             sizes["atorch"] = _dir_bytes(ckpt)
+            # Hashing is part of both save (manifest) and load (verification): its share of each.
+            times["sha256 of the files"].append(_timed(lambda: [mf.sha256_file(os.path.join(ckpt, n))
+                                                                for n in mf.list_files(ckpt)]))
             target = _model(args.hidden, args.layers, args.vocab)
             target_optim = torch.optim.AdamW(target.parameters(), lr=1e-4) if with_optim else None
             times["atorch load"].append(_timed(lambda: load_checkpoint(target, ckpt, optimizer=target_optim)))
             shutil.rmtree(os.path.join(root, f"c{i}"))
         what = "model + AdamW" if with_optim else "model"
         for name, values in times.items():
-            nbytes = sizes["atorch" if name.startswith("atorch") else "torch"]
+            nbytes = sizes["torch" if name.startswith("torch") else "atorch"]
             rows.append({"case": f"{what}, 1 process", "op": name, "seconds": _median(values),
                          "MB": nbytes / 1e6, "MB/s": nbytes / 1e6 / _median(values)})
     return rows
