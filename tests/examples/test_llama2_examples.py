@@ -141,14 +141,10 @@ def test_lora_fine_tuning_loads_weights_and_trains_only_adapters(fsdp_run, tmp_p
     from atorch.checkpoint import merge_checkpoint
     from atorch.testing.assets import corpus_documents, load_tokenizer
 
-    from transformers import LlamaForCausalLM
-
     out_dir, first = fsdp_run
     ok(first)
     model_dir = tmp_path / "model"
-    # model_class: the checkpoint records FSDP2's dynamic class name (see the export test below).
-    merge_checkpoint(str(out_dir / "checkpoints" / "step_20"), str(model_dir), tokenizer=load_tokenizer(),
-                     model_class=LlamaForCausalLM)
+    merge_checkpoint(str(out_dir / "checkpoints" / "step_20"), str(model_dir), tokenizer=load_tokenizer())
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in corpus_documents()))
 
