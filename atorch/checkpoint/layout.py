@@ -3,13 +3,15 @@
 Every handler produces the same keys for the same model: `model/<fqn>` with the original
 (Hugging Face) parameter names and full logical shapes, and a flattened optimizer state
 `optim/state.<fqn>.<name>` (tensors, saved with DCP) plus `param_groups.<fqn>.<name>`
-hyperparameters (JSON). Sharded values are DTensors (FSDP2, DTensor tensor parallel) that
-DCP reshards on load, or full tensors (DDP, ZeRO optimizers, DeepSpeed) that DCP saves once.
-So a checkpoint written by any layout loads into any other.
+hyperparameters (JSON). Sharded values are DTensors (FSDP2 shards, atorch tensor-parallel
+slices viewed as `Shard(dim)`) that DCP reshards on load, or full tensors (DDP, ZeRO
+optimizers, DeepSpeed) that DCP saves once; a pipeline stage contributes its own keys. So a
+checkpoint written by any layout loads into any other. DeepSpeed engines: deepspeed_layout.py.
 """
 
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -23,11 +25,10 @@ _STATE = "state."
 
 
 def is_deepspeed_engine(obj: Any) -> bool:
-    try:
-        from deepspeed import DeepSpeedEngine
-    except Exception:  # noqa: BLE001 - deepspeed is optional
-        return False
-    return isinstance(obj, DeepSpeedEngine)
+    # An engine exists only if deepspeed was imported; importing it here would cost seconds.
+    deepspeed = sys.modules.get("deepspeed")
+    engine_cls = getattr(deepspeed, "DeepSpeedEngine", None)
+    return engine_cls is not None and isinstance(obj, engine_cls)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -78,12 +79,11 @@ def find_hf_config(model: nn.Module) -> Any:
 
 
 def peft_model_of(model: nn.Module) -> Optional[nn.Module]:
-    try:
-        from peft import PeftModel
-    except Exception:  # noqa: BLE001 - peft is optional
-        return None
+    """The `peft.PeftModel` at the root of `model` (under wrappers), or None."""
+    peft = sys.modules.get("peft")  # a PeftModel exists only if peft was imported
+    peft_cls = getattr(peft, "PeftModel", None)
     root = unwrap_model(model)
-    return root if isinstance(root, PeftModel) else None
+    return root if peft_cls is not None and isinstance(root, peft_cls) else None
 
 
 class LayoutHandler(ABC):

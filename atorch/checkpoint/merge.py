@@ -53,6 +53,13 @@ def parse_size(size: Union[int, str]) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
 
 
+def check_merge_options(lora: str, max_shard_size: Union[int, str]) -> None:
+    """Raise ValueError for a bad `lora` mode or shard size."""
+    if lora not in _LORA_MODES:
+        raise ValueError(f"lora={lora!r}; valid values are {list(_LORA_MODES)}")
+    parse_size(max_shard_size)
+
+
 def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
                      max_shard_size: Union[int, str] = "2GB", lora: str = "merge",
                      dtype: Optional[torch.dtype] = None, model_class: Optional[type] = None) -> str:
@@ -66,9 +73,7 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
     `model_class` overrides the class recorded in the checkpoint (needed for custom classes).
     Returns `out_dir`.
     """
-    if lora not in _LORA_MODES:
-        raise ValueError(f"lora={lora!r}; valid values are {list(_LORA_MODES)}")
-    parse_size(max_shard_size)
+    check_merge_options(lora, max_shard_size)
     ckpt_dir = mf.resolve_checkpoint_dir(ckpt_dir)
     manifest = verify_checkpoint(ckpt_dir, collective=False)
     meta = _read_meta(ckpt_dir)

@@ -40,18 +40,25 @@ def save_parallelized(model: nn.Module, save_dir: str, merge_checkpoints: bool =
     """
     if not merge_checkpoints:
         return save_checkpoint(model, save_dir, save_optimizer=False, update_latest=False)
-    from atorch.checkpoint.merge import merge_checkpoint
+    from atorch.checkpoint.merge import check_merge_options, merge_checkpoint
 
+    # Bad options raise on every rank, before the collective save.
+    check_merge_options(merge_kwargs.get("lora", "merge"), merge_kwargs.get("max_shard_size", "2GB"))
     token = _broadcast(uuid.uuid4().hex[:8] if _rank() == 0 else None)
     sharded = f"{os.path.normpath(save_dir)}{mf.STAGING_MARK}sharded-{token}"
     save_checkpoint(model, sharded, save_optimizer=False, update_latest=False)
-    try:
-        if _rank() == 0:
+    failure: Optional[BaseException] = None
+    if _rank() == 0:
+        try:
             merge_checkpoint(sharded, save_dir, **merge_kwargs)
-    finally:
-        _barrier()
-        if _rank() == 0:
-            shutil.rmtree(sharded, ignore_errors=True)
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            failure = e
+        shutil.rmtree(sharded, ignore_errors=True)
+    message = _broadcast(f"{type(failure).__name__}: {failure}" if failure is not None else None)
+    if failure is not None:
+        raise failure
+    if message is not None:
+        raise RuntimeError(f"save_parallelized: merging on rank 0 failed: {message}")
     return save_dir
 
 

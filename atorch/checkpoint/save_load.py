@@ -80,12 +80,14 @@ class TrainingObjects:
         if _is_result(target):
             args = target.args or {}
             engine = args.get("engine")
+            # DeepSpeed 3D's dataloader yields micro-batches: one step takes gradient_accumulation_steps.
+            per_step = int(args.get("gradient_accumulation_steps") or 1) \
+                if "train_micro_batch_size_per_gpu" in args else 1
             return cls(model=target.model, optimizer=optimizer or target.optim,
-                       lr_scheduler=lr_scheduler or target.lr_scheduler or getattr(engine, "lr_scheduler", None), grad_scaler=args.get("grad_scaler"),
-                       engine=engine, dataloader=target.dataloader, global_batch_size=args.get("global_batch_size"),
-                       strategy=list(args.get("strategy") or []) or None,
-                       batches_per_step=int(args.get("gradient_accumulation_steps") or 1)
-                       if "train_micro_batch_size_per_gpu" in args else 1)
+                       lr_scheduler=lr_scheduler or target.lr_scheduler or getattr(engine, "lr_scheduler", None),
+                       grad_scaler=args.get("grad_scaler"), engine=engine, dataloader=target.dataloader,
+                       global_batch_size=args.get("global_batch_size"),
+                       strategy=list(args.get("strategy") or []) or None, batches_per_step=per_step)
         if isinstance(target, nn.Module):
             engine = target if is_deepspeed_engine(target) else None
             return cls(model=target, optimizer=optimizer, engine=engine,
@@ -175,8 +177,10 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
     Call on every rank. Each rank writes its own shards; the directory appears under `path`
     only when complete, `<parent>/latest` then names it, and with `keep_last=N` only the N
     newest checkpoints in the parent directory are kept. `data_position` defaults to `step`
-    batches into the result's dataloader. `extra` is any JSON data, returned by
-    `load_checkpoint`. Returns the checkpoint directory.
+    optimizer steps into the result's dataloader (epoch = step // len(dataloader), the loop
+    calling `sampler.set_epoch(epoch)` at each epoch). `extra` is any JSON data, returned by
+    `load_checkpoint`. `optimizer` / `lr_scheduler` are for a bare `nn.Module` target. Every rank
+    must see the same filesystem (as DCP assumes). Returns the checkpoint directory.
     """
     objs = TrainingObjects.of(target, optimizer, lr_scheduler)
     # Input mistakes raise here, on every rank, before any collective.

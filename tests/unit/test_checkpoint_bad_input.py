@@ -107,12 +107,13 @@ def test_checkpoint_of_a_different_model(saved):
         load_checkpoint(wider, saved, load_optimizer=False)
     assert _unchanged(wider, before)
     gpt2 = tiny_gpt2(seed=0)
-    with pytest.raises(CheckpointError, match=r"28 model entries this model needs are not in the checkpoint, e.g. \['transformer"):
+    with pytest.raises(CheckpointError, match=r"28 model entries this model needs are not in the checkpoint, "
+                                              r"e.g. \['transformer"):
         load_checkpoint(gpt2, saved, load_optimizer=False)
-    deeper = tiny_llama(seed=0, num_hidden_layers=1)
+    shallower = tiny_llama(seed=0, num_hidden_layers=1)
     with pytest.raises(CheckpointError, match=r"the checkpoint has 9 model entries this model does not"):
-        load_checkpoint(deeper, saved, load_optimizer=False)
-    load_checkpoint(deeper, saved, load_optimizer=False, strict=False)  # the first layer is all it needs
+        load_checkpoint(shallower, saved, load_optimizer=False)
+    load_checkpoint(shallower, saved, load_optimizer=False, strict=False)  # the first layer is all it needs
 
 
 def test_optimizer_requested_but_not_saved(tmp_path):
