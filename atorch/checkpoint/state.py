@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import itertools
+import logging
 import random
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Iterator, Optional
@@ -19,6 +20,8 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from atorch.checkpoint.manifest import CheckpointError
+
+logger = logging.getLogger(__name__)
 
 # -- JSON with the few Python types training state uses ----------------------------------
 
@@ -107,8 +110,10 @@ def set_rng_state(state: Dict[str, Any]) -> None:
     cuda = state.get("cuda") or []
     if cuda and torch.cuda.is_available():
         if len(cuda) != torch.cuda.device_count():
-            raise CheckpointError(f"the checkpoint has CUDA RNG states for {len(cuda)} devices, this process sees "
-                                  f"{torch.cuda.device_count()}")
+            # Another machine shape: the CUDA streams cannot be matched device for device.
+            logger.warning("the checkpoint has CUDA RNG states for %d devices, this process sees %d; CUDA "
+                           "generators are not restored", len(cuda), torch.cuda.device_count())
+            return
         torch.cuda.set_rng_state_all([_unb64(s) for s in cuda])
 
 
