@@ -16,6 +16,7 @@ update. The observed differences are ~1e-7.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import traceback
 from typing import Any, Dict, List, Sequence, Tuple
@@ -74,10 +75,11 @@ def dataset() -> TokenDataset:
     return TokenDataset(vocab_size=LEARNABLE_VOCAB)
 
 
-def reference(autocast_dtype=None) -> List[float]:
+@functools.lru_cache(maxsize=None)  # each parametrized test compares with the same few references
+def reference(autocast_dtype=None) -> Tuple[float, ...]:
     """Plain single-process training on the same global batches."""
-    return reference_losses(tiny_llama(seed=0), global_batches(dataset(), GLOBAL_BATCH, STEPS), lr=LR,
-                            autocast_dtype=autocast_dtype)
+    return tuple(reference_losses(tiny_llama(seed=0), global_batches(dataset(), GLOBAL_BATCH, STEPS), lr=LR,
+                                  autocast_dtype=autocast_dtype))
 
 
 def untrained_losses() -> List[float]:

@@ -115,6 +115,8 @@ def test_deepspeed_limits_are_checked_before_anything_runs():
         resolve([("amp_native", torch.float16), ("zero1", {"use_ds_zero": True})])
     with pytest.raises(ValueError, match="cpu_offload=True with use_ds_zero=True is not supported"):
         resolve([("fsdp", {"use_ds_zero": True, "cpu_offload": True})])
+    with pytest.raises(ValueError, match=r"zero2: wrap_cls=\['LlamaDecoderLayer'\] applies to torch FSDP2 only"):
+        resolve([("zero2", {"use_ds_zero": True, "wrap_cls": "LlamaDecoderLayer"})])
     # fp16 DeepSpeed is fine where DeepSpeed has fp16 (GPUs); torch zero1 with ddp is fine anywhere.
     assert names([("amp_native", torch.float16), ("zero1", {"use_ds_zero": True})], device_type="cuda")[-1] == "zero1"
     assert names(["ddp", "zero1"]) == ["parallel_mode", "zero1", "ddp"]

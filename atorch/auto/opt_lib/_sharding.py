@@ -102,8 +102,12 @@ def shard_with_fsdp2(ctx: ModelContext, who: str, *, wrap_cls: Optional[Sequence
 
 
 # -- DeepSpeed ZeRO -------------------------------------------------------------------------
-def validate_deepspeed(who: str, context: ValidationContext, cpu_offload: bool = False) -> None:
+def validate_deepspeed(who: str, context: ValidationContext, cpu_offload: bool = False,
+                       wrap_cls: Optional[Sequence[ClassSpec]] = None) -> None:
     """What DeepSpeed ZeRO here cannot do, raised before any process group work."""
+    if wrap_cls is not None:
+        raise ValueError(f"{who}: wrap_cls={list(wrap_cls)!r} applies to torch FSDP2 only; with use_ds_zero=True "
+                         "DeepSpeed partitions the parameters itself, so leave wrap_cls unset")
     sizes = context.parallel_sizes()
     others = {n: s for n, s in sizes.items() if n != "data" and s > 1}
     if others:

@@ -34,7 +34,7 @@ class FsdpConfig:
     sync_module_states: bool = False
     """Broadcast data-rank 0's weights before sharding, for models initialized differently per rank."""
     use_ds_zero: bool = False
-    """Use a DeepSpeed ZeRO-3 engine instead of torch FSDP2 (wrap_cls and cpu_offload do not apply)."""
+    """Use a DeepSpeed ZeRO-3 engine instead of torch FSDP2 (then wrap_cls and cpu_offload must stay unset)."""
 
     def __post_init__(self) -> None:
         for key in ("cpu_offload", "sync_module_states", "use_ds_zero"):
@@ -53,7 +53,7 @@ class FsdpOptimization(Optimization):
 
     def validate(self, config: FsdpConfig, context: ValidationContext) -> None:
         if config.use_ds_zero:
-            validate_deepspeed("fsdp", context, cpu_offload=config.cpu_offload)
+            validate_deepspeed("fsdp", context, cpu_offload=config.cpu_offload, wrap_cls=config.wrap_cls)
 
     def apply(self, ctx: ModelContext, config: FsdpConfig) -> None:
         if config.use_ds_zero:

@@ -55,7 +55,7 @@ class Zero2Optimization(Optimization):
 
     def validate(self, config: Zero2Config, context: ValidationContext) -> None:
         if config.use_ds_zero:
-            validate_deepspeed("zero2", context, cpu_offload=config.cpu_offload)
+            validate_deepspeed("zero2", context, cpu_offload=config.cpu_offload, wrap_cls=config.wrap_cls)
 
     def apply(self, ctx: ModelContext, config: Zero2Config) -> None:
         if config.use_ds_zero:
