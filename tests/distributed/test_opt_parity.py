@@ -1,6 +1,6 @@
 """Every single optimization and every valid pair among the core ones, on 2 gloo ranks, trains
 like plain single-process training on the same global batches (fp32 strategies here; those
-with amp_native are in test_opt_parity_bf16.py, DeepSpeed in test_opt_parity_deepspeed.py).
+with amp_native are in test_opt_parity_amp.py, DeepSpeed in test_opt_parity_deepspeed.py).
 
 The matrix is built from the registry: a pair is left out only when the optimizations' own
 `conflicts` metadata says so, and a name the registry does not know stays in the matrix and
