@@ -50,6 +50,10 @@ def space32(**kwargs) -> SearchSpace:
                        world_size=kwargs.pop("world_size", 4), **kwargs)
 
 
+def space8() -> SearchSpace:
+    return SearchSpace({"amp": [None, "t_amp"], "zero": [None, "t_zero1", "t_zero2", "t_zero3"]}, world_size=4)
+
+
 def landscape(space: SearchSpace, seed: int) -> Dict[Strategy, float]:
     """Throughput = product of per-choice effects x an amp/zero interaction: structured like real
     strategy spaces (each optimization helps or hurts by a factor, some pairs interact)."""
@@ -210,7 +214,7 @@ def test_predicted_infeasible_candidates_are_never_run(dummy_opts):
     ranked = sorted(table, key=table.get, reverse=True)
     too_big = set(ranked[:2]) | {s for s in table if "t_zero1" in s}
     predictor = lambda s: Estimate(limit + 1 if s in too_big else limit // 2, 1.0 / table[s])  # noqa: E731
-    evaluator = Recorder(table)
+    evaluator = Recorder(table, memory={s: predictor(s).peak_memory_bytes for s in table})   # an accurate model
     result = search_strategy(space, evaluator, max_trials=40, patience=40, predictor=predictor,
                              memory_limit_bytes=limit)
     assert not set(evaluator.calls) & too_big
@@ -221,14 +225,38 @@ def test_predicted_infeasible_candidates_are_never_run(dummy_opts):
     assert "limit" in result.reason and "\n" not in result.reason
 
 
+def test_memory_predictions_are_corrected_by_measured_peaks(dummy_opts):
+    space = space8()
+    table = {s: 10.0 + i for i, s in enumerate(space.strategies())}
+    big = {s for s in table if "t_zero1" in s}                     # predicted 150, the rest 50
+    predictor = lambda s: Estimate(150 if s in big else 50, 1.0 / table[s])  # noqa: E731
+
+    def run(factor, limit=100):
+        evaluator = Recorder(table, memory={s: int(predictor(s).peak_memory_bytes * factor) for s in table})
+        result = search_strategy(space, evaluator, max_trials=10, patience=10, predictor=predictor,
+                                 memory_limit_bytes=limit)
+        return evaluator.calls, result
+
+    # The cost model overestimates every peak 2x: after the first trial "150" means 75 and fits.
+    calls, result = run(0.5)
+    assert len(calls) == 8 and result.pruned.empty and calls[0] not in big
+    # It underestimates 1.6x: "50" means 80 (fits), "150" stays out, and the reason says why.
+    calls, result = run(1.6)
+    assert len(calls) == 6 and not set(calls) & big
+    assert result.pruned["reason"].str.contains("x 1.60, the measured/predicted ratio").all()
+    # 2.5x (the correction is capped at 2x): after the first trial nothing is predicted to fit.
+    calls, result = run(2.5, limit=99)
+    assert len(calls) == 1 and "fits" in result.stop_reason and len(result.pruned) == 7
+
+
 def test_survives_raising_and_failing_evaluators(dummy_opts):
-    space = space32()
-    table = landscape(space, 1)
+    space = space8()
+    table = {s: 10.0 + i for i, s in enumerate(space.strategies())}
     ranked = sorted(table, key=table.get, reverse=True)
     failures = {ranked[0]: "oom", ranked[2]: "timeout", ranked[3]: "exception: boom"}
     evaluator = Recorder(table, failures=failures, raising={ranked[1]})
-    result = search_strategy(space, evaluator, max_trials=32, patience=32, seed=1)
-    assert len(evaluator.calls) == 32
+    result = search_strategy(space, evaluator, max_trials=8, patience=8, seed=1)
+    assert len(evaluator.calls) == 8
     assert result.best == ranked[4]
     status = dict(zip(result.trials["strategy"], result.trials["status"]))
     assert status[ranked[0].describe()] == "oom"
@@ -323,9 +351,9 @@ def test_report_table_plot_and_reason(dummy_opts, tmp_path):
     table = landscape(space, 5)
     plain = Strategy(["parallel_mode"])
     ranked = sorted((s for s in table if "t_zero1" not in s), key=table.get, reverse=True)   # the ones that fit
-    evaluator = Recorder(table, failures={ranked[1]: "oom"})
-    result = search_strategy(space, evaluator, max_trials=32, patience=32,
-                             predictor=lambda s: Estimate(2 * 10**9 if "t_zero1" in s else 10**9, 1.0 / table[s]),
+    predictor = lambda s: Estimate(2 * 10**9 if "t_zero1" in s else 10**9, 1.0 / table[s])  # noqa: E731
+    evaluator = Recorder(table, failures={ranked[1]: "oom"}, memory={s: predictor(s).peak_memory_bytes for s in table})
+    result = search_strategy(space, evaluator, max_trials=32, patience=32, predictor=predictor,
                              memory_limit_bytes=int(1.5e9))
     text = trials_table(result)
     assert result.best.describe() in text and "oom" in text and "mem_MB" in text

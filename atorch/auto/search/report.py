@@ -104,7 +104,8 @@ def plot_trials(result: "SearchResult", path: str) -> str:
                 running.append(best)
             ax.step(x, running, where="post", color="tab:green", label="best so far")
             if "predicted_throughput" in trials and trials["predicted_throughput"].notna().any():
-                ax.plot(x, trials["predicted_throughput"].tolist(), linestyle=":", color="gray", label="predicted")
+                ax.scatter(x, trials["predicted_throughput"].tolist(), marker="_", s=120, color="gray",
+                           label="predicted (cost model)", zorder=2)
         ax.set_xlabel("trial")
         ax.set_ylabel("throughput (samples/s)")
         title = result.best.describe() if result.best is not None else "no strategy ran"

@@ -3,7 +3,8 @@
 Pure: it takes a `SearchSpace`, an evaluator callable (one dry run per call) and an optional
 predictor (the cost model); it never imports training code. Order of work:
 
-1. Predict every candidate; never evaluate one predicted over `memory_limit_bytes`.
+1. Predict every candidate; never evaluate one predicted over `memory_limit_bytes` (the
+   prediction is rescaled by the measured/predicted peak ratio of the trials run so far).
 2. Evaluate the predictor's top candidates, then `random_samples` random ones.
 3. Then HEBO's acquisition over all remaining candidates picks each next one (`bo.py`).
 4. Stop at `max_trials`, after `patience` trials without improvement, when the next trial
@@ -29,6 +30,8 @@ logger = logging.getLogger(__name__)
 # Candidates the predictor ranks first are tried before any random sample: when the cost model
 # is right the search is over after one confirming trial, and when it is wrong it costs two.
 PREDICTED_SEEDS = 2
+# How far measured peaks may rescale the cost model's memory predictions (see _MemoryGate).
+MEMORY_SCALE_RANGE = (0.5, 2.0)
 
 TRIAL_COLUMNS = ["trial", "strategy", "status", "throughput", "predicted_throughput", "predicted_memory",
                  "measured_memory", "reason", "seconds", "planner_seconds", "source"]
@@ -105,19 +108,12 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
         raise ValueError(f"the search space has no valid candidate ({space.size} combinations were all refused; "
                          f"e.g. {next(iter(space.rejected.items()), None)})")
     predictions = [_predict(predictor, c.strategy) for c in candidates]
-    pruned_rows, feasible = [], []
-    for i, (cand, pred) in enumerate(zip(candidates, predictions)):
-        if memory_limit_bytes is not None and pred is not None and pred.peak_memory_bytes > memory_limit_bytes:
-            pruned_rows.append({"strategy": cand.label(), "predicted_memory": pred.peak_memory_bytes,
-                                "reason": f"predicted {format_bytes(pred.peak_memory_bytes)} > "
-                                          f"{format_bytes(memory_limit_bytes)} limit"})
-        else:
-            feasible.append(i)
-    pruned = pd.DataFrame(pruned_rows, columns=["strategy", "predicted_memory", "reason"])
     trials = _TrialLog(candidates, predictions, batch_size)
+    memory = _MemoryGate(predictions, memory_limit_bytes)
+    feasible = memory.fitting(range(len(candidates)))
     if not feasible:
-        return trials.result(None, "every candidate is predicted over the memory limit", pruned, len(candidates),
-                             memory_limit_bytes)
+        return trials.result(None, "every candidate is predicted over the memory limit",
+                             memory.pruned_table(candidates, trials.done), len(candidates), memory_limit_bytes)
 
     rng = np.random.default_rng(seed)
     queue = _initial_queue(feasible, predictions, random_samples, rng, candidates)
@@ -129,9 +125,9 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
     bar = _progress_bar(min(max_trials, len(feasible)), progress)
     try:
         while True:
-            remaining = [i for i in feasible if i not in trials.done]
+            remaining = memory.fitting(i for i in range(len(candidates)) if i not in trials.done)
             if not remaining:
-                stop_reason = "every feasible candidate evaluated"
+                stop_reason = "every candidate that fits evaluated"
                 break
             if len(trials.done) >= max_trials:
                 stop_reason = f"max_trials={max_trials} reached"
@@ -139,7 +135,7 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
             if since_improvement >= patience:
                 stop_reason = f"no improvement in {patience} trials (patience)"
                 break
-            queue = [q for q in queue if q[0] not in trials.done]
+            queue = [q for q in queue if q[0] in remaining]
             next_cost = trials.typical_seconds() + (planner.expected_seconds if planner and not queue else 0.0)
             if time_limit_s is not None and clock() - start + next_cost > time_limit_s:
                 stop_reason = f"time_limit_s={time_limit_s:g} would be exceeded by another trial"
@@ -148,6 +144,8 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
             if queue:
                 index, source = queue.pop(0)
             else:
+                if planner is None:   # candidates came back under a corrected memory prediction
+                    planner = _planner(space, candidates, predictions, seed)
                 suggestion = planner.suggest(trials.observations(), remaining)
                 index, planner_s, source = suggestion.index, suggestion.seconds, f"hebo-{suggestion.how}"
                 if time_limit_s is not None and clock() - start + trials.typical_seconds() > time_limit_s:
@@ -155,12 +153,59 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
                     break
             result, seconds = _evaluate(evaluator, candidates[index].strategy, clock)
             improved = trials.add(index, result, seconds, planner_s, source)
+            memory.observe(index, result)
             since_improvement = 0 if improved else since_improvement + 1
             bar.update(1)
             bar.set_postfix_str(f"best {trials.best_throughput:.4g}/s")
     finally:
         bar.close()
-    return trials.result(stop_reason, None, pruned, len(candidates), memory_limit_bytes)
+    return trials.result(stop_reason, None, memory.pruned_table(candidates, trials.done), len(candidates),
+                         memory_limit_bytes)
+
+
+class _MemoryGate:
+    """Which candidates may be dry-run: predicted peak x scale <= limit.
+
+    `scale` starts at 1 and becomes the median measured/predicted peak ratio of the trials that
+    ran (clamped to [0.5, 2]): a cost model that underestimates prunes more after the first
+    trial, one that overestimates gives back candidates it had pruned. "Predicted" in "never
+    dry-run a candidate predicted over the limit" means this corrected prediction. The median,
+    not the largest ratio: on the benchmark landscapes the largest ratio of one strategy pruned
+    the true best of others (benchmarks/RESULTS.md, "Strategy search").
+    """
+
+    def __init__(self, predictions: List[Any], limit: Optional[int]) -> None:
+        self.predictions, self.limit = predictions, limit
+        self.scale = 1.0
+        self._ratios: List[float] = []
+
+    def predicted(self, i: int) -> Optional[float]:
+        pred = self.predictions[i]
+        return None if pred is None else pred.peak_memory_bytes * self.scale
+
+    def fits(self, i: int) -> bool:
+        p = self.predicted(i)
+        return self.limit is None or p is None or p <= self.limit
+
+    def fitting(self, indices: Any) -> List[int]:
+        return [i for i in indices if self.fits(i)]
+
+    def observe(self, i: int, result: DryRunResult) -> None:
+        pred = self.predictions[i]
+        if result.ok and pred is not None and pred.peak_memory_bytes > 0 and result.peak_memory_bytes:
+            self._ratios.append(result.peak_memory_bytes / pred.peak_memory_bytes)
+            self.scale = min(MEMORY_SCALE_RANGE[1], max(MEMORY_SCALE_RANGE[0], float(np.median(self._ratios))))
+
+    def pruned_table(self, candidates: List[Candidate], done: Dict[int, Any]) -> pd.DataFrame:
+        rows = []
+        for i, cand in enumerate(candidates):
+            if i in done or self.fits(i):
+                continue
+            scaled = f" (cost model x {self.scale:.2f}, the measured/predicted ratio)" if self.scale != 1.0 else ""
+            rows.append({"strategy": cand.label(), "predicted_memory": int(self.predicted(i)),
+                         "reason": f"predicted {format_bytes(self.predicted(i))}{scaled} > "
+                                   f"{format_bytes(self.limit)} limit"})
+        return pd.DataFrame(rows, columns=["strategy", "predicted_memory", "reason"])
 
 
 def _predict(predictor: Optional[Predictor], strategy: Strategy) -> Any:
