@@ -1,6 +1,7 @@
 """Fit the cost model's constants (atorch/auto/cost_model.py) to measured runs on this machine.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/calibrate_cost_model.py [--quick]
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/calibrate_cost_model.py --check   # predicted vs measured, 2 ranks
 
 Memory: per-rank peak tensor bytes (atorch.utils.peak_memory, exact on CPU) of plain training
 steps of tiny Llama / GPT-2 variants (batch, sequence, layers, width, vocabulary varied), in
@@ -82,11 +83,60 @@ def features(shape: ModelShape, b: int, s: int, checkpoint: bool) -> Dict[str, f
             "bsv": b * s * v, "bsh": b * s * h}
 
 
+CHECK_STRATEGIES = [
+    ["parallel_mode"], ["parallel_mode", "amp_native"], ["parallel_mode", "checkpoint"],
+    ["parallel_mode", "module_replace"], ["parallel_mode", "zero1"], ["parallel_mode", "zero2"],
+    ["parallel_mode", "fsdp"], ["parallel_mode", "amp_native", "fsdp", "checkpoint"],
+    [("parallel_mode", ([("tensor", 2), ("data", 1)], None)), "tensor_parallel"],
+]
+
+
+def _check_on_two_ranks(global_batch: int, seq: int) -> List[tuple]:
+    import torch.distributed as dist
+
+    from atorch.auto.cost_model import estimate
+    from atorch.auto.dry_runner import DryRunConfig, dry_run
+    from atorch.auto.model_context import ModelContext
+    from atorch.auto.strategy import Strategy
+
+    ctx = ModelContext(model=tiny_llama(seed=0), optim_func=torch.optim.AdamW, optim_args={"lr": 1e-3},
+                       dataset=TokenDataset(n=64, seq_len=seq), model_input_format="unpack_dict",
+                       dataloader_args={"batch_size": global_batch})
+    rows = []
+    for s in CHECK_STRATEGIES:
+        strategy = Strategy(s)
+        r = dry_run(ctx, strategy, DryRunConfig(warmup_steps=2, profile_steps=3))
+        e = estimate(ctx.model, strategy, global_batch, seq, dist.get_world_size(), "cpu")
+        rows.append((strategy.describe(), r.peak_memory_bytes, e.peak_memory_bytes, r.throughput,
+                     e.throughput(global_batch), r.error))
+    return rows
+
+
+def check() -> None:
+    """The fitted model against real strategies on 2 gloo ranks (the numbers in benchmarks/RESULTS.md)."""
+    from atorch.testing import run_distributed
+
+    print("| strategy (tiny Llama, global batch 8 x 64 tokens, 2 ranks) | measured MB | predicted MB | "
+          "error | measured samples/s | predicted samples/s |")
+    print("|---|---|---|---|---|---|")
+    for name, measured, predicted, tp, ptp, error in run_distributed(_check_on_two_ranks, 2, 8, 64, timeout=900)[0]:
+        if error:
+            print(f"| {name} | failed: {error} | | | | |")
+            continue
+        print(f"| {name} | {measured / 1e6:.2f} | {predicted / 1e6:.2f} | {(predicted - measured) / measured:+.1%} | "
+              f"{tp:.0f} | {ptp:.0f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer configurations")
+    parser.add_argument("--check", action="store_true",
+                        help="only compare the current constants with dry runs of real strategies on 2 ranks")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.check:
+        check()
+        return
     # (kind, batch, seq, layers, hidden, ffn, vocab, heads): each feature varies on its own somewhere.
     grid = [("llama", 8, 64, 2, 64, 128, 1024, 4), ("llama", 2, 64, 2, 64, 128, 1024, 4),
             ("llama", 8, 128, 2, 64, 128, 1024, 4), ("llama", 8, 64, 4, 64, 128, 1024, 4),

@@ -56,6 +56,9 @@ class DryRunTimeout(BaseException):
 
 
 ALARM_GRACE_S = 3.0
+# The optimizer state is allocated during the first step, so the steady-state peak (state plus
+# activations plus gradients) first happens in the second: memory is measured over at least 2.
+MIN_MEMORY_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ class DryRunConfig:
     """How a candidate is run. Warm-up steps are measured for memory, profiled steps for time."""
 
     warmup_steps: int = 2
-    """Steps before timing; the optimizer state exists after the first, so the second shows the steady peak."""
+    """Untimed steps before timing, during which memory is measured (at least MIN_MEMORY_STEPS are run)."""
     profile_steps: int = 3
     """Timed steps; throughput = global batch * profile_steps / the slowest rank's seconds."""
     timeout_s: float = 300.0
@@ -171,7 +174,7 @@ def _run_local(ctx: ModelContext, strategy: Strategy, config: DryRunConfig) -> _
                     candidate = fresh_context(ctx)
                     result = apply_strategy(candidate, strategy)
                     batches = _cycle(result)
-                    for _ in range(config.warmup_steps):
+                    for _ in range(max(config.warmup_steps, MIN_MEMORY_STEPS)):
                         train_step(result, next(batches))
                 outcome.peak_memory_bytes = tracker.peak_bytes
                 _synchronize(ctx.device)
