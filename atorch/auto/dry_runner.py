@@ -167,7 +167,7 @@ def _run_local(ctx: ModelContext, strategy: Strategy, config: DryRunConfig) -> _
     try:
         # Collectives time out first, so a rank waiting on a failed peer reports a collective
         # timeout rather than its own alarm; the alarm is for Python-level hangs.
-        with _preserved_rng(ctx.device), _candidate_world(config.timeout_s), \
+        with _preserved_rng(ctx.device), _candidate_world(config.timeout_s) as world, \
                 _alarm(config.timeout_s + ALARM_GRACE_S):
             try:
                 with tracker:
@@ -184,6 +184,8 @@ def _run_local(ctx: ModelContext, strategy: Strategy, config: DryRunConfig) -> _
                 _synchronize(ctx.device)
                 outcome.seconds = time.perf_counter() - start
                 outcome.samples = int(result.args.get("global_batch_size") or 0)
+                if world is not None:
+                    world["clean"] = True
             except DryRunTimeout:
                 outcome.error_kind, outcome.message = "timeout", f"exceeded {config.timeout_s:g} s"
             except Exception as e:  # noqa: BLE001 - every failure of a candidate is a failed trial
@@ -286,29 +288,37 @@ def _alarm(timeout_s: float) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _candidate_world(timeout_s: float) -> Iterator[None]:
+def _candidate_world(timeout_s: float) -> Iterator[Optional[dict]]:
     """On gloo: a fresh world group with `timeout_s`, installed as the default group meanwhile.
 
     Groups the candidate creates (the DeviceMesh of parallel_mode, DeepSpeed's) are made from
     it and inherit the short timeout, so a rank waiting on a failed peer errors out instead of
     hanging, and a group left mid-collective is never reused by the next candidate or by the
-    agreement, which runs on the original default group.
+    agreement, which runs on the original default group. Set `["clean"] = True` on the yielded
+    dict when the candidate ran without error: its groups are then destroyed on the way out.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() != "gloo":
-        yield
+        yield None
         return
     c10d = dist.distributed_c10d
     timeout = datetime.timedelta(seconds=timeout_s)
     original = c10d._get_default_group()
+    existing = set(c10d._world.pg_map)
     fresh = dist.new_group(ranks=list(range(dist.get_world_size())), timeout=timeout, backend="gloo")
     saved_timeout = c10d.default_pg_timeout
     c10d.default_pg_timeout = timeout      # read by new_group for groups created without a timeout
     c10d._update_default_pg(fresh)
+    state = {"clean": False}
     try:
-        yield
+        yield state
     finally:
         c10d._update_default_pg(original)
         c10d.default_pg_timeout = saved_timeout
+        if state["clean"]:
+            # Each gloo group holds sockets to every peer; 30 candidates on 8 ranks would pile up
+            # hundreds. Groups of a failed candidate may be mid-collective and are left alone.
+            for pg in [pg for pg in c10d._world.pg_map if pg not in existing]:
+                dist.destroy_process_group(pg)
 
 
 # -- agreement ------------------------------------------------------------------------------------

@@ -1,11 +1,12 @@
 """HEBO-driven suggestions over an explicit candidate list.
 
 HEBO's own `suggest()` evolves its acquisition with NSGA-II (population 100 x 100
-generations); on an all-categorical space of 128 combinations that took about 115 s per
-suggestion on the 2-core CPU machine. A strategy space is a short list of valid candidates, so
-here HEBO's surrogate (its GP, with its categorical embeddings) is fitted on the observed
-trials and HEBO's LCB acquisition is scored over *every* remaining candidate at once: the
-exact arg-min of the acquisition on the space, in well under a second.
+generations); on an all-categorical space of 128 combinations one suggestion took 77-115 s on
+the 2-core CPU machine. A strategy space is a short list of valid candidates, so here HEBO's
+surrogate (its GP, with its categorical embeddings) is fitted on the observed trials and
+HEBO's LCB acquisition is scored over *every* remaining candidate at once: the exact arg-min
+of the acquisition on the space, 0.19 s median and 1.8 s at worst on that machine under load
+(benchmarks/RESULTS.md, "Strategy search").
 
 The predictor's log-throughput is the surrogate's prior mean: the GP fits the residual, so a
 good cost model makes the GP's job easy and a poor one is learned around.
