@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Dict, Optional, Sequence, Tuple, Type, Union
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,7 @@ from torch import nn
 from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._precision import dtype_name
-from atorch.auto.opt_lib.base import ValidationContext
+from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext
 from atorch.utils.module_utils import modules_of_classes, resolve_module_classes
 
 logger = logging.getLogger(__name__)
@@ -184,3 +185,51 @@ def build_deepspeed_engine(ctx: ModelContext, who: str, stage: int) -> Dict[str,
     return {"backend": "deepspeed", "zero_stage": stage,
             "mixed_precision": dtype_name(ctx.autocast_dtype) if ctx.autocast_dtype is not None else None}
 
+
+
+# -- fsdp and zero2: FSDP2 with or without resharding after forward, or DeepSpeed ZeRO ------
+@dataclass(frozen=True)
+class Fsdp2ShardingConfig:
+    """Options shared by `fsdp` and `zero2`; `_owner` names the optimization in errors."""
+
+    _owner: ClassVar[str] = ""
+    wrap_cls: Optional[Tuple[ClassSpec, ...]] = None
+    """Sharding unit classes (or class names); None: the model's transformer block, auto-detected (torch only)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in host memory (torch only)."""
+    sync_module_states: bool = False
+    """Broadcast data-rank 0's weights before sharding, for models initialized differently per rank
+    (DeepSpeed always does)."""
+    use_ds_zero: bool = False
+    """Use a DeepSpeed ZeRO engine instead of torch FSDP2 (then wrap_cls and cpu_offload must stay unset)."""
+
+    def __post_init__(self) -> None:
+        for key in ("cpu_offload", "sync_module_states", "use_ds_zero"):
+            check_bool(self._owner, key, getattr(self, key))
+        object.__setattr__(self, "wrap_cls", normalize_wrap_cls(self._owner, self.wrap_cls))
+
+
+class Fsdp2ShardingOptimization(Optimization):
+    """`fsdp` and `zero2` differ only in these two class attributes (and their name/conflicts)."""
+
+    order = Order.SHARDING
+    reshard_after_forward: ClassVar[bool]
+    deepspeed_stage: ClassVar[int]
+
+    def validate(self, config: Fsdp2ShardingConfig, context: ValidationContext) -> None:
+        if config.use_ds_zero:
+            validate_deepspeed(self.name, context, cpu_offload=config.cpu_offload, wrap_cls=config.wrap_cls)
+
+    def apply(self, ctx: ModelContext, config: Fsdp2ShardingConfig) -> None:
+        if config.use_ds_zero:
+            # DeepSpeed partitions when the engine is built, after the optimizer exists, and
+            # broadcasts rank 0's weights first (every stage): sync_module_states is implied.
+            prepare_deepspeed(ctx)
+            return
+        ctx.extra[self.name] = shard_with_fsdp2(
+            ctx, self.name, wrap_cls=config.wrap_cls, reshard_after_forward=self.reshard_after_forward,
+            cpu_offload=config.cpu_offload, sync_module_states=config.sync_module_states)
+
+    def apply_wrapper(self, ctx: ModelContext, config: Fsdp2ShardingConfig) -> None:
+        if config.use_ds_zero:
+            ctx.extra[self.name] = build_deepspeed_engine(ctx, self.name, stage=self.deepspeed_stage)

@@ -14,57 +14,22 @@ faster per step on a 2-core CPU. `use_ds_zero=True`: a DeepSpeed ZeRO stage-2 en
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
 
-from atorch.auto.model_context import ModelContext
-from atorch.auto.opt_lib._sharding import (
-    ClassSpec,
-    build_deepspeed_engine,
-    check_bool,
-    normalize_wrap_cls,
-    prepare_deepspeed,
-    shard_with_fsdp2,
-    validate_deepspeed,
-)
-from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, register
+from atorch.auto.opt_lib._sharding import Fsdp2ShardingConfig, Fsdp2ShardingOptimization
+from atorch.auto.opt_lib.base import register
 
 
 @dataclass(frozen=True)
-class Zero2Config:
-    wrap_cls: Optional[Tuple[ClassSpec, ...]] = None
-    """Sharding unit classes (or class names); None: the transformer block, auto-detected (torch only)."""
-    cpu_offload: bool = False
-    """Keep sharded state in host memory (torch only)."""
-    sync_module_states: bool = False
-    """Broadcast data-rank 0's weights before sharding (DeepSpeed always does)."""
-    use_ds_zero: bool = False
-    """Use a DeepSpeed ZeRO stage-2 engine instead of torch FSDP2."""
+class Zero2Config(Fsdp2ShardingConfig):
+    """How to shard gradients and optimizer state (fields in Fsdp2ShardingConfig)."""
 
-    def __post_init__(self) -> None:
-        for key in ("cpu_offload", "sync_module_states", "use_ds_zero"):
-            check_bool("zero2", key, getattr(self, key))
-        object.__setattr__(self, "wrap_cls", normalize_wrap_cls("zero2", self.wrap_cls))
+    _owner = "zero2"
 
 
 @register
-class Zero2Optimization(Optimization):
+class Zero2Optimization(Fsdp2ShardingOptimization):
     name = "zero2"
-    order = Order.SHARDING
     conflicts = frozenset({"zero1", "fsdp", "ddp"})
     Config = Zero2Config
-
-    def validate(self, config: Zero2Config, context: ValidationContext) -> None:
-        if config.use_ds_zero:
-            validate_deepspeed("zero2", context, cpu_offload=config.cpu_offload, wrap_cls=config.wrap_cls)
-
-    def apply(self, ctx: ModelContext, config: Zero2Config) -> None:
-        if config.use_ds_zero:
-            prepare_deepspeed(ctx)
-            return
-        ctx.extra["zero2"] = shard_with_fsdp2(ctx, "zero2", wrap_cls=config.wrap_cls, reshard_after_forward=False,
-                                              cpu_offload=config.cpu_offload,
-                                              sync_module_states=config.sync_module_states)
-
-    def apply_wrapper(self, ctx: ModelContext, config: Zero2Config) -> None:
-        if config.use_ds_zero:
-            ctx.extra["zero2"] = build_deepspeed_engine(ctx, "zero2", stage=2)
+    reshard_after_forward = False
+    deepspeed_stage = 2
