@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import pandas as pd
@@ -45,7 +45,11 @@ class DryRunResult:
     throughput: float                          # samples/s over the profiled steps
     peak_memory_bytes: Optional[int] = None    # largest per-rank peak
     error: Optional[str] = None
-    step_time_s: Optional[float] = None
+    step_time_s: Optional[float] = None        # mean of step_times_s
+    # Per timed step, the slowest rank's seconds (what the confidence interval is computed from).
+    step_times_s: Tuple[float, ...] = ()
+    # 95% confidence interval of `throughput` (samples/s), from `step_times_s`; None when unknown.
+    throughput_ci: Optional[Tuple[float, float]] = None
 
     @property
     def ok(self) -> bool:
