@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from atorch.checkpoint import manifest as mf
-from atorch.checkpoint.layout import (
+from atorch.checkpoint.layout_handlers import (
     MODEL_PREFIX,
     OPTIM_PREFIX,
     LayoutHandler,
@@ -77,17 +77,17 @@ class TrainingObjects:
 
     @classmethod
     def of(cls, target: Any, optimizer: Any = None, lr_scheduler: Any = None) -> "TrainingObjects":
-        if _is_result(target):
-            args = target.args or {}
-            engine = args.get("engine")
+        from atorch.auto.result import AutoAccelerateResult
+
+        if isinstance(target, AutoAccelerateResult):
+            engine = target.engine
             # DeepSpeed 3D's dataloader yields micro-batches: one step takes gradient_accumulation_steps.
-            per_step = int(args.get("gradient_accumulation_steps") or 1) \
-                if "train_micro_batch_size_per_gpu" in args else 1
+            per_step = target.gradient_accumulation_steps if target.micro_batch_size is not None else 1
             return cls(model=target.model, optimizer=optimizer or target.optim,
                        lr_scheduler=lr_scheduler or target.lr_scheduler or getattr(engine, "lr_scheduler", None),
-                       grad_scaler=args.get("grad_scaler"), engine=engine, dataloader=target.dataloader,
-                       global_batch_size=args.get("global_batch_size"),
-                       strategy=list(args.get("strategy") or []) or None, batches_per_step=per_step)
+                       grad_scaler=target.grad_scaler, engine=engine, dataloader=target.dataloader,
+                       global_batch_size=target.global_batch_size, strategy=list(target.applied) or None,
+                       batches_per_step=per_step)
         if isinstance(target, nn.Module):
             engine = target if is_deepspeed_engine(target) else None
             return cls(model=target, optimizer=optimizer, engine=engine,
@@ -101,10 +101,6 @@ class TrainingObjects:
 
             return DeepSpeedHandler(self.engine)
         return TorchHandler(self.model, self.optimizer)
-
-
-def _is_result(obj: Any) -> bool:
-    return all(hasattr(obj, a) for a in ("model", "optim", "dataloader", "lr_scheduler", "args"))
 
 
 @dataclass

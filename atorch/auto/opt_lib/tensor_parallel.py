@@ -15,7 +15,6 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, register
 from atorch.modules.distributed_modules.randomizer import init_randomizer
@@ -63,7 +62,7 @@ class TensorParallelOptimization(Optimization):
         resolve_tp_plan(context.model, tpinfo, tp_size, world_size=context.world_size)
 
     def apply(self, ctx: ModelContext, config: TensorParallelConfig) -> None:
-        group = adist.parallel_group("tensor")
+        group = ctx.require_parallel("tensor_parallel").group("tensor")
         randomizer = init_randomizer(config.base_seed)
         tpinfo = config.tpinfo if config.tpinfo is not None else tpinfo_for_model(ctx.model)
         # A user loss reads output.logits, so it needs them whole; HF's own loss runs vocabulary-parallel.
@@ -77,8 +76,7 @@ class TensorParallelOptimization(Optimization):
             _check_replicas_agree(ctx.model, group, ctx.device)
             ctx.model = tp_manual_shard_custom_fn(ctx.model, tpinfo, group=group, randomizer=randomizer,
                                                   gather_logits=gather_logits)
-        ctx.extra["tensor_parallel_size"] = adist.parallel_group_size("tensor")
-        ctx.extra["randomizer"] = randomizer
+        ctx.randomizer = randomizer
 
 
 @torch.no_grad()

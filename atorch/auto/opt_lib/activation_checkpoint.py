@@ -199,7 +199,6 @@ class CheckpointOptimization(Optimization):
 
     name = "checkpoint"
     order = Order.CHECKPOINT
-    tunable = True
     Config = CheckpointConfig
 
     def validate(self, config: CheckpointConfig, context: ValidationContext) -> None:
@@ -223,6 +222,6 @@ class CheckpointOptimization(Optimization):
         for block in blocks:
             checkpoint_module(block)
         summary: Dict[str, Any] = {"blocks": len(blocks), "classes": sorted({type(b).__name__ for b in blocks})}
-        ctx.extra["checkpoint"] = summary
+        ctx.summaries["checkpoint"] = summary
         logger.info("checkpoint: %d blocks of %s recompute their activations in backward; while training they "
                     "run with use_cache=False and no past_key_values", summary["blocks"], summary["classes"])

@@ -204,10 +204,10 @@ def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    for _ in range(4):
-        inner = getattr(optimizer, "optimizer", None)
-        if isinstance(inner, torch.optim.Optimizer) and inner.state is optimizer.state:
-            optimizer = inner
+    from atorch.modules.grad_scaling import GradScalingOptimizer
+
+    while isinstance(optimizer, GradScalingOptimizer):
+        optimizer = optimizer.optimizer
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return optimizer.optim
     return optimizer
