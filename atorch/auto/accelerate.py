@@ -16,9 +16,10 @@ from torch import nn
 
 from atorch import distributed as adist
 from atorch.auto.engine import apply_resolved, apply_strategy, build_dataloader, resolve, validation_context
-from atorch.auto.model_context import ModelContext, call_model
+from atorch.auto.model_context import ModelContext
 from atorch.auto.result import AutoAccelerateResult
 from atorch.auto.strategy import Strategy, StrategyLike
+from atorch.auto.train_step import train_step
 
 logger = logging.getLogger(__name__)
 
@@ -101,27 +102,3 @@ def auto_accelerate(
     if save_strategy_to_file and adist.rank() == 0:
         result.strategy.save(save_strategy_to_file)
     return True, result, result.strategy
-
-
-def train_step(result: AutoAccelerateResult, batch: Any) -> torch.Tensor:
-    """One optimizer step on `batch` for any strategy: forward, loss, backward, step, zero_grad.
-
-    Plain loops (`loss.backward(); optim.step()`) work too; this helper also drives
-    DeepSpeed engines, which need `engine.backward` / `engine.step`.
-    """
-    if result.custom_train_step is not None:  # pipeline schedules/engines step themselves
-        return result.custom_train_step(result, batch)
-    batch = result.prepare_input(batch)
-    output = call_model(result.model, batch, result.model_input_format)
-    loss = result.loss_func(batch, output)
-    engine = result.engine
-    if engine is not None:
-        engine.backward(loss)
-        engine.step()
-    else:
-        loss.backward()
-        result.optim.step()
-        result.optim.zero_grad(set_to_none=True)
-        if result.lr_scheduler is not None:
-            result.lr_scheduler.step()
-    return loss.detach()

@@ -13,6 +13,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from atorch.distributed.distributed import on_destroy
 from atorch.distributed.mesh import ParallelConfig, ParallelMesh
 from atorch.distributed.parallel_layout import ParallelLayout
 
@@ -106,3 +107,6 @@ def parallel_rank_or_zero(name: str) -> int:
 def destroy_parallel_group() -> None:
     """Forget the default layout; torch destroys the sub-groups with the default group."""
     set_default_parallel_mesh(None)
+
+
+on_destroy(destroy_parallel_group)

@@ -226,6 +226,10 @@ class Fsdp2ShardingOptimization(Optimization):
         return dict(DEEPSPEED_CONFLICTS) if config.use_ds_zero else {}
 
     @classmethod
+    def wraps(cls, config: Fsdp2ShardingConfig) -> bool:
+        return config.use_ds_zero
+
+    @classmethod
     def syncs_gradients(cls, config: Fsdp2ShardingConfig) -> bool:
         return True
 

@@ -106,6 +106,11 @@ class Optimization:
         return {}
 
     @classmethod
+    def wraps(cls, config: Any) -> bool:
+        """Whether `apply_wrapper` does anything under `config` (it then runs at `wrapper_order`)."""
+        return cls.wrapper_order is not None
+
+    @classmethod
     def syncs_gradients(cls, config: Any) -> bool:
         """True when this optimization reduces gradients over the data ranks itself (no DDP is then added)."""
         return False
@@ -188,10 +193,11 @@ def _load_all() -> None:
         return
     _LOADED = True
     import importlib
+    import os
     import pkgutil
 
-    import atorch.auto.opt_lib as pkg
-
-    for info in pkgutil.iter_modules(pkg.__path__):
+    # By file name, not by importing the package object: the package's __init__ imports this module.
+    package = __name__.rpartition(".")[0]
+    for info in pkgutil.iter_modules([os.path.dirname(__file__)]):
         if info.name not in ("base", "resolve"):
-            importlib.import_module(f"{pkg.__name__}.{info.name}")
+            importlib.import_module(f"{package}.{info.name}")

@@ -115,7 +115,8 @@ def _conflict(cls: Type[Optimization], config: Any, other: ResolvedOptimization)
 
 def wrapper_phase(resolved: List[ResolvedOptimization]) -> List[ResolvedOptimization]:
     """The optimizations that wrap after the optimizer is built, in wrapper order."""
-    wrappers = [r for r in resolved if type(r.optimization).wrapper_order is not None]
+    wrappers = [r for r in resolved if type(r.optimization).wrapper_order is not None
+                and type(r.optimization).wraps(r.config)]
     return sorted(wrappers, key=lambda r: int(type(r.optimization).wrapper_order or 0))
 
 
@@ -138,3 +139,15 @@ def is_valid_strategy(strategy: Strategy, context: ValidationContext) -> bool:
     except ValueError:
         return False
     return True
+
+
+def plan(strategy: Strategy, world_size: int = 1, model: Any = None, device_type: str = "cpu") -> str:
+    """The stack `strategy` builds, as one readable line (validates it first, like `auto_accelerate`).
+
+    e.g. `plan(Strategy(["checkpoint", "fsdp", "amp_native"]), world_size=2)` ->
+    'parallel_mode -> checkpoint -> amp_native(bfloat16) -> fsdp(torch FSDP2, reshard) -> optimizer ->
+    fsdp(torch FSDP2, reshard) -> amp_native(bfloat16)'.
+    """
+    context = ValidationContext(world_size=world_size, model=model, model_config=getattr(model, "config", None),
+                                device_type=device_type)
+    return " -> ".join(plan_steps(resolve_strategy(Strategy.from_any(strategy), context)))

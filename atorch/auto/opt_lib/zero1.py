@@ -48,6 +48,10 @@ class Zero1Optimization(Optimization):
         return dict(DEEPSPEED_CONFLICTS) if config.use_ds_zero else {}
 
     @classmethod
+    def wraps(cls, config: Zero1Config) -> bool:
+        return config.use_ds_zero
+
+    @classmethod
     def syncs_gradients(cls, config: Zero1Config) -> bool:
         # torch: gradients are averaged by DDP as usual (resolve_strategy adds it); DeepSpeed: the engine.
         return config.use_ds_zero
