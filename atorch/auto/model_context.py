@@ -8,14 +8,19 @@ nothing is global.
 
 from __future__ import annotations
 
+import inspect
+import logging
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
 
 import torch
 from torch import nn
 from torch.utils.data import Sampler
 
 from atorch.distributed.mesh import ParallelMesh
+
+logger = logging.getLogger(__name__)
 
 
 def default_prepare_input(batch: Any, device: torch.device) -> Any:
@@ -29,9 +34,15 @@ def default_prepare_input(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+# The format chosen for model_input_format=None, per model, decided on its first batch.
+_INFERRED_FORMATS: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+
+
 def call_model(model: Callable, batch: Any, model_input_format: Optional[str]) -> Any:
-    """Call the model the way `model_input_format` says."""
+    """Call the model the way `model_input_format` says; None is inferred once per model (`infer_input_format`)."""
     if model_input_format is None:
+        model_input_format = _inferred_format(model, batch)
+    if model_input_format == "whole":
         return model(batch)
     if model_input_format == "unpack_sequence":
         return model(*batch)
@@ -39,6 +50,64 @@ def call_model(model: Callable, batch: Any, model_input_format: Optional[str]) -
         return model(**batch)
     raise ValueError(f"model_input_format={model_input_format!r}; valid values are None, 'unpack_sequence', "
                      "'unpack_dict'")
+
+
+def _inferred_format(model: Any, batch: Any) -> str:
+    try:
+        return _INFERRED_FORMATS[model]
+    except (KeyError, TypeError):
+        pass
+    chosen = infer_input_format(model, batch)
+    if isinstance(batch, Mapping):
+        logger.info("model_input_format=None: the first batch is a dict of %s, so every batch is passed as %s",
+                    sorted(batch), "keyword arguments (model(**batch))" if chosen == "unpack_dict" else
+                    "one argument (model(batch))")
+    try:
+        _INFERRED_FORMATS[model] = chosen
+    except TypeError:   # an object without weak references: decided again next time, same answer
+        pass
+    return chosen
+
+
+def _forward_of(model: Any) -> Callable:
+    """The user's forward under atorch's wrappers (DDP, DeepSpeed engines keep the module as `.module`)."""
+    inner = model
+    for _ in range(4):
+        wrapped = getattr(inner, "module", None)
+        if not isinstance(wrapped, nn.Module):
+            break
+        inner = wrapped
+    return getattr(inner, "forward", inner)
+
+
+def infer_input_format(model: Any, batch: Any) -> str:
+    """What `model_input_format=None` means for this model and batch.
+
+    The system we follow defines None as `model(batch)`, and scripts written for it keep that:
+    a batch that is not a dict, or a dict for a forward that takes one positional argument not
+    named by the dict's keys, is passed whole. A dict whose keys are all parameters of the
+    model's forward (every Hugging Face batch: input_ids, attention_mask, labels, ...) is passed
+    as keyword arguments. Anything else is a ValueError naming both.
+    """
+    if not isinstance(batch, Mapping):
+        return "whole"
+    try:
+        params = list(inspect.signature(_forward_of(model)).parameters.values())
+    except (TypeError, ValueError):
+        return "whole"
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params)
+    keys = {str(k) for k in batch}
+    if keys and (keys <= named or (takes_kwargs and keys & named)):
+        return "unpack_dict"
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    if positional and len(required) <= 1 and positional[0].name not in keys:
+        return "whole"
+    raise ValueError(f"model_input_format=None: the batch is a dict with keys {sorted(keys)}, which are not all "
+                     f"parameters of {type(model).__name__}.forward ({[p.name for p in params]}), and the forward "
+                     "does not take the batch as one argument; pass model_input_format='unpack_dict' or "
+                     "'unpack_sequence', or a prepare_input that returns what the forward takes")
 
 
 def default_loss_func(batch: Any, output: Any) -> torch.Tensor:
