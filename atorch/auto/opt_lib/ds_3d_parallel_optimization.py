@@ -213,7 +213,8 @@ class DeepSpeed3DParallelOptimization(Optimization):
         ctx.model = PipeModuleFromRecordedMeta(ctx.model, custom_patcher=config.custom_patcher,
                                                tie_first=config.tie_first, logit_helper=config.logit_helper,
                                                tpinfo=config.tpinfo, tensor_group=tensor_group, topology=topology,
-                                               base_seed=config.base_seed)
+                                               base_seed=config.base_seed,
+                                               randomizer_coords=parallel.layout.coords(torch.distributed.get_rank()))
         _mark_tensor_parallel_params(ctx.model)
         # The pipeline engine places the stages and reduces gradients: no DDP, no _place_model.
         ctx.is_sharded = True

@@ -62,8 +62,9 @@ class TensorParallelOptimization(Optimization):
         resolve_tp_plan(context.model, tpinfo, tp_size, world_size=context.world_size)
 
     def apply(self, ctx: ModelContext, config: TensorParallelConfig) -> None:
-        group = ctx.require_parallel("tensor_parallel").group("tensor")
-        randomizer = init_randomizer(config.base_seed)
+        parallel = ctx.require_parallel("tensor_parallel")
+        group = parallel.group("tensor")
+        randomizer = init_randomizer(config.base_seed, parallel.layout.coords(dist.get_rank()))
         tpinfo = config.tpinfo if config.tpinfo is not None else tpinfo_for_model(ctx.model)
         # A user loss reads output.logits, so it needs them whole; HF's own loss runs vocabulary-parallel.
         gather_logits = True if ctx.loss_func is not None else None
