@@ -25,6 +25,11 @@ def find_free_port() -> int:
 
 
 def _fill_single_process_env() -> None:
+    # `srun python script.py`: Slurm's variables say who this task is (atorch/distributed/slurm.py).
+    from atorch.distributed.slurm import is_slurm_task, slurm_environment
+
+    if is_slurm_task(os.environ):
+        os.environ.update(slurm_environment(os.environ))
     # A plain `python script.py` has none of these; default to a world of one.
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
