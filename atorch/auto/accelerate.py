@@ -20,6 +20,7 @@ from atorch.auto.model_context import ModelContext
 from atorch.auto.result import AutoAccelerateResult
 from atorch.auto.strategy import Strategy, StrategyLike
 from atorch.auto.train_step import train_step
+from atorch.utils.quiet import configure_logging, third_party_warnings_filtered
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +64,21 @@ def auto_accelerate(
     if model_input_format not in _INPUT_FORMATS:
         raise ValueError(f"model_input_format={model_input_format!r}; valid values are {list(_INPUT_FORMATS)}")
     adist.init_distributed()
+    configure_logging()
     ctx = ModelContext(
         model=model, optim_func=optim_func, optim_args=dict(optim_args or {}), optim_param_func=optim_param_func,
         dataset=dataset, loss_func=loss_func, prepare_input=prepare_input, model_input_format=model_input_format,
         dataloader_args=dict(dataloader_args or {}), distributed_sampler_cls=distributed_sampler_cls,
         lr_scheduler_cls=lr_scheduler_cls, lr_scheduler_args=dict(lr_scheduler_args or {}), device=adist.device())
+    with third_party_warnings_filtered():
+        return _accelerate(ctx, load_strategy, ignore_dryrun_on_load_strategy, excluded, included, report_path,
+                           save_strategy_to_file)
+
+
+def _accelerate(ctx: ModelContext, load_strategy: Optional[StrategyLike], ignore_dryrun_on_load_strategy: bool,
+                excluded: Optional[Sequence[str]], included: Optional[Sequence[str]], report_path: Optional[str],
+                save_strategy_to_file: Optional[str]
+                ) -> Tuple[bool, Optional[AutoAccelerateResult], Optional[Strategy]]:
     search = None
     if load_strategy is None:
         from atorch.auto.search.auto_search import SearchError, search_for_context  # planner: only when searching
