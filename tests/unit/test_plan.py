@@ -16,6 +16,7 @@ from atorch.auto.strategy import Strategy, StrategyItem
 EXPECTED = {
     "amp_native": (["amp_native"], "amp_native(bfloat16) -> optimizer -> amp_native(bfloat16)"),
     "checkpoint": (["checkpoint"], "checkpoint -> optimizer"),
+    "compile": (["checkpoint", "compile", "fsdp"], "checkpoint -> compile(block) -> fsdp(torch FSDP2, reshard) -> optimizer"),
     "ddp": (["ddp"], "optimizer -> ddp"),
     "deepspeed_3d_parallel": (["parallel_mode", "deepspeed_3d_parallel"],
                               "parallel_mode -> deepspeed_3d_parallel -> optimizer -> deepspeed_3d_parallel"),

@@ -28,7 +28,8 @@ class Order:
 
     Groups first; pipeline splitting next (everything else applies per stage); tensor parallel
     shards weights before anything wraps them; LoRA adapts the (sharded) linears; activation
-    checkpointing and module replacement change blocks before sharding wraps them; casting
+    checkpointing and module replacement change blocks, and compile compiles the result,
+    before sharding wraps them; casting
     and autocast settings must be known to the sharding wrappers (FSDP mixed precision);
     sharding comes last before the optimizer; wrappers (ZeRO optimizers, DeepSpeed engines,
     DDP, gradient scaling) come after the optimizer exists.
@@ -40,6 +41,7 @@ class Order:
     MODULE_REPLACE = 30
     LORA = 40
     CHECKPOINT = 50
+    COMPILE = 55
     HALF = 60
     AMP = 70
     FP8 = 75
