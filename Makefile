@@ -11,8 +11,12 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export OMP_NUM_THREADS ?= 1
 export TORCHINDUCTOR_COMPILE_THREADS ?= 1
-# DeepSpeed's JIT-built CPU ops live inside the venv: built once per checkout, at install.
+# DeepSpeed's JIT-built CPU ops live inside the venv: built once per checkout, at install
+# (importing atorch points TORCH_EXTENSIONS_DIR there too).
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
+# The venv's tools first: the op is built and later checked with the venv's ninja (a system ninja
+# of another version reads the build log differently and rebuilds everything, for minutes).
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: install test test-fast demo clean
 

@@ -22,7 +22,7 @@ from atorch.auto.model_context import ModelContext, default_loss_func, default_p
 from atorch.auto.opt_lib.base import ValidationContext
 from atorch.auto.opt_lib.resolve import ResolvedOptimization, plan_steps, resolve_strategy, wrapper_phase
 from atorch.auto.result import AutoAccelerateResult
-from atorch.auto.strategy import Strategy
+from atorch.auto.strategy import Strategy, StrategyItem
 
 
 def validation_context(ctx: ModelContext) -> ValidationContext:
@@ -62,7 +62,18 @@ def apply_resolved(ctx: ModelContext, resolved: List[ResolvedOptimization]) -> A
     from atorch.checkpoint.model_methods import attach_checkpoint_methods  # imported on use: DCP is heavy
 
     # `result.model.save_parallelized(dir, merge_checkpoints=...)` / `.from_parallelized(dir)`.
-    return attach_checkpoint_methods(assemble_result(ctx, Strategy(r.item for r in resolved)))
+    return attach_checkpoint_methods(assemble_result(ctx, applied_strategy(resolved)))
+
+
+def applied_strategy(resolved: List[ResolvedOptimization]) -> Strategy:
+    """The strategy as applied, each config in plain JSON form where it has one (dtypes by name,
+    non-default fields, nothing dropped), so the saved file says exactly what ran."""
+    items = []
+    for r in resolved:
+        plain = type(r.optimization).plain_config(r.config)
+        config = plain if plain is not None and (plain or r.item.config is None) else r.item.config
+        items.append(StrategyItem(r.name, config or None, r.item.tunable))
+    return Strategy(items)
 
 
 def place_model(ctx: ModelContext) -> None:

@@ -98,14 +98,21 @@ class Strategy:
         return [i.as_tuple() for i in self._items]
 
     def describe(self) -> str:
-        """Short human name, e.g. 'parallel_mode(data=2)+amp_native+fsdp'."""
+        """Short human name with each item's settings, e.g. 'parallel_mode(data=2)+amp_native(bfloat16)+fsdp'.
+
+        Settings are what each optimization says about its config (`describe_config`): the
+        dtype of amp_native, 'deepspeed stage 3' for fsdp with use_ds_zero, non-default fields.
+        """
+        from atorch.auto.opt_lib.base import get_optimization  # the registry sits above this module
+
         parts = []
         for item in self._items:
-            if item.name == "parallel_mode" and isinstance(item.config, (tuple, list)) and item.config:
-                dims = ",".join(f"{n}={s}" for n, s in item.config[0])
-                parts.append(f"{item.name}({dims})")
-            else:
-                parts.append(item.name)
+            try:
+                cls = get_optimization(item.name)
+                settings = cls.describe_config(cls.parse_config(item.config))
+            except ValueError:   # an unknown name or a bad config: show it as given
+                settings = ""
+            parts.append(f"{item.name}({settings})" if settings else item.name)
         return "+".join(parts) if parts else "(no optimization)"
 
     # -- JSON ---------------------------------------------------------------

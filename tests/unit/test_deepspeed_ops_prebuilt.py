@@ -2,7 +2,8 @@
 
 `make install` builds it into `<sys.prefix>/torch_extensions`; importing atorch points
 TORCH_EXTENSIONS_DIR there when the user has no setting, so a script run without the variable
-and with a fresh home directory finds the build instead of compiling for minutes.
+and with a fresh home directory finds the build instead of compiling for minutes. (The build
+must also be checked by the same ninja that made it: the Makefile puts the venv's first on PATH.)
 """
 
 import os
@@ -31,6 +32,8 @@ def _build_files():
 def test_a_script_without_the_variable_compiles_nothing(tmp_path):
     if not any(EXT_DIR.rglob("*.so")):
         pytest.fail(f"no prebuilt DeepSpeed op under {EXT_DIR}: run `make install` (scripts/prebuild_deepspeed_ops.py)")
+    stale = [p for p in EXT_DIR.rglob("lock")]
+    assert not stale, f"{stale}: a build was killed midway and its lock makes every later build wait forever; remove it"
     before = _build_files()
     env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
     env.update(HOME=str(tmp_path), XDG_CACHE_HOME=str(tmp_path / ".cache"), DS_ACCELERATOR="cpu")

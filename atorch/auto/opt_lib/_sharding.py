@@ -17,7 +17,7 @@ from torch import nn
 
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._precision import dtype_name
-from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, WrapperOrder
+from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, WrapperOrder, short_value, shown_fields
 from atorch.distributed.mesh import ParallelMesh
 from atorch.utils.module_utils import modules_of_classes, resolve_module_classes
 
@@ -122,6 +122,13 @@ def validate_deepspeed(who: str, context: ValidationContext, cpu_offload: bool =
     if amp is not None and amp.dtype is torch.float16 and context.device_type == "cpu":
         raise ValueError(f"amp_native(dtype=float16) with {who} (use_ds_zero=True) is not supported on CPU: "
                          "DeepSpeed's CPU accelerator has no fp16; use dtype=torch.bfloat16")
+
+
+def describe_sharding(cls: Any, config: Any, stage: int) -> str:
+    """'deepspeed stage N' for a DeepSpeed engine, then the other non-default settings."""
+    fields = shown_fields(cls, config)
+    parts = [f"deepspeed stage {stage}"] if fields.pop("use_ds_zero", False) else []
+    return ",".join(parts + [f"{k}={short_value(v)}" for k, v in fields.items()])
 
 
 # Partners a DeepSpeed ZeRO engine (use_ds_zero=True) cannot be combined with, and why.
@@ -232,6 +239,10 @@ class Fsdp2ShardingOptimization(Optimization):
     @classmethod
     def syncs_gradients(cls, config: Fsdp2ShardingConfig) -> bool:
         return True
+
+    @classmethod
+    def describe_config(cls, config: Fsdp2ShardingConfig) -> str:
+        return describe_sharding(cls, config, cls.deepspeed_stage)
 
     @classmethod
     def describe_step(cls, config: Fsdp2ShardingConfig) -> str:

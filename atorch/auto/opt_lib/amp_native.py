@@ -49,9 +49,15 @@ class AmpNativeOptimization(Optimization):
     wrapper_order = WrapperOrder.PRECISION
     Config = AmpNativeConfig
 
+    always_shown = ("dtype",)
+
     @classmethod
     def describe_step(cls, config: AmpNativeConfig) -> str:
         return f"{cls.name}({dtype_name(config.dtype)})"
+
+    @classmethod
+    def describe_config(cls, config: AmpNativeConfig) -> str:
+        return dtype_name(config.dtype)
 
     @classmethod
     def parse_config(cls, raw: Any) -> AmpNativeConfig:

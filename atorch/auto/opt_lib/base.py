@@ -119,8 +119,23 @@ class Optimization:
 
     @classmethod
     def describe_step(cls, config: Any) -> str:
-        """How this optimization shows in `Strategy.plan()`, e.g. 'fsdp(torch FSDP2, reshard)'."""
+        """How this optimization shows in `plan()`, e.g. 'fsdp(torch FSDP2, reshard)'."""
         return cls.name
+
+    # Config fields shown (and saved) even at their default value: the ones a reader needs.
+    always_shown: ClassVar[Tuple[str, ...]] = ()
+
+    @classmethod
+    def describe_config(cls, config: Any) -> str:
+        """The config's settings in a strategy's name, e.g. 'bfloat16' or 'steps=4' ('' when nothing to say)."""
+        return ",".join(f"{k}={short_value(v)}" for k, v in shown_fields(cls, config).items())
+
+    @classmethod
+    def plain_config(cls, config: Any) -> Any:
+        """The config as plain JSON values (non-default fields, dtypes by name), or None when it cannot be."""
+        fields = shown_fields(cls, config)
+        plain = {k: _plain(v) for k, v in fields.items()}
+        return None if any(v is _NOT_PLAIN for v in plain.values()) else plain
 
     @classmethod
     def parse_config(cls, raw: Any) -> Any:
@@ -149,6 +164,51 @@ class Optimization:
 
     def apply_wrapper(self, ctx: "ModelContext", config: Any) -> None:
         """Transform the model context after the optimizer is created."""
+
+
+_NOT_PLAIN = object()
+
+
+def shown_fields(cls: Type["Optimization"], config: Any) -> Dict[str, Any]:
+    """Fields of a dataclass config that differ from their default, or that the class always shows."""
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        return {}
+    out: Dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        if f.name.startswith("_"):
+            continue
+        value = getattr(config, f.name)
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else _NOT_PLAIN)
+        if f.name in cls.always_shown or value != default:
+            out[f.name] = value
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready: dtypes by name, tuples as lists; _NOT_PLAIN for classes, callables and objects."""
+    import torch
+
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.dtype):
+        return str(value).replace("torch.", "")
+    if isinstance(value, (list, tuple)):
+        items = [_plain(v) for v in value]
+        return _NOT_PLAIN if any(v is _NOT_PLAIN for v in items) else items
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        items_d = {k: _plain(v) for k, v in value.items()}
+        return _NOT_PLAIN if any(v is _NOT_PLAIN for v in items_d.values()) else items_d
+    return _NOT_PLAIN
+
+
+def short_value(value: Any) -> str:
+    plain = _plain(value)
+    if plain is _NOT_PLAIN:
+        return getattr(value, "__name__", type(value).__name__)
+    if isinstance(plain, list):
+        return "[" + ",".join(short_value(v) for v in value) + "]"
+    return str(plain)
 
 
 _REGISTRY: Dict[str, Type[Optimization]] = {}

@@ -32,9 +32,15 @@ class HalfOptimization(Optimization):
     order = Order.HALF
     Config = HalfConfig
 
+    always_shown = ("dtype",)
+
     @classmethod
     def describe_step(cls, config: HalfConfig) -> str:
         return f"{cls.name}({dtype_name(config.dtype)})"
+
+    @classmethod
+    def describe_config(cls, config: HalfConfig) -> str:
+        return dtype_name(config.dtype)
 
     @classmethod
     def parse_config(cls, raw: Any) -> HalfConfig:

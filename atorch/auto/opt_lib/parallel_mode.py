@@ -53,7 +53,17 @@ class ParallelModeOptimization(Optimization):
         ctx.parallel = ParallelMesh.create(dims, list(config.rank_order) if config.rank_order else None)
 
     @classmethod
+    def describe_config(cls, config: ParallelModeConfig) -> str:
+        return ",".join(f"{n}={s}" for n, s in config.dims) if config.dims else ""
+
+    @classmethod
     def describe_step(cls, config: ParallelModeConfig) -> str:
-        if not config.dims:
-            return cls.name
-        return f"{cls.name}({','.join(f'{n}={s}' for n, s in config.dims)})"
+        dims = cls.describe_config(config)
+        return f"{cls.name}({dims})" if dims else cls.name
+
+    @classmethod
+    def plain_config(cls, config: ParallelModeConfig) -> Any:
+        """The form the system we follow writes: ([[name, size], ...], rank_order), as JSON lists."""
+        if config.dims is None:
+            return None
+        return [[[n, s] for n, s in config.dims], list(config.rank_order) if config.rank_order else None]

@@ -18,6 +18,7 @@ from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._sharding import (
     DEEPSPEED_CONFLICTS,
     build_deepspeed_engine,
+    describe_sharding,
     check_bool,
     prepare_deepspeed,
     validate_deepspeed,
@@ -55,6 +56,10 @@ class Zero1Optimization(Optimization):
     def syncs_gradients(cls, config: Zero1Config) -> bool:
         # torch: gradients are averaged by DDP as usual (resolve_strategy adds it); DeepSpeed: the engine.
         return config.use_ds_zero
+
+    @classmethod
+    def describe_config(cls, config: Zero1Config) -> str:
+        return describe_sharding(cls, config, 1)
 
     @classmethod
     def describe_step(cls, config: Zero1Config) -> str:
