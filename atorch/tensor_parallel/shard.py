@@ -273,18 +273,19 @@ def materialize_tp_module(module: nn.Module, base_seed: int, device: Optional[to
 def gather_tp_state_dict(model: nn.Module, to_cpu: bool = True) -> Dict[str, torch.Tensor]:
     """The full state dict of a tensor-parallel model: the keys and shapes of the unsharded model.
 
-    Collective over each tensor group (every rank of the group must call it); every rank gets
-    the whole dict (moved to the CPU by default), vocabulary padding removed. A DDP wrapper
-    is looked through, so the keys have no "module." prefix.
+    Collective over each tensor group (every rank of the group must call it), and over the data
+    group when FSDP2 shards the slices (2-D); every rank gets the whole dict (moved to the CPU
+    by default), vocabulary padding removed. DDP and activation-checkpointing wrappers are
+    looked through, so the keys are the unsharded model's.
     """
     model = unwrap_data_parallel(model)
-    state = model.state_dict()
+    state = {_strip_wrappers(k): _full_over_data(v) for k, v in model.state_dict().items()}
     for mod_name, module in model.named_modules(remove_duplicate=False):
         if not isinstance(module, TensorParallelModule):
             continue
         for pname, spec in module.shard_specs().items():
-            key = f"{mod_name}.{pname}" if mod_name else pname
-            local = getattr(module, pname).detach().contiguous()
+            key = _strip_wrappers(f"{mod_name}.{pname}" if mod_name else pname)
+            local = _full_over_data(getattr(module, pname).detach()).contiguous()
             if module.tp_size > 1:
                 shards = [torch.empty_like(local) for _ in range(module.tp_size)]
                 dist.all_gather(shards, local, group=module.group)
@@ -294,6 +295,22 @@ def gather_tp_state_dict(model: nn.Module, to_cpu: bool = True) -> Dict[str, tor
     if to_cpu:
         state = {k: v.cpu() for k, v in state.items()}
     return state
+
+
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def _strip_wrappers(key: str) -> str:
+    for wrapper in _WRAPPER_PREFIXES:
+        key = key.replace(wrapper, "")
+    return key
+
+
+def _full_over_data(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: an FSDP2 DTensor shard (over the data mesh) is all-gathered, others returned as they are."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 @torch.no_grad()
