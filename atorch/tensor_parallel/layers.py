@@ -219,10 +219,13 @@ class ColumnParallelLinear(TensorParallelModule):
             layer.bias = _sliced_parameter(module.bias, specs["bias"], layer.tp_rank)
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_group(x, self.group)
+    def local_output(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the output, padding included, before any gather (`x` is the replicated input)."""
         weight = self.weight if self.weight_layout == "linear" else self.weight.t()
-        y = F.linear(x, weight, self.bias)
+        return F.linear(x, weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.local_output(copy_to_group(x, self.group))
         if self.tp_size > 1:
             if not self.gather_output:
                 return y  # this rank's slice, vocabulary padding included
@@ -293,11 +296,15 @@ class RowParallelLinear(TensorParallelModule):
             layer.bias = _replicated_parameter(module.bias)
         return layer
 
+    def reduced_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The output without bias, summed over the group (`x` is this rank's slice of the input)."""
+        weight = self.weight if self.weight_layout == "linear" else self.weight.t()
+        return reduce_from_group(F.linear(x, weight), self.group)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_group(x, self.group)
-        weight = self.weight if self.weight_layout == "linear" else self.weight.t()
-        y = reduce_from_group(F.linear(x, weight), self.group)
+        y = self.reduced_output(x)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:

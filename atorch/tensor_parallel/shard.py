@@ -292,9 +292,12 @@ def gather_tp_state_dict(model: nn.Module, to_cpu: bool = True) -> Dict[str, tor
             else:
                 shards = [local]
             state[key] = unshard_tensors(shards, spec).clone()
-    if to_cpu:
-        state = {k: v.cpu() for k, v in state.items()}
-    return state
+    out = {}
+    for key, value in state.items():
+        copy = value.detach().cpu() if to_cpu else value.detach()
+        # A snapshot: replicated entries would otherwise share storage with the live parameters.
+        out[key] = copy.clone() if copy.data_ptr() == value.data_ptr() else copy
+    return out
 
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
