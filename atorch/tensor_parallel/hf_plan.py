@@ -77,6 +77,16 @@ def _suffix(name: str) -> str:
     return ".".join(parts[last_index + 1:]) or name
 
 
+def _unique_suffix(name: str, modules: Mapping[str, nn.Module]) -> str:
+    """The shortest trailing part of `name` that names this module only ('model.embed_tokens' -> 'embed_tokens')."""
+    parts = name.split(".")
+    for start in range(len(parts) - 1, -1, -1):
+        suffix = ".".join(parts[start:])
+        if sum(1 for n in modules if n == suffix or n.endswith("." + suffix)) == 1:
+            return suffix
+    return name
+
+
 def _has_embed_scale_only(module: nn.Module) -> bool:
     """Gemma's scaled word embedding: an nn.Embedding whose forward multiplies by an `embed_scale` buffer."""
     return isinstance(getattr(module, "embed_scale", None), (int, float)) or (
@@ -150,12 +160,12 @@ def tpinfo_from_transformers_plan(model: nn.Module) -> TPInfo:
     embedding_name = next((n for n, m in modules.items() if m is embedding), None) if embedding is not None else None
     embedding_sharded = embedding_name is not None and embedding_name in styled
     if embedding_name is not None and not embedding_sharded and shardable_embedding(embedding):
-        tpinfo.shard_vocab(embedding_name)
+        tpinfo.shard_vocab(_unique_suffix(embedding_name, modules))
         embedding_sharded = True
     if head_name is not None and _is_linear(head):
         tied = embedding is not None and head.weight is getattr(embedding, "weight", None)
         if embedding_sharded or not tied:
-            tpinfo.shard_col(head_name)
+            tpinfo.shard_col(_unique_suffix(head_name, modules))
 
     for attention in sorted(split_attention):
         tpinfo.parallel_drop(_suffix(attention))
