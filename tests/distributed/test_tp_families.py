@@ -15,6 +15,10 @@ unsharded model itself, so both sides see identical inputs. Checked per family:
   biases of row-parallel layers and routers are the excess);
 - the gathered state dict has the unsharded model's keys and shapes.
 
+With `gather_logits=False` (llama, and gemma whose vocabulary of 1001 is padded to 1002), the
+model returns this rank's vocabulary slice and `vocab_parallel_cross_entropy` over the slices
+equals the unsharded loss (rel 1e-5).
+
 Generation (llama, gpt2, mixtral): greedy, beam search (2 beams) and sampling with a seed,
 all with the KV cache, give the unsharded model's tokens on every rank.
 
@@ -34,6 +38,7 @@ from atorch.testing.tp_families import FAMILIES, build_family
 LOGITS_REL, LOSS_REL, BLOCK_BYTES_SLACK = 1e-5, 1e-4, 1.1
 STEPS, BATCH, LR, TP = 3, 4, 1e-3, 2
 GENERATE_FAMILIES = ("llama", "gpt2", "mixtral")
+SLICE_FAMILIES = ("llama", "gemma")
 
 
 def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -115,13 +120,28 @@ def _generate(name: str, group: Any) -> Dict[str, Any]:
     return out
 
 
+def _slices(name: str, group: Any) -> Dict[str, Any]:
+    from atorch.tensor_parallel import shard_model, tpinfo_for_model, vocab_parallel_cross_entropy
+
+    reference, config = build_family(name)
+    model = shard_model(build_family(name)[0], tpinfo_for_model(reference), group, gather_logits=False,
+                        randomizer=_randomizer(group))
+    ids = TokenDataset(n=2, seq_len=12, seed=5, vocab_size=min(config.vocab_size, 1000)).tokens
+    with torch.no_grad():
+        out, expected = model(input_ids=ids, labels=ids), reference(input_ids=ids, labels=ids)
+        loss = vocab_parallel_cross_entropy(out.logits[:, :-1], ids[:, 1:], group, config.vocab_size)
+    return {"shape": tuple(out.logits.shape), "loss": loss.item(), "model_loss": out.loss.item(),
+            "expected_loss": expected.loss.item(), "vocab": config.vocab_size}
+
+
 def _run() -> Dict[str, Any]:
     from atorch.distributed import create_parallel_group, parallel_group
 
     create_parallel_group(([("tensor", TP)], None))
     group = parallel_group("tensor")
     return {"families": {name: _family(name, group) for name in FAMILIES},
-            "generate": {name: _generate(name, group) for name in GENERATE_FAMILIES}}
+            "generate": {name: _generate(name, group) for name in GENERATE_FAMILIES},
+            "slices": {name: _slices(name, group) for name in SLICE_FAMILIES}}
 
 
 def test_every_family_matches_the_unsharded_model_and_generates_its_tokens():
@@ -140,5 +160,9 @@ def test_every_family_matches_the_unsharded_model_and_generates_its_tokens():
             for mode, tokens in modes.items():
                 assert tokens["tp"] == tokens["plain"], (name, mode, rank, tokens)
                 assert len(tokens["tp"][0]) == 6 + 8, (name, mode, tokens)
+        for name, r in result["slices"].items():
+            assert r["shape"] == (2, 12, -(-r["vocab"] // TP)), (name, r)
+            for loss in (r["loss"], r["model_loss"]):
+                assert abs(loss - r["expected_loss"]) <= LOGITS_REL * r["expected_loss"], (name, rank, r)
     # The ranks agree with each other too (they each matched the reference, but say it).
     assert results[0]["generate"] == results[1]["generate"]
