@@ -43,6 +43,10 @@ class TensorParallelExperts(TensorParallelModule):
     replicated router receives the full gradient on every rank.
     """
 
+    gate_up_proj: nn.Parameter
+    down_proj: nn.Parameter
+    _tp_specs: Dict[str, ShardSpec]
+
     def shard_specs(self) -> Dict[str, ShardSpec]:
         return dict(self._tp_specs)
 
@@ -54,7 +58,7 @@ class TensorParallelExperts(TensorParallelModule):
         return reduce_from_group(out, self.group)
 
 
-def shard_experts(module: nn.Module, group: Group) -> nn.Module:
+def shard_experts(module: Any, group: Group) -> nn.Module:
     """Re-class `module` (3-D `gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) to hold this rank's slices."""
     if getattr(module, "has_bias", False):
         raise ValueError(f"{type(module).__name__} has expert biases; tensor-parallel experts support bias-free "
@@ -81,8 +85,10 @@ class GradReduced(nn.Module):
     into the full gradient on every rank.
     """
 
+    _grad_group_ref: _GroupRef
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        params = self._parameters
+        params: Dict[str, Any] = self._parameters
         saved = dict(params)
         try:
             for key, p in saved.items():
@@ -93,7 +99,7 @@ class GradReduced(nn.Module):
             params.update(saved)
 
 
-def reduce_grads(module: nn.Module, group: Group) -> nn.Module:
+def reduce_grads(module: Any, group: Group) -> nn.Module:
     """Re-class `module` so its parameters' gradients are summed over `group` (see `GradReduced`)."""
     if group_size(group) == 1:
         return module

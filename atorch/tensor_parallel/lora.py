@@ -21,7 +21,7 @@ full state dicts (`gather_tp_state_dict`) and checkpoints see them with their fu
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List, Tuple
+from typing import Any, Dict, Iterable, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -75,7 +75,7 @@ class LoraRowParallelLinear(RowParallelLinear):
         return super().reduced_output(x) + self.lora_scaling * F.linear(h, self.lora_B)
 
 
-def add_lora(layer: nn.Module, r: int, alpha: float, generator: torch.Generator) -> nn.Module:
+def add_lora(layer: Any, r: int, alpha: float, generator: torch.Generator) -> nn.Module:
     """Re-class a Column/RowParallelLinear into its LoRA variant with fresh adapters (full A drawn from `generator`)."""
     if layer.weight_layout != "linear":
         raise ValueError(f"lora with tensor_parallel supports nn.Linear layouts; {layer} stores a Conv1D weight "
