@@ -3,7 +3,7 @@
 - Training: 3 AdamW steps of `parallel_mode(tensor 2, data 2) + tensor_parallel + amp_native(bf16)
   + checkpoint + fsdp` against plain single-process training under `torch.autocast(bfloat16)`,
   rel 2e-2 (the bound of the other bf16 parity tests: FSDP computes with bf16-cast weights,
-  autocast op by op, so bf16 rounding differs; observed ~1e-3). The returned logits are full.
+  autocast op by op, so bf16 rounding differs). The returned logits are full.
 - Checkpoint: the 2-D run saves (sharded, DCP); a second layout (FSDP2 over all 4 ranks, no
   tensor parallelism) loads it, and its full weights equal the 2-D model's gathered weights
   bit for bit (a load copies bits), and the optimizer continues: the next loss matches the
