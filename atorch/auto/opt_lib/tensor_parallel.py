@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from atorch import distributed as adist
+import torch.distributed as dist
+
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, register
 from atorch.tensor_parallel import TPInfo, apply_tensor_parallel, validate_tensor_parallel
@@ -61,10 +62,10 @@ class TensorParallelOptimization(Optimization):
             validate_tensor_parallel(context.model, config.tpinfo, tp_size, world_size=context.world_size)
 
     def apply(self, ctx: ModelContext, config: TensorParallelConfig) -> None:
+        parallel = ctx.require_parallel("tensor_parallel")
         built = apply_tensor_parallel(
-            ctx.model, adist.parallel_group("tensor"), tpinfo=config.tpinfo, base_seed=config.base_seed,
-            coords=adist.parallel_layout().coords(adist.rank()), per_block_init=config.per_block_init,
+            ctx.model, parallel.group("tensor"), tpinfo=config.tpinfo, base_seed=config.base_seed,
+            coords=parallel.layout.coords(dist.get_rank()), per_block_init=config.per_block_init,
             gather_logits=config.gather_logits, device=ctx.device)
         ctx.model = built.model
-        ctx.extra["tensor_parallel_size"] = built.tp_size
-        ctx.extra["randomizer"] = built.randomizer
+        ctx.randomizer = built.randomizer
