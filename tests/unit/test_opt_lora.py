@@ -132,10 +132,17 @@ def test_config_errors(raw, message):
         _validate(tiny_llama(), raw)
 
 
-def test_tensor_parallel_conflict_names_both():
+def test_lora_combines_with_tensor_parallel_without_dropout():
+    # LoRA adapts the sharded linears (atorch.tensor_parallel.lora; parity in test_tp_lora.py); its
+    # adapter dropout would need per-layer random streams, so it is refused with tensor parallelism.
     model = tiny_llama()
-    with pytest.raises(ValueError, match=r"optimizations 'lora' and 'tensor_parallel' cannot be combined"):
-        resolve_strategy(Strategy(["tensor_parallel", "lora"]), ValidationContext(world_size=2, model=model))
+    pm = ("parallel_mode", ([("tensor", 2)], None))
+    names = [r.name for r in resolve_strategy(Strategy([pm, "tensor_parallel", "lora"]),
+                                              ValidationContext(world_size=2, model=model))]
+    assert names == ["parallel_mode", "tensor_parallel", "lora"]
+    with pytest.raises(ValueError, match=r"lora: dropout=0.1 with tensor_parallel is not supported"):
+        resolve_strategy(Strategy([pm, "tensor_parallel", ("lora", {"dropout": 0.1})]),
+                         ValidationContext(world_size=2, model=model))
 
 
 def test_already_a_peft_model_is_refused():

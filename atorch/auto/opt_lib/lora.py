@@ -4,6 +4,9 @@ Applied before checkpointing and sharding (Order.LORA), so those wrap the adapte
 the optimizer is built over the adapter parameters only. The model becomes a
 `peft.PeftModel`: its state-dict keys gain peft's `base_model.model.` prefix, and
 `model.save_pretrained` / `peft.get_peft_model_state_dict` save the adapters alone.
+After `tensor_parallel`, the target linears are sharded layers that peft cannot adapt; the
+adapters are then atorch's (`atorch.tensor_parallel.lora`: A and B sharded like the base
+layer, same math and initialization scheme), and the model keeps its class.
 """
 
 from __future__ import annotations
@@ -142,9 +145,6 @@ class LoraOptimization(Optimization):
 
     name = "lora"
     order = Order.LORA
-    # tensor_parallel (applied first) turns the target linears into Column/RowParallelLinear,
-    # which peft cannot adapt; refused here rather than failing halfway through apply.
-    conflicts = frozenset({"tensor_parallel"})
     Config = LoraConfig
 
     def validate(self, config: LoraConfig, context: ValidationContext) -> None:
@@ -158,6 +158,8 @@ class LoraOptimization(Optimization):
                 not config.target_modules or not all(isinstance(t, str) and t for t in config.target_modules)):
             raise ValueError(f"lora: target_modules={config.target_modules!r}; expected None or a non-empty list "
                              "of layer names")
+        if "tensor_parallel" in context.configs and config.dropout != 0.0:
+            raise ValueError(f"lora: dropout={config.dropout} with tensor_parallel is not supported; use dropout=0.0")
         if context.model is None:
             return
         if _is_peft_model(context.model):
@@ -166,11 +168,24 @@ class LoraOptimization(Optimization):
         resolve_target_modules(context.model, config, context.model_config)
 
     def apply(self, ctx: ModelContext, config: LoraConfig) -> None:
-        ctx.model = add_lora_adapters(ctx.model, config, getattr(ctx.model, "config", None))
+        from atorch.tensor_parallel import TensorParallelModule
+
+        if any(isinstance(m, TensorParallelModule) for m in ctx.model.modules()):
+            from atorch.tensor_parallel.lora import add_tp_lora_adapters
+
+            targets = config.target_modules or default_target_modules(ctx.model)
+            if not targets:
+                raise ValueError(f"lora: peft has no default target modules for {type(ctx.model).__name__}; pass "
+                                 "target_modules")
+            add_tp_lora_adapters(ctx.model, targets, config.r, config.alpha, config.dropout, config.seed)
+            adapted = sorted(targets)
+        else:
+            ctx.model = add_lora_adapters(ctx.model, config, getattr(ctx.model, "config", None))
+            adapted = sorted(ctx.model.peft_config["default"].target_modules)
         trainable = sum(p.numel() for p in ctx.model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in ctx.model.parameters())
         summary: Dict[str, Any] = {"trainable_params": trainable, "total_params": total,
-                                   "target_modules": sorted(ctx.model.peft_config["default"].target_modules)}
+                                   "target_modules": adapted}
         ctx.summaries["lora"] = summary
         logger.info("lora: training %d of %d parameters (%.2f%%), adapters on %s", trainable, total,
                     100.0 * trainable / max(total, 1), summary["target_modules"])

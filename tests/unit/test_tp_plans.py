@@ -1,0 +1,101 @@
+"""TPInfo from transformers' plans and the hand presets, on meta models of every family (no processes),
+the errors for what cannot be honoured, and the LoRA / experts layers at a group of one."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from atorch.auto.opt_lib import ValidationContext, resolve_strategy
+from atorch.auto.strategy import Strategy
+from atorch.tensor_parallel import ColumnParallelLinear, RowParallelLinear, resolve_tp_plan, tpinfo_for_model
+from atorch.tensor_parallel.hf_plan import tpinfo_from_transformers_plan
+from atorch.tensor_parallel.plan import COL, EXPERTS, GRAD_REDUCE, PARALLEL_DROP, ROW, VOCAB
+from atorch.testing.tp_families import FAMILIES, family_config
+from atorch.utils.meta_model_utils import record_module_init
+
+
+def _meta(name, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    config = family_config(name)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    with record_module_init():
+        return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
+def _counts(plan):
+    found = {}
+    for action in plan.actions.values():
+        found[action.kind] = found.get(action.kind, 0) + 1
+    return found
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_every_family_resolves_with_a_split_head_embedding_and_attention(name):
+    model = _meta(name)
+    plan = resolve_tp_plan(model, tpinfo_for_model(model), 2, gather_logits=True)
+    counts = _counts(plan)
+    assert plan.output_embedding is not None and plan.actions[plan.output_embedding].kind == COL
+    assert plan.vocab_parallel_loss and plan.gather_logits
+    assert counts.get(VOCAB) == 1, counts
+    assert counts.get(ROW, 0) >= 2 and counts.get(PARALLEL_DROP, 0) + counts.get("replic_drop", 0) >= 2, counts
+    if name in ("mixtral", "qwen3_moe"):
+        assert counts[EXPERTS] == (2 if name == "mixtral" else 1), counts  # qwen3_moe: layer 1 is dense
+    if name in ("qwen3", "qwen3_moe"):
+        assert counts[GRAD_REDUCE] == 4, counts                            # q_norm, k_norm of 2 layers
+    if name == "bloom":
+        assert set(plan.head_inputs) == {"transformer.h.0.self_attention", "transformer.h.1.self_attention"}
+
+
+def test_phi3_keeps_transformers_gather_and_split_input_variants():
+    tpinfo = tpinfo_from_transformers_plan(_meta("phi3"))
+    assert tpinfo.col["self_attn.qkv_proj"] == {"gather_output": True}
+    assert tpinfo.row["self_attn.o_proj"] == {"input_is_parallel": False}
+    # The attention sees gathered (replicated) q, k, v: its dropout stream is the shared one.
+    assert "self_attn" in tpinfo.replic and "self_attn" not in tpinfo.parallel and not tpinfo.shrink_attrs
+
+
+def test_a_style_atorch_cannot_honour_names_module_and_style():
+    model = _meta("llama")
+    model.config.base_model_tp_plan = {**model.config.base_model_tp_plan, "layers.*.mlp.gate_proj": "local_colwise"}
+    with pytest.raises(ValueError, match=r"cannot honour transformers plan entry 'model.layers.\*.mlp.gate_proj' -> "
+                                         r"'local_colwise' on 'model.layers.0.mlp.gate_proj' \(Linear\)"):
+        tpinfo_for_model(model)
+
+
+def test_presets_refuse_what_they_cannot_split():
+    with pytest.raises(ValueError, match=r"Falcon with multi_query=True"):
+        tpinfo_for_model(_meta("falcon", multi_query=True))
+    with pytest.raises(ValueError, match=r"no tensor-parallel preset for model_type=None \(Linear\) and no "
+                                         r"transformers plan"):
+        tpinfo_for_model(nn.Linear(2, 2))
+
+
+def test_gather_logits_is_validated_and_lora_dropout_refused():
+    model = _meta("llama")
+    pm = ("parallel_mode", ([("tensor", 2)], None))
+    ctx = ValidationContext(world_size=2, model=model, model_config=model.config)
+    with pytest.raises(ValueError, match=r"gather_logits='no' must be True or False"):
+        resolve_strategy(Strategy([pm, ("tensor_parallel", {"gather_logits": "no"})]), ctx)
+    names = [r.name for r in resolve_strategy(Strategy([pm, ("tensor_parallel", {"gather_logits": False})]), ctx)]
+    assert names == ["parallel_mode", "tensor_parallel"]
+
+
+def test_lora_layers_at_a_group_of_one_compute_base_plus_scaled_adapter():
+    from atorch.tensor_parallel.lora import add_lora
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 8)
+    for cls in (ColumnParallelLinear, RowParallelLinear):
+        full = nn.Linear(8, 6)
+        layer = add_lora(cls.from_full(full, None), r=2, alpha=4, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(layer.lora_B, torch.zeros(6, 2))                     # starts at the base model
+        assert layer.lora_A.abs().max() <= 1 / math.sqrt(8)                     # kaiming-uniform(a=sqrt(5)) bound
+        with torch.no_grad():
+            layer.lora_B.normal_()
+        expected = full(x) + 2.0 * x @ layer.lora_A.t() @ layer.lora_B.t()
+        torch.testing.assert_close(layer(x), expected)
+        assert set(layer.shard_specs()) >= {"weight"}
