@@ -18,7 +18,7 @@ from torch import nn
 from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._precision import dtype_name
-from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext
+from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext
 from atorch.utils.module_utils import modules_of_classes, resolve_module_classes
 
 logger = logging.getLogger(__name__)
@@ -215,6 +215,15 @@ class Fsdp2ShardingOptimization(Optimization):
     order = Order.SHARDING
     reshard_after_forward: ClassVar[bool]
     deepspeed_stage: ClassVar[int]
+
+    @classmethod
+    def cost_traits(cls, config: Fsdp2ShardingConfig, context: CostContext) -> Dict[str, Any]:
+        if config.use_ds_zero:
+            return {"sharding": "deepspeed", "zero_stage": cls.deepspeed_stage, "ddp_wrap": False,
+                    "cpu_offload": config.cpu_offload}
+        return {"sharding": "fsdp2", "zero_stage": 3 if cls.reshard_after_forward else 2,
+                "reshard_after_forward": cls.reshard_after_forward, "cpu_offload": config.cpu_offload,
+                "ddp_wrap": False}
 
     def validate(self, config: Fsdp2ShardingConfig, context: ValidationContext) -> None:
         if config.use_ds_zero:

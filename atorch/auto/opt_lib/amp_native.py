@@ -24,7 +24,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._precision import add_autocast_to_forward, dtype_name, parse_half_dtype
-from atorch.auto.opt_lib.base import Optimization, Order, register
+from atorch.auto.opt_lib.base import CostContext, Optimization, Order, register
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +123,12 @@ class AmpNativeOptimization(Optimization):
     name = "amp_native"
     order = Order.AMP
     Config = AmpNativeConfig
+
+    @classmethod
+    def cost_traits(cls, config: AmpNativeConfig, context: CostContext) -> Dict[str, Any]:
+        # Half-precision compute; autocast keeps half copies of the fp32 weights unless a sharding
+        # wrapper (FSDP2 mixed precision, DeepSpeed bf16/fp16) takes the dtype over.
+        return {"compute_dtype_bytes": 2, "autocast": True}
 
     @classmethod
     def parse_config(cls, raw: Any) -> AmpNativeConfig:

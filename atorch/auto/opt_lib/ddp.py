@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from torch.nn.parallel import DistributedDataParallel
 
 from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._sharding import check_bool
-from atorch.auto.opt_lib.base import Optimization, Order, register
+from atorch.auto.opt_lib.base import CostContext, Optimization, Order, register
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,10 @@ class DdpOptimization(Optimization):
     # (zero1 with use_ds_zero=True is refused by zero1's validation: it depends on the config.)
     conflicts = frozenset({"fsdp", "zero2"})
     Config = DdpConfig
+
+    @classmethod
+    def cost_traits(cls, config: DdpConfig, context: CostContext) -> Dict[str, Any]:
+        return {"ddp_wrap": True}
 
     def apply_wrapper(self, ctx: ModelContext, config: DdpConfig) -> None:
         if ctx.data_parallel_size() <= 1:

@@ -10,14 +10,14 @@ over the "data" group.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
-from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, register
+from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
 from atorch.modules.distributed_modules.randomizer import init_randomizer
 from atorch.utils.manual_tp_utils import TPInfo, materialize_tp_module, resolve_tp_plan, tp_manual_shard_custom_fn
 from atorch.utils.meta_model_utils import is_meta_module
@@ -44,6 +44,11 @@ class TensorParallelOptimization(Optimization):
     requires = frozenset({"parallel_mode"})
     distributed_only = True
     Config = TensorParallelConfig
+
+    @classmethod
+    def cost_traits(cls, config: TensorParallelConfig, context: CostContext) -> Dict[str, Any]:
+        # Linears, embeddings and the head sharded over "tensor" (the size comes from parallel_mode).
+        return {"tensor_parallel": True}
 
     def validate(self, config: TensorParallelConfig, context: ValidationContext) -> None:
         if not isinstance(config.base_seed, int) or isinstance(config.base_seed, bool):

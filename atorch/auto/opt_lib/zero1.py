@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any, Dict
 
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._sharding import build_deepspeed_engine, check_bool, prepare_deepspeed, validate_deepspeed
-from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, register
+from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,13 @@ class Zero1Optimization(Optimization):
     # Each of these already shards the optimizer state (and more).
     conflicts = frozenset({"zero2", "fsdp"})
     Config = Zero1Config
+
+    @classmethod
+    def cost_traits(cls, config: Zero1Config, context: CostContext) -> Dict[str, Any]:
+        if config.use_ds_zero:
+            return {"sharding": "deepspeed", "zero_stage": 1, "ddp_wrap": False}
+        # ZeroRedundancyOptimizer: Adam state / data; DDP keeps full gradients and its buckets.
+        return {"sharding": "torch_zero1", "zero_stage": 1}
 
     def validate(self, config: Zero1Config, context: ValidationContext) -> None:
         # Torch ZeRO-1 with `ddp` is fine: it relies on DDP for gradient averaging either way.
