@@ -368,8 +368,11 @@ def micro_batch_size(traits: StrategyTraits, global_batch: int) -> int:
     return max(1, per_rank // max(1, split))
 
 
-# Entries of `memory_breakdown` that are model states (the ZeRO paper's "model states").
+# Entries of `memory_breakdown` that are model states (the ZeRO paper's "model states"), and
+# those that stay allocated from one step to the next (what a rank holds once a backward pass
+# has finished and its activations are freed); the others exist only during part of a step.
 MODEL_STATE_KEYS = ("params", "grads", "master", "optimizer")
+RESIDENT_KEYS = MODEL_STATE_KEYS + ("ddp_buckets", "ds_reduce_buffer", "grad_fp32")
 
 
 def peak_bytes(breakdown: Mapping[str, float]) -> int:
@@ -380,6 +383,11 @@ def peak_bytes(breakdown: Mapping[str, float]) -> int:
 def model_state_bytes(breakdown: Mapping[str, float]) -> float:
     """Parameters, gradients, fp32 master weights and optimizer state on the device (the paper's model states)."""
     return sum(breakdown.get(k, 0.0) for k in MODEL_STATE_KEYS)
+
+
+def resident_bytes(breakdown: Mapping[str, float]) -> float:
+    """Device bytes held right after a backward pass: model states and the buffers that outlive a step."""
+    return sum(breakdown.get(k, 0.0) for k in RESIDENT_KEYS)
 
 
 def stage_params(shape: ModelShape, traits: StrategyTraits) -> float:
@@ -427,7 +435,7 @@ def memory_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int
         coef = ACTIVATION_COEFFICIENTS[_coefficient_key(traits)].get("matmul_params", 0.0)
         out["weight_casts"] = coef * (params_per_rank - shape.embedding_params / t / 2)
     if traits.cpu_offload and device_type != "cpu":
-        for key in ("params", "grads", "master", "optimizer", "grad_fp32"):
+        for key in ("params", "grads", "master", "optimizer", "grad_fp32", "step_grad_fp32"):
             if key in out:
                 out[f"host_{key}"] = out.pop(key)
     return out
@@ -472,16 +480,18 @@ def _deepspeed_states(shape: ModelShape, traits: StrategyTraits, params: float, 
            "master": trainable * 4 / shard,
            "optimizer": trainable * ADAM_STATE_BYTES_PER_PARAM / shard}
     if hbytes < 4:
-        # The step upcasts the partition's gradients to fp32 (ZeRO-3 keeps that buffer between steps).
-        out["grad_fp32"] = trainable * 4 / shard
+        # The step upcasts the partition's gradients to fp32; ZeRO-3 keeps that buffer between steps,
+        # ZeRO-1/2 free it after the step.
+        out["grad_fp32" if stage >= 3 else "step_grad_fp32"] = trainable * 4 / shard
     if stage >= 3:
         # The contiguous reduce buffer, allocated at start-up, and the layers gathered for compute.
-        out["ds_buckets"] = DS_REDUCE_BUCKET_ELEMENTS * hbytes
+        out["ds_reduce_buffer"] = DS_REDUCE_BUCKET_ELEMENTS * hbytes
         unit = max(shape.embedding_params / 2, shape.layer_params) / traits.tensor
         out["gathered_params"] = min(params, unit + DS_STAGE3_PREFETCH_ELEMENTS) * hbytes
     elif stage >= 1:
-        # The reduce bucket of the backward pass (`reduce_bucket_size` elements, however small the model).
-        out["ds_buckets"] = DS_REDUCE_BUCKET_ELEMENTS * hbytes
+        # The reduce bucket of the backward pass (`reduce_bucket_size` elements, however small the
+        # model), freed once the gradients are reduced.
+        out["ds_reduce_bucket"] = DS_REDUCE_BUCKET_ELEMENTS * hbytes
     return out
 
 

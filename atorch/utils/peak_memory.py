@@ -125,6 +125,15 @@ class PeakMemoryTracker:
                 torch.cuda.set_per_process_memory_fraction(1.0, self.device)
 
     @property
+    def live_bytes(self) -> int:
+        """Bytes of tensors created inside the context and still alive (CPU; CUDA: allocated minus entry)."""
+        if self._counter is not None:
+            return self._counter.live
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device) - self._cuda_base
+        return 0
+
+    @property
     def current_peak_bytes(self) -> int:
         """The peak so far, readable inside the context (CPU and CUDA)."""
         if self._counter is not None:
