@@ -17,11 +17,14 @@ after the second backward pass) and the step's peak, measured and predicted
 
     python benchmarks/memory_model.py                      # the table of benchmarks/RESULTS.md
     python benchmarks/memory_model.py --models 1b --worlds 8 --strategies fsdp+amp
+    python benchmarks/memory_model.py --save m.json; python benchmarks/memory_model.py --load m.json  # re-predict
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
@@ -53,7 +56,6 @@ STRATEGIES: Dict[str, List[Any]] = {
     "zero2+amp": ["parallel_mode", "module_replace", "amp_native", "zero2"],
     "fsdp fp32": ["parallel_mode", "module_replace", "fsdp"],
     "fsdp+amp+checkpoint": ["parallel_mode", "module_replace", "amp_native", "fsdp", "checkpoint"],
-    "ddp+amp": ["parallel_mode", "module_replace", "amp_native"],
 }
 
 
@@ -96,6 +98,15 @@ def _states(snapshot: Dict[Any, Dict[Any, int]]) -> int:
                if getattr(k, "value", k) in kinds)
 
 
+def predict(row: Row, micro_batch: int, seq: int) -> Row:
+    """`row` with the cost model's current predictions."""
+    config, strategy = llama_config(row.model), STRATEGIES[row.strategy]
+    predicted = estimate(config, strategy, micro_batch * row.world, seq, row.world, "cuda")
+    bd = predicted.breakdown
+    states = sum(bd.get(f"mem_{k}", 0.0) for k in ("params", "grads", "master", "optimizer"))
+    return dataclasses.replace(row, predicted_states=states, predicted_peak=predicted.peak_memory_bytes)
+
+
 def measure(model_name: str, world: int, strategy_name: str, micro_batch: int, seq: int) -> Row:
     """One rank (rank 0) of `world` fake ranks: model states after backward, and the peak, in bytes."""
     config, strategy = llama_config(model_name), STRATEGIES[strategy_name]
@@ -126,12 +137,8 @@ def measure(model_name: str, world: int, strategy_name: str, micro_batch: int, s
                 if step == 0:
                     tracker.reset_mod_stats()
         peak = max(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values())
-    predicted = estimate(config, strategy, micro_batch * world, seq, world, "cuda")
-    bd = predicted.breakdown
-    predicted_states = sum(bd.get(f"mem_{k}", 0.0) for k in ("params", "grads", "master", "optimizer",
-                                                              "ddp_buckets"))
-    return Row(model_name, num_params / 1e9, world, strategy_name, states, predicted_states, peak,
-               predicted.peak_memory_bytes, time.monotonic() - start)
+    row = Row(model_name, num_params / 1e9, world, strategy_name, states, 0.0, peak, 0.0, time.monotonic() - start)
+    return predict(row, micro_batch, seq)
 
 
 def main() -> None:
@@ -141,6 +148,8 @@ def main() -> None:
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--save", help="write the measured rows to this JSON file")
+    parser.add_argument("--load", help="measure nothing: re-predict the rows of this JSON file")
     args = parser.parse_args()
     print(f"micro-batch {args.micro_batch} x seq {args.seq} per rank, AdamW, torch {torch.__version__}\n")
     print("| model | params (B) | ranks | strategy | states measured GiB | model | ratio | peak measured GiB | model | "
@@ -148,14 +157,21 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     cases: List[Tuple[str, int, str]] = [(m, int(w), s) for m in args.models.split(",")
                                          for w in args.worlds.split(",") for s in args.strategies.split(",")]
-    for model_name, world, strategy_name in cases:
-        if strategy_name.startswith("ddp") and world > 8:
-            continue    # DDP's memory does not depend on the number of ranks
-        r = measure(model_name, world, strategy_name, args.micro_batch, args.seq)
+    if args.load:
+        with open(args.load) as f:
+            rows = (predict(Row(**raw), args.micro_batch, args.seq) for raw in json.load(f))
+    else:
+        rows = (measure(m, w, s, args.micro_batch, args.seq) for m, w, s in cases)
+    done = []
+    for r in rows:
+        done.append(dataclasses.asdict(r))
         print(f"| {r.model} | {r.params_b:.2f} | {r.world} | {r.strategy} | {r.measured_states / GIB:.2f} | "
               f"{r.predicted_states / GIB:.2f} | {r.predicted_states / r.measured_states:.3f} | "
               f"{r.measured_peak / GIB:.2f} | {r.predicted_peak / GIB:.2f} | "
               f"{r.predicted_peak / r.measured_peak:.3f} | {r.seconds:.0f} |", flush=True)
+        if args.save:
+            with open(args.save, "w") as f:
+                json.dump(done, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -35,12 +35,12 @@ from atorch.auto.strategy import Strategy, StrategyLike
 ACTIVATION_COEFFICIENTS: Dict[str, Dict[str, float]] = {
     # feature -> bytes per element: per layer (layer_*) of b*s*h, b*s*ffn, b*heads*s^2; once of
     # b*s*vocab (logits, log-softmax, its gradient) and b*s*h; "matmul_params": autocast weight copies.
-    "fp32": {"layer_bsh": 36.682, "layer_bsf": 16.644, "layer_bas2": 4.388, "bsv": 16.024, "bsh": 11.312},
-    "fp32_checkpoint": {"layer_bsh": 4.0, "bsh": 11.488, "bsf": 8.831, "bas2": 0.735, "bsv": 15.62},
+    "fp32": {"layer_bsh": 45.126, "layer_bsf": 18.546, "layer_bas2": 3.632, "bsv": 16.397, "bsh": 9.276},
+    "fp32_checkpoint": {"layer_bsh": 4.0, "bsh": 25.649, "bsf": 11.662, "bas2": 0.0, "bsv": 15.969},
     "bf16": {"layer_bsh": 31.478, "layer_bsf": 9.467, "layer_bas2": 5.556, "bsv": 14.364, "bsh": 23.078,
-             "matmul_params": 0.973},
+             "matmul_params": 4.973},
     "bf16_checkpoint": {"layer_bsh": 4.0, "bsh": 7.157, "bsf": 0.0, "bas2": 2.088, "bsv": 13.829,
-                        "matmul_params": 1.724},
+                        "matmul_params": 5.724},
 }
 
 # The device rates the step-time model divides by. "cpu" is measured (calibration script);

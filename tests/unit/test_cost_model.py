@@ -167,6 +167,24 @@ def test_peak_memory_tracker_counts_storages_exactly():
     assert again.peak_bytes == 4 * 10**6
 
 
+def test_peak_memory_tracker_sees_storages_resized_in_place():
+    # FSDP2 frees gathered parameters with storage.resize_(0) and re-allocates with resize_(n),
+    # which bypasses the dispatcher on CPU.
+    with PeakMemoryTracker(torch.device("cpu")) as tracker:
+        a = torch.empty(1000)                           # 4000 B
+        a.untyped_storage().resize_(0)
+        assert tracker.live_bytes == 0
+        a.untyped_storage().resize_(8000)
+        assert tracker.live_bytes == 8000
+        a.untyped_storage().resize_(0)
+        b = torch.empty(500)                            # 2000 B while a holds nothing
+        assert tracker.live_bytes == 2000
+        del a
+        assert tracker.live_bytes == 2000
+    assert tracker.peak_bytes == 8000
+    del b
+
+
 def test_simulated_memory_limit_raises_out_of_memory():
     with pytest.raises(torch.OutOfMemoryError, match="simulated device memory limit") as info:
         with PeakMemoryTracker(torch.device("cpu"), memory_limit_bytes=10_000):
