@@ -4,16 +4,13 @@ One spawn builds every backend through `auto_accelerate` (DDP, half, torch ZeRO-
 with and without resharding, FSDP2 mixed precision, FSDP2 CPU offload, DeepSpeed ZeRO 1/2/3
 in bf16, LoRA, tensor parallel, the native pipeline) and measures, right after the second
 backward pass (optimizer state allocated, gradients present, activations freed), the bytes a
-rank holds with torch's own accounting:
+rank holds with the storage accounting of `PeakMemoryTracker.live_bytes` (a TorchDispatchMode
+over torch's tensor storages): every tensor storage created since before the model was built
+and still alive (storages FSDP2 frees by resizing them to 0 count as freed) -- parameters,
+gradients, optimizer state, DeepSpeed's flat buffers and master partitions, DDP's buckets (which
+no Python object exposes).
 
-- `PeakMemoryTracker.live_bytes`: every tensor storage created since before the model was
-  built and still alive -- parameters, gradients, optimizer state, DeepSpeed's flat buffers and
-  master partitions, DDP's buckets (which no Python object exposes);
-- FSDP2 frees its gathered parameters by resizing their storage to 0, which a storage counter
-  cannot see, so FSDP2 backends are measured as the bytes reachable from the model and optimizer
-  (`atorch.utils.memory.memory_breakdown`: DTensor local shards, their gradients, Adam state).
-
-Both are compared with `cost_model.resident_bytes` of the prediction for that strategy. And
+That is compared with `cost_model.resident_bytes` of the prediction for that strategy. And
 for every backend, the parameters and optimizer state reachable from the model and optimizer
 (local shards, ZeRO-3 partitions, DeepSpeed's fp32 master partitions) are compared with the
 predicted parameters + master weights + optimizer state: DeepSpeed ZeRO-3's 1 GB reduce buffer
@@ -28,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from atorch.auto import auto_accelerate
-from atorch.auto.cost_model import ModelShape, StrategyTraits, estimate, resident_bytes
+from atorch.auto.cost_model import estimate, resident_bytes
 from atorch.auto.model_context import call_model
 from atorch.testing import run_distributed, tiny_llama
 from atorch.testing.parity import TokenDataset
@@ -90,8 +87,7 @@ def _measure(strategy: List[Any]) -> Dict[str, float]:
         del result, engine, pipeline, batches, batch
     dist.barrier()
     breakdown = {k[len("mem_"):]: v for k, v in predicted.breakdown.items() if k.startswith("mem_")}
-    traits = StrategyTraits.from_strategy(strategy, WORLD, ModelShape.from_module(tiny_llama()))
-    return {"measured": reachable.total_bytes if traits.sharding == "fsdp2" else live,
+    return {"measured": live,
             "predicted": resident_bytes(breakdown), "reachable": reachable.as_dict(),
             "measured_params_and_optimizer": reachable.param_bytes + reachable.optim_state_bytes,
             "predicted_params_and_optimizer": sum(breakdown.get(k, 0.0) for k in ("params", "master", "optimizer"))}
