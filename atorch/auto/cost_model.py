@@ -4,13 +4,19 @@ The planner ranks candidates by predicted step time and never dry-runs one whose
 peak exceeds the device memory. Pure: plain values in (model shape, strategy, batch, world
 size, device), an `Estimate` out; nothing is allocated or communicated.
 
-Memory per rank = parameters + gradients + optimizer state (the ZeRO formulas: stage 1 shards
-the Adam state over the data ranks, stage 2 also the gradients, FSDP also the parameters) +
-activations. Activations use per-layer terms (b*s*h, b*s*ffn, b*heads*s^2 for an attention
-that materializes its matrix) and a logits term (b*s*vocab), with and without activation
-checkpointing; their coefficients are fitted to measured peaks by
-`scripts/calibrate_cost_model.py`, not chosen by hand. Step time = FLOPs / measured rate + a
-per-layer overhead + communication volume / measured bandwidth + a latency per collective.
+What a strategy does is declared by its optimizations (`Optimization.cost_traits`), combined
+into `StrategyTraits`; the formulas read only those traits. Memory per rank, by backend
+(`memory_breakdown`): replicated (DDP, torch ZeRO-1, tensor/pipeline stages), torch FSDP2, or
+DeepSpeed ZeRO (a half-precision module with fp32 master partitions) -- model states,
+buffers, gathered parameters and activations. The peak (`peak_bytes`) is what is always held
+plus the larger of the activation phase and the gradient phase. Activations use per-layer
+terms (b*s*h, b*s*ffn, b*heads*s^2 for an attention that materializes its matrix) and a logits
+term (b*s*vocab), with and without activation checkpointing; their coefficients are fitted to
+measured peaks by `scripts/calibrate_cost_model.py`, not chosen by hand. Checked against
+measured bytes on 2 ranks for every backend (tests/distributed/test_memory_model.py), the ZeRO
+paper's Figure 1 (tests/unit/test_cost_model.py) and torch's FSDPMemTracker at 1B-7B on 8-64
+fake ranks (benchmarks/memory_model.py). Step time = FLOPs / measured rate + a per-layer
+overhead + communication volume / measured bandwidth + a latency per collective.
 """
 
 from __future__ import annotations
@@ -29,7 +35,10 @@ from atorch.auto.strategy import Strategy, StrategyLike
 # Calibration. Produced by `python scripts/calibrate_cost_model.py` on the 2-core CPU machine
 # (torch 2.13, fp32 AdamW, tiny Llama/GPT-2 variants; see benchmarks/RESULTS.md, "Cost model").
 # Activation coefficients are bytes per element of each feature, for one training step at
-# steady state (optimizer state allocated); "recompute" is the one block rebuilt in backward.
+# steady state (optimizer state allocated), fitted as the peak minus parameters, Adam state and
+# the LM head's gradient; "recompute" is the one block rebuilt in backward. "matmul_params"
+# (bf16) absorbs autocast's weight copies and whatever else scales with the parameters at the
+# tiny models' peak (4.97 bytes a parameter, more than the 2 of a bf16 copy).
 # --------------------------------------------------------------------------------------------
 
 ACTIVATION_COEFFICIENTS: Dict[str, Dict[str, float]] = {
