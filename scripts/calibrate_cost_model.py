@@ -170,8 +170,11 @@ def main() -> None:
                 feats["matmul_params"] = shape.num_params - shape.embedding_params / 2
                 fixed = FIXED.get("checkpoint" if checkpoint else "plain", {})
                 X.append([feats[n] for n in names])
-                # params + grads + Adam state (16 bytes a parameter) and the fixed terms are exact.
-                y.append(r["peak"] - 16 * shape.num_params - sum(v * feats[n] for n, v in fixed.items()))
+                # The peak is the activation phase (atorch.auto.cost_model.peak_bytes): params + Adam state
+                # (12 bytes a parameter; gradients are None after zero_grad) + the LM head's gradient,
+                # made first in backward (4 bytes an element) + activations. The fixed terms are exact.
+                held = 12 * shape.num_params + 4 * shape.embedding_params / 2
+                y.append(r["peak"] - held - sum(v * feats[n] for n, v in fixed.items()))
             coef, _ = nnls(np.array(X, dtype=float), np.array(y, dtype=float))
             coefficients[key] = {**fixed, **{n: round(float(c), 3) for n, c in zip(names, coef)}}
             pred = np.array(X) @ coef + np.array([r["peak"] for r in sel]) - np.array(y)

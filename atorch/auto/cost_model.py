@@ -4,17 +4,24 @@ The planner ranks candidates by predicted step time and never dry-runs one whose
 peak exceeds the device memory. Pure: plain values in (model shape, strategy, batch, world
 size, device), an `Estimate` out; nothing is allocated or communicated.
 
-Memory per rank = parameters + gradients + optimizer state (the ZeRO formulas: stage 1 shards
-the Adam state over the data ranks, stage 2 also the gradients, FSDP also the parameters) +
-activations. Activations use per-layer terms (b*s*h, b*s*ffn, b*heads*s^2 for an attention
-that materializes its matrix) and a logits term (b*s*vocab), with and without activation
-checkpointing; their coefficients are fitted to measured peaks by
-`scripts/calibrate_cost_model.py`, not chosen by hand. Step time = FLOPs / measured rate + a
-per-layer overhead + communication volume / measured bandwidth + a latency per collective.
+What a strategy does is declared by its optimizations (`Optimization.cost_traits`), combined
+into `StrategyTraits`; the formulas read only those traits. Memory per rank, by backend
+(`memory_breakdown`): replicated (DDP, torch ZeRO-1, tensor/pipeline stages), torch FSDP2, or
+DeepSpeed ZeRO (a half-precision module with fp32 master partitions) -- model states,
+buffers, gathered parameters and activations. The peak (`peak_bytes`) is what is always held
+plus the larger of the activation phase and the gradient phase. Activations use per-layer
+terms (b*s*h, b*s*ffn, b*heads*s^2 for an attention that materializes its matrix) and a logits
+term (b*s*vocab), with and without activation checkpointing; their coefficients are fitted to
+measured peaks by `scripts/calibrate_cost_model.py`, not chosen by hand. Checked against
+measured bytes on 2 ranks for every backend (tests/distributed/test_memory_model.py), the ZeRO
+paper's Figure 1 (tests/unit/test_cost_model.py) and torch's FSDPMemTracker at 1B-7B on 8-64
+fake ranks (benchmarks/memory_model.py). Step time = FLOPs / measured rate + a per-layer
+overhead + communication volume / measured bandwidth + a latency per collective.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
@@ -28,18 +35,21 @@ from atorch.auto.strategy import Strategy, StrategyLike
 # Calibration. Produced by `python scripts/calibrate_cost_model.py` on the 2-core CPU machine
 # (torch 2.13, fp32 AdamW, tiny Llama/GPT-2 variants; see benchmarks/RESULTS.md, "Cost model").
 # Activation coefficients are bytes per element of each feature, for one training step at
-# steady state (optimizer state allocated); "recompute" is the one block rebuilt in backward.
+# steady state (optimizer state allocated), fitted as the peak minus parameters, Adam state and
+# the LM head's gradient; "recompute" is the one block rebuilt in backward. "matmul_params"
+# (bf16) absorbs autocast's weight copies and whatever else scales with the parameters at the
+# tiny models' peak (4.97 bytes a parameter, more than the 2 of a bf16 copy).
 # --------------------------------------------------------------------------------------------
 
 ACTIVATION_COEFFICIENTS: Dict[str, Dict[str, float]] = {
     # feature -> bytes per element: per layer (layer_*) of b*s*h, b*s*ffn, b*heads*s^2; once of
     # b*s*vocab (logits, log-softmax, its gradient) and b*s*h; "matmul_params": autocast weight copies.
-    "fp32": {"layer_bsh": 36.682, "layer_bsf": 16.644, "layer_bas2": 4.388, "bsv": 16.024, "bsh": 11.312},
-    "fp32_checkpoint": {"layer_bsh": 4.0, "bsh": 11.488, "bsf": 8.831, "bas2": 0.735, "bsv": 15.62},
+    "fp32": {"layer_bsh": 45.126, "layer_bsf": 18.546, "layer_bas2": 3.632, "bsv": 16.397, "bsh": 9.276},
+    "fp32_checkpoint": {"layer_bsh": 4.0, "bsh": 25.649, "bsf": 11.662, "bas2": 0.0, "bsv": 15.969},
     "bf16": {"layer_bsh": 31.478, "layer_bsf": 9.467, "layer_bas2": 5.556, "bsv": 14.364, "bsh": 23.078,
-             "matmul_params": 0.973},
+             "matmul_params": 4.973},
     "bf16_checkpoint": {"layer_bsh": 4.0, "bsh": 7.157, "bsf": 0.0, "bas2": 2.088, "bsv": 13.829,
-                        "matmul_params": 1.724},
+                        "matmul_params": 5.724},
 }
 
 # The device rates the step-time model divides by. "cpu" is measured (calibration script);
@@ -68,6 +78,8 @@ class ModelShape:
     vocab_size: int
     layer_params: int           # parameters of one transformer block
     embedding_params: int       # token/position embeddings + LM head (not tensor-sharded)
+    kv_dim: int = 0             # key/value projection width (grouped-query attention); 0: hidden_size
+    gated: bool = True          # Llama-style gated MLP (three matrices) rather than GPT-2's two
 
     @classmethod
     def from_config(cls, config: Any) -> "ModelShape":
@@ -95,7 +107,8 @@ class ModelShape:
         positions = _config_int(config, ("n_positions",), default=0) * h
         tied = bool(getattr(config, "tie_word_embeddings", False))
         embedding = vocab * h * (1 if tied else 2) + positions
-        return cls(layers * layer + embedding + final_norm, layers, h, ffn, heads, vocab, layer, embedding)
+        return cls(layers * layer + embedding + final_norm, layers, h, ffn, heads, vocab, layer, embedding,
+                   kv_heads * head_dim, gated)
 
     @classmethod
     def from_module(cls, model: nn.Module) -> "ModelShape":
@@ -110,7 +123,7 @@ class ModelShape:
                 embedding += head.weight.numel()
             layer = (num_params - embedding) // max(1, shape.num_layers)
             return cls(num_params, shape.num_layers, shape.hidden_size, shape.intermediate_size, shape.num_heads,
-                       shape.vocab_size, layer, embedding)
+                       shape.vocab_size, layer, embedding, shape.kv_dim, shape.gated)
         # A plain module: the largest ModuleList is the layer stack; the widest Linear input is the width.
         linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
         hidden = max((m.in_features for m in linears), default=1)
@@ -137,63 +150,142 @@ def _config_int(config: Any, names: Tuple[str, ...], default: Optional[int] = No
     return default
 
 
+# What DeepSpeed allocates with atorch's engine configs (DeepSpeed's defaults, checked against
+# DeepSpeed 0.19 in tests/distributed/test_memory_model.py): the ZeRO-1/2 reduce bucket, and
+# ZeRO-3's contiguous reduce buffer (elements), both in the module's dtype; ZeRO-3's prefetch.
+DS_REDUCE_BUCKET_ELEMENTS = 500_000_000
+DS_STAGE3_PREFETCH_ELEMENTS = 50_000_000
+
+
 @dataclass(frozen=True)
 class StrategyTraits:
-    """What a strategy does to memory and time, read from its items and their configs.
+    """What a strategy does to memory and time: the combined `cost_traits` declarations of its items.
 
-    Sharding follows how atorch implements it: zero1 = torch ZeroRedundancyOptimizer under DDP
-    (Adam state / d, DDP still keeps its gradient buckets); zero2 = FSDP2 without resharding
-    after forward (parameters stay gathered for backward, gradients and state / d); fsdp =
-    FSDP2 resharding after forward (one block gathered at a time, the root unit -- embeddings
-    and head -- stays gathered). `use_ds_zero` configs take the textbook ZeRO formulas.
+    Each optimization class declares its own effect (`Optimization.cost_traits`, e.g. amp_native:
+    half compute and autocast; zero1: a sharder and its ZeRO stage); `from_strategy` applies
+    them in the strategy's order, later items overriding earlier ones field by field. The
+    memory formulas then read only these fields, never optimization names.
     """
 
+    # layout (parallel_mode); tensor/pipeline count only when an optimization shards that way
     data: int = 1
     tensor: int = 1
-    compute_dtype_bytes: int = 4        # activations and matmuls (amp/half: 2)
-    param_dtype_bytes: int = 4          # stored parameters (half: 2)
-    optimizer_shard: int = 1            # zero1, zero2, fsdp
-    grad_shard: int = 1                 # zero2, fsdp
-    param_shard: int = 1                # fsdp (and zero2's resting shards)
-    fsdp2: Optional[str] = None         # "zero2" (params kept gathered) or "fsdp" (resharded) on torch FSDP2
+    pipeline: int = 1
+    tensor_parallel: bool = False
+    # precision
+    compute_dtype_bytes: int = 4        # activations and matmuls (amp/half/DeepSpeed bf16: 2)
+    param_dtype_bytes: int = 4          # parameters as the user's optimizer sees them (half: 2)
+    autocast: bool = False              # amp_native: torch.autocast unless a sharding wrapper computes in half
+    fp8: bool = False
+    # sharding: None (replicated), "torch_zero1" (ZeroRedundancyOptimizer), "fsdp2", "deepspeed"
+    sharding: Optional[str] = None
+    zero_stage: int = 0
+    reshard_after_forward: bool = True  # fsdp2 only
+    cpu_offload: bool = False           # sharded states live in host memory (not counted on a GPU)
+    ddp_wrap: bool = False              # a DDP wrapper when data > 1 and nothing else reduces gradients
+    # pipelines and accumulation
+    pipeline_engine: Optional[str] = None   # "native" (torch pipelining) or "deepspeed"
+    pipeline_chunks: int = 1            # micro-batches per step per data rank
+    pipeline_schedule: str = "gpipe"    # "gpipe" keeps every micro-batch's activations, "1f1b" at most `pipeline`
+    accumulation_steps: int = 1         # the micro-batch is global batch / data / accumulation_steps
+    # what the model computes
     checkpoint: bool = False
     fused_attention: bool = False       # module_replace: sdpa, no b*heads*s^2 matrix
-    trainable_fraction: float = 1.0     # lora
-    fp8: bool = False
-    ddp_buckets: bool = False           # a DDP wrapper keeps a flat copy of the gradients
+    lora_rank: int = 0                  # lora: adapters of this rank, base weights frozen
+    lora_targets: Optional[Tuple[str, ...]] = None
+    trainable_fraction: float = 1.0     # derived: trainable / total parameters (lora)
 
     @classmethod
-    def from_strategy(cls, strategy: StrategyLike, world_size: int, shape: ModelShape) -> "StrategyTraits":
+    def from_strategy(cls, strategy: StrategyLike, world_size: int, shape: ModelShape,
+                      device_type: str = "cpu") -> "StrategyTraits":
+        """Combine the `cost_traits` of every item of `strategy` (items of unknown names are ignored)."""
+        from atorch.auto.opt_lib.base import CostContext, get_optimization
+
         s = Strategy.from_any(strategy)
         dims = _parallel_dims(s, world_size)
-        tensor = dims.get("tensor", 1) if "tensor_parallel" in s else 1
-        data = dims.get("data", 1)
-        names = set(s.names())
-        amp = "amp_native" in names or "fp8" in names
-        half = "half" in names
-        sharder = next((n for n in ("fsdp", "zero2", "zero1") if n in names), None)
-        deepspeed = sharder is not None and bool(_config_field(s.get(sharder).config, "use_ds_zero", False))
-        shard = data if sharder else 1
-        trainable = 1.0
-        if "lora" in names:
-            rank = _config_field(s.get("lora").config, "r", LORA_DEFAULT_RANK)
-            trainable = min(1.0, 2 * rank / max(1, shape.hidden_size))
-        grads_sharded = sharder in ("zero2", "fsdp")
-        return cls(
-            data=data, tensor=tensor,
-            compute_dtype_bytes=2 if (amp or half) else 4, param_dtype_bytes=2 if half else 4,
-            optimizer_shard=shard, grad_shard=shard if grads_sharded else 1,
-            param_shard=shard if sharder == "fsdp" or (sharder == "zero2" and not deepspeed) else 1,
-            fsdp2=sharder if grads_sharded and not deepspeed else None,
-            checkpoint="checkpoint" in names, fused_attention="module_replace" in names,
-            trainable_fraction=trainable, fp8="fp8" in names,
-            ddp_buckets=data > 1 and not grads_sharded and not deepspeed)
+        items = []
+        for item in s:
+            try:
+                opt = get_optimization(item.name)
+            except ValueError:      # not registered here: it declares nothing to the cost model
+                continue
+            items.append((opt.order, opt, opt.parse_config(item.config)))
+        items.sort(key=lambda entry: entry[0])
+        configs = {opt.name: config for _, opt, config in items}
+        context = CostContext(world_size=world_size, dims=dims, device_type=device_type, configs=configs)
+        valid = {f.name for f in dataclasses.fields(cls)} - {"trainable_fraction"}
+        updates: Dict[str, Any] = {}
+        for _, opt, config in items:
+            declared = opt.cost_traits(config, context)
+            unknown = sorted(set(declared) - valid)
+            if unknown:
+                raise ValueError(f"{opt.name}.cost_traits declares unknown trait(s) {unknown}; valid traits are "
+                                 f"{sorted(valid)}")
+            updates.update(declared)
+        if "parallel_mode" not in configs:      # no layout declared: every rank data-parallel
+            updates["data"] = world_size
+        traits = cls(**updates)
+        if not traits.tensor_parallel:
+            traits = dataclasses.replace(traits, tensor=1)
+        if traits.pipeline_engine is None:
+            traits = dataclasses.replace(traits, pipeline=1)
+        trainable = lora_params(shape, traits) / max(1, shape.num_params + lora_params(shape, traits)) \
+            if traits.lora_rank else 1.0
+        return dataclasses.replace(traits, trainable_fraction=trainable)
+
+    # -- derived views, in ZeRO's terms ---------------------------------------------------------
+    @property
+    def optimizer_shard(self) -> int:
+        """Ranks the optimizer state is split over."""
+        sharded = self.sharding in ("torch_zero1", "fsdp2") or (self.sharding == "deepspeed" and self.zero_stage >= 1)
+        return self.data if sharded else 1
+
+    @property
+    def grad_shard(self) -> int:
+        """Ranks the gradients are split over. DeepSpeed's stage-1 optimizer keeps only its partition's
+        gradients too (it copies each reduced bucket's slice into one partition buffer; measured)."""
+        sharded = self.sharding == "fsdp2" or (self.sharding == "deepspeed" and self.zero_stage >= 1)
+        return self.data if sharded else 1
+
+    @property
+    def param_shard(self) -> int:
+        """Ranks the stored parameters are split over."""
+        sharded = self.sharding == "fsdp2" or (self.sharding == "deepspeed" and self.zero_stage >= 3)
+        return self.data if sharded else 1
+
+    @property
+    def fsdp2(self) -> Optional[str]:
+        """"zero2" (parameters kept gathered after forward) or "fsdp" (resharded) on torch FSDP2, else None."""
+        if self.sharding != "fsdp2":
+            return None
+        return "fsdp" if self.reshard_after_forward else "zero2"
+
+    @property
+    def ddp_buckets(self) -> bool:
+        """DDP keeps a flat copy of the gradients in its all-reduce buckets."""
+        return self.ddp_wrap and self.data > 1 and self.sharding in (None, "torch_zero1") \
+            and self.pipeline_engine is None
+
+    @property
+    def storage_bytes(self) -> int:
+        """Bytes per element of the module's parameters: DeepSpeed holds them in its half dtype."""
+        if self.sharding == "deepspeed" and self.compute_dtype_bytes == 2:
+            return 2
+        return self.param_dtype_bytes
 
 
-def _config_field(config: Any, name: str, default: Any) -> Any:
-    if isinstance(config, Mapping):
-        return config.get(name, default)
-    return getattr(config, name, default)
+def lora_params(shape: ModelShape, traits: StrategyTraits) -> int:
+    """Adapter parameters: rank x (in + out) per adapted linear (peft's default targets: q and v for a
+    Llama-style model, c_attn for GPT-2; any other target list counts one hidden x hidden linear each)."""
+    if not traits.lora_rank:
+        return 0
+    r, h = traits.lora_rank, shape.hidden_size
+    kv = shape.kv_dim or h
+    if traits.lora_targets is None:
+        per_layer = r * (2 * h + h + kv) if shape.gated else r * (h + 3 * h)
+    else:
+        per_layer = r * 2 * h * len(traits.lora_targets)
+    return shape.num_layers * per_layer
 
 
 def _parallel_dims(strategy: Strategy, world_size: int) -> Dict[str, int]:
@@ -225,7 +317,8 @@ class Estimate:
 def activation_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int) -> float:
     """Peak activation bytes of one rank's forward+backward (fitted coefficients, see module docstring)."""
     c = ACTIVATION_COEFFICIENTS[_coefficient_key(traits)]
-    b, s, h, L = micro_batch, seq_len, shape.hidden_size, shape.num_layers
+    # A pipeline stage runs its share of the blocks (the logits term stays: the last stage has it).
+    b, s, h, L = micro_batch, seq_len, shape.hidden_size, math.ceil(shape.num_layers / traits.pipeline)
     bsf = b * s * shape.intermediate_size
     bas2 = 0.0 if traits.fused_attention or shape.num_heads == 0 else b * shape.num_heads * s * s
     bsh = b * s * h
@@ -250,22 +343,22 @@ def estimate(model_or_config: Union[nn.Module, Any, ModelShape], strategy: Strat
     """Predict (per-rank peak memory, step time) of `strategy` for a *global* batch of `batch_size`.
 
     `model_or_config` is a module, a transformers config or a `ModelShape`. `profile` overrides
-    the device rates of `DEVICE_PROFILES[device type]`.
+    the device rates of `DEVICE_PROFILES[device type]`. The peak counts device memory only:
+    what CPU offload keeps in host memory is in the breakdown as `mem_host_*` entries.
     """
     if batch_size <= 0 or seq_len <= 0 or world_size <= 0:
         raise ValueError(f"batch_size={batch_size}, seq_len={seq_len}, world_size={world_size} must all be > 0")
     shape = _shape_of(model_or_config)
-    traits = StrategyTraits.from_strategy(strategy, world_size, shape)
-    device_type = torch.device(device).type if not isinstance(device, str) else torch.device(device).type
+    device_type = torch.device(device).type
+    traits = StrategyTraits.from_strategy(strategy, world_size, shape, device_type)
     rates = dict(DEVICE_PROFILES.get(device_type, DEVICE_PROFILES["cuda"]))
     rates.update(profile or {})
 
-    micro = max(1, batch_size // traits.data)
-    memory = memory_breakdown(shape, traits, micro, seq_len)
-    time = time_breakdown(shape, traits, micro, seq_len, rates)
-    peak = int(sum(memory.values()))
-    return Estimate(peak, sum(time.values()), {**{f"mem_{k}": v for k, v in memory.items()},
-                                               **{f"time_{k}": v for k, v in time.items()}})
+    per_rank = max(1, batch_size // traits.data)
+    memory = memory_breakdown(shape, traits, micro_batch_size(traits, batch_size), seq_len, device_type)
+    time = time_breakdown(shape, traits, per_rank, seq_len, rates)
+    return Estimate(peak_bytes(memory), sum(time.values()), {**{f"mem_{k}": v for k, v in memory.items()},
+                                                             **{f"time_{k}": v for k, v in time.items()}})
 
 
 def _shape_of(obj: Any) -> ModelShape:
@@ -276,35 +369,171 @@ def _shape_of(obj: Any) -> ModelShape:
     return ModelShape.from_config(obj)
 
 
-def memory_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int) -> Dict[str, float]:
-    """Per-rank bytes by kind: the ZeRO formulas, FSDP2's gathered units, and the fitted activations."""
+def micro_batch_size(traits: StrategyTraits, global_batch: int) -> int:
+    """Rows of one forward/backward on one rank: the global batch over the data ranks, then over the
+    gradient-accumulation steps or the pipeline's micro-batches."""
+    per_rank = max(1, global_batch // traits.data)
+    split = traits.pipeline_chunks if traits.pipeline_engine is not None else traits.accumulation_steps
+    return max(1, per_rank // max(1, split))
+
+
+# Entries of `memory_breakdown` that are model states (the ZeRO paper's "model states"), and
+# those that stay allocated from one step to the next (what a rank holds once a backward pass
+# has finished and its activations are freed); the others exist only during part of a step.
+MODEL_STATE_KEYS = ("params", "grads", "master", "optimizer")
+RESIDENT_KEYS = MODEL_STATE_KEYS + ("ddp_buckets", "ds_reduce_buffer", "grad_fp32")
+
+
+# What exists only while activations are alive (forward and backward), and what exists only
+# from the end of backward through the optimizer step (gradients are set to None by zero_grad,
+# so they do not exist during the next forward). Everything else is held all the time.
+ACTIVATION_PHASE_KEYS = ("activations", "weight_casts", "gathered_params", "ds_reduce_bucket", "head_grad")
+GRADIENT_PHASE_KEYS = ("grads", "reduce_scatter", "step_grad_fp32")
+
+
+def peak_bytes(breakdown: Mapping[str, float]) -> int:
+    """Per-rank device peak: what is always held + the larger of the activation and the gradient phases.
+
+    Backward frees activations as it creates gradients, block by block; with a stack of similar
+    blocks the sum of the two is largest at one end, so the peak is the larger phase (checked
+    against torch's FSDPMemTracker at 1B-7B, benchmarks/memory_model.py). `host_*` entries
+    (CPU offload) are not device memory.
+    """
+    device = {k: v for k, v in breakdown.items() if not k.startswith("host_")}
+    activation = sum(device.get(k, 0.0) for k in ACTIVATION_PHASE_KEYS)
+    gradient = sum(device.get(k, 0.0) for k in GRADIENT_PHASE_KEYS)
+    always = sum(device.values()) - activation - gradient
+    return int(always + max(activation, gradient))
+
+
+def model_state_bytes(breakdown: Mapping[str, float]) -> float:
+    """Parameters, gradients, fp32 master weights and optimizer state on the device (the paper's model states)."""
+    return sum(breakdown.get(k, 0.0) for k in MODEL_STATE_KEYS)
+
+
+def resident_bytes(breakdown: Mapping[str, float]) -> float:
+    """Device bytes held right after a backward pass: model states and the buffers that outlive a step."""
+    return sum(breakdown.get(k, 0.0) for k in RESIDENT_KEYS)
+
+
+def stage_params(shape: ModelShape, traits: StrategyTraits) -> float:
+    """Parameters of the heaviest pipeline stage (the whole model without a pipeline), before tensor sharding.
+
+    Stages are balanced by parameter count, but a stage cannot be lighter than its largest
+    indivisible piece: one block plus the embedding (first stage) or the head (last).
+    """
+    p = traits.pipeline
+    if p <= 1:
+        return float(shape.num_params)
+    return max(shape.num_params / p, shape.layer_params + shape.embedding_params / 2)
+
+
+def memory_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int,
+                     device_type: str = "cpu") -> Dict[str, float]:
+    """Per-rank bytes by kind, for the backend the traits describe.
+
+    - replicated (DDP, torch ZeRO-1, tensor/pipeline stages): parameters, gradients and Adam
+      state in the parameter dtype (`half`: 2 bytes, else fp32); torch ZeRO-1 splits the Adam
+      state; DDP adds its flat gradient buckets; autocast adds half copies of the weights.
+    - torch FSDP2: sharded fp32 parameters, gradients (reduced in fp32) and Adam state; the
+      gathered units (in the mixed-precision dtype) and one reduce-scatter buffer on top.
+    - DeepSpeed ZeRO: the module itself in the half dtype under bf16/fp16 (sharded at stage 3),
+      fp32 master partitions and Adam state / data ranks, the partition's gradients in the module
+      dtype and their fp32 copy for the step, DeepSpeed's reduce bucket (500M elements by default).
+    - LoRA: frozen base weights have no gradients or optimizer state; adapters do.
+    - CPU offload (on a GPU): the offloaded states move to `host_*` entries, outside the peak.
+    """
     t = traits.tensor
     # atorch's tensor_parallel shards the embeddings and the LM head too (norms are negligible).
-    params_per_rank = shape.num_params / t
-    trainable = params_per_rank * traits.trainable_fraction
-    pbytes = traits.param_dtype_bytes
-    # half keeps gradients and Adam state in the parameter dtype; everything else in fp32.
-    out = {"params": params_per_rank * pbytes / traits.param_shard,
-           "grads": trainable * pbytes / traits.grad_shard,
-           "optimizer": trainable * (ADAM_STATE_BYTES_PER_PARAM * pbytes / 4) / traits.optimizer_shard,
-           "activations": activation_bytes(shape, traits, micro_batch, seq_len)}
-    if traits.compute_dtype_bytes < pbytes and traits.fsdp2 is None:
+    base = stage_params(shape, traits) / t
+    adapters = lora_params(shape, traits) / t / traits.pipeline
+    params_per_rank = base + adapters
+    trainable = adapters if traits.lora_rank else params_per_rank
+    if traits.sharding == "deepspeed":
+        out = _deepspeed_states(shape, traits, params_per_rank, trainable)
+    elif traits.sharding == "fsdp2":
+        out = _fsdp2_states(shape, traits, params_per_rank, trainable)
+    else:
+        out = _replicated_states(shape, traits, params_per_rank, trainable)
+    out["activations"] = activation_bytes(shape, traits, micro_batch, seq_len) * _in_flight_micro_batches(traits)
+    if not traits.lora_rank:
+        # Backward starts with the LM head: its whole (unsharded) weight gradient exists while every
+        # activation is still alive. In the compute dtype under FSDP2/DeepSpeed mixed precision.
+        gbytes = traits.storage_bytes if traits.sharding != "fsdp2" else min(traits.compute_dtype_bytes,
+                                                                           traits.param_dtype_bytes)
+        out["head_grad"] = shape.embedding_params / 2 / t * gbytes
+    if traits.autocast and traits.sharding not in ("fsdp2", "deepspeed") and traits.param_dtype_bytes == 4:
         # Autocast keeps low-precision copies of the matmul weights for backward (fitted bytes/parameter).
         coef = ACTIVATION_COEFFICIENTS[_coefficient_key(traits)].get("matmul_params", 0.0)
         out["weight_casts"] = coef * (params_per_rank - shape.embedding_params / t / 2)
+    if traits.cpu_offload and device_type != "cpu":
+        for key in ("params", "grads", "master", "optimizer", "grad_fp32", "step_grad_fp32"):
+            if key in out:
+                out[f"host_{key}"] = out.pop(key)
+    return out
+
+
+def _replicated_states(shape: ModelShape, traits: StrategyTraits, params: float, trainable: float) -> Dict[str, float]:
+    pbytes = traits.param_dtype_bytes
+    # torch's Adam keeps its two moments in the parameter dtype.
+    out = {"params": params * pbytes, "grads": trainable * pbytes,
+           "optimizer": trainable * ADAM_STATE_BYTES_PER_PARAM * pbytes / 4 / traits.optimizer_shard}
     if traits.ddp_buckets:
         out["ddp_buckets"] = trainable * pbytes
-    if traits.fsdp2 is not None:
-        gathered_bytes = traits.compute_dtype_bytes if traits.compute_dtype_bytes < pbytes else pbytes
-        root = shape.embedding_params / t
-        block = shape.layer_params / t
-        if traits.fsdp2 == "zero2":   # every unit stays gathered from its forward to its backward
-            out["gathered_params"] = params_per_rank * gathered_bytes
-        else:                          # the root unit stays gathered; blocks: the current one and a prefetch
-            out["gathered_params"] = (root + 2 * block) * gathered_bytes
-        # Reduce-scatter of the largest unit: its unsharded fp32 gradients and the flat send buffer.
-        out["reduce_scatter"] = 2 * max(root, block) * 4
     return out
+
+
+def _fsdp2_states(shape: ModelShape, traits: StrategyTraits, params: float, trainable: float) -> Dict[str, float]:
+    d, t, pbytes = traits.data, traits.tensor, traits.param_dtype_bytes
+    # MixedPrecisionPolicy(reduce_dtype=fp32) under amp: sharded gradients in fp32 next to fp32 shards.
+    gbytes = 4 if traits.autocast else pbytes
+    out = {"params": params * pbytes / d, "grads": trainable * gbytes / d,
+           "optimizer": trainable * ADAM_STATE_BYTES_PER_PARAM * pbytes / 4 / d}
+    gathered_bytes = traits.compute_dtype_bytes if traits.compute_dtype_bytes < pbytes else pbytes
+    root = shape.embedding_params / t
+    block = shape.layer_params / t
+    if not traits.reshard_after_forward:   # every unit stays gathered from its forward to its backward
+        out["gathered_params"] = params * gathered_bytes
+    else:                                   # the root unit stays gathered; blocks: the current one and a prefetch
+        out["gathered_params"] = (root + 2 * block) * gathered_bytes
+    # Reduce-scatter of the largest unit: its unsharded fp32 gradients and the flat send buffer.
+    out["reduce_scatter"] = 2 * max(root, block) * 4
+    return out
+
+
+def _deepspeed_states(shape: ModelShape, traits: StrategyTraits, params: float, trainable: float) -> Dict[str, float]:
+    d, stage = traits.data, traits.zero_stage
+    hbytes = traits.storage_bytes           # bf16/fp16 enabled: the module is half; else fp32
+    shard = d if stage >= 1 else 1
+    out = {"params": params * hbytes / (d if stage >= 3 else 1),
+           # the partition's reduced gradients, in the module dtype (stage 0: every gradient)
+           "grads": trainable * hbytes / shard,
+           # DeepSpeed clones its partition into fp32 master weights even when the module is fp32
+           "master": trainable * 4 / shard,
+           "optimizer": trainable * ADAM_STATE_BYTES_PER_PARAM / shard}
+    if hbytes < 4:
+        # The step upcasts the partition's gradients to fp32; ZeRO-3 keeps that buffer between steps,
+        # ZeRO-1/2 free it after the step.
+        out["grad_fp32" if stage >= 3 else "step_grad_fp32"] = trainable * 4 / shard
+    if stage >= 3:
+        # The contiguous reduce buffer, allocated at start-up, and the layers gathered for compute.
+        out["ds_reduce_buffer"] = DS_REDUCE_BUCKET_ELEMENTS * hbytes
+        unit = max(shape.embedding_params / 2, shape.layer_params) / traits.tensor
+        out["gathered_params"] = min(params, unit + DS_STAGE3_PREFETCH_ELEMENTS) * hbytes
+    elif stage >= 1:
+        # The reduce bucket of the backward pass (`reduce_bucket_size` elements, however small the
+        # model), freed once the gradients are reduced.
+        out["ds_reduce_bucket"] = DS_REDUCE_BUCKET_ELEMENTS * hbytes
+    return out
+
+
+def _in_flight_micro_batches(traits: StrategyTraits) -> int:
+    """Micro-batches whose activations a pipeline stage holds at once (1 without a pipeline)."""
+    if traits.pipeline_engine is None:
+        return 1
+    if traits.pipeline_schedule == "gpipe":
+        return traits.pipeline_chunks
+    return min(traits.pipeline, traits.pipeline_chunks)
 
 
 def time_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int,

@@ -17,7 +17,7 @@ a device would have failed.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -28,6 +28,24 @@ class SimulatedOutOfMemoryError(torch.OutOfMemoryError):
     """Raised by `PeakMemoryTracker` when live tensor bytes cross the simulated device limit."""
 
 
+_ACTIVE_COUNTERS: List["_StorageCounter"] = []
+_ORIGINAL_RESIZE = torch.UntypedStorage.resize_
+
+
+def _counting_resize(storage: torch.UntypedStorage, size: int) -> Any:
+    out = _ORIGINAL_RESIZE(storage, size)
+    for counter in _ACTIVE_COUNTERS:
+        counter.resized(storage)
+    return out
+
+
+def _patch_storage_resize() -> None:
+    """`UntypedStorage.resize_` on CPU bypasses the dispatcher, so a dispatch mode cannot see it;
+    FSDP2 frees its gathered parameters with `resize_(0)`. Counting it keeps the live bytes true."""
+    if torch.UntypedStorage.resize_ is not _counting_resize:
+        torch.UntypedStorage.resize_ = _counting_resize
+
+
 class _StorageCounter(TorchDispatchMode):
     """Counts live bytes of storages created by ops run under it; raises past `limit`."""
 
@@ -36,12 +54,38 @@ class _StorageCounter(TorchDispatchMode):
         self.limit = limit
         self.live = 0
         self.peak = 0
-        # data_ptr -> bytes; keyed by address because views share one storage.
+        # storage identity (its StorageImpl address, shared by views) -> bytes counted for it now
         self._sizes: Dict[int, int] = {}
 
-    def _release(self, key: int, nbytes: int) -> None:
-        if self._sizes.pop(key, None) is not None:
-            self.live -= nbytes
+    def _release(self, key: int) -> None:
+        self.live -= self._sizes.pop(key, 0)
+
+    def _add(self, nbytes: int) -> None:
+        self.live += nbytes
+        if self.live > self.peak:
+            self.peak = self.live
+        if self.limit is not None and self.live > self.limit:
+            raise SimulatedOutOfMemoryError(
+                f"out of memory: {self.live} bytes of tensors live > simulated device memory limit "
+                f"{self.limit} bytes (ATORCH_DEVICE_MEMORY_LIMIT)")
+
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """A counted storage changed size in place (FSDP2 frees and re-allocates its buffers this way)."""
+        key = storage._cdata
+        if key in self._sizes:
+            old, new = self._sizes[key], storage.nbytes()
+            self._sizes[key] = new
+            self.live -= old
+            self._add(new)
+
+    def __enter__(self) -> "_StorageCounter":
+        _ACTIVE_COUNTERS.append(self)
+        _patch_storage_resize()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        _ACTIVE_COUNTERS.remove(self)
 
     def _count(self, tensor: torch.Tensor) -> None:
         if is_traceable_wrapper_subclass(tensor):
@@ -59,20 +103,14 @@ class _StorageCounter(TorchDispatchMode):
         except (RuntimeError, NotImplementedError):  # sparse or opaque tensors
             return
         nbytes = storage.nbytes()
-        key = storage.data_ptr()
-        if nbytes == 0 or key == 0 or key in self._sizes:
+        key = storage._cdata
+        if nbytes == 0 or storage.data_ptr() == 0 or key in self._sizes:
             return
         self._sizes[key] = nbytes
         # The storage's Python object lives exactly as long as the storage (PyObject preservation),
         # so the finalizer runs when the memory goes back to the allocator.
-        weakref.finalize(storage, self._release, key, nbytes)
-        self.live += nbytes
-        if self.live > self.peak:
-            self.peak = self.live
-        if self.limit is not None and self.live > self.limit:
-            raise SimulatedOutOfMemoryError(
-                f"out of memory: {self.live} bytes of tensors live > simulated device memory limit "
-                f"{self.limit} bytes (ATORCH_DEVICE_MEMORY_LIMIT)")
+        weakref.finalize(storage, self._release, key)
+        self._add(nbytes)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -123,6 +161,15 @@ class PeakMemoryTracker:
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._cuda_base
             if self._cuda_fraction is not None:
                 torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of tensors created inside the context and still alive (CPU; CUDA: allocated minus entry)."""
+        if self._counter is not None:
+            return self._counter.live
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device) - self._cuda_base
+        return 0
 
     @property
     def current_peak_bytes(self) -> int:

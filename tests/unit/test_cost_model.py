@@ -8,11 +8,21 @@ tests/distributed/test_dry_run.py.
 """
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
-from atorch.auto.cost_model import ModelShape, StrategyTraits, estimate, memory_breakdown
+from atorch.auto.cost_model import (
+    ModelShape,
+    StrategyTraits,
+    estimate,
+    memory_breakdown,
+    micro_batch_size,
+    model_state_bytes,
+    peak_bytes,
+    resident_bytes,
+)
 from atorch.testing import tiny_gpt2, tiny_gpt2_config, tiny_llama, tiny_llama_config
 from atorch.testing.parity import TokenDataset, global_batches
 from atorch.utils.peak_memory import PeakMemoryTracker, SimulatedOutOfMemoryError, is_out_of_memory
@@ -157,6 +167,24 @@ def test_peak_memory_tracker_counts_storages_exactly():
     assert again.peak_bytes == 4 * 10**6
 
 
+def test_peak_memory_tracker_sees_storages_resized_in_place():
+    # FSDP2 frees gathered parameters with storage.resize_(0) and re-allocates with resize_(n),
+    # which bypasses the dispatcher on CPU.
+    with PeakMemoryTracker(torch.device("cpu")) as tracker:
+        a = torch.empty(1000)                           # 4000 B
+        a.untyped_storage().resize_(0)
+        assert tracker.live_bytes == 0
+        a.untyped_storage().resize_(8000)
+        assert tracker.live_bytes == 8000
+        a.untyped_storage().resize_(0)
+        b = torch.empty(500)                            # 2000 B while a holds nothing
+        assert tracker.live_bytes == 2000
+        del a
+        assert tracker.live_bytes == 2000
+    assert tracker.peak_bytes == 8000
+    del b
+
+
 def test_simulated_memory_limit_raises_out_of_memory():
     with pytest.raises(torch.OutOfMemoryError, match="simulated device memory limit") as info:
         with PeakMemoryTracker(torch.device("cpu"), memory_limit_bytes=10_000):
@@ -165,3 +193,116 @@ def test_simulated_memory_limit_raises_out_of_memory():
     assert isinstance(info.value, SimulatedOutOfMemoryError) and is_out_of_memory(info.value)
     assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1"))
     assert not is_out_of_memory(ValueError("out of memory"))
+
+
+# -- the ZeRO paper's Figure 1, and the backends the formulas distinguish ----------------------------
+
+GB = 1e9
+# Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models" (2020),
+# Figure 1: per-device model states for Psi = 7.5B parameters on N_d = 64 devices, K = 12
+# (fp32 master weights + Adam moments), mixed precision. Baseline, P_os, P_os+g, P_os+g+p.
+PAPER_FIGURE_1 = {"baseline": 120.0, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}
+PSI, N_D = 7_500_000_000, 64
+
+
+def _psi_7_5b() -> ModelShape:
+    h, vocab, layers = 4096, 32000, 32
+    embedding = 2 * vocab * h
+    return ModelShape(PSI, layers, h, 11008, 32, vocab, (PSI - embedding) // layers, embedding)
+
+
+def _model_states(strategy, world_size=N_D, shape=None, device="cuda", batch=64):
+    e = estimate(shape or _psi_7_5b(), strategy, batch, 1024 if shape is None else 64, world_size, device)
+    return {k[len("mem_"):]: v for k, v in e.breakdown.items() if k.startswith("mem_")}, e
+
+
+def test_zero_paper_figure_1_for_deepspeed_bf16():
+    ds = {stage: model_state_bytes(_model_states(["amp_native", (name, {"use_ds_zero": True})])[0]) / GB
+          for stage, name in (("zero1", "zero1"), ("zero2", "zero2"), ("zero3", "fsdp"))}
+    baseline = model_state_bytes(_model_states(["parallel_mode", "amp_native"])[0]) / GB
+    assert baseline == pytest.approx(PAPER_FIGURE_1["baseline"], rel=0.15)
+    assert ds["zero2"] == pytest.approx(PAPER_FIGURE_1["zero2"], rel=0.15)
+    assert ds["zero3"] == pytest.approx(PAPER_FIGURE_1["zero3"], rel=0.15)
+    # DeepSpeed's stage-1 optimizer keeps only its partition's gradients (it copies each reduced
+    # bucket's slice into one partition buffer; tests/distributed/test_memory_model.py measures
+    # stage 1 == stage 2), so it holds P_os+g, not the paper's P_os with whole fp16 gradients.
+    assert ds["zero1"] == pytest.approx(PAPER_FIGURE_1["zero2"], rel=0.15)
+    whole_fp16_grads = 2 * PSI * (1 - 1 / N_D) / GB
+    assert ds["zero1"] + whole_fp16_grads == pytest.approx(PAPER_FIGURE_1["zero1"], rel=0.15)
+
+
+def test_deepspeed_holds_a_half_module_and_fp32_master_partitions():
+    states, e = _model_states(["amp_native", ("zero2", {"use_ds_zero": True})])
+    assert states["params"] == 2 * PSI                      # bf16 module, whole
+    assert states["master"] == pytest.approx(4 * PSI / N_D) and states["optimizer"] == pytest.approx(8 * PSI / N_D)
+    assert "weight_casts" not in states                      # no autocast: the module already is bf16
+    assert states["ds_reduce_bucket"] == 2 * 500_000_000    # DeepSpeed's default reduce bucket, in bf16
+    z3, _ = _model_states(["amp_native", ("fsdp", {"use_ds_zero": True})])
+    assert z3["params"] == pytest.approx(2 * PSI / N_D) and z3["grad_fp32"] == pytest.approx(4 * PSI / N_D)
+    fp32, _ = _model_states([("zero2", {"use_ds_zero": True})])
+    assert fp32["params"] == 4 * PSI and "grad_fp32" not in fp32 and "step_grad_fp32" not in fp32
+    assert e.peak_memory_bytes > resident_bytes(states)
+
+
+def test_fsdp2_mixed_precision_and_cpu_offload():
+    on_gpu, e_gpu = _model_states(["parallel_mode", "amp_native", ("fsdp", {"cpu_offload": True})])
+    on_cpu, e_cpu = _model_states(["parallel_mode", "amp_native", ("fsdp", {"cpu_offload": True})], device="cpu")
+    # Offloaded shards live in host memory: not in a GPU's peak; on a CPU run the host is the device.
+    assert {"host_params", "host_grads", "host_optimizer"} <= set(on_gpu) and "params" not in on_gpu
+    assert on_gpu["host_grads"] == pytest.approx(4 * PSI / N_D)          # reduce_dtype fp32
+    assert on_gpu["gathered_params"] == on_cpu["gathered_params"]          # gathered in bf16 on the device
+    assert e_gpu.peak_memory_bytes < e_cpu.peak_memory_bytes
+    assert e_cpu.peak_memory_bytes == pytest.approx(peak_bytes(on_cpu))
+
+
+def test_lora_trains_adapters_only():
+    shape = ModelShape.from_module(tiny_llama(num_hidden_layers=4))
+    full, _ = _model_states(["parallel_mode"], world_size=2, shape=shape, device="cpu")
+    lora, _ = _model_states(["parallel_mode", ("lora", {"r": 4})], world_size=2, shape=shape, device="cpu")
+    adapters = 4 * 4 * (64 + 64 + 64 + 64)       # r x (in + out) for q_proj and v_proj in each of 4 layers
+    assert lora["params"] == pytest.approx(full["params"] + 4 * adapters)
+    assert lora["grads"] == pytest.approx(4 * adapters) and lora["optimizer"] == pytest.approx(8 * adapters)
+    assert lora["ddp_buckets"] == pytest.approx(4 * adapters)
+
+
+def test_pipeline_stages_and_micro_batches():
+    shape = ModelShape.from_module(tiny_llama(num_hidden_layers=4))
+    whole, _ = _model_states(["parallel_mode"], world_size=1, shape=shape, device="cpu")
+    pp = [("parallel_mode", ([("data", 1), ("pipeline", 2)], None))]
+    gpipe, _ = _model_states(pp + [("pipeline_parallel", {"chunks": 4})], world_size=2, shape=shape, device="cpu")
+    one_f_one_b, _ = _model_states(pp + [("pipeline_parallel", {"chunks": 4, "schedule": "1f1b"})], world_size=2,
+                                   shape=shape, device="cpu")
+    assert whole["params"] / 2 <= gpipe["params"] < whole["params"] and "ddp_buckets" not in gpipe
+    assert one_f_one_b["activations"] == pytest.approx(gpipe["activations"] / 2)   # 2 of 4 micro-batches in flight
+    assert gpipe["activations"] < whole["activations"]
+
+
+def test_gradient_accumulation_shrinks_the_micro_batch(monkeypatch):
+    from atorch.auto.opt_lib.amp_native import AmpNativeOptimization
+
+    shape = ModelShape.from_module(tiny_llama())
+    plain = StrategyTraits.from_strategy(["parallel_mode"], 2, shape)
+    assert micro_batch_size(plain, 16) == 8
+    # An optimization declaring accumulation steps (as `gradient_accumulation` does) divides it further.
+    monkeypatch.setattr(AmpNativeOptimization, "cost_traits", classmethod(lambda cls, config, context:
+                                                                          {"accumulation_steps": 4}))
+    traits = StrategyTraits.from_strategy(["parallel_mode", "amp_native"], 2, shape)
+    assert micro_batch_size(traits, 16) == 2
+    monkeypatch.setattr(AmpNativeOptimization, "cost_traits", classmethod(lambda cls, config, context: {"nope": 1}))
+    with pytest.raises(ValueError, match=r"amp_native.cost_traits declares unknown trait\(s\) \['nope'\]"):
+        StrategyTraits.from_strategy(["parallel_mode", "amp_native"], 2, shape)
+
+
+def test_every_registered_optimization_declares_its_cost_traits():
+    from atorch.auto.opt_lib.base import CostContext, Optimization, get_optimization, registered_names
+
+    context = CostContext(world_size=4, dims={"tensor": 2, "data": 1, "pipeline": 2})
+    valid = {f.name for f in dataclasses.fields(StrategyTraits)}
+    for name in registered_names():
+        cls = get_optimization(name)
+        assert cls.cost_traits.__func__ is not Optimization.cost_traits.__func__, \
+            f"{name} does not declare cost_traits (return {{}} to declare no effect on memory or time)"
+        declared = cls.cost_traits(cls.parse_config(None), context)
+        assert set(declared) <= valid, (name, declared)
+    # Unknown names in a strategy declare nothing (the cost model ignores them).
+    assert StrategyTraits.from_strategy(["parallel_mode", "not_an_optimization"], 2, _psi_7_5b()).data == 2

@@ -17,8 +17,8 @@ from torch import nn
 
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._precision import dtype_name
-from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, WrapperOrder, short_value, shown_fields
 from atorch.distributed.mesh import ParallelMesh
+from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, WrapperOrder, short_value, shown_fields
 from atorch.utils.module_utils import modules_of_classes, resolve_module_classes
 
 logger = logging.getLogger(__name__)
@@ -250,6 +250,15 @@ class Fsdp2ShardingOptimization(Optimization):
             return f"{cls.name}(deepspeed stage {cls.deepspeed_stage})"
         reshard = "reshard" if cls.reshard_after_forward else "no reshard"
         return f"{cls.name}(torch FSDP2, {reshard}{', cpu offload' if config.cpu_offload else ''})"
+
+    @classmethod
+    def cost_traits(cls, config: Fsdp2ShardingConfig, context: CostContext) -> Dict[str, Any]:
+        if config.use_ds_zero:
+            return {"sharding": "deepspeed", "zero_stage": cls.deepspeed_stage, "ddp_wrap": False,
+                    "cpu_offload": config.cpu_offload}
+        return {"sharding": "fsdp2", "zero_stage": 3 if cls.reshard_after_forward else 2,
+                "reshard_after_forward": cls.reshard_after_forward, "cpu_offload": config.cpu_offload,
+                "ddp_wrap": False}
 
     def validate(self, config: Fsdp2ShardingConfig, context: ValidationContext) -> None:
         if config.use_ds_zero:

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from atorch.auto.model_context import ModelContext
-from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, register
+from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
 from atorch.utils.module_utils import modules_of_classes, resolve_module_classes
 
 logger = logging.getLogger(__name__)
@@ -202,6 +202,10 @@ class CheckpointOptimization(Optimization):
     name = "checkpoint"
     order = Order.CHECKPOINT
     Config = CheckpointConfig
+
+    @classmethod
+    def cost_traits(cls, config: CheckpointConfig, context: CostContext) -> Dict[str, Any]:
+        return {"checkpoint": True}
 
     def validate(self, config: CheckpointConfig, context: ValidationContext) -> None:
         if context.model is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
@@ -24,8 +24,8 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._precision import add_autocast_to_forward, dtype_name, parse_half_dtype
-from atorch.auto.opt_lib.base import Optimization, Order, WrapperOrder, register
 from atorch.modules.grad_scaling import GradScalingOptimizer
+from atorch.auto.opt_lib.base import CostContext, Optimization, Order, WrapperOrder, register
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,12 @@ class AmpNativeOptimization(Optimization):
     @classmethod
     def describe_config(cls, config: AmpNativeConfig) -> str:
         return dtype_name(config.dtype)
+
+    @classmethod
+    def cost_traits(cls, config: AmpNativeConfig, context: CostContext) -> Dict[str, Any]:
+        # Half-precision compute; autocast keeps half copies of the fp32 weights unless a sharding
+        # wrapper (FSDP2 mixed precision, DeepSpeed bf16/fp16) takes the dtype over.
+        return {"compute_dtype_bytes": 2, "autocast": True}
 
     @classmethod
     def parse_config(cls, raw: Any) -> AmpNativeConfig:

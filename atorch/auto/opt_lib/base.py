@@ -5,9 +5,10 @@ An optimization is a class with a typed `Config` dataclass and its metadata on t
 it; None when the class has no wrapper), `requires`, `conflicts` (names) and
 `config_conflicts` (names that conflict only under some config), `allowed_partners` (an
 allow-list, for optimizations that were only tested with a few others), `distributed_only`,
-and `syncs_gradients` (whether it reduces gradients itself, so no DDP is added). `validate`
-is pure and raises ValueError with actual and expected values; `apply` transforms the model
-context, `apply_wrapper` wraps after the optimizer is built (DDP, AMP scaling, engines).
+`syncs_gradients` (whether it reduces gradients itself, so no DDP is added), and its effect
+on the cost model (`cost_traits`). `validate` is pure and raises ValueError with actual and
+expected values; `apply` transforms the model context, `apply_wrapper` wraps after the
+optimizer is built (DDP, AMP scaling, engines).
 Nothing else holds a list of names: the planner and `auto_accelerate` sort and check with
 this metadata only.
 """
@@ -87,6 +88,16 @@ class ValidationContext:
         return dict(cfg.dims)
 
 
+@dataclass(frozen=True)
+class CostContext:
+    """What a `cost_traits` declaration may look at: plain values of the whole strategy, no model."""
+
+    world_size: int
+    dims: Dict[str, int]                  # parallel sizes by name ({"data": world_size} without parallel_mode)
+    device_type: str = "cpu"
+    configs: Dict[str, Any] = field(default_factory=dict)   # parsed configs by optimization name
+
+
 class Optimization:
     """Base class. Subclasses set the class attributes and override what they need."""
 
@@ -155,6 +166,15 @@ class Optimization:
                 raise ValueError(f"{cls.name}: bad config {raw!r}: {e}") from e
         raise ValueError(f"{cls.name}: config {raw!r} must be None, a dict with keys "
                          f"{[f.name for f in dataclasses.fields(cls.Config)]}, or {cls.Config.__name__}")
+
+    @classmethod
+    def cost_traits(cls, config: Any, context: CostContext) -> Dict[str, Any]:
+        """This optimization's effect on the cost model: updates of `atorch.auto.cost_model.StrategyTraits` fields.
+
+        The default, {}, declares "no effect on memory or step time". Every registered
+        optimization states its effect explicitly, even when it is none (a test checks).
+        """
+        return {}
 
     def validate(self, config: Any, context: ValidationContext) -> None:
         """Raise ValueError if this optimization cannot apply; never touches the network."""

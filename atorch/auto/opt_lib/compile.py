@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional, Tuple, Type, Union
+from typing import Any, Dict, Optional, Tuple, Type, Union
 
 import torch
 from torch import nn
 
 from atorch.auto.model_context import ModelContext
-from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, register
+from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
 from atorch.utils.module_utils import modules_of_classes, resolve_module_classes
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,12 @@ class CompileOptimization(Optimization):
     def validate(self, config: CompileConfig, context: ValidationContext) -> None:
         if config.scope == "block" and context.model is not None:
             resolve_module_classes(context.model, config.wrap_cls, "compile: wrap_cls")
+
+    @classmethod
+    def cost_traits(cls, config: CompileConfig, context: CostContext) -> Dict[str, Any]:
+        # No modeled effect yet: inductor's gain depends on the model and device, and the search
+        # measures it in the dry run (benchmarks/RESULTS.md, "compile").
+        return {}
 
     @classmethod
     def describe_step(cls, config: CompileConfig) -> str:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from torch.nn.parallel import DistributedDataParallel
 
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._sharding import check_bool
-from atorch.auto.opt_lib.base import Optimization, Order, WrapperOrder, register
+from atorch.auto.opt_lib.base import CostContext, Optimization, Order, WrapperOrder, register
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,10 @@ class DdpOptimization(Optimization):
     @classmethod
     def syncs_gradients(cls, config: DdpConfig) -> bool:
         return True
+
+    @classmethod
+    def cost_traits(cls, config: DdpConfig, context: CostContext) -> Dict[str, Any]:
+        return {"ddp_wrap": True}
 
     def apply_wrapper(self, ctx: ModelContext, config: DdpConfig) -> None:
         if ctx.data_parallel_size() <= 1:

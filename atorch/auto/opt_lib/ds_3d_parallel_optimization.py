@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from atorch.auto.model_context import ModelContext
-from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, WrapperOrder, register
+from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, WrapperOrder, register
 from atorch.modules.pipeline.batches import batch_rows, hf_batch_fn, split_micro_batches
 from atorch.modules.pipeline.partition import plan_stages
 from atorch.modules.pipeline.patchers import (
@@ -174,6 +174,22 @@ class DeepSpeed3DParallelOptimization(Optimization):
     @classmethod
     def syncs_gradients(cls, config: DeepSpeed3DParallelConfig) -> bool:
         return True
+
+    @classmethod
+    def cost_traits(cls, config: DeepSpeed3DParallelConfig, context: CostContext) -> Dict[str, Any]:
+        # DeepSpeed's pipeline engine (ZeRO 0 or 1 over "data"), tensor parallel inside each stage,
+        # the micro-batch and accumulation steps of the resolved ds_config.
+        d, p = context.dims.get("data", 1), context.dims.get("pipeline", 1)
+        ds = resolve_ds_config(config.ds_config, d, p)
+        half = bool((ds.get("bf16") or {}).get("enabled")) or bool((ds.get("fp16") or {}).get("enabled"))
+        gas = ds["gradient_accumulation_steps"]
+        stage = (ds.get("zero_optimization") or {}).get("stage", 0)
+        out: Dict[str, Any] = {"sharding": "deepspeed", "zero_stage": stage,
+                               "pipeline_engine": "deepspeed", "tensor_parallel": True, "ddp_wrap": False,
+                               "accumulation_steps": gas, "pipeline_chunks": gas, "pipeline_schedule": "1f1b"}
+        if half:
+            out["compute_dtype_bytes"] = 2
+        return out
 
     def validate(self, config: DeepSpeed3DParallelConfig, context: ValidationContext) -> None:
         _check_fields(config)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from atorch.auto.model_context import ModelContext
-from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, register
+from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,10 @@ class Fp8Optimization(Optimization):
     name = "fp8"
     order = Order.FP8
     Config = Fp8Config
+
+    @classmethod
+    def cost_traits(cls, config: Fp8Config, context: CostContext) -> Dict[str, Any]:
+        return {"compute_dtype_bytes": 2, "fp8": True}
 
     def validate(self, config: Fp8Config, context: ValidationContext) -> None:
         # Config mistakes first: they are worth reporting whatever the hardware.

@@ -8,13 +8,13 @@ change nothing and is skipped (logged); a different dtype is a contradiction and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Dict
 
 import torch
 
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._precision import dtype_name, parse_half_dtype
-from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, register
+from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,11 @@ class HalfOptimization(Optimization):
     @classmethod
     def describe_config(cls, config: HalfConfig) -> str:
         return dtype_name(config.dtype)
+
+    @classmethod
+    def cost_traits(cls, config: HalfConfig, context: CostContext) -> Dict[str, Any]:
+        # Parameters, gradients and optimizer state all in the half dtype; no fp32 copy anywhere.
+        return {"compute_dtype_bytes": 2, "param_dtype_bytes": 2}
 
     @classmethod
     def parse_config(cls, raw: Any) -> HalfConfig:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from atorch.auto.model_context import ModelContext
-from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, register
+from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +146,11 @@ class LoraOptimization(Optimization):
     name = "lora"
     order = Order.LORA
     Config = LoraConfig
+
+    @classmethod
+    def cost_traits(cls, config: LoraConfig, context: CostContext) -> Dict[str, Any]:
+        # Frozen base weights: no gradients or optimizer state; only the adapters train.
+        return {"lora_rank": config.r, "lora_targets": config.target_modules}
 
     def validate(self, config: LoraConfig, context: ValidationContext) -> None:
         if not isinstance(config.r, int) or isinstance(config.r, bool) or config.r < 1:

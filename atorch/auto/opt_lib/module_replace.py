@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from torch import nn
 
 from atorch.auto.model_context import ModelContext
-from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, register
+from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
 from atorch.modules.fused import FusedRMSNorm, is_llama_style_rms_norm
 
 logger = logging.getLogger(__name__)
@@ -129,6 +129,11 @@ class ModuleReplaceOptimization(Optimization):
     name = "module_replace"
     order = Order.MODULE_REPLACE
     Config = ModuleReplaceConfig
+
+    @classmethod
+    def cost_traits(cls, config: ModuleReplaceConfig, context: CostContext) -> Dict[str, Any]:
+        # sdpa attention never materializes the b x heads x s x s matrix.
+        return {"fused_attention": bool(config.attention)}
 
     @classmethod
     def parse_config(cls, raw: Any) -> ModuleReplaceConfig:

@@ -7,13 +7,13 @@ is the `ddp` optimization, which `resolve_strategy` adds when nothing else reduc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
-from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, register
 from atorch.distributed.mesh import ParallelMesh
 from atorch.distributed.parallel_layout import ParallelLayout
+from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,12 @@ class ParallelModeOptimization(Optimization):
     name = "parallel_mode"
     order = Order.PARALLEL_MODE
     Config = ParallelModeConfig
+
+    @classmethod
+    def cost_traits(cls, config: ParallelModeConfig, context: CostContext) -> Dict[str, Any]:
+        # The layout; and DDP's flat gradient buckets when data > 1 and nothing else reduces gradients.
+        return {"data": context.dims.get("data", 1), "tensor": context.dims.get("tensor", 1),
+                "pipeline": context.dims.get("pipeline", 1), "ddp_wrap": True}
 
     @classmethod
     def parse_config(cls, raw: Any) -> ParallelModeConfig:

@@ -10,14 +10,14 @@ schedule step, averages gradients over "data" and steps the optimizer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from atorch.auto.model_context import ModelContext
-from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, WrapperOrder, register
 from atorch.distributed.parallel_layout import ParallelLayout
+from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, WrapperOrder, register
 from atorch.modules.pipeline.native import SCHEDULES, NativePipeline, build_stage_module, pipeline_train_step
 from atorch.modules.pipeline.partition import PARTITION_METHODS, plan_stages
 from atorch.modules.pipeline.patchers import CustomPatcher, expand_patcher, resolve_patcher
@@ -71,6 +71,13 @@ class PipelineParallelOptimization(Optimization):
     @classmethod
     def describe_step(cls, config: PipelineParallelConfig) -> str:
         return f"{cls.name}({config.schedule})"
+
+    @classmethod
+    def cost_traits(cls, config: PipelineParallelConfig, context: CostContext) -> Dict[str, Any]:
+        # Stage-local model states; the schedule averages gradients itself (no DDP buckets).
+        stages = context.dims.get("pipeline", 1)
+        return {"pipeline_engine": "native", "pipeline_chunks": config.chunks or stages,
+                "pipeline_schedule": config.schedule, "ddp_wrap": False}
 
     def validate(self, config: PipelineParallelConfig, context: ValidationContext) -> None:
         sizes = context.parallel_sizes()

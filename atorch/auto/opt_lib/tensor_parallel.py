@@ -8,12 +8,12 @@ config and hands it the tensor group and this rank's coordinates.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import torch.distributed as dist
 
 from atorch.auto.model_context import ModelContext
-from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, register
+from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
 from atorch.tensor_parallel import TPInfo, apply_tensor_parallel, validate_tensor_parallel
 
 
@@ -43,6 +43,11 @@ class TensorParallelOptimization(Optimization):
     requires = frozenset({"parallel_mode"})
     distributed_only = True
     Config = TensorParallelConfig
+
+    @classmethod
+    def cost_traits(cls, config: TensorParallelConfig, context: CostContext) -> Dict[str, Any]:
+        # Linears, embeddings and the head sharded over "tensor" (the size comes from parallel_mode).
+        return {"tensor_parallel": True}
 
     def validate(self, config: TensorParallelConfig, context: ValidationContext) -> None:
         if not isinstance(config.base_seed, int) or isinstance(config.base_seed, bool):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Dict
+from typing import Any, Dict
 
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -18,12 +18,12 @@ from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._sharding import (
     DEEPSPEED_CONFLICTS,
     build_deepspeed_engine,
-    describe_sharding,
     check_bool,
+    describe_sharding,
     prepare_deepspeed,
     validate_deepspeed,
 )
-from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, WrapperOrder, register
+from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, WrapperOrder, register
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,13 @@ class Zero1Optimization(Optimization):
     @classmethod
     def describe_step(cls, config: Zero1Config) -> str:
         return f"{cls.name}(deepspeed stage 1)" if config.use_ds_zero else f"{cls.name}(torch ZeroRedundancyOptimizer)"
+
+    @classmethod
+    def cost_traits(cls, config: Zero1Config, context: CostContext) -> Dict[str, Any]:
+        if config.use_ds_zero:
+            return {"sharding": "deepspeed", "zero_stage": 1, "ddp_wrap": False}
+        # ZeroRedundancyOptimizer: Adam state / data; DDP keeps full gradients and its buckets.
+        return {"sharding": "torch_zero1", "zero_stage": 1}
 
     def validate(self, config: Zero1Config, context: ValidationContext) -> None:
         # Torch ZeRO-1 with `ddp` is fine: it relies on DDP for gradient averaging either way.

@@ -1,0 +1,178 @@
+"""The cost model's per-rank memory against torch's own accounting, at scales this machine cannot run.
+
+Ground truth for one rank of an N-rank job, in one process and without memory:
+
+- the real Hugging Face Llama built under `FakeTensorMode` (shapes and dtypes, no storage);
+- the real atorch optimizations (`auto_accelerate` with the strategy) over torch's fake process
+  group (`atorch.testing.fake_distributed`), so FSDP2 shards, gathers and reduce-scatters as
+  it would on rank 0 of N;
+- `torch.distributed._tools` memory trackers over two training steps (forward, backward,
+  AdamW step; the second step is the one reported, with the optimizer state allocated):
+  `FSDPMemTracker` for FSDP2 (sharded/unsharded parameters and gradients, optimizer state,
+  activations, temporaries, all-gather/reduce-scatter buffers), `MemTracker` otherwise.
+
+Reported per configuration: model states (parameters, gradients and optimizer state held right
+after the second backward pass) and the step's peak, measured and predicted
+(`atorch.auto.cost_model.estimate`), and their ratio model/measured.
+
+    python benchmarks/memory_model.py                      # the table of benchmarks/RESULTS.md
+    python benchmarks/memory_model.py --models 1b --worlds 8 --strategies fsdp+amp
+    python benchmarks/memory_model.py --save m.json; python benchmarks/memory_model.py --load m.json  # re-predict
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Tuple
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from atorch.auto import auto_accelerate
+from atorch.auto.cost_model import estimate
+from atorch.testing.fake_distributed import fake_process_group
+
+GIB = 2 ** 30
+VOCAB = 32000
+
+# Public Llama-family shapes: TinyLlama-1.1B, OpenLLaMA-3B, Llama-2-7B.
+MODELS: Dict[str, Dict[str, int]] = {
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+               num_key_value_heads=4),
+    "3b": dict(hidden_size=3200, intermediate_size=8640, num_hidden_layers=26, num_attention_heads=32,
+               num_key_value_heads=32),
+    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=32),
+}
+# module_replace: the model runs sdpa attention (what Hugging Face picks by default), and the
+# cost model is told so (no b x heads x s^2 attention matrix).
+STRATEGIES: Dict[str, List[Any]] = {
+    "fsdp+amp": ["parallel_mode", "module_replace", "amp_native", "fsdp"],
+    "zero2+amp": ["parallel_mode", "module_replace", "amp_native", "zero2"],
+    "fsdp fp32": ["parallel_mode", "module_replace", "fsdp"],
+    "fsdp+amp+checkpoint": ["parallel_mode", "module_replace", "amp_native", "fsdp", "checkpoint"],
+}
+
+
+@dataclass
+class Row:
+    model: str
+    params_b: float
+    world: int
+    strategy: str
+    measured_states: float
+    predicted_states: float
+    measured_peak: float
+    predicted_peak: float
+    seconds: float
+
+
+def llama_config(name: str) -> LlamaConfig:
+    config = LlamaConfig(vocab_size=VOCAB, tie_word_embeddings=False, **MODELS[name])
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def _tracker(model: torch.nn.Module, optim: torch.optim.Optimizer, fsdp: bool) -> Any:
+    if fsdp:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        return FSDPMemTracker(model, optim)
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model, optim)
+    return tracker
+
+
+def _states(snapshot: Dict[Any, Dict[Any, int]]) -> int:
+    """Parameters, gradients and optimizer state in a tracker snapshot (sharded or not)."""
+    kinds = ("Sharded Param", "Unsharded Param", "Sharded Grad", "Unsharded Grad", "Parameter", "Gradient",
+             "OptState")
+    return sum(v for stats in snapshot.values() for k, v in stats.items()
+               if getattr(k, "value", k) in kinds)
+
+
+def predict(row: Row, micro_batch: int, seq: int) -> Row:
+    """`row` with the cost model's current predictions."""
+    config, strategy = llama_config(row.model), STRATEGIES[row.strategy]
+    predicted = estimate(config, strategy, micro_batch * row.world, seq, row.world, "cuda")
+    bd = predicted.breakdown
+    states = sum(bd.get(f"mem_{k}", 0.0) for k in ("params", "grads", "master", "optimizer"))
+    return dataclasses.replace(row, predicted_states=states, predicted_peak=predicted.peak_memory_bytes)
+
+
+def measure(model_name: str, world: int, strategy_name: str, micro_batch: int, seq: int) -> Row:
+    """One rank (rank 0) of `world` fake ranks: model states after backward, and the peak, in bytes."""
+    config, strategy = llama_config(model_name), STRATEGIES[strategy_name]
+    start = time.monotonic()
+    with fake_process_group(0, world):
+        mode = FakeTensorMode()
+        with mode:
+            model = LlamaForCausalLM(config)
+            ids = torch.randint(0, VOCAB, (micro_batch, seq))
+        num_params = sum(p.numel() for p in model.parameters())
+        # auto_accelerate runs outside the fake mode: its device mesh needs real tensors; the
+        # model's parameters stay fake, so every op on them is faked anyway.
+        ok, result, _ = auto_accelerate(model, optim_func=torch.optim.AdamW, optim_args={"lr": 1e-4},
+                                        load_strategy=strategy)
+        if not ok:
+            raise RuntimeError(f"auto_accelerate failed for {strategy_name}")
+        tracker = _tracker(result.model, result.optim, fsdp="fsdp" in strategy or "zero2" in strategy)
+        if hasattr(tracker, "track_inputs"):
+            tracker.track_inputs((ids,))
+        with mode, tracker:
+            for step in range(2):
+                loss = result.model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                if step == 1:
+                    states = _states(tracker.get_tracker_snapshot())
+                result.optim.step()
+                result.optim.zero_grad()
+                if step == 0:
+                    tracker.reset_mod_stats()
+        peak = max(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values())
+    row = Row(model_name, num_params / 1e9, world, strategy_name, states, 0.0, peak, 0.0, time.monotonic() - start)
+    return predict(row, micro_batch, seq)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="1b,3b,7b")
+    parser.add_argument("--worlds", default="8,64")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--save", help="write the measured rows to this JSON file")
+    parser.add_argument("--load", help="measure nothing: re-predict the rows of this JSON file")
+    args = parser.parse_args()
+    print(f"micro-batch {args.micro_batch} x seq {args.seq} per rank, AdamW, torch {torch.__version__}\n")
+    print("| model | params (B) | ranks | strategy | states measured GiB | model | ratio | peak measured GiB | model | "
+          "ratio | s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    cases: List[Tuple[str, int, str]] = [(m, int(w), s) for m in args.models.split(",")
+                                         for w in args.worlds.split(",") for s in args.strategies.split(",")]
+    if args.load:
+        with open(args.load) as f:
+            rows = (predict(Row(**raw), args.micro_batch, args.seq) for raw in json.load(f))
+    else:
+        rows = (measure(m, w, s, args.micro_batch, args.seq) for m, w, s in cases)
+    done = []
+    for r in rows:
+        done.append(dataclasses.asdict(r))
+        print(f"| {r.model} | {r.params_b:.2f} | {r.world} | {r.strategy} | {r.measured_states / GIB:.2f} | "
+              f"{r.predicted_states / GIB:.2f} | {r.predicted_states / r.measured_states:.3f} | "
+              f"{r.measured_peak / GIB:.2f} | {r.predicted_peak / GIB:.2f} | "
+              f"{r.predicted_peak / r.measured_peak:.3f} | {r.seconds:.0f} |", flush=True)
+        if args.save:
+            with open(args.save, "w") as f:
+                json.dump(done, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

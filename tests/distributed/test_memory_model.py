@@ -1,0 +1,132 @@
+"""The cost model's per-rank memory against what each backend really holds, on 2 gloo ranks.
+
+One spawn builds every backend through `auto_accelerate` (DDP, half, torch ZeRO-1, FSDP2
+with and without resharding, FSDP2 mixed precision, FSDP2 CPU offload, DeepSpeed ZeRO 1/2/3
+in bf16, LoRA, tensor parallel, the native pipeline) and measures, right after the second
+backward pass (optimizer state allocated, gradients present, activations freed), the bytes a
+rank holds with the storage accounting of `PeakMemoryTracker.live_bytes` (a TorchDispatchMode
+over torch's tensor storages): every tensor storage created since before the model was built
+and still alive (storages FSDP2 frees by resizing them to 0 count as freed) -- parameters,
+gradients, optimizer state, DeepSpeed's flat buffers and master partitions, DDP's buckets (which
+no Python object exposes).
+
+That is compared with `cost_model.resident_bytes` of the prediction for that strategy. And
+for every backend, the parameters and optimizer state reachable from the model and optimizer
+(local shards, ZeRO-3 partitions, DeepSpeed's fp32 master partitions) are compared with the
+predicted parameters + master weights + optimizer state: DeepSpeed ZeRO-3's 1 GB reduce buffer
+would otherwise hide its model states. Tolerance 10% (the issue's bound); what is left over is
+the tokens of the dataset and small bookkeeping tensors (about 20 KB against 0.4-4 MB).
+"""
+
+from typing import Any, Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from atorch.auto import auto_accelerate
+from atorch.auto.cost_model import estimate, resident_bytes
+from atorch.auto.model_context import call_model
+from atorch.testing import run_distributed, tiny_llama
+from atorch.testing.parity import TokenDataset
+from atorch.utils.memory import memory_breakdown
+from atorch.utils.peak_memory import PeakMemoryTracker
+
+WORLD, BATCH, SEQ = 2, 8, 32
+TOLERANCE = 0.10
+TP2 = ("parallel_mode", ([("tensor", 2), ("data", 1)], None))
+PP2 = ("parallel_mode", ([("data", 1), ("pipeline", 2)], None))
+BACKENDS: Dict[str, List[Any]] = {
+    "ddp": ["parallel_mode"],
+    "ddp+half": ["parallel_mode", "half"],
+    "zero1 (torch)": ["parallel_mode", "zero1"],
+    "zero2 (fsdp2)": ["parallel_mode", "zero2"],
+    "fsdp2+amp": ["parallel_mode", "amp_native", "fsdp"],
+    "fsdp2 cpu_offload": ["parallel_mode", ("fsdp", {"cpu_offload": True})],
+    "deepspeed zero1 bf16": ["amp_native", ("zero1", {"use_ds_zero": True})],
+    "deepspeed zero2 bf16": ["amp_native", ("zero2", {"use_ds_zero": True})],
+    "deepspeed zero3 bf16": ["amp_native", ("fsdp", {"use_ds_zero": True})],
+    "lora+ddp": ["parallel_mode", "lora"],
+    "tensor parallel": [TP2, "tensor_parallel"],
+    "pipeline": [PP2, "pipeline_parallel"],
+}
+
+
+def _measure(strategy: List[Any]) -> Dict[str, float]:
+    """Bytes this rank holds after the second backward pass, and what the cost model predicts."""
+    with PeakMemoryTracker(torch.device("cpu")) as tracker:
+        model = tiny_llama(seed=0)
+        predicted = estimate(model, strategy, BATCH, SEQ, WORLD, "cpu")
+        status, result, _ = auto_accelerate(
+            model, optim_func=torch.optim.AdamW, dataset=TokenDataset(seq_len=SEQ), optim_args={"lr": 1e-3},
+            model_input_format="unpack_dict", dataloader_args={"batch_size": BATCH}, load_strategy=strategy)
+        del model
+        assert status
+        engine, pipeline = result.args.get("engine"), result.args.get("pipeline")
+        batches = iter(result.dataloader)
+        for _ in range(2):
+            batch = result.prepare_input(next(batches))
+            if pipeline is not None:
+                pipeline.forward_backward(batch)
+            else:
+                output = call_model(result.model, batch, "unpack_dict")
+                loss = result.loss_func(batch, output)
+                del output
+                engine.backward(loss) if engine is not None else loss.backward()
+                del loss
+            live = tracker.live_bytes
+            module = engine.module if engine is not None else result.model
+            reachable = memory_breakdown(module, engine.optimizer if engine is not None else result.optim)
+            if engine is not None:
+                engine.step()
+            else:
+                result.optim.step()
+                result.optim.zero_grad(set_to_none=True)
+        if engine is not None:
+            engine.destroy()
+        del result, engine, pipeline, batches, batch
+    dist.barrier()
+    breakdown = {k[len("mem_"):]: v for k, v in predicted.breakdown.items() if k.startswith("mem_")}
+    return {"measured": live,
+            "predicted": resident_bytes(breakdown), "reachable": reachable.as_dict(),
+            "measured_params_and_optimizer": reachable.param_bytes + reachable.optim_state_bytes,
+            "predicted_params_and_optimizer": sum(breakdown.get(k, 0.0) for k in ("params", "master", "optimizer"))}
+
+
+def _measure_all() -> Dict[str, Dict[str, float]]:
+    return {name: _measure(strategy) for name, strategy in BACKENDS.items()}
+
+
+@pytest.fixture(scope="module")
+def per_rank() -> List[Dict[str, Dict[str, float]]]:
+    return run_distributed(_measure_all, WORLD, timeout=900)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_resident_memory_within_10_percent_of_measured(backend, per_rank):
+    for rank, results in enumerate(per_rank):
+        r = results[backend]
+        ratio = r["predicted"] / r["measured"]
+        print(f"| {backend} | {rank} | {r['measured']:.0f} | {r['predicted']:.0f} | {ratio:.3f} |")   # pytest -s
+        assert abs(ratio - 1) <= TOLERANCE, (f"{backend} rank {rank}: predicted {r['predicted']:.0f} B, measured "
+                                             f"{r['measured']:.0f} B (ratio {ratio:.3f}); reachable {r['reachable']}")
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_parameters_and_optimizer_state_within_10_percent(backend, per_rank):
+    for rank, results in enumerate(per_rank):
+        r = results[backend]
+        measured, predicted = r["measured_params_and_optimizer"], r["predicted_params_and_optimizer"]
+        assert abs(predicted / measured - 1) <= TOLERANCE, (backend, rank, predicted, measured, r["reachable"])
+
+
+@pytest.mark.heavy
+def test_deepspeed_stage1_holds_only_its_gradient_partition(per_rank):
+    # DeepSpeed's stage-1 optimizer copies each reduced bucket's slice into one partition buffer,
+    # so after backward it holds what stage 2 holds (the model's assumption; the ZeRO paper's
+    # P_os column assumes whole gradients).
+    for results in per_rank:
+        stage1, stage2 = results["deepspeed zero1 bf16"]["measured"], results["deepspeed zero2 bf16"]["measured"]
+        assert abs(stage1 - stage2) <= 0.01 * stage2, (stage1, stage2)
