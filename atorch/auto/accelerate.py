@@ -17,10 +17,11 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from atorch import distributed as adist
-from atorch.auto.model_context import ModelContext, call_model, default_loss_func, default_prepare_input, first_loss
+from atorch.auto.model_context import ModelContext, default_loss_func, default_prepare_input, first_loss
 from atorch.auto.opt_lib.base import ValidationContext
 from atorch.auto.opt_lib.resolve import resolve_strategy
 from atorch.auto.strategy import Strategy, StrategyLike
+from atorch.auto.train_step import train_step  # noqa: F401 - re-exported: atorch.auto.accelerate.train_step
 
 logger = logging.getLogger(__name__)
 
@@ -178,31 +179,6 @@ def _result(ctx: ModelContext) -> AutoAccelerateResult:
     }
     model = ctx.engine if ctx.engine is not None else ctx.model
     return AutoAccelerateResult(model, ctx.optim, ctx.dataloader, loss_func, prepare_input, ctx.lr_scheduler, args)
-
-
-def train_step(result: AutoAccelerateResult, batch: Any) -> torch.Tensor:
-    """One optimizer step on `batch` for any strategy: forward, loss, backward, step, zero_grad.
-
-    Plain loops (`loss.backward(); optim.step()`) work too; this helper also drives
-    DeepSpeed engines, which need `engine.backward` / `engine.step`.
-    """
-    custom_step = result.args.get("train_step")
-    if custom_step is not None:  # pipeline schedules/engines (pipeline_parallel, deepspeed_3d_parallel) step themselves
-        return custom_step(result, batch)
-    batch = result.prepare_input(batch)
-    output = call_model(result.model, batch, result.args["model_input_format"])
-    loss = result.loss_func(batch, output)
-    engine = result.args.get("engine")
-    if engine is not None:
-        engine.backward(loss)
-        engine.step()
-    else:
-        loss.backward()
-        result.optim.step()
-        result.optim.zero_grad(set_to_none=True)
-        if result.lr_scheduler is not None:
-            result.lr_scheduler.step()
-    return loss.detach()
 
 
 def env_int(name: str, default: int) -> int:

@@ -87,6 +87,7 @@ class ModelContext:
     autocast_by_wrapper: bool = False
     loss_scaling_by_wrapper: bool = False
     engine: Any = None                                 # a DeepSpeed engine, when one drives training
+    gradient_accumulation_steps: int = 1               # gradient_accumulation: micro-batches per optimizer step
     # Applied to the loss the result's loss_func returns (e.g. gradient scaling for fp16).
     loss_transforms: List[Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=list)
     applied: List[str] = field(default_factory=list)   # names, in application order

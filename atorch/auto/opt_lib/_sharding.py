@@ -140,11 +140,13 @@ def deepspeed_config(ctx: ModelContext, stage: int) -> Dict[str, Any]:
     dp = ctx.data_parallel_size()
     global_batch = ctx.dataloader_args.get("batch_size")
     # DeepSpeed insists on a batch size; without a dataloader it only feeds its throughput logs.
-    micro = max(1, global_batch // dp) if global_batch else 1
+    # train_step sets the accumulation boundary itself; these keep DeepSpeed's bookkeeping true.
+    gas = ctx.gradient_accumulation_steps
+    micro = max(1, global_batch // dp // gas) if global_batch else 1
     config: Dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": micro * dp,
+        "gradient_accumulation_steps": gas,
+        "train_batch_size": micro * dp * gas,
         "zero_optimization": {"stage": stage},
         # The user's torch optimizer is passed as DeepSpeed's "client optimizer", so the update
         # rule is exactly the one asked for; DeepSpeed warns about it unless told it is intended.

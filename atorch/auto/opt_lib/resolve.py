@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, List
+from typing import Any, List, Optional
 
-from atorch.auto.opt_lib.base import Optimization, ValidationContext, canonical_name, get_optimization
+from atorch.auto.opt_lib.base import Optimization, Registry, ValidationContext, default_registry
 from atorch.auto.strategy import Strategy, StrategyItem
 
 logger = logging.getLogger(__name__)
@@ -28,12 +28,16 @@ class ResolvedOptimization:
         return self.optimization.name
 
 
-def resolve_strategy(strategy: Strategy, context: ValidationContext) -> List[ResolvedOptimization]:
+def resolve_strategy(strategy: Strategy, context: ValidationContext,
+                     registry: Optional[Registry] = None) -> List[ResolvedOptimization]:
     """Validate `strategy` against the registry and return it in application order.
 
     A missing `parallel_mode` is added (all ranks data-parallel); an item repeated with the
     same config is dropped with a log line; anything else questionable raises ValueError.
+    `registry` defaults to every registered optimization.
     """
+    registry = registry if registry is not None else default_registry()
+    canonical_name, get_optimization = registry.canonical_name, registry.get
     seen: dict = {}
     resolved: List[ResolvedOptimization] = []
     for item in strategy:
@@ -75,10 +79,10 @@ def resolve_strategy(strategy: Strategy, context: ValidationContext) -> List[Res
     return sorted(resolved, key=lambda r: type(r.optimization).order)
 
 
-def is_valid_strategy(strategy: Strategy, context: ValidationContext) -> bool:
+def is_valid_strategy(strategy: Strategy, context: ValidationContext, registry: Optional[Registry] = None) -> bool:
     """True when `resolve_strategy` accepts it (for the planner's candidate filtering)."""
     try:
-        resolve_strategy(strategy, context)
+        resolve_strategy(strategy, context, registry)
     except ValueError:
         return False
     return True
