@@ -6,10 +6,11 @@ so DeepSpeed is imported only inside the functions that build an engine.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, Optional, Sequence, Tuple, Type, Union
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
@@ -103,6 +104,11 @@ def shard_with_fsdp2(ctx: ModelContext, who: str, *, wrap_cls: Optional[Sequence
 
 
 # -- DeepSpeed ZeRO -------------------------------------------------------------------------
+def deepspeed_installed() -> bool:
+    """Whether DeepSpeed can be imported (found without importing it: that takes seconds)."""
+    return importlib.util.find_spec("deepspeed") is not None
+
+
 def validate_deepspeed(who: str, context: ValidationContext, cpu_offload: bool = False,
                        wrap_cls: Optional[Sequence[ClassSpec]] = None) -> None:
     """What DeepSpeed ZeRO here cannot do, raised before any process group work."""
@@ -217,6 +223,17 @@ class Fsdp2ShardingOptimization(Optimization):
     order = Order.SHARDING
     reshard_after_forward: ClassVar[bool]
     deepspeed_stage: ClassVar[int]
+
+    @classmethod
+    def search_choices(cls, context: ValidationContext) -> List[Any]:
+        """torch FSDP2; with CPU offload where there is a device to offload from; DeepSpeed's stage
+        where DeepSpeed is installed."""
+        out: List[Any] = [None, cls.name]
+        if context.device_type == "cuda":
+            out.append((cls.name, {"cpu_offload": True}))
+        if deepspeed_installed():
+            out.append((cls.name, {"use_ds_zero": True}))
+        return out
 
     def validate(self, config: Fsdp2ShardingConfig, context: ValidationContext) -> None:
         if config.use_ds_zero:

@@ -123,6 +123,7 @@ class AmpNativeOptimization(Optimization):
     name = "amp_native"
     order = Order.AMP
     Config = AmpNativeConfig
+    search_dimension = "amp"   # offered: off, or bf16 (the default config; fp16 needs loss scaling)
 
     @classmethod
     def parse_config(cls, raw: Any) -> AmpNativeConfig:

@@ -201,6 +201,7 @@ class CheckpointOptimization(Optimization):
     order = Order.CHECKPOINT
     tunable = True
     Config = CheckpointConfig
+    search_dimension = "checkpoint"
 
     def validate(self, config: CheckpointConfig, context: ValidationContext) -> None:
         if context.model is not None:

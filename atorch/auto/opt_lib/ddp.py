@@ -43,6 +43,7 @@ class DdpOptimization(Optimization):
     # (zero1 with use_ds_zero=True is refused by zero1's validation: it depends on the config.)
     conflicts = frozenset({"fsdp", "zero2"})
     Config = DdpConfig
+    search_dimension = None   # parallel_mode already wraps in DDP when nothing shards
 
     def apply_wrapper(self, ctx: ModelContext, config: DdpConfig) -> None:
         if ctx.data_parallel_size() <= 1:

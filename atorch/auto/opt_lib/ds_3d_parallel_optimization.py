@@ -168,6 +168,7 @@ class DeepSpeed3DParallelOptimization(Optimization):
                            "half", "fp8"})
     distributed_only = False  # one process is a valid (1, 1, 1) layout, handy for debugging
     Config = DeepSpeed3DParallelConfig
+    search_dimension = None   # driven by the user's ds_config (batch split, precision, ZeRO stage)
 
     def validate(self, config: DeepSpeed3DParallelConfig, context: ValidationContext) -> None:
         _check_fields(config)

@@ -146,6 +146,7 @@ class LoraOptimization(Optimization):
     # which peft cannot adapt; refused here rather than failing halfway through apply.
     conflicts = frozenset({"tensor_parallel"})
     Config = LoraConfig
+    search_dimension = None   # it changes what is trained; a user's choice, not a speed-up
 
     def validate(self, config: LoraConfig, context: ValidationContext) -> None:
         if not isinstance(config.r, int) or isinstance(config.r, bool) or config.r < 1:

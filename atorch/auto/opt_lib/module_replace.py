@@ -130,6 +130,7 @@ class ModuleReplaceOptimization(Optimization):
     order = Order.MODULE_REPLACE
     tunable = True
     Config = ModuleReplaceConfig
+    search_dimension = "module_replace"
 
     @classmethod
     def parse_config(cls, raw: Any) -> ModuleReplaceConfig:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from torch.nn.parallel import DistributedDataParallel
 
@@ -26,6 +26,12 @@ class ParallelModeOptimization(Optimization):
     name = "parallel_mode"
     order = Order.PARALLEL_MODE
     Config = ParallelModeConfig
+    search_dimension = "parallel"
+
+    @classmethod
+    def search_choices(cls, context: ValidationContext) -> List[Any]:
+        """Every rank data-parallel: the first choice of the layout dimension (always taken)."""
+        return [(cls.name, ([("data", context.world_size)], None))]
 
     @classmethod
     def parse_config(cls, raw: Any) -> ParallelModeConfig:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 from atorch.auto.opt_lib.base import Optimization, Registry, ValidationContext, default_registry
 from atorch.auto.strategy import Strategy, StrategyItem
@@ -28,13 +28,17 @@ class ResolvedOptimization:
         return self.optimization.name
 
 
-def resolve_strategy(strategy: Strategy, context: ValidationContext,
-                     registry: Optional[Registry] = None) -> List[ResolvedOptimization]:
+# validate(optimization, config, context): how each optimization's `validate` is called (e.g. memoized).
+Validator = Callable[[Optimization, Any, ValidationContext], None]
+
+
+def resolve_strategy(strategy: Strategy, context: ValidationContext, registry: Optional[Registry] = None,
+                     validate: Optional[Validator] = None) -> List[ResolvedOptimization]:
     """Validate `strategy` against the registry and return it in application order.
 
     A missing `parallel_mode` is added (all ranks data-parallel); an item repeated with the
     same config is dropped with a log line; anything else questionable raises ValueError.
-    `registry` defaults to every registered optimization.
+    `registry` defaults to every registered optimization; `validate` to calling each one's `validate`.
     """
     registry = registry if registry is not None else default_registry()
     canonical_name, get_optimization = registry.canonical_name, registry.get
@@ -75,7 +79,10 @@ def resolve_strategy(strategy: Strategy, context: ValidationContext,
     context.configs = dict(seen)
     context.strategy = Strategy(r.item for r in resolved)
     for r in resolved:
-        r.optimization.validate(r.config, context)
+        if validate is None:
+            r.optimization.validate(r.config, context)
+        else:
+            validate(r.optimization, r.config, context)
     return sorted(resolved, key=lambda r: type(r.optimization).order)
 
 

@@ -10,7 +10,7 @@ over the "data" group.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,15 @@ class TensorParallelOptimization(Optimization):
     requires = frozenset({"parallel_mode"})
     distributed_only = True
     Config = TensorParallelConfig
+    search_dimension = "parallel"
+
+    @classmethod
+    def search_choices(cls, context: ValidationContext) -> List[Any]:
+        """A tensor split of every size dividing the world (validation drops those the model's
+        heads and widths do not divide), the rest data-parallel."""
+        w = context.world_size
+        return [[("parallel_mode", ([("tensor", t), ("data", w // t)], None)), cls.name]
+                for t in range(2, w + 1) if w % t == 0]
 
     def validate(self, config: TensorParallelConfig, context: ValidationContext) -> None:
         if not isinstance(config.base_seed, int) or isinstance(config.base_seed, bool):

@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any, List
 
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
-from atorch.auto.opt_lib._sharding import build_deepspeed_engine, check_bool, prepare_deepspeed, validate_deepspeed
+from atorch.auto.opt_lib._sharding import (
+    build_deepspeed_engine,
+    check_bool,
+    deepspeed_installed,
+    prepare_deepspeed,
+    validate_deepspeed,
+)
 from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, register
 
 
@@ -35,6 +42,12 @@ class Zero1Optimization(Optimization):
     # Each of these already shards the optimizer state (and more).
     conflicts = frozenset({"zero2", "fsdp"})
     Config = Zero1Config
+    search_dimension = "zero"
+
+    @classmethod
+    def search_choices(cls, context: ValidationContext) -> List[Any]:
+        """torch's ZeroRedundancyOptimizer, and DeepSpeed's stage 1 where DeepSpeed is installed."""
+        return [None, cls.name, *([(cls.name, {"use_ds_zero": True})] if deepspeed_installed() else [])]
 
     def validate(self, config: Zero1Config, context: ValidationContext) -> None:
         # Torch ZeRO-1 with `ddp` is fine: it relies on DDP for gradient averaging either way.
