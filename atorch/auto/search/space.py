@@ -34,7 +34,10 @@ class Candidate:
     choices: Tuple[int, ...]         # index of the chosen option per dimension
 
     def label(self) -> str:
-        return self.strategy.describe()
+        """`Strategy.describe()` plus each item's config where one is set, so that candidates
+        differing only in a config (zero2 on torch or DeepSpeed, the accumulation steps) have
+        different labels in the trial table."""
+        return "+".join(choice_label(item) for item in self.strategy)
 
 
 def choice_items(choice: Choice) -> List[StrategyItem]:
