@@ -11,7 +11,8 @@ losses that follow.
 Tolerance rel 1e-5, fp32: the micro-batch losses are means over equal row counts, so the
 accumulated gradient is the full-batch mean gradient up to the summation order (observed
 differences ~1e-7, as in test_opt_parity.py); the norm is the same sum of squares over
-shards, reduced in another order. One spawn runs every strategy.
+shards, reduced in another order. One spawn of 2 ranks runs every strategy; a second of 4 ranks
+(marked heavy) runs the 2D layouts, tensor parallel x FSDP2 and x DDP.
 """
 
 from __future__ import annotations
@@ -110,13 +111,31 @@ def _train(strategy: List[Any]) -> Dict[str, Any]:
     return out
 
 
+# 2D on 4 ranks: tensor-parallel slices inside FSDP2 shards (a gradient reduced over both groups), and
+# tensor parallelism under DDP (replicated over "data", sliced over "tensor").
+TWO_D = ("parallel_mode", ([("tensor", 2), ("data", 2)], None))
+STRATEGIES_2D: Dict[str, List[Any]] = {
+    "tensor x fsdp": [GA, TWO_D, "tensor_parallel", "fsdp"],
+    "tensor x ddp": [GA, TWO_D, "tensor_parallel"],
+}
+
+
 def _train_all() -> Dict[str, Dict[str, Any]]:
     return {name: _train(strategy) for name, strategy in STRATEGIES.items()}
+
+
+def _train_all_2d() -> Dict[str, Dict[str, Any]]:
+    return {name: _train(strategy) for name, strategy in STRATEGIES_2D.items()}
 
 
 @pytest.fixture(scope="module")
 def runs():
     return run_distributed(_train_all, WORLD, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def runs_2d():
+    return run_distributed(_train_all_2d, 4, timeout=600)
 
 
 def test_reference_clips_every_step():
@@ -126,6 +145,16 @@ def test_reference_clips_every_step():
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_accumulated_and_clipped_step_matches_one_plain_step(name, runs):
+    _check(name, runs)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("name", list(STRATEGIES_2D))
+def test_2d_accumulated_and_clipped_step_matches_one_plain_step(name, runs_2d):
+    _check(name, runs_2d)
+
+
+def _check(name: str, runs: List[Dict[str, Dict[str, Any]]]) -> None:
     losses, norms = reference()
     for rank, per_rank in enumerate(runs):
         run = per_rank[name]
