@@ -305,7 +305,10 @@ class LearningPredictor:
 
     `base` must return estimates with the cost model's breakdown (time_compute, time_overhead,
     time_communication), e.g. `cost_model_predictor(...)` with probed constants. Before any
-    observation it predicts exactly what `base` does.
+    observation it predicts exactly what `base` does; the returned breakdown holds the weighted
+    components. A search uses it by calling `observe(strategy, global_batch / throughput)` after
+    each successful dry run and predicting the remaining candidates again (base estimates are
+    cached, so that costs three multiplications per candidate).
     """
 
     def __init__(self, base: Predictor, prior_strength: float = 0.1) -> None:
@@ -330,7 +333,8 @@ class LearningPredictor:
         if not x.any():
             return est
         step = float(x @ self.weights)
-        return Estimate(est.peak_memory_bytes, step, {**est.breakdown, "time_weights": tuple(self.weights)})
+        weighted = {k: float(est.breakdown.get(k, 0.0)) * float(w) for k, w in zip(COMPONENTS, self.weights)}
+        return Estimate(est.peak_memory_bytes, step, {**est.breakdown, **weighted})
 
     def observe(self, strategy: StrategyLike, measured_step_time_s: float) -> None:
         """Record a measured step time (seconds per optimizer step) and refit. A repeated strategy
