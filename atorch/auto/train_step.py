@@ -1,38 +1,371 @@
-"""`train_step(result, batch)`: one optimizer step for any strategy.
+"""`train_step`: one optimizer step of any strategy, with gradient accumulation and clipping.
 
-Forward, loss, backward, step, zero_grad -- through the DeepSpeed engine when one drives
-training, and through the pipeline schedule when a pipeline optimization set its own step.
+Gradient accumulation splits the per-rank batch the dataloader yields into `k` equal
+micro-batches (rather than consuming `k` consecutive batches), so the *global* batch per
+optimizer step stays `dataloader_args["batch_size"]` whatever `k` is: the search can trade
+micro-batch size (activation memory) against steps without changing the training, and the
+dry runner's throughput (global batch x steps / seconds) means the same for every `k`.
+Each micro-batch loss is divided by `k`, so the accumulated gradient is the mean of the
+micro-batch means, which is the full-batch mean when the loss is a mean over equally many
+rows or tokens per micro-batch (the same convention as DeepSpeed and accelerate).
+
+Gradient sync is skipped on the non-final micro-steps where the wrapper allows it: DDP
+`no_sync()`, FSDP2 `set_requires_gradient_sync(False)`; DeepSpeed engines get their
+accumulation boundary set explicitly (ZeRO-1 then reduces once per step; ZeRO-2/3 reduce into
+partitions as they go, which is DeepSpeed's own design). The native pipeline averages over
+"data" inside each schedule step, so it syncs every micro-step.
+
+Clipping (`max_grad_norm`) uses the true global norm: each gradient's local square sum is
+reduced over exactly the groups it is sharded over (FSDP2/DTensor shard dims, atorch's
+tensor-parallel layers, pipeline stages) and counted once where it is replicated (DDP, the
+replicated norms of tensor parallelism, the second copy of a tied embedding/head), then every
+local gradient is scaled as `torch.nn.utils.clip_grad_norm_` would. DeepSpeed engines clip in
+their own `step()` with the value set here.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from atorch.auto.model_context import call_model
 from atorch.auto.result import AutoAccelerateResult
 
+__all__ = ["StepStats", "clip_grad_norm_", "split_batch", "train_step", "train_step_stats"]
 
-def train_step(result: AutoAccelerateResult, batch: Any) -> torch.Tensor:
-    """One optimizer step on `batch` for any strategy: forward, loss, backward, step, zero_grad.
 
-    Plain loops (`loss.backward(); optim.step()`) work too; this helper also drives
-    DeepSpeed engines, which need `engine.backward` / `engine.step`.
+@dataclass(frozen=True)
+class StepStats:
+    """What one optimizer step did."""
+
+    loss: torch.Tensor                  # mean of the micro-batch losses (detached)
+    grad_norm: Optional[torch.Tensor]   # global gradient norm before clipping; None when not clipped
+    micro_batches: int
+
+
+def train_step(result: AutoAccelerateResult, batch: Any, *, gradient_accumulation_steps: Optional[int] = None,
+               max_grad_norm: Optional[float] = None) -> torch.Tensor:
+    """One optimizer step on `batch` for any strategy; returns the (detached) loss.
+
+    `gradient_accumulation_steps`: micro-batches the per-rank `batch` is split into (default:
+    what the `gradient_accumulation` optimization chose, else 1). `max_grad_norm`: clip the
+    global gradient norm to this value before the step (default: no clipping). Plain loops
+    (`loss.backward(); optim.step()`) work too; this helper also drives DeepSpeed engines and
+    pipeline schedules, which step themselves.
     """
-    if result.custom_train_step is not None:  # pipeline schedules/engines step themselves
-        return result.custom_train_step(result, batch)
-    batch = result.prepare_input(batch)
-    output = call_model(result.model, batch, result.model_input_format)
-    loss = result.loss_func(batch, output)
+    return train_step_stats(result, batch, gradient_accumulation_steps=gradient_accumulation_steps,
+                            max_grad_norm=max_grad_norm).loss
+
+
+def train_step_stats(result: AutoAccelerateResult, batch: Any, *, gradient_accumulation_steps: Optional[int] = None,
+                     max_grad_norm: Optional[float] = None) -> StepStats:
+    """`train_step`, also returning the gradient norm it clipped (see `StepStats`)."""
+    steps = _accumulation_steps(result, gradient_accumulation_steps)
+    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+                                      or not max_grad_norm > 0):
+        raise ValueError(f"train_step: max_grad_norm={max_grad_norm!r} must be a number > 0, or None for no clipping")
+    if result.pipeline is not None:
+        return _pipeline_step(result, result.pipeline, batch, steps, max_grad_norm)
+    if result.custom_train_step is not None:  # engines with their own schedule (deepspeed_3d_parallel)
+        return _custom_step(result, result.custom_train_step, batch, steps, max_grad_norm)
     engine = result.engine
     if engine is not None:
-        engine.backward(loss)
-        engine.step()
-    else:
-        loss.backward()
-        result.optim.step()
-        result.optim.zero_grad(set_to_none=True)
-        if result.lr_scheduler is not None:
-            result.lr_scheduler.step()
-    return loss.detach()
+        return _deepspeed_step(result, engine, batch, steps, max_grad_norm)
+    return _plain_step(result, batch, steps, max_grad_norm)
+
+
+# -- micro-batches ----------------------------------------------------------------------------
+
+def _accumulation_steps(result: AutoAccelerateResult, requested: Optional[int]) -> int:
+    if requested is None:
+        requested = result.gradient_accumulation_steps
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        raise ValueError(f"train_step: gradient_accumulation_steps={requested!r} must be an integer >= 1")
+    return requested
+
+
+def batch_rows(batch: Any) -> Optional[int]:
+    """Rows of the first tensor (dim >= 1) found in a (nested) batch; None when it holds none."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() >= 1 else None
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for value in values:
+        rows = batch_rows(value)
+        if rows is not None:
+            return rows
+    return None
+
+
+def split_batch(batch: Any, num: int) -> List[Any]:
+    """Split a (nested) batch into `num` equal micro-batches along dim 0 of its tensors.
+
+    Tensors whose first dimension is the batch's row count are split; anything else
+    (scalars, strings, per-batch settings) is shared by every micro-batch.
+    """
+    if num == 1:
+        return [batch]
+    rows = batch_rows(batch)
+    if rows is None:
+        raise ValueError(f"train_step: gradient_accumulation_steps={num} needs a batch of tensors to split, got "
+                         f"{type(batch).__name__} without any")
+    if rows % num != 0:
+        raise ValueError(f"train_step: the per-rank batch of {rows} rows does not split into "
+                         f"gradient_accumulation_steps={num} equal micro-batches; use a global batch size that is a "
+                         f"multiple of {num} x the data-parallel size")
+    size = rows // num
+    return [_slice(batch, rows, i * size, (i + 1) * size) for i in range(num)]
+
+
+def _slice(batch: Any, rows: int, start: int, stop: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop] if batch.dim() >= 1 and batch.shape[0] == rows else batch
+    if isinstance(batch, dict):
+        return type(batch)({k: _slice(v, rows, start, stop) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_slice(v, rows, start, stop) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_slice(v, rows, start, stop) for v in batch)
+    return batch
+
+
+# -- plain models, DDP, FSDP2, tensor parallel ------------------------------------------------
+
+def _no_sync(model: nn.Module, final: bool) -> contextlib.AbstractContextManager:
+    """Skip the gradient reduction of a non-final micro-step where the wrapper allows it."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(final)   # recursive: every FSDP unit below the root
+        return contextlib.nullcontext()
+    if isinstance(model, DistributedDataParallel) and not final:
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def _plain_step(result: AutoAccelerateResult, batch: Any, steps: int, max_grad_norm: Optional[float]) -> StepStats:
+    model = result.model
+    fmt = result.model_input_format
+    losses: List[torch.Tensor] = []
+    for i, micro in enumerate(split_batch(batch, steps)):
+        micro = result.prepare_input(micro)
+        with _no_sync(model, final=i == steps - 1):
+            loss = result.loss_func(micro, call_model(model, micro, fmt))
+            (loss / steps if steps > 1 else loss).backward()
+        losses.append(loss.detach())
+    norm = None
+    if max_grad_norm is not None:
+        _unscale_for_clipping(result.optim)
+        norm = clip_grad_norm_(result, max_grad_norm)
+    result.optim.step()
+    result.optim.zero_grad(set_to_none=True)
+    if result.lr_scheduler is not None:
+        result.lr_scheduler.step()
+    return StepStats(_mean(losses), norm, steps)
+
+
+def _unscale_for_clipping(optim: Any) -> None:
+    """fp16 amp: divide the gradients by the loss scale before measuring them (once per step)."""
+    scaler = getattr(optim, "scaler", None)
+    inner = getattr(optim, "optimizer", None)
+    if scaler is not None and inner is not None and scaler.is_enabled():
+        scaler.unscale_(inner)   # the scaler remembers it, so its step() does not unscale twice
+
+
+def _mean(losses: Sequence[torch.Tensor]) -> torch.Tensor:
+    return losses[0] if len(losses) == 1 else torch.stack([l.float() for l in losses]).mean()
+
+
+# -- DeepSpeed engines (use_ds_zero) ----------------------------------------------------------
+
+def set_deepspeed_clipping(engine: Any, max_grad_norm: Optional[float]) -> None:
+    """Make the engine clip at `max_grad_norm` (0: off) in its own `step()`.
+
+    DeepSpeed reads `gradient_clipping` from its config when it builds its optimizer wrapper
+    (ZeRO-1/2/3, bf16, pipeline engines keep it as `clip_grad`) and from the config for plain
+    fp32 steps; both are read at every step, so setting both takes effect at the next step.
+    """
+    value = float(max_grad_norm or 0.0)
+    engine._config.gradient_clipping = value
+    if hasattr(engine.optimizer, "clip_grad"):
+        engine.optimizer.clip_grad = value
+
+
+def _deepspeed_norm(engine: Any) -> Optional[torch.Tensor]:
+    norm = engine.get_global_grad_norm()
+    if norm is None:
+        return None
+    return norm.detach().float() if isinstance(norm, torch.Tensor) else torch.tensor(float(norm))
+
+
+def _deepspeed_step(result: AutoAccelerateResult, engine: Any, batch: Any, steps: int, max_grad_norm: Optional[float]) -> StepStats:
+    fmt = result.model_input_format
+    set_deepspeed_clipping(engine, max_grad_norm)
+    losses: List[torch.Tensor] = []
+    try:
+        for i, micro in enumerate(split_batch(batch, steps)):
+            # The boundary is set explicitly, so a step is one optimizer update whatever the engine's
+            # configured gradient_accumulation_steps and its micro-step counter say.
+            engine.set_gradient_accumulation_boundary(i == steps - 1)
+            micro = result.prepare_input(micro)
+            loss = result.loss_func(micro, call_model(engine, micro, fmt))
+            engine.backward(loss / steps if steps > 1 else loss, scale_wrt_gas=False)
+            engine.step()          # a no-op update off the boundary (DeepSpeed's own accumulation)
+            losses.append(loss.detach())
+    finally:
+        engine.set_gradient_accumulation_boundary(None)   # back to DeepSpeed's counter
+    return StepStats(_mean(losses), _deepspeed_norm(engine) if max_grad_norm is not None else None, steps)
+
+
+def _custom_step(result: AutoAccelerateResult, custom_step: Callable, batch: Any, steps: int,
+                 max_grad_norm: Optional[float]) -> StepStats:
+    """Engines that run their own accumulation (DeepSpeed 3D's `train_batch`)."""
+    engine_steps = result.gradient_accumulation_steps
+    if steps != engine_steps:
+        raise ValueError(f"train_step: gradient_accumulation_steps={steps}, but this strategy's engine accumulates "
+                         f"over {engine_steps} micro-batches per step (deepspeed_3d_parallel: set "
+                         "gradient_accumulation_steps in its ds_config instead)")
+    engine = result.engine or result.model
+    if max_grad_norm is not None:
+        set_deepspeed_clipping(engine, max_grad_norm)
+    loss = custom_step(result, batch)
+    norm = _deepspeed_norm(engine) if max_grad_norm is not None else None
+    return StepStats(loss, norm, steps)
+
+
+# -- the native pipeline ----------------------------------------------------------------------
+
+def _pipeline_step(result: AutoAccelerateResult, pipeline: Any, batch: Any, steps: int, max_grad_norm: Optional[float]) -> StepStats:
+    """`k` schedule steps on micro-batches, their gradients summed and divided by `k`.
+
+    The schedule divides the gradients present after it by its chunk count (torch's
+    `scale_grads`), so the gradients of earlier micro-steps are set aside while it runs.
+    """
+    params = [p for p in pipeline.stage_module.parameters() if p.requires_grad]
+    losses: List[torch.Tensor] = []
+    for micro in split_batch(batch, steps):
+        stash = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        losses.append(pipeline.forward_backward(result.prepare_input(micro)))
+        with torch.no_grad():
+            for p, old in zip(params, stash):
+                if old is not None:
+                    p.grad = old if p.grad is None else p.grad.add_(old)
+    if steps > 1:
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(steps)
+    norm = clip_grad_norm_(result, max_grad_norm) if max_grad_norm is not None else None
+    result.optim.step()
+    result.optim.zero_grad(set_to_none=True)
+    if result.lr_scheduler is not None:
+        result.lr_scheduler.step()
+    return StepStats(_mean(losses), norm, steps)
+
+
+# -- the global gradient norm -----------------------------------------------------------------
+
+def _shard_roles(result: AutoAccelerateResult) -> Tuple[List[Tuple[torch.Tensor, Tuple[str, ...]]], Dict[str, Any]]:
+    """[(local gradient, roles it is sharded over)] and {role: process group}.
+
+    Roles: "mesh:<dim>" for a DTensor sharded over that mesh dimension (FSDP2), "tensor" for
+    a slice of atorch's tensor-parallel layers, "pipeline" for a stage's own parameters.
+    """
+    from torch.distributed.tensor import DTensor
+
+    pipeline = result.pipeline
+    model = pipeline.stage_module if pipeline is not None else result.model
+    groups: Dict[str, Any] = {}
+    tp_slices = _tensor_parallel_slices(model, groups)
+    skip = set()
+    if pipeline is not None:
+        if pipeline.num_stages > 1:
+            groups["pipeline"] = pipeline.group
+        if pipeline.tied_param is not None and pipeline.is_last:   # the first stage counts the tied weight
+            skip.add(id(pipeline.tied_param))
+    out: List[Tuple[torch.Tensor, Tuple[str, ...]]] = []
+    for p in model.parameters():
+        if p.grad is None or id(p) in skip:
+            continue
+        grad = p.grad
+        roles: List[str] = []
+        if isinstance(grad, DTensor):
+            mesh = grad.device_mesh
+            names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+            for dim, placement in enumerate(grad.placements):
+                if placement.is_shard() and mesh.size(dim) > 1:
+                    role = f"mesh:{names[dim]}"
+                    groups.setdefault(role, mesh.get_group(dim))
+                    roles.append(role)
+            grad = grad.to_local()
+        if id(p) in tp_slices:
+            roles.append("tensor")
+        if "pipeline" in groups:
+            roles.append("pipeline")
+        out.append((grad, tuple(roles)))
+    return out, groups
+
+
+def _tensor_parallel_slices(model: nn.Module, groups: Dict[str, Any]) -> set:
+    """ids of the parameters that are slices of atorch's tensor-parallel layers (looked up by name,
+    so FSDP2's DTensor parameters, which replace the originals, are found too)."""
+    from atorch.modules.distributed_modules.layers import TensorParallelModule
+
+    ids = set()
+    for sub in model.modules():
+        if isinstance(sub, TensorParallelModule) and sub.tp_size > 1:
+            groups.setdefault("tensor", sub.group)
+            for name in sub.shard_specs():
+                param = getattr(sub, name, None)
+                if param is not None:
+                    ids.add(id(param))
+    return ids
+
+
+@torch.no_grad()
+def clip_grad_norm_(result: AutoAccelerateResult, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the gradients of `result.model` to a global norm of `max_norm`; return the norm before clipping.
+
+    Collective over the groups the gradients are sharded over (every rank of them must call
+    it). Equal to `torch.nn.utils.clip_grad_norm_` on the gradients of the unsharded model.
+    For DeepSpeed engines, which clip inside `engine.step()`, use `train_step(max_grad_norm=)`.
+    """
+    if result.engine is not None:
+        raise ValueError("clip_grad_norm_: a DeepSpeed engine clips in engine.step(); pass max_grad_norm to "
+                         "atorch.auto.train_step instead")
+    norm_type = float(norm_type)
+    grads, groups = _shard_roles(result)
+    roles = sorted(groups)          # the same order on every rank: every rank holds the same kinds of shards
+    device = grads[0][0].device if grads else torch.device("cpu")
+    partial = torch.zeros(1 << len(roles), dtype=torch.float64, device=device)
+    for grad, grad_roles in grads:
+        key = sum(1 << roles.index(r) for r in grad_roles)
+        g = grad.detach().double()
+        if math.isinf(norm_type):
+            partial[key] = torch.maximum(partial[key], g.abs().max()) if g.numel() else partial[key]
+        else:
+            partial[key] += g.abs().pow(norm_type).sum()
+    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+    for bit, role in enumerate(roles):
+        group = groups[role]
+        if dist.get_world_size(group) == 1:
+            continue
+        mask = torch.tensor([(k >> bit) & 1 for k in range(partial.numel())], dtype=torch.bool, device=device)
+        reduced = torch.where(mask, partial, torch.zeros_like(partial))
+        dist.all_reduce(reduced, op=op, group=group)
+        partial = torch.where(mask, reduced, partial)
+    total = partial.max() if math.isinf(norm_type) else partial.sum().pow(1.0 / norm_type)
+    total = total.float()
+    # torch.nn.utils.clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6), never up.
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad, _ in grads:
+        grad.mul_(coef.to(grad.device, grad.dtype))
+    return total

@@ -22,6 +22,7 @@ EXPECTED = {
                               "parallel_mode -> deepspeed_3d_parallel -> optimizer -> deepspeed_3d_parallel"),
     "fp8": (["fp8"], "fp8 -> optimizer"),
     "fsdp": (["fsdp"], "fsdp(torch FSDP2, reshard) -> optimizer"),
+    "gradient_accumulation": ([("gradient_accumulation", {"steps": 2})], "gradient_accumulation -> optimizer"),
     "half": (["half"], "half(bfloat16) -> optimizer"),
     "lora": (["lora"], "lora -> optimizer"),
     "module_replace": (["module_replace"], "module_replace -> optimizer"),
@@ -36,9 +37,10 @@ EXPECTED = {
 
 def _unvalidated_plan(names):
     resolved = []
-    for name in names:
+    for entry in names:
+        name, raw = entry if isinstance(entry, tuple) else (entry, None)
         cls = get_optimization(name)
-        resolved.append(ResolvedOptimization(cls(), cls.parse_config(None), StrategyItem(name)))
+        resolved.append(ResolvedOptimization(cls(), cls.parse_config(raw), StrategyItem(name, raw)))
     return " -> ".join(plan_steps(sorted(resolved, key=lambda r: type(r.optimization).order)))
 
 

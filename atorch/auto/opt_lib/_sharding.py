@@ -6,10 +6,11 @@ so DeepSpeed is imported only inside the functions that build an engine.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, Optional, Sequence, Tuple, Type, Union
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
@@ -104,6 +105,11 @@ def shard_with_fsdp2(ctx: ModelContext, who: str, *, wrap_cls: Optional[Sequence
 
 
 # -- DeepSpeed ZeRO -------------------------------------------------------------------------
+def deepspeed_installed() -> bool:
+    """Whether DeepSpeed can be imported (found without importing it: that takes seconds)."""
+    return importlib.util.find_spec("deepspeed") is not None
+
+
 def validate_deepspeed(who: str, context: ValidationContext, cpu_offload: bool = False,
                        wrap_cls: Optional[Sequence[ClassSpec]] = None) -> None:
     """What DeepSpeed ZeRO here cannot do, raised before any process group work."""
@@ -150,11 +156,13 @@ def deepspeed_config(ctx: ModelContext, stage: int) -> Dict[str, Any]:
     dp = ctx.data_parallel_size()
     global_batch = ctx.dataloader_args.get("batch_size")
     # DeepSpeed insists on a batch size; without a dataloader it only feeds its throughput logs.
-    micro = max(1, global_batch // dp) if global_batch else 1
+    # train_step sets the accumulation boundary itself; these keep DeepSpeed's bookkeeping true.
+    gas = ctx.gradient_accumulation_steps
+    micro = max(1, global_batch // dp // gas) if global_batch else 1
     config: Dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": micro * dp,
+        "gradient_accumulation_steps": gas,
+        "train_batch_size": micro * dp * gas,
         "zero_optimization": {"stage": stage},
         # The user's torch optimizer is passed as DeepSpeed's "client optimizer", so the update
         # rule is exactly the one asked for; DeepSpeed warns about it unless told it is intended.
@@ -259,6 +267,17 @@ class Fsdp2ShardingOptimization(Optimization):
         return {"sharding": "fsdp2", "zero_stage": 3 if cls.reshard_after_forward else 2,
                 "reshard_after_forward": cls.reshard_after_forward, "cpu_offload": config.cpu_offload,
                 "ddp_wrap": False}
+
+    @classmethod
+    def search_choices(cls, context: ValidationContext) -> List[Any]:
+        """torch FSDP2; with CPU offload where there is a device to offload from; DeepSpeed's stage
+        where DeepSpeed is installed."""
+        out: List[Any] = [None, cls.name]
+        if context.device_type == "cuda":
+            out.append((cls.name, {"cpu_offload": True}))
+        if deepspeed_installed():
+            out.append((cls.name, {"use_ds_zero": True}))
+        return out
 
     def validate(self, config: Fsdp2ShardingConfig, context: ValidationContext) -> None:
         if config.use_ds_zero:

@@ -202,6 +202,7 @@ class CheckpointOptimization(Optimization):
     name = "checkpoint"
     order = Order.CHECKPOINT
     Config = CheckpointConfig
+    search_dimension = "checkpoint"
 
     @classmethod
     def cost_traits(cls, config: CheckpointConfig, context: CostContext) -> Dict[str, Any]:

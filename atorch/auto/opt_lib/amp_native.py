@@ -48,6 +48,7 @@ class AmpNativeOptimization(Optimization):
     order = Order.AMP
     wrapper_order = WrapperOrder.PRECISION
     Config = AmpNativeConfig
+    search_dimension = "amp"   # offered: off, or bf16 (the default config; fp16 needs loss scaling)
 
     always_shown = ("dtype",)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, FrozenSet, List, Optional, Tuple, Type
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, FrozenSet, List, Mapping, Optional, Tuple, Type
 
 if TYPE_CHECKING:  # pragma: no cover
     from atorch.auto.model_context import ModelContext
@@ -37,6 +37,7 @@ class Order:
     """
 
     PARALLEL_MODE = 0
+    GRADIENT_ACCUMULATION = 5
     PIPELINE = 10
     TENSOR_PARALLEL = 20
     MODULE_REPLACE = 30
@@ -77,6 +78,7 @@ class ValidationContext:
     model: Any = None                    # nn.Module (possibly on meta) or None
     model_config: Any = None             # e.g. a transformers PretrainedConfig
     device_type: str = "cpu"
+    global_batch_size: Optional[int] = None   # dataloader_args["batch_size"], when known
     strategy: Optional["Strategy"] = None
     configs: Dict[str, Any] = field(default_factory=dict)   # parsed configs by optimization name
 
@@ -98,6 +100,10 @@ class CostContext:
     configs: Dict[str, Any] = field(default_factory=dict)   # parsed configs by optimization name
 
 
+# `Optimization.search_dimension` of a class that has not declared one (a declaration of None is valid).
+UNDECLARED = "<undeclared>"
+
+
 class Optimization:
     """Base class. Subclasses set the class attributes and override what they need."""
 
@@ -112,6 +118,18 @@ class Optimization:
     """When set, the only optimizations this one may be combined with (new ones are refused by default)."""
     distributed_only: ClassVar[bool] = False
     Config: ClassVar[type] = NoConfig
+    # The search dimension this optimization offers choices in (several optimizations may share
+    # one, e.g. "parallel"), or None when the automatic search never chooses it. Every
+    # optimization declares it on its own class; `search_choices` lists the choices.
+    search_dimension: ClassVar[Optional[str]] = UNDECLARED
+
+    @classmethod
+    def search_choices(cls, context: "ValidationContext") -> List[Any]:
+        """The choices of `search_dimension` this optimization offers for `context` (see
+        `atorch.auto.search.space.Choice`: None for "not chosen", a name, (name, config), or a
+        list applied together). The default offers "not chosen" and the default config;
+        invalid combinations are dropped later by `validate`, so these may be optimistic."""
+        return [None, cls.name]
 
     @classmethod
     def config_conflicts(cls, config: Any) -> Dict[str, str]:
@@ -263,6 +281,57 @@ def get_optimization(name: str) -> Type[Optimization]:
 def registered_names() -> List[str]:
     _load_all()
     return sorted(_REGISTRY)
+
+
+@dataclass(frozen=True)
+class Registry:
+    """Optimizations by name (and alias): where `resolve_strategy` and `SearchSpace` look names up.
+
+    `default_registry()` is the live view of every registered optimization. Tests and tools
+    that need extra or fewer optimizations build their own (`default_registry().with_optimizations(
+    MyOpt)`, `Registry.of(A, B)`) instead of editing the global one.
+    """
+
+    optimizations: Mapping[str, Type[Optimization]]
+    aliases: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, *classes: Type[Optimization]) -> "Registry":
+        return cls({}, {}).with_optimizations(*classes)
+
+    def with_optimizations(self, *classes: Type[Optimization]) -> "Registry":
+        """A new registry with `classes` added (a name or alias already taken raises ValueError)."""
+        optimizations, aliases = dict(self.optimizations), dict(self.aliases)
+        for cls in classes:
+            if not cls.name:
+                raise ValueError(f"{cls.__name__} has no name")
+            for key in (cls.name, *cls.aliases):
+                if key in optimizations or key in aliases:
+                    raise ValueError(f"optimization name {key!r} is registered twice")
+            optimizations[cls.name] = cls
+            aliases.update({alias: cls.name for alias in cls.aliases})
+        return Registry(optimizations, aliases)
+
+    def canonical_name(self, name: str) -> str:
+        name = self.aliases.get(name, name)
+        if name not in self.optimizations:
+            raise ValueError(f"unknown optimization {name!r}; valid names are {sorted(self.optimizations)}")
+        return name
+
+    def get(self, name: str) -> Type[Optimization]:
+        return self.optimizations[self.canonical_name(name)]
+
+    def names(self) -> List[str]:
+        return sorted(self.optimizations)
+
+    def classes(self) -> List[Type[Optimization]]:
+        return [self.optimizations[n] for n in self.names()]
+
+
+def default_registry() -> Registry:
+    """Every optimization registered with `@register` (a live view: later registrations show)."""
+    _load_all()
+    return Registry(_REGISTRY, _ALIASES)
 
 
 _LOADED = False

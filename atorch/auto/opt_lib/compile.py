@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple, Type, Union
+from typing import Any, Dict, List, Optional, Tuple, Type, Union
 
 import torch
 from torch import nn
@@ -88,6 +88,13 @@ class CompileOptimization(Optimization):
     name = "compile"
     order = Order.COMPILE
     Config = CompileConfig
+    search_dimension = "compile"
+
+    @classmethod
+    def search_choices(cls, context: ValidationContext) -> List[Any]:
+        # On CPU a dry run would spend tens of seconds compiling each candidate, more than it
+        # measures: offered by default on GPUs only (included=["compile"] searches it anywhere).
+        return [None, cls.name] if context.device_type == "cuda" else [None]
 
     def validate(self, config: CompileConfig, context: ValidationContext) -> None:
         if config.scope == "block" and context.model is not None:

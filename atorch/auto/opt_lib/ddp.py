@@ -43,6 +43,7 @@ class DdpOptimization(Optimization):
     # (zero1 with use_ds_zero=True is refused by zero1's validation: it depends on the config.)
     conflicts = frozenset({"fsdp", "zero2"})
     Config = DdpConfig
+    search_dimension = None   # resolve_strategy adds it whenever nothing else reduces gradients
 
     @classmethod
     def syncs_gradients(cls, config: DdpConfig) -> bool:

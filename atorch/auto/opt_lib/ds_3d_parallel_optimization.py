@@ -167,6 +167,7 @@ class DeepSpeed3DParallelOptimization(Optimization):
     allowed_partners = frozenset({"parallel_mode", "checkpoint", "module_replace", "lora"})
     distributed_only = False  # one process is a valid (1, 1, 1) layout, handy for debugging
     Config = DeepSpeed3DParallelConfig
+    search_dimension = None   # driven by the user's ds_config (batch split, precision, ZeRO stage)
 
     def __init__(self) -> None:
         self._ds_config: Dict[str, Any] = {}   # resolved in apply, used to build the engine in apply_wrapper

@@ -90,6 +90,7 @@ class Fp8Optimization(Optimization):
     name = "fp8"
     order = Order.FP8
     Config = Fp8Config
+    search_dimension = None   # float8 rounding changes the training beyond amp's; a user's choice
 
     @classmethod
     def cost_traits(cls, config: Fp8Config, context: CostContext) -> Dict[str, Any]:

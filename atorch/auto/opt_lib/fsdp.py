@@ -27,5 +27,6 @@ class FsdpOptimization(Fsdp2ShardingOptimization):
     # already reduce-scatters.
     conflicts = frozenset({"zero1", "zero2", "ddp"})
     Config = FsdpConfig
+    search_dimension = "zero"
     reshard_after_forward = True
     deepspeed_stage = 3

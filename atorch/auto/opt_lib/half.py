@@ -31,6 +31,7 @@ class HalfOptimization(Optimization):
     name = "half"
     order = Order.HALF
     Config = HalfConfig
+    search_dimension = None   # no fp32 master weights: it changes the training, not only its speed
 
     always_shown = ("dtype",)
 

@@ -146,6 +146,7 @@ class LoraOptimization(Optimization):
     name = "lora"
     order = Order.LORA
     Config = LoraConfig
+    search_dimension = None   # it changes what is trained; a user's choice, not a speed-up
 
     @classmethod
     def cost_traits(cls, config: LoraConfig, context: CostContext) -> Dict[str, Any]:

@@ -129,6 +129,7 @@ class ModuleReplaceOptimization(Optimization):
     name = "module_replace"
     order = Order.MODULE_REPLACE
     Config = ModuleReplaceConfig
+    search_dimension = "module_replace"
 
     @classmethod
     def cost_traits(cls, config: ModuleReplaceConfig, context: CostContext) -> Dict[str, Any]:

@@ -7,7 +7,7 @@ is the `ddp` optimization, which `resolve_strategy` adds when nothing else reduc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
@@ -29,6 +29,12 @@ class ParallelModeOptimization(Optimization):
     name = "parallel_mode"
     order = Order.PARALLEL_MODE
     Config = ParallelModeConfig
+    search_dimension = "parallel"
+
+    @classmethod
+    def search_choices(cls, context: ValidationContext) -> List[Any]:
+        """Every rank data-parallel: the first choice of the layout dimension (always taken)."""
+        return [(cls.name, ([("data", context.world_size)], None))]
 
     @classmethod
     def cost_traits(cls, config: ParallelModeConfig, context: CostContext) -> Dict[str, Any]:

@@ -54,11 +54,30 @@ class PipelineParallelOptimization(Optimization):
     wrapper_order = WrapperOrder.ENGINE
     requires = frozenset({"parallel_mode"})
     # The schedule runs forward and backward and averages gradients over "data" itself; these
-    # are the optimizations tested per stage (tests/distributed/test_pipeline_parity.py).
+    # are the optimizations tested per stage (tests/distributed/test_pipeline_parity.py;
+    # accumulation: tests/distributed/test_train_step.py).
     allowed_partners = frozenset({"parallel_mode", "amp_native", "half", "checkpoint", "module_replace", "lora",
-                                  "fp8"})
+                                  "fp8", "gradient_accumulation"})
     distributed_only = True
     Config = PipelineParallelConfig
+    search_dimension = "parallel"
+
+    @classmethod
+    def search_choices(cls, context: ValidationContext) -> List[Any]:
+        """Pipelines of every size dividing the world that the model has layers for (one chunk
+        per stage, so per-rank batches that do not split into them are not offered); the rest
+        data-parallel. Validation drops models without a pipeline patcher."""
+        w = context.world_size
+        layers = _num_layers(context.model_config)
+        out: List[Any] = []
+        for p in range(2, w + 1):
+            if w % p or (layers is not None and p > layers):
+                continue
+            batch = context.global_batch_size
+            if batch and (batch % (w // p) or (batch // (w // p)) % p):
+                continue
+            out.append([("parallel_mode", ([("data", w // p), ("pipeline", p)], None)), cls.name])
+        return out
 
     def __init__(self) -> None:
         self._build: Any = None       # the stage built in apply, wrapped into a schedule in apply_wrapper
@@ -171,3 +190,11 @@ def _first_last_pairs(layout: Any, last: int) -> List[List[int]]:
     for group in layout.groups("pipeline"):  # each pipeline group is one data replica, in stage order
         pairs.append([group[0], group[last]])
     return pairs
+
+
+def _num_layers(model_config: Any) -> Optional[int]:
+    for name in ("num_hidden_layers", "n_layer", "num_layers"):
+        value = getattr(model_config, name, None)
+        if isinstance(value, int):
+            return value
+    return None

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Type
+from typing import Any, Callable, Dict, List, Optional, Type
 
-from atorch.auto.opt_lib.base import Optimization, ValidationContext, canonical_name, get_optimization
+from atorch.auto.opt_lib.base import Optimization, Registry, ValidationContext, default_registry
 from atorch.auto.strategy import Strategy, StrategyItem
 
 logger = logging.getLogger(__name__)
@@ -34,13 +34,21 @@ class ResolvedOptimization:
         return self.optimization.name
 
 
-def resolve_strategy(strategy: Strategy, context: ValidationContext) -> List[ResolvedOptimization]:
+# validate(optimization, config, context): how each optimization's `validate` is called (e.g. memoized).
+Validator = Callable[[Optimization, Any, ValidationContext], None]
+
+
+def resolve_strategy(strategy: Strategy, context: ValidationContext, registry: Optional[Registry] = None,
+                     validate: Optional[Validator] = None) -> List[ResolvedOptimization]:
     """Validate `strategy` against the registry and return it in application order.
 
     A missing `parallel_mode` is added (all ranks data-parallel), and `ddp` when gradients
     would otherwise not be averaged; an item repeated with the same config is dropped with a
-    log line; anything else questionable raises ValueError.
+    log line; anything else questionable raises ValueError. `registry` defaults to every
+    registered optimization; `validate` to calling each one's `validate`.
     """
+    registry = registry if registry is not None else default_registry()
+    canonical_name, get_optimization = registry.canonical_name, registry.get
     seen: Dict[str, Any] = {}
     resolved: List[ResolvedOptimization] = []
 
@@ -60,7 +68,8 @@ def resolve_strategy(strategy: Strategy, context: ValidationContext) -> List[Res
         add(canonical_name(item.name), item.config, item.tunable)
     if "parallel_mode" not in seen:
         add("parallel_mode")
-    if "ddp" not in seen and _data_parallel_size(seen["parallel_mode"], context.world_size) > 1 and \
+    if "ddp" not in seen and "ddp" in registry.names() and \
+            _data_parallel_size(seen["parallel_mode"], context.world_size) > 1 and \
             not any(type(r.optimization).syncs_gradients(r.config) for r in resolved):
         add("ddp")
 
@@ -68,7 +77,10 @@ def resolve_strategy(strategy: Strategy, context: ValidationContext) -> List[Res
     context.configs = dict(seen)
     context.strategy = Strategy(r.item for r in resolved)
     for r in resolved:
-        r.optimization.validate(r.config, context)
+        if validate is None:
+            r.optimization.validate(r.config, context)
+        else:
+            validate(r.optimization, r.config, context)
     return sorted(resolved, key=lambda r: type(r.optimization).order)
 
 
@@ -132,10 +144,10 @@ def plan_steps(resolved: List[ResolvedOptimization]) -> List[str]:
             + [type(r.optimization).describe_step(r.config) for r in wrapper_phase(resolved)])
 
 
-def is_valid_strategy(strategy: Strategy, context: ValidationContext) -> bool:
+def is_valid_strategy(strategy: Strategy, context: ValidationContext, registry: Optional[Registry] = None) -> bool:
     """True when `resolve_strategy` accepts it (for the planner's candidate filtering)."""
     try:
-        resolve_strategy(strategy, context)
+        resolve_strategy(strategy, context, registry)
     except ValueError:
         return False
     return True

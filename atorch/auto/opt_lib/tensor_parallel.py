@@ -8,7 +8,7 @@ config and hands it the tensor group and this rank's coordinates.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch.distributed as dist
 
@@ -43,6 +43,15 @@ class TensorParallelOptimization(Optimization):
     requires = frozenset({"parallel_mode"})
     distributed_only = True
     Config = TensorParallelConfig
+    search_dimension = "parallel"
+
+    @classmethod
+    def search_choices(cls, context: ValidationContext) -> List[Any]:
+        """A tensor split of every size dividing the world (validation drops those the model's
+        heads and widths do not divide), the rest data-parallel."""
+        w = context.world_size
+        return [[("parallel_mode", ([("tensor", t), ("data", w // t)], None)), cls.name]
+                for t in range(2, w + 1) if w % t == 0]
 
     @classmethod
     def cost_traits(cls, config: TensorParallelConfig, context: CostContext) -> Dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -19,6 +19,7 @@ from atorch.auto.opt_lib._sharding import (
     DEEPSPEED_CONFLICTS,
     build_deepspeed_engine,
     check_bool,
+    deepspeed_installed,
     describe_sharding,
     prepare_deepspeed,
     validate_deepspeed,
@@ -43,6 +44,12 @@ class Zero1Optimization(Optimization):
     # Each of these already shards the optimizer state (and more).
     conflicts = frozenset({"zero2", "fsdp"})
     Config = Zero1Config
+    search_dimension = "zero"
+
+    @classmethod
+    def search_choices(cls, context: ValidationContext) -> List[Any]:
+        """torch's ZeroRedundancyOptimizer, and DeepSpeed's stage 1 where DeepSpeed is installed."""
+        return [None, cls.name, *([(cls.name, {"use_ds_zero": True})] if deepspeed_installed() else [])]
 
     @classmethod
     def config_conflicts(cls, config: Zero1Config) -> Dict[str, str]:

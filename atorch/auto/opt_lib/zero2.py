@@ -31,5 +31,6 @@ class Zero2Optimization(Fsdp2ShardingOptimization):
     name = "zero2"
     conflicts = frozenset({"zero1", "fsdp", "ddp"})
     Config = Zero2Config
+    search_dimension = "zero"
     reshard_after_forward = False
     deepspeed_stage = 2

@@ -2,7 +2,9 @@
 
 Validity is decided by the optimization registry alone (`resolve_strategy`, the same rules
 `auto_accelerate` enforces): a combination is a candidate exactly when `auto_accelerate`
-would accept it. No compatibility table lives here.
+would accept it. No compatibility table lives here, and no list of names either: the
+automatic space (`SearchSpace.default_for`) is what each registered optimization declares
+(`search_dimension`, `search_choices`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from atorch.auto.opt_lib.base import ValidationContext, registered_names
+from atorch.auto.opt_lib.base import UNDECLARED, Registry, ValidationContext, default_registry, get_optimization
 from atorch.auto.opt_lib.resolve import resolve_strategy
 from atorch.auto.strategy import Strategy, StrategyItem
 
@@ -22,15 +24,6 @@ logger = logging.getLogger(__name__)
 # A choice: None (nothing), a name, (name, config), or a list of those applied together
 # (e.g. a tensor split: its parallel_mode *and* tensor_parallel).
 Choice = Any
-
-# Dimensions of the automatic space, in the order they are shown; each holds the optimization
-# names tried there (the first entry of every dimension is "not chosen").
-_DEFAULT_DIMENSIONS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
-    ("amp", ("amp_native",)),
-    ("zero", ("zero1", "zero2", "fsdp")),
-    ("module_replace", ("module_replace",)),
-    ("checkpoint", ("checkpoint",)),
-)
 
 
 @dataclass(frozen=True)
@@ -41,7 +34,10 @@ class Candidate:
     choices: Tuple[int, ...]         # index of the chosen option per dimension
 
     def label(self) -> str:
-        return self.strategy.describe()
+        """`Strategy.describe()` plus each item's config where one is set, so that candidates
+        differing only in a config (zero2 on torch or DeepSpeed, the accumulation steps) have
+        different labels in the trial table."""
+        return "+".join(choice_label(item) for item in self.strategy)
 
 
 def choice_items(choice: Choice) -> List[StrategyItem]:
@@ -65,20 +61,32 @@ def choice_label(choice: Choice) -> str:
     items = choice_items(choice)
     if not items:
         return "none"
-    return "+".join(Strategy([i]).describe() + ("" if i.config is None or i.name == "parallel_mode"
-                                                else f"{i.config!r}") for i in items)
+    return "+".join(_item_label(i) for i in items)
+
+
+def _item_label(item: StrategyItem) -> str:
+    """The item as `Strategy.describe` shows it (its settings: dtype, DeepSpeed stage, steps, ...),
+    or its name and config for an optimization the default registry does not know."""
+    try:
+        get_optimization(item.name)
+    except ValueError:
+        return item.name + ("" if item.config is None else f"{item.config!r}")
+    return Strategy([item]).describe()
 
 
 class SearchSpace:
     """Dimensions of choices; `candidates()` lists the valid strategies they combine into.
 
     `dimensions` maps a dimension name to its choices (see `Choice`). Validity is checked
-    against a `ValidationContext` built from `world_size`, `model`, `model_config` and
-    `device_type`; `world_size` defaults to the size of the parallel_mode choices, else 1.
+    against a `ValidationContext` built from `world_size`, `model`, `model_config`,
+    `device_type` and `global_batch_size`; `world_size` defaults to the size of the
+    parallel_mode choices, else 1. Names are looked up in `registry` (default: every
+    registered optimization).
     """
 
     def __init__(self, dimensions: Mapping[str, Sequence[Choice]], *, world_size: Optional[int] = None,
-                 model: Any = None, model_config: Any = None, device_type: str = "cpu") -> None:
+                 model: Any = None, model_config: Any = None, device_type: str = "cpu",
+                 global_batch_size: Optional[int] = None, registry: Optional[Registry] = None) -> None:
         if not dimensions:
             raise ValueError("a search space needs at least one dimension, e.g. {'amp': [None, 'amp_native']}")
         self.dimensions: Dict[str, List[Choice]] = {}
@@ -94,6 +102,8 @@ class SearchSpace:
         self.model = model
         self.model_config = model_config if model_config is not None else getattr(model, "config", None)
         self.device_type = device_type
+        self.global_batch_size = global_batch_size
+        self.registry = registry if registry is not None else default_registry()
         self._candidates: Optional[List[Candidate]] = None
         self.rejected: Dict[str, str] = {}     # strategy description -> why resolve_strategy refused it
 
@@ -111,7 +121,7 @@ class SearchSpace:
 
     def validation_context(self) -> ValidationContext:
         return ValidationContext(world_size=self.world_size, model=self.model, model_config=self.model_config,
-                                 device_type=self.device_type)
+                                 device_type=self.device_type, global_batch_size=self.global_batch_size)
 
     def candidates(self) -> List[Candidate]:
         """Every valid combination once (combinations that resolve to the same strategy are merged)."""
@@ -125,17 +135,18 @@ class SearchSpace:
     def _enumerate(self) -> List[Candidate]:
         out: List[Candidate] = []
         seen = set()
-        options = [range(len(choices)) for choices in self.dimensions.values()]
-        for combo in itertools.product(*options):
-            items = [item for dim, i in zip(self.dimensions.values(), combo) for item in choice_items(dim[i])]
+        validate = ValidationCache()
+        items_of = [[choice_items(c) for c in choices] for choices in self.dimensions.values()]
+        for combo in itertools.product(*(range(len(choices)) for choices in items_of)):
+            items = [item for dim, i in zip(items_of, combo) for item in dim[i]]
             raw = Strategy(items)
             try:
-                resolved = resolve_strategy(raw, self.validation_context())
+                resolved = resolve_strategy(raw, self.validation_context(), self.registry, validate)
             except ValueError as e:
                 self.rejected[raw.describe()] = str(e)
                 continue
             strategy = Strategy(r.item for r in resolved)
-            key = strategy.to_json() if _json_safe(strategy) else repr(strategy)
+            key = _strategy_key(strategy)
             if key in seen:
                 continue
             seen.add(key)
@@ -167,31 +178,159 @@ class SearchSpace:
             if name not in offered:
                 dims[f"included:{name}"] = [name]
         return SearchSpace(dims, world_size=self.world_size, model=self.model, model_config=self.model_config,
-                           device_type=self.device_type)
+                           device_type=self.device_type, global_batch_size=self.global_batch_size,
+                           registry=self.registry)
 
     @classmethod
-    def default_for(cls, model: Any, world_size: int, device_type: str = "cpu",
-                    model_config: Any = None) -> "SearchSpace":
-        """The automatic space: amp, ZeRO/FSDP, module replacement, checkpointing, data/tensor splits.
+    def default_for(cls, model: Any, world_size: int, device_type: str = "cpu", model_config: Any = None, *,
+                    global_batch_size: Optional[int] = None, registry: Optional[Registry] = None) -> "SearchSpace":
+        """The automatic space: every dimension the registered optimizations declare.
 
-        Only registered optimizations are offered; tensor splits are those dividing `world_size`
-        (the tensor_parallel optimization's own validation drops splits that do not divide the
-        model's heads or widths).
+        Today: the layout (data, tensor and pipeline splits of `world_size`), micro-batches per
+        step (gradient accumulation at the fixed `global_batch_size`, when given), module
+        replacement, activation checkpointing, amp, and the ZeRO stage with its backend (torch
+        or DeepSpeed) and CPU offload where valid. Choices are optimistic; each optimization's
+        own validation drops the combinations it cannot run.
         """
-        names = set(registered_names())
-        dims: Dict[str, List[Choice]] = {}
-        for dim, options in _DEFAULT_DIMENSIONS:
-            offered = [o for o in options if o in names]
-            if offered:
-                dims[dim] = [None, *offered]
-        splits: List[Choice] = [("parallel_mode", ([("data", world_size)], None))]
-        if "tensor_parallel" in names:
-            for t in range(2, world_size + 1):
-                if world_size % t == 0:
-                    splits.append([("parallel_mode", ([("tensor", t), ("data", world_size // t)], None)),
-                                   "tensor_parallel"])
-        dims["parallel"] = splits
-        return cls(dims, world_size=world_size, model=model, model_config=model_config, device_type=device_type)
+        registry = registry if registry is not None else default_registry()
+        context = ValidationContext(world_size=world_size, model=model,
+                                    model_config=model_config if model_config is not None
+                                    else getattr(model, "config", None),
+                                    device_type=device_type, global_batch_size=global_batch_size)
+        return cls(declared_dimensions(registry, context), world_size=world_size, model=model,
+                   model_config=model_config, device_type=device_type, global_batch_size=global_batch_size,
+                   registry=registry)
+
+
+def declared_dimensions(registry: Registry, context: ValidationContext) -> Dict[str, List[Choice]]:
+    """{dimension: choices} from the optimizations' declarations, in application order.
+
+    Dimensions are ordered by the earliest `order` of the optimizations declaring them; within
+    one, "not chosen" (None) comes first when any of them offers it, then the choices in
+    `order`. A dimension with nothing but None is left out. An optimization that declares
+    nothing (not even None) is not searched, with a warning (tests/unit/test_space.py requires
+    every registered optimization to declare).
+    """
+    found: Dict[str, List[Tuple[int, str, List[Choice]]]] = {}
+    for opt in registry.classes():
+        dim = opt.search_dimension
+        if dim == UNDECLARED:
+            logger.warning("optimization %r (%s) declares no search_dimension, so the search never tries it; set it to "
+                           "the dimension it offers choices in, or to None", opt.name, opt.__name__)
+            continue
+        if dim is None:
+            continue
+        found.setdefault(dim, []).append((opt.order, opt.name, list(opt.search_choices(context))))
+    dims: Dict[str, List[Choice]] = {}
+    for dim, entries in sorted(found.items(), key=lambda kv: (min(e[0] for e in kv[1]), kv[0])):
+        entries.sort(key=lambda e: (e[0], e[1]))
+        offered = [c for _, _, choices in entries for c in choices]
+        choices: List[Choice] = [None] if any(c is None for c in offered) else []
+        labels = {"none"}
+        for c in offered:
+            if c is not None and choice_label(c) not in labels:
+                labels.add(choice_label(c))
+                choices.append(c)
+        if any(c is not None for c in choices):
+            dims[dim] = choices
+    return dims
+
+
+_MISSING = object()
+
+
+class _RecordingConfigs(dict):
+    """The configs of a strategy, remembering which names a validation looked at."""
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        super().__init__(data)
+        self.read: set = set()
+        self.everything = False
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(key)
+        return super().__contains__(key)
+
+    def _all(self) -> None:
+        self.everything = True
+
+    def __iter__(self):  # type: ignore[override]
+        self._all()
+        return super().__iter__()
+
+    def keys(self):  # type: ignore[override]
+        self._all()
+        return super().keys()
+
+    def items(self):  # type: ignore[override]
+        self._all()
+        return super().items()
+
+    def values(self):  # type: ignore[override]
+        self._all()
+        return super().values()
+
+    def __len__(self) -> int:
+        self._all()
+        return super().__len__()
+
+
+def _value_key(value: Any) -> Any:
+    try:
+        hash(value)
+        return value
+    except TypeError:
+        return repr(value)
+
+
+class ValidationCache:
+    """Memoized `Optimization.validate` for the combinations of one space.
+
+    Validation is pure (see `ValidationContext`), and within one space only the strategy's
+    other configs vary, so an outcome (accepted, or the ValueError) is reused whenever the
+    configs the validation actually read -- recorded while it ran -- are the same. Each
+    model-walking validation (tensor-parallel plans, module replacement, checkpoint blocks)
+    then runs once per distinct setting instead of once per combination.
+    """
+
+    def __init__(self) -> None:
+        self._entries: Dict[Tuple[str, Any], List[Tuple[Optional[Tuple[Tuple[str, Any], ...]], Optional[ValueError]]]]
+        self._entries = {}
+        self.hits = 0
+        self.misses = 0
+
+    def __call__(self, optimization: Any, config: Any, context: ValidationContext) -> None:
+        key = (optimization.name, _value_key(config))
+        configs = context.configs
+        for reads, error in self._entries.get(key, ()):
+            if reads is not None and all(_value_key(configs.get(k, _MISSING)) == v for k, v in reads):
+                self.hits += 1
+                if error is not None:
+                    raise error
+                return
+        self.misses += 1
+        recorder = _RecordingConfigs(configs)
+        context.configs = recorder
+        error: Optional[ValueError] = None
+        try:
+            optimization.validate(config, context)
+        except ValueError as e:
+            error = e
+        finally:
+            context.configs = configs
+        reads = None if recorder.everything else tuple(
+            (k, _value_key(configs.get(k, _MISSING))) for k in sorted(recorder.read, key=str))
+        self._entries.setdefault(key, []).append((reads, error))
+        if error is not None:
+            raise error
 
 
 def _infer_world_size(dimensions: Mapping[str, Sequence[Choice]]) -> int:
@@ -206,10 +345,10 @@ def _infer_world_size(dimensions: Mapping[str, Sequence[Choice]]) -> int:
     return sizes.pop() if sizes else 1
 
 
-def _json_safe(strategy: Strategy) -> bool:
+def _strategy_key(strategy: Strategy) -> str:
+    """A key equal for equal strategies: the JSON form, or the repr of configs JSON cannot hold."""
     try:
-        strategy.to_json()
+        return strategy.to_json()
     except ValueError:
-        return False
-    return True
+        return repr(strategy)
 

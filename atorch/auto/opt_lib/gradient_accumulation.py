@@ -1,0 +1,97 @@
+"""`gradient_accumulation`: split each per-rank batch into `steps` micro-batches per optimizer step.
+
+The global batch per optimizer step stays `dataloader_args["batch_size"]`: the per-rank batch
+the dataloader yields is cut into `steps` equal micro-batches whose gradients accumulate
+(`atorch.auto.train_step` does it, without gradient sync on the non-final micro-steps where
+the wrapper allows it). Training is unchanged; activation memory is that of one micro-batch,
+traded for `steps` smaller forward/backward passes. This is the search's micro-batch
+dimension. `deepspeed_3d_parallel` has its own `gradient_accumulation_steps` (its ds_config).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List
+
+from atorch.auto.model_context import ModelContext
+from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
+
+# At most this many micro-batch sizes are offered to the search (the largest steps first dropped).
+MAX_SEARCH_CHOICES = 5
+
+
+@dataclass(frozen=True)
+class GradientAccumulationConfig:
+    steps: int
+    """Micro-batches per optimizer step; must divide the per-rank batch (global batch / data-parallel size)."""
+
+
+def _per_rank_batch(global_batch: int, data: int, steps: int, pipeline_chunks: int = 1) -> None:
+    """Raise ValueError unless `global_batch` splits into data ranks x steps (x pipeline chunks) equal parts."""
+    if global_batch % data != 0:
+        raise ValueError(f"gradient_accumulation: the global batch size {global_batch} is not divisible by the "
+                         f"data-parallel size {data}")
+    per_rank = global_batch // data
+    if per_rank % steps != 0:
+        raise ValueError(f"gradient_accumulation: steps={steps} does not divide the per-rank batch {per_rank} (global "
+                         f"batch {global_batch} / data-parallel size {data}); use a divisor of {per_rank}")
+    if (per_rank // steps) % pipeline_chunks != 0:
+        raise ValueError(f"gradient_accumulation: micro-batches of {per_rank // steps} rows (per-rank batch {per_rank} "
+                         f"/ steps={steps}) do not split into the pipeline's {pipeline_chunks} chunks")
+
+
+@register
+class GradientAccumulationOptimization(Optimization):
+    name = "gradient_accumulation"
+    order = Order.GRADIENT_ACCUMULATION
+    conflicts = frozenset({"deepspeed_3d_parallel"})
+    Config = GradientAccumulationConfig
+    search_dimension = "micro_batch"
+
+    @classmethod
+    def cost_traits(cls, config: GradientAccumulationConfig, context: CostContext) -> Dict[str, Any]:
+        # Activations of one micro-batch at a time; the same global batch per step.
+        return {"accumulation_steps": config.steps}
+
+    @classmethod
+    def parse_config(cls, raw: Any) -> GradientAccumulationConfig:
+        """Also accept the bare number: ("gradient_accumulation", 4)."""
+        if raw is None:
+            raise ValueError("gradient_accumulation needs its number of micro-batches per step, e.g. "
+                             "('gradient_accumulation', {'steps': 4})")
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            return GradientAccumulationConfig(raw)
+        return super().parse_config(raw)
+
+    @classmethod
+    def search_choices(cls, context: ValidationContext) -> List[Any]:
+        """Not accumulating, and steps that divide the global batch (validation keeps those that
+        divide each candidate's per-rank batch); nothing when the batch size is unknown."""
+        batch = context.global_batch_size
+        if not batch:
+            return [None]
+        steps = [k for k in range(2, batch + 1) if batch % k == 0][:MAX_SEARCH_CHOICES]
+        return [None, *((cls.name, {"steps": k}) for k in steps)]
+
+    def validate(self, config: GradientAccumulationConfig, context: ValidationContext) -> None:
+        steps = config.steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"gradient_accumulation: steps={steps!r} must be an integer >= 1")
+        if context.global_batch_size is not None:
+            sizes = context.parallel_sizes()
+            _per_rank_batch(context.global_batch_size, sizes.get("data", 1), steps, _pipeline_chunks(context, sizes))
+
+    def apply(self, ctx: ModelContext, config: GradientAccumulationConfig) -> None:
+        global_batch = ctx.dataloader_args.get("batch_size")
+        if global_batch is not None:   # also checked here: validation may not have known the batch size
+            _per_rank_batch(int(global_batch), ctx.data_parallel_size(), config.steps)
+        ctx.gradient_accumulation_steps = config.steps
+        # Until the result carries the context's typed field, train_step finds it in result.args.
+        ctx.extra["gradient_accumulation_steps"] = config.steps
+
+
+def _pipeline_chunks(context: ValidationContext, sizes: dict) -> int:
+    pipeline = context.configs.get("pipeline_parallel")
+    if pipeline is None:
+        return 1
+    return getattr(pipeline, "chunks", None) or sizes.get("pipeline", 1)

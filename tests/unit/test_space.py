@@ -1,0 +1,251 @@
+"""The automatic search space: dimensions declared by the optimizations, their validity, speed helpers.
+
+No test here edits the global registry: custom optimizations go into a `Registry` of their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List
+
+import pytest
+import torch
+
+from atorch.auto.opt_lib import Optimization, Registry, ValidationContext, default_registry, resolve_strategy
+from atorch.auto.opt_lib.base import UNDECLARED
+from atorch.auto.search import SearchSpace
+from atorch.auto.search import space as space_module
+from atorch.auto.search.space import ValidationCache, choice_items, declared_dimensions
+from atorch.auto.strategy import Strategy
+from atorch.auto.train_step import split_batch
+from atorch.testing import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+def _names(strategy: Strategy) -> set:
+    return set(strategy.names())
+
+
+def _config(strategy: Strategy, name: str) -> Any:
+    item = strategy.get(name)
+    return None if item is None else item.config
+
+
+# -- declarations ------------------------------------------------------------------------------
+
+def test_every_registered_optimization_declares_its_search_dimension(model):
+    registry = default_registry()
+    context = ValidationContext(world_size=4, model=model, model_config=model.config, device_type="cuda",
+                                global_batch_size=16)
+    for opt in registry.classes():
+        assert opt.search_dimension != UNDECLARED, f"{opt.name} ({opt.__name__}) declares no search_dimension"
+        if opt.search_dimension is None:
+            continue
+        choices = opt.search_choices(context)
+        assert any(c is not None for c in choices), f"{opt.name} offers nothing in {opt.search_dimension!r}"
+        for choice in choices:
+            names = {i.name for i in choice_items(choice)}
+            assert choice is None or opt.name in names, (opt.name, choice)
+    searched = {o.name for o in registry.classes() if o.search_dimension is not None}
+    assert {"parallel_mode", "tensor_parallel", "pipeline_parallel", "gradient_accumulation", "amp_native", "zero1",
+            "zero2", "fsdp", "checkpoint", "module_replace"} <= searched
+    assert not searched & {"ddp", "half", "lora", "fp8", "deepspeed_3d_parallel"}
+
+
+def test_undeclared_optimization_is_not_searched_and_warned(caplog):
+    undeclared = type("Undeclared", (Optimization,), {"name": "t_undeclared"})
+    registry = default_registry().with_optimizations(undeclared)
+    context = ValidationContext(world_size=2)
+    dims = declared_dimensions(registry, context)
+    assert not any("t_undeclared" in {i.name for i in choice_items(c)} for cs in dims.values() for c in cs)
+    assert "t_undeclared" in caplog.text and "declares no search_dimension" in caplog.text
+
+
+# -- the default space -------------------------------------------------------------------------
+
+def test_default_space_dimensions_on_cpu(model):
+    space = SearchSpace.default_for(model, world_size=2, device_type="cpu", global_batch_size=8)
+    labels = space.labels()
+    assert list(labels) == ["parallel", "micro_batch", "module_replace", "checkpoint", "amp", "zero"]  # by order
+    assert labels["parallel"] == ["parallel_mode(data=2)", "parallel_mode(data=1,pipeline=2)+pipeline_parallel",
+                                  "parallel_mode(tensor=2,data=1)+tensor_parallel"]
+    assert labels["micro_batch"][0] == "none" and len(labels["micro_batch"]) > 1
+    assert "zero2(deepspeed stage 2)" in labels["zero"] and "fsdp(deepspeed stage 3)" in labels["zero"]
+    assert not any("cpu_offload" in label for label in labels["zero"])     # nothing to offload from on CPU
+    cands = space.strategies()
+    assert 100 < len(cands) < space.size
+    ctx = space.validation_context()
+    for s in cands:
+        resolve_strategy(s, ctx)        # every candidate is one auto_accelerate accepts
+        ga = _config(s, "gradient_accumulation")
+        if ga is not None:
+            pm = dict(_config(s, "parallel_mode")[0])
+            per_rank = 8 // pm.get("data", 1)
+            assert per_rank % ga["steps"] == 0, s.describe()
+        zero = next((n for n in ("zero1", "zero2", "fsdp") if n in s), None)
+        if zero and (_config(s, zero) or {}).get("use_ds_zero"):
+            assert not _names(s) & {"tensor_parallel", "pipeline_parallel"}, s.describe()
+    # The dimensions that matter are all present in some candidate.
+    assert any("pipeline_parallel" in s for s in cands) and any("tensor_parallel" in s for s in cands)
+    assert any(_config(s, "gradient_accumulation") == {"steps": 4} for s in cands)
+    assert any((_config(s, "zero2") or {}).get("use_ds_zero") for s in cands)
+    # steps=8 would leave a per-rank batch of 4 rows (data=2) split into 8: never a candidate there.
+    assert not any(_config(s, "gradient_accumulation") == {"steps": 8} and
+                   dict(_config(s, "parallel_mode")[0]).get("data") == 2 for s in cands)
+
+
+def test_default_space_on_gpu_offers_cpu_offload_and_no_micro_batch_without_batch(model):
+    space = SearchSpace.default_for(model, world_size=4, device_type="cuda")
+    labels = space.labels()
+    assert "micro_batch" not in labels          # the global batch is unknown: nothing to split
+    assert "fsdp(cpu_offload=True)" in labels["zero"] and "zero2(cpu_offload=True)" in labels["zero"]
+    # Only 2 layers: no pipeline of 4 stages.
+    assert "parallel_mode(data=2,pipeline=2)+pipeline_parallel" in labels["parallel"]
+    assert not any("pipeline=4" in label for label in labels["parallel"])
+
+
+def test_pipeline_choices_respect_the_batch(model):
+    from atorch.auto.opt_lib.pipeline_parallel import PipelineParallelOptimization
+
+    ctx = ValidationContext(world_size=4, model=model, model_config=model.config, global_batch_size=6)
+    # data=2 x pipeline=2: 3 rows per rank do not split into 2 chunks.
+    assert PipelineParallelOptimization.search_choices(ctx) == []
+    ctx.global_batch_size = 8
+    assert len(PipelineParallelOptimization.search_choices(ctx)) == 1
+
+
+# -- registry parameter ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _FlagConfig:
+    on: bool = True
+
+
+class _Fast(Optimization):
+    name = "t_fast"
+    order = 50
+    Config = _FlagConfig
+    search_dimension = "speed"
+
+    @classmethod
+    def search_choices(cls, context: ValidationContext) -> List[Any]:
+        return [None, cls.name, (cls.name, {"on": False})]
+
+    def validate(self, config: _FlagConfig, context: ValidationContext) -> None:
+        if not config.on and "t_needs_on" in context.configs:
+            raise ValueError("t_fast(on=False) and t_needs_on cannot be combined")
+
+
+class _NeedsOn(Optimization):
+    name = "t_needs_on"
+    order = 60
+    search_dimension = "other"
+
+
+def test_space_with_its_own_registry():
+    registry = default_registry().with_optimizations(_Fast, _NeedsOn)
+    assert "t_fast" not in default_registry().names()      # the global registry is untouched
+    only = Registry.of(default_registry().get("parallel_mode"), _Fast, _NeedsOn)
+    space = SearchSpace.default_for(None, world_size=1, registry=only)
+    assert space.labels() == {"parallel": ["parallel_mode(data=1)"], "speed": ["none", "t_fast",
+                                                                               "t_fast{'on': False}"],
+                              "other": ["none", "t_needs_on"]}
+    cands = [frozenset(c.strategy.names()) for c in space.candidates()]
+    assert len(cands) == 5 and "t_fast(on=False) and t_needs_on" in " ".join(space.rejected.values())
+    # restricted() keeps the registry; the default registry does not know these names.
+    assert len(space.restricted(excluded=["t_needs_on"]).candidates()) == 3
+    assert SearchSpace({"x": [None, "t_fast"]}).strategies() == [Strategy(["parallel_mode"])]
+    assert len(SearchSpace({"x": [None, "t_fast"]}, registry=registry).strategies()) == 2
+    with pytest.raises(ValueError, match="registered twice"):
+        registry.with_optimizations(_Fast)
+
+
+# -- validation cache --------------------------------------------------------------------------
+
+def test_validation_cache_replays_outcomes_only_when_what_was_read_agrees():
+    calls = []
+
+    class Reader(Optimization):
+        name = "t_reader"
+
+        def validate(self, config: Any, context: ValidationContext) -> None:
+            calls.append(config)
+            if context.configs.get("amp_native") is not None:
+                raise ValueError("t_reader refuses amp")
+
+    cache = ValidationCache()
+    opt = Reader()
+    for other in ({"zero1": 1}, {"zero2": 2}, {"fsdp": 3}):   # keys it never reads: one real call
+        cache(opt, None, ValidationContext(world_size=2, configs=dict(other)))
+    assert len(calls) == 1 and cache.hits == 2
+    for _ in range(2):
+        with pytest.raises(ValueError, match="refuses amp"):
+            cache(opt, None, ValidationContext(world_size=2, configs={"amp_native": "bf16"}))
+    assert len(calls) == 2 and cache.hits == 3
+    cache(opt, "another config", ValidationContext(world_size=2, configs={}))
+    assert len(calls) == 3
+
+    class Iterates(Reader):   # reads every config: never reused
+        name = "t_iterates"
+
+        def validate(self, config: Any, context: ValidationContext) -> None:
+            calls.append(sorted(context.configs))
+
+    for _ in range(2):
+        cache(Iterates(), None, ValidationContext(world_size=2, configs={"zero1": 1}))
+    assert len(calls) == 5
+
+
+def test_cached_enumeration_equals_uncached(model, monkeypatch):
+    cached = SearchSpace.default_for(model, world_size=2, global_batch_size=8)
+    expected = cached.strategies()
+    monkeypatch.setattr(space_module, "ValidationCache", lambda: None)
+    plain = SearchSpace.default_for(model, world_size=2, global_batch_size=8)
+    assert plain.strategies() == expected
+    assert plain.rejected == cached.rejected
+
+
+# -- gradient_accumulation ---------------------------------------------------------------------
+
+def test_gradient_accumulation_validation():
+    def resolve(strategy, batch=8, world=2):
+        return resolve_strategy(Strategy(strategy), ValidationContext(world_size=world, global_batch_size=batch))
+
+    resolved = resolve([("gradient_accumulation", 4)])
+    assert [r.name for r in resolved] == ["parallel_mode", "gradient_accumulation", "ddp"]
+    assert resolved[1].config.steps == 4
+    with pytest.raises(ValueError, match=r"steps=3 does not divide the per-rank batch 4 \(global batch 8"):
+        resolve([("gradient_accumulation", {"steps": 3})])
+    with pytest.raises(ValueError, match="needs its number of micro-batches"):
+        resolve(["gradient_accumulation"])
+    with pytest.raises(ValueError, match="must be an integer >= 1"):
+        resolve([("gradient_accumulation", 0)])
+    with pytest.raises(ValueError, match="cannot be combined"):
+        resolve([("gradient_accumulation", 2), "deepspeed_3d_parallel"])
+    # Pipeline chunks split each micro-batch further: 8 rows / 2 steps = 4 rows into 2 chunks is fine, 4 steps not.
+    pp = [("parallel_mode", ([("data", 1), ("pipeline", 2)], None)), "pipeline_parallel"]
+    resolve([("gradient_accumulation", 2), *pp])
+    with pytest.raises(ValueError, match="do not split into the pipeline's 2 chunks"):
+        resolve([("gradient_accumulation", 8), *pp])
+    resolve([("gradient_accumulation", 3)], batch=None)       # unknown batch: checked when applied
+
+
+# -- micro-batch splitting ---------------------------------------------------------------------
+
+def test_split_batch_shapes():
+    ids = torch.arange(12).reshape(6, 2)
+    parts = split_batch({"input_ids": ids, "labels": ids + 1, "scale": torch.tensor(2.0), "tag": "x"}, 3)
+    assert len(parts) == 3
+    assert torch.equal(torch.cat([p["input_ids"] for p in parts]), ids)
+    assert all(p["scale"].item() == 2.0 and p["tag"] == "x" and p["labels"].shape == (2, 2) for p in parts)
+    a, b = split_batch((ids, [ids, ids]), 2)
+    assert a[0].shape == (3, 2) and isinstance(a[1], list) and torch.equal(b[1][1], ids[3:])
+    assert split_batch(ids, 1)[0] is ids
+    with pytest.raises(ValueError, match="6 rows does not split into gradient_accumulation_steps=4"):
+        split_batch(ids, 4)
+    with pytest.raises(ValueError, match="needs a batch of tensors"):
+        split_batch({"tag": "x"}, 2)
