@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections import namedtuple
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
@@ -118,6 +119,10 @@ def apply_resolved(ctx: ModelContext, resolved) -> AutoAccelerateResult:
         ctx.dataloader, ctx.sampler = build_dataloader(ctx)
     from atorch.checkpoint.model_methods import attach_checkpoint_methods  # imported on use: DCP is heavy
 
+    if "transformers" in sys.modules:  # only a transformers model generates; do not import it for others
+        from atorch.generation import enable_fused_generate
+
+        enable_fused_generate(ctx.model)  # `generate(..., fused_no_repeat_ngram_blocking=True)`
     # `result.model.save_parallelized(dir, merge_checkpoints=...)` / `.from_parallelized(dir)`.
     return attach_checkpoint_methods(_result(ctx))
 
