@@ -286,12 +286,16 @@ class TPShards:
     each rank writes and reads only its slice and DCP reshards to any other layout. Other
     slices (fused q|k|v with stride > 1) are gathered to the full tensor on save and sliced
     again on load. Optimizer states with the slice's shape are handled like the parameter.
+    Under tensor x FSDP (2-D), a slice is itself an FSDP `Shard(0)` DTensor over the data mesh:
+    it is all-gathered over the data group to the plain slice first, and on load each rank
+    copies its data-chunk of the loaded slice back into its FSDP shard.
     """
 
     def __init__(self, named_modules: Iterable[Tuple[str, nn.Module]]) -> None:
         """`named_modules`: (checkpoint name prefix, module) pairs covering the model."""
         self.specs: Dict[str, Tuple[Any, Any]] = {}   # fqn -> (TensorParallelModule, ShardSpec)
         self._locals: Dict[str, torch.Tensor] = {}
+        self._slices: Dict[str, torch.Tensor] = {}   # key -> the plain tensor-parallel slice of an FSDP shard
         try:
             from atorch.modules.distributed_modules.layers import TensorParallelModule
         except Exception:  # noqa: BLE001 - tensor parallel is optional
@@ -327,6 +331,8 @@ class TPShards:
                 continue
             module, spec = self.specs[fqn]
             self._locals[key] = local
+            if _is_dtensor(local):  # an FSDP shard (data mesh) of the tensor-parallel slice
+                local = self._slices[key] = _gather_data_shards(local)
             out[key] = _dtensor_view(local, module, spec)
             if out[key] is None:
                 out[key] = _gather_full(local, module, spec)
@@ -344,10 +350,13 @@ class TPShards:
             if local is None:
                 continue
             module, spec = self.specs[self._param_of(key)]
-            if not _is_dtensor(value):
-                # A gathered tensor: this rank keeps its slice.
-                with torch.no_grad():
-                    local.copy_(shard_tensor(value, spec, module.tp_rank).to(local.dtype))
+            tp_slice = self._slices.get(key, local)
+            with torch.no_grad():
+                if not _is_dtensor(value):
+                    # A gathered tensor: this rank keeps its slice.
+                    tp_slice.copy_(shard_tensor(value, spec, module.tp_rank).to(tp_slice.dtype))
+                if tp_slice is not local:
+                    _copy_into_data_shard(local, tp_slice)
             out[key] = local
         return out
 
@@ -356,6 +365,25 @@ def _is_dtensor(t: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
+
+
+def _gather_data_shards(shard: Any) -> torch.Tensor:
+    """The plain tensor an FSDP2 parameter (or optimizer state) shards over the data mesh (collective)."""
+    from torch.distributed.tensor import Shard
+
+    if tuple(shard.placements) != (Shard(0),):
+        raise ValueError(f"tensor-parallel slice sharded as {shard.placements} over {shard.device_mesh}; only FSDP2's "
+                         "Shard(0) over the data mesh is supported")
+    return shard.full_tensor().detach()
+
+
+def _copy_into_data_shard(shard: Any, full: torch.Tensor) -> None:
+    """Copy this rank's Shard(0) chunk of `full` into the FSDP2 DTensor `shard` (torch.chunk's cut, as DTensor's)."""
+    local = shard.to_local()
+    chunks = torch.chunk(full, shard.device_mesh.size(), dim=0)
+    index = shard.device_mesh.get_local_rank()
+    if index < len(chunks) and local.numel():
+        local.copy_(chunks[index].to(local.dtype))
 
 
 def _tensor_mesh_for(module: Any):

@@ -100,7 +100,11 @@ def test_presets_match_every_module_they_name(cls, config, tp, counts):
     if cls is GPT2LMHeadModel:
         assert plan.shrink["transformer.h.0.attn"] == {"embed_dim": 32, "split_size": 32, "num_heads": 2}
         assert plan.actions["transformer.h.1.attn.c_attn"].option("stride") == 3
-    assert not resolve_tp_plan(model, tpinfo_for_model(model), tp, gather_logits=True).vocab_parallel_loss
+    # Full logits are gathered after a loss computed from the slices; False keeps the slices everywhere.
+    gathered = resolve_tp_plan(model, tpinfo_for_model(model), tp, gather_logits=True)
+    assert gathered.vocab_parallel_loss and gathered.gather_logits
+    assert not gathered.actions[plan.output_embedding].option("gather_output")
+    assert not resolve_tp_plan(model, tpinfo_for_model(model), tp, gather_logits=False).gather_logits
 
 
 def test_no_preset_for_unknown_model_type():

@@ -95,7 +95,7 @@ def _active_parallel_randomizer() -> Any:
 
     Looked up through sys.modules: if its module was never imported, no randomizer exists.
     """
-    module = sys.modules.get("atorch.modules.distributed_modules.randomizer")
+    module = sys.modules.get("atorch.tensor_parallel.randomizer")
     if module is None:
         return None
     try:

@@ -1,39 +1,37 @@
 """`tensor_parallel`: shard the model's linears and embeddings over the "tensor" parallel group.
 
-Runs after `parallel_mode` has created the groups and before anything wraps the model: the
-model (real, or built on the meta device under `record_module_init`) is sharded with its
-family's preset TPInfo or the one given, the dropout streams are seeded from `base_seed`,
-and the rest of the flow sees an ordinary module, which `parallel_mode` then wraps in DDP
-over the "data" group.
+Runs after `parallel_mode` has created the groups and before anything wraps the model. All
+the work is `atorch.tensor_parallel.apply_tensor_parallel`; this class only validates the
+config and hands it the tensor group and this rank's coordinates.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
-
-import torch
-import torch.distributed as dist
+from typing import Optional
 
 from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, register
-from atorch.modules.distributed_modules.randomizer import init_randomizer
-from atorch.utils.manual_tp_utils import TPInfo, materialize_tp_module, resolve_tp_plan, tp_manual_shard_custom_fn
-from atorch.utils.meta_model_utils import is_meta_module
-from atorch.utils.tp_presets import tpinfo_for_model
+from atorch.tensor_parallel import TPInfo, apply_tensor_parallel, validate_tensor_parallel
 
 
 @dataclass(frozen=True)
 class TensorParallelConfig:
     tpinfo: Optional[TPInfo] = None
-    """What to shard; None: the preset for the model's `config.model_type` (llama, mistral, qwen2, gpt2, gpt_neox)."""
+    """What to shard; None: the hand preset of the model type (gpt2, opt, falcon, bloom) or the plan transformers
+    ships with the model (`config.base_model_tp_plan`: llama, mistral, qwen2/3, gemma, phi3, gpt_neox, mixtral, ...)."""
 
     base_seed: int = 0
     """Seeds the dropout streams and, for a meta model, the weights (equal to `torch.manual_seed(base_seed); Model()`)."""
 
     per_block_init: bool = False
     """Meta models only: build one block at a time (bounded memory) with per-block seeds instead of the whole model."""
+
+    gather_logits: bool = True
+    """True: the model returns the unsharded model's full logits (its own loss is still computed from the
+    vocabulary slices). False: `output.logits` is this rank's vocabulary slice, for
+    `atorch.tensor_parallel.vocab_parallel_cross_entropy` (no rank ever holds [tokens, vocab] logits)."""
 
 
 @register
@@ -48,6 +46,8 @@ class TensorParallelOptimization(Optimization):
     def validate(self, config: TensorParallelConfig, context: ValidationContext) -> None:
         if not isinstance(config.base_seed, int) or isinstance(config.base_seed, bool):
             raise ValueError(f"tensor_parallel: base_seed={config.base_seed!r} must be an int")
+        if not isinstance(config.gather_logits, bool):
+            raise ValueError(f"tensor_parallel: gather_logits={config.gather_logits!r} must be True or False")
         if config.tpinfo is not None and not isinstance(config.tpinfo, TPInfo):
             raise ValueError(f"tensor_parallel: tpinfo must be a TPInfo or None, got {type(config.tpinfo).__name__}")
         sizes = context.parallel_sizes()
@@ -57,44 +57,14 @@ class TensorParallelOptimization(Optimization):
         tp_size = sizes["tensor"]
         if tp_size > context.world_size:
             raise ValueError(f"tensor parallel size {tp_size} is larger than the world size {context.world_size}")
-        if context.model is None:
-            return
-        tpinfo = config.tpinfo if config.tpinfo is not None else tpinfo_for_model(context.model)
-        resolve_tp_plan(context.model, tpinfo, tp_size, world_size=context.world_size)
+        if context.model is not None:
+            validate_tensor_parallel(context.model, config.tpinfo, tp_size, world_size=context.world_size)
 
     def apply(self, ctx: ModelContext, config: TensorParallelConfig) -> None:
-        group = adist.parallel_group("tensor")
-        randomizer = init_randomizer(config.base_seed)
-        tpinfo = config.tpinfo if config.tpinfo is not None else tpinfo_for_model(ctx.model)
-        # A user loss reads output.logits, so it needs them whole; HF's own loss runs vocabulary-parallel.
-        gather_logits = True if ctx.loss_func is not None else None
-        if is_meta_module(ctx.model):
-            marked = tp_manual_shard_custom_fn(ctx.model, tpinfo, group=group, randomizer=randomizer,
-                                               gather_logits=gather_logits)
-            ctx.model = materialize_tp_module(marked, config.base_seed, per_block=config.per_block_init,
-                                              group=group, randomizer=randomizer)
-        else:
-            _check_replicas_agree(ctx.model, group, ctx.device)
-            ctx.model = tp_manual_shard_custom_fn(ctx.model, tpinfo, group=group, randomizer=randomizer,
-                                                  gather_logits=gather_logits)
-        ctx.extra["tensor_parallel_size"] = adist.parallel_group_size("tensor")
-        ctx.extra["randomizer"] = randomizer
-
-
-@torch.no_grad()
-def _check_replicas_agree(model: torch.nn.Module, group: dist.ProcessGroup, device: torch.device) -> None:
-    """Raise on every rank when the full model differs across the tensor group (slices would not fit together).
-
-    One float64 checksum per rank: ranks built under the same seed agree bit for bit.
-    """
-    total = torch.zeros((), dtype=torch.float64)
-    for p in model.parameters():
-        total += p.detach().double().sum().cpu()
-    local = total.reshape(1).to(device)
-    sums: List[torch.Tensor] = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sums, local, group=group)
-    values = [float(s.item()) for s in sums]
-    if any(v != values[0] for v in values):
-        raise ValueError(f"tensor_parallel: the model's weights differ across the tensor group (parameter checksums "
-                         f"{values}); construct it under the same seed on every rank, or build it under "
-                         "record_module_init() so tensor_parallel materializes it from base_seed")
+        built = apply_tensor_parallel(
+            ctx.model, adist.parallel_group("tensor"), tpinfo=config.tpinfo, base_seed=config.base_seed,
+            coords=adist.parallel_layout().coords(adist.rank()), per_block_init=config.per_block_init,
+            gather_logits=config.gather_logits, device=ctx.device)
+        ctx.model = built.model
+        ctx.extra["tensor_parallel_size"] = built.tp_size
+        ctx.extra["randomizer"] = built.randomizer

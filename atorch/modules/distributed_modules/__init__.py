@@ -1,8 +1,8 @@
-"""Tensor-parallel building blocks: layers, the autograd functions they communicate with,
-the vocabulary-parallel cross entropy and the per-group random streams."""
+"""Old import path of the tensor-parallel building blocks; they live in `atorch.tensor_parallel` now
+(`atorch.modules.distributed_modules.layers` etc. are the same module objects)."""
 
-from atorch.modules.distributed_modules.cross_entropy import VocabParallelCausalLMLoss, vocab_parallel_cross_entropy
-from atorch.modules.distributed_modules.layers import (
+from atorch.tensor_parallel.cross_entropy import VocabParallelCausalLMLoss, vocab_parallel_cross_entropy
+from atorch.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     ShardSpec,
@@ -11,13 +11,13 @@ from atorch.modules.distributed_modules.layers import (
     shard_tensor,
     unshard_tensors,
 )
-from atorch.modules.distributed_modules.mappings import (
+from atorch.tensor_parallel.mappings import (
     copy_to_group,
     gather_from_group,
     reduce_from_group,
     scatter_to_group,
 )
-from atorch.modules.distributed_modules.randomizer import (
+from atorch.tensor_parallel.randomizer import (
     MultiDimParallelRandomizer,
     fork_module_rng,
     get_randomizer,

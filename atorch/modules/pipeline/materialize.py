@@ -46,21 +46,20 @@ def materialize_model(model: nn.Module, base_seed: int, tensor_group: Optional[d
     tensor-parallel preset of its model type) and its dropout streams are seeded from
     `base_seed`, exactly as the `tensor_parallel` optimization does.
     """
-    from atorch.modules.distributed_modules.mappings import group_size
+    from atorch.tensor_parallel.mappings import group_size
 
     meta = is_meta_module(model)
     if tensor_group is None or group_size(tensor_group) == 1:
         return rebuild_seeded(model, base_seed) if meta else model
 
-    from atorch.modules.distributed_modules.randomizer import init_randomizer
-    from atorch.utils.manual_tp_utils import materialize_tp_module, tp_manual_shard_custom_fn
-    from atorch.utils.tp_presets import tpinfo_for_model
+    from atorch.tensor_parallel import init_randomizer, materialize_tp_module, shard_model, tpinfo_for_model
 
     randomizer = init_randomizer(base_seed)
     if tpinfo is None:
         tpinfo = tpinfo_for_model(model)
     if meta and is_recorded(model):
-        marked = tp_manual_shard_custom_fn(model, tpinfo, group=tensor_group, randomizer=randomizer)
+        # gather_logits=False: the last stage's loss takes the vocabulary slices (pipeline/batches.py).
+        marked = shard_model(model, tpinfo, tensor_group, randomizer=randomizer, gather_logits=False)
         return materialize_tp_module(marked, base_seed, group=tensor_group, randomizer=randomizer)
     real = rebuild_seeded(model, base_seed) if meta else model
-    return tp_manual_shard_custom_fn(real, tpinfo, group=tensor_group, randomizer=randomizer)
+    return shard_model(real, tpinfo, tensor_group, randomizer=randomizer, gather_logits=False)

@@ -1,0 +1,128 @@
+"""Cross entropy over logits whose vocabulary dimension is split over a tensor-parallel group.
+
+With a column-parallel LM head that does not gather its output, each rank holds logits for
+its slice of the vocabulary. The loss needs only three reductions of one number per token
+(max, sum of exponentials, target logit), so the full [tokens, vocab] logits never exist on
+any rank. `VocabParallelCausalLMLoss` plugs this into a Hugging Face model's
+`loss_function`, with the semantics of its `ForCausalLMLoss` (label shift, ignore index,
+`num_items_in_batch`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from atorch.tensor_parallel.mappings import Group, group_rank, group_size
+
+
+def _all_reduce_(t: torch.Tensor, op: dist.ReduceOp, group: Group) -> torch.Tensor:
+    if group_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: Group, vocab_start: int,
+                vocab_size: int, ignore_index: int) -> torch.Tensor:
+        local_vocab = logits.shape[-1]
+        logits = logits.float()
+        # Columns past the real vocabulary are padding: they must not take probability mass.
+        valid = max(0, min(local_vocab, vocab_size - vocab_start))
+        if valid < local_vocab:
+            logits = logits.clone()
+            logits[..., valid:] = float("-inf")
+        # Subtracting the global max keeps exp() finite; any constant would give the same loss.
+        logits_max = logits.max(dim=-1).values
+        _all_reduce_(logits_max, dist.ReduceOp.MAX, group)
+        shifted = logits - logits_max.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = _all_reduce_(exp.sum(dim=-1), dist.ReduceOp.SUM, group)
+
+        owned = (target >= vocab_start) & (target < vocab_start + local_vocab)
+        local_target = (target - vocab_start).masked_fill(~owned, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
+        _all_reduce_(target_logit, dist.ReduceOp.SUM, group)
+
+        ignored = target == ignore_index
+        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
+        exp.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward
+        ctx.save_for_backward(exp, local_target, owned, ignored)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None, None, None, None]:
+        softmax, local_target, owned, ignored = ctx.saved_tensors
+        # d loss / d logits = softmax - one_hot(target). The saved buffer is reused (as Megatron
+        # does) to avoid a second [tokens, V_local] allocation, so a retained graph cannot be
+        # backpropagated through twice.
+        grad = softmax
+        flat = grad.view(-1, grad.shape[-1])
+        rows = torch.arange(flat.shape[0], device=flat.device)
+        flat[rows, local_target.view(-1)] -= owned.view(-1).to(flat.dtype)
+        grad.mul_((grad_loss * (~ignored)).unsqueeze(-1))
+        return grad, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Group = None,
+                                 vocab_size: Optional[int] = None, ignore_index: int = -100,
+                                 reduction: str = "mean") -> torch.Tensor:
+    """Cross entropy of `target` (global ids) given this rank's vocabulary slice of `logits`.
+
+    `logits` is [..., V_local] where rank r holds ids [r * V_local, (r + 1) * V_local);
+    `vocab_size` is the real vocabulary (ids at or past it are padding); the result equals
+    `F.cross_entropy` on the gathered logits, in float32. reduction: "mean" (over targets
+    that are not `ignore_index`), "sum" or "none".
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction={reduction!r}; valid values are 'mean', 'sum', 'none'")
+    local_vocab = logits.shape[-1]
+    world = group_size(group)
+    if vocab_size is None:
+        vocab_size = local_vocab * world
+    if not local_vocab * (world - 1) < vocab_size <= local_vocab * world:
+        raise ValueError(f"vocab_size={vocab_size} does not fit {world} slices of {local_vocab} logits")
+    vocab_start = group_rank(group) * local_vocab
+    if world == 1 and vocab_size == local_vocab:
+        return F.cross_entropy(logits.float().view(-1, local_vocab), target.view(-1), ignore_index=ignore_index,
+                               reduction=reduction).view(target.shape if reduction == "none" else ())
+    loss = _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, vocab_size, ignore_index)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (target != ignore_index).sum()
+
+
+class VocabParallelCausalLMLoss:
+    """A Hugging Face `loss_function` for a causal LM whose logits are split over the vocabulary.
+
+    Same contract as `transformers.loss.loss_utils.ForCausalLMLoss`: labels are shifted left
+    (unless `shift_labels` is given), `ignore_index` tokens are skipped, and the sum is
+    divided by `num_items_in_batch` when given (else the mean over counted tokens).
+    """
+
+    def __init__(self, group: Group, vocab_size: int):
+        from atorch.tensor_parallel.layers import _GroupRef
+
+        self._group_ref = _GroupRef(group)
+        self.vocab_size = vocab_size
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: Optional[int] = None,
+                 num_items_in_batch: Optional[torch.Tensor] = None, ignore_index: int = -100,
+                 shift_labels: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
+        if shift_labels is None:
+            labels = F.pad(labels, (0, 1), value=ignore_index)
+            shift_labels = labels[..., 1:].contiguous()
+        shift_labels = shift_labels.to(logits.device)
+        losses = vocab_parallel_cross_entropy(logits, shift_labels, self._group_ref.group, self.vocab_size,
+                                              ignore_index, reduction="none")
+        if num_items_in_batch is not None:
+            if torch.is_tensor(num_items_in_batch):
+                num_items_in_batch = num_items_in_batch.to(losses.device)
+            return losses.sum() / num_items_in_batch
+        return losses.sum() / (shift_labels != ignore_index).sum()

@@ -1,0 +1,205 @@
+"""A `TPInfo` from the tensor-parallel plan that transformers ships with a model.
+
+transformers describes how to shard most modern architectures: `config.base_model_tp_plan`
+maps module patterns of the base model (`layers.*.self_attn.q_proj`) to a style
+(`colwise`, `rowwise`, ...), and the model class's `_tp_plan` adds its head (`lm_head`).
+`tpinfo_from_transformers_plan` translates those styles into atorch's roles:
+
+| transformers style                       | atorch role                                                  |
+|------------------------------------------|--------------------------------------------------------------|
+| `colwise`                                | column-parallel linear, output kept split                     |
+| `colwise_gather_output`                  | column-parallel linear, output gathered                       |
+| `rowwise` (linear)                       | row-parallel linear, input already split                      |
+| `rowwise_split_input`                    | row-parallel linear that splits its (replicated) input        |
+| `rowwise` / `embedding_rowwise` (embedding) | vocabulary-parallel embedding                              |
+| `replicated_with_grad_allreduce`         | replicated parameters, gradients summed (`reduce_grads`)      |
+| `moe_tp_experts` (+ `packed_colwise` / `rowwise` on its 3-D weights) | experts split like MLPs (`shard_experts`) |
+
+and adds what the plan leaves implicit: the input embedding (vocabulary-parallel when it is
+an `nn.Embedding`, also Gemma's scaled one), the LM head (column-parallel; full logits are
+gathered after the loss), the per-rank dropout stream of split attention modules, the shared
+stream of the other dropout modules, and the head-count attributes that split attention
+modules reshape with. Plan entries that match no module of this instance (dense layers of
+an all-MoE model) are skipped; a style atorch cannot honour is a ValueError naming the
+module and the style.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
+
+from torch import nn
+
+from atorch.tensor_parallel.plan import EXPERT_WEIGHTS, TPInfo, output_embedding
+
+# Styles translated to a role, by the kind of module they apply to.
+_LINEAR_STYLES = {
+    "colwise": ("col", {}),
+    "colwise_gather_output": ("col", {"gather_output": True}),
+    "rowwise": ("row", {}),
+    "rowwise_split_input": ("row", {"input_is_parallel": False}),
+}
+_EMBEDDING_STYLES = ("rowwise", "embedding_rowwise")
+_EXPERT_WEIGHT_STYLES = {"gate_up_proj": ("packed_colwise", "colwise"), "down_proj": ("rowwise", "packed_rowwise")}
+# Integer attributes that attention modules of some architectures reshape with (only present ones are shrunk).
+HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "hidden_size", "embed_dim",
+              "split_size")
+
+
+def transformers_plan(model: nn.Module) -> Dict[str, str]:
+    """The model's plan with patterns relative to `model`: the base model's (prefixed) and the head's."""
+    config = getattr(model, "config", None)
+    base_plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    prefix = ""
+    base_name = getattr(model, "base_model_prefix", "")
+    if base_name and isinstance(getattr(model, base_name, None), nn.Module) and getattr(model, base_name) is not model:
+        prefix = base_name + "."
+    plan = {prefix + key: style for key, style in base_plan.items()}
+    head_plan = getattr(type(model), "_tp_plan", None) or {}
+    for key, style in head_plan.items():
+        plan.setdefault(key, style)
+    return plan
+
+
+def has_transformers_plan(model: nn.Module) -> bool:
+    return bool(getattr(getattr(model, "config", None), "base_model_tp_plan", None))
+
+
+def _pattern(key: str) -> "re.Pattern[str]":
+    return re.compile("^" + re.escape(key).replace(r"\*", r"\d+") + "$")
+
+
+def _suffix(name: str) -> str:
+    """The name after its last numeric component ('model.layers.3.mlp.up_proj' -> 'mlp.up_proj')."""
+    parts = name.split(".")
+    last_index = max((i for i, p in enumerate(parts) if p.isdigit()), default=-1)
+    return ".".join(parts[last_index + 1:]) or name
+
+
+def _has_embed_scale_only(module: nn.Module) -> bool:
+    """Gemma's scaled word embedding: an nn.Embedding whose forward multiplies by an `embed_scale` buffer."""
+    return isinstance(getattr(module, "embed_scale", None), (int, float)) or (
+        hasattr(module, "embed_scale") and getattr(module.embed_scale, "dim", lambda: 1)() == 0)
+
+
+def shardable_embedding(module: Optional[nn.Module]) -> bool:
+    """An embedding `VocabParallelEmbedding` reproduces: nn.Embedding itself, or one that only scales its output."""
+    if not isinstance(module, nn.Embedding):
+        return False
+    return type(module) is nn.Embedding or _has_embed_scale_only(module)
+
+
+def tpinfo_from_transformers_plan(model: nn.Module) -> TPInfo:
+    """Translate the model's transformers tensor-parallel plan (see the module docstring); ValueError if impossible."""
+    plan = transformers_plan(model)
+    if not plan:
+        raise ValueError(f"{type(model).__name__} has no transformers tensor-parallel plan (config.base_model_tp_plan)")
+    modules = dict(model.named_modules())
+    params = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
+    head = output_embedding(model)
+    head_name = next((n for n, m in modules.items() if m is head), None) if head is not None else None
+
+    # Each matched module (or parameter) -> its style, most specific key first (transformers' rule too).
+    styled: Dict[str, Tuple[str, str]] = {}
+    for key in sorted(plan, key=len, reverse=True):
+        style = plan[key]
+        regex = _pattern(key)
+        for name in list(modules) + list(params):
+            if name and regex.match(name) and name not in styled:
+                styled[name] = (key, style)
+
+    tpinfo = TPInfo()
+    experts: Set[str] = {n for n, (_, style) in styled.items() if style == "moe_tp_experts" and n in modules}
+    split_attention: Set[str] = set()
+    gathered_attention: Set[str] = set()
+    ordered = [n for n in modules if n in styled] + [n for n in params if n in styled and n not in modules]
+    for name in ordered:  # model order, so errors name the first module a reader would look at
+        key, style = styled[name]
+        if name == head_name:
+            continue  # the head is added below, whatever its plan says
+        if name in params and name not in modules:
+            _check_expert_weight(name, style, experts)
+            continue
+        module = modules[name]
+        suffix = _suffix(name)
+        if style == "moe_tp_experts":
+            tpinfo.shard_experts(suffix)
+        elif style == "replicated_with_grad_allreduce":
+            tpinfo.reduce_grads(suffix)
+        elif isinstance(module, nn.Embedding) and style in _EMBEDDING_STYLES:
+            if not shardable_embedding(module):
+                raise ValueError(f"tensor parallel: {name!r} ({type(module).__name__}) has style {style!r}, but its "
+                                 "forward is not a plain (or scaled) embedding lookup; pass a TPInfo that leaves it "
+                                 "replicated")
+            tpinfo.shard_vocab(suffix)
+        elif style in _LINEAR_STYLES and _is_linear(module):
+            kind, options = _LINEAR_STYLES[style]
+            spec = {suffix: options} if options else suffix
+            (tpinfo.shard_col if kind == "col" else tpinfo.shard_row)(spec)
+            parent = name.rpartition(".")[0]
+            if kind == "col" and _is_attention(parent):
+                (gathered_attention if options.get("gather_output") else split_attention).add(parent)
+        else:
+            raise ValueError(f"tensor parallel: cannot honour transformers plan entry {key!r} -> {style!r} on "
+                             f"{name!r} ({type(module).__name__}); atorch translates {sorted(_LINEAR_STYLES)} on "
+                             f"linears, {list(_EMBEDDING_STYLES)} on embeddings, 'replicated_with_grad_allreduce' and "
+                             "'moe_tp_experts'. Pass your own TPInfo ('tensor_parallel', {'tpinfo': ...})")
+
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    embedding_name = next((n for n, m in modules.items() if m is embedding), None) if embedding is not None else None
+    embedding_sharded = embedding_name is not None and embedding_name in styled
+    if embedding_name is not None and not embedding_sharded and shardable_embedding(embedding):
+        tpinfo.shard_vocab(embedding_name)
+        embedding_sharded = True
+    if head_name is not None and _is_linear(head):
+        tied = embedding is not None and head.weight is getattr(embedding, "weight", None)
+        if embedding_sharded or not tied:
+            tpinfo.shard_col(head_name)
+
+    for attention in sorted(split_attention):
+        tpinfo.parallel_drop(_suffix(attention))
+        present = sorted(a for a in HEAD_ATTRS if _int_attr(modules[attention], a))
+        if present:
+            tpinfo.shrink({_suffix(attention): present})
+    _add_dropouts(tpinfo, modules, split_attention, gathered_attention)
+    return tpinfo
+
+
+def _check_expert_weight(name: str, style: str, experts: Set[str]) -> None:
+    owner, _, weight = name.rpartition(".")
+    if owner in experts and weight in EXPERT_WEIGHTS and style in _EXPERT_WEIGHT_STYLES[weight]:
+        return  # split by the experts role of its module
+    raise ValueError(f"tensor parallel: cannot honour style {style!r} on parameter {name!r}: atorch shards 3-D expert "
+                     f"weights {list(EXPERT_WEIGHTS)} only as part of a 'moe_tp_experts' module")
+
+
+def _is_linear(module: Any) -> bool:
+    return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and hasattr(module, "nf"))
+
+
+def _is_attention(name: str) -> bool:
+    last = name.rpartition(".")[2].lower()
+    return "attn" in last or "attention" in last
+
+
+def _int_attr(module: nn.Module, attr: str) -> bool:
+    value = getattr(module, attr, None)
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _add_dropouts(tpinfo: TPInfo, modules: Mapping[str, nn.Module], split: Set[str], gathered: Set[str]) -> None:
+    """Dropouts outside split attention modules draw from the stream the tensor group shares."""
+    for attention in sorted(gathered - split):
+        tpinfo.replic_drop(_suffix(attention))
+    inside = [n for n in modules if any(n.startswith(a + ".") for a in split)]
+    outside = [n for n, m in modules.items()
+               if isinstance(m, nn.modules.dropout._DropoutNd) and n not in inside
+               and not any(n.startswith(a + ".") for a in gathered)]
+    suffixes: List[str] = []
+    for name in outside:
+        suffix = _suffix(name)
+        clash = any(n == suffix or n.endswith("." + suffix) for n in inside)
+        suffixes.append(name if clash else suffix)
+    if suffixes:
+        tpinfo.replic_drop(*suffixes)

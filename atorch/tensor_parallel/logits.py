@@ -1,0 +1,60 @@
+"""Full logits from a tensor-parallel model, and with them generation.
+
+The LM head is column-parallel over the vocabulary: each rank computes the logits of its
+slice, which is all the vocabulary-parallel cross entropy needs. What the model *returns*
+is gathered by `gather_output_logits`, a forward hook on the model that runs after the
+model's own loss: `output.logits` is then the unsharded model's [..., vocab] tensor (padding
+dropped), identical on every rank of the tensor group. Because the ranks hold identical
+logits, `model.generate(...)` (greedy, beam search, sampling with the same seed on every
+rank, with the KV cache of this rank's heads) picks the same tokens on every rank, and the
+same tokens as the unsharded model.
+
+Cost: one all-gather of the logits per forward (B x S x V_local elements per rank in, B x S x V
+out) and the full logits' memory while the output is alive; the loss path itself neither
+gathers nor backpropagates through the gather unless the caller's loss reads the gathered
+logits (the gather is differentiable). `benchmarks/tp_logits.py` measures it against
+`gather_logits=False`, which returns the slice.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from atorch.tensor_parallel.layers import ColumnParallelLinear
+from atorch.tensor_parallel.mappings import gather_from_group
+from atorch.tensor_parallel.plan import output_embedding
+
+
+def unwrap_data_parallel(model: nn.Module) -> nn.Module:
+    """The module under DistributedDataParallel / DataParallel wrappers."""
+    while hasattr(model, "module") and isinstance(getattr(model, "module"), nn.Module) and (
+            type(model).__name__ in ("DistributedDataParallel", "DataParallel")):
+        model = model.module
+    return model
+
+
+def _split_head(model: nn.Module) -> Optional[ColumnParallelLinear]:
+    head = output_embedding(unwrap_data_parallel(model))
+    if not isinstance(head, ColumnParallelLinear) or head.gather_output or head.tp_size == 1:
+        return None
+    return head
+
+
+def gather_tp_logits(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits from this rank's slice (differentiable); full logits are returned unchanged."""
+    head = _split_head(model)
+    if head is None or logits.shape[-1] != head.out_spec.local_size:
+        return logits
+    full = gather_from_group(logits, head.group)
+    return full[..., :head.out_features]
+
+
+def gather_output_logits(model: nn.Module, args: Any, output: Any) -> Any:
+    """Forward hook: replace `output.logits` (a transformers ModelOutput) by the gathered full logits."""
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        output.logits = gather_tp_logits(model, logits)
+    return output
