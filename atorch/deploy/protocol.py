@@ -48,7 +48,7 @@ def _encode(value: Any, tensors: List[torch.Tensor], where: str) -> Any:
         return {_TUPLE: [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]}
     if isinstance(value, list):
         return [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]
-    raise TypeError(f"deploy: {where} is a {type(value).__name__}; only tensors, numbers, strings, None and "
+    raise TypeError(f"deploy: {where} is of type {type(value).__name__}; only tensors, numbers, strings, None and "
                     "lists/tuples/dicts of them can be sent to the deployed model")
 
 

@@ -76,14 +76,45 @@ def load_model(setup: Dict[str, Any], state: Dict[str, torch.Tensor]) -> nn.Modu
         kwargs = {"dtype": getattr(torch, setup["dtype"])} if setup.get("dtype") else {}
         return AutoModelForCausalLM.from_pretrained(setup["path"], **kwargs)
     if kind == "atorch_checkpoint":
-        from atorch.checkpoint import manifest as mf
-        from atorch.checkpoint.merge import _read_meta, build_hf_model, load_model_tensors, verify_checkpoint
-
-        ckpt = mf.resolve_checkpoint_dir(setup["path"])
-        manifest = verify_checkpoint(ckpt, collective=False)
-        model = build_hf_model(ckpt, (_read_meta(ckpt).get("model") or {}), load_model_tensors(ckpt, manifest))
+        model = _load_atorch_checkpoint(setup["path"])
         return model.to(getattr(torch, setup["dtype"])) if setup.get("dtype") else model
     raise ValueError(f"deploy: unknown source kind {kind!r}")
+
+
+def _load_atorch_checkpoint(path: str) -> nn.Module:
+    """The whole model of an atorch checkpoint of any layout (its tensors are read full size, then sharded by us).
+
+    Built on CPU from the checkpoint's config.json (not on meta as `merge_checkpoint` does):
+    buffers that are not saved, such as rotary frequencies, must be real for inference.
+    """
+    from transformers import AutoConfig
+
+    from atorch.checkpoint import manifest as mf
+    from atorch.checkpoint.merge import _resolve_model_class, _tied_names, load_model_tensors
+    from atorch.checkpoint.save_load import _read_meta, verify_checkpoint
+
+    ckpt = mf.resolve_checkpoint_dir(path)
+    manifest = verify_checkpoint(ckpt, collective=False)
+    meta = _read_meta(ckpt).get("model") or {}
+    if meta.get("peft_adapter"):
+        raise ValueError(f"deploy: {ckpt} is a LoRA checkpoint; merge it first (atorch.checkpoint.merge_checkpoint "
+                         "with lora='merge') and deploy the merged folder")
+    if not meta.get("has_config"):
+        raise ValueError(f"deploy: {ckpt} has no Hugging Face config.json; only transformers models can be deployed")
+    config = AutoConfig.from_pretrained(ckpt)
+    model = _resolve_model_class(meta, config, None, ckpt)(config)
+    state = load_model_tensors(ckpt, manifest)
+    prefix = meta.get("hf_prefix") or ""
+    if prefix:
+        state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if k not in _tied_names(model)]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"deploy: checkpoint {ckpt} does not match {type(model).__name__}: missing {missing[:5]}, "
+                         f"unexpected {result.unexpected_keys[:5]}")
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model
 
 
 def build(setup: Dict[str, Any], state: Dict[str, torch.Tensor], rank: int, world: int,
