@@ -2,6 +2,11 @@
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/fusion.py --model llama [--repeats 5] [--batch 2] [--seq 256]
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/fusion.py --model gpt2
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/fusion.py --kernels   # eager vs torch.compile vs TorchScript
+
+`--kernels`: the three elementwise tails alone (forward + backward on a (8, 256, 2048) fp32
+activation), eager vs `torch.compile(dynamic=True)` vs `torch.jit.script`, 12 interleaved
+repeats: the measurement behind `atorch.modules.fused.mlp` using torch.compile.
 
 Variants: unfused, each kind alone (`attention`, `norm`, `activation`, `mlp`, where the model has
 it) and all kinds together (`fuse(model)`). They are timed *interleaved* on one model: the fused
@@ -69,13 +74,50 @@ def activate(model: nn.Module, swaps: List[Swap], originals: Dict, attention: st
     model.set_attn_implementation(attention)
 
 
+def kernels(repeats: int = 12) -> None:
+    import torch.nn.functional as F
+
+    def bias_gelu(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x + b, approximate="tanh")
+
+    def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return F.silu(g) * u
+
+    def bias_dropout(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x + b, 0.1, True)
+
+    print("| tail | eager ms | torch.compile ms | TorchScript ms | eager/compile | eager/script |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, fn in (("bias + gelu_tanh", bias_gelu), ("silu(gate) * up", silu_mul), ("bias + dropout", bias_dropout)):
+        fns = {"eager": fn, "compile": torch.compile(fn, dynamic=True), "script": torch.jit.script(fn)}
+        x = torch.randn(8, 256, 2048, requires_grad=True)
+        other = torch.randn(8, 256, 2048, requires_grad=True) if fn is silu_mul else torch.randn(2048, requires_grad=True)
+        for f in fns.values():
+            for _ in range(3):
+                f(x, other).sum().backward()
+        times: Dict[str, List[float]] = {k: [] for k in fns}
+        for r in range(repeats):
+            for k in list(fns)[r % 3:] + list(fns)[:r % 3]:
+                start = time.perf_counter()
+                y = fns[k](x, other)
+                y.backward(torch.ones_like(y))
+                times[k].append(time.perf_counter() - start)
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        print(f"| {name} | {med['eager']:.1f} | {med['compile']:.1f} | {med['script']:.1f} | "
+              f"{med['eager'] / med['compile']:.2f} | {med['eager'] / med['script']:.2f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", action="store_true")
     parser.add_argument("--model", choices=["llama", "gpt2"], default="llama")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=256)
     args = parser.parse_args()
+    if args.kernels:
+        kernels()
+        return
     model = build(args.model)
     params = sum(p.numel() for p in model.parameters())
     kinds = ["attention", "norm", "mlp"] if args.model == "llama" else ["attention", "activation", "mlp"]
