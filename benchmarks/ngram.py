@@ -86,7 +86,7 @@ def per_call(batches: Sequence[int], lengths: Sequence[int], repeats: int, devic
 
 def per_generate(batches: Sequence[int], lengths: Sequence[int], repeats: int, device: torch.device,
                  new_tokens: int) -> None:
-    print(f"\n| batch | prompt | generate ms (transformers) | generate ms (fused switch) | speed-up |")
+    print("\n| batch | prompt | generate ms (transformers) | generate ms (fused switch) | speed-up |")
     print("| --- | --- | --- | --- | --- |")
     model = enable_fused_generate(tiny_llama(seed=0, vocab_size=VOCAB, max_position_embeddings=2048).to(device).eval())
     for batch in batches:

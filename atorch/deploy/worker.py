@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any, Dict, Tuple
+from typing import Any, Dict
 
 import torch
 from torch import nn
@@ -167,7 +167,7 @@ def run(model: nn.Module, op: str, header: Dict[str, Any], payload: Dict[str, An
     raise ValueError(f"deploy worker: unknown operation {op!r}")
 
 
-def _parse() -> Tuple[argparse.Namespace]:
+def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="one rank of an atorch deployment (started by atorch.deploy)")
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--rank", type=int, required=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from torch import nn
