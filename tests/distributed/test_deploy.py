@@ -131,7 +131,7 @@ CHILD = textwrap.dedent("""
               pad_token_id=3, eos_token_id=None)
     from_ckpt = atorch.deploy(ckpt, tensor_parallel_size=1)
     out_ckpt = from_ckpt.generate(ids, **kw).tolist()
-    from_folder = atorch.deploy(folder, tensor_parallel_size=2)
+    from_folder = atorch.deploy(folder, tensor_parallel_size=2, fuse=["norm"])  # fp32 FusedRMSNorm: exact
     out_folder = from_folder.generate(ids, **kw).tolist()
     print(json.dumps({"pids": from_ckpt.worker_pids + from_folder.worker_pids, "folder": out_folder,
                       "ckpt": out_ckpt}), flush=True)
