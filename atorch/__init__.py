@@ -9,7 +9,8 @@ import sys
 # rebuilds them. Set before anything imports DeepSpeed; an explicit setting always wins.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
+from atorch.deploy import deploy  # noqa: E402 - a function; the package stays importable as atorch.deploy.*
 from atorch.distributed import init_distributed  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["init_distributed", "__version__"]
+__all__ = ["deploy", "init_distributed", "__version__"]

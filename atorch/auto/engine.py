@@ -12,6 +12,7 @@ Every function here raises; only the entry point turns a failure into `status=Fa
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -61,6 +62,10 @@ def apply_resolved(ctx: ModelContext, resolved: List[ResolvedOptimization]) -> A
         ctx.dataloader, ctx.sampler = build_dataloader(ctx)
     from atorch.checkpoint.model_methods import attach_checkpoint_methods  # imported on use: DCP is heavy
 
+    if "transformers" in sys.modules:  # only a transformers model generates; do not import it for others
+        from atorch.generation import enable_fused_generate
+
+        enable_fused_generate(ctx.model)  # `generate(..., fused_no_repeat_ngram_blocking=True)`
     # `result.model.save_parallelized(dir, merge_checkpoints=...)` / `.from_parallelized(dir)`.
     return attach_checkpoint_methods(assemble_result(ctx, applied_strategy(resolved)))
 

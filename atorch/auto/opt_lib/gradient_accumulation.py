@@ -86,8 +86,6 @@ class GradientAccumulationOptimization(Optimization):
         if global_batch is not None:   # also checked here: validation may not have known the batch size
             _per_rank_batch(int(global_batch), ctx.data_parallel_size(), config.steps)
         ctx.gradient_accumulation_steps = config.steps
-        # Until the result carries the context's typed field, train_step finds it in result.args.
-        ctx.extra["gradient_accumulation_steps"] = config.steps
 
 
 def _pipeline_chunks(context: ValidationContext, sizes: dict) -> int:

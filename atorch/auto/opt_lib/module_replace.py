@@ -1,35 +1,51 @@
 """`module_replace`: swap modules for fused equivalents with the same parameters and outputs.
 
-Three kinds, each replaced wherever the model has one: Hugging Face attention switches from
-the "eager" implementation to PyTorch `scaled_dot_product_attention`; Llama-style RMSNorm
-becomes `FusedRMSNorm` (`F.rms_norm`); GPT-2's tanh GELU written in Python ops becomes
-`nn.GELU(approximate="tanh")`. Parameter names, and so state-dict keys, do not change.
+Four kinds, each replaced wherever the model has one, or only in the module classes named:
+
+- `attention`: Hugging Face attention switches from "eager" to PyTorch `scaled_dot_product_attention`
+  (the fused scale + mask + softmax (+ dropout) of the system we follow);
+- `norm`: Llama-style RMSNorm becomes `FusedRMSNorm` (`F.rms_norm`);
+- `activation`: GPT-2's tanh GELU written in Python ops becomes `nn.GELU(approximate="tanh")`;
+- `mlp` (off by default): MLPs become `FusedMLP`, bias + activation (+ dropout) or activation x gate
+  compiled as one kernel (`atorch.modules.fused.mlp`). Off by default because on CPU it is not
+  reliably faster (benchmarks/RESULTS.md, "Kernel fusion") and it compiles on the first call.
+
+Parameter names, and so state-dict keys, do not change.
+
+One rule for every model when something cannot be replaced: if the model has no candidate of the
+selected kinds or classes at all, `validate` raises a ValueError naming the model (the strategy
+would be meaningless for it); otherwise `apply` logs a notice listing what was replaced, what
+was already fused and what was not replaced and why (a WARNING when nothing was replaced), and
+the same lists are in the `ModuleReplaceSummary` it stores.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from torch import nn
 
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
 from atorch.modules.fused import FusedRMSNorm, is_llama_style_rms_norm
+from atorch.modules.fused.mlp import FusedMLP
+from atorch.modules.fused.mlp_layouts import looks_like_mlp, mlp_layout
 
 logger = logging.getLogger(__name__)
 
 # Attention implementations that materialize the full attention matrix: the ones to replace.
 # Any other value ("sdpa", "flash_attention_2", "flex_attention", a hub kernel) is already fused.
 _EAGER_ATTENTION = (None, "eager")
-_KINDS = ("attention", "norm", "activation")
+KINDS = ("attention", "norm", "activation", "mlp")
+_KINDS = KINDS  # the old private name
 
 
 @dataclass(frozen=True)
 class ModuleReplaceConfig:
-    """Which kinds of modules to replace; each enabled kind is replaced wherever it occurs."""
+    """Which modules to replace: every module of an enabled kind, plus every module of a listed class."""
 
     attention: bool = True
     """Hugging Face models on the "eager" attention implementation switch to "sdpa"."""
@@ -37,12 +53,43 @@ class ModuleReplaceConfig:
     """Llama-style RMSNorm modules (LlamaRMSNorm and its copies) become `FusedRMSNorm`."""
     activation: bool = True
     """`NewGELUActivation` / `FastGELUActivation` (GPT-2 style) become `nn.GELU(approximate="tanh")`."""
+    mlp: bool = False
+    """MLPs (GPT-2, GPT-J, GPT-NeoX, Falcon, and every Llama-style gated MLP) become `FusedMLP`."""
+    classes: Tuple[str, ...] = ()
+    """Module class names replaced whatever the kind flags say, e.g. ("LlamaMLP", "LlamaAttention")."""
+
+    def enabled(self) -> List[str]:
+        return [kind for kind in KINDS if getattr(self, kind)] + [f"class {c}" for c in self.classes]
+
+
+@dataclass(frozen=True)
+class ModuleReplaceSummary:
+    """What `module_replace` did to one model (result.summaries["module_replace"] / `fuse(...)`'s return)."""
+
+    model: str
+    replaced: Tuple[Tuple[str, str, str], ...] = ()
+    """(kind, module name, "Old -> New") for each replacement; attention is one entry for the model."""
+    already_fused: Tuple[str, ...] = ()
+    not_replaced: Tuple[str, ...] = ()
+    """"name (Class): reason" for each candidate of a selected kind or class that was left as is."""
+
+    def counts(self) -> Dict[str, int]:
+        out = {kind: 0 for kind in KINDS}
+        for kind, _, _ in self.replaced:
+            out[kind] += 1
+        return out
+
+    def describe(self) -> str:
+        replaced = [f"{name} ({what})" for _, name, what in self.replaced]
+        return (f"{self.model}: replaced {self.counts()} {replaced}; already fused {list(self.already_fused)}; "
+                f"not replaced {list(self.not_replaced)}")
 
 
 @dataclass
 class ReplacementPlan:
     """What `module_replace` would do to a model; computed without changing it."""
 
+    model_name: str = ""
     attention_model: Optional[nn.Module] = None        # the outermost HF model to switch to sdpa
     modules: Dict[int, Tuple[str, str, nn.Module]] = field(default_factory=dict)  # id -> (name, kind, module)
     already_fused: List[str] = field(default_factory=list)
@@ -51,8 +98,11 @@ class ReplacementPlan:
     def is_empty(self) -> bool:
         return self.attention_model is None and not self.modules
 
+    def found_nothing(self) -> bool:
+        return self.is_empty() and not self.already_fused and not self.not_supported
+
     def counts(self) -> Dict[str, int]:
-        out = {kind: 0 for kind in _KINDS}
+        out = {kind: 0 for kind in KINDS}
         if self.attention_model is not None:
             out["attention"] = 1
         for _, kind, _ in self.modules.values():
@@ -76,6 +126,10 @@ def _python_gelu_classes() -> Tuple[type, ...]:
     return tuple(c for c in classes if c is not None)
 
 
+def _attention_classes(model: nn.Module) -> List[str]:
+    return sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Attention")})
+
+
 def _plan_attention(model: nn.Module, plan: ReplacementPlan) -> None:
     pretrained_cls = _loaded_transformers_attr("modeling_utils", "PreTrainedModel")
     if pretrained_cls is None:
@@ -89,25 +143,47 @@ def _plan_attention(model: nn.Module, plan: ReplacementPlan) -> None:
     if current not in _EAGER_ATTENTION:
         plan.already_fused.append(f"{name} attention ({current!r})")
     elif not getattr(hf_model, "_supports_sdpa", False):
-        plan.not_supported.append(f"{name} attention (the model does not support 'sdpa')")
+        plan.not_supported.append(f"{name} attention: the model does not support 'sdpa'")
     elif not type(hf_model)._can_set_attn_implementation():
-        plan.not_supported.append(f"{name} attention (the model cannot switch implementation after construction)")
+        plan.not_supported.append(f"{name} attention: the model cannot switch implementation after construction")
     else:
         plan.attention_model = hf_model
 
 
+def _selected(kind: str, module: nn.Module, config: ModuleReplaceConfig) -> bool:
+    return getattr(config, kind) or type(module).__name__ in config.classes
+
+
 def plan_replacements(model: nn.Module, config: ModuleReplaceConfig) -> ReplacementPlan:
     """Find what `config` would replace in `model`, without changing anything."""
-    plan = ReplacementPlan()
-    if config.attention:
+    plan = ReplacementPlan(model_name=type(model).__name__)
+    # Attention is switched model-wide (all attention modules read one config): by kind, or
+    # when one of the listed classes is an attention module of this model.
+    if config.attention or set(config.classes) & set(_attention_classes(model)):
         _plan_attention(model, plan)
-    gelu_classes = _python_gelu_classes() if config.activation else ()
+    gelu_classes = _python_gelu_classes()
+    inside_fused_mlp = set()
     for name, module in model.named_modules():
-        if config.norm and is_llama_style_rms_norm(module):
+        if id(module) in inside_fused_mlp:
+            continue
+        label = f"{name or '<root>'} ({type(module).__name__})"
+        if looks_like_mlp(module) and _selected("mlp", module, config):
+            layout = mlp_layout(module)
+            if isinstance(layout, str):
+                plan.not_supported.append(f"{label}: {layout}")
+            else:
+                plan.modules[id(module)] = (name, "mlp", module)
+                # Its activation is fused with it: not replaced again as an activation.
+                inside_fused_mlp.update(id(m) for m in module.modules() if m is not module)
+        elif isinstance(module, FusedMLP) and _selected("mlp", module, config):
+            plan.already_fused.append(label)
+        elif is_llama_style_rms_norm(module) and _selected("norm", module, config):
             plan.modules[id(module)] = (name, "norm", module)
-        elif config.norm and isinstance(module, (FusedRMSNorm, nn.RMSNorm)):
-            plan.already_fused.append(f"{name} ({type(module).__name__})")
-        elif gelu_classes and type(module) in gelu_classes:
+        elif isinstance(module, (FusedRMSNorm, nn.RMSNorm)) and _selected("norm", module, config):
+            plan.already_fused.append(label)
+        elif type(module).__name__.endswith("RMSNorm") and _selected("norm", module, config):
+            plan.not_supported.append(f"{label}: not Llama's RMSNorm formula (e.g. Gemma's (1 + weight))")
+        elif gelu_classes and type(module) in gelu_classes and _selected("activation", module, config):
             plan.modules[id(module)] = (name, "activation", module)
     return plan
 
@@ -119,12 +195,93 @@ def _fused_equivalent(kind: str, module: nn.Module) -> nn.Module:
         # Both Python GELUs compute 0.5*x*(1 + tanh(sqrt(2/pi)*(x + 0.044715*x**3))), which is
         # exactly the tanh approximation torch implements as one kernel.
         return nn.GELU(approximate="tanh")
+    if kind == "mlp":
+        layout, activation = mlp_layout(module)
+        return FusedMLP(module, layout, activation)
     raise AssertionError(f"unknown replacement kind {kind!r}")
+
+
+def _check_classes(model: nn.Module, config: ModuleReplaceConfig) -> None:
+    present = {type(m).__name__ for m in model.modules()}
+    missing = [c for c in config.classes if c not in present]
+    if missing:
+        raise ValueError(f"module_replace: classes {missing} do not occur in {type(model).__name__}; its module "
+                         f"classes are {sorted(present)}")
+
+
+def validate_on_model(model: nn.Module, config: ModuleReplaceConfig) -> ReplacementPlan:
+    """The plan for `model`, raising ValueError when the config cannot mean anything for it."""
+    _check_classes(model, config)
+    plan = plan_replacements(model, config)
+    if plan.found_nothing():
+        raise ValueError(
+            f"module_replace: nothing to replace in {type(model).__name__} for kinds {config.enabled()} (looked for "
+            "Hugging Face attention, Llama-style RMSNorm, NewGELUActivation/FastGELUActivation and, with mlp, "
+            "*MLP modules); drop module_replace from the strategy")
+    return plan
+
+
+def replace_modules(model: nn.Module, config: ModuleReplaceConfig) -> ModuleReplaceSummary:
+    """Apply `config` to `model` in place and return (and log) what was and was not replaced."""
+    plan = validate_on_model(model, config)
+    replaced: List[Tuple[str, str, str]] = []
+    if plan.attention_model is not None:
+        _switch_to_sdpa(plan.attention_model)
+        replaced.append(("attention", type(plan.attention_model).__name__, "eager -> sdpa"))
+    replacements = {key: _fused_equivalent(kind, module) for key, (_, kind, module) in plan.modules.items()}
+    # Walk every parent's registered children directly: named_modules and named_children list a
+    # module registered under two names once only, and both names must get the replacement.
+    for parent in list(model.modules()):
+        for child_name, child in list(parent._modules.items()):
+            if id(child) in replacements:
+                setattr(parent, child_name, replacements[id(child)])
+    for key, (name, kind, module) in plan.modules.items():
+        replaced.append((kind, name, f"{type(module).__name__} -> {type(replacements[key]).__name__}"))
+    summary = ModuleReplaceSummary(model=type(model).__name__, replaced=tuple(replaced),
+                                   already_fused=tuple(plan.already_fused), not_replaced=tuple(plan.not_supported))
+    logger.log(logging.INFO if replaced else logging.WARNING, "module_replace: %s", summary.describe())
+    return summary
+
+
+def _normalize_targets(targets: Sequence[Union[str, type]]) -> Dict[str, Any]:
+    kinds, classes, unknown = set(), [], []
+    for target in targets:
+        if isinstance(target, type):
+            classes.append(target.__name__)
+        elif isinstance(target, str) and target in KINDS:
+            kinds.add(target)
+        else:
+            unknown.append(target)
+    if unknown:
+        raise ValueError(f"module_replace: unknown replacement kind(s) {unknown}; valid kinds are {list(KINDS)} "
+                         "(module classes are passed as classes, or by name under the config key 'classes')")
+    return {**{kind: kind in kinds for kind in KINDS}, "classes": tuple(classes)}
+
+
+def fuse(model: nn.Module, targets: Optional[Sequence[Union[str, type]]] = None) -> ModuleReplaceSummary:
+    """Fuse `model`'s modules in place: `fuse(model)` every kind (mlp included), or only `targets`.
+
+    `targets` mixes kinds ("attention", "norm", "activation", "mlp") and module classes, e.g.
+    `fuse(model, [LlamaMLP, LlamaAttention])`. Call it before the model is wrapped or sharded.
+    Raises ValueError when nothing of the targets occurs in `model`; see the module docstring.
+    """
+    config = ModuleReplaceConfig(mlp=True) if targets is None else ModuleReplaceConfig(**_normalize_targets(targets))
+    if not config.enabled():
+        raise ValueError("fuse: targets=[] selects nothing; pass None for every kind")
+    return replace_modules(model, config)
+
+
+def attach_fuse_method(model: nn.Module) -> nn.Module:
+    """Give `model` a `model.fuse(targets=None)` method (an instance attribute; the type is kept)."""
+    import types
+
+    object.__setattr__(model, "fuse", types.MethodType(fuse, model))
+    return model
 
 
 @register
 class ModuleReplaceOptimization(Optimization):
-    """Fused attention, RMSNorm and GELU with unchanged parameters, before anything wraps the blocks."""
+    """Fused attention, RMSNorm, GELU and (opt-in) MLPs with unchanged parameters, before anything wraps the blocks."""
 
     name = "module_replace"
     order = Order.MODULE_REPLACE
@@ -138,46 +295,27 @@ class ModuleReplaceOptimization(Optimization):
 
     @classmethod
     def parse_config(cls, raw: Any) -> ModuleReplaceConfig:
-        """Also accept a list of kind names, e.g. ["attention", "norm"]: exactly those are replaced."""
+        """Also accept a list of kind names (and classes), e.g. ["attention", "norm"]: exactly those are replaced."""
         if isinstance(raw, (list, tuple)):
-            unknown = [k for k in raw if k not in _KINDS]
-            if unknown:
-                raise ValueError(f"module_replace: unknown replacement kind(s) {unknown}; valid kinds are "
-                                 f"{list(_KINDS)}")
-            return ModuleReplaceConfig(**{kind: kind in raw for kind in _KINDS})
+            return ModuleReplaceConfig(**_normalize_targets(raw))
+        if isinstance(raw, dict) and "classes" in raw:
+            classes = raw["classes"]
+            if isinstance(classes, (str, type)) or not all(isinstance(c, (str, type)) for c in classes):
+                raise ValueError(f"module_replace: classes must be a list of module classes or class names, got "
+                                 f"{classes!r}")
+            raw = {**raw, "classes": tuple(c.__name__ if isinstance(c, type) else c for c in classes)}
         return super().parse_config(raw)
 
     def validate(self, config: ModuleReplaceConfig, context: ValidationContext) -> None:
-        enabled = [f.name for f in fields(config) if getattr(config, f.name)]
-        if not enabled:
+        if not config.enabled():
             raise ValueError(f"module_replace: config {config} enables no replacement; enable at least one of "
-                             f"{list(_KINDS)} or drop module_replace from the strategy")
-        if context.model is None:
-            return
-        plan = plan_replacements(context.model, config)
-        if plan.is_empty() and not plan.already_fused:
-            found = f"; not replaceable: {plan.not_supported}" if plan.not_supported else ""
-            raise ValueError(
-                f"module_replace: nothing to replace in {type(context.model).__name__} for kinds {enabled} "
-                "(looked for Hugging Face attention on the 'eager' implementation, Llama-style RMSNorm, and "
-                f"NewGELUActivation/FastGELUActivation){found}; drop module_replace from the strategy")
+                             f"{list(KINDS)} or list classes, or drop module_replace from the strategy")
+        if context.model is not None:
+            validate_on_model(context.model, config)
 
     def apply(self, ctx: ModelContext, config: ModuleReplaceConfig) -> None:
-        plan = plan_replacements(ctx.model, config)
-        if plan.already_fused:
-            logger.info("module_replace: already fused, left as is: %s", plan.already_fused)
-        if plan.attention_model is not None:
-            _switch_to_sdpa(plan.attention_model)
-        replacements = {key: _fused_equivalent(kind, module) for key, (_, kind, module) in plan.modules.items()}
-        # Walk every parent's registered children directly: named_modules and named_children list a
-        # module registered under two names once only, and both names must get the replacement.
-        for parent in list(ctx.model.modules()):
-            for child_name, child in list(parent._modules.items()):
-                if id(child) in replacements:
-                    setattr(parent, child_name, replacements[id(child)])
-        counts = plan.counts()
-        ctx.summaries["module_replace"] = counts
-        logger.info("module_replace: replaced %s", counts)
+        # What was and was not replaced, for the user (result.summaries["module_replace"]).
+        ctx.summaries["module_replace"] = replace_modules(ctx.model, config)
 
 
 def _switch_to_sdpa(hf_model: nn.Module) -> None:

@@ -1,0 +1,173 @@
+"""A tensor-parallel model behind HTTP, started as a plain `python server.py` (no distributed launcher).
+
+    python examples/deploy/server.py --model tiny --tensor-parallel-size 2 --port 8000
+    curl -s localhost:8000/generate -d '{"input_ids": [[5, 6, 7]], "max_new_tokens": 8}'
+
+`--model` is a merged Hugging Face folder, an atorch checkpoint directory, or `tiny` (the
+test suite's tiny Llama, built from a config: no download). POST /generate takes JSON:
+`input_ids` (list of token-id lists, all the same length) or `text` (a string or a list of
+strings, tokenized with the bundled tokenizer when `--model tiny`, or the folder's
+tokenizer), plus generate options among `ALLOWED_OPTIONS`; it answers
+`{"output_ids": [[...]], "text": [...]}`. GET /health answers `{"ok": true}` while the
+workers are alive.
+
+Standard library `http.server` (ThreadingHTTPServer), not FastAPI + uvicorn: nothing to
+install, and one endpoint needs no framework. Requests are handled in threads; the deployed
+model serializes them (see `atorch.deploy`). SIGTERM / SIGINT stop the server and close the
+workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Dict, List, Optional
+
+import torch
+
+import atorch
+
+ALLOWED_OPTIONS = {"max_new_tokens": int, "min_new_tokens": int, "num_beams": int, "do_sample": bool,
+                   "temperature": float, "top_k": int, "top_p": float, "no_repeat_ngram_size": int,
+                   "repetition_penalty": float, "fused_no_repeat_ngram_blocking": bool}
+MAX_BODY_BYTES = 1 << 20
+
+
+def load_tokenizer(model: str) -> Optional[Any]:
+    try:
+        if model == "tiny":
+            from atorch.testing.assets import load_tokenizer as load_bundled
+
+            return load_bundled()
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model)
+    except Exception:  # noqa: BLE001 - text requests are then refused with a clear message
+        return None
+
+
+class GenerateHandler(BaseHTTPRequestHandler):
+    model: Any = None
+    tokenizer: Any = None
+    pad_token_id: int = 0
+
+    def log_message(self, fmt: str, *args: Any) -> None:  # quieter than the default stderr line per request
+        pass
+
+    def _reply(self, status: int, body: Dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        if self.path == "/health":
+            alive = self.model.is_alive()
+            self._reply(200 if alive else 503, {"ok": alive})
+        else:
+            self._reply(404, {"error": f"no route GET {self.path}; use POST /generate or GET /health"})
+
+    def do_POST(self) -> None:  # noqa: N802
+        if self.path != "/generate":
+            self._reply(404, {"error": f"no route POST {self.path}; use POST /generate"})
+            return
+        try:
+            length = int(self.headers.get("Content-Length", 0))
+            if length > MAX_BODY_BYTES:
+                raise ValueError(f"request body of {length} bytes is over {MAX_BODY_BYTES}")
+            request = json.loads(self.rfile.read(length) or b"{}")
+            input_ids, options = self._parse(request)
+        except (ValueError, TypeError) as e:
+            self._reply(400, {"error": str(e)})
+            return
+        try:
+            with torch.no_grad():
+                output = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                             pad_token_id=self.pad_token_id, **options)
+        except ValueError as e:
+            self._reply(400, {"error": str(e).split(" (raised by deployed rank")[0]})
+            return
+        except Exception as e:  # noqa: BLE001 - a dead worker etc.: the server stays up and says so
+            self._reply(503, {"error": f"{type(e).__name__}: {e}"})
+            return
+        body: Dict[str, Any] = {"output_ids": output.tolist()}
+        if self.tokenizer is not None:
+            body["text"] = self.tokenizer.batch_decode(output, skip_special_tokens=True)
+        self._reply(200, body)
+
+    def _parse(self, request: Any) -> tuple:
+        if not isinstance(request, dict):
+            raise ValueError("the body must be a JSON object")
+        unknown = [k for k in request if k not in ALLOWED_OPTIONS and k not in ("input_ids", "text")]
+        if unknown:
+            raise ValueError(f"unknown field(s) {unknown}; allowed: input_ids or text, and {sorted(ALLOWED_OPTIONS)}")
+        options = {}
+        for key, kind in ALLOWED_OPTIONS.items():
+            if key in request:
+                value = request[key]
+                if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                    if not (kind is float and isinstance(value, int) and not isinstance(value, bool)):
+                        raise ValueError(f"{key} must be a {kind.__name__}, got {value!r}")
+                options[key] = value
+        if "input_ids" in request:
+            ids = request["input_ids"]
+            if not (isinstance(ids, list) and ids and all(isinstance(r, list) and r for r in ids)
+                    and len({len(r) for r in ids}) == 1 and all(isinstance(t, int) for r in ids for t in r)):
+                raise ValueError("input_ids must be a non-empty list of equally long, non-empty lists of ints")
+            return torch.tensor(ids, dtype=torch.long), options
+        if "text" in request:
+            if self.tokenizer is None:
+                raise ValueError("this server has no tokenizer: send input_ids")
+            texts: List[str] = [request["text"]] if isinstance(request["text"], str) else request["text"]
+            encoded = [self.tokenizer(t)["input_ids"] for t in texts]
+            if len({len(e) for e in encoded}) != 1:
+                raise ValueError("texts of different token lengths: send one text per request, or input_ids")
+            return torch.tensor(encoded, dtype=torch.long), options
+        raise ValueError("send input_ids (a list of token-id lists) or text")
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="a Hugging Face folder, an atorch checkpoint, or 'tiny'")
+    parser.add_argument("--tensor-parallel-size", type=int, default=2)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    args = parser.parse_args(argv)
+
+    source: Any = args.model
+    if args.model == "tiny":
+        from atorch.testing import tiny_llama
+
+        source = tiny_llama(seed=0).eval()
+    model = atorch.deploy(source, tensor_parallel_size=args.tensor_parallel_size, device=args.device)
+    GenerateHandler.model = model
+    GenerateHandler.tokenizer = load_tokenizer(args.model)
+    GenerateHandler.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    server = ThreadingHTTPServer((args.host, args.port), GenerateHandler)
+    server.daemon_threads = True
+
+    def stop(signum: int, frame: Any) -> None:
+        threading.Thread(target=server.shutdown, daemon=True).start()  # shutdown() blocks: not in the handler
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    print(json.dumps({"listening": f"http://{args.host}:{server.server_address[1]}", "port": server.server_address[1],
+                      "worker_pids": model.worker_pids}), flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+        model.close()
+    print("stopped", flush=True)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
