@@ -1,4 +1,4 @@
-"""Dry runs: apply a candidate strategy to a fresh copy of the model, train a few steps, measure.
+"""Dry runs: apply a candidate strategy to a fresh copy of the model, train and time steps, measure.
 
 Collective: every rank calls `dry_run` with the same strategy and every rank gets the same
 `DryRunResult` (throughput from the slowest rank, the largest per-rank peak memory, the first
@@ -7,8 +7,13 @@ rank's error). A failure -- an exception, an out-of-memory error, the simulated 
 crash of the search.
 
 What is guaranteed, and how:
-- Fresh state per candidate: the user's model is deep-copied before `apply` mutates it, the
-  RNG state is restored afterwards and the parallel groups the candidate created are dropped.
+- Fresh state per candidate, without a second copy of the weights: the user's weights wait in a
+  scratch file while candidates are built from it (`model_source.ModelSource`), the RNG state is
+  restored afterwards and the parallel groups the candidate created are dropped. The simulated
+  device limit counts whatever of the user's model is still on the device (nothing, normally).
+- Time with a stated uncertainty: steps are timed until the 95% confidence half-width of the
+  step time is <= `target_relative_ci` or a budget is spent (`step_timing`); the result carries
+  the per-step times and the throughput interval.
 - Ranks stay in step when only some fail (e.g. OOM on rank 0 while rank 1 waits in an
   all-reduce): on gloo each candidate runs in a fresh world process group, installed as the
   default group for the duration, and every group it creates gets `timeout_s`; a rank left
@@ -22,7 +27,6 @@ What is guaranteed, and how:
 from __future__ import annotations
 
 import contextlib
-import copy
 import datetime
 import gc
 import logging
@@ -39,6 +43,7 @@ import torch.distributed as dist
 
 from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
+from atorch.auto.model_source import ModelSource
 from atorch.auto.search.search import DryRunResult
 from atorch.auto.step_timing import is_precise_enough, steps_per_sample, summarize
 from atorch.auto.strategy import Strategy
@@ -77,6 +82,8 @@ class DryRunConfig:
     """The time budget of the timed steps (the slowest rank's seconds, so every rank stops together)."""
     target_relative_ci: float = 0.03
     """Stop once the 95% confidence half-width of the mean step time is <= this fraction of it."""
+    scratch_dir: Optional[str] = None
+    """Where the user's weights wait during dry runs (one file per rank, the model's size); None: the temp dir."""
     timeout_s: float = 300.0
     """Timeout of every process group a candidate creates (gloo); a Python-level hang is interrupted
     ALARM_GRACE_S later."""
@@ -108,8 +115,8 @@ class DryRunConfig:
     @classmethod
     def from_env(cls, environ: Optional[dict] = None) -> "DryRunConfig":
         """Read ATORCH_DRYRUN_WARMUP_STEP, ATORCH_DRYRUN_PROFILE_STEP, ATORCH_DRYRUN_MAX_STEPS,
-        ATORCH_DRYRUN_MAX_SECONDS, ATORCH_DRYRUN_TARGET_CI, ATORCH_DRYRUN_TIMEOUT and
-        ATORCH_DEVICE_MEMORY_LIMIT; for entry points only."""
+        ATORCH_DRYRUN_MAX_SECONDS, ATORCH_DRYRUN_TARGET_CI, ATORCH_DRYRUN_TIMEOUT,
+        ATORCH_DRYRUN_SCRATCH_DIR and ATORCH_DEVICE_MEMORY_LIMIT; for entry points only."""
         env = os.environ if environ is None else environ
         limit = _env_number(env, "ATORCH_DEVICE_MEMORY_LIMIT", None, int)
         profile_steps = _env_number(env, "ATORCH_DRYRUN_PROFILE_STEP", cls.profile_steps, int)
@@ -121,6 +128,7 @@ class DryRunConfig:
                    max_profile_seconds=_env_number(env, "ATORCH_DRYRUN_MAX_SECONDS", cls.max_profile_seconds, float),
                    target_relative_ci=_env_number(env, "ATORCH_DRYRUN_TARGET_CI", cls.target_relative_ci, float),
                    timeout_s=_env_number(env, "ATORCH_DRYRUN_TIMEOUT", cls.timeout_s, float),
+                   scratch_dir=env.get("ATORCH_DRYRUN_SCRATCH_DIR") or None,
                    memory_limit_bytes=limit).validate()
 
 
@@ -147,17 +155,28 @@ class _LocalOutcome:
     collective_timeout: bool = False      # waiting on a rank that failed, not a failure of its own
 
 
-def dry_run(ctx: ModelContext, strategy: Strategy, config: DryRunConfig = DryRunConfig()) -> DryRunResult:
-    """Run `strategy` on a fresh copy of `ctx`'s model on every rank; every rank returns the same result."""
+def dry_run(ctx: ModelContext, strategy: Strategy, config: DryRunConfig = DryRunConfig(),
+            source: Optional[ModelSource] = None) -> DryRunResult:
+    """Run `strategy` on a fresh copy of `ctx`'s model on every rank; every rank returns the same result.
+
+    `source` is `ctx.model`'s offloaded weights (a search passes one for all its dry runs);
+    without it the weights are offloaded for this call and restored before it returns.
+    """
     config.validate()
-    outcome = _run_local(ctx, Strategy.from_any(strategy), config)
+    if source is None:
+        with ModelSource(ctx.model, config.scratch_dir) as own:
+            return dry_run(ctx, strategy, config, own)
+    if source.model is not ctx.model or not source.offloaded:
+        raise ValueError("dry_run: source must be an offloaded ModelSource of ctx.model")
+    outcome = _run_local(ctx, Strategy.from_any(strategy), config, source)
     outcomes = _gather(outcome)
     return merge_outcomes(outcomes)
 
 
-def make_evaluator(ctx: ModelContext, config: DryRunConfig) -> Callable[[Strategy], DryRunResult]:
-    """The search's evaluator: one collective dry run per call."""
-    return lambda strategy: dry_run(ctx, strategy, config)
+def make_evaluator(ctx: ModelContext, config: DryRunConfig,
+                   source: Optional[ModelSource] = None) -> Callable[[Strategy], DryRunResult]:
+    """The search's evaluator: one collective dry run per call, candidates built from `source`."""
+    return lambda strategy: dry_run(ctx, strategy, config, source)
 
 
 def check_strategy_runs(ctx: ModelContext, strategy: Strategy, config: Optional[DryRunConfig] = None) -> DryRunResult:
@@ -180,14 +199,19 @@ def check_strategy_runs(ctx: ModelContext, strategy: Strategy, config: Optional[
 
 # -- one rank -----------------------------------------------------------------------------------
 
-def _run_local(ctx: ModelContext, strategy: Strategy, config: DryRunConfig) -> _LocalOutcome:
+def _run_local(ctx: ModelContext, strategy: Strategy, config: DryRunConfig, source: ModelSource) -> _LocalOutcome:
     from atorch.auto.accelerate import apply_strategy, train_step
 
     outcome = _LocalOutcome(rank=adist.rank())
     layout = adist.parallel_config() if adist.is_parallel_group_created() else None
     candidate: Optional[ModelContext] = None
     result: Any = None
-    tracker = PeakMemoryTracker(ctx.device, config.memory_limit_bytes)
+    limit = config.memory_limit_bytes
+    if limit is not None:
+        # The device holds whatever of the user's model was not offloaded, next to the candidate
+        # (a 1-byte limit makes the candidate's first allocation the out-of-memory error).
+        limit = max(1, limit - source.resident_bytes(ctx.device))
+    tracker = PeakMemoryTracker(ctx.device, limit)
     try:
         # Collectives time out first, so a rank waiting on a failed peer reports a collective
         # timeout rather than its own alarm; the alarm is for Python-level hangs.
@@ -195,7 +219,7 @@ def _run_local(ctx: ModelContext, strategy: Strategy, config: DryRunConfig) -> _
                 _alarm(config.timeout_s + ALARM_GRACE_S):
             try:
                 with tracker:
-                    candidate = fresh_context(ctx)
+                    candidate = fresh_context(ctx, source)
                     result = apply_strategy(candidate, strategy)
                     batches = _cycle(result)
                     for _ in range(max(config.warmup_steps, MIN_MEMORY_STEPS)):
@@ -264,10 +288,10 @@ def _slowest(seconds: float, device: torch.device) -> float:
     return float(value.item())
 
 
-def fresh_context(ctx: ModelContext) -> ModelContext:
-    """A context with the user's inputs and a deep copy of the model (optimizations mutate both)."""
+def fresh_context(ctx: ModelContext, source: ModelSource) -> ModelContext:
+    """A context with the user's inputs and a fresh model built from `source` (optimizations mutate both)."""
     return ModelContext(
-        model=copy.deepcopy(ctx.model), optim_func=ctx.optim_func, optim_args=dict(ctx.optim_args),
+        model=source.build(), optim_func=ctx.optim_func, optim_args=dict(ctx.optim_args),
         optim_param_func=ctx.optim_param_func, dataset=ctx.dataset, loss_func=ctx.loss_func,
         prepare_input=ctx.prepare_input, model_input_format=ctx.model_input_format,
         dataloader_args=dict(ctx.dataloader_args), lr_scheduler_cls=ctx.lr_scheduler_cls,
