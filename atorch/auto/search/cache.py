@@ -58,9 +58,10 @@ class SetupKey:
                    tuple(sorted((str(k), str(v)) for k, v in dict(data["versions"]).items())),
                    int(data["global_batch"]), int(data["seq_len"]))
 
-    def differences(self, other: "SetupKey") -> List[str]:
-        mine, theirs = self.to_json(), other.to_json()
-        return [f"{k} {theirs[k]!r} != {mine[k]!r}" for k in mine if mine[k] != theirs[k]]
+    def differences(self, cached: "SetupKey") -> List[str]:
+        """What differs from `cached`, e.g. "world_size: cached 2, now 4"."""
+        now, then = self.to_json(), cached.to_json()
+        return [f"{k}: cached {then[k]!r}, now {now[k]!r}" for k in now if now[k] != then[k]]
 
 
 def setup_key(model: torch.nn.Module, world_size: int, device: torch.device, global_batch: int,
@@ -156,7 +157,7 @@ class SearchCache:
             return cache
         if stored != key:
             logger.warning("ignoring the search cache %s: it was recorded for another setup (%s); it will be "
-                           "replaced", path, "; ".join(stored.differences(key)))
+                           "replaced", path, "; ".join(key.differences(stored)))
             return cache
         cache.results, cache.last_search = results, last if isinstance(last, dict) else None
         return cache
