@@ -100,9 +100,11 @@ def main() -> None:
         from atorch.auto.search.report import trials_table
 
         search = result.args["search_result"]
+        confirmed = "source" in search.trials and (search.trials["source"] == "cache-confirm").any()
+        runs = "1 confirming dry run of the remembered winner" if confirmed else f"{len(search.trials)} dry runs"
         print(f"\nstrategy search on {atorch.distributed.world_size()} processes "
-              f"({time.perf_counter() - start:.0f} s, {len(search.trials)} dry runs of {search.num_candidates} "
-              f"valid candidates):\n{trials_table(search)}\n", flush=True)
+              f"({time.perf_counter() - start:.0f} s, {runs}, {search.num_candidates} valid candidates):\n"
+              f"{trials_table(search)}\n", flush=True)
         print(measured_intervals(args.report_dir), flush=True)
         print(f"chosen strategy: {strategy.describe()}", flush=True)
         print(f"why: {search.reason}", flush=True)

@@ -108,6 +108,14 @@ def test_second_search_runs_one_confirming_dry_run(tmp_path, monkeypatch):
     assert calls == [first.best.describe()]                         # exactly one confirming dry run
     assert second.best == first.best and "confirmed by 1 dry run" in second.reason and path in second.reason
     assert second.trials.iloc[-1]["source"] == "cache-confirm" and len(second.trials) == len(first.trials) + 1
+    assert "the machine or setup changed" not in second.reason           # the same speed: no drift note
+
+    # The machine got 3x slower: still one dry run, and the reason says the measurement moved.
+    calls.clear()
+    slow = auto_search._search_or_confirm(
+        space, lambda s: DryRunResult(speed[s.describe()] / 3, 1000, None, 0.3, (0.3,) * 3, (30.0, 40.0)),
+        SearchCache.load(path, KEY), settings, None, 10**9, 8)
+    assert slow.best == first.best and "the machine or setup changed" in slow.reason
 
     # The remembered winner now fails: searched again, the other candidates served from the cache.
     speed_before = dict(speed)

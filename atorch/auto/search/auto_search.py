@@ -159,11 +159,12 @@ def _search_or_confirm(space: SearchSpace, evaluate: Callable[[Strategy], DryRun
     if cache is not None:
         best = cache.cached_best(signature)
         if best is not None:
+            remembered = cache.get(best)
             confirmed = evaluate(best)
             cache.put(best, confirmed)
             cache.save()
             if confirmed.ok:
-                return _confirmed_result(cache, best, confirmed, memory_limit)
+                return _confirmed_result(cache, best, confirmed, remembered, memory_limit)
             logger.warning("the cached winner %s failed its confirming dry run (%s): searching again", best.describe(),
                            confirmed.error)
         evaluate = _cached_evaluator(evaluate, cache)
@@ -193,9 +194,12 @@ def _cached_evaluator(evaluate: Callable[[Strategy], DryRunResult],
     return run
 
 
-def _confirmed_result(cache: SearchCache, best: Strategy, confirmed: DryRunResult,
+def _confirmed_result(cache: SearchCache, best: Strategy, confirmed: DryRunResult, remembered: Optional[DryRunResult],
                       memory_limit: int) -> SearchResult:
-    """The cached search's result, its trial table extended by the confirming dry run."""
+    """The cached search's result, its trial table extended by the confirming dry run.
+
+    When the confirmation's interval misses the remembered one, the reason says so: the
+    machine's load or the setup changed, and the user may want to search again."""
     last = cache.last_search or {}
     trials = pd.DataFrame(last.get("trials") or [])
     row = {"trial": len(trials) + 1, "strategy": best.describe(), "status": confirmed.status,
@@ -204,11 +208,21 @@ def _confirmed_result(cache: SearchCache, best: Strategy, confirmed: DryRunResul
     trials = pd.concat([trials, pd.DataFrame([row])], ignore_index=True) if len(trials) else pd.DataFrame([row])
     ci = confirmed.throughput_ci
     interval = f" (95% CI {ci[0]:.4g}-{ci[1]:.4g})" if ci else ""
+    drift = ""
+    if remembered is not None and remembered.ok and not _overlap(confirmed.throughput_ci, remembered.throughput_ci):
+        drift = (f" (remembered {remembered.throughput:.4g} samples/s: the machine or setup changed since; "
+                 "ATORCH_SEARCH_CACHE=off searches again)")
     reason = (f"{best.describe()}: remembered from {cache.path} and confirmed by 1 dry run, "
-              f"{confirmed.throughput:.4g} samples/s{interval}; the search that chose it: {last.get('reason', '')}")
+              f"{confirmed.throughput:.4g} samples/s{interval}{drift}; the search that chose it: "
+              f"{last.get('reason', '')}")
     return SearchResult(best, confirmed.throughput, trials, pd.DataFrame(last.get("pruned") or []), [best],
                         "confirmed the cached winner (1 dry run)", int(last.get("num_candidates") or 0),
                         memory_limit, reason)
+
+
+def _overlap(a: Optional[tuple], b: Optional[tuple]) -> bool:
+    """Whether two intervals overlap; True when either is unknown (nothing to contradict)."""
+    return a is None or b is None or (a[0] <= b[1] and b[0] <= a[1])
 
 
 def _records(frame: pd.DataFrame) -> list:
