@@ -61,3 +61,22 @@ def test_short_steps_are_grouped_into_samples():
     assert steps_per_sample(0.004) == 3                # 3 x 4 ms >= 10 ms
     assert steps_per_sample(1e-6) == 16                # capped
     assert steps_per_sample(0.0) == 16
+
+
+def test_dry_run_config_reads_the_budget_from_the_environment():
+    from atorch.auto.dry_runner import DryRunConfig
+
+    config = DryRunConfig.from_env({"ATORCH_DRYRUN_PROFILE_STEP": "4", "ATORCH_DRYRUN_MAX_STEPS": "12",
+                                    "ATORCH_DRYRUN_MAX_SECONDS": "9.5", "ATORCH_DRYRUN_TARGET_CI": "0.05",
+                                    "ATORCH_DRYRUN_SCRATCH_DIR": "/scratch"})
+    assert (config.profile_steps, config.max_profile_steps, config.max_profile_seconds) == (4, 12, 9.5)
+    assert config.target_relative_ci == 0.05 and config.scratch_dir == "/scratch"
+    assert DryRunConfig.from_env({}) == DryRunConfig()
+    # A minimum above the default budget raises the budget instead of failing.
+    assert DryRunConfig.from_env({"ATORCH_DRYRUN_PROFILE_STEP": "50"}).max_profile_steps == 50
+    with pytest.raises(ValueError, match="max_profile_steps=2 must be >= profile_steps=3"):
+        DryRunConfig(profile_steps=3, max_profile_steps=2).validate()
+    with pytest.raises(ValueError, match="ATORCH_DRYRUN_TARGET_CI"):
+        DryRunConfig.from_env({"ATORCH_DRYRUN_TARGET_CI": "1.5"})
+    with pytest.raises(ValueError, match="ATORCH_DRYRUN_MAX_SECONDS"):
+        DryRunConfig(max_profile_seconds=0).validate()
