@@ -3,8 +3,10 @@ on 2 CPU ranks, then the strategy search replayed on the recorded measurements.
 
     # measure (slow: 96 dry runs; resumable, writes after every dry run)
     nice -n 5 python benchmarks/real_landscape.py measure [--out benchmarks/real_landscape.json]
-    # replay the search on the table (seconds; re-run it after changing the search)
-    python benchmarks/real_landscape.py replay [--table benchmarks/real_landscape.json] [--replays 20]
+    # replay the search on the table (1-2 min; re-run it after changing the search)
+    python benchmarks/real_landscape.py replay [--table benchmarks/real_landscape.json] [--replays 10]
+    # the RESULTS.md table (7 min on the loaded machine)
+    python benchmarks/real_landscape.py replay --replays 20 --max-trials 8 12
 
 Model: Llama, hidden 256, 4 layers, 4 heads, intermediate 688, vocabulary 1024 (the bundled
 tokenizer's), 3.7M parameters; global batch 8 x 64 tokens; AdamW. Space: amp x {-, zero1,
@@ -199,8 +201,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["measure", "replay", "table"])
     parser.add_argument("--out", "--table", dest="path", default=DEFAULT_TABLE)
-    parser.add_argument("--replays", type=int, default=20)
-    parser.add_argument("--max-trials", type=int, nargs="+", default=[8, 12])
+    parser.add_argument("--replays", type=int, default=10)
+    parser.add_argument("--max-trials", type=int, nargs="+", default=[12])
     args = parser.parse_args(argv)
     if args.command == "measure":
         measure(args.path)
