@@ -5,13 +5,21 @@
 `auto_accelerate` is called without a strategy: it builds the default search space (mixed
 precision, ZeRO/FSDP, module replacement, activation checkpointing, data/tensor splits),
 predicts each candidate with the cost model, dry-runs the ones HEBO picks, and applies the
-fastest. The demo prints the trial table, the chosen strategy with the one-line reason, and
-where the plot is; then it trains on the bundled corpus with that strategy.
+fastest. Each dry run times steps until the 95% confidence interval of its step time is within
+3% (or its step budget is spent). The demo prints the trial table, every measured throughput
+with its interval, the chosen strategy with the search's one-line reason, and where the plot
+is; then it trains on the bundled corpus with that strategy.
+
+Measurements are remembered in <report_dir>/search_cache.json: run the demo again and the search
+becomes one confirming dry run of the remembered winner (the reason line says so). To search
+afresh, delete that file or set ATORCH_SEARCH_CACHE=off.
 Search knobs (environment): BO_SG_MAX_IETR (trials, 10 here), MAX_PATIENCE, RANDOM_SAMPLE,
-ATORCH_DRYRUN_WARMUP_STEP / ATORCH_DRYRUN_PROFILE_STEP, ATORCH_DEVICE_MEMORY_LIMIT.
+ATORCH_DRYRUN_WARMUP_STEP, ATORCH_DRYRUN_PROFILE_STEP (minimum timed samples),
+ATORCH_DRYRUN_MAX_STEPS (step budget), ATORCH_DRYRUN_TARGET_CI, ATORCH_DEVICE_MEMORY_LIMIT.
 """
 
 import argparse
+import json
 import os
 import time
 
@@ -22,9 +30,10 @@ from atorch.auto import auto_accelerate, train_step
 from atorch.testing import tiny_llama
 from atorch.testing.assets import corpus_documents, load_tokenizer
 
-# A few minutes on 2 cores: at most 10 dry runs of 1 warm-up + 2 timed steps each.
+# A few minutes on 2 cores: at most 10 dry runs of 2 warm-up steps and 3 to 20 timed steps each.
 DEMO_SEARCH_DEFAULTS = {"BO_SG_MAX_IETR": "10", "MAX_PATIENCE": "6", "RANDOM_SAMPLE": "2",
-                        "ATORCH_DRYRUN_WARMUP_STEP": "1", "ATORCH_DRYRUN_PROFILE_STEP": "2"}
+                        "ATORCH_DRYRUN_WARMUP_STEP": "2", "ATORCH_DRYRUN_PROFILE_STEP": "3",
+                        "ATORCH_DRYRUN_MAX_STEPS": "20"}
 
 
 class CorpusBlocks(torch.utils.data.Dataset):
@@ -43,6 +52,31 @@ class CorpusBlocks(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return {"input_ids": self.blocks[i], "labels": self.blocks[i]}
+
+
+def measured_intervals(report_dir: str) -> str:
+    """Every dry run's throughput with its 95% confidence interval, from the search's results cache."""
+    from atorch.auto.search.cache import CACHE_FILE_NAME
+    from atorch.auto.strategy import Strategy
+
+    path = os.path.join(report_dir, CACHE_FILE_NAME)
+    if not os.path.exists(path):
+        return "(no results cache: intervals not shown)"
+    with open(path) as f:
+        results = json.load(f)["results"]
+    lines = ["measured throughput (samples/s) with 95% confidence interval:"]
+    rows = sorted(results.items(), key=lambda kv: -kv[1]["throughput"])
+    for key, r in rows:
+        name = Strategy.from_json(key).describe()
+        if r["error"]:
+            lines.append(f"  {name:<60} {r['error'][:60]}")
+        elif r["throughput_ci"]:
+            low, high = r["throughput_ci"]
+            lines.append(f"  {name:<60} {r['throughput']:8.1f}  [{low:.1f}, {high:.1f}]  "
+                         f"+-{(high - low) / 2 / r['throughput']:.1%}  ({len(r['step_times_s'])} samples)")
+        else:
+            lines.append(f"  {name:<60} {r['throughput']:8.1f}  (too few samples for an interval)")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -66,9 +100,12 @@ def main() -> None:
         from atorch.auto.search.report import trials_table
 
         search = result.args["search_result"]
+        confirmed = "source" in search.trials and (search.trials["source"] == "cache-confirm").any()
+        runs = "1 confirming dry run of the remembered winner" if confirmed else f"{len(search.trials)} dry runs"
         print(f"\nstrategy search on {atorch.distributed.world_size()} processes "
-              f"({time.perf_counter() - start:.0f} s, {len(search.trials)} dry runs of {search.num_candidates} "
-              f"valid candidates):\n{trials_table(search)}\n", flush=True)
+              f"({time.perf_counter() - start:.0f} s, {runs}, {search.num_candidates} valid candidates):\n"
+              f"{trials_table(search)}\n", flush=True)
+        print(measured_intervals(args.report_dir), flush=True)
         print(f"chosen strategy: {strategy.describe()}", flush=True)
         print(f"why: {search.reason}", flush=True)
         print(f"plot: {os.path.abspath(result.args['search_report']['plot'])}", flush=True)

@@ -1,4 +1,4 @@
-"""Dry runs: apply a candidate strategy to a fresh copy of the model, train a few steps, measure.
+"""Dry runs: apply a candidate strategy to a fresh copy of the model, train and time steps, measure.
 
 Collective: every rank calls `dry_run` with the same strategy and every rank gets the same
 `DryRunResult` (throughput from the slowest rank, the largest per-rank peak memory, the first
@@ -7,8 +7,14 @@ rank's error). A failure -- an exception, an out-of-memory error, the simulated 
 crash of the search.
 
 What is guaranteed, and how:
-- Fresh state per candidate: the user's model is deep-copied before `apply` mutates it, the
-  RNG state is restored afterwards and the parallel groups the candidate created are dropped.
+- Fresh state per candidate, without a second copy of the weights: the user's weights wait in a
+  scratch file while candidates are built from it (`model_source.ModelSource`), the RNG state is
+  restored afterwards, and the candidate's parallel groups live on its own context (nothing
+  process-wide is saved or restored; its gloo groups are destroyed after a clean run). The simulated
+  device limit counts whatever of the user's model is still on the device (nothing, normally).
+- Time with a stated uncertainty: steps are timed until the 95% confidence half-width of the
+  step time is <= `target_relative_ci` or a budget is spent (`step_timing`); the result carries
+  the per-step times and the throughput interval.
 - Ranks stay in step when only some fail (e.g. OOM on rank 0 while rank 1 waits in an
   all-reduce): on gloo each candidate runs in a fresh world process group, installed as the
   default group for the duration, and every group it creates gets `timeout_s`; a rank left
@@ -22,7 +28,6 @@ What is guaranteed, and how:
 from __future__ import annotations
 
 import contextlib
-import copy
 import datetime
 import gc
 import logging
@@ -31,7 +36,7 @@ import signal
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, List, Optional
 
 import torch
@@ -39,7 +44,9 @@ import torch.distributed as dist
 
 from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
+from atorch.auto.model_source import ModelSource
 from atorch.auto.search.search import DryRunResult
+from atorch.auto.step_timing import is_precise_enough, steps_per_sample, summarize
 from atorch.auto.strategy import Strategy
 from atorch.utils.peak_memory import PeakMemoryTracker, is_out_of_memory
 
@@ -63,12 +70,21 @@ MIN_MEMORY_STEPS = 2
 
 @dataclass(frozen=True)
 class DryRunConfig:
-    """How a candidate is run. Warm-up steps are measured for memory, profiled steps for time."""
+    """How a candidate is run. Warm-up steps are measured for memory, then steps are timed until
+    the step time is known to `target_relative_ci` or a budget is spent (`atorch.auto.step_timing`)."""
 
     warmup_steps: int = 2
     """Untimed steps before timing, during which memory is measured (at least MIN_MEMORY_STEPS are run)."""
-    profile_steps: int = 3
-    """Timed steps; throughput = global batch * profile_steps / the slowest rank's seconds."""
+    profile_steps: int = 5
+    """Timed samples at least, before the interval is checked (a sample is one step, or several if short)."""
+    max_profile_steps: int = 40
+    """The step budget: timing stops after this many timed steps even if the interval is still wide."""
+    max_profile_seconds: float = 60.0
+    """The time budget of the timed steps (the slowest rank's seconds, so every rank stops together)."""
+    target_relative_ci: float = 0.03
+    """Stop once the 95% confidence half-width of the mean step time is <= this fraction of it."""
+    scratch_dir: Optional[str] = None
+    """Where the user's weights wait during dry runs (one file per rank, the model's size); None: the temp dir."""
     timeout_s: float = 300.0
     """Timeout of every process group a candidate creates (gloo); a Python-level hang is interrupted
     ALARM_GRACE_S later."""
@@ -81,6 +97,15 @@ class DryRunConfig:
                              "memory is measured on the warm-up steps")
         if self.profile_steps < 1:
             raise ValueError(f"dry run profile_steps={self.profile_steps} must be >= 1 (ATORCH_DRYRUN_PROFILE_STEP)")
+        if self.max_profile_steps < self.profile_steps:
+            raise ValueError(f"dry run max_profile_steps={self.max_profile_steps} must be >= profile_steps="
+                             f"{self.profile_steps} (ATORCH_DRYRUN_MAX_STEPS, ATORCH_DRYRUN_PROFILE_STEP)")
+        if self.max_profile_seconds <= 0:
+            raise ValueError(f"dry run max_profile_seconds={self.max_profile_seconds} must be > 0 "
+                             "(ATORCH_DRYRUN_MAX_SECONDS)")
+        if not 0 <= self.target_relative_ci < 1:
+            raise ValueError(f"dry run target_relative_ci={self.target_relative_ci} must be in [0, 1) "
+                             "(ATORCH_DRYRUN_TARGET_CI; 0 times every step of the budget)")
         if self.timeout_s <= 0:
             raise ValueError(f"dry run timeout_s={self.timeout_s} must be > 0 (ATORCH_DRYRUN_TIMEOUT)")
         if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
@@ -90,13 +115,21 @@ class DryRunConfig:
 
     @classmethod
     def from_env(cls, environ: Optional[dict] = None) -> "DryRunConfig":
-        """Read ATORCH_DRYRUN_WARMUP_STEP, ATORCH_DRYRUN_PROFILE_STEP, ATORCH_DRYRUN_TIMEOUT and
-        ATORCH_DEVICE_MEMORY_LIMIT; for entry points only."""
+        """Read ATORCH_DRYRUN_WARMUP_STEP, ATORCH_DRYRUN_PROFILE_STEP, ATORCH_DRYRUN_MAX_STEPS,
+        ATORCH_DRYRUN_MAX_SECONDS, ATORCH_DRYRUN_TARGET_CI, ATORCH_DRYRUN_TIMEOUT,
+        ATORCH_DRYRUN_SCRATCH_DIR and ATORCH_DEVICE_MEMORY_LIMIT; for entry points only."""
         env = os.environ if environ is None else environ
         limit = _env_number(env, "ATORCH_DEVICE_MEMORY_LIMIT", None, int)
+        profile_steps = _env_number(env, "ATORCH_DRYRUN_PROFILE_STEP", cls.profile_steps, int)
         return cls(warmup_steps=_env_number(env, "ATORCH_DRYRUN_WARMUP_STEP", cls.warmup_steps, int),
-                   profile_steps=_env_number(env, "ATORCH_DRYRUN_PROFILE_STEP", cls.profile_steps, int),
+                   profile_steps=profile_steps,
+                   # A minimum above the default budget raises the budget rather than failing validation.
+                   max_profile_steps=_env_number(env, "ATORCH_DRYRUN_MAX_STEPS",
+                                                 max(cls.max_profile_steps, profile_steps), int),
+                   max_profile_seconds=_env_number(env, "ATORCH_DRYRUN_MAX_SECONDS", cls.max_profile_seconds, float),
+                   target_relative_ci=_env_number(env, "ATORCH_DRYRUN_TARGET_CI", cls.target_relative_ci, float),
                    timeout_s=_env_number(env, "ATORCH_DRYRUN_TIMEOUT", cls.timeout_s, float),
+                   scratch_dir=env.get("ATORCH_DRYRUN_SCRATCH_DIR") or None,
                    memory_limit_bytes=limit).validate()
 
 
@@ -118,22 +151,33 @@ class _LocalOutcome:
     error_kind: Optional[str] = None      # "oom" | "timeout" | "exception"
     message: str = ""
     peak_memory_bytes: Optional[int] = None
-    seconds: Optional[float] = None
+    step_times_s: List[float] = field(default_factory=list)   # per timed sample, agreed (slowest rank)
     samples: int = 0
     collective_timeout: bool = False      # waiting on a rank that failed, not a failure of its own
 
 
-def dry_run(ctx: ModelContext, strategy: Strategy, config: DryRunConfig = DryRunConfig()) -> DryRunResult:
-    """Run `strategy` on a fresh copy of `ctx`'s model on every rank; every rank returns the same result."""
+def dry_run(ctx: ModelContext, strategy: Strategy, config: DryRunConfig = DryRunConfig(),
+            source: Optional[ModelSource] = None) -> DryRunResult:
+    """Run `strategy` on a fresh copy of `ctx`'s model on every rank; every rank returns the same result.
+
+    `source` is `ctx.model`'s offloaded weights (a search passes one for all its dry runs);
+    without it the weights are offloaded for this call and restored before it returns.
+    """
     config.validate()
-    outcome = _run_local(ctx, Strategy.from_any(strategy), config)
+    if source is None:
+        with ModelSource(ctx.model, config.scratch_dir) as own:
+            return dry_run(ctx, strategy, config, own)
+    if source.model is not ctx.model or not source.offloaded:
+        raise ValueError("dry_run: source must be an offloaded ModelSource of ctx.model")
+    outcome = _run_local(ctx, Strategy.from_any(strategy), config, source)
     outcomes = _gather(outcome)
-    return merge_outcomes(outcomes, config.profile_steps)
+    return merge_outcomes(outcomes)
 
 
-def make_evaluator(ctx: ModelContext, config: DryRunConfig) -> Callable[[Strategy], DryRunResult]:
-    """The search's evaluator: one collective dry run per call."""
-    return lambda strategy: dry_run(ctx, strategy, config)
+def make_evaluator(ctx: ModelContext, config: DryRunConfig,
+                   source: Optional[ModelSource] = None) -> Callable[[Strategy], DryRunResult]:
+    """The search's evaluator: one collective dry run per call, candidates built from `source`."""
+    return lambda strategy: dry_run(ctx, strategy, config, source)
 
 
 def check_strategy_runs(ctx: ModelContext, strategy: Strategy, config: Optional[DryRunConfig] = None) -> DryRunResult:
@@ -155,15 +199,19 @@ def check_strategy_runs(ctx: ModelContext, strategy: Strategy, config: Optional[
 
 # -- one rank -----------------------------------------------------------------------------------
 
-def _run_local(ctx: ModelContext, strategy: Strategy, config: DryRunConfig) -> _LocalOutcome:
+def _run_local(ctx: ModelContext, strategy: Strategy, config: DryRunConfig, source: ModelSource) -> _LocalOutcome:
     from atorch.auto.engine import apply_strategy
     from atorch.auto.train_step import train_step
 
     outcome = _LocalOutcome(rank=adist.rank())
-    layout = adist.parallel_config() if adist.is_parallel_group_created() else None
     candidate: Optional[ModelContext] = None
     result: Any = None
-    tracker = PeakMemoryTracker(ctx.device, config.memory_limit_bytes)
+    limit = config.memory_limit_bytes
+    if limit is not None:
+        # The device holds whatever of the user's model was not offloaded, next to the candidate
+        # (a 1-byte limit makes the candidate's first allocation the out-of-memory error).
+        limit = max(1, limit - source.resident_bytes(ctx.device))
+    tracker = PeakMemoryTracker(ctx.device, limit)
     try:
         # Collectives time out first, so a rank waiting on a failed peer reports a collective
         # timeout rather than its own alarm; the alarm is for Python-level hangs.
@@ -171,19 +219,14 @@ def _run_local(ctx: ModelContext, strategy: Strategy, config: DryRunConfig) -> _
                 _alarm(config.timeout_s + ALARM_GRACE_S):
             try:
                 with tracker:
-                    candidate = fresh_context(ctx)
+                    candidate = fresh_context(ctx, source)
                     result = apply_strategy(candidate, strategy)
                     batches = _cycle(result)
                     for _ in range(max(config.warmup_steps, MIN_MEMORY_STEPS)):
                         train_step(result, next(batches))
                 outcome.peak_memory_bytes = tracker.peak_bytes
-                _synchronize(ctx.device)
-                start = time.perf_counter()
-                for _ in range(config.profile_steps):
-                    train_step(result, next(batches))
-                _synchronize(ctx.device)
-                outcome.seconds = time.perf_counter() - start
-                outcome.samples = int(result.args.get("global_batch_size") or 0)
+                outcome.step_times_s = time_steps(lambda: train_step(result, next(batches)), config, ctx.device)
+                outcome.samples = int(result.global_batch_size or 0)
                 if world is not None:
                     world["clean"] = True
             except DryRunTimeout:
@@ -200,21 +243,57 @@ def _run_local(ctx: ModelContext, strategy: Strategy, config: DryRunConfig) -> _
                 gc.collect()
     except DryRunTimeout:   # the alarm fired during cleanup
         outcome.error_kind, outcome.message = outcome.error_kind or "timeout", outcome.message or "cleanup"
-    finally:
-        adist.destroy_parallel_group()
-        if layout is not None:
-            adist.create_parallel_group(layout)
+    # The candidate's parallel groups lived on its own ModelContext (nothing process-wide to restore).
     return outcome
 
 
-def fresh_context(ctx: ModelContext) -> ModelContext:
-    """A context with the user's inputs and a deep copy of the model (optimizations mutate both)."""
+def time_steps(step: Callable[[], Any], config: DryRunConfig, device: torch.device) -> List[float]:
+    """Per-step seconds of timed samples, until the interval is tight enough or a budget is spent.
+
+    Collective: each sample's time is the slowest rank's (all-reduced), so every rank sees the same
+    list and stops after the same sample. The first sample is one step; if it is shorter than
+    MIN_SAMPLE_SECONDS, later samples group several steps (`step_timing.steps_per_sample`).
+    """
+    times: List[float] = []
+    per_sample, steps, seconds = 1, 0, 0.0
+    while True:
+        _synchronize(device)
+        start = time.perf_counter()
+        for _ in range(per_sample):
+            step()
+        _synchronize(device)
+        sample = _slowest(time.perf_counter() - start, device)
+        times.append(sample / per_sample)
+        steps += per_sample
+        seconds += sample
+        if steps >= config.max_profile_steps or seconds >= config.max_profile_seconds:
+            return times
+        if is_precise_enough(times, config.target_relative_ci, config.profile_steps):
+            return times
+        if len(times) == 1:
+            per_sample = steps_per_sample(times[0])
+        per_sample = max(1, min(per_sample, config.max_profile_steps - steps))
+
+
+def _slowest(seconds: float, device: torch.device) -> float:
+    """The largest `seconds` over the ranks of the current default group (the candidate's world)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return seconds
+    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    value = torch.tensor([seconds], dtype=torch.float64, device=on)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value.item())
+
+
+def fresh_context(ctx: ModelContext, source: ModelSource) -> ModelContext:
+    """A context with the user's inputs and a fresh model built from `source` (optimizations mutate both)."""
     return ModelContext(
-        model=copy.deepcopy(ctx.model), optim_func=ctx.optim_func, optim_args=dict(ctx.optim_args),
+        model=source.build(), optim_func=ctx.optim_func, optim_args=dict(ctx.optim_args),
         optim_param_func=ctx.optim_param_func, dataset=ctx.dataset, loss_func=ctx.loss_func,
         prepare_input=ctx.prepare_input, model_input_format=ctx.model_input_format,
         dataloader_args=dict(ctx.dataloader_args), lr_scheduler_cls=ctx.lr_scheduler_cls,
-        lr_scheduler_args=dict(ctx.lr_scheduler_args), device=ctx.device)
+        lr_scheduler_args=dict(ctx.lr_scheduler_args), device=ctx.device,
+        distributed_sampler_cls=ctx.distributed_sampler_cls)
 
 
 def _cycle(result: Any) -> Iterator[Any]:
@@ -223,7 +302,7 @@ def _cycle(result: Any) -> Iterator[Any]:
         raise ValueError("a dry run needs batches: pass dataset= (and dataloader_args) to auto_accelerate")
     epoch = 0
     while True:
-        sampler = result.args.get("sampler")
+        sampler = result.sampler
         if sampler is not None and hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
         empty = True
@@ -331,7 +410,7 @@ def _gather(outcome: _LocalOutcome) -> List[_LocalOutcome]:
     return gathered
 
 
-def merge_outcomes(outcomes: List[_LocalOutcome], profile_steps: int) -> DryRunResult:
+def merge_outcomes(outcomes: List[_LocalOutcome]) -> DryRunResult:
     """The one result every rank agrees on (pure, deterministic in the rank order)."""
     peaks = [o.peak_memory_bytes for o in outcomes if o.peak_memory_bytes is not None]
     peak = max(peaks) if peaks else None
@@ -348,8 +427,12 @@ def merge_outcomes(outcomes: List[_LocalOutcome], profile_steps: int) -> DryRunR
         else:
             error = f"{first.error_kind}: rank {first.rank}: {first.message}"
         return DryRunResult(0.0, peak, error)
-    seconds = max(o.seconds or 0.0 for o in outcomes)
     samples = outcomes[0].samples
-    if seconds <= 0 or samples <= 0:
+    # The lists are already agreed (all-reduced); the element-wise max only guards a rank that
+    # somehow saw a different list.
+    times = [max(ts) for ts in zip(*(o.step_times_s for o in outcomes))]
+    if not times or samples <= 0 or min(times) <= 0:
         return DryRunResult(0.0, peak, "exception: no samples were timed (global batch size unknown)")
-    return DryRunResult(samples * profile_steps / seconds, peak, None, seconds / profile_steps)
+    summary = summarize(times)
+    return DryRunResult(summary.throughput(samples), peak, None, summary.mean_s, tuple(times),
+                        summary.throughput_interval(samples))

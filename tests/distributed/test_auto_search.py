@@ -2,8 +2,10 @@
 
 One spawn: the automatic search completes and returns the same strategy on both ranks, that
 strategy trains (the loss goes down), the trial table, the plot and the strategy JSON are
-written, the saved strategy loads back (with its dry-run check), and excluded/included
-restrict what the search tries.
+written, the saved strategy loads back (with its dry-run check), excluded/included restrict
+what the search tries, and a second search on the same setup runs one confirming dry run from
+the results cache. A second spawn searches a model under a device limit that its unsharded
+training state does not fit (issue 19, section 3).
 """
 
 import json
@@ -16,8 +18,8 @@ import torch
 from atorch.testing import run_distributed, tiny_llama
 
 GLOBAL_BATCH, SEQ, STEPS = 8, 64, 6
-SEARCH_ENV = {"BO_SG_MAX_IETR": "8", "MAX_PATIENCE": "5", "RANDOM_SAMPLE": "2",
-              "ATORCH_DRYRUN_WARMUP_STEP": "1", "ATORCH_DRYRUN_PROFILE_STEP": "2", "ATORCH_DRYRUN_TIMEOUT": "60"}
+SEARCH_ENV = {"BO_SG_MAX_IETR": "8", "MAX_PATIENCE": "5", "RANDOM_SAMPLE": "2", "ATORCH_DRYRUN_WARMUP_STEP": "1",
+              "ATORCH_DRYRUN_PROFILE_STEP": "2", "ATORCH_DRYRUN_MAX_STEPS": "6", "ATORCH_DRYRUN_TIMEOUT": "60"}
 
 
 def _accelerate(**kwargs):
@@ -52,6 +54,8 @@ def _search_and_train(report_dir, strategy_file):
     out["status"], out["strategy"] = status, strategy.to_json() if strategy is not None else None
     out["losses"] = _train(result, STEPS)
     out["report"] = result.args.get("search_report")
+    # Read now: the repeated search below writes its own table to the same directory.
+    out["trials"] = pd.read_csv(out["report"]["table"]) if out["report"] else None
     out["reason"] = result.args.get("search_reason")
     del result
     dist.barrier()
@@ -68,6 +72,14 @@ def _search_and_train(report_dir, strategy_file):
                                              report_path=os.path.join(report_dir, "restricted"))
     out["restricted_status"] = status
     out["restricted"] = restricted.names()
+    del result
+    dist.barrier()
+
+    # The same setup again: the results cache turns the search into one confirming dry run.
+    status, result, again = _accelerate(report_path=report_dir)
+    out["again_status"], out["again"] = status, again.to_json()
+    out["again_reason"] = result.args.get("search_reason")
+    out["again_trials"] = result.args["search_result"].trials if "search_result" in result.args else None
     del result
     dist.barrier()
     return out
@@ -88,7 +100,7 @@ def test_auto_accelerate_searches_trains_and_reports(tmp_path):
     # Report: trial table, plot, strategy JSON, one-line reason (rank 0 writes them).
     paths = rank0["report"]
     assert paths and rank1["report"] is None
-    trials = pd.read_csv(paths["table"])
+    trials = rank0["trials"]
     assert 1 <= len(trials) <= 8 and (trials["status"] == "ok").any()
     assert trials["strategy"].is_unique                      # no strategy dry-run twice
     with open(paths["plot"], "rb") as f:
@@ -111,3 +123,72 @@ def test_auto_accelerate_searches_trains_and_reports(tmp_path):
     restricted = pd.read_csv(os.path.join(report_dir, "restricted", "trials.csv"))
     assert restricted["strategy"].str.contains("checkpoint").all()
     assert not restricted["strategy"].str.contains("fsdp|zero2|tensor").any()
+
+    # Every dry run states its interval; the cache remembered them all (JSON next to the report).
+    with open(os.path.join(report_dir, "search_cache.json")) as f:
+        cache = json.load(f)
+    assert len(cache["results"]) == len(trials)             # the confirming run replaced its own entry
+    for entry in cache["results"].values():
+        if entry["error"] is None:
+            low, high = entry["throughput_ci"]
+            assert low <= entry["throughput"] <= high and len(entry["step_times_s"]) >= 2
+    assert rank0["again_status"] and rank0["again"] == rank0["strategy"] == rank1["again"]
+    again = rank0["again_trials"]
+    assert len(again) == len(trials) + 1 and list(again["source"])[-1] == "cache-confirm"
+    assert "confirmed by 1 dry run" in rank0["again_reason"] and rank0["again_reason"] == rank1["again_reason"]
+
+
+def _search_under_memory_limit(tmp_dir):
+    """The model alone fits the simulated device; with gradients and Adam state unsharded it does not."""
+    import resource
+
+    import torch.distributed as dist
+
+    from atorch.auto import auto_accelerate
+    from atorch.auto.cost_model import estimate
+    from atorch.testing.parity import TokenDataset
+
+    model = tiny_llama(seed=0, hidden_size=256, intermediate_size=688)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    limit = int(LIMIT_IN_MODELS * model_bytes)
+    os.environ["ATORCH_DEVICE_MEMORY_LIMIT"] = str(limit)
+    ddp = estimate(model, ["parallel_mode"], 2, 16, 2, "cpu").peak_memory_bytes
+    rss_before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    status, result, strategy = auto_accelerate(
+        model, optim_func=torch.optim.AdamW, dataset=TokenDataset(n=32, seq_len=16), optim_args={"lr": 1e-3},
+        model_input_format="unpack_dict", dataloader_args={"batch_size": 2}, report_path=tmp_dir,
+        excluded=["module_replace", "tensor_parallel"])
+    search = result.args.get("search_result") if status else None
+    out = {"status": status, "strategy": strategy.names() if strategy else None, "limit": limit,
+           "model_bytes": model_bytes, "ddp_predicted": ddp,
+           "trials": search.trials if search is not None else None,
+           "pruned": search.pruned if search is not None else None,
+           "rss_before_kb": rss_before_kb, "rss_peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+    out["losses"] = _train(result, 3) if status else []
+    del result
+    dist.barrier()
+    return out
+
+
+LIMIT_IN_MODELS = 3.7      # model + gradients + Adam state unsharded is >= 4 models; fsdp/zero2 + amp ~3.3
+
+
+@pytest.mark.heavy
+def test_search_fits_a_model_whose_unsharded_state_does_not(tmp_path):
+    env = {**SEARCH_ENV, "BO_SG_MAX_IETR": "5", "ATORCH_SEARCH_CACHE": "off"}
+    rank0, rank1 = run_distributed(_search_under_memory_limit, 2, str(tmp_path), env=env, timeout=600)
+    limit, model_bytes = rank0["limit"], rank0["model_bytes"]
+    assert model_bytes < limit < rank0["ddp_predicted"]          # the premise: the model fits, DDP does not
+    assert rank0["status"] and rank1["status"] and rank0["strategy"] == rank1["strategy"]
+    assert {"fsdp", "zero2"} & set(rank0["strategy"]), rank0["strategy"]
+    pruned = rank0["pruned"]
+    assert "parallel_mode(data=2)" in set(pruned["strategy"]) and len(pruned) >= 8
+    trials = rank0["trials"]
+    ok = trials[trials["status"] == "ok"]
+    assert len(ok) >= 1 and (ok["measured_memory"] <= limit).all()
+    # A deep copy per candidate would have kept the user's model on the device next to each
+    # candidate: the candidates that ran would then have had less than 2.7 models of room.
+    assert (ok["measured_memory"] > limit - model_bytes).any(), ok[["strategy", "measured_memory"]]
+    assert (trials["status"].isin(["ok", "oom"])).all(), trials
+    losses = rank0["losses"]
+    assert all(torch.isfinite(torch.tensor(losses))), losses

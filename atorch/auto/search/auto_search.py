@@ -3,26 +3,34 @@
 This is the entry point, so it is the one place that reads the search's environment variables:
 BO_SG_MAX_IETR (max trials, default 30), RANDOM_SAMPLE (default 3), MAX_PATIENCE (default 8),
 ATORCH_SEARCH_TIME_LIMIT (seconds, default none), ATORCH_SEARCH_REPORT_DIR (default
-./atorch_search), ATORCH_DEVICE_MEMORY_LIMIT (bytes: prunes predictions and is enforced in dry
-runs), ATORCH_DRYRUN_WARMUP_STEP, ATORCH_DRYRUN_PROFILE_STEP, ATORCH_DRYRUN_TIMEOUT.
+./atorch_search), ATORCH_SEARCH_CACHE (the results cache file; default search_cache.json in the
+report directory; "off" disables it), ATORCH_DEVICE_MEMORY_LIMIT (bytes: prunes predictions and
+is enforced in dry runs), and the dry runner's (`DryRunConfig.from_env`).
 
 Rank 0 plans; every rank dry-runs each candidate rank 0 broadcasts, so the planner's
-randomness and clock never have to agree across ranks.
+randomness and clock never have to agree across ranks. While the search runs, the user's
+weights wait in a scratch file and every candidate is built from it (`ModelSource`): the
+search needs no second copy of the model. Rank 0 remembers every measurement in the results
+cache (`cache.py`); a search on the same setup and space then runs one confirming dry run of
+the remembered winner instead of a search, and says so in its reason line.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Sequence
 
+import pandas as pd
 import torch
 import torch.distributed as dist
 
 from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
-from atorch.auto.search.search import SearchResult, search_strategy
+from atorch.auto.search.cache import CACHE_FILE_NAME, SearchCache, setup_key, space_signature
+from atorch.auto.search.search import DryRunResult, SearchResult, search_strategy
 from atorch.auto.search.space import SearchSpace
 from atorch.auto.strategy import Strategy
 
@@ -57,6 +65,8 @@ class SearchSettings:
     time_limit_s: Optional[float] = None
     report_dir: str = DEFAULT_REPORT_DIR
     memory_limit_bytes: Optional[int] = None     # None: the device's memory
+    cache_path: Optional[str] = None             # None: search_cache.json in the report directory
+    cache_enabled: bool = True
 
     @classmethod
     def from_env(cls, environ: Optional[Dict[str, str]] = None) -> "SearchSettings":
@@ -71,12 +81,15 @@ class SearchSettings:
             except ValueError as e:
                 raise ValueError(f"environment variable {name}={raw!r} must be a number") from e
 
+        cache = env.get("ATORCH_SEARCH_CACHE") or None
+        cache_enabled = (cache or "").strip().lower() not in ("off", "0", "false", "none")
         settings = cls(max_trials=number("BO_SG_MAX_IETR", cls.max_trials, int),
                        random_samples=number("RANDOM_SAMPLE", cls.random_samples, int),
                        patience=number("MAX_PATIENCE", cls.patience, int),
                        time_limit_s=number("ATORCH_SEARCH_TIME_LIMIT", None, float),
                        report_dir=env.get("ATORCH_SEARCH_REPORT_DIR") or DEFAULT_REPORT_DIR,
-                       memory_limit_bytes=number("ATORCH_DEVICE_MEMORY_LIMIT", None, int))
+                       memory_limit_bytes=number("ATORCH_DEVICE_MEMORY_LIMIT", None, int),
+                       cache_path=cache if cache_enabled else None, cache_enabled=cache_enabled)
         if settings.max_trials < 1 or settings.random_samples < 0 or settings.patience < 1:
             raise ValueError(f"BO_SG_MAX_IETR={settings.max_trials} must be >= 1, RANDOM_SAMPLE="
                              f"{settings.random_samples} >= 0 and MAX_PATIENCE={settings.patience} >= 1")
@@ -92,43 +105,136 @@ def search_for_context(ctx: ModelContext, excluded: Optional[Sequence[str]] = No
     Raises SearchError when no candidate ran.
     """
     from atorch.auto.dry_runner import DryRunConfig, make_evaluator
+    from atorch.auto.model_source import ModelSource
 
     settings = SearchSettings.from_env()
     dry_config = DryRunConfig.from_env()
     world_size = adist.world_size()
-    space = SearchSpace.default_for(ctx.model, world_size, ctx.device.type).restricted(excluded, included)
     batch_size = int(ctx.dataloader_args.get("batch_size", 1))
+    space = SearchSpace.default_for(ctx.model, world_size, ctx.device.type, global_batch_size=batch_size
+                                    ).restricted(excluded, included)
+    space.candidates()   # validated against the real model, before its weights are offloaded
     seq_len = infer_seq_len(ctx.dataset)
     memory_limit = settings.memory_limit_bytes or device_memory_bytes(ctx.device)
     predictor = make_predictor(ctx.model, batch_size, seq_len, world_size, ctx.device)
-    evaluate = make_evaluator(ctx, dry_config)
-    layout = adist.parallel_config() if adist.is_parallel_group_created() else None
+    directory, plot_name = _report_location(report_path or settings.report_dir)
+    cache = _open_cache(settings, directory, ctx, world_size, batch_size, seq_len) if adist.rank() == 0 else None
 
+    found: Optional[SearchResult] = None
+    report: Optional[Dict[str, str]] = None
+    with ModelSource(ctx.model, dry_config.scratch_dir) as source:
+        evaluate = make_evaluator(ctx, dry_config, source)
+        if adist.rank() == 0:
+            logger.info("searching %s (%d valid candidates), memory limit %s bytes per rank", space,
+                        len(space.candidates()), memory_limit)
+            try:
+                result = _search_or_confirm(space, _leader_evaluator(evaluate), cache, settings, predictor,
+                                            memory_limit, batch_size)
+            except BaseException as e:
+                _broadcast(("error", f"{type(e).__name__}: {e}"))
+                raise
+            _broadcast(("done", result.best, result.reason))
+            best, reason = result.best, result.reason
+        else:
+            best, reason = _follow(evaluate)
     if adist.rank() == 0:
-        logger.info("searching %s (%d valid candidates), memory limit %s bytes per rank", space,
-                    len(space.candidates()), memory_limit)
-        try:
-            result = search_strategy(
-                space, _leader_evaluator(evaluate), max_trials=settings.max_trials,
-                random_samples=settings.random_samples, patience=settings.patience, predictor=predictor,
-                memory_limit_bytes=memory_limit, time_limit_s=settings.time_limit_s, batch_size=batch_size,
-                progress=True)
-        except BaseException as e:
-            _broadcast(("error", f"{type(e).__name__}: {e}"))
-            raise
-        _broadcast(("done", result.best, result.reason))
-        directory, plot_name = _report_location(report_path or settings.report_dir)
         paths = write_search_report(result, directory, plot_name)
         logger.info("chosen strategy: %s\n%s\ntrial table: %s, plot: %s", result.best.describe() if result.best
                     else None, result.reason, paths["table"], paths["plot"])
-        best, reason, found, report = result.best, result.reason, result, paths
-    else:
-        (best, reason), found, report = _follow(evaluate), None, None
-    if layout is not None and not adist.is_parallel_group_created():
-        adist.create_parallel_group(layout)
+        found, report = result, paths
     if best is None:
         raise SearchError(f"no strategy ran in the automatic search: {reason}")
     return SearchOutcome(best, reason, found, report)
+
+
+def _open_cache(settings: SearchSettings, directory: str, ctx: ModelContext, world_size: int, batch_size: int,
+                seq_len: int) -> Optional[SearchCache]:
+    if not settings.cache_enabled:
+        return None
+    path = settings.cache_path or os.path.join(directory, CACHE_FILE_NAME)
+    return SearchCache.load(path, setup_key(ctx.model, world_size, ctx.device, batch_size, seq_len))
+
+
+def _search_or_confirm(space: SearchSpace, evaluate: Callable[[Strategy], DryRunResult],
+                       cache: Optional[SearchCache], settings: SearchSettings, predictor: Callable[[Strategy], Any],
+                       memory_limit: int, batch_size: int) -> SearchResult:
+    """Rank 0: one confirming dry run of the cached winner if there is one, else the search.
+
+    A confirmation that fails (the winner no longer runs) falls back to a full search, which
+    still reuses the cached measurements of the other candidates.
+    """
+    signature = space_signature([c.label() for c in space.candidates()], memory_limit)
+    if cache is not None:
+        best = cache.cached_best(signature)
+        if best is not None:
+            remembered = cache.get(best)
+            confirmed = evaluate(best)
+            cache.put(best, confirmed)
+            cache.save()
+            if confirmed.ok:
+                return _confirmed_result(cache, best, confirmed, remembered, memory_limit)
+            logger.warning("the cached winner %s failed its confirming dry run (%s): searching again", best.describe(),
+                           confirmed.error)
+        evaluate = _cached_evaluator(evaluate, cache)
+    result = search_strategy(
+        space, evaluate, max_trials=settings.max_trials, random_samples=settings.random_samples,
+        patience=settings.patience, predictor=predictor, memory_limit_bytes=memory_limit,
+        time_limit_s=settings.time_limit_s, batch_size=batch_size, progress=True)
+    if cache is not None:
+        cache.record_search(result.best, signature, _records(result.trials), _records(result.pruned), result.reason,
+                            result.stop_reason, result.num_candidates)
+        cache.save()
+    return result
+
+
+def _cached_evaluator(evaluate: Callable[[Strategy], DryRunResult],
+                      cache: SearchCache) -> Callable[[Strategy], DryRunResult]:
+    """Serves remembered results without a dry run; remembers (and saves) every new one."""
+    def run(strategy: Strategy) -> DryRunResult:
+        cached = cache.get(strategy)
+        if cached is not None:
+            return cached
+        result = evaluate(strategy)
+        cache.put(strategy, result)
+        cache.save()      # after every trial: an interrupted search resumes from here
+        return result
+
+    return run
+
+
+def _confirmed_result(cache: SearchCache, best: Strategy, confirmed: DryRunResult, remembered: Optional[DryRunResult],
+                      memory_limit: int) -> SearchResult:
+    """The cached search's result, its trial table extended by the confirming dry run.
+
+    When the confirmation's interval misses the remembered one, the reason says so: the
+    machine's load or the setup changed, and the user may want to search again."""
+    last = cache.last_search or {}
+    trials = pd.DataFrame(last.get("trials") or [])
+    row = {"trial": len(trials) + 1, "strategy": best.describe(), "status": confirmed.status,
+           "throughput": confirmed.throughput, "measured_memory": confirmed.peak_memory_bytes,
+           "reason": confirmed.error or "", "source": "cache-confirm"}
+    trials = pd.concat([trials, pd.DataFrame([row])], ignore_index=True) if len(trials) else pd.DataFrame([row])
+    ci = confirmed.throughput_ci
+    interval = f" (95% CI {ci[0]:.4g}-{ci[1]:.4g})" if ci else ""
+    drift = ""
+    if remembered is not None and remembered.ok and not _overlap(confirmed.throughput_ci, remembered.throughput_ci):
+        drift = (f" (remembered {remembered.throughput:.4g} samples/s: the machine or setup changed since; "
+                 "ATORCH_SEARCH_CACHE=off searches again)")
+    reason = (f"{best.describe()}: remembered from {cache.path} and confirmed by 1 dry run, "
+              f"{confirmed.throughput:.4g} samples/s{interval}{drift}; the search that chose it: "
+              f"{last.get('reason', '')}")
+    return SearchResult(best, confirmed.throughput, trials, pd.DataFrame(last.get("pruned") or []), [best],
+                        "confirmed the cached winner (1 dry run)", int(last.get("num_candidates") or 0),
+                        memory_limit, reason)
+
+
+def _overlap(a: Optional[tuple], b: Optional[tuple]) -> bool:
+    """Whether two intervals overlap; True when either is unknown (nothing to contradict)."""
+    return a is None or b is None or (a[0] <= b[1] and b[0] <= a[1])
+
+
+def _records(frame: pd.DataFrame) -> list:
+    return json.loads(frame.to_json(orient="records")) if len(frame) else []
 
 
 def make_predictor(model: Any, batch_size: int, seq_len: int, world_size: int,

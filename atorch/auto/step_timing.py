@@ -1,0 +1,114 @@
+"""Step-time statistics of a dry run: when to stop timing, and the interval it reports.
+
+Pure (floats in, floats out), so the stopping rule is tested in milliseconds; the dry runner
+feeds it per-step times that every rank already agrees on, so every rank stops at the same step.
+
+The rule: keep timing until the 95% confidence half-width of the mean step time (Student t over
+the per-sample step times) is at most `target` of the mean, or the step budget is spent.
+- Warm-up: the dry runner's untimed warm-up steps absorb the first-step costs (lazy init, the
+  optimizer state's allocation); a later slow step is handled as an outlier.
+- Outliers: a step that another process's burst of work preempted is not a property of the
+  candidate. Samples above median + OUTLIER_SCALES robust standard deviations (1.4826 x MAD)
+  are left out of the mean and the interval, the slowest first and at most MAX_OUTLIER_FRACTION
+  of the samples: slowness beyond that is the candidate's own (or a lasting change of load) and
+  stays in.
+- Short steps: `steps_per_sample` groups steps so that one timed sample lasts at least
+  MIN_SAMPLE_SECONDS, far above the clock's resolution and the per-sample synchronization.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional, Sequence, Tuple
+
+CONFIDENCE = 0.95
+OUTLIER_SCALES = 4.0
+MAX_OUTLIER_FRACTION = 0.2
+# perf_counter resolves ~100 ns; a cuda synchronize and the per-sample all-reduce cost 0.01-1 ms
+# and sit outside the timed region, so 10 ms samples leave timer error below 1e-4 relative.
+MIN_SAMPLE_SECONDS = 0.01
+MAX_STEPS_PER_SAMPLE = 16
+MIN_SAMPLES_FOR_INTERVAL = 3
+
+
+@dataclass(frozen=True)
+class StepTimeSummary:
+    """Mean per-step seconds of the kept samples and its 95% confidence half-width."""
+
+    mean_s: float
+    half_width_s: float          # inf with fewer than MIN_SAMPLES_FOR_INTERVAL kept samples
+    kept: int
+    outliers: int
+
+    @property
+    def relative_half_width(self) -> float:
+        return self.half_width_s / self.mean_s if self.mean_s > 0 else math.inf
+
+    def throughput(self, samples_per_step: float) -> float:
+        return samples_per_step / self.mean_s
+
+    def throughput_interval(self, samples_per_step: float) -> Optional[Tuple[float, float]]:
+        """95% interval of samples/s (the step-time interval inverted); None when it is unbounded."""
+        low_s, high_s = self.mean_s - self.half_width_s, self.mean_s + self.half_width_s
+        if not math.isfinite(self.half_width_s) or low_s <= 0:
+            return None
+        return samples_per_step / high_s, samples_per_step / low_s
+
+
+@lru_cache(maxsize=256)
+def t_quantile(degrees_of_freedom: int, confidence: float = CONFIDENCE) -> float:
+    """Two-sided Student t critical value (2.776 for 4 degrees of freedom at 95%)."""
+    from scipy.stats import t
+
+    return float(t.ppf(0.5 + confidence / 2, degrees_of_freedom))
+
+
+def summarize(step_times_s: Sequence[float]) -> StepTimeSummary:
+    """Mean and 95% half-width of per-step times, rare high outliers left out (module docstring)."""
+    times = [float(t) for t in step_times_s]
+    if not times or any(not math.isfinite(t) or t <= 0 for t in times):
+        raise ValueError(f"step times must be positive and finite, got {times}")
+    kept = _without_outliers(times)
+    n = len(kept)
+    mean = sum(kept) / n
+    if n < MIN_SAMPLES_FOR_INTERVAL:
+        return StepTimeSummary(mean, math.inf, n, len(times) - n)
+    variance = sum((t - mean) ** 2 for t in kept) / (n - 1)
+    half = t_quantile(n - 1) * math.sqrt(variance / n)
+    return StepTimeSummary(mean, half, n, len(times) - n)
+
+
+def _without_outliers(times: Sequence[float]) -> list:
+    median = _median(times)
+    mad = _median([abs(t - median) for t in times])
+    # A floor of 1% of the median: with identical times (MAD 0) nothing is an outlier by a hair.
+    scale = max(1.4826 * mad, 0.01 * median)
+    limit = median + OUTLIER_SCALES * scale
+    # The slowest first, and never more than MAX_OUTLIER_FRACTION of the samples: a rule with a
+    # cliff (drop all outliers, or none once there are too many) flips on one borderline sample.
+    droppable = sorted((i for i, t in enumerate(times) if t > limit), key=lambda i: -times[i])
+    dropped = set(droppable[:int(MAX_OUTLIER_FRACTION * len(times))])
+    return [t for i, t in enumerate(times) if i not in dropped]
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def is_precise_enough(step_times_s: Sequence[float], target_relative: float, min_samples: int) -> bool:
+    """True once there are `min_samples` samples and the relative half-width is <= `target_relative`."""
+    if len(step_times_s) < max(min_samples, MIN_SAMPLES_FOR_INTERVAL):
+        return False
+    return summarize(step_times_s).relative_half_width <= target_relative
+
+
+def steps_per_sample(step_s: float, min_sample_s: float = MIN_SAMPLE_SECONDS,
+                     cap: int = MAX_STEPS_PER_SAMPLE) -> int:
+    """How many steps one timed sample groups so that it lasts at least `min_sample_s`."""
+    if not math.isfinite(step_s) or step_s <= 0:
+        return cap
+    return max(1, min(cap, math.ceil(min_sample_s / step_s)))

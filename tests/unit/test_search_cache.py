@@ -1,0 +1,150 @@
+"""The search results cache: JSON round trip, corrupt and mismatched files ignored with a warning naming
+them, the setup key, and the rank-0 flow of `auto_search` (one confirming dry run on a hit)."""
+
+import json
+import logging
+
+import pytest
+import torch
+
+from atorch.auto.search.cache import (SearchCache, SetupKey, library_versions, model_config_hash, setup_key,
+                                      space_signature)
+from atorch.auto.search.search import DryRunResult
+from atorch.auto.strategy import Strategy
+
+KEY = SetupKey("abc", 2, "cpu: test x2", (("torch", "2.13.0"),), 8, 64)
+DDP = Strategy(["parallel_mode"])
+FSDP = Strategy(["parallel_mode", "amp_native", "fsdp"])
+OK = DryRunResult(123.5, 4_000_000, None, 0.0648, (0.064, 0.066, 0.0644), (119.0, 128.3))
+OOM = DryRunResult(0.0, 9_000_000, "oom: rank 1: out of memory")
+
+
+def test_round_trip(tmp_path):
+    path = str(tmp_path / "cache.json")
+    cache = SearchCache.load(path, KEY)
+    assert cache.get(DDP) is None and cache.cached_best("space") is None
+    cache.put(DDP, OK)
+    cache.put(FSDP, OOM)
+    cache.record_search(DDP, "space", [{"trial": 1, "strategy": DDP.describe()}], [], "why", "stopped", 2)
+    cache.save()
+    with open(path) as f:
+        data = json.load(f)                       # plain JSON, no pickle
+    assert data["format"] == "atorch-search-cache" and data["setup"]["world_size"] == 2
+
+    again = SearchCache.load(path, KEY)
+    assert again.get(DDP) == OK and again.get(FSDP) == OOM
+    assert again.cached_best("space") == DDP
+    assert again.cached_best("another space") is None         # a cached winner stands only for its space
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps([1, 2]), json.dumps({"format": "other"}),
+                                     json.dumps({"format": "atorch-search-cache", "version": 1, "setup": {}}),
+                                     json.dumps({"format": "atorch-search-cache", "version": 1,
+                                                 "setup": {**KEY.to_json()}, "results": {"x": {"bad": 1}}})])
+def test_corrupt_cache_is_ignored_with_a_warning_naming_the_file(tmp_path, caplog, content):
+    path = tmp_path / "cache.json"
+    path.write_text(content)
+    with caplog.at_level(logging.WARNING, logger="atorch.auto.search.cache"):
+        cache = SearchCache.load(str(path), KEY)
+    assert cache.results == {} and cache.last_search is None
+    assert str(path) in caplog.text and "could not be read" in caplog.text
+    cache.put(DDP, OK)
+    cache.save()                                  # replaced by a good file
+    assert SearchCache.load(str(path), KEY).get(DDP) == OK
+
+
+def test_mismatched_setup_is_ignored_with_the_differences(tmp_path, caplog):
+    path = str(tmp_path / "cache.json")
+    cache = SearchCache(path, KEY)
+    cache.put(DDP, OK)
+    cache.save()
+    other = SetupKey("abc", 4, "cpu: test x2", (("torch", "2.14.0"),), 8, 64)
+    with caplog.at_level(logging.WARNING, logger="atorch.auto.search.cache"):
+        assert SearchCache.load(path, other).results == {}
+    assert path in caplog.text and "another setup" in caplog.text
+    assert "world_size: cached 2, now 4" in caplog.text and "2.13.0" in caplog.text
+
+
+def test_setup_key_follows_what_changes_the_cost():
+    from atorch.testing import tiny_llama
+
+    a, b = tiny_llama(seed=0), tiny_llama(seed=1)
+    assert model_config_hash(a) == model_config_hash(b)             # weights do not matter
+    assert model_config_hash(a) != model_config_hash(tiny_llama(num_hidden_layers=3))
+    a.lm_head.weight.requires_grad_(False)
+    assert model_config_hash(a) != model_config_hash(b)             # frozen weights have no optimizer state
+    assert model_config_hash(a.to(torch.bfloat16)) != model_config_hash(b)
+    key = setup_key(b, 2, torch.device("cpu"), 8, 64)
+    assert key.device.startswith("cpu: ") and dict(key.versions)["torch"] == torch.__version__
+    assert key == SetupKey.from_json(json.loads(json.dumps(key.to_json())))
+    assert setup_key(b, 2, torch.device("cpu"), 16, 64) != key
+    assert "python" in dict(library_versions())
+    assert space_signature(["a", "b"], 10) == space_signature(["b", "a"], 10) != space_signature(["a", "b"], 11)
+
+
+def test_second_search_runs_one_confirming_dry_run(tmp_path, monkeypatch):
+    """auto_search's rank-0 flow with a fake evaluator: a full search, then one dry run on a hit,
+    then a full search again (reusing remembered results) when the confirmation fails."""
+    from atorch.auto.search import auto_search
+    from atorch.auto.search.space import SearchSpace
+
+    space = SearchSpace({"amp": [None, "amp_native"], "zero": [None, "zero1", "fsdp"]}, world_size=1)
+    speed = {c.label(): 100.0 + 10 * i for i, c in enumerate(space.candidates())}
+    calls = []
+
+    def evaluate(strategy):
+        calls.append(strategy.describe())
+        return DryRunResult(speed[strategy.describe()], 1000, None, 0.1, (0.1, 0.1, 0.1), (99.0, 101.0))
+
+    settings = auto_search.SearchSettings(max_trials=len(speed), random_samples=1, patience=10)
+    path = str(tmp_path / "search_cache.json")
+    monkeypatch.setattr(auto_search, "search_strategy", _search_without_hebo)
+
+    first = auto_search._search_or_confirm(space, evaluate, SearchCache.load(path, KEY), settings, None, 10**9, 8)
+    assert len(calls) == len(speed) and first.best.describe() == max(speed, key=speed.get)
+
+    calls.clear()
+    second = auto_search._search_or_confirm(space, evaluate, SearchCache.load(path, KEY), settings, None, 10**9, 8)
+    assert calls == [first.best.describe()]                         # exactly one confirming dry run
+    assert second.best == first.best and "confirmed by 1 dry run" in second.reason and path in second.reason
+    assert second.trials.iloc[-1]["source"] == "cache-confirm" and len(second.trials) == len(first.trials) + 1
+    assert "the machine or setup changed" not in second.reason           # the same speed: no drift note
+
+    # The machine got 3x slower: still one dry run, and the reason says the measurement moved.
+    calls.clear()
+    slow = auto_search._search_or_confirm(
+        space, lambda s: DryRunResult(speed[s.describe()] / 3, 1000, None, 0.3, (0.3,) * 3, (30.0, 40.0)),
+        SearchCache.load(path, KEY), settings, None, 10**9, 8)
+    assert slow.best == first.best and "the machine or setup changed" in slow.reason
+
+    # The remembered winner now fails: searched again, the other candidates served from the cache.
+    speed_before = dict(speed)
+    calls.clear()
+
+    def evaluate_failing_best(strategy):
+        calls.append(strategy.describe())
+        if strategy == first.best:
+            return DryRunResult(0.0, None, "oom: rank 0: out of memory")
+        return evaluate(strategy)
+
+    third = auto_search._search_or_confirm(space, evaluate_failing_best, SearchCache.load(path, KEY), settings,
+                                           None, 10**9, 8)
+    assert calls[0] == first.best.describe() and len(calls) == 1       # only the confirmation was run
+    assert third.best != first.best and third.best_throughput == max(v for k, v in speed_before.items()
+                                                                      if k != first.best.describe())
+
+
+def _search_without_hebo(space, evaluate, **kwargs):
+    """Exhaustive stand-in for search_strategy (this test is about the cache, not the planner)."""
+    import pandas as pd
+
+    from atorch.auto.search.search import SearchResult
+
+    rows, best, best_tp = [], None, 0.0
+    for i, c in enumerate(space.candidates()):
+        r = evaluate(c.strategy)
+        rows.append({"trial": i + 1, "strategy": c.label(), "status": r.status, "throughput": r.throughput})
+        if r.ok and r.throughput > best_tp:
+            best, best_tp = c.strategy, r.throughput
+    return SearchResult(best, best_tp, pd.DataFrame(rows), pd.DataFrame(), [c.strategy for c in space.candidates()],
+                        "exhausted", len(rows), kwargs.get("memory_limit_bytes"), "fastest")
