@@ -333,9 +333,11 @@ def test_trial_table_and_result_fields(dummy_opts):
     result = search_strategy(space, Recorder(table, memory={s: 123 for s in table}), max_trials=6,
                              predictor=lambda s: Estimate(456, 1.0 / table[s]), batch_size=8)
     assert isinstance(result, SearchResult)
-    assert list(result.trials.columns) == ["trial", "strategy", "status", "throughput", "predicted_throughput",
+    assert list(result.trials.columns) == ["trial", "strategy", "status", "throughput", "throughput_lo",
+                                           "throughput_hi", "predicted_throughput",
                                            "predicted_memory", "measured_memory", "reason", "seconds",
                                            "planner_seconds", "source"]
+    assert result.trials["throughput_lo"].isna().all()     # a table evaluator reports no interval
     assert result.trials["trial"].tolist() == list(range(1, 7))
     assert (result.trials["measured_memory"] == 123).all() and (result.trials["predicted_memory"] == 456).all()
     assert result.trials["predicted_throughput"].iloc[0] == pytest.approx(8 * table[result.evaluated[0]])
