@@ -45,7 +45,7 @@ _DEFAULT_NOISE_LB = 1e-3
 # LCB's exploration weight: the mean minus KAPPA standard deviations of the predicted
 # -log-throughput. HEBO's own schedule (about 4 at 10 trials in 5 dimensions) explores for
 # hundreds of trials; a search of 10-30 dry runs must exploit sooner (benchmarks/search.py).
-KAPPA = 1.0
+KAPPA = float(__import__("os").environ.get("ATORCH_BENCH_KAPPA", "1.0"))
 
 
 @contextlib.contextmanager

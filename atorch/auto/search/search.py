@@ -247,9 +247,10 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
 
 
 def _remeasure_reserve(max_trials: int, rounds: int) -> int:
-    """Dry runs kept from the search phase for re-measuring: 2 per round, but never more than
-    a third of the budget (small budgets search first and re-measure what is left)."""
-    return min(2 * rounds, 2 * (max_trials // 6))
+    """Dry runs kept from the search phase for re-measuring: 2 per round, one round per 10 dry
+    runs of budget (a budget of 14 keeps 2, one of 20 or more 4): at small budgets finding the
+    best region matters more than a second round (benchmarks/search.py)."""
+    return min(2 * rounds, 2 * (max_trials // 10))
 
 
 class _Feasibility:
@@ -367,24 +368,38 @@ def _prior(predictions: List[Any]) -> Optional[List[float]]:
 
 def _initial_queue(feasible: List[int], predictions: List[Any], random_samples: int,
                    rng: np.random.Generator, candidates: Optional[List[Candidate]] = None) -> List[tuple]:
-    """(index, source) pairs: the predictor's fastest, then random ones."""
+    """(index, source) pairs: the predictor's fastest, then random ones that cover the space.
+
+    The random part has at least as many points as the largest dimension has options, and each
+    is drawn among the candidates showing the most options not yet covered (then the farthest,
+    in changed dimensions, from those already queued): after it every option of every dimension
+    has been measured once where feasibility allows, so the surrogate's main effects all start
+    from data rather than from its prior.
+    """
     queue: List[tuple] = []
     predicted = [i for i in feasible if predictions[i] is not None]
     predicted.sort(key=lambda i: predictions[i].step_time_s)
     for i in predicted[:PREDICTED_SEEDS]:
         queue.append((i, "predicted-top"))
-    rest = [i for i in feasible if all(i != q for q, _ in queue)]
     chosen = [q for q, _ in queue]
-    for _ in range(min(random_samples, len(rest))):
-        # Random, but spread: among the candidates farthest (in changed dimensions) from those
-        # already queued, one at random. Spread-out first points teach the surrogate every dimension.
-        pool = [i for i in rest if i not in chosen]
-        if chosen and candidates is not None:
-            dist = [min(_hamming(candidates[i].choices, candidates[j].choices) for j in chosen) for i in pool]
-            far = max(dist)
-            pool = [i for i, d in zip(pool, dist) if d == far]
+    if candidates is None or random_samples == 0:
+        rest = [i for i in feasible if i not in chosen]
+        picks = [int(i) for i in rng.permutation(rest)[:random_samples]] if rest else []
+        return queue + [(i, "random") for i in picks]
+    widest = max(len({c.choices[d] for c in candidates}) for d in range(len(candidates[0].choices)))
+    covered = {(d, v) for j in chosen for d, v in enumerate(candidates[j].choices)}
+    for _ in range(max(random_samples, widest)):
+        pool = [i for i in feasible if i not in chosen]
+        if not pool:
+            break
+        new = [sum((d, v) not in covered for d, v in enumerate(candidates[i].choices)) for i in pool]
+        dist = [min((_hamming(candidates[i].choices, candidates[j].choices) for j in chosen), default=0) for i in pool]
+        key = [(n, d) for n, d in zip(new, dist)]
+        top = max(key)
+        pool = [i for i, k in zip(pool, key) if k == top]
         pick = int(pool[int(rng.integers(len(pool)))])
         chosen.append(pick)
+        covered.update((d, v) for d, v in enumerate(candidates[pick].choices))
         queue.append((pick, "random"))
     return queue
 

@@ -66,26 +66,31 @@ def pool_runs(log_means: Sequence[float], within_vars: Sequence[Optional[float]]
               within_dfs: Sequence[float] = ()) -> Optional[LogEstimate]:
     """Pool several dry runs of one strategy into one LogEstimate.
 
-    With 2 or more runs the spread between runs is the honest variance (it holds the load
-    changes that the steps of one run share); it is floored by the mean within-run variance so
-    two runs that agree by chance do not claim a precision no single run had. With one run, its
-    own within-run variance (None: unknown, no estimate).
+    `within_vars[i]`: the variance of run i's mean from its own steps (None: unknown), with
+    `within_dfs` degrees of freedom (one per known variance). With one run, its own variance.
+    With several, the spread *between* runs is compared with the spread the steps predict (an F
+    test at 5%): when runs disagree beyond it (load changed between them), the between-run
+    variance is the honest one, with its few degrees of freedom; otherwise both estimates are
+    pooled, so 2 runs of 5 steps each give a usable interval instead of a t with 1 degree of freedom.
     """
     x = np.asarray(log_means, dtype=float)
     if x.size == 0:
         return None
     known = [v for v in within_vars if v is not None]
     within = float(np.mean(known)) if known else None
+    df_w = float(sum(within_dfs)) if within_dfs else (math.inf if known else 0.0)
     if x.size == 1:
         if within is None:
             return None
-        df = float(within_dfs[0]) if within_dfs else math.inf
-        return LogEstimate(float(x[0]), within, df, 1)
+        return LogEstimate(float(x[0]), within, df_w, 1)
     between = float(x.var(ddof=1))
-    var_one = max(between, within) if within is not None else between
-    df = float(x.size - 1)
-    if within is not None and within > between and within_dfs:
-        df = float(sum(within_dfs))      # the floor came from the steps: their degrees of freedom
+    df_b = float(x.size - 1)
+    if within is None or within <= 0 or not math.isfinite(df_w):
+        var_one, df = (between, df_b) if within is None else (max(between, within), df_b)
+    elif between / within > float(_st.f.ppf(0.95, df_b, df_w)):
+        var_one, df = between, df_b
+    else:
+        var_one, df = (df_b * between + df_w * within) / (df_b + df_w), df_b + df_w
     return LogEstimate(float(x.mean()), var_one / x.size, df, int(x.size))
 
 
