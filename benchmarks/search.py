@@ -105,7 +105,7 @@ def make_space(size: int) -> SearchSpace:
 class Landscape:
     def __init__(self, space: SearchSpace, family: Family, seed: int) -> None:
         rng = np.random.default_rng(seed)
-        self.family = family
+        self.family, self.seed = family, seed
         cands = space.candidates()
         labels = space.labels()
         names = list(labels)
@@ -152,6 +152,10 @@ class Landscape:
             self.predicted["noisy"][s] = Estimate(mem, BATCH / math.exp(noisy))
             self.predicted["anti"][s] = Estimate(mem, BATCH / math.exp(anti))
 
+    def reset_noise(self, method: str) -> None:
+        """Each method gets its own stream of measurement noise (so results do not depend on run order)."""
+        self.noise_rng = np.random.default_rng([self.seed, sum(ord(ch) * 31 ** k for k, ch in enumerate(method)) % 2**32])
+
     def evaluate(self, strategy: Strategy) -> DryRunResult:
         if strategy == self.raising:
             raise RuntimeError("synthetic failure of this candidate's dry run")
@@ -181,6 +185,7 @@ def run_ours(space: SearchSpace, land: Landscape, predictor: str, budget: int, s
         calls.append(r)
         return r
 
+    land.reset_noise(f"ours-{predictor}")
     pred = None if predictor == "none" else (lambda s, table=land.predicted[predictor]: table[s])
     result = search_strategy(space, evaluator, max_trials=budget, patience=budget, seed=seed, predictor=pred,
                              memory_limit_bytes=land.limit if pred is not None else None)
@@ -191,6 +196,7 @@ def run_ours(space: SearchSpace, land: Landscape, predictor: str, budget: int, s
 
 def run_random(land: Landscape, budget: int, rng: np.random.Generator) -> List[float]:
     out = []
+    land.reset_noise("random")
     for _ in range(RANDOM_ORDERS):
         order = [land.strategies[i] for i in rng.permutation(len(land.strategies))[:budget]]
         best, best_tp = None, -1.0
@@ -214,6 +220,7 @@ def run_hebo_default(space: SearchSpace, land: Landscape, budget: int, seed: int
     from hebo.design_space.design_space import DesignSpace
     from hebo.optimizers.hebo import HEBO
 
+    land.reset_noise("hebo-default")
     labels = space.labels()
     by_label = {tuple(labels[d][i] for d, i in zip(labels, c.choices)): c.strategy for c in space.candidates()}
     ds = DesignSpace().parse([{"name": d, "type": "cat", "categories": v} for d, v in labels.items()])
