@@ -2,7 +2,9 @@
 
     OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python benchmarks/search.py --space 64 --landscapes 12
     OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python benchmarks/search.py --space 256 --landscapes 8
-    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python benchmarks/search.py --space 64 --hebo-default 2 --families interact-3%
+    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python benchmarks/search.py --space 64 --hebo-default 2 --families interact-3% \
+        --skip-ours
+    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python benchmarks/search.py --planner-time
 
 Spaces: the 64 candidates of the issue (amp x {-, zero1, zero2, fsdp} x checkpoint x
 module_replace x {data 4, tensor 2 x data 2}), and 256 (the same at world 8 with {data 8,
@@ -247,6 +249,25 @@ def run_hebo_default(space: SearchSpace, land: Landscape, budget: int, seed: int
     return land.ratio(best), seconds
 
 
+def planner_seconds_512(repeats: int = 10) -> List[float]:
+    """Seconds per suggestion of our planner on a 512-candidate space (2x4x2x2x4x2x2 options, a
+    predictor feature) after 25 observed trials: the largest case the 2 s target covers."""
+    from atorch.auto.search.bo import CandidatePlanner, Observation
+
+    sizes = (2, 4, 2, 2, 4, 2, 2)
+    labels = [[f"o{k}" for k in range(n)] for n in sizes]
+    choices = list(itertools.product(*[range(n) for n in sizes]))
+    rng = np.random.default_rng(0)
+    planner = CandidatePlanner(labels, choices, prior=list(rng.normal(size=len(choices))), seed=0)
+    out = []
+    for r in range(repeats):
+        seen = rng.choice(len(choices), size=25, replace=False)
+        observed = [Observation(int(i), float(rng.normal()), 0.0004) for i in seen]
+        remaining = [i for i in range(len(choices)) if i not in set(int(j) for j in seen)]
+        out.append(planner.suggest(observed, remaining).seconds)
+    return out
+
+
 def summarize(ratios: List[float]) -> str:
     r = np.asarray(ratios)
     return f"{np.mean(r >= TARGET) * 100:5.1f}% | {r.mean():.3f} | {r.min():.3f}"
@@ -260,7 +281,13 @@ def main() -> None:
     parser.add_argument("--predictors", nargs="*", default=list(PREDICTORS))
     parser.add_argument("--hebo-default", type=int, default=0, help="landscapes per family for HEBO's own suggest()")
     parser.add_argument("--skip-ours", action="store_true")
+    parser.add_argument("--planner-time", action="store_true", help="only time the planner on 512 candidates")
     args = parser.parse_args()
+    if args.planner_time:
+        secs = planner_seconds_512()
+        print(f"planner on 512 candidates, 25 observations: seconds per suggestion median {np.median(secs):.3f}, "
+              f"max {max(secs):.3f} ({len(secs)} suggestions)")
+        return
     space = make_space(args.space)
     budget = BUDGET[args.space]
     rows = []
