@@ -349,7 +349,8 @@ def test_stops_on_patience_and_max_trials(dummy_opts):
 def test_trial_table_and_result_fields(dummy_opts):
     space = space32()
     table = landscape(space, 4)
-    result = search_strategy(space, Recorder(table, memory={s: 123 for s in table}), max_trials=6,
+    # 2 predicted-top + 4 covering the space (the widest dimension has 4 options), then HEBO.
+    result = search_strategy(space, Recorder(table, memory={s: 123 for s in table}), max_trials=7,
                              predictor=lambda s: Estimate(456, 1.0 / table[s]), batch_size=8)
     assert isinstance(result, SearchResult)
     assert list(result.trials.columns) == ["trial", "strategy", "status", "throughput", "throughput_lo",
@@ -357,7 +358,8 @@ def test_trial_table_and_result_fields(dummy_opts):
                                            "predicted_memory", "measured_memory", "reason", "seconds",
                                            "planner_seconds", "source"]
     assert result.trials["throughput_lo"].isna().all()     # a table evaluator reports no interval
-    assert result.trials["trial"].tolist() == list(range(1, 7))
+    assert result.trials["trial"].tolist() == list(range(1, 8))
+    assert result.trials["source"].tolist()[:6] == ["predicted-top"] * 2 + ["random"] * 4
     assert (result.trials["measured_memory"] == 123).all() and (result.trials["predicted_memory"] == 456).all()
     assert result.trials["predicted_throughput"].iloc[0] == pytest.approx(8 * table[result.evaluated[0]])
     suggested = result.trials[result.trials["source"].str.startswith("hebo")]
