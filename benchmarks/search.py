@@ -1,16 +1,16 @@
-"""Strategy search vs random search (and HEBO's default suggest) on landscapes that do not come from the cost model.
+r"""Strategy search vs random search (and HEBO's default suggest) on landscapes that do not come from the cost model.
 
-    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python benchmarks/search.py --space 64 --landscapes 12
-    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python benchmarks/search.py --space 256 --landscapes 8
-    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python benchmarks/search.py --space 64 --hebo-default 2 --families interact-3% \
-        --skip-ours
-    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python benchmarks/search.py --planner-time
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/search.py --space 64 --landscapes 12 [--families F ...]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/search.py --space 256 --landscapes 6 [--families F ...]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/search.py --space 64 --landscapes 2 --families interact-3% \
+        --skip-ours --hebo-default 2
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/search.py --planner-time
 
 Spaces: the 64 candidates of the issue (amp x {-, zero1, zero2, fsdp} x checkpoint x
 module_replace x {data 4, tensor 2 x data 2}), and 256 (the same at world 8 with {data 8,
 tensor 2/4/8} and one more two-way knob, a benchmark-only optimization standing for the
-dimensions being added: micro-batch, ZeRO backend). The strategies are real: validity comes
-from the registry; only the measurements are synthetic.
+dimensions being added: micro-batch, ZeRO backend). The strategies are real: validity
+comes from the registry; only the measurements are synthetic.
 
 Each landscape (`Landscape`), drawn from a family, is built from its own random numbers, never
 from the cost model or from the search's own tables:
@@ -48,7 +48,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 from transformers import LlamaConfig
@@ -156,7 +156,8 @@ class Landscape:
 
     def reset_noise(self, method: str) -> None:
         """Each method gets its own stream of measurement noise (so results do not depend on run order)."""
-        self.noise_rng = np.random.default_rng([self.seed, sum(ord(ch) * 31 ** k for k, ch in enumerate(method)) % 2**32])
+        tag = sum(ord(ch) * 31 ** k for k, ch in enumerate(method)) % 2**32
+        self.noise_rng = np.random.default_rng([self.seed, tag])
 
     def evaluate(self, strategy: Strategy) -> DryRunResult:
         if strategy == self.raising:
@@ -337,7 +338,8 @@ def main() -> None:
                         f"{summarize(hebo)} | {budget} | |")
         print(f"{fam_name}: OOM share of candidates {min(ooms):.2f}-{max(ooms):.2f}; Spearman(noisy predictor, "
               f"truth) {np.mean(rhos):.2f} mean", flush=True)
-    print(f"\nspace {args.space}, budget {budget} dry runs (re-measurements included), target >= {TARGET} of the best\n")
+    print(f"\nspace {args.space}, budget {budget} dry runs (re-measurements included), "
+          f"target >= {TARGET} of the best\n")
     print("| space | family | method | landscapes | P(>= 0.98) | mean ratio | worst | dry runs | OOM runs |")
     print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))

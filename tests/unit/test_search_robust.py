@@ -177,7 +177,8 @@ def test_oom_is_learned_by_dominance_without_a_predictor():
         for earlier in result.evaluated[:k]:
             e = by_strategy[earlier]
             if e in ooms:
-                dominated = c.choices[0] <= e.choices[0] and c.choices[1] <= e.choices[1] and c.choices[2] == e.choices[2]
+                dominated = (c.choices[0] <= e.choices[0] and c.choices[1] <= e.choices[1]
+                             and c.choices[2] == e.choices[2])
                 assert not dominated, (c.strategy.describe(), e.strategy.describe())
     assert (result.pruned["reason"].str.contains("which ran out of memory")).all() and not result.pruned.empty
     assert len(result.trials) + len(result.pruned) == len(cands)
@@ -233,7 +234,7 @@ def test_top_two_are_remeasured_interleaved_and_separated():
     assert (result.trials["throughput_hi"] > result.trials["throughput"]).all()
 
 
-def test_within_noise_the_smaller_memory_wins_and_says_so():
+def test_within_noise_the_smaller_memory_wins_and_says_so(tmp_path):
     strategies = space16().strategies()
     table = {s: 50.0 + i for i, s in enumerate(strategies)}
     a, b = strategies[-1], strategies[-2]
@@ -248,6 +249,12 @@ def test_within_noise_the_smaller_memory_wins_and_says_so():
     assert f"chose {b.describe()}: 30% less memory" in result.reason
     # 2 rounds (A, B, A, B) when the first does not separate them, all within max_trials.
     assert (result.trials["source"] == "remeasure").sum() == 4 and len(calls) <= 20
+    # The report shows the intervals: table columns and error bars in the plot.
+    from atorch.auto.search.report import plot_trials, trials_table
+
+    assert "throughput_lo" in trials_table(result)
+    with open(plot_trials(result, str(tmp_path / "search.png")), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_no_remeasure_without_reported_noise_or_budget():

@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch

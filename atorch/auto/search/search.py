@@ -109,8 +109,8 @@ class Comparison:
         ci = f"95% CI {self.lo:.3g}-{self.hi:.3g}"
         if self.separated:
             return f"{a}: {self.ratio:.3g}x {b} ({ci})"
-        why = {"memory": f"{self.memory_saving * 100:.0f}% less memory" if self.memory_saving is not None else "less memory",
-               "measured mean": "higher measured mean"}[self.chosen_by]
+        saving = f"{self.memory_saving * 100:.0f}% less memory" if self.memory_saving is not None else "less memory"
+        why = {"memory": saving, "measured mean": "higher measured mean"}[self.chosen_by]
         return f"{a} and {b} within noise ({self.ratio:.3g}x, {ci}); chose {a}: {why}"
 
 
