@@ -186,7 +186,7 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
     planner = make_planner(labels, choices, prior, seed) if len(feasible) > len(queue) else None
     stop_reason = "exhausted"
     since_improvement = 0
-    bar = _progress_bar(min(max_trials, len(feasible)), progress)
+    bar = _progress_bar(min(max_trials, len(feasible) + 2 * remeasure_rounds), progress)
 
     def out_of_time(planner_cost: float = 0.0) -> bool:
         return time_limit_s is not None and clock() - start + trials.typical_seconds() + planner_cost > time_limit_s
