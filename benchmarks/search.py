@@ -1,17 +1,44 @@
-"""Strategy search vs random and exhaustive search on synthetic landscapes built from the cost model.
+r"""Strategy search vs random search (and HEBO's default suggest) on landscapes that do not come from the cost model.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/search.py [--landscapes 24] [--hebo-default]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/search.py --space 64 --landscapes 12 [--families F ...]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/search.py --space 256 --landscapes 6 [--families F ...]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/search.py --space 64 --landscapes 2 --families interact-3% \
+        --skip-ours --hebo-default 2
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/search.py --planner-time
 
-Each landscape is a 128-combination space (amp x {none, zero1, zero2, fsdp} x checkpoint x
-module_replace x {data 8, tensor 2/4/8}) on 8 simulated 80 GB GPUs, for a Llama 1.3B/7B/13B
-config and a global batch. The "true" throughput and memory of a candidate come from the cost
-model with perturbed physics (see `Landscape`: device rates off by ~30%, each optimization's
-effect off by ~15%, 5% noise); a candidate whose true memory exceeds 80 GB is an OOM trial.
-Our search gets the unperturbed cost model as its predictor, and is also run without one. Random search tries candidates in a random order, exhaustive
-search in enumeration order. Reported: evaluations until a trial reaches >= 0.98 of the best
-feasible throughput (median and worst over landscapes), the share of landscapes solved within
-a budget, OOM trials spent, and planner seconds per suggestion. `--hebo-default` also times
-one HEBO `suggest()` with its default settings on the same all-categorical space.
+Spaces: the 64 candidates of the issue (amp x {-, zero1, zero2, fsdp} x checkpoint x
+module_replace x {data 4, tensor 2 x data 2}), and 256 (the same at world 8 with {data 8,
+tensor 2/4/8} and one more two-way knob, a benchmark-only optimization standing for the
+dimensions being added: micro-batch, ZeRO backend). The strategies are real: validity
+comes from the registry; only the measurements are synthetic.
+
+Each landscape (`Landscape`), drawn from a family, is built from its own random numbers, never
+from the cost model or from the search's own tables:
+- log-throughput = a sum of per-option effects (N(0, 0.25) each: options that speed up or slow
+  down by ~25%) + pairwise interactions (each pair of dimensions interacts with probability
+  `pair_p`, effects N(0, `sigma_int`) per option pair);
+- per-device memory = a base x a saving factor per step of every memory-saving dimension
+  (ZeRO stage, checkpointing, tensor degree: exp(-U(0.05, 0.5)) per step, so memory is monotone
+  in them) x a factor in [0.92, 1.08] per option of the others (amp, module_replace, knob); the
+  memory limit is set so that a fraction U(0, 0.45) of the candidates runs out of memory;
+- one candidate, at random, raises in its dry run;
+- every dry run measures 5 step times, each x exp(N(0, noise x sqrt 5)) (so a run's mean is off
+  by `noise`, and its per-step spread says so, as the dry runner's steps do).
+The target is the best candidate that neither runs out of memory nor raises.
+
+Predictors (the search's `predictor`; all are given the memory limit):
+- none;
+- "noisy": a stand-in for a decent cost model, built with its own random numbers: the true
+  log-throughput + a wrong effect per option (N(0, 0.15)) + N(0, 0.1) per candidate; memory =
+  the true peak x a global bias exp(N(0, 0.2)) x exp(N(0, 0.1)) per candidate;
+- "anti": deliberately wrong: minus the true log-throughput + N(0, 0.1); memory as "noisy".
+
+Measured: the *true* throughput of the declared winner over the best, with a budget of 14 dry
+runs (64) or 20 (256), re-measurements included. Random search tries `budget` distinct random
+candidates and declares the best measured one (30 random orders per landscape).
+`--hebo-default N` runs HEBO's own `suggest()` (NSGA-II over the acquisition, about a minute
+per suggestion on the loaded 2-core machine) on the first N landscapes of each family, no
+predictor, failures observed at log(2) below the worst success.
 """
 
 from __future__ import annotations
@@ -20,181 +47,307 @@ import argparse
 import itertools
 import math
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 from transformers import LlamaConfig
 
-from atorch.auto.cost_model import Estimate, estimate
+from atorch.auto.cost_model import Estimate
+from atorch.auto.opt_lib import registered_names
+from atorch.auto.opt_lib.base import Optimization, register
 from atorch.auto.search import DryRunResult, SearchSpace, search_strategy
 from atorch.auto.strategy import Strategy
 
-WORLD, MEMORY_LIMIT, SEQ = 8, 80 * 10**9, 2048
 TARGET = 0.98
-BUDGETS = (5, 10, 15, 20)
-MODELS = {
-    "llama-1.3b": dict(hidden_size=2048, intermediate_size=5504, num_hidden_layers=24, num_attention_heads=16),
-    "llama-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32),
-    "llama-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40),
+BUDGET = {64: 14, 256: 20}
+BATCH, STEPS = 32, 5
+RANDOM_ORDERS = 30
+
+
+@dataclass(frozen=True)
+class Family:
+    sigma_main: float       # log-effect of each option
+    sigma_int: float        # log-effect of each interacting option pair
+    pair_p: float           # probability that a pair of dimensions interacts
+    noise: float            # relative error of one dry run's mean
+
+
+FAMILIES = {
+    "additive-3%": Family(0.25, 0.04, 0.3, 0.03),
+    "interact-0%": Family(0.25, 0.12, 0.5, 0.0),
+    "interact-3%": Family(0.25, 0.12, 0.5, 0.03),
+    "interact-10%": Family(0.25, 0.12, 0.5, 0.10),
 }
-BATCHES = (32, 128)
+PREDICTORS = ("none", "noisy", "anti")
+
+# The landscape's own physics of memory: which options save memory, in which order (its own
+# table, so the benchmark does not borrow the search's `memory_saving_ranks`).
+_SAVES = {"zero": ["none", "zero1", "zero2", "fsdp"], "checkpoint": ["none", "checkpoint"]}
 
 
-def make_space(config: LlamaConfig) -> SearchSpace:
-    splits = [("parallel_mode", ([("data", WORLD)], None))]
-    splits += [[("parallel_mode", ([("tensor", t), ("data", WORLD // t)], None)), "tensor_parallel"] for t in (2, 4, 8)]
-    return SearchSpace({"amp": [None, "amp_native"], "zero": [None, "zero1", "zero2", "fsdp"],
-                        "checkpoint": [None, "checkpoint"], "module_replace": [None, "module_replace"],
-                        "parallel": splits}, world_size=WORLD, model_config=config, device_type="cuda")
+def make_space(size: int) -> SearchSpace:
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                      num_attention_heads=16, num_key_value_heads=16)
+    world, tensors = (4, (2,)) if size == 64 else (8, (2, 4, 8))
+    parallel = [("parallel_mode", ([("data", world)], None))]
+    parallel += [[("parallel_mode", ([("tensor", t), ("data", world // t)], None)), "tensor_parallel"] for t in tensors]
+    dims = {"amp": [None, "amp_native"], "zero": [None, "zero1", "zero2", "fsdp"], "checkpoint": [None, "checkpoint"],
+            "module_replace": [None, "module_replace"]}
+    if size == 256:
+        if "bench_knob" not in registered_names():
+            register(type("BenchKnob", (Optimization,), {"name": "bench_knob", "order": 50}))
+        dims["knob"] = [None, "bench_knob"]
+    dims["parallel"] = parallel
+    space = SearchSpace(dims, world_size=world, model_config=cfg, device_type="cuda")
+    assert len(space.candidates()) == size, len(space.candidates())
+    return space
 
 
 class Landscape:
-    """Truth = the cost model with perturbed physics, plus a little noise; the predictor = the cost model.
-
-    What a real cost model gets wrong is mostly systematic: the device's rates (compute per
-    dtype, bandwidth, latency, framework overhead) and what each optimization really costs or
-    saves. So the truth re-runs the cost model with every device rate scaled by a log-normal
-    factor (sigma 0.3), multiplies each optimization's effect by its own factor (sigma 0.15 on
-    time, 0.1 on memory) and adds 5% independent noise per candidate (3% on memory).
-    """
-
-    def __init__(self, config: LlamaConfig, batch: int, seed: int, space: SearchSpace) -> None:
-        from atorch.auto.cost_model import DEVICE_PROFILES
-
+    def __init__(self, space: SearchSpace, family: Family, seed: int) -> None:
         rng = np.random.default_rng(seed)
-        self.batch = batch
-        profile = {k: v * math.exp(rng.normal(0, 0.3)) for k, v in DEVICE_PROFILES["cuda"].items()}
-        names = sorted({n for c in space.candidates() for n in c.strategy.names()})
-        time_effect = {n: math.exp(rng.normal(0, 0.15)) for n in names}
-        mem_effect = {n: math.exp(rng.normal(0, 0.10)) for n in names}
-        self.predicted: Dict[Strategy, Estimate] = {}
-        self.truth: Dict[Strategy, Tuple[float, int]] = {}
-        for cand in space.candidates():
-            s = cand.strategy
-            self.predicted[s] = estimate(config, s, batch, SEQ, WORLD, "cuda")
-            true = estimate(config, s, batch, SEQ, WORLD, "cuda", profile=profile)
-            step = true.step_time_s * math.prod(time_effect[n] for n in s.names()) * math.exp(rng.normal(0, 0.05))
-            mem = true.peak_memory_bytes * math.prod(mem_effect[n] for n in s.names()) * math.exp(rng.normal(0, 0.03))
-            self.truth[s] = (batch / step, int(mem))
-        feasible = [tp for tp, mem in self.truth.values() if mem <= MEMORY_LIMIT]
-        self.best = max(feasible) if feasible else 0.0
+        self.family, self.seed = family, seed
+        cands = space.candidates()
+        labels = space.labels()
+        names = list(labels)
+        sizes = [len(v) for v in labels.values()]
+        main = [rng.normal(0, family.sigma_main, size=k) for k in sizes]
+        inter = {}
+        for d, e in itertools.combinations(range(len(sizes)), 2):
+            if rng.random() < family.pair_p:
+                inter[d, e] = rng.normal(0, family.sigma_int, size=(sizes[d], sizes[e]))
+        mem_factor = []
+        for d, name in enumerate(names):
+            if name in _SAVES or name == "parallel":
+                steps = np.exp(-rng.uniform(0.05, 0.5, size=sizes[d] - 1))
+                mem_factor.append(np.concatenate([[1.0], np.cumprod(steps)]))   # each option saves more
+            else:
+                mem_factor.append(rng.uniform(0.92, 1.08, size=sizes[d]))
+        self.strategies = [c.strategy for c in cands]
+        self.log_tp: Dict[Strategy, float] = {}
+        self.mem: Dict[Strategy, float] = {}
+        for c in cands:
+            v = sum(main[d][i] for d, i in enumerate(c.choices))
+            v += sum(m[c.choices[d], c.choices[e]] for (d, e), m in inter.items())
+            self.log_tp[c.strategy] = float(v) + math.log(100.0)
+            self.mem[c.strategy] = 40e9 * float(np.prod([mem_factor[d][i] for d, i in enumerate(c.choices)]))
+        frac = rng.uniform(0.0, 0.45)
+        mems = sorted(self.mem.values())
+        self.limit = int(mems[min(len(mems) - 1, int(math.floor((1 - frac) * len(mems))))] * 1.0000001) \
+            if frac * len(mems) >= 1 else int(max(mems) * 1.01)
+        self.raising = self.strategies[int(rng.integers(len(self.strategies)))]
+        ok = [s for s in self.strategies if self.mem[s] <= self.limit and s != self.raising]
+        self.best = max(math.exp(self.log_tp[s]) for s in ok)
+        self.oom_fraction = 1 - (len(ok) + (self.raising in ok)) / len(self.strategies)
+        self.noise_rng = np.random.default_rng(seed + 7919)
+        # Predictors, from their own random numbers.
+        prng = np.random.default_rng(seed + 104729)
+        bias = [prng.normal(0, 0.15, size=k) for k in sizes]
+        mem_bias = math.exp(prng.normal(0, 0.2))
+        self.predicted: Dict[str, Dict[Strategy, Estimate]] = {"noisy": {}, "anti": {}}
+        for c in cands:
+            s = c.strategy
+            mem = int(self.mem[s] * mem_bias * math.exp(prng.normal(0, 0.1)))
+            noisy = self.log_tp[s] + sum(bias[d][i] for d, i in enumerate(c.choices)) + prng.normal(0, 0.1)
+            anti = -self.log_tp[s] + prng.normal(0, 0.1)
+            self.predicted["noisy"][s] = Estimate(mem, BATCH / math.exp(noisy))
+            self.predicted["anti"][s] = Estimate(mem, BATCH / math.exp(anti))
+
+    def reset_noise(self, method: str) -> None:
+        """Each method gets its own stream of measurement noise (so results do not depend on run order)."""
+        tag = sum(ord(ch) * 31 ** k for k, ch in enumerate(method)) % 2**32
+        self.noise_rng = np.random.default_rng([self.seed, tag])
 
     def evaluate(self, strategy: Strategy) -> DryRunResult:
-        tp, mem = self.truth[strategy]
-        if mem > MEMORY_LIMIT:
-            return DryRunResult(0.0, mem, "oom")
-        return DryRunResult(tp, mem)
+        if strategy == self.raising:
+            raise RuntimeError("synthetic failure of this candidate's dry run")
+        mem = self.mem[strategy]
+        if mem > self.limit:
+            return DryRunResult(0.0, int(mem), "oom: synthetic out of memory")
+        step = BATCH / math.exp(self.log_tp[strategy])
+        sigma = self.family.noise * math.sqrt(STEPS)
+        steps = tuple(float(step * math.exp(self.noise_rng.normal(0, sigma))) for _ in range(STEPS))
+        mean = float(np.mean(steps))
+        return DryRunResult(BATCH / mean, int(mem * math.exp(self.noise_rng.normal(0, 0.01))), step_time_s=mean,
+                            step_times_s=steps)
 
-    def reached(self, result: DryRunResult) -> bool:
-        return result.ok and result.throughput >= TARGET * self.best
-
-
-def evaluations_to_target(order: List[Strategy], land: Landscape) -> Tuple[int, int]:
-    """(evaluations until the target is reached, OOM trials among them) for a fixed order."""
-    ooms = 0
-    for n, s in enumerate(order, 1):
-        r = land.evaluate(s)
-        ooms += r.status == "oom"
-        if land.reached(r):
-            return n, ooms
-    return len(order) + 1, ooms
+    def ratio(self, strategy: Optional[Strategy]) -> float:
+        return 0.0 if strategy is None else math.exp(self.log_tp[strategy]) / self.best
 
 
-def random_search(order: List[Strategy], land: Landscape, rng: np.random.Generator,
-                  repeats: int = 200) -> Tuple[float, float]:
-    """Median evaluations (and mean OOM trials) of random search over `repeats` random orders."""
-    runs = [evaluations_to_target([order[i] for i in rng.permutation(len(order))], land) for _ in range(repeats)]
-    return float(np.median([n for n, _ in runs])), float(np.mean([o for _, o in runs]))
-
-
-def run_ours(space: SearchSpace, land: Landscape, seed: int, with_predictor: bool) -> Tuple[int, int, List[float]]:
-    """Our search, stopped as soon as a trial reaches the target (via its clock, which then jumps)."""
+def run_ours(space: SearchSpace, land: Landscape, predictor: str, budget: int, seed: int) -> Tuple[float, dict]:
     calls: List[DryRunResult] = []
-    done = [False]
 
-    def evaluator(strategy: Strategy) -> DryRunResult:
-        r = land.evaluate(strategy)
+    def evaluator(s: Strategy) -> DryRunResult:
+        try:
+            r = land.evaluate(s)
+        except RuntimeError:
+            calls.append(DryRunResult(0.0, None, "exception"))
+            raise
         calls.append(r)
-        done[0] = done[0] or land.reached(r)
         return r
 
-    clock: Callable[[], float] = lambda: 1e18 if done[0] else time.monotonic()  # noqa: E731
-    result = search_strategy(space, evaluator, max_trials=len(land.truth), patience=len(land.truth), seed=seed,
-                             predictor=(lambda s: land.predicted[s]) if with_predictor else None,
-                             memory_limit_bytes=MEMORY_LIMIT if with_predictor else None,
-                             time_limit_s=1e17, clock=clock)
-    n = next((i for i, r in enumerate(calls, 1) if land.reached(r)), len(land.truth) + 1)
-    ooms = sum(r.status == "oom" for r in calls[:n])
-    return n, ooms, result.planner_seconds
+    land.reset_noise(f"ours-{predictor}")
+    pred = None if predictor == "none" else (lambda s, table=land.predicted[predictor]: table[s])
+    result = search_strategy(space, evaluator, max_trials=budget, patience=budget, seed=seed, predictor=pred,
+                             memory_limit_bytes=land.limit if pred is not None else None)
+    info = {"runs": len(calls), "oom": sum(r.status == "oom" for r in calls),
+            "planner": result.planner_seconds, "separated": bool(result.comparison and result.comparison.separated)}
+    return land.ratio(result.best), info
 
 
-def hebo_default_seconds(space: SearchSpace, seed: int = 0) -> float:
-    from atorch.auto.search.bo import hebo_default_suggest_seconds
+def run_random(land: Landscape, budget: int, rng: np.random.Generator) -> List[float]:
+    out = []
+    land.reset_noise("random")
+    for _ in range(RANDOM_ORDERS):
+        order = [land.strategies[i] for i in rng.permutation(len(land.strategies))[:budget]]
+        best, best_tp = None, -1.0
+        for s in order:
+            try:
+                r = land.evaluate(s)
+            except RuntimeError:
+                continue
+            if r.ok and r.throughput > best_tp:
+                best, best_tp = s, r.throughput
+        out.append(land.ratio(best))
+    return out
 
-    labels = list(space.labels().values())
-    cands = space.candidates()
-    rng = np.random.default_rng(seed)
-    picks = rng.choice(len(cands), size=10, replace=False)
-    return hebo_default_suggest_seconds(labels, [cands[i].choices for i in picks],
-                                        [float(rng.uniform(1, 2)) for _ in picks], seed=seed)
+
+def run_hebo_default(space: SearchSpace, land: Landscape, budget: int, seed: int) -> Tuple[float, List[float]]:
+    import pandas as pd
+
+    from atorch.auto.search.bo import _preserve_torch_threads, _seeded, import_hebo
+
+    import_hebo()
+    from hebo.design_space.design_space import DesignSpace
+    from hebo.optimizers.hebo import HEBO
+
+    land.reset_noise("hebo-default")
+    labels = space.labels()
+    by_label = {tuple(labels[d][i] for d, i in zip(labels, c.choices)): c.strategy for c in space.candidates()}
+    ds = DesignSpace().parse([{"name": d, "type": "cat", "categories": v} for d, v in labels.items()])
+    opt = HEBO(ds, scramble_seed=seed)
+    best, best_tp, seconds, ok_logs = None, -1.0, [], []
+    with _preserve_torch_threads(), _seeded(seed):
+        for _ in range(budget):
+            start = time.perf_counter()
+            rec = opt.suggest(n_suggestions=1)
+            seconds.append(time.perf_counter() - start)
+            s = by_label[tuple(rec.iloc[0][d] for d in labels)]
+            try:
+                r = land.evaluate(s)
+            except RuntimeError:
+                r = DryRunResult(0.0, None, "exception")
+            if r.ok:
+                ok_logs.append(math.log(r.throughput))
+                if r.throughput > best_tp:
+                    best, best_tp = s, r.throughput
+                y = -math.log(r.throughput)
+            else:
+                y = -((min(ok_logs) if ok_logs else math.log(land.best) - 3) - math.log(2.0))
+            opt.observe(pd.DataFrame(rec), np.array([[y]]))
+    return land.ratio(best), seconds
 
 
-def summarize(name: str, evals: List[float], ooms: List[float], total: int) -> str:
-    solved = " | ".join(f"{np.mean([e <= b for e in evals]) * 100:5.0f}%" for b in BUDGETS)
-    worst = max(evals)
-    worst_text = f"{worst}" if worst <= total else f">{total}"
-    return (f"| {name:28s} | {np.median(evals):6.1f} | {worst_text:>5s} | {solved} | "
-            f"{np.mean(ooms):5.2f} |")
+def planner_seconds_512(repeats: int = 10) -> List[float]:
+    """Seconds per suggestion of our planner on a 512-candidate space (2x4x2x2x4x2x2 options, a
+    predictor feature) after 25 observed trials: the largest case the 2 s target covers."""
+    from atorch.auto.search.bo import CandidatePlanner, Observation
+
+    sizes = (2, 4, 2, 2, 4, 2, 2)
+    labels = [[f"o{k}" for k in range(n)] for n in sizes]
+    choices = list(itertools.product(*[range(n) for n in sizes]))
+    rng = np.random.default_rng(0)
+    planner = CandidatePlanner(labels, choices, prior=list(rng.normal(size=len(choices))), seed=0)
+    out = []
+    for r in range(repeats):
+        seen = rng.choice(len(choices), size=25, replace=False)
+        observed = [Observation(int(i), float(rng.normal()), 0.0004) for i in seen]
+        remaining = [i for i in range(len(choices)) if i not in set(int(j) for j in seen)]
+        out.append(planner.suggest(observed, remaining).seconds)
+    return out
+
+
+def summarize(ratios: List[float]) -> str:
+    r = np.asarray(ratios)
+    return f"{np.mean(r >= TARGET) * 100:5.1f}% | {r.mean():.3f} | {r.min():.3f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--landscapes", type=int, default=24, help="models x batches x noise seeds (multiple of 6)")
-    parser.add_argument("--hebo-default", action="store_true", help="also time one default HEBO suggest() (~minutes)")
+    parser.add_argument("--space", type=int, choices=(64, 256), default=64)
+    parser.add_argument("--landscapes", type=int, default=12, help="per family")
+    parser.add_argument("--families", nargs="*", default=list(FAMILIES))
+    parser.add_argument("--predictors", nargs="*", default=list(PREDICTORS))
+    parser.add_argument("--hebo-default", type=int, default=0, help="landscapes per family for HEBO's own suggest()")
+    parser.add_argument("--skip-ours", action="store_true")
+    parser.add_argument("--planner-time", action="store_true", help="only time the planner on 512 candidates")
     args = parser.parse_args()
-    seeds = max(1, args.landscapes // (len(MODELS) * len(BATCHES)))
-    results: Dict[str, Tuple[List[int], List[int]]] = {k: ([], []) for k in
-                                                       ("ours (HEBO + cost model)", "ours (HEBO, no predictor)",
-                                                        "random search", "exhaustive (enumeration order)")}
+    if args.planner_time:
+        secs = planner_seconds_512()
+        print(f"planner on 512 candidates, 25 observations: seconds per suggestion median {np.median(secs):.3f}, "
+              f"max {max(secs):.3f} ({len(secs)} suggestions)")
+        return
+    space = make_space(args.space)
+    budget = BUDGET[args.space]
+    rows = []
     planner: List[float] = []
-    n_candidates = 0
-    best_pruned = 0   # landscapes whose true best the (uncorrected) cost model puts over the memory limit
-    for (model_name, kw), batch, seed in itertools.product(MODELS.items(), BATCHES, range(seeds)):
-        config = LlamaConfig(vocab_size=32000, num_key_value_heads=kw["num_attention_heads"], **kw)
-        space = make_space(config)
-        land = Landscape(config, batch, 1000 * seed + batch, space)
-        order = [c.strategy for c in space.candidates()]
-        best = max((st for st in order if land.truth[st][1] <= MEMORY_LIMIT), key=lambda st: land.truth[st][0])
-        best_pruned += land.predicted[best].peak_memory_bytes > MEMORY_LIMIT
-        n_candidates = len(order)
-        rng = np.random.default_rng(1000 * seed + batch)
-        for key, (n, ooms, secs) in (
-                ("ours (HEBO + cost model)", run_ours(space, land, seed, True)),
-                ("ours (HEBO, no predictor)", run_ours(space, land, seed, False)),
-                ("random search", (*random_search(order, land, rng), [])),
-                ("exhaustive (enumeration order)", (*evaluations_to_target(order, land), []))):
-            results[key][0].append(n)
-            results[key][1].append(ooms)
-            planner.extend(secs)
-        print(f"{model_name} batch {batch} seed {seed}: evaluations to target: " +
-              ", ".join(f"{k}={v[0][-1]}" for k, v in results.items()), flush=True)
+    started = time.time()
+    for fam_name in args.families:
+        family = FAMILIES[fam_name]
+        ours: Dict[str, List[float]] = {p: [] for p in args.predictors}
+        infos: Dict[str, List[dict]] = {p: [] for p in args.predictors}
+        rand: List[float] = []
+        hebo: List[float] = []
+        ooms, rhos = [], []
+        for k in range(args.landscapes):
+            seed = 1000 * args.space + 100 * list(FAMILIES).index(fam_name) + k
+            land = Landscape(space, family, seed)
+            ooms.append(land.oom_fraction)
+            from scipy.stats import spearmanr
 
-    print(f"\n{len(results['random search'][0])} landscapes, {n_candidates} valid candidates each, "
-          f"target >= {TARGET} of the best feasible throughput\n")
-    print("| method | median evals | worst | " + " | ".join(f"<= {b}" for b in BUDGETS) + " | OOM trials (mean) |")
-    print("|---|---|---|" + "---|" * len(BUDGETS) + "---|")
-    for key, (evals, ooms) in results.items():
-        print(summarize(key, evals, ooms, n_candidates))
-    print(f"\nlandscapes whose true best the cost model predicts over {MEMORY_LIMIT / 1e9:.0f} GB (pruning can "
-          f"then only find it if the measured/predicted correction brings it back): {best_pruned}")
-    p = np.array(planner)
-    print(f"\nour planner, seconds per suggestion over {len(p)} suggestions: median {np.median(p):.3f}, "
-          f"p90 {np.percentile(p, 90):.3f}, max {p.max():.3f}")
-    if args.hebo_default:
-        config = LlamaConfig(vocab_size=32000, num_key_value_heads=32, **MODELS["llama-7b"])
-        seconds = hebo_default_seconds(make_space(config))
-        print(f"HEBO default suggest() (NSGA-II, pop 100 x 100 gens) on the same 128-combination "
-              f"all-categorical space after 10 observations: {seconds:.1f} s for one suggestion")
+            truth = [land.log_tp[s] for s in land.strategies]
+            rhos.append(spearmanr(truth, [-math.log(land.predicted["noisy"][s].step_time_s)
+                                          for s in land.strategies])[0])
+            rand.extend(run_random(land, budget, np.random.default_rng(seed)))
+            if not args.skip_ours:
+                for p in args.predictors:
+                    ratio, info = run_ours(space, land, p, budget, seed)
+                    ours[p].append(ratio)
+                    infos[p].append(info)
+                    planner.extend(info["planner"])
+            if k < args.hebo_default:
+                ratio, secs = run_hebo_default(space, land, budget, seed)
+                hebo.append(ratio)
+                print(f"  hebo default on {fam_name} #{k}: ratio {ratio:.3f}, suggest s median "
+                      f"{np.median(secs):.1f}, max {max(secs):.1f}", flush=True)
+            print(f"{fam_name} #{k} ({time.time() - started:.0f} s): oom {land.oom_fraction:.2f} " +
+                  " ".join(f"{p}={ours[p][-1]:.3f}" for p in args.predictors if ours[p]) +
+                  f" random(mean)={np.mean(rand[-RANDOM_ORDERS:]):.3f}", flush=True)
+        for p in args.predictors:
+            if ours[p]:
+                info = infos[p]
+                rows.append(f"| {args.space} | {fam_name} | ours, predictor {p} | {len(ours[p])} | "
+                            f"{summarize(ours[p])} | {np.mean([i['runs'] for i in info]):.1f} | "
+                            f"{np.mean([i['oom'] for i in info]):.2f} |")
+        rows.append(f"| {args.space} | {fam_name} | random search ({RANDOM_ORDERS} orders each) | {args.landscapes} | "
+                    f"{summarize(rand)} | {budget} | |")
+        if hebo:
+            rows.append(f"| {args.space} | {fam_name} | HEBO default suggest, no predictor | {len(hebo)} | "
+                        f"{summarize(hebo)} | {budget} | |")
+        print(f"{fam_name}: OOM share of candidates {min(ooms):.2f}-{max(ooms):.2f}; Spearman(noisy predictor, "
+              f"truth) {np.mean(rhos):.2f} mean", flush=True)
+    print(f"\nspace {args.space}, budget {budget} dry runs (re-measurements included), "
+          f"target >= {TARGET} of the best\n")
+    print("| space | family | method | landscapes | P(>= 0.98) | mean ratio | worst | dry runs | OOM runs |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    if planner:
+        p = np.asarray(planner)
+        print(f"\nplanner seconds per suggestion over {len(p)} suggestions: median {np.median(p):.3f}, "
+              f"p90 {np.percentile(p, 90):.3f}, max {p.max():.3f}")
+    print(f"total {time.time() - started:.0f} s")
 
 
 if __name__ == "__main__":

@@ -71,6 +71,19 @@ def landscape(space: SearchSpace, seed: int) -> Dict[Strategy, float]:
     return table
 
 
+class FirstRemaining:
+    """A planner without a GP (suggests the first remaining candidate), for tests of everything
+    around the planner: they stay milliseconds instead of one GP fit per trial."""
+
+    def __init__(self, labels, choices, prior, seed):
+        self.expected_seconds = 0.0
+
+    def suggest(self, observed, remaining):
+        from atorch.auto.search.bo import Suggestion
+
+        return Suggestion(list(remaining)[0], 0.0, "first", len(remaining))
+
+
 class Recorder:
     """A table evaluator that records every call."""
 
@@ -174,6 +187,7 @@ def _items(choice):
 
 # -- search ---------------------------------------------------------------------------------------
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("seed", range(8))
 def test_finds_unique_best_of_32_within_12_calls_without_predictor(dummy_opts, seed):
     space = space32()
@@ -184,10 +198,13 @@ def test_finds_unique_best_of_32_within_12_calls_without_predictor(dummy_opts, s
     assert result.best == best, result.trials[["strategy", "throughput", "source"]]
     assert result.best_throughput == pytest.approx(table[best])
     assert len(evaluator.calls) <= 12
+    # The search phase never repeats a strategy (re-measurements happen only for an evaluator
+    # that reports per-step times, which this table does not).
     assert len(set(evaluator.calls)) == len(evaluator.calls), "a strategy was evaluated twice"
     assert len(result.trials) == len(evaluator.calls)
 
 
+@pytest.mark.heavy
 def test_predictor_finds_best_in_few_calls(dummy_opts):
     """A cost model off by ~30% per candidate (log-normal noise) puts the search on the best at once,
     except where the noise hides the best deep in its ranking; then the GP still finds it within 12."""
@@ -216,7 +233,7 @@ def test_predicted_infeasible_candidates_are_never_run(dummy_opts):
     predictor = lambda s: Estimate(limit + 1 if s in too_big else limit // 2, 1.0 / table[s])  # noqa: E731
     evaluator = Recorder(table, memory={s: predictor(s).peak_memory_bytes for s in table})   # an accurate model
     result = search_strategy(space, evaluator, max_trials=40, patience=40, predictor=predictor,
-                             memory_limit_bytes=limit)
+                             memory_limit_bytes=limit, planner_factory=FirstRemaining)
     assert not set(evaluator.calls) & too_big
     assert len(evaluator.calls) == 32 - len(too_big)
     assert result.best == max((s for s in table if s not in too_big), key=table.get)
@@ -234,7 +251,7 @@ def test_memory_predictions_are_corrected_by_measured_peaks(dummy_opts):
     def run(factor, limit=100):
         evaluator = Recorder(table, memory={s: int(predictor(s).peak_memory_bytes * factor) for s in table})
         result = search_strategy(space, evaluator, max_trials=10, patience=10, predictor=predictor,
-                                 memory_limit_bytes=limit)
+                                 memory_limit_bytes=limit, planner_factory=FirstRemaining)
         return evaluator.calls, result
 
     # The cost model overestimates every peak 2x: after the first trial "150" means 75 and fits.
@@ -255,7 +272,7 @@ def test_survives_raising_and_failing_evaluators(dummy_opts):
     ranked = sorted(table, key=table.get, reverse=True)
     failures = {ranked[0]: "oom", ranked[2]: "timeout", ranked[3]: "exception: boom"}
     evaluator = Recorder(table, failures=failures, raising={ranked[1]})
-    result = search_strategy(space, evaluator, max_trials=8, patience=8, seed=1)
+    result = search_strategy(space, evaluator, max_trials=8, patience=8, seed=1, planner_factory=FirstRemaining)
     assert len(evaluator.calls) == 8
     assert result.best == ranked[4]
     status = dict(zip(result.trials["strategy"], result.trials["status"]))
@@ -289,7 +306,8 @@ def test_time_limit_is_honoured(dummy_opts):
         now[0] += 10.0
         return DryRunResult(table[strategy])
 
-    result = search_strategy(space, slow, max_trials=30, patience=30, time_limit_s=35.0, clock=lambda: now[0])
+    result = search_strategy(space, slow, max_trials=30, patience=30, time_limit_s=35.0, clock=lambda: now[0],
+                             planner_factory=FirstRemaining)
     # After 3 trials (30 s) a fourth would end at 40 s > 35 s: the search stops before it.
     assert len(result.trials) == 3 and now[0] <= 35.0
     assert "time_limit_s=35" in result.stop_reason
@@ -304,10 +322,12 @@ def test_time_limit_with_the_real_clock(dummy_opts):
         return DryRunResult(table[strategy])
 
     start = time.monotonic()
-    result = search_strategy(space, slow, max_trials=30, patience=30, time_limit_s=5.0)
+    # The cheap planner: a GP fit's duration varies several-fold on a loaded machine, which the
+    # search can only estimate from the previous one; the time accounting itself is what is tested.
+    result = search_strategy(space, slow, max_trials=30, patience=30, time_limit_s=5.0,
+                             planner_factory=FirstRemaining)
     elapsed = time.monotonic() - start
-    # Every trial takes the same 0.3 s, so the search can always tell whether one more fits
-    # (the planner's one-time setup, seconds on a busy machine, is paid before the first trial).
+    # Every trial takes the same 0.3 s, so the search can always tell whether one more fits.
     assert 1 <= len(result.trials) <= 16 and elapsed <= 5.0, (len(result.trials), elapsed)
     assert "time_limit_s=5" in result.stop_reason
 
@@ -319,7 +339,8 @@ def test_stops_on_patience_and_max_trials(dummy_opts):
     flat = search_strategy(space, Recorder(table), max_trials=30, patience=3, random_samples=0,
                            predictor=lambda s: Estimate(1, 1.0 / table[s]))
     assert len(flat.trials) == 4 and "patience" in flat.stop_reason   # the best first, then 3 without gain
-    capped = search_strategy(space, Recorder(landscape(space, 3)), max_trials=2, patience=30)
+    capped = search_strategy(space, Recorder(landscape(space, 3)), max_trials=2, patience=30,
+                             planner_factory=FirstRemaining)
     assert len(capped.trials) == 2 and "max_trials=2" in capped.stop_reason
     with pytest.raises(ValueError, match="max_trials=0"):
         search_strategy(space, Recorder(table), max_trials=0)
@@ -330,13 +351,17 @@ def test_stops_on_patience_and_max_trials(dummy_opts):
 def test_trial_table_and_result_fields(dummy_opts):
     space = space32()
     table = landscape(space, 4)
-    result = search_strategy(space, Recorder(table, memory={s: 123 for s in table}), max_trials=6,
+    # 2 predicted-top + 4 covering the space (the widest dimension has 4 options), then HEBO.
+    result = search_strategy(space, Recorder(table, memory={s: 123 for s in table}), max_trials=7,
                              predictor=lambda s: Estimate(456, 1.0 / table[s]), batch_size=8)
     assert isinstance(result, SearchResult)
-    assert list(result.trials.columns) == ["trial", "strategy", "status", "throughput", "predicted_throughput",
+    assert list(result.trials.columns) == ["trial", "strategy", "status", "throughput", "throughput_lo",
+                                           "throughput_hi", "predicted_throughput",
                                            "predicted_memory", "measured_memory", "reason", "seconds",
                                            "planner_seconds", "source"]
-    assert result.trials["trial"].tolist() == list(range(1, 7))
+    assert result.trials["throughput_lo"].isna().all()     # a table evaluator reports no interval
+    assert result.trials["trial"].tolist() == list(range(1, 8))
+    assert result.trials["source"].tolist()[:6] == ["predicted-top"] * 2 + ["random"] * 4
     assert (result.trials["measured_memory"] == 123).all() and (result.trials["predicted_memory"] == 456).all()
     assert result.trials["predicted_throughput"].iloc[0] == pytest.approx(8 * table[result.evaluated[0]])
     suggested = result.trials[result.trials["source"].str.startswith("hebo")]
@@ -349,12 +374,12 @@ def test_trial_table_and_result_fields(dummy_opts):
 def test_report_table_plot_and_reason(dummy_opts, tmp_path):
     space = space32()
     table = landscape(space, 5)
-    plain = Strategy(["parallel_mode"])
+    plain = Strategy(["parallel_mode", "ddp"])   # resolve_strategy adds DDP to plain data parallelism
     ranked = sorted((s for s in table if "t_zero1" not in s), key=table.get, reverse=True)   # the ones that fit
     predictor = lambda s: Estimate(2 * 10**9 if "t_zero1" in s else 10**9, 1.0 / table[s])  # noqa: E731
     evaluator = Recorder(table, failures={ranked[1]: "oom"}, memory={s: predictor(s).peak_memory_bytes for s in table})
     result = search_strategy(space, evaluator, max_trials=32, patience=32, predictor=predictor,
-                             memory_limit_bytes=int(1.5e9))
+                             memory_limit_bytes=int(1.5e9), planner_factory=FirstRemaining)
     text = trials_table(result)
     assert result.best.describe() in text and "oom" in text and "mem_MB" in text
     assert result.best == ranked[0]

@@ -1,40 +1,52 @@
-"""HEBO-driven suggestions over an explicit candidate list.
+"""HEBO-driven suggestions over an explicit candidate list, with a surrogate shaped like strategy spaces.
 
 HEBO's own `suggest()` evolves its acquisition with NSGA-II (population 100 x 100
 generations); on an all-categorical space of 128 combinations one suggestion took 77-115 s on
-the 2-core CPU machine. A strategy space is a short list of valid candidates, so here HEBO's
-surrogate (its GP, with its categorical embeddings) is fitted on the observed trials and
-HEBO's LCB acquisition is scored over *every* remaining candidate at once: the exact arg-min
-of the acquisition on the space, 0.19 s median and 1.8 s at worst on that machine under load
-(benchmarks/RESULTS.md, "Strategy search").
+the 2-core CPU machine. A strategy space is a short list of valid candidates, so here HEBO's GP
+is fitted on the observed trials and HEBO's LCB acquisition is scored over the remaining
+candidates at once (at most `MAX_SCORED` of them: the work per suggestion is bounded by the
+trials observed, the fixed fit epochs and that cap).
 
-The predictor's log-throughput is the surrogate's prior mean: the GP fits the residual, so a
-good cost model makes the GP's job easy and a poor one is learned around.
+The surrogate models log-throughput, which for a strategy is close to a sum of per-option
+effects (each optimization speeds up or slows down by a factor) plus effects of pairs that
+interact (amp with ZeRO, checkpointing with a tensor split). HEBO's GP is given that structure
+as its kernel (`AnovaKernel`): an independent effect per option of every dimension, a smaller
+one per pair of options of two dimensions, and, when a predictor (the cost model) exists, a
+linear term in its standardized predicted log-throughput whose weight the marginal likelihood
+learns: a good predictor is used, a useless one is weighted near 0, and an anti-correlated one
+is used with its sign flipped. The predictor is never the prior mean, so a wrong one cannot
+drag the search. Each observation's measured noise (from the dry run's per-step times) sets
+the GP's noise floor.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import math
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence, Tuple
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 
-# HEBO's own GP settings (hebo.optimizers.hebo.HEBO.model_config for "gp"), except 50 training
-# epochs instead of 100: on the test landscapes (tests/unit/test_search.py) both found the best
-# after the same median number of trials, and the fit is half the planner's time.
-_GP_CONFIG = {"lr": 0.01, "num_epochs": 50, "verbose": False, "noise_lb": 8e-4, "pred_likeli": False}
+# Candidates scored per suggestion at most (a seeded random subset of the rest beyond it): the
+# acquisition over 512 candidates is a 512 x n kernel, milliseconds; the cap keeps spaces of
+# thousands of combinations inside the planner's 2 s budget too.
+MAX_SCORED = 512
 
-
-# A failed trial's log-throughput: log(2) below the worst success. Measured on the benchmark
-# landscapes (benchmarks/search.py, no predictor): median evaluations to the target 35 with this
-# penalty, 36.5 with 2.0, 74 when failures are left out of the fit.
-FAILURE_PENALTY = math.log(2.0)
+# HEBO's GP, fitted by Adam instead of its default pSGLD (which barely moves the kernel's
+# hyperparameters from their initial values in 50 epochs at lr 0.01).
+_GP_CONFIG = {"lr": 0.05, "num_epochs": 60, "verbose": False, "pred_likeli": False, "optimizer": "adam"}
+# Noise floor (on standardized y) when no trial reported its noise.
+_DEFAULT_NOISE_LB = 1e-3
+# LCB's exploration weight: the mean minus KAPPA standard deviations of the predicted
+# -log-throughput. HEBO's own schedule (about 4 at 10 trials in 5 dimensions) explores for
+# hundreds of trials; a search of 10-30 dry runs must exploit sooner. On 8+8 benchmark
+# landscapes (benchmarks/search.py, 64 candidates, 14 dry runs) kappa 1 and 2 were within
+# noise of each other (mean ratio 0.952-0.975 vs 0.963-0.975); 2 explores a little more.
+KAPPA = 2.0
 
 
 @contextlib.contextmanager
@@ -67,37 +79,98 @@ class Suggestion:
     index: int            # into the candidate list
     seconds: float        # planner time spent on this suggestion
     how: str              # "acquisition" or a fallback's name
+    scored: int = 0       # candidates the acquisition was evaluated on
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the planner learns from one evaluated candidate: its mean log-throughput and the
+    variance of that mean (None: not reported)."""
+
+    index: int
+    log_throughput: float
+    noise_var: Optional[float] = None
+
+
+def _anova_kernel_class():
+    import gpytorch
+    from gpytorch.constraints import Positive
+
+    class AnovaKernel(gpytorch.kernels.Kernel):
+        """k(x, x') = main * share of equal dimensions + pair * share of equal dimension pairs + pred * p p'.
+
+        The inputs are the candidates' category codes (one column per varying dimension) and,
+        optionally, a last column with the predictor's feature. `main` is the prior variance of
+        the sum of the per-option effects, `pair` that of the pairwise interaction effects: a
+        GP with this kernel is Bayesian two-way ANOVA on log-throughput.
+        """
+
+        def __init__(self, num_dims: int, has_pred: bool) -> None:
+            super().__init__()
+            self.num_dims, self.has_pred = num_dims, has_pred
+            for name, init in (("main", 1.0), ("pair", 0.3), ("pred", 0.5 if has_pred else 0.0)):
+                if name == "pred" and not has_pred:
+                    continue
+                self.register_parameter(f"raw_{name}", torch.nn.Parameter(torch.zeros(1)))
+                self.register_constraint(f"raw_{name}", Positive())
+                constraint = getattr(self, f"raw_{name}_constraint")
+                getattr(self, f"raw_{name}").data.fill_(float(constraint.inverse_transform(torch.tensor(init))))
+
+        def _value(self, name: str) -> torch.Tensor:
+            return getattr(self, f"raw_{name}_constraint").transform(getattr(self, f"raw_{name}"))
+
+        def forward(self, x1: torch.Tensor, x2: torch.Tensor, diag: bool = False, **params) -> torch.Tensor:
+            d = self.num_dims
+            eq = (x1[..., :d].unsqueeze(-2) == x2[..., :d].unsqueeze(-3)).to(x1.dtype)
+            same = eq.sum(-1)
+            k = self._value("main") * same / max(d, 1)
+            if d > 1:
+                k = k + self._value("pair") * (same * same - same) / (d * (d - 1))
+            if self.has_pred:
+                k = k + self._value("pred") * x1[..., d:d + 1] @ x2[..., d:d + 1].transpose(-1, -2)
+            return k.diagonal(dim1=-2, dim2=-1) if diag else k
+
+    class CodesAndPrediction(torch.nn.Module):
+        """HEBO's feature extractor slot: category codes first, then the (scaled) predictor column."""
+
+        def __init__(self, num_dims: int, has_pred: bool) -> None:
+            super().__init__()
+            self.total_dim = num_dims + int(has_pred)
+
+        def forward(self, x: torch.Tensor, xe: torch.Tensor) -> torch.Tensor:
+            return torch.cat([xe.to(torch.float32), x], dim=1)
+
+    return AnovaKernel, CodesAndPrediction
 
 
 class CandidatePlanner:
-    """Suggests the next candidate to evaluate by HEBO's acquisition over all remaining ones.
+    """Suggests the next candidate to evaluate by HEBO's acquisition over the remaining ones.
 
     `labels[d]` are the category names of dimension d, `choices[i][d]` candidate i's category
-    index in it, `prior[i]` (optional) its predicted log-throughput. The GP models what the
-    predictor gets wrong: y = -(measured - predicted) log-throughput, so with a good cost model
-    the surrogate starts from the right ranking and only learns corrections; without one the
-    prior is 0 and the GP models the throughput itself.
+    index in it, `prior[i]` (optional) its predicted log-throughput, used as a feature of the
+    surrogate (see the module docstring).
     """
 
     def __init__(self, labels: Sequence[Sequence[str]], choices: Sequence[Sequence[int]],
-                 prior: Optional[Sequence[float]] = None, seed: int = 0) -> None:
+                 prior: Optional[Sequence[float]] = None, seed: int = 0, kappa: float = KAPPA) -> None:
         import_hebo()
-        import pandas as pd
-        from hebo.design_space.design_space import DesignSpace
-
-        self.seed = seed
+        self.seed, self.kappa = seed, kappa
+        self.num_candidates = len(choices)
         self.prior = np.zeros(len(choices)) if prior is None else np.asarray(prior, dtype=float)
-        self.has_prior = prior is not None
+        self.has_prior = prior is not None and np.ptp(self.prior) > 1e-12
         varying = [d for d, cats in enumerate(labels) if len(cats) > 1]
         self.setup_seconds = self.expected_seconds = 0.0
-        if not varying:  # one candidate, or candidates differing in nothing: nothing to model
-            self.space = None
+        self.fits = 0                       # GP fits done (the planner's work, for tests)
+        self.max_scored = 0                 # most candidates one acquisition was evaluated on
+        if not varying or len(choices) < 2:  # nothing to model
+            self.codes = None
             return
-        # One HEBO categorical parameter per dimension that varies.
-        self.space = DesignSpace().parse([{"name": f"d{d}", "type": "cat", "categories": list(labels[d])}
-                                          for d in varying])
-        frame = pd.DataFrame({f"d{d}": [labels[d][c[d]] for c in choices] for d in varying})
-        self._xc, self._xe = self.space.transform(frame[self.space.para_names])
+        self.codes = torch.tensor([[c[d] for d in varying] for c in choices], dtype=torch.long)
+        if self.has_prior:
+            p = (self.prior - self.prior.mean()) / self.prior.std()
+            self.pred = torch.tensor(p, dtype=torch.float32).reshape(-1, 1)
+        else:
+            self.pred = torch.zeros(len(choices), 0)
         # The first GP fit of a process pays lazy imports (gpytorch, torch._refs: seconds);
         # pay them here, once, so a suggestion's time is the planner's own.
         start = time.perf_counter()
@@ -105,51 +178,61 @@ class CandidatePlanner:
         with _quiet_hebo(seed):
             from hebo.acquisitions.acq import LCB
 
-            model = self._fit(rows, np.arange(len(rows), dtype=float).reshape(-1, 1))
+            model = self._fit(rows, np.arange(len(rows), dtype=float).reshape(-1, 1), None)
             with torch.no_grad():   # the prediction path has lazy first-call costs too
-                LCB(model, kappa=1.0)(self._xc, self._xe)
+                LCB(model, kappa=1.0)(self.pred[rows], self.codes[rows])
+        self.fits = 0
         self.setup_seconds = time.perf_counter() - start
         self.expected_seconds = self.setup_seconds     # what the next suggestion will probably cost
 
-    def _fit(self, rows: Sequence[int], y: np.ndarray) -> object:
+    def _fit(self, rows: Sequence[int], y: np.ndarray, noise_var: Optional[float]) -> object:
         from hebo.models.model_factory import get_model
 
-        num_uniqs = [len(self.space.paras[n].categories) for n in self.space.enum_names]
-        config = dict(_GP_CONFIG, num_uniqs=num_uniqs)
-
-        model = get_model("gp", self.space.num_numeric, self.space.num_categorical, 1, **config)
-        model.fit(self._xc[list(rows)], self._xe[list(rows)], torch.tensor(y, dtype=torch.float32))
+        AnovaKernel, CodesAndPrediction = _anova_kernel_class()
+        num_dims, has_pred = self.codes.shape[1], self.pred.shape[1] > 0
+        y_var = float(np.var(y)) if len(y) > 1 else 1.0
+        # The GP standardizes y: the measured noise variance in those units is its noise floor.
+        noise_lb = _DEFAULT_NOISE_LB if noise_var is None else max(1e-4, min(0.5, noise_var / max(y_var, 1e-12)))
+        num_uniqs = [int(self.codes[:, d].max()) + 1 for d in range(num_dims)]
+        config = dict(_GP_CONFIG, noise_lb=noise_lb, noise_guess=max(noise_lb, 0.01), num_uniqs=num_uniqs,
+                      fe=CodesAndPrediction(num_dims, has_pred), kern=AnovaKernel(num_dims, has_pred))
+        model = get_model("gp", self.pred.shape[1], num_dims, 1, **config)
+        rows = list(rows)
+        model.fit(self.pred[rows], self.codes[rows], torch.tensor(y, dtype=torch.float32))
+        self.fits += 1
         return model
 
-    def suggest(self, observed: Sequence[Tuple[int, Optional[float]]], remaining: Sequence[int]) -> Suggestion:
-        """`observed`: (candidate index, log-throughput or None for a failed trial)."""
+    def suggest(self, observed: Sequence[Observation], remaining: Sequence[int]) -> Suggestion:
+        """The remaining candidate with the lowest LCB of -log-throughput given `observed`."""
         if not remaining:
             raise ValueError("no remaining candidate to suggest")
         start = time.perf_counter()
         remaining = list(remaining)
-        ok = [v for _, v in observed if v is not None]
-        if self.space is None or len(ok) < 2 or np.ptp(ok) < 1e-12:
+        values = [o.log_throughput for o in observed]
+        if self.codes is None or len(observed) < 2 or np.ptp(values) < 1e-12:
             # Nothing to fit yet: the predictor's favourite, else the first remaining.
             index = remaining[int(np.argmax(self.prior[remaining]))]
             return Suggestion(index, time.perf_counter() - start, "prior" if self.has_prior else "order")
-        # HEBO minimizes: y = -(log throughput - predicted). A failed trial counts as FAILURE_PENALTY
-        # below the worst success, so the GP learns "worse than anything that ran" without an outlier.
-        worst = min(ok)
-        rows = [i for i, _ in observed]
-        y = np.array([[-((v if v is not None else worst - FAILURE_PENALTY) - self.prior[i])] for i, v in observed])
+        scored = remaining
+        if len(remaining) > MAX_SCORED:
+            rng = np.random.default_rng(self.seed + len(observed))
+            scored = sorted(int(i) for i in rng.choice(remaining, size=MAX_SCORED, replace=False))
+        noises = [o.noise_var for o in observed if o.noise_var is not None]
+        noise_var = float(np.median(noises)) if noises else None
+        y = -np.array([[v] for v in values])          # HEBO minimizes
         with _quiet_hebo(self.seed + len(observed)):
             from hebo.acquisitions.acq import LCB
 
-            model = self._fit(rows, y)
-            acquisition = LCB(model, kappa=_hebo_kappa(len(observed), self.space.num_paras))
+            model = self._fit([o.index for o in observed], y, noise_var)
+            acquisition = LCB(model, kappa=self.kappa)
             with torch.no_grad():
-                residual = acquisition(self._xc[remaining], self._xe[remaining]).reshape(-1).numpy()
-        scores = residual - self.prior[remaining]     # LCB of -log(throughput)
+                scores = acquisition(self.pred[scored], self.codes[scored]).reshape(-1).numpy()
+        self.max_scored = max(self.max_scored, len(scored))
         # Ties (identical feature rows) go to the predictor's favourite.
-        order = np.lexsort((-self.prior[remaining], scores))
+        order = np.lexsort((-self.prior[scored], scores))
         seconds = time.perf_counter() - start
         self.expected_seconds = seconds
-        return Suggestion(remaining[int(order[0])], seconds, "acquisition")
+        return Suggestion(scored[int(order[0])], seconds, "acquisition", len(scored))
 
 
 @contextlib.contextmanager
@@ -159,13 +242,6 @@ def _quiet_hebo(seed: int) -> Iterator[None]:
             contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")     # gpytorch's NumericalWarning on tiny variances
         yield
-
-
-def _hebo_kappa(n_observed: int, n_params: int) -> float:
-    """HEBO's exploration weight schedule (HEBO.suggest: upsi=0.5, delta=0.01)."""
-    upsi, delta = 0.5, 0.01
-    it = max(1, n_observed)
-    return math.sqrt(upsi * 2 * ((2.0 + n_params / 2.0) * math.log(it) + math.log(3 * math.pi ** 2 / (3 * delta))))
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """Reporting a search: the trial table, a PNG of throughput per trial, and the winner in one line.
 
-For people who would rather look than read: the plot shows every trial's throughput (failed
-trials at 0, marked by status) and the running best; the table has one row per dry run.
+For people who would rather look than read: the plot shows every trial's throughput with its 95%
+interval (failed trials at 0, marked by status) and the running best; the table has one row per
+dry run (a re-measured strategy has several), with the interval's bounds.
 """
 
 from __future__ import annotations
@@ -38,12 +39,17 @@ def trials_table(result: "SearchResult") -> str:
 
 def explain(result: "SearchResult") -> str:
     """Why the winner won, in one line, e.g.
+    "A: 1.12x B (95% CI 1.08-1.16) (...)" or "A and B within noise (1.01x, CI 0.97-1.05); chose A: 30% less memory"
+    after a re-measurement, else (an evaluator that reports no noise)
     "parallel_mode(data=2)+amp_native+fsdp: 1.9x plain data-parallel; zero1 predicted 31.0 GB > 24.0 GB limit"."""
     trials = result.trials
     parts = []
     if result.best is None:
         failed = trials["status"].value_counts().to_dict() if not trials.empty else {}
         parts.append("no strategy ran" + (f" ({_counts(failed)})" if failed else ""))
+    elif result.comparison is not None and result.comparison.lo is not None:
+        # Re-measured: the winner against the runner-up with the interval of their ratio.
+        parts.append(f"{result.comparison.line()} ({result.best_throughput:.4g} samples/s)")
     else:
         name = result.best.describe()
         ok = trials[trials["status"] == "ok"]
@@ -66,7 +72,10 @@ def explain(result: "SearchResult") -> str:
     failed = trials[trials["status"] != "ok"] if not trials.empty else trials
     if result.best is not None and not failed.empty:
         parts.append(f"{len(failed)} trial(s) failed ({_counts(failed['status'].value_counts().to_dict())})")
-    parts.append(f"{len(trials)}/{result.num_candidates} candidates run"
+    runs = len(trials)
+    distinct = int(trials["strategy"].nunique()) if runs else 0
+    parts.append(f"{distinct}/{result.num_candidates} candidates run"
+                 + (f" ({runs} dry runs with re-measurements)" if runs != distinct else "")
                  + (f", stopped: {result.stop_reason}" if result.stop_reason else ""))
     return "; ".join(parts)
 
@@ -76,8 +85,11 @@ def _counts(counts: Dict[str, int]) -> str:
 
 
 def _is_plain_data_parallel(label: str) -> bool:
-    # Strategy.describe() of a strategy with only a data-parallel parallel_mode.
-    return "+" not in label and label.startswith("parallel_mode") and "tensor" not in label
+    # Strategy.describe() of a strategy with only a data-parallel parallel_mode (and the plain DDP
+    # that resolve_strategy adds to it).
+    parts = label.split("+")
+    return parts[0].startswith("parallel_mode") and "tensor" not in parts[0] and "pipeline" not in parts[0] \
+        and parts[1:] in ([], ["ddp"])
 
 
 def plot_trials(result: "SearchResult", path: str) -> str:
@@ -98,6 +110,13 @@ def plot_trials(result: "SearchResult", path: str) -> str:
                 if sel:
                     ax.scatter([x[i] for i in sel], [y[i] for i in sel], marker=marker, color=color,
                                label=status, zorder=3)
+            if "throughput_lo" in trials and trials["throughput_lo"].notna().any():
+                lo = [float(v) for v in trials["throughput_lo"]]
+                hi = [float(v) for v in trials["throughput_hi"]]
+                keep = [i for i in range(len(x)) if lo[i] == lo[i] and hi[i] == hi[i]]
+                ax.errorbar([x[i] for i in keep], [y[i] for i in keep],
+                            yerr=[[y[i] - lo[i] for i in keep], [hi[i] - y[i] for i in keep]],
+                            fmt="none", ecolor="tab:blue", alpha=0.6, capsize=2, label="95% CI", zorder=2)
             best, running = 0.0, []
             for v in y:
                 best = max(best, v)

@@ -352,3 +352,38 @@ def _strategy_key(strategy: Strategy) -> str:
     except ValueError:
         return repr(strategy)
 
+
+
+# How much per-device memory an optimization saves, as an order (higher saves more), for the
+# search's out-of-memory learning (`SearchSpace.memory_saving_ranks`). Only the order within a
+# dimension matters. An optimization missing here makes its dimension unordered (the search
+# then assumes nothing about it), so a new optimization is never wrongly assumed to save memory.
+# TODO(lead): move onto the optimization classes as metadata (e.g. `memory_saving_rank`).
+_MEMORY_SAVING = {"zero1": 1.0, "zero2": 2.0, "fsdp": 3.0, "checkpoint": 1.0, "cpu_offload": 4.0,
+                  "tensor_parallel": 0.0}
+
+
+def _memory_saving_score(choice: Choice) -> Optional[float]:
+    """Memory-saving score of one choice, or None when it contains an optimization of unknown effect."""
+    score = 0.0
+    for item in choice_items(choice):
+        if item.name == "parallel_mode":
+            sizes = item.config[0] if isinstance(item.config, (tuple, list)) and item.config else []
+            # Model-parallel degrees (tensor, pipeline) split the model's state across devices.
+            score += sum(math.log2(int(s)) for name, s in sizes if name != "data" and int(s) > 0)
+        elif item.name in _MEMORY_SAVING:
+            score += _MEMORY_SAVING[item.name]
+        else:
+            return None
+    return score
+
+
+def memory_saving_ranks(space: "SearchSpace") -> List[Optional[List[float]]]:
+    """Per dimension (in order), each choice's memory-saving score, or None for a dimension whose
+    choices' effect on memory is unknown. A candidate whose every ordered choice saves no more
+    than another's, and whose unordered choices are equal, needs at least as much memory."""
+    out: List[Optional[List[float]]] = []
+    for choices in space.dimensions.values():
+        scores = [_memory_saving_score(c) for c in choices]
+        out.append(None if any(s is None for s in scores) else [float(s) for s in scores])
+    return out

@@ -1,0 +1,300 @@
+"""The search's robustness pieces, each in milliseconds: confidence intervals, failed trials,
+out-of-memory learned as feasibility, interleaved re-measurement and its reason line, and the
+bound on the planner's work. A recording planner stands in for HEBO (no GP fit) except in the
+one `heavy` test of the real planner's work bound.
+"""
+
+import math
+from typing import Dict, List
+
+import numpy as np
+import pytest
+from scipy import stats as st
+
+from atorch.auto.cost_model import Estimate
+from atorch.auto.search import DryRunResult, SearchSpace, search_strategy
+from atorch.auto.search.bo import Suggestion
+from atorch.auto.search.search import Comparison, _Feasibility
+from atorch.auto.search.space import Candidate, memory_saving_ranks
+from atorch.auto.search.stats import (LogEstimate, log_throughput_of_steps, mean_ci, pool_runs, ratio_ci,
+                                      relative_half_width_to_log_var)
+from atorch.auto.strategy import Strategy
+
+
+class LastPlanner:
+    """Suggests the last remaining candidate (the enumeration's most memory-saving first)."""
+
+    def __init__(self, labels, choices, prior, seed):
+        self.expected_seconds = 0.0
+
+    def suggest(self, observed, remaining):
+        return Suggestion(list(remaining)[-1], 0.0, "last", len(remaining))
+
+
+class RecordingPlanner:
+    """Suggests the first remaining candidate; records what it was shown."""
+
+    instances: List["RecordingPlanner"] = []
+
+    def __init__(self, labels, choices, prior, seed):
+        self.calls = []
+        self.expected_seconds = 0.0
+        RecordingPlanner.instances.append(self)
+
+    def suggest(self, observed, remaining):
+        self.calls.append(([o.index for o in observed], list(remaining)))
+        return Suggestion(list(remaining)[0], 0.0, "first", len(remaining))
+
+
+def space16() -> SearchSpace:
+    """Real optimizations: zero and checkpoint are memory-ordered, amp is not."""
+    return SearchSpace({"zero": [None, "zero1", "zero2", "fsdp"], "checkpoint": [None, "checkpoint"],
+                        "amp": [None, "amp_native"]}, world_size=2)
+
+
+def steps_for(throughput: float, rel: float, n: int = 5, batch: float = 32.0, seed: int = 0) -> tuple:
+    """n step times whose mean gives `throughput` and whose spread is `rel` (relative)."""
+    rng = np.random.default_rng(seed)
+    z = rng.normal(0, 1, size=n)
+    z = (z - z.mean()) / z.std(ddof=1)
+    step = batch / throughput
+    return tuple(float(step * (1 + rel * v)) for v in z)
+
+
+# -- statistics -----------------------------------------------------------------------------------
+
+def test_mean_ci_is_student_t():
+    x = [1.0, 2.0, 3.0, 4.0]
+    m, lo, hi = mean_ci(x)
+    half = st.t.ppf(0.975, 3) * np.std(x, ddof=1) / 2
+    assert m == 2.5 and lo == pytest.approx(2.5 - half) and hi == pytest.approx(2.5 + half)
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        mean_ci([1.0])
+    with pytest.raises(ValueError, match="confidence=1.5"):
+        mean_ci(x, confidence=1.5)
+
+
+def test_log_throughput_of_steps_and_half_width():
+    est = log_throughput_of_steps([2.0, 2.0, 2.0])
+    assert est.mean == pytest.approx(-math.log(2.0)) and est.var == 0 and est.df == 2
+    est = log_throughput_of_steps([1.0, 3.0])
+    assert est.var == pytest.approx(2.0 / (2 * 4.0))          # s^2 / (k mean^2)
+    assert log_throughput_of_steps([1.0]) is None
+    assert log_throughput_of_steps([1.0, float("nan"), -2.0]) is None
+    # +-3% at 95% (normal) is a log standard error of log(1.03)/1.96.
+    assert relative_half_width_to_log_var(0.03) == pytest.approx((math.log(1.03) / 1.959964) ** 2)
+
+
+def test_ratio_ci_delta_method():
+    a = LogEstimate(math.log(112.0), 0.0002, math.inf, 2)
+    b = LogEstimate(math.log(100.0), 0.0002, math.inf, 2)
+    ci = ratio_ci(a, b)
+    half = 1.959964 * math.sqrt(0.0004)
+    assert ci.ratio == pytest.approx(1.12)
+    assert ci.lo == pytest.approx(1.12 * math.exp(-half)) and ci.hi == pytest.approx(1.12 * math.exp(half))
+    assert ci.separated
+    # Few degrees of freedom widen it (Welch-Satterthwaite: 2 x 4 -> 8).
+    narrow_df = ratio_ci(LogEstimate(a.mean, a.var, 4, 1), LogEstimate(b.mean, b.var, 4, 1))
+    assert narrow_df.hi - narrow_df.lo == pytest.approx(ci.ratio * 2 * math.sinh(st.t.ppf(0.975, 8) * 0.02), rel=1e-6)
+    tie = ratio_ci(LogEstimate(math.log(101.0), 0.001, 8, 2), b)
+    assert not tie.separated and tie.lo < 1 < tie.hi
+    exact = ratio_ci(LogEstimate(0.5, 0.0, math.inf, 1), LogEstimate(0.0, 0.0, math.inf, 1))
+    assert exact.lo == exact.hi == exact.ratio == pytest.approx(math.exp(0.5))
+
+
+def test_pool_runs_between_and_within():
+    # One run: its own variance. Unknown variance: no estimate.
+    assert pool_runs([1.0], [0.01], [4]) == LogEstimate(1.0, 0.01, 4.0, 1)
+    assert pool_runs([1.0], [None]) is None
+    # Two runs agreeing with their steps: the variances pool (df 1 + 8), var of the mean halves.
+    est = pool_runs([1.00, 1.01], [0.0004, 0.0004], [4, 4])
+    pooled = (1 * 0.01 ** 2 / 2 + 8 * 0.0004) / 9
+    assert est.mean == pytest.approx(1.005) and est.df == 9 and est.var == pytest.approx(pooled / 2)
+    # Two runs 30% apart while each claims 1%: the between-run spread wins, with its 1 df.
+    far = pool_runs([1.0, 1.3], [0.0001, 0.0001], [4, 4])
+    assert far.df == 1 and far.var == pytest.approx(0.3 ** 2 / 2 / 2)
+    # No step variance at all: between-run only.
+    assert pool_runs([1.0, 1.2], [None, None]).df == 1
+
+
+# -- failed trials and feasibility ----------------------------------------------------------------
+
+def test_failed_trials_never_reach_the_planner_and_are_not_retried():
+    RecordingPlanner.instances.clear()
+    space = space16()
+    strategies = space.strategies()
+    table = {s: 10.0 + i for i, s in enumerate(strategies)}
+    raising, timing_out = strategies[3], strategies[5]
+
+    def evaluator(s):
+        if s == raising:
+            raise RuntimeError("boom")
+        if s == timing_out:
+            return DryRunResult(0.0, None, "timeout")
+        return DryRunResult(table[s], 100)
+
+    result = search_strategy(space, evaluator, max_trials=16, patience=16, random_samples=1,
+                             planner_factory=RecordingPlanner)
+    planner = RecordingPlanner.instances[-1]
+    bad = {strategies.index(raising), strategies.index(timing_out)}
+    tried = [s for s in result.evaluated]
+    assert tried.count(raising) == 1 and tried.count(timing_out) == 1
+    for observed, remaining in planner.calls:
+        assert not bad & set(observed), "a failed trial was given to the surrogate"
+        assert len(set(observed)) == len(observed)
+    # A candidate already tried (failed ones included) is never offered again.
+    index = {st_: i for i, st_ in enumerate(strategies)}
+    rows = [k for k, src in enumerate(result.trials["source"]) if src == "hebo-first"]
+    assert len(rows) == len(planner.calls)
+    for k, (_, remaining) in zip(rows, planner.calls):
+        assert not {index[x] for x in result.evaluated[:k]} & set(remaining)
+    assert result.best == max(table, key=table.get)
+
+
+def test_oom_is_learned_by_dominance_without_a_predictor():
+    """OOM at (zero=none, checkpoint=none, amp=a) skips every candidate saving no more memory with the same amp."""
+    space = space16()
+    cands = space.candidates()
+    ranks = memory_saving_ranks(space)
+    assert ranks[0] == [0.0, 1.0, 2.0, 3.0] and ranks[1] == [0.0, 1.0] and ranks[2] is None
+    # True memory: zero saves, checkpoint saves, amp on costs 10%: OOM below zero2 without checkpoint.
+    def memory(c: Candidate) -> float:
+        return 100.0 * (0.7 ** c.choices[0]) * (0.6 ** c.choices[1]) * (1.1 if c.choices[2] else 1.0)
+    limit = 60.0
+    by_strategy = {c.strategy: c for c in cands}
+
+    def evaluator(s):
+        m = memory(by_strategy[s])
+        return DryRunResult(0.0, int(m), "oom") if m > limit else DryRunResult(10.0 + by_strategy[s].choices[0], int(m))
+
+    result = search_strategy(space, evaluator, max_trials=16, patience=16, random_samples=0,
+                             planner_factory=LastPlanner, remeasure_rounds=0)
+    ooms = [by_strategy[s] for s, st_ in zip(result.evaluated, result.trials["status"]) if st_ == "oom"]
+    assert ooms, "the landscape must have out-of-memory candidates"
+    # No candidate needing at least the memory of an earlier OOM was ever run.
+    for k, s in enumerate(result.evaluated):
+        c = by_strategy[s]
+        for earlier in result.evaluated[:k]:
+            e = by_strategy[earlier]
+            if e in ooms:
+                dominated = (c.choices[0] <= e.choices[0] and c.choices[1] <= e.choices[1]
+                             and c.choices[2] == e.choices[2])
+                assert not dominated, (c.strategy.describe(), e.strategy.describe())
+    assert (result.pruned["reason"].str.contains("which ran out of memory")).all() and not result.pruned.empty
+    assert len(result.trials) + len(result.pruned) == len(cands)
+
+
+def test_feasibility_uses_the_predicted_peak_only_while_it_is_consistent():
+    s = Strategy(["parallel_mode"])
+    cands = [Candidate(s, (i,)) for i in range(4)]
+    preds = [Estimate(p, 1.0) for p in (10, 20, 30, 40)]
+    feas = _Feasibility(cands, preds, limit=None, ranks=[None])     # no dominance: one unordered dimension
+    feas.observe(2, DryRunResult(0.0, None, "oom"))
+    assert [feas.allowed(i) for i in range(4)] == [True, True, True, False]   # 40 >= 30 predicted
+    feas.observe(0, DryRunResult(5.0, 12))
+    assert feas.predictor_consistent and not feas.allowed(3)
+    # A candidate ran fine while predicted above one that ran out: the predictor's order is wrong.
+    feas.predictions[1] = Estimate(35, 1.0)
+    feas.observe(1, DryRunResult(5.0, 12))
+    assert not feas.predictor_consistent and feas.allowed(3)
+    # Scale correction: measured 12 vs predicted 10 and 35 -> median ratio 0.77, clamped to [0.5, 2].
+    assert feas.scale == pytest.approx(float(np.median([12 / 10, 12 / 35])))
+
+
+# -- re-measurement and the reason line -----------------------------------------------------------
+
+def remeasure_search(table: Dict[Strategy, float], rel: float, memory: Dict[Strategy, int], max_trials=10):
+    calls = []
+
+    def evaluator(s):
+        calls.append(s)
+        k = len(calls)
+        return DryRunResult(table[s], memory.get(s, 1000), step_times_s=steps_for(table[s], rel, seed=k))
+
+    result = search_strategy(space16(), evaluator, max_trials=max_trials, patience=99, random_samples=1,
+                             planner_factory=RecordingPlanner)
+    return result, calls
+
+
+def test_top_two_are_remeasured_interleaved_and_separated():
+    strategies = space16().strategies()
+    table = {s: 50.0 + i for i, s in enumerate(strategies)}
+    a, b = strategies[-1], strategies[-2]
+    table[a], table[b] = 112.0, 100.0
+    result, calls = remeasure_search(table, 0.01, {}, max_trials=20)
+    remeasured = result.trials[result.trials["source"] == "remeasure"]["strategy"].tolist()
+    assert remeasured[:2] == [a.describe(), b.describe()]          # A, B (then A, B if still unresolved)
+    assert len(calls) == len(result.trials) <= 20
+    cmp_ = result.comparison
+    assert isinstance(cmp_, Comparison) and cmp_.winner == a and cmp_.runner_up == b and cmp_.separated
+    assert cmp_.ratio == pytest.approx(1.12, rel=0.01) and cmp_.lo > 1.0 and cmp_.chosen_by == "throughput"
+    assert result.best == a and result.best_throughput == pytest.approx(112.0, rel=0.01)
+    assert result.reason.startswith(f"{a.describe()}: 1.12x {b.describe()} (95% CI ")
+    assert (result.trials["throughput_lo"] < result.trials["throughput"]).all()
+    assert (result.trials["throughput_hi"] > result.trials["throughput"]).all()
+
+
+def test_within_noise_the_smaller_memory_wins_and_says_so(tmp_path):
+    strategies = space16().strategies()
+    table = {s: 50.0 + i for i, s in enumerate(strategies)}
+    a, b = strategies[-1], strategies[-2]
+    table[a], table[b] = 101.0, 100.0
+    memory = {a: 1000, b: 700}
+    result, calls = remeasure_search(table, 0.05, memory, max_trials=20)
+    cmp_ = result.comparison
+    assert not cmp_.separated and cmp_.chosen_by == "memory" and cmp_.winner == b
+    assert cmp_.memory_saving == pytest.approx(0.3)
+    assert result.best == b
+    assert f"{b.describe()} and {a.describe()} within noise (" in result.reason
+    assert f"chose {b.describe()}: 30% less memory" in result.reason
+    # 2 rounds (A, B, A, B) when the first does not separate them, all within max_trials.
+    assert (result.trials["source"] == "remeasure").sum() == 4 and len(calls) <= 20
+    # The report shows the intervals: table columns and error bars in the plot.
+    from atorch.auto.search.report import plot_trials, trials_table
+
+    assert "throughput_lo" in trials_table(result)
+    with open(plot_trials(result, str(tmp_path / "search.png")), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_no_remeasure_without_reported_noise_or_budget():
+    strategies = space16().strategies()
+    table = {s: 50.0 + i for i, s in enumerate(strategies)}
+    plain = search_strategy(space16(), lambda s: DryRunResult(table[s]), max_trials=8, patience=99,
+                            planner_factory=RecordingPlanner)
+    assert "remeasure" not in plain.trials["source"].tolist() and len(plain.trials) == 8
+    assert plain.comparison.lo is None and plain.comparison.chosen_by == "measured mean"
+    tiny = search_strategy(space16(), lambda s: DryRunResult(table[s], step_times_s=steps_for(table[s], 0.01)),
+                           max_trials=3, patience=99, planner_factory=RecordingPlanner)
+    assert len(tiny.trials) == 3
+
+
+# -- the planner's work is bounded ----------------------------------------------------------------
+
+def test_planner_sees_only_feasible_untried_candidates():
+    RecordingPlanner.instances.clear()
+    space = space16()
+    strategies = space.strategies()
+    table = {s: 10.0 + i for i, s in enumerate(strategies)}
+    result = search_strategy(space, lambda s: DryRunResult(table[s]), max_trials=12, patience=99,
+                             random_samples=2, planner_factory=RecordingPlanner)
+    planner = RecordingPlanner.instances[-1]
+    for observed, remaining in planner.calls:
+        assert not set(observed) & set(remaining) and len(remaining) <= len(strategies)
+    assert len(planner.calls) == len(result.trials) - (result.trials["source"] != "hebo-first").sum()
+
+
+@pytest.mark.heavy
+def test_hebo_planner_work_is_bounded_on_large_spaces():
+    """One suggestion on 2000 candidates: one GP fit on the observed trials, at most MAX_SCORED scored."""
+    from atorch.auto.search.bo import MAX_SCORED, CandidatePlanner, Observation
+
+    rng = np.random.default_rng(0)
+    labels = [[f"o{k}" for k in range(n)] for n in (4, 5, 10, 10)]
+    choices = [tuple(int(rng.integers(len(c))) for c in labels) for _ in range(2000)]
+    prior = [float(v) for v in rng.normal(size=2000)]
+    planner = CandidatePlanner(labels, choices, prior=prior, seed=0)
+    observed = [Observation(i, float(rng.normal()), 0.001) for i in range(10)]
+    suggestion = planner.suggest(observed, list(range(10, 2000)))
+    assert planner.fits == 1 and suggestion.scored == MAX_SCORED == planner.max_scored
+    assert 10 <= suggestion.index < 2000 and suggestion.how == "acquisition"
