@@ -9,10 +9,12 @@ from atorch.distributed.distributed import (
     is_initialized,
     local_rank,
     rank,
+    reset_distributed,
     world_size,
 )
 from atorch.distributed.layout import ParallelLayout
 from atorch.distributed.parallel_group import (
+    add_parallel_group,
     create_parallel_group,
     destroy_parallel_group,
     device_mesh,
@@ -21,6 +23,8 @@ from atorch.distributed.parallel_group import (
     parallel_group,
     parallel_group_ranks,
     parallel_group_size,
+    parallel_instance_index,
+    parallel_instance_num,
     parallel_layout,
     parallel_rank,
     parallel_rank_or_zero,
@@ -28,9 +32,10 @@ from atorch.distributed.parallel_group import (
 )
 
 __all__ = [
-    "ParallelLayout", "create_parallel_group", "destroy_distributed", "destroy_parallel_group", "device",
-    "device_mesh", "device_type", "find_free_port", "init_distributed", "is_initialized",
-    "is_parallel_group_created", "local_rank", "parallel_config", "parallel_group", "parallel_group_ranks",
-    "parallel_group_size", "parallel_layout", "parallel_rank", "parallel_rank_or_zero", "parallel_size_or_one",
-    "rank", "world_size",
+    "ParallelLayout", "add_parallel_group", "create_parallel_group", "destroy_distributed",
+    "destroy_parallel_group", "device", "device_mesh", "device_type", "find_free_port", "init_distributed",
+    "is_initialized", "is_parallel_group_created", "local_rank", "parallel_config", "parallel_group",
+    "parallel_group_ranks", "parallel_group_size", "parallel_instance_index", "parallel_instance_num",
+    "parallel_layout", "parallel_rank", "parallel_rank_or_zero", "parallel_size_or_one", "rank",
+    "reset_distributed", "world_size",
 ]

@@ -25,10 +25,18 @@ ParallelConfig = Tuple[Dims, Optional[List[int]]]
 class _ParallelState:
     layout: ParallelLayout
     mesh: DeviceMesh
+    instance_num: int = 1
+    """How many copies of the layout tile the world (the hidden outermost dim `INSTANCE_DIM`)."""
 
 
-# One layout per process: process groups are process-wide objects in torch.distributed too.
+# One primary layout per process: process groups are process-wide objects in torch.distributed too.
 _STATE: Optional[_ParallelState] = None
+# Further layouts added next to it (`add_parallel_group`, ATorch's several `create_parallel_group`
+# calls); their dimension names are distinct from the primary's and from each other.
+_EXTRA: List[_ParallelState] = []
+
+# Name of the outermost dimension that numbers the copies of a layout smaller than the world.
+INSTANCE_DIM = "parallel_instance"
 
 
 def _split_config(config) -> Tuple[Sequence[Tuple[str, int]], Optional[Sequence[int]]]:
@@ -48,16 +56,86 @@ def create_parallel_group(config: ParallelConfig) -> DeviceMesh:
     dims, rank_order = _split_config(config)
     if not dist.is_initialized():
         raise RuntimeError("create_parallel_group needs a process group: call atorch.init_distributed() first")
-    layout = ParallelLayout.create(dims, global_world_size(), rank_order)
+    state = _build_state(dims, rank_order, instances=False)
     destroy_parallel_group()
+    global _STATE
+    _STATE = state
+    return state.mesh
+
+
+def add_parallel_group(config: ParallelConfig, instances: bool = False) -> DeviceMesh:
+    """Create the groups of `config` next to the existing ones (a second mesh); the first call is the primary.
+
+    Dimension names must differ from every existing group's. With `instances=True` the
+    product of the sizes may divide the world size: the layout is then repeated
+    `world_size // product` times over consecutive rank blocks (see `parallel_instance_num`).
+    Every rank must call it with the same config.
+    """
+    dims, rank_order = _split_config(config)
+    if not dist.is_initialized():
+        raise RuntimeError("add_parallel_group needs a process group: call atorch.init_distributed() first")
+    taken = [n for st in _all_states() for n in _visible_names(st)]
+    clash = [d[0] for d in dims if d[0] in taken]
+    if clash:
+        raise ValueError(f"parallel group name(s) {clash} already exist ({taken}); destroy_parallel_group() first "
+                         "or choose other names")
+    state = _build_state(dims, rank_order, instances=instances)
+    global _STATE
+    if _STATE is None:
+        _STATE = state
+    else:
+        _EXTRA.append(state)
+    return state.mesh
+
+
+def _build_state(dims: Sequence[Tuple[str, int]], rank_order: Optional[Sequence[int]], instances: bool
+                 ) -> _ParallelState:
+    world = global_world_size()
+    instance_num = 1
+    if instances:
+        sizes = [d[1] for d in dims if isinstance(d, (tuple, list)) and len(d) == 2]
+        product = 1
+        for size in sizes:
+            product *= size if isinstance(size, int) and size > 0 else 1
+        if world % product != 0:
+            raise ValueError(f"parallel sizes {list(dims)} multiply to {product}, which does not divide the world "
+                             f"size {world}; with several parallel instances the world must hold whole copies")
+        instance_num = world // product
+        if instance_num > 1:
+            if rank_order is not None:
+                raise ValueError("rank_order must be None when the layout is repeated over parallel instances")
+            dims = [*dims, (INSTANCE_DIM, instance_num)]
+    layout = ParallelLayout.create(dims, world, rank_order)
     # DeviceMesh is row-major (its last dimension varies fastest), so the names are reversed.
     order = list(layout.rank_order) if layout.rank_order is not None else list(range(layout.world_size))
     shape = tuple(size for _, size in reversed(layout.dims))
     mesh_tensor = torch.tensor(order, dtype=torch.int).reshape(shape)
     mesh = DeviceMesh(device_type(), mesh_tensor, mesh_dim_names=tuple(reversed(layout.names)))
-    global _STATE
-    _STATE = _ParallelState(layout, mesh)
-    return mesh
+    return _ParallelState(layout, mesh, instance_num)
+
+
+def _all_states() -> List[_ParallelState]:
+    return ([_STATE] if _STATE is not None else []) + list(_EXTRA)
+
+
+def _visible_names(state: _ParallelState) -> List[str]:
+    return [n for n in state.layout.names if n != INSTANCE_DIM]
+
+
+def _state_of(name: str) -> Optional[_ParallelState]:
+    """The layout that holds dimension `name`, or None."""
+    if name == INSTANCE_DIM:
+        return None
+    return next((st for st in _all_states() if name in st.layout.names), None)
+
+
+def _state_with(name: str) -> _ParallelState:
+    state = _state_of(name)
+    if state is None:
+        _state()  # no layout at all: the "call create_parallel_group" error
+        names = [n for st in _all_states() for n in _visible_names(st)]
+        raise ValueError(f"unknown parallel group {name!r}; the parallel groups are {names}")
+    return state
 
 
 def _state() -> _ParallelState:
@@ -75,56 +153,76 @@ def parallel_layout() -> ParallelLayout:
 
 
 def device_mesh(*names: str) -> DeviceMesh:
-    """The whole mesh, or its sub-mesh over `names` (given in the atorch order, fastest first)."""
-    state = _state()
+    """The whole (primary) mesh, or the sub-mesh over `names` (given in the atorch order, fastest first)."""
     if not names:
-        return state.mesh
+        return _state().mesh
+    state = _state_with(names[0])
     for n in names:
-        state.layout._check_name(n)
+        if n not in _visible_names(state):
+            raise ValueError(f"parallel groups {list(names)} are not dimensions of one mesh; that of {names[0]!r} "
+                             f"has {_visible_names(state)}")
     if len(names) == 1:
         return state.mesh[names[0]]
     return state.mesh[tuple(reversed(names))]
 
 
+def mesh_of(name: str) -> Optional[DeviceMesh]:
+    """The whole mesh that has dimension `name`, or None (ATorch's `get_device_mesh`)."""
+    state = _state_of(name)
+    return None if state is None else state.mesh
+
+
 def parallel_group(name: str) -> dist.ProcessGroup:
-    state = _state()
-    state.layout._check_name(name)
-    return state.mesh.get_group(name)
+    """This rank's process group along dimension `name`; ValueError when there is no such dimension."""
+    return _state_with(name).mesh.get_group(name)
 
 
 def parallel_rank(name: str) -> int:
-    state = _state()
-    return state.layout.coords(global_rank())[state.layout._check_name(name)]
+    state = _state_with(name)
+    return state.layout.coords(global_rank())[name]
 
 
 def parallel_group_size(name: str) -> int:
-    return _state().layout.size(name)
+    return _state_with(name).layout.size(name)
 
 
 def parallel_group_ranks(name: str) -> List[int]:
     """Global ranks of this rank's group along `name`."""
-    return _state().layout.group_of(name, global_rank())
+    return _state_with(name).layout.group_of(name, global_rank())
 
 
 def parallel_config() -> ParallelConfig:
-    layout = _state().layout
-    return [tuple(d) for d in layout.dims], (list(layout.rank_order) if layout.rank_order is not None else None)
+    """The primary layout's `(dims, rank_order)`, as given to `create_parallel_group`."""
+    state = _state()
+    dims = [tuple(d) for d in state.layout.dims if d[0] != INSTANCE_DIM]
+    return dims, (list(state.layout.rank_order) if state.layout.rank_order is not None else None)
+
+
+def parallel_instance_num() -> int:
+    """How many copies of the primary layout tile the world (1 unless created with instances=True)."""
+    return _state().instance_num
+
+
+def parallel_instance_index() -> int:
+    """Which copy of the primary layout this rank belongs to (0 .. parallel_instance_num() - 1)."""
+    state = _state()
+    if state.instance_num == 1:
+        return 0
+    return state.layout.coords(global_rank())[INSTANCE_DIM]
 
 
 def parallel_size_or_one(name: str) -> int:
     """Size of dimension `name`, or 1 when there is no layout or no such dimension."""
-    if _STATE is None or name not in _STATE.layout.names:
-        return 1
-    return _STATE.layout.size(name)
+    state = _state_of(name)
+    return 1 if state is None else state.layout.size(name)
 
 
 def parallel_rank_or_zero(name: str) -> int:
-    if _STATE is None or name not in _STATE.layout.names:
-        return 0
-    return parallel_rank(name)
+    return 0 if _state_of(name) is None else parallel_rank(name)
 
 
 def destroy_parallel_group() -> None:
-    """Forget the layout; torch destroys the sub-groups with the default group."""
+    """Forget every layout; torch destroys the sub-groups with the default group."""
     global _STATE
     _STATE = None
+    _EXTRA.clear()
