@@ -203,10 +203,13 @@ class DeepSpeed3DParallelOptimization(Optimization):
         topology = build_topology(p, t, d)
         check_topology_matches_atorch(topology, adist.parallel_layout())
         tensor_group = adist.parallel_group("tensor") if t > 1 else None
+        # auto_accelerate's loss_func is the pipeline's loss, called on the last stage as
+        # loss_func(outputs, labels) (ATorch's contract); None: the causal-LM loss.
+        loss_kwargs = {"loss_fn": ctx.loss_func} if ctx.loss_func is not None else {}
         ctx.model = PipeModuleFromRecordedMeta(ctx.model, custom_patcher=config.custom_patcher,
                                                tie_first=config.tie_first, logit_helper=config.logit_helper,
                                                tpinfo=config.tpinfo, tensor_group=tensor_group, topology=topology,
-                                               base_seed=config.base_seed)
+                                               base_seed=config.base_seed, **loss_kwargs)
         _mark_tensor_parallel_params(ctx.model)
         # The pipeline engine places the stages and reduces gradients: no DDP, no _place_model.
         ctx.is_sharded = True
