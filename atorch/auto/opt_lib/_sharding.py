@@ -18,7 +18,7 @@ from torch import nn
 from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._precision import dtype_name
-from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext
+from atorch.auto.opt_lib.base import ConfigAlias, Optimization, Order, ValidationContext, is_false, is_true
 from atorch.utils.module_utils import modules_of_classes, resolve_module_classes
 
 logger = logging.getLogger(__name__)
@@ -209,10 +209,26 @@ class Fsdp2ShardingConfig:
         object.__setattr__(self, "wrap_cls", normalize_wrap_cls(self._owner, self.wrap_cls))
 
 
+# ATorch's FSDP1 options for fsdp/zero2 (fsdp_config dicts of its strategies).
+FSDP_CONFIG_ALIASES: Dict[str, ConfigAlias] = {
+    "atorch_wrap_cls": ConfigAlias(to="wrap_cls"),
+    "use_orig_params": ConfigAlias(accepts=is_true, instead="FSDP2 always keeps the original parameters (as "
+                                   "use_orig_params=True); drop the key"),
+    "limit_all_gathers": ConfigAlias(accepts=is_true, instead="FSDP2 always bounds the all-gathers in flight to the "
+                                     "next unit (as limit_all_gathers=True); drop the key"),
+    "forward_prefetch": ConfigAlias(accepts=is_false, instead="FSDP2 prefetches the next unit's all-gather in "
+                                    "backward only by default; drop the key (explicit prefetching is "
+                                    "FSDPModule.set_modules_to_forward_prefetch on the result's blocks)"),
+    "auto_wrap_policy": ConfigAlias(instead="FSDP2 shards per module class, not with an FSDP1 wrap policy; pass "
+                                    "wrap_cls (or atorch_wrap_cls) with the transformer block classes"),
+}
+
+
 class Fsdp2ShardingOptimization(Optimization):
     """`fsdp` and `zero2` differ only in these two class attributes (and their name/conflicts)."""
 
     order = Order.SHARDING
+    config_aliases = FSDP_CONFIG_ALIASES
     reshard_after_forward: ClassVar[bool]
     deepspeed_stage: ClassVar[int]
 

@@ -24,7 +24,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._precision import add_autocast_to_forward, dtype_name, parse_half_dtype
-from atorch.auto.opt_lib.base import Optimization, Order, register
+from atorch.auto.opt_lib.base import ConfigAlias, Optimization, Order, is_true, register
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +123,10 @@ class AmpNativeOptimization(Optimization):
     name = "amp_native"
     order = Order.AMP
     Config = AmpNativeConfig
+    config_aliases = {
+        "enabled": ConfigAlias(accepts=is_true, instead="to train without autocast, leave amp_native out of the "
+                               "strategy"),
+    }
 
     @classmethod
     def parse_config(cls, raw: Any) -> AmpNativeConfig:

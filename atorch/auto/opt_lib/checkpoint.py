@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from atorch.auto.model_context import ModelContext
-from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, register
+from atorch.auto.opt_lib.base import ConfigAlias, Optimization, Order, ValidationContext, is_true, register
 from atorch.utils.module_utils import modules_of_classes, resolve_module_classes
 
 logger = logging.getLogger(__name__)
@@ -201,6 +201,20 @@ class CheckpointOptimization(Optimization):
     order = Order.CHECKPOINT
     tunable = True
     Config = CheckpointConfig
+    config_aliases = {
+        "wrap_class": ConfigAlias(to="wrap_cls"),
+        "no_reentrant": ConfigAlias(accepts=is_true, instead="atorch always checkpoints non-reentrantly (the "
+                                    "reentrant variant drops gradients of blocks whose inputs need none and takes no "
+                                    "keyword arguments); drop the key"),
+    }
+
+    @classmethod
+    def normalize_config(cls, raw: Any) -> Any:
+        # ATorch also takes the block classes themselves: ("checkpoint", LlamaDecoderLayer) or a tuple of them.
+        if isinstance(raw, type) or (isinstance(raw, (tuple, list)) and raw and
+                                     all(isinstance(c, (type, str)) for c in raw)):
+            return {"wrap_cls": raw}
+        return super().normalize_config(raw)
 
     def validate(self, config: CheckpointConfig, context: ValidationContext) -> None:
         if context.model is not None:

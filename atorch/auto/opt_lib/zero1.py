@@ -16,7 +16,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._sharding import build_deepspeed_engine, check_bool, prepare_deepspeed, validate_deepspeed
-from atorch.auto.opt_lib.base import Optimization, Order, ValidationContext, register
+from atorch.auto.opt_lib.base import ConfigAlias, Optimization, Order, ValidationContext, is_false, register
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,12 @@ class Zero1Optimization(Optimization):
     # Each of these already shards the optimizer state (and more).
     conflicts = frozenset({"zero2", "fsdp"})
     Config = Zero1Config
+    config_aliases = {
+        "cpu_offload": ConfigAlias(accepts=is_false, instead="zero1 keeps optimizer state on the device; for CPU "
+                                   "offload use fsdp or zero2 with cpu_offload=True"),
+        "static_loss_scale": ConfigAlias(instead="loss scaling belongs to amp_native here: use ('amp_native', "
+                                         "{'dtype': torch.float16}), which scales dynamically"),
+    }
 
     def validate(self, config: Zero1Config, context: ValidationContext) -> None:
         # Torch ZeRO-1 with `ddp` is fine: it relies on DDP for gradient averaging either way.
