@@ -8,7 +8,7 @@ import torch
 
 from atorch.distributed.distributed import find_free_port
 
-__all__ = ["apply_to_tensors", "data_to_device", "divide", "find_free_port"]
+__all__ = ["apply_to_tensors", "data_to_device", "divide", "find_free_port", "get_ip_address"]
 
 
 def apply_to_tensors(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
@@ -42,3 +42,15 @@ def divide(numerator: int, denominator: int) -> int:
     if denominator == 0 or numerator % denominator != 0:
         raise ValueError(f"{numerator} is not divisible by {denominator}")
     return numerator // denominator
+
+
+def get_ip_address() -> str:
+    """This host's outbound IPv4 address (no packet is sent), or 127.0.0.1 when there is no route."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
