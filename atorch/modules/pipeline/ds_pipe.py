@@ -109,12 +109,14 @@ class PipeModuleFromRecordedMeta(PipelineModule):
         meta_model: the model, built under `record_module_init` (or on the meta device, or with
             real weights, which are then used as they are).
         custom_patcher: `{module path: patch_fn}` in forward order (see `patchers`); None picks
-            the preset for the model type (Llama, GPT2).
+            the preset for the model type (Llama, GPT2). ATorch's per-module form
+            (`{"wpe": fn, "h.0": fn, ...}`) is accepted too.
         tie_first: keep an LM head that shares the input embedding's weight tied to it when
             they sit on different stages: one weight, its gradient summed over the first and
             last stage. With False the last stage trains its own copy of the weight.
         logit_helper: `fn(logits) -> logits` run on the last stage before the loss (gathering
-            or post-processing logits); None runs nothing.
+            or post-processing logits); None runs nothing. With ATorch's per-module patcher
+            form it is ATorch's `logit_helper(embedding, outputs)` of the tied logit piece.
         partition_method: "parameters" (blocks balanced by parameter count, default) or
             "uniform" (equal block counts). Embeddings and head never count.
         tpinfo: the tensor-parallel plan inside each stage when `tensor_group` has more than one
