@@ -30,11 +30,11 @@ def find_free_port() -> int:
 
 def _fill_single_process_env() -> None:
     # A plain `python script.py` has none of these; default to a world of one.
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
+    # An empty value counts as unset (ATorch's tests and some schedulers export MASTER_ADDR="").
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+        if not os.environ.get(key):
+            os.environ[key] = value
+    if not os.environ.get("MASTER_PORT"):
         os.environ["MASTER_PORT"] = str(find_free_port())
 
 

@@ -38,6 +38,8 @@ def normalize_wrap_cls(where: str, value: Any) -> Optional[Tuple[ClassSpec, ...]
         return None
     if isinstance(value, (str, type)):
         value = (value,)
+    if isinstance(value, (set, frozenset)):  # ATorch's configs use sets; a sorted tuple is deterministic
+        value = tuple(sorted(value, key=lambda c: c if isinstance(c, str) else f"{c.__module__}.{c.__qualname__}"))
     if not isinstance(value, (list, tuple)) or not value:
         raise ValueError(f"{where}: wrap_cls={value!r} must be None (auto-detect the transformer block) or a "
                          "non-empty list of nn.Module classes or class names")
