@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from atorch.common.util_func import apply_to_tensors, data_to_device
 
 __all__ = ["data_to_device", "expand_batch_dim"]

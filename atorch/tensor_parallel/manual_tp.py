@@ -26,8 +26,8 @@ __all__ = ["TPInfo", "hf_init_weights_custom_fn", "tp_manual_shard_custom_fn", "
 def hf_init_weights_custom_fn(meta_model: nn.Module) -> nn.Module:
     """Check that `meta_model` is a Hugging Face model (has `_init_weights`) and return it unchanged."""
     if not hasattr(meta_model, "_init_weights"):
-        raise ValueError(f"hf_init_weights_custom_fn: {type(meta_model).__name__} has no `_init_weights`; it applies to "
-                         "Hugging Face PreTrainedModel instances only")
+        raise ValueError(f"hf_init_weights_custom_fn: {type(meta_model).__name__} has no `_init_weights`; it "
+                         "applies to Hugging Face PreTrainedModel instances only")
     return meta_model
 
 

@@ -34,8 +34,8 @@ class ParallelModeOptimization(Optimization):
         if isinstance(raw, (tuple, list)) and len(raw) == 3 and isinstance(raw[0], (tuple, list)):
             # ATorch's form (dims, rank_order, multi_instance).
             if raw[2]:
-                raise ValueError(f"parallel_mode: multi_instance={raw[2]!r} (a layout smaller than the world, repeated) "
-                                 "is not supported in a strategy: its dims must cover the world size; for separate "
+                raise ValueError(f"parallel_mode: multi_instance={raw[2]!r} (a layout smaller than the world, "
+                                 "repeated) is not supported in a strategy: its dims must cover the world size; for separate "
                                  "instances create groups with atorch.distributed.distributed.create_parallel_group")
             raw = raw[:2]
         if isinstance(raw, (tuple, list)) and len(raw) == 2 and isinstance(raw[0], (tuple, list)):
