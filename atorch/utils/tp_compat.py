@@ -11,9 +11,10 @@ handles atorch's layers (checkpoints, DeepSpeed 3D, gathering) handles them too.
 Randomizer: `init_randomizer(base_seed=1234)`, `get_MDPRInstance()` and
 `get_randomizer(*same_groups).fork()` (a context manager that is also a decorator). A stream
 is either the same on every rank of one named group and different elsewhere
-(`get_randomizer("tensor")`), or different on every rank (`get_randomizer()`); ATorch's
-streams shared over several groups at once (`get_randomizer("tensor", "data")`) have no
-counterpart in atorch's randomizer and raise ValueError.
+(`get_randomizer("tensor")`), or different on every rank (`get_randomizer()`), both kept by
+atorch's randomizer (and in its `get_states`); a stream shared over several groups at once
+(`get_randomizer("tensor", "data")`) is kept here, seeded the same way, and is not part of
+`get_states()`.
 
 Differences from ATorch, on purpose: `defer_init=True` is refused (use `record_module_init`
 and `tp_manual_shard_custom_fn`, which build only this rank's slices); a meta `orig_module`
@@ -238,15 +239,56 @@ class _Stream:
             yield
 
 
-def get_randomizer(*same_groups: str) -> _Stream:
-    """The stream that is the same on the ranks of `same_groups` (none: different on every rank)."""
-    randomizer = _randomizer.get_randomizer()
-    if len(same_groups) > 1:
-        raise ValueError(f"get_randomizer{same_groups}: a stream shared over several groups is not supported; "
-                         "share it over one group, or over none (different on every rank)")
-    if same_groups:
-        from atorch import distributed as adist
+class _SharedStream:
+    """A stream equal on the ranks that differ only along `groups` (ATorch's several-group `get_randomizer`)."""
 
-        adist.parallel_group_size(same_groups[0])  # ValueError naming the groups that exist
+    def __init__(self, base_seed: int, groups: Sequence[str], coords: dict):
+        import hashlib
+        import json
+
+        varying = {d: c for d, c in sorted(coords.items()) if d not in groups and c != 0}
+        key = json.dumps([base_seed, sorted(groups), "shared", varying])
+        self.seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+        self.cpu_state = torch.Generator().manual_seed(self.seed).get_state()
+        self.cuda_state: Optional[torch.Tensor] = None
+
+    @contextlib.contextmanager
+    def fork(self) -> Iterator[None]:
+        use_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        saved_cpu = torch.get_rng_state()
+        torch.set_rng_state(self.cpu_state)
+        saved_cuda = None
+        if use_cuda:
+            saved_cuda = torch.cuda.get_rng_state()
+            if self.cuda_state is None:
+                torch.cuda.manual_seed(self.seed)
+            else:
+                torch.cuda.set_rng_state(self.cuda_state)
+        try:
+            yield
+        finally:
+            self.cpu_state = torch.get_rng_state()
+            torch.set_rng_state(saved_cpu)
+            if saved_cuda is not None:
+                self.cuda_state = torch.cuda.get_rng_state()
+                torch.cuda.set_rng_state(saved_cuda)
+
+
+_SHARED: dict = {}   # (id of the process randomizer, sorted groups) -> _SharedStream
+
+
+def get_randomizer(*same_groups: str) -> Union[_Stream, _SharedStream]:
+    """The stream that is the same on the ranks of `same_groups` (none: different on every rank)."""
+    from atorch import distributed as adist
+
+    randomizer = _randomizer.get_randomizer()
+    for name in same_groups:
+        adist.parallel_group_size(name)  # ValueError naming the groups that exist
+    if len(set(same_groups)) > 1:
+        key = (id(randomizer), tuple(sorted(set(same_groups))))
+        if key not in _SHARED:
+            _SHARED[key] = _SharedStream(randomizer.base_seed, key[1], randomizer.coords)
+        return _SHARED[key]
+    if same_groups:
         return _Stream(randomizer, same_groups[0], True)
     return _Stream(randomizer, "tensor", False)

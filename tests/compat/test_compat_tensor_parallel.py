@@ -1,5 +1,5 @@
-"""ATorch's tensor-parallel API on 2 gloo ranks: TPInfo at `atorch.tensor_parallel.manual_tp`, layers built as
-ATorch builds them (sizes + Megatron-style init, or orig_module=), ParallelEmbedding, the randomizer.
+"""ATorch's tensor-parallel API on 4 gloo ranks (tensor 2 x data 2): TPInfo at `atorch.tensor_parallel.manual_tp`,
+layers built as ATorch builds them (sizes + Megatron-style init, or orig_module=), ParallelEmbedding, the randomizer.
 
 From ATorch (dlrover bfd04ef1, `modules/distributed_modules/layers.py`, `randomizer.py`,
 `tensor_parallel/manual_tp.py`): a layer built from sizes draws a full master weight with
@@ -36,7 +36,7 @@ def _layers_and_randomizer() -> dict:
 
     out = {"same_objects": TPInfo is manual_tp_utils.TPInfo and
            tp_manual_shard_custom_fn is manual_tp_utils.tp_manual_shard_custom_fn}
-    create_parallel_group(([("tensor", 2)], None))
+    create_parallel_group(([("tensor", 2), ("data", 2)], None))
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
     ids = torch.tensor([[0, 5, 9, 3]])
 
@@ -87,18 +87,20 @@ def _layers_and_randomizer() -> dict:
         return torch.rand(2)
 
     out["draws"] = (same.tolist(), different.tolist(), draw().tolist())
-    try:
-        get_randomizer("tensor", "data")
-    except ValueError as e:
-        out["multi_group_error"] = str(e)
+    with get_randomizer("data").fork():
+        same_data = torch.rand(3)
+    with get_randomizer("tensor", "data").fork():
+        same_all = torch.rand(3)
+    out["more_draws"] = (same_data.tolist(), same_all.tolist())
     gpt2 = type("M", (nn.Module,), {"_init_weights": lambda self, m: None})()
     out["hf_init"] = hf_init_weights_custom_fn(gpt2) is gpt2
     return out
 
 
-def test_atorch_tensor_parallel_api_on_two_ranks():
-    r0, r1 = run_distributed(_layers_and_randomizer, 2)
-    for out in (r0, r1):
+def test_atorch_tensor_parallel_api_on_four_ranks():
+    results = run_distributed(_layers_and_randomizer, 4)
+    r0, r1 = results[0], results[1]   # the two tensor ranks of data rank 0
+    for out in results:
         assert out["same_objects"] and out["instance"] and out["hf_init"] and out["col_bias_zero"]
         for key in ("col", "row", "row_grad", "vocab", "orig"):
             assert out[key] <= ATOL, (key, out[key])
@@ -106,6 +108,9 @@ def test_atorch_tensor_parallel_api_on_two_ranks():
         assert "defer_init=True) is not supported" in out["errors"][0]
         assert "give orig_module or both input_size and output_size" in out["errors"][1]
         assert "unknown parallel group 'pipeline'" in out["errors"][2]
-        assert "several groups is not supported" in out["multi_group_error"]
-    assert r0["draws"][0] == r1["draws"][0] and r0["draws"][2] == r1["draws"][2]
-    assert r0["draws"][1] != r1["draws"][1]
+    # tensor = rank % 2, data = rank // 2 (tensor varies fastest).
+    assert r0["draws"][0] == r1["draws"][0] and r0["draws"][2] == r1["draws"][2]   # shared over "tensor"
+    assert r0["draws"][1] != r1["draws"][1]                                           # different everywhere
+    assert results[2]["draws"][0] != r0["draws"][0]                                  # data ranks differ
+    assert results[0]["more_draws"][0] == results[2]["more_draws"][0] != results[1]["more_draws"][0]
+    assert len({tuple(out["more_draws"][1]) for out in results}) == 1                # shared over both groups
