@@ -12,9 +12,8 @@ Randomizer: `init_randomizer(base_seed=1234)`, `get_MDPRInstance()` and
 `get_randomizer(*same_groups).fork()` (a context manager that is also a decorator). A stream
 is either the same on every rank of one named group and different elsewhere
 (`get_randomizer("tensor")`), or different on every rank (`get_randomizer()`), both kept by
-atorch's randomizer (and in its `get_states`); a stream shared over several groups at once
-(`get_randomizer("tensor", "data")`) is kept here, seeded the same way, and is not part of
-`get_states()`.
+atorch's randomizer; a stream shared over several groups at once (`get_randomizer("tensor",
+"data")`) is kept here, seeded the same way; `get_MDPRInstance().get_states()` covers both.
 
 Differences from ATorch, on purpose: `defer_init=True` is refused (use `record_module_init`
 and `tp_manual_shard_custom_fn`, which build only this rank's slices); a meta `orig_module`
@@ -221,9 +220,40 @@ def init_randomizer(base_seed: int = 1234) -> _randomizer.MultiDimParallelRandom
     return _randomizer.init_randomizer(base_seed)
 
 
-def get_MDPRInstance() -> _randomizer.MultiDimParallelRandomizer:  # noqa: N802 - ATorch's name
-    """The process randomizer made by `init_randomizer`."""
-    return _randomizer.get_randomizer()
+class _RandomizerWithSharedStreams:
+    """The process randomizer, whose `get_states`/`set_states` also cover the several-group streams here."""
+
+    _PREFIX = "shared:"
+
+    def __init__(self, randomizer: _randomizer.MultiDimParallelRandomizer):
+        self.randomizer = randomizer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.randomizer, name)
+
+    def get_states(self) -> dict:
+        states = dict(self.randomizer.get_states())
+        for (owner, groups), stream in _SHARED.items():
+            if owner == id(self.randomizer):
+                states[self._PREFIX + ",".join(groups)] = {
+                    "cpu": stream.cpu_state.clone(),
+                    "cuda": stream.cuda_state.clone() if stream.cuda_state is not None else None}
+        return states
+
+    def set_states(self, states: dict) -> None:
+        own = {k: v for k, v in states.items() if not k.startswith(self._PREFIX)}
+        self.randomizer.set_states(own)
+        for name, state in states.items():
+            if name.startswith(self._PREFIX):
+                groups = tuple(name[len(self._PREFIX):].split(","))
+                stream = get_randomizer(*groups)
+                stream.cpu_state = state["cpu"].clone()
+                stream.cuda_state = state["cuda"].clone() if state.get("cuda") is not None else None
+
+
+def get_MDPRInstance() -> _RandomizerWithSharedStreams:  # noqa: N802 - ATorch's name
+    """The process randomizer made by `init_randomizer` (`.randomizer`), with ATorch's state methods."""
+    return _RandomizerWithSharedStreams(_randomizer.get_randomizer())
 
 
 class _Stream:

@@ -76,7 +76,7 @@ def _layers_and_randomizer() -> dict:
 
     # Randomizer: a stream shared over "tensor" draws the same numbers on both ranks, the other differs.
     randomizer = init_randomizer(base_seed=1234)
-    out["instance"] = get_MDPRInstance() is randomizer
+    out["instance"] = get_MDPRInstance().randomizer is randomizer
     with get_randomizer("tensor").fork():
         same = torch.rand(3)
     with get_randomizer().fork():
@@ -91,7 +91,18 @@ def _layers_and_randomizer() -> dict:
         same_data = torch.rand(3)
     with get_randomizer("tensor", "data").fork():
         same_all = torch.rand(3)
-    out["more_draws"] = (same_data.tolist(), same_all.tolist())
+    states = get_MDPRInstance().get_states()
+    with get_randomizer("tensor", "data").fork():
+        first = torch.rand(2)
+    with get_randomizer().fork():
+        first_own = torch.rand(2)
+    get_MDPRInstance().set_states(states)
+    with get_randomizer("tensor", "data").fork():
+        again = torch.rand(2)
+    with get_randomizer().fork():
+        again_own = torch.rand(2)
+    out["more_draws"] = (same_data.tolist(), same_all.tolist(),
+                         torch.equal(first, again) and torch.equal(first_own, again_own))
     gpt2 = type("M", (nn.Module,), {"_init_weights": lambda self, m: None})()
     out["hf_init"] = hf_init_weights_custom_fn(gpt2) is gpt2
     return out
@@ -114,3 +125,4 @@ def test_atorch_tensor_parallel_api_on_four_ranks():
     assert results[2]["draws"][0] != r0["draws"][0]                                  # data ranks differ
     assert results[0]["more_draws"][0] == results[2]["more_draws"][0] != results[1]["more_draws"][0]
     assert len({tuple(out["more_draws"][1]) for out in results}) == 1                # shared over both groups
+    assert all(out["more_draws"][2] for out in results)                               # states replay the streams
