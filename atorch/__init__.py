@@ -10,7 +10,7 @@ import sys
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 from atorch.deploy import deploy  # noqa: E402 - a function; the package stays importable as atorch.deploy.*
-from atorch.distributed import init_distributed  # noqa: E402
+from atorch.distributed import init_distributed, local_rank, rank, reset_distributed, world_size  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["deploy", "init_distributed", "__version__"]
+__all__ = ["deploy", "init_distributed", "local_rank", "rank", "reset_distributed", "world_size", "__version__"]

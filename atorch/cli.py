@@ -4,6 +4,7 @@
     atorch plan --model llama2-7b --nproc 8 --nnodes 8 --device h100 --global-batch 512 --seq 4096
     atorch merge ckpt/step_1000 hf_model/ --tokenizer tok/
     atorch env
+    atorch convert-strategy atorch_strategy.pkl strategy.json
 """
 
 from __future__ import annotations
@@ -120,7 +121,22 @@ def _env(argv: List[str]) -> int:
     return 0
 
 
-COMMANDS = {"run": _run, "plan": _plan, "merge": _merge, "env": _env}
+def _convert_strategy(argv: List[str]) -> int:
+    parser = argparse.ArgumentParser(prog="atorch convert-strategy", description=(
+        "Read a strategy file (ATorch's pickle, read without executing anything, or JSON) and write it as JSON."))
+    parser.add_argument("src")
+    parser.add_argument("dst")
+    args = parser.parse_args(argv)
+    from atorch.auto.strategy import convert_strategy_file
+
+    try:
+        print(convert_strategy_file(args.src, args.dst).describe())
+    except ValueError as e:
+        parser.error(str(e))
+    return 0
+
+
+COMMANDS = {"run": _run, "plan": _plan, "merge": _merge, "env": _env, "convert-strategy": _convert_strategy}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

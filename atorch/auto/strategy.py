@@ -2,7 +2,9 @@
 
 Strategy files are JSON, never pickle: configs may hold plain JSON values, tuples, torch dtypes,
 classes (stored by import path) and dataclasses of those; anything else (a callable, a live
-object) is refused with the key that holds it.
+object) is refused with the key that holds it. ATorch's pickled strategy files are still read
+(`Strategy.load` detects them) by a restricted reader that executes nothing
+(`atorch.auto.strategy_pickle`); `convert_strategy_file` turns one into JSON.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
+
+from atorch.auto.strategy_pickle import is_pickle, read_pickled_strategy
 
 StrategyLike = Union["Strategy", Sequence[Any], str, os.PathLike]
 
@@ -62,9 +66,12 @@ class Strategy:
             return cls(obj._items)
         if isinstance(obj, (str, os.PathLike)):
             return cls.load(obj)
+        if isinstance(obj, (bytes, bytearray)):
+            return cls.from_bytes(bytes(obj))
         if isinstance(obj, (list, tuple)):
             return cls(obj)
-        raise ValueError(f"load_strategy={obj!r} must be a Strategy, a list of optimizations or a JSON file path")
+        raise ValueError(f"load_strategy={obj!r} must be a Strategy, a list of optimizations, a JSON strategy file "
+                         "path, or the bytes of a strategy (JSON or ATorch pickle)")
 
     # -- container protocol -------------------------------------------------
     def __iter__(self) -> Iterator[StrategyItem]:
@@ -96,6 +103,22 @@ class Strategy:
 
     def to_list(self) -> List[Tuple[str, Any, bool]]:
         return [i.as_tuple() for i in self._items]
+
+    # -- ATorch's Strategy methods ---------------------------------------------
+    def opt_names(self) -> List[str]:
+        """The optimization names, in order (ATorch's name for `names()`)."""
+        return self.names()
+
+    def add_opt(self, opt: Any) -> None:
+        """Append an optimization: a name, (name, config) or (name, config, tunable); tunable None means False."""
+        if isinstance(opt, (tuple, list)) and len(opt) == 3 and opt[2] is None:
+            opt = (opt[0], opt[1], False)
+        self._items.append(_to_item(opt))
+
+    def get_parallel_mode(self) -> Tuple[bool, Any]:
+        """(True, config of parallel_mode) when the strategy has one, else (False, None)."""
+        item = self.get("parallel_mode")
+        return (True, item.config) if item is not None else (False, None)
 
     def describe(self) -> str:
         """Short human name with each item's settings, e.g. 'parallel_mode(data=2)+amp_native(bfloat16)+fsdp'.
@@ -142,10 +165,35 @@ class Strategy:
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike]) -> "Strategy":
+        """Read a JSON strategy file, or an ATorch pickled one (read without executing anything)."""
         if not os.path.isfile(path):
             raise ValueError(f"strategy file {os.fspath(path)!r} does not exist")
-        with open(path, encoding="utf-8") as f:
-            return cls.from_json(f.read())
+        with open(path, "rb") as f:
+            return cls.from_bytes(f.read(), source=os.fspath(path))
+
+    @classmethod
+    def from_bytes(cls, data: bytes, source: str = "<bytes>") -> "Strategy":
+        """A strategy from the bytes of a JSON strategy or of an ATorch strategy pickle."""
+        if is_pickle(data):
+            return cls(read_pickled_strategy(data, source))
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+        if text is None or not text.lstrip().startswith("{"):
+            raise ValueError(f"strategy {source!r} is neither a JSON strategy (an object with format "
+                             "'atorch.strategy/1') nor an ATorch strategy pickle; those are the accepted formats")
+        try:
+            return cls.from_json(text)
+        except ValueError as e:
+            raise ValueError(f"strategy {source!r}: {e}") from e
+
+
+def convert_strategy_file(src: Union[str, os.PathLike], dst: Union[str, os.PathLike]) -> "Strategy":
+    """Read `src` (an ATorch pickled strategy, or JSON) and write it to `dst` as a JSON strategy file."""
+    strategy = Strategy.load(src)
+    strategy.save(dst)
+    return strategy
 
 
 def _encode(value: Any, where: str) -> Any:

@@ -12,6 +12,7 @@ cuts them into fixed-length samples; `DatasetBlender`, `DistributedProxySampler`
     batches = InfiniteDataLoader(DataLoader(train, batch_size=8, sampler=sampler))
 """
 
+from atorch.data.batch_utils import data_to_device, expand_batch_dim
 from atorch.data.blender import DatasetBlender, blend_schedule
 from atorch.data.causal_lm import DatasetForCausalLM
 from atorch.data.indexed_dataset import (
@@ -29,6 +30,7 @@ from atorch.data.sources import DocumentSource, LineProblem, open_directory, ope
 __all__ = [
     "DatasetBlender", "DatasetForCausalLM", "DatasetPreprocessor", "DistributedProxySampler", "DocumentSource",
     "IndexedCachedDataset", "IndexedDataset", "IndexedDatasetWriter", "InfiniteDataLoader", "LineProblem",
-    "MMapIndexedDataset", "PreprocessStats", "best_fitting_dtype", "blend_schedule", "open_directory",
+    "MMapIndexedDataset", "PreprocessStats", "best_fitting_dtype", "blend_schedule", "data_to_device",
+    "expand_batch_dim", "open_directory",
     "open_hf_dataset", "open_indexed_dataset", "open_jsonl", "open_text",
 ]

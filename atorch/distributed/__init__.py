@@ -9,11 +9,13 @@ from atorch.distributed.distributed import (
     is_initialized,
     local_rank,
     rank,
+    reset_distributed,
     world_size,
 )
 from atorch.distributed.mesh import ParallelMesh
 from atorch.distributed.parallel_layout import ParallelLayout
 from atorch.distributed.parallel_group import (
+    add_parallel_group,
     create_parallel_group,
     default_parallel_mesh,
     destroy_parallel_group,
@@ -23,6 +25,8 @@ from atorch.distributed.parallel_group import (
     parallel_group,
     parallel_group_ranks,
     parallel_group_size,
+    parallel_instance_index,
+    parallel_instance_num,
     parallel_layout,
     parallel_rank,
     parallel_rank_or_zero,
@@ -31,9 +35,10 @@ from atorch.distributed.parallel_group import (
 )
 
 __all__ = [
-    "ParallelLayout", "ParallelMesh", "create_parallel_group", "default_parallel_mesh", "destroy_distributed", "destroy_parallel_group", "device",
-    "device_mesh", "device_type", "find_free_port", "init_distributed", "is_initialized",
-    "is_parallel_group_created", "local_rank", "parallel_config", "parallel_group", "parallel_group_ranks",
-    "parallel_group_size", "parallel_layout", "parallel_rank", "parallel_rank_or_zero", "parallel_size_or_one",
-    "rank", "set_default_parallel_mesh", "world_size",
+    "ParallelLayout", "ParallelMesh", "add_parallel_group", "create_parallel_group", "default_parallel_mesh",
+    "destroy_distributed", "destroy_parallel_group", "device", "device_mesh", "device_type", "find_free_port",
+    "init_distributed", "is_initialized", "is_parallel_group_created", "local_rank", "parallel_config",
+    "parallel_group", "parallel_group_ranks", "parallel_group_size", "parallel_instance_index",
+    "parallel_instance_num", "parallel_layout", "parallel_rank", "parallel_rank_or_zero", "parallel_size_or_one",
+    "rank", "reset_distributed", "set_default_parallel_mesh", "world_size",
 ]

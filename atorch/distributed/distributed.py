@@ -7,12 +7,16 @@ Works the same under the launcher (env vars set by torch elastic) and in a plain
 from __future__ import annotations
 
 import datetime
+import importlib
+import logging
 import os
 import socket
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 _SUPPORTED_BACKENDS = ("gloo", "nccl")
 
@@ -31,11 +35,11 @@ def _fill_single_process_env() -> None:
     if is_slurm_task(os.environ):
         os.environ.update(slurm_environment(os.environ))
     # A plain `python script.py` has none of these; default to a world of one.
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
+    # An empty value counts as unset (ATorch's tests and some schedulers export MASTER_ADDR="").
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+        if not os.environ.get(key):
+            os.environ[key] = value
+    if not os.environ.get("MASTER_PORT"):
         os.environ["MASTER_PORT"] = str(find_free_port())
 
 
@@ -47,16 +51,29 @@ def default_backend() -> str:
 def init_distributed(
     backend: Optional[str] = None,
     timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+    *,
+    set_cuda_device_using_local_rank: bool = False,
+    coworker_num_per_node: int = 0,
+    elastic_or_fault_tolerant: bool = False,
 ) -> bool:
     """Initialize the default process group once; later calls are no-ops.
 
     Returns True when a process group is ready. Raises ValueError for an unknown
     backend, before touching the network.
+
+    The keywords of ATorch's `init_distributed` are accepted (see `_apply_atorch_init_options`):
+    `set_cuda_device_using_local_rank` selects `cuda:LOCAL_RANK` when CUDA exists (nccl always
+    does); `elastic_or_fault_tolerant` is ignored (restarts are the launcher's job:
+    `python -m atorch.distributed.run --fault_tolerant`); `coworker_num_per_node` > 0
+    (CPU coworker processes) is not supported and raises.
     """
     if backend is None:
         backend = default_backend()
+    if isinstance(backend, str):
+        backend = backend.lower()
     if backend not in _SUPPORTED_BACKENDS:
         raise ValueError(f"backend={backend!r} is not supported; choose one of {list(_SUPPORTED_BACKENDS)} or None")
+    _apply_atorch_init_options(set_cuda_device_using_local_rank, coworker_num_per_node, elastic_or_fault_tolerant)
     if dist.is_initialized():
         return True
     _fill_single_process_env()
@@ -135,3 +152,136 @@ def destroy_distributed() -> None:
         callback()
     if is_initialized():
         dist.destroy_process_group()
+
+
+# -- ATorch compatibility: init keywords and the `atorch.distributed.distributed` query API ------------
+# ATorch's versions return None where a group or dimension does not exist; atorch's own code
+# uses the strict functions of `parallel_group.py`, which raise instead.
+
+_LOGGED_ONCE: set = set()
+
+
+def _log_once(key: str, message: str, *args: Any) -> None:
+    if key not in _LOGGED_ONCE:
+        _LOGGED_ONCE.add(key)
+        logger.info(message, *args)
+
+
+def _apply_atorch_init_options(set_cuda_device_using_local_rank: bool, coworker_num_per_node: int,
+                               elastic_or_fault_tolerant: bool) -> None:
+    """What ATorch's `init_distributed` keywords mean here; validated before any network use."""
+    if not isinstance(coworker_num_per_node, int) or isinstance(coworker_num_per_node, bool) or \
+            coworker_num_per_node < 0:
+        raise ValueError(f"coworker_num_per_node={coworker_num_per_node!r} must be an integer >= 0")
+    if coworker_num_per_node > 0:
+        raise ValueError(f"coworker_num_per_node={coworker_num_per_node} is not supported: atorch has no CPU "
+                         "coworker processes (ATorch's data-preprocessing service); every process trains. Use 0 and "
+                         "preprocess data with atorch.data.DatasetPreprocessor")
+    if elastic_or_fault_tolerant:
+        _log_once("elastic", "init_distributed(elastic_or_fault_tolerant=True): ignored; restarts are handled by the "
+                  "launcher (python -m atorch.distributed.run --fault_tolerant), and every attempt initializes the "
+                  "same way")
+    if set_cuda_device_using_local_rank:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            _log_once("cuda_device", "init_distributed(set_cuda_device_using_local_rank=True): no GPU found; ignored")
+        else:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % count)
+
+
+def reset_distributed() -> None:
+    """ATorch's name for `destroy_distributed`: drop the parallel groups and the default group."""
+    destroy_distributed()
+
+
+def _parallel_group_module() -> Any:
+    # Imported late (it imports this module); by name, because the package attribute
+    # `atorch.distributed.parallel_group` is the function of the same name.
+    return importlib.import_module("atorch.distributed.parallel_group")
+
+
+def _compat_state(name: str) -> Any:
+    pg = _parallel_group_module()
+    return pg._state_of(name) if is_initialized() else None
+
+
+def create_parallel_group(parallel_config: Any, use_atorch_pipe: bool = True, use_device_mesh: bool = False) -> None:
+    """ATorch's `create_parallel_group((dims, rank_order[, multi_instance]))`.
+
+    Calls add up (a second call with other dimension names builds a second mesh, as ATorch's
+    do); a third item True lets the sizes multiply to a divisor of the world size (the
+    layout is repeated: `parallel_instance_num()`, `parallel_instance_index()`). The groups
+    are always DeviceMesh dimensions here, so `use_device_mesh` changes nothing, and
+    `use_atorch_pipe` (ATorch's own pipeline runtime) is ignored.
+    """
+    pg = _parallel_group_module()
+    if not isinstance(parallel_config, (tuple, list)) or len(parallel_config) not in (2, 3):
+        raise ValueError(f"parallel_config={parallel_config!r} must be (dims, rank_order) or "
+                         "(dims, rank_order, multi_instance), e.g. ([('tensor', 2), ('data', 2)], None)")
+    instances = bool(parallel_config[2]) if len(parallel_config) == 3 else False
+    pg.add_parallel_group((parallel_config[0], parallel_config[1]), instances=instances)
+
+
+def destroy_parallel_group(destroy_rpc: bool = True) -> None:
+    """Forget every parallel group (ATorch's `destroy_rpc` has no meaning here: there is no RPC)."""
+    pg = _parallel_group_module()
+    pg.destroy_parallel_group()
+
+
+def parallel_group(name: str) -> Optional[dist.ProcessGroup]:
+    """This rank's group along `name`, or None when no such dimension exists (ATorch's behaviour)."""
+    state = _compat_state(name)
+    return None if state is None else state.mesh.get_group(name)
+
+
+def parallel_rank(name: str) -> Optional[int]:
+    state = _compat_state(name)
+    return None if state is None else state.layout.coords(rank())[name]
+
+
+def parallel_group_size(name: str) -> Optional[int]:
+    state = _compat_state(name)
+    return None if state is None else state.layout.size(name)
+
+
+def parallel_group_and_ranks(name: str) -> Tuple[Optional[dist.ProcessGroup], Optional[List[int]]]:
+    """(this rank's group along `name`, its global ranks), or (None, None)."""
+    state = _compat_state(name)
+    if state is None:
+        return None, None
+    return state.mesh.get_group(name), state.layout.group_of(name, rank())
+
+
+def parallel_config() -> Optional[Tuple[List[Tuple[str, int]], Optional[List[int]]]]:
+    pg = _parallel_group_module()
+    return pg.parallel_config() if pg.is_parallel_group_created() else None
+
+
+def parallel_instance_num() -> Optional[int]:
+    pg = _parallel_group_module()
+    return pg.parallel_instance_num() if pg.is_parallel_group_created() else None
+
+
+def parallel_instance_index() -> Optional[int]:
+    pg = _parallel_group_module()
+    return pg.parallel_instance_index() if pg.is_parallel_group_created() else None
+
+
+def get_device_mesh(group_name: str, use_prefix: bool = True) -> Any:
+    """The whole DeviceMesh that has dimension `group_name`, or None.
+
+    Its dimension names are in torch's row-major order (slowest first), i.e. the reverse of
+    the order given to `create_parallel_group`; index it by name (`mesh["tensor"]`).
+    """
+    pg = _parallel_group_module()
+    return pg.mesh_of(group_name) if is_initialized() else None
+
+
+def is_distributed() -> bool:
+    """True when more than one process takes part."""
+    return world_size() > 1
+
+
+def backend() -> Optional[str]:
+    return dist.get_backend() if is_initialized() else None
+

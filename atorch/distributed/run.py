@@ -79,5 +79,31 @@ def main(argv: Optional[List[str]] = None) -> None:
     torch_run_main(translate_args(list(sys.argv[1:] if argv is None else argv)))
 
 
+# -- ATorch's entry points (scripts and tests call these) ----------------------------------------
+
+def parse_fault_tolerant_or_elastic_args(args: Optional[List[str]] = None, mode: str = "elastic"
+                                         ) -> argparse.Namespace:
+    """ATorch's parser: the torch elastic arguments for atorch launcher `args` (None: sys.argv[1:]).
+
+    mode "fault_tolerant" restarts the worker group after a failure (as `--fault_tolerant`);
+    "elastic" takes `--nnodes MIN:MAX` and `--max_restarts` as given. The result is for `elastic_run`.
+    """
+    if mode not in ("elastic", "fault_tolerant"):
+        raise ValueError(f"mode={mode!r}; valid modes are 'elastic' and 'fault_tolerant'")
+    argv = list(sys.argv[1:] if args is None else args)
+    if mode == "fault_tolerant" and "--fault_tolerant" not in argv and "--fault-tolerant" not in argv:
+        argv = ["--fault_tolerant", *argv]
+    from torch.distributed.run import parse_args as torch_parse_args
+
+    return torch_parse_args(translate_args(argv))
+
+
+def elastic_run(args: argparse.Namespace) -> None:
+    """Run a job parsed by `parse_fault_tolerant_or_elastic_args`; raises torch's ChildFailedError on failure."""
+    from torch.distributed.run import run as torch_run
+
+    torch_run(args)
+
+
 if __name__ == "__main__":
     main()

@@ -304,3 +304,121 @@ def _post_order(module: nn.Module) -> Iterator[nn.Module]:
     for child in module.children():
         yield from _post_order(child)
     yield module
+
+
+# -- ATorch's disk-offloaded meta initialization ----------------------------------------------------
+# `init_empty_weights_with_disk_offload` builds modules for real, then (when the block ends) writes
+# every parameter and buffer to disk and leaves it on the meta device; `reload_meta_module` reads the
+# exact initial values back. Peak memory is one full model while building (the weights must exist to
+# be saved); for models that do not fit, build under `record_module_init` and materialize per block.
+
+_OFFLOAD_ATTR = "checkpoint_name"   # ATorch's attribute: the file holding the tensor's initial value
+
+
+@contextlib.contextmanager
+def init_empty_weights_with_disk_offload(ignore_tie_weights: bool = False, include_buffers: bool = True,
+                                         reset: bool = True, disk_offload: bool = True,
+                                         offload_path: Optional[str] = None, ckpt_path: Optional[str] = None,
+                                         shard_kwargs: Any = None,
+                                         meta_init_offload_name: Optional[str] = None) -> Iterator[None]:
+    """Modules built in the block end up on the meta device, their initial values saved under `offload_path`.
+
+    ATorch's keywords are accepted: `include_buffers` (default True) offloads buffers too;
+    `offload_path` defaults to a new temporary directory; tied parameters stay tied (one file,
+    one meta Parameter). `disk_offload=False`, `ckpt_path` (loading a checkpoint instead) and
+    `shard_kwargs` raise ValueError; `ignore_tie_weights`, `reset` and `meta_init_offload_name`
+    change nothing here.
+    """
+    import tempfile
+
+    if not disk_offload:
+        raise ValueError("init_empty_weights_with_disk_offload(disk_offload=False) would lose the initial weights; use "
+                         "record_module_init() to build on meta and replay the construction instead")
+    if ckpt_path is not None or shard_kwargs is not None:
+        raise ValueError("init_empty_weights_with_disk_offload: ckpt_path and shard_kwargs are not supported; load a "
+                         "checkpoint with atorch.checkpoint.load_checkpoint after auto_accelerate")
+    directory = offload_path or tempfile.mkdtemp(prefix="atorch_meta_offload_")
+    created: List[nn.Module] = []
+    original_init = nn.Module.__init__
+
+    def tracking_init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        created.append(self)
+
+    nn.Module.__init__ = tracking_init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.__init__ = original_init  # type: ignore[method-assign]
+    _offload_to_disk(_roots(created), directory, include_buffers)
+
+
+def _roots(modules: List[nn.Module]) -> List[nn.Module]:
+    """The modules that are not a sub-module of another one in `modules`."""
+    inner = {id(sub) for m in modules for sub in m.modules() if sub is not m}
+    seen, roots = set(), []
+    for m in modules:
+        if id(m) not in inner and id(m) not in seen:
+            seen.add(id(m))
+            roots.append(m)
+    return roots
+
+
+def _offload_to_disk(roots: List[nn.Module], directory: str, include_buffers: bool) -> None:
+    import os
+
+    replaced: Dict[int, torch.Tensor] = {}   # id of a real tensor -> its meta stand-in (keeps ties)
+    for root in roots:
+        for owner in root.modules():
+            tables = [owner._parameters] + ([owner._buffers] if include_buffers else [])
+            for table in tables:
+                for name, tensor in list(table.items()):
+                    if tensor is None or tensor.is_meta:
+                        continue
+                    if id(tensor) not in replaced:
+                        path = os.path.join(directory, f"{len(replaced)}.pt")
+                        torch.save(tensor.detach().cpu(), path)
+                        if isinstance(tensor, nn.Parameter):
+                            meta = nn.Parameter(torch.empty_like(tensor, device="meta"),
+                                                requires_grad=tensor.requires_grad)
+                        else:
+                            meta = torch.empty_like(tensor, device="meta")
+                        setattr(meta, _OFFLOAD_ATTR, path)
+                        replaced[id(tensor)] = meta
+                    table[name] = replaced[id(tensor)]
+
+
+def reload_meta_module(module: nn.Module, device: Any = "cpu", delete_ckpt_name: bool = True,
+                       retie_weights: bool = True) -> nn.Module:
+    """Give the offloaded (meta) tensors of `module` their saved initial values on `device`; ties stay tied.
+
+    A module without offloaded tensors is moved with `.to(device)`. Raises ValueError for a
+    meta tensor that has no saved value (it was not built under
+    `init_empty_weights_with_disk_offload`). `retie_weights` is implied: a tensor shared by
+    several modules is loaded once.
+    """
+    loaded: Dict[int, torch.Tensor] = {}
+    for owner_name, owner in module.named_modules():
+        for table in (owner._parameters, owner._buffers):
+            for name, tensor in list(table.items()):
+                if tensor is None or not tensor.is_meta:
+                    continue
+                if id(tensor) not in loaded:
+                    path = getattr(tensor, _OFFLOAD_ATTR, None)
+                    if path is None:
+                        where = f"{owner_name}.{name}" if owner_name else name
+                        raise ValueError(f"{where} is on the meta device with no saved value; was it built under "
+                                         "init_empty_weights_with_disk_offload()?")
+                    value = torch.load(path, map_location=device, weights_only=True)
+                    if isinstance(tensor, nn.Parameter):
+                        value = nn.Parameter(value, requires_grad=tensor.requires_grad)
+                    if not delete_ckpt_name:
+                        setattr(value, _OFFLOAD_ATTR, path)
+                    loaded[id(tensor)] = value
+                table[name] = loaded[id(tensor)]
+    return module.to(device)
+
+
+def materialize_modules_to_device(model: nn.Module, device: Any = None) -> nn.Module:
+    """The whole model with its saved initial values on `device` (default: cpu) (ATorch's name)."""
+    return reload_meta_module(model, device if device is not None else "cpu")

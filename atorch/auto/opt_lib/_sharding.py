@@ -19,7 +19,7 @@ from torch import nn
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._precision import dtype_name
 from atorch.distributed.mesh import ParallelMesh
-from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, WrapperOrder, short_value, shown_fields
+from atorch.auto.opt_lib.base import ConfigAlias, CostContext, Optimization, Order, ValidationContext, WrapperOrder, is_false, is_true, short_value, shown_fields
 from atorch.utils.module_utils import modules_of_classes, resolve_module_classes
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,8 @@ def normalize_wrap_cls(where: str, value: Any) -> Optional[Tuple[ClassSpec, ...]
         return None
     if isinstance(value, (str, type)):
         value = (value,)
+    if isinstance(value, (set, frozenset)):  # ATorch's configs use sets; a sorted tuple is deterministic
+        value = tuple(sorted(value, key=lambda c: c if isinstance(c, str) else f"{c.__module__}.{c.__qualname__}"))
     if not isinstance(value, (list, tuple)) or not value:
         raise ValueError(f"{where}: wrap_cls={value!r} must be None (auto-detect the transformer block) or a "
                          "non-empty list of nn.Module classes or class names")
@@ -228,11 +230,28 @@ class Fsdp2ShardingConfig:
         object.__setattr__(self, "wrap_cls", normalize_wrap_cls(self._owner, self.wrap_cls))
 
 
+# ATorch's FSDP1 options for fsdp/zero2 (fsdp_config dicts of its strategies).
+FSDP_CONFIG_ALIASES: Dict[str, ConfigAlias] = {
+    "atorch_wrap_cls": ConfigAlias(to="wrap_cls"),
+    "use_orig_params": ConfigAlias(accepts=is_true, instead="FSDP2 always keeps the original parameters (as "
+                                   "use_orig_params=True); drop the key"),
+    "limit_all_gathers": ConfigAlias(accepts=is_true, instead="FSDP2 always bounds the all-gathers in flight to the "
+                                     "next unit (as limit_all_gathers=True); drop the key"),
+    "forward_prefetch": ConfigAlias(accepts=is_false, instead="FSDP2 prefetches the next unit's all-gather in "
+                                    "backward only by default; drop the key (explicit prefetching is "
+                                    "FSDPModule.set_modules_to_forward_prefetch on the result's blocks)"),
+    "auto_wrap_policy": ConfigAlias(instead="FSDP2 shards per module class, not with an FSDP1 wrap policy; pass "
+                                    "wrap_cls (or atorch_wrap_cls) with the transformer block classes"),
+}
+
+
 class Fsdp2ShardingOptimization(Optimization):
     """`fsdp` and `zero2` differ only in these two class attributes (and their name/conflicts)."""
 
     order = Order.SHARDING
     wrapper_order = WrapperOrder.ENGINE   # builds the DeepSpeed engine when use_ds_zero=True
+
+    config_aliases = FSDP_CONFIG_ALIASES
     reshard_after_forward: ClassVar[bool]
     deepspeed_stage: ClassVar[int]
 

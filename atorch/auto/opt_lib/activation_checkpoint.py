@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from atorch.auto.model_context import ModelContext
-from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
+from atorch.auto.opt_lib.base import ConfigAlias, CostContext, Optimization, Order, ValidationContext, is_true, register
 from atorch.utils.module_utils import modules_of_classes, resolve_module_classes
 
 logger = logging.getLogger(__name__)
@@ -207,6 +207,21 @@ class CheckpointOptimization(Optimization):
     @classmethod
     def cost_traits(cls, config: CheckpointConfig, context: CostContext) -> Dict[str, Any]:
         return {"checkpoint": True}
+
+    config_aliases = {
+        "wrap_class": ConfigAlias(to="wrap_cls"),
+        "no_reentrant": ConfigAlias(accepts=is_true, instead="atorch always checkpoints non-reentrantly (the "
+                                    "reentrant variant drops gradients of blocks whose inputs need none and takes no "
+                                    "keyword arguments); drop the key"),
+    }
+
+    @classmethod
+    def normalize_config(cls, raw: Any) -> Any:
+        # ATorch also takes the block classes themselves: ("checkpoint", LlamaDecoderLayer) or a tuple of them.
+        if isinstance(raw, type) or (isinstance(raw, (tuple, list)) and raw and
+                                     all(isinstance(c, (type, str)) for c in raw)):
+            return {"wrap_cls": raw}
+        return super().normalize_config(raw)
 
     def validate(self, config: CheckpointConfig, context: ValidationContext) -> None:
         if context.model is not None:

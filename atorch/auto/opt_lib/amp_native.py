@@ -25,7 +25,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._precision import add_autocast_to_forward, dtype_name, parse_half_dtype
 from atorch.modules.grad_scaling import GradScalingOptimizer
-from atorch.auto.opt_lib.base import CostContext, Optimization, Order, WrapperOrder, register
+from atorch.auto.opt_lib.base import ConfigAlias, CostContext, Optimization, Order, WrapperOrder, is_true, register
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,11 @@ class AmpNativeOptimization(Optimization):
         # Half-precision compute; autocast keeps half copies of the fp32 weights unless a sharding
         # wrapper (FSDP2 mixed precision, DeepSpeed bf16/fp16) takes the dtype over.
         return {"compute_dtype_bytes": 2, "autocast": True}
+
+    config_aliases = {
+        "enabled": ConfigAlias(accepts=is_true, instead="to train without autocast, leave amp_native out of the "
+                               "strategy"),
+    }
 
     @classmethod
     def parse_config(cls, raw: Any) -> AmpNativeConfig:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, FrozenSet, List, Mapping, Optional, Tuple, Type
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, FrozenSet, List, Mapping, Optional, Tuple, Type
 
 if TYPE_CHECKING:  # pragma: no cover
     from atorch.auto.model_context import ModelContext
@@ -104,6 +104,28 @@ class CostContext:
 UNDECLARED = "<undeclared>"
 
 
+@dataclass(frozen=True)
+class ConfigAlias:
+    """How one config key of the system we follow (ATorch) maps onto an optimization's typed Config.
+
+    `to`: the Config field that receives the value (a renamed key). Otherwise the key has no
+    field here: values for which `accepts(value)` is true ask for what atorch does anyway and
+    are dropped; any other value raises ValueError with `instead` (what to use instead).
+    """
+
+    to: Optional[str] = None
+    accepts: Optional[Callable[[Any], bool]] = None
+    instead: str = ""
+
+
+def is_true(value: Any) -> bool:
+    return value is True
+
+
+def is_false(value: Any) -> bool:
+    return value is False
+
+
 class Optimization:
     """Base class. Subclasses set the class attributes and override what they need."""
 
@@ -166,9 +188,37 @@ class Optimization:
         plain = {k: _plain(v) for k, v in fields.items()}
         return None if any(v is _NOT_PLAIN for v in plain.values()) else plain
 
+    # ATorch config keys accepted in a dict config, declared per class (see ConfigAlias).
+    config_aliases: ClassVar[Mapping[str, ConfigAlias]] = {}
+
+    @classmethod
+    def normalize_config(cls, raw: Any) -> Any:
+        """Rewrite ATorch's spellings of a config into this class's own, before parsing.
+
+        The base version maps the keys of a dict through `config_aliases`; subclasses extend
+        it for other shapes (e.g. a bare class for `checkpoint`). Raises ValueError for an
+        option that cannot be honoured, naming it and what to use instead.
+        """
+        if not isinstance(raw, dict) or not cls.config_aliases:
+            return raw
+        out = {k: v for k, v in raw.items() if k not in cls.config_aliases}
+        for key, value in raw.items():
+            alias = cls.config_aliases.get(key)
+            if alias is None:
+                continue
+            if alias.to is not None:
+                if alias.to in out and out[alias.to] != value:
+                    raise ValueError(f"{cls.name}: {key!r} (ATorch's name for {alias.to!r}) and {alias.to!r} are both "
+                                     f"given, with different values {value!r} and {out[alias.to]!r}; give one")
+                out[alias.to] = value
+            elif alias.accepts is None or not alias.accepts(value):
+                raise ValueError(f"{cls.name}: {key}={value!r} is not supported: {alias.instead}")
+        return out
+
     @classmethod
     def parse_config(cls, raw: Any) -> Any:
         """Turn a user config (None, dict, or a Config instance) into a Config, naming bad keys."""
+        raw = cls.normalize_config(raw)
         if isinstance(raw, cls.Config):
             return raw
         if raw is None:

@@ -227,11 +227,15 @@ class DeepSpeed3DParallelOptimization(Optimization):
         topology = build_topology(p, t, d)
         check_topology_matches_atorch(topology, parallel.layout)
         tensor_group = parallel.group("tensor") if t > 1 else None
+        # auto_accelerate's loss_func is the pipeline's loss, called on the last stage as
+        # loss_func(outputs, labels) (ATorch's contract); None: the causal-LM loss.
+        loss_kwargs = {"loss_fn": ctx.loss_func} if ctx.loss_func is not None else {}
         ctx.model = PipeModuleFromRecordedMeta(ctx.model, custom_patcher=config.custom_patcher,
                                                tie_first=config.tie_first, logit_helper=config.logit_helper,
                                                tpinfo=config.tpinfo, tensor_group=tensor_group, topology=topology,
                                                base_seed=config.base_seed,
-                                               randomizer_coords=parallel.layout.coords(torch.distributed.get_rank()))
+                                               randomizer_coords=parallel.layout.coords(torch.distributed.get_rank()),
+                                               **loss_kwargs)
         _mark_tensor_parallel_params(ctx.model)
         # The pipeline engine places the stages and reduces gradients: no DDP, no _place_model.
         ctx.is_sharded = True

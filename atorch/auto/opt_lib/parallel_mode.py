@@ -46,6 +46,14 @@ class ParallelModeOptimization(Optimization):
     def parse_config(cls, raw: Any) -> ParallelModeConfig:
         if raw is None or isinstance(raw, ParallelModeConfig):
             return raw or ParallelModeConfig()
+        if isinstance(raw, (tuple, list)) and len(raw) == 3 and isinstance(raw[0], (tuple, list)):
+            # ATorch's form (dims, rank_order, multi_instance).
+            if raw[2]:
+                raise ValueError(f"parallel_mode: multi_instance={raw[2]!r} (a layout smaller than the world, "
+                                 "repeated) is not supported in a strategy: its dims must cover the world size; "
+                                 "for separate instances create groups with "
+                                 "atorch.distributed.distributed.create_parallel_group")
+            raw = raw[:2]
         if isinstance(raw, (tuple, list)) and len(raw) == 2 and isinstance(raw[0], (tuple, list)):
             dims, order = raw
             try:

@@ -24,7 +24,16 @@ from atorch.auto.opt_lib._sharding import (
     prepare_deepspeed,
     validate_deepspeed,
 )
-from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, WrapperOrder, register
+from atorch.auto.opt_lib.base import (
+    ConfigAlias,
+    CostContext,
+    Optimization,
+    Order,
+    ValidationContext,
+    WrapperOrder,
+    is_false,
+    register,
+)
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,13 @@ class Zero1Optimization(Optimization):
             return {"sharding": "deepspeed", "zero_stage": 1, "ddp_wrap": False}
         # ZeroRedundancyOptimizer: Adam state / data; DDP keeps full gradients and its buckets.
         return {"sharding": "torch_zero1", "zero_stage": 1}
+
+    config_aliases = {
+        "cpu_offload": ConfigAlias(accepts=is_false, instead="zero1 keeps optimizer state on the device; for CPU "
+                                   "offload use fsdp or zero2 with cpu_offload=True"),
+        "static_loss_scale": ConfigAlias(instead="loss scaling belongs to amp_native here: use ('amp_native', "
+                                         "{'dtype': torch.float16}), which scales dynamically"),
+    }
 
     def validate(self, config: Zero1Config, context: ValidationContext) -> None:
         # Torch ZeRO-1 with `ddp` is fine: it relies on DDP for gradient averaging either way.

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from atorch.auto.opt_lib._sharding import Fsdp2ShardingConfig, Fsdp2ShardingOptimization
-from atorch.auto.opt_lib.base import register
+from atorch.auto.opt_lib._sharding import FSDP_CONFIG_ALIASES, Fsdp2ShardingConfig, Fsdp2ShardingOptimization
+from atorch.auto.opt_lib.base import ConfigAlias, register
 
 
 @dataclass(frozen=True)
@@ -32,5 +32,11 @@ class Zero2Optimization(Fsdp2ShardingOptimization):
     conflicts = frozenset({"zero1", "fsdp", "ddp"})
     Config = Zero2Config
     search_dimension = "zero"
+
+    config_aliases = {
+        **FSDP_CONFIG_ALIASES,
+        "static_loss_scale": ConfigAlias(instead="loss scaling belongs to amp_native here: use ('amp_native', "
+                                         "{'dtype': torch.float16}), which scales dynamically"),
+    }
     reshard_after_forward = False
     deepspeed_stage = 2

@@ -23,12 +23,14 @@ from atorch.modules.pipeline.batches import CausalLMLoss
 from atorch.modules.pipeline.materialize import materialize_model
 from atorch.modules.pipeline.partition import StagePlan, plan_stages
 from atorch.modules.pipeline.patchers import (
+    BLOCK,
     CustomPatcher,
     PatchedLayer,
     PieceSpec,
     expand_patcher,
+    is_per_module_patcher,
     resolve_patcher,
-    tied_head_paths,
+    tied_piece_indices,
 )
 
 TIED_KEY = "tied_embedding"
@@ -97,6 +99,7 @@ class SourcedLayer(PatchedLayer):
     def __init__(self, source: PieceSource, index: int):
         piece = source.pieces[index]
         super().__init__(source.module(index), piece.patch, piece.path)
+        self.kind = piece.kind
 
 
 class PipeModuleFromRecordedMeta(PipelineModule):
@@ -106,12 +109,14 @@ class PipeModuleFromRecordedMeta(PipelineModule):
         meta_model: the model, built under `record_module_init` (or on the meta device, or with
             real weights, which are then used as they are).
         custom_patcher: `{module path: patch_fn}` in forward order (see `patchers`); None picks
-            the preset for the model type (Llama, GPT2).
+            the preset for the model type (Llama, GPT2). ATorch's per-module form
+            (`{"wpe": fn, "h.0": fn, ...}`) is accepted too.
         tie_first: keep an LM head that shares the input embedding's weight tied to it when
             they sit on different stages: one weight, its gradient summed over the first and
             last stage. With False the last stage trains its own copy of the weight.
         logit_helper: `fn(logits) -> logits` run on the last stage before the loss (gathering
-            or post-processing logits); None runs nothing.
+            or post-processing logits); None runs nothing. With ATorch's per-module patcher
+            form it is ATorch's `logit_helper(embedding, outputs)` of the tied logit piece.
         partition_method: "parameters" (blocks balanced by parameter count, default) or
             "uniform" (equal block counts). Embeddings and head never count.
         tpinfo: the tensor-parallel plan inside each stage when `tensor_group` has more than one
@@ -144,35 +149,37 @@ class PipeModuleFromRecordedMeta(PipelineModule):
             # class; None (as deepspeed_3d_parallel passes without tensor parallelism) means none.
             tensor_group = _atorch_tensor_group()
         patcher = resolve_patcher(meta_model, custom_patcher)
-        pieces = expand_patcher(meta_model, patcher)
+        # ATorch's per-module patcher form consumes tie_first and logit_helper(embedding, outputs) itself.
+        per_module = is_per_module_patcher(meta_model, patcher)
+        pieces = expand_patcher(meta_model, patcher, tie_first=tie_first, logit_helper=logit_helper)
         plan = plan_stages(meta_model, pieces, num_stages, partition_method)
         base_seed = kwargs.get("base_seed", 1234)
         source = PieceSource(lambda: materialize_model(meta_model, base_seed, tensor_group, tpinfo,
-                                                                     randomizer_coords), pieces)
-        tied = tied_head_paths(meta_model, pieces) if tie_first else None
-        index_of = {p.path: i for i, p in enumerate(pieces)}
-        if tied is not None and plan.stage_of(index_of[tied[0]]) == plan.stage_of(index_of[tied[1]]):
+                                                       randomizer_coords), pieces)
+        tied = tied_piece_indices(meta_model, pieces) if tie_first else None
+        if tied is not None and plan.stage_of(tied[0]) == plan.stage_of(tied[1]):
             tied = None  # one stage holds both: they share one Parameter already, nothing to synchronize
         layers: List[Any] = []
         for i, piece in enumerate(pieces):
-            if tied is not None and piece.path in tied:
+            if tied is not None and i in tied:
                 # Each side builds its own piece; DeepSpeed keeps `module.weight` equal on both
                 # stages (broadcast at start, gradients all-reduced between them).
                 layers.append(TiedLayerSpec(TIED_KEY, SourcedLayer, source, i, tied_weight_attr="module.weight"))
             else:
                 layers.append(LayerSpec(SourcedLayer, source, i))
-        if logit_helper is not None:
+        if logit_helper is not None and not per_module:
             layers.append(logit_helper)  # a function layer: DeepSpeed calls it last on the last stage
         if "loss_fn" not in kwargs:
             vocab_size = getattr(getattr(meta_model, "config", None), "vocab_size", None)
             kwargs["loss_fn"] = CausalLMLoss(tensor_group, vocab_size)
         # Plain attributes read by _partition_layers inside PipelineModule.__init__.
         self._atorch_plan = plan
-        self._atorch_tail = 1 if logit_helper is not None else 0
+        self._atorch_tail = 1 if logit_helper is not None and not per_module else 0
         super().__init__(layers=layers, **kwargs)
         source.release()  # the pieces of other stages become garbage here
         self.stage_plan: StagePlan = plan
-        self.tied_paths: Optional[Tuple[str, str]] = tied
+        self.tied_paths: Optional[Tuple[str, str]] = \
+            (pieces[tied[0]].path, pieces[tied[1]].path) if tied is not None else None
 
     def _partition_layers(self, method: str = "parameters") -> None:
         # DeepSpeed's own "parameters" method builds every layer on every rank just to count
@@ -182,6 +189,12 @@ class PipeModuleFromRecordedMeta(PipelineModule):
         self.parts = bounds
         stage_id = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=bounds[stage_id], stop=bounds[stage_id + 1])
+
+    def _is_checkpointable(self, funcs: Sequence[Any]) -> bool:
+        # Activation checkpointing (ds_config pipeline.activation_checkpoint_interval) applies to
+        # transformer blocks only: DeepSpeed's reentrant checkpoint of an embedding, whose inputs
+        # are integer ids, returns outputs with no gradient path and the backward pass fails.
+        return all(getattr(f, "kind", None) == BLOCK for f in funcs)
 
     def local_layers(self) -> List[PatchedLayer]:
         """The model pieces of this stage, in forward order."""

@@ -13,20 +13,38 @@ The ready patchers below (Llama, GPT2) use one convention, so their pieces inter
 first layer input `(input_ids, attention_mask)`, between layers `(hidden_states,
 attention_mask, position_ids)` (only `hidden_states` is floating point, so it is the only
 tensor a pipeline sends gradients for), last layer output: the logits.
+
+ATorch's per-module form is accepted too (`expand_patcher` tells them apart by the keys): the
+model is flattened into its leaf modules and the elements of its module lists, in definition
+order (ATorch's `model_to_module_list`), and `{path: forward_patcher}` names some of them, the
+blocks by their own paths (`"h.0"`, `"h.1"`, ...). A forward patcher is
+`forward_patcher(forward, module) -> new_forward(inputs)`; an unnamed piece gets
+`default_forward_patcher`, which feeds the leading inputs to the module and passes the rest
+through. With `tie_first`, the first piece is the token embedding and a last piece computes
+the logits with its weight (`logit_helper(embedding, outputs)`, default `outputs @ weight.T`,
+vocabulary-parallel when the embedding is).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 Tensors = Tuple[torch.Tensor, ...]
 # patch_fn(module, inputs): run `module` on the tuple from the previous layer.
 PatchFn = Callable[[Any, Tensors], Union[torch.Tensor, Tensors]]
 CustomPatcher = Mapping[str, PatchFn]
+# ATorch's convention: forward_patcher(module.forward, module) -> forward(inputs).
+ForwardPatcher = Callable[[Callable[..., Any], nn.Module], Callable[[Tensors], Any]]
+# ATorch's logit helper: logit_helper(embedding module, outputs of the last piece) -> logits.
+LogitHelper = Callable[[nn.Module, Any], torch.Tensor]
 
 PRE, BLOCK, POST = "pre", "block", "post"
 
@@ -50,15 +68,26 @@ def get_submodule(model: nn.Module, path: str) -> nn.Module:
                          f"(its top-level modules are {top})") from e
 
 
-def expand_patcher(model: nn.Module, patcher: CustomPatcher) -> List[PieceSpec]:
-    """The pipeline layers of `model` in forward order; the one ModuleList path expands per block."""
+def expand_patcher(model: nn.Module, patcher: CustomPatcher, tie_first: bool = False,
+                   logit_helper: Optional[LogitHelper] = None) -> List[PieceSpec]:
+    """The pipeline layers of `model` in forward order.
+
+    A patcher naming one nn.ModuleList (atorch's form) expands that path to one layer per
+    block. A patcher naming blocks by their own paths and no module list (ATorch's per-module
+    form) is expanded by `expand_per_module_patcher`, which uses `tie_first`/`logit_helper`.
+    """
     if not isinstance(patcher, Mapping) or not patcher:
         raise ValueError(f"custom_patcher must be a non-empty mapping {{module path: patch_fn}}, got {patcher!r}")
-    pieces: List[PieceSpec] = []
+    for path in patcher:
+        get_submodule(model, path)  # names what the model has when a path is wrong
     block_paths = [p for p in patcher if isinstance(get_submodule(model, p), nn.ModuleList)]
+    if not block_paths and is_per_module_patcher(model, patcher):
+        return expand_per_module_patcher(model, patcher, tie_first=tie_first, logit_helper=logit_helper)
     if len(block_paths) != 1:
         raise ValueError(f"custom_patcher must name exactly one nn.ModuleList (the transformer blocks); it names "
-                         f"{len(block_paths)}: {block_paths} among {list(patcher)}")
+                         f"{len(block_paths)}: {block_paths} among {list(patcher)}. (ATorch's per-module form names "
+                         "the blocks one by one instead, e.g. {'h.0': fn, 'h.1': fn, ...})")
+    pieces: List[PieceSpec] = []
     kind = PRE
     for path, fn in patcher.items():
         if not callable(fn):
@@ -72,6 +101,140 @@ def expand_patcher(model: nn.Module, patcher: CustomPatcher) -> List[PieceSpec]:
         else:
             pieces.append(PieceSpec(path, fn, kind))
     return pieces
+
+
+# ---- ATorch's per-module form ----------------------------------------------------------------
+
+def model_to_module_list(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """`(path, module)` of every leaf module and every element of a ModuleList/Sequential, in definition order.
+
+    The layer list of ATorch's `PipeModuleFromRecordedMeta`: it is the forward order only for
+    models that define their modules in the order they call them (GPT2Model, LlamaModel, ...).
+    """
+    out: List[Tuple[str, nn.Module]] = []
+
+    def visit(module: nn.Module, path: str) -> None:
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            out.extend((f"{path}.{i}" if path else str(i), m) for i, m in enumerate(module))
+        elif not module._modules:
+            out.append((path, module))
+        else:
+            for name, child in module._modules.items():
+                if child is not None:
+                    visit(child, f"{path}.{name}" if path else name)
+
+    visit(model, "")
+    return out
+
+
+def _block_class_name(layers: Sequence[Tuple[str, nn.Module]]) -> str:
+    """The most common class among the layers: the transformer block (ATorch's partition rule)."""
+    return Counter(type(m).__name__ for _, m in layers).most_common(1)[0][0]
+
+
+def is_per_module_patcher(model: nn.Module, patcher: Mapping[str, Any]) -> bool:
+    """True for ATorch's form: no key is a module list, and some key is one block's own path."""
+    layers = model_to_module_list(model)
+    block = _block_class_name(layers)
+    block_paths = {p for p, m in layers if type(m).__name__ == block}
+    containers = [p for p in patcher if isinstance(model.get_submodule(p), nn.ModuleList)]
+    return not containers and any(p in block_paths for p in patcher)
+
+
+def default_forward_patcher(forward: Callable[..., Any], module: nn.Module) -> Callable[[Any], Tensors]:
+    """Feed the first k inputs to `forward` (k = its parameter count), pass the remaining ones through.
+
+    E.g. an embedding receiving `(input_ids, position_ids, mask)` returns
+    `(embeddings, position_ids, mask)`: the outputs replace as many leading inputs.
+    """
+    arity = len(inspect.signature(forward).parameters)
+
+    @functools.wraps(forward)
+    def patched(inputs: Any) -> Tensors:
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        out = forward(*inputs[:arity])
+        out = out if isinstance(out, tuple) else (out,)
+        return (*out, *inputs[len(out):])
+
+    return patched
+
+
+def _as_piece_patch(forward_patcher: ForwardPatcher) -> PatchFn:
+    """An ATorch forward patcher as a `patch(module, inputs)` of this module."""
+
+    def patch(module: nn.Module, inputs: Tensors) -> Any:
+        return forward_patcher(module.forward, module)(inputs)
+
+    patch.forward_patcher = forward_patcher  # type: ignore[attr-defined]
+    return patch
+
+
+def default_logit_helper(embedding: nn.Module, outputs: Any) -> torch.Tensor:
+    """Logits from the last hidden states and the (tied) embedding weight.
+
+    With a vocabulary-parallel embedding each rank computes the logits of its vocabulary
+    slice (the loss must then be vocabulary-parallel, e.g. `vocab_parallel_cross_entropy`);
+    the hidden states enter through `copy_to_group` so their gradient is summed over the slices.
+    """
+    hidden = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
+    if not isinstance(hidden, torch.Tensor):
+        raise ValueError(f"the last pipeline piece must output a tensor or a tuple starting with one, got "
+                         f"{type(outputs).__name__}")
+    if getattr(embedding, "tp_size", 1) > 1:
+        from atorch.modules.distributed_modules.mappings import copy_to_group
+
+        hidden = copy_to_group(hidden, embedding.group)
+    return F.linear(hidden, embedding.weight)
+
+
+def expand_per_module_patcher(model: nn.Module, patcher: Mapping[str, ForwardPatcher], tie_first: bool = False,
+                              logit_helper: Optional[LogitHelper] = None) -> List[PieceSpec]:
+    """Pieces of ATorch's per-module form: every layer of `model_to_module_list`, in order.
+
+    Named layers run through their forward patcher, the others through
+    `default_forward_patcher`. The blocks (the most common class) must be contiguous. With
+    `tie_first` a last piece computes the logits from the first piece's weight.
+    """
+    layers = model_to_module_list(model)
+    paths = [p for p, _ in layers]
+    unknown = [p for p in patcher if p not in paths]
+    if unknown:
+        raise ValueError(f"custom_patcher keys {unknown} are not pipeline layers of {type(model).__name__}; in the "
+                         f"per-module form the layers are {paths}")
+    for path, fn in patcher.items():
+        if not callable(fn):
+            raise ValueError(f"custom_patcher[{path!r}] = {fn!r} is not callable; expected "
+                             "patch_fn(forward, module) -> forward(inputs)")
+    if logit_helper is not None and not callable(logit_helper):
+        raise ValueError(f"logit_helper={logit_helper!r} must be callable as logit_helper(embedding, outputs)")
+    block = _block_class_name(layers)
+    is_block = [type(m).__name__ == block for _, m in layers]
+    first, last = is_block.index(True), len(is_block) - 1 - is_block[::-1].index(True)
+    if not all(is_block[first:last + 1]):
+        raise ValueError(f"the transformer blocks ({block}) of {type(model).__name__} are not contiguous in its "
+                         f"layer list {paths}; the per-module form needs pre pieces, blocks, then post pieces")
+    pieces = [PieceSpec(path, _as_piece_patch(patcher.get(path, default_forward_patcher)),
+                        PRE if i < first else BLOCK if i <= last else POST)
+              for i, (path, _) in enumerate(layers)]
+    if tie_first:
+        helper = logit_helper or default_logit_helper
+        pieces.append(PieceSpec(pieces[0].path, lambda embedding, inputs: helper(embedding, inputs), POST))
+    return pieces
+
+
+def tied_piece_indices(model: nn.Module, pieces: Sequence[PieceSpec]) -> Optional[Tuple[int, int]]:
+    """(embedding piece, head piece) indices when the head reuses the embedding's weight, else None.
+
+    The per-module form's logit piece has the first piece's path; otherwise the model's own
+    tied input/output embeddings are looked up (`tied_head_paths`).
+    """
+    if len(pieces) > 1 and pieces[-1].path == pieces[0].path:
+        return 0, len(pieces) - 1
+    paths = tied_head_paths(model, pieces)
+    if paths is None:
+        return None
+    index_of = {p.path: i for i, p in enumerate(pieces)}
+    return index_of[paths[0]], index_of[paths[1]]
 
 
 def count_blocks(model: nn.Module, patcher: CustomPatcher) -> int:
