@@ -29,7 +29,8 @@ from atorch.auto.strategy import Strategy, StrategyItem
 def validation_context(ctx: ModelContext) -> ValidationContext:
     """What validation may see of `ctx`: plain values, the same on every rank."""
     return ValidationContext(world_size=adist.world_size(), model=ctx.model,
-                             model_config=getattr(ctx.model, "config", None), device_type=ctx.device.type)
+                             model_config=getattr(ctx.model, "config", None), device_type=ctx.device.type,
+                             global_batch_size=ctx.dataloader_args.get("batch_size"))
 
 
 def resolve(ctx: ModelContext, strategy: Strategy) -> List[ResolvedOptimization]:

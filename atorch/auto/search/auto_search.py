@@ -239,11 +239,10 @@ def _records(frame: pd.DataFrame) -> list:
 
 def make_predictor(model: Any, batch_size: int, seq_len: int, world_size: int,
                    device: torch.device) -> Callable[[Strategy], Any]:
-    """The cost model bound to this run's model shape, batch and world."""
-    from atorch.auto.cost_model import ModelShape, estimate
+    """The cost model bound to this run's model shape, batch and world (gradient accumulation included)."""
+    from atorch.auto.calibration import cost_model_predictor
 
-    shape = ModelShape.from_module(model)
-    return lambda strategy: estimate(shape, strategy, batch_size, seq_len, world_size, device)
+    return cost_model_predictor(model, batch_size, seq_len, world_size, device)
 
 
 def infer_seq_len(dataset: Any) -> int:
