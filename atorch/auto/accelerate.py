@@ -1,8 +1,10 @@
 """`auto_accelerate`: validate -> (search) -> apply -> `AutoAccelerateResult`.
 
-Input mistakes (an unknown optimization, a bad config, a conflicting pair) raise ValueError
-on every rank before any collective. Failures while a valid strategy is being applied are
-logged with their full traceback and returned as `status=False`.
+Mistakes in the arguments (see `atorch.auto.arguments`) and in the strategy (an unknown
+optimization, a bad config, a conflicting pair) raise ValueError/TypeError on every rank before
+any collective, as do atorch's own checks that can only run while applying (all ranks agree
+on them). `status=False` means a valid strategy failed while it was applied (any other
+exception, logged with its traceback) or no searched strategy ran; every rank returns the same.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from atorch import distributed as adist
+from atorch.auto.arguments import check_loss, validate_arguments, validate_batch_layout
 from atorch.auto.model_context import ModelContext, call_model, default_loss_func, default_prepare_input, first_loss
 from atorch.auto.opt_lib.base import ValidationContext
 from atorch.auto.opt_lib.resolve import resolve_strategy
 from atorch.auto.strategy import Strategy, StrategyLike
+from atorch.distributed.agreement import agree_on_error
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +60,11 @@ def auto_accelerate(
     """
     if model_input_format not in _INPUT_FORMATS:
         raise ValueError(f"model_input_format={model_input_format!r}; valid values are {list(_INPUT_FORMATS)}")
+    validate_arguments(model=model, optim_func=optim_func, dataset=dataset, loss_func=loss_func,
+                       prepare_input=prepare_input, optim_args=optim_args, optim_param_func=optim_param_func,
+                       dataloader_args=dataloader_args, lr_scheduler_cls=lr_scheduler_cls,
+                       lr_scheduler_args=lr_scheduler_args, save_strategy_to_file=save_strategy_to_file,
+                       report_path=report_path, excluded=excluded, included=included)
     adist.init_distributed()
     ctx = ModelContext(
         model=model, optim_func=optim_func, optim_args=dict(optim_args or {}), optim_param_func=optim_param_func,
@@ -66,12 +75,14 @@ def auto_accelerate(
         from atorch.auto.search.auto_search import SearchError, search_for_context  # planner: only when searching
 
         try:
-            strategy = search_for_context(ctx, excluded=excluded, included=included, report_path=report_path)
+            with agree_on_error("auto_accelerate: the strategy search"):
+                strategy = search_for_context(ctx, excluded=excluded, included=included, report_path=report_path)
         except SearchError:  # every candidate failed its dry run: the documented status=False path
             logger.exception("auto_accelerate: the strategy search found no strategy that runs")
             return False, None, None
     else:
-        strategy = Strategy.from_any(load_strategy)
+        with agree_on_error("auto_accelerate: reading load_strategy"):
+            strategy = Strategy.from_any(load_strategy)
         if not ignore_dryrun_on_load_strategy:
             from atorch.auto.dry_runner import DryRunError, check_strategy_runs
 
@@ -81,15 +92,23 @@ def auto_accelerate(
                 logger.exception("auto_accelerate: the loaded strategy failed its dry run")
                 return False, None, None
     # Validation raises ValueError on every rank before any collective.
-    resolved = resolve_strategy(strategy, validation_context(ctx))
+    vctx = validation_context(ctx)
+    resolved = resolve_strategy(strategy, vctx)
+    pipeline = vctx.configs.get("pipeline_parallel")
+    validate_batch_layout(ctx.dataloader_args, vctx.parallel_sizes(),
+                          (pipeline.chunks or vctx.parallel_sizes().get("pipeline")) if pipeline else None)
     try:
-        result = apply_resolved(ctx, resolved)
+        with agree_on_error(f"auto_accelerate: applying {strategy.describe()}"):
+            result = apply_resolved(ctx, resolved)
+    except (ValueError, TypeError):  # atorch's checks that run while applying: argument mistakes, raised
+        raise
     except Exception:  # noqa: BLE001 - documented status=False path, full reason logged
         logger.exception("auto_accelerate could not apply strategy %s", strategy.describe())
         return False, None, None
     chosen = Strategy(r.item for r in resolved)
-    if save_strategy_to_file and adist.rank() == 0:
-        chosen.save(save_strategy_to_file)
+    with agree_on_error(f"auto_accelerate: save_strategy_to_file={save_strategy_to_file!r}"):
+        if save_strategy_to_file and adist.rank() == 0:
+            chosen.save(save_strategy_to_file)
     return True, result, chosen
 
 
@@ -154,7 +173,7 @@ def _result(ctx: ModelContext) -> AutoAccelerateResult:
     user_loss = ctx.loss_func or default_loss_func
 
     def loss_func(batch: Any, output: Any) -> torch.Tensor:
-        loss = first_loss(user_loss(batch, output))
+        loss = check_loss(first_loss(user_loss(batch, output)), ctx.loss_func)
         for transform in ctx.loss_transforms:
             loss = transform(loss)
         return loss

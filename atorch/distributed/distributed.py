@@ -9,10 +9,13 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from typing import Optional
+import time
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+from atorch.distributed import timeouts
 
 _SUPPORTED_BACKENDS = ("gloo", "nccl")
 
@@ -41,12 +44,16 @@ def default_backend() -> str:
 
 def init_distributed(
     backend: Optional[str] = None,
-    timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+    timeout: Optional[datetime.timedelta] = None,
 ) -> bool:
     """Initialize the default process group once; later calls are no-ops.
 
-    Returns True when a process group is ready. Raises ValueError for an unknown
-    backend, before touching the network.
+    Returns True when a process group is ready. Raises ValueError for an unknown backend or a
+    malformed RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, before touching the network. `timeout`
+    is the collectives' timeout (default: `ATORCH_COLLECTIVE_TIMEOUT` seconds, else 30 min);
+    joining the rendezvous has its own, `ATORCH_INIT_TIMEOUT` (default 60 s): a rank that
+    cannot meet the others at MASTER_ADDR:MASTER_PORT in that time (the port is another job's,
+    a rank failed to start) raises `DistributedInitError` naming the address.
     """
     if backend is None:
         backend = default_backend()
@@ -55,32 +62,100 @@ def init_distributed(
     if dist.is_initialized():
         return True
     _fill_single_process_env()
+    rank_, world, addr, port = _rendezvous_env()
+    collective = timeout if timeout is not None else timeouts.collective_timeout()
+    join = timeouts.init_timeout()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    store = _elastic_attempt_store(timeout)
-    if store is not None:
-        dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
-    else:
-        dist.init_process_group(backend=backend, timeout=timeout)
+    timeouts.enable_flight_recorder()
+    store = _rendezvous_store(rank_, world, addr, port, join)
+    dist.init_process_group(backend=backend, store=store, rank=rank_, world_size=world, timeout=collective)
+    timeouts.install(store)
     return True
 
 
-def _elastic_attempt_store(timeout: datetime.timedelta) -> Optional[dist.Store]:
-    """Under torch elastic, a store whose keys are private to this restart attempt.
+def _env_int(name: str, minimum: int) -> int:
+    raw = os.environ.get(name, "")
+    try:
+        value = int(raw)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise ValueError(f"environment variable {name}={raw!r} must be an integer >= {minimum}")
+    return value
 
-    Measured with torch 2.13 and gloo: after a restart, env:// initialization sometimes
-    reads the previous attempt's listening address from the agent's store and fails with
-    "Connection refused" in connectFullMesh. Prefixing the keys by attempt avoids that.
+
+def _rendezvous_env() -> Tuple[int, int, str, int]:
+    """(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), checked before any connection is attempted."""
+    world = _env_int("WORLD_SIZE", 1)
+    rank_ = _env_int("RANK", 0)
+    if rank_ >= world:
+        raise ValueError(f"environment variable RANK={rank_} must be < WORLD_SIZE={world}")
+    port = _env_int("MASTER_PORT", 1)
+    if port > 65535:
+        raise ValueError(f"environment variable MASTER_PORT={port} must be a TCP port, 1..65535")
+    addr = os.environ.get("MASTER_ADDR", "")
+    if not addr:
+        raise ValueError("environment variable MASTER_ADDR is empty; set it to rank 0's host name or address")
+    return rank_, world, addr, port
+
+
+_init_count = 0
+
+
+def _rendezvous_store(rank_: int, world: int, addr: str, port: int, join: datetime.timedelta) -> dist.Store:
+    """The rendezvous store, once every rank has checked in (else `DistributedInitError` after `join`).
+
+    The check-in is a counter under a key of this job's own: a rank that reached another job's
+    store (MASTER_PORT was taken) never sees the count complete and fails after `join`,
+    naming the address, instead of waiting for the collective timeout.
     """
+    global _init_count
+    _init_count += 1
+    where = f"MASTER_ADDR:MASTER_PORT={addr}:{port}"
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None:
-        return None
-    is_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                         is_master=not is_agent_store and int(os.environ["RANK"]) == 0, timeout=timeout)
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
-    return dist.PrefixStore(f"/atorch/{run_id}/attempt_{attempt}", base)
+    is_agent_store = attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    try:
+        base = dist.TCPStore(addr, port, world, is_master=not is_agent_store and rank_ == 0, timeout=join,
+                             wait_for_workers=False)
+    except (RuntimeError, dist.DistError) as e:
+        if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
+            raise timeouts.DistributedInitError(
+                f"rank {rank_}: cannot start the rendezvous store at {where}: the port is already in use (another "
+                "job?); choose a free MASTER_PORT (or launch with atorch.distributed.run, which picks one)") from e
+        raise timeouts.DistributedInitError(
+            f"rank {rank_}: cannot reach the rendezvous store at {where} within {join.total_seconds():g} s "
+            f"({timeouts.INIT_TIMEOUT_ENV}): {e}") from e
+    store: dist.Store = base
+    if attempt is not None:
+        # Measured with torch 2.13 and gloo: after a restart, env:// initialization sometimes
+        # reads the previous attempt's listening address from the agent's store and fails with
+        # "Connection refused" in connectFullMesh. Prefixing the keys by attempt avoids that.
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+        store = dist.PrefixStore(f"/atorch/{run_id}/attempt_{attempt}", base)
+    # One prefix per initialization in this process (a test may destroy and initialize again).
+    store = dist.PrefixStore(f"init_{_init_count}", store)
+    _check_in(store, rank_, world, where, join)
+    return store
+
+
+def _check_in(store: dist.Store, rank_: int, world: int, where: str, join: datetime.timedelta) -> None:
+    deadline = time.monotonic() + join.total_seconds()
+    try:
+        arrived = store.add("atorch_check_in", 1)
+        while arrived < world:
+            if time.monotonic() >= deadline:
+                raise timeouts.DistributedInitError(
+                    f"rank {rank_}: only {arrived} of WORLD_SIZE={world} ranks joined the rendezvous at {where} "
+                    f"within {join.total_seconds():g} s ({timeouts.INIT_TIMEOUT_ENV}); is MASTER_PORT used by "
+                    "another job, or did a rank fail to start?")
+            time.sleep(0.05)
+            arrived = store.add("atorch_check_in", 0)
+    except timeouts.DistributedInitError:
+        raise
+    except (RuntimeError, dist.DistError) as e:
+        raise timeouts.DistributedInitError(
+            f"rank {rank_}: lost the rendezvous store at {where} while waiting for the other ranks: {e}") from e
 
 
 def is_initialized() -> bool:
