@@ -128,6 +128,7 @@ def check_sequence_length(model: nn.Module, dataset: Any) -> None:
     else:
         return
     field, value = limit
+    field = (getattr(config, "attribute_map", None) or {}).get(field, field)   # GPT-2 calls it n_positions
     if length > value:
         raise ValueError(f"dataset[0]['input_ids'] has {length} tokens, more than the model's {field}={value} "
                          f"({type(model).__name__}); cut the sequences to at most {value} tokens")
@@ -149,8 +150,8 @@ def check_tp_suffixes(model: nn.Module, tpinfo: Any) -> None:
         for name in matched:
             shapes.setdefault(_module_shape(modules[name]), []).append(name)
         if len(shapes) > 1:
-            shown = "; ".join(f"{shape}: {names[:3]}{' ...' if len(names) > 3 else ''}"
-                              for shape, names in shapes.items())
+            shown = "; ".join(f"{cls} {shape}: {names[:3]}{' ...' if len(names) > 3 else ''}"
+                              for (cls, shape), names in shapes.items())
             raise ValueError(f"TPInfo {kind} suffix {suffix!r} is ambiguous: it matches modules of different shapes "
                              f"({shown}); use a longer suffix that names one kind of module, e.g. "
                              f"{_longer_suffixes(suffix, shapes)}")
