@@ -98,6 +98,8 @@ def auto_accelerate(
     validate_batch_layout(ctx.dataloader_args, vctx.parallel_sizes(),
                           (pipeline.chunks or vctx.parallel_sizes().get("pipeline")) if pipeline else None)
     try:
+        # Every rank returns the same status. A rank failing inside an optimization, before one of
+        # its collectives, leaves the others in that collective until ATORCH_COLLECTIVE_TIMEOUT.
         with agree_on_error(f"auto_accelerate: applying {strategy.describe()}"):
             result = apply_resolved(ctx, resolved)
     except (ValueError, TypeError):  # atorch's checks that run while applying: argument mistakes, raised
@@ -126,15 +128,20 @@ def apply_resolved(ctx: ModelContext, resolved) -> AutoAccelerateResult:
     for r in resolved:
         r.optimization.apply(ctx, r.config)
         ctx.applied.append(r.name)
-    _place_model(ctx)
-    if ctx.optim is None and ctx.optim_func is not None:
-        ctx.optim = ctx.optim_func(ctx.optim_params(), **ctx.optim_args)
+    # The user's code runs between the optimizations' collectives: each call ends in a vote, so
+    # a failure on one rank raises the same exception on every rank instead of leaving the
+    # others in the next optimization's collective.
+    with agree_on_error("auto_accelerate: placing the model and calling optim_func"):
+        _place_model(ctx)
+        if ctx.optim is None and ctx.optim_func is not None:
+            ctx.optim = ctx.optim_func(ctx.optim_params(), **ctx.optim_args)
     for r in resolved:
         r.optimization.apply_wrapper(ctx, r.config)
-    if ctx.lr_scheduler is None and ctx.lr_scheduler_cls is not None and ctx.optim is not None:
-        ctx.lr_scheduler = ctx.lr_scheduler_cls(ctx.optim, **ctx.lr_scheduler_args)
-    if ctx.dataloader is None and ctx.dataset is not None:
-        ctx.dataloader, ctx.sampler = build_dataloader(ctx)
+    with agree_on_error("auto_accelerate: calling lr_scheduler_cls and building the dataloader"):
+        if ctx.lr_scheduler is None and ctx.lr_scheduler_cls is not None and ctx.optim is not None:
+            ctx.lr_scheduler = ctx.lr_scheduler_cls(ctx.optim, **ctx.lr_scheduler_args)
+        if ctx.dataloader is None and ctx.dataset is not None:
+            ctx.dataloader, ctx.sampler = build_dataloader(ctx)
     from atorch.checkpoint.model_methods import attach_checkpoint_methods  # imported on use: DCP is heavy
 
     # `result.model.save_parallelized(dir, merge_checkpoints=...)` / `.from_parallelized(dir)`.

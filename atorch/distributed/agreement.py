@@ -32,6 +32,7 @@ import torch.distributed as dist
 # Exception types a peer's failure may be re-raised as: the builtins and atorch's own.
 _SAFE_MODULES = ("builtins", "atorch.")
 
+_AGREED = "_atorch_agreed"   # set on an exception every rank raised through `agree`
 _vote_group: Optional[Tuple[object, dist.ProcessGroup]] = None
 
 
@@ -91,6 +92,9 @@ def agree(what: str, error: Optional[BaseException]) -> None:
         if error is not None:
             raise error
         return
+    if error is not None and getattr(error, _AGREED, False):
+        # Raised by an inner agreement, so on every rank at the same point: no second vote.
+        raise error
     group = _group()
     flag = torch.tensor([1 if error is not None else 0], dtype=torch.int64)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
@@ -101,6 +105,7 @@ def agree(what: str, error: Optional[BaseException]) -> None:
     dist.all_gather_object(gathered, mine, group=group)
     failures = sorted(f for f in gathered if f is not None)
     agreed = _agreed_exception(what, failures)
+    setattr(agreed, _AGREED, True)
     if error is not None:
         raise agreed from error
     raise agreed
