@@ -50,6 +50,12 @@ def _group() -> dist.ProcessGroup:
     return _vote_group[1]
 
 
+def forget_group() -> None:
+    """Drop the reference to the vote group (called when the process groups are destroyed)."""
+    global _vote_group
+    _vote_group = None
+
+
 def _describe(exc: BaseException) -> Tuple[str, str, str]:
     cls = type(exc)
     return cls.__module__, cls.__qualname__, str(exc)

@@ -156,18 +156,26 @@ def diagnose_collective_timeouts() -> Iterator[None]:
 
 _store: Optional[dist.Store] = None
 _previous_hook = None
+_uncaught = False
+
+
+def failed_with_uncaught_exception() -> bool:
+    """Whether an uncaught exception reached sys.excepthook (the process is exiting with an error)."""
+    return _uncaught
 
 
 def install(store: Optional[dist.Store]) -> None:
     """Remember the rendezvous store and make an uncaught collective timeout print its diagnosis."""
     global _store, _previous_hook
     _store = store
-    if _previous_hook is None:
+    if _previous_hook is None and store is not None:
         _previous_hook = sys.excepthook
         sys.excepthook = _excepthook
 
 
 def _excepthook(exc_type, exc, tb) -> None:
+    global _uncaught
+    _uncaught = True
     if exc is not None and is_timeout_error(exc) and dist.is_initialized():
         try:
             message = describe_collective_timeout(exc, _store)
