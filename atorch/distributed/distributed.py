@@ -178,6 +178,8 @@ def _rendezvous_store(rank_: int, world: int, addr: str, port: int, join: dateti
     # One prefix per initialization in this process (a test may destroy and initialize again).
     store = dist.PrefixStore(f"init_{_init_count}", store)
     _check_in(store, rank_, world, where, join)
+    # Where each rank runs, for the messages that name the ranks (and nodes) a collective lost.
+    store.set(f"{timeouts.NODE_KEY}/{rank_}", timeouts.this_node())
     return store
 
 

@@ -33,8 +33,10 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
 # collective that timed out; atorch turns it on unless the user configured it.
 FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"
 FLIGHT_RECORDER_ENTRIES = "2000"
-# Phrases of gloo's and NCCL's timeout errors.
+# Phrases of gloo's and NCCL's errors when a collective times out or a peer is gone.
 _TIMEOUT_MARKERS = ("Timed out waiting", "timed out", "Timeout", "timeout")
+_PEER_LOST_MARKERS = ("closed by peer", "Connection reset", "pair closure", "Broken pipe", "Connection refused")
+NODE_KEY = "atorch/node"
 _MAX_GRACE_S = 30.0
 
 
@@ -74,8 +76,28 @@ def enable_flight_recorder() -> None:
 
 
 def is_timeout_error(exc: BaseException) -> bool:
-    return isinstance(exc, (RuntimeError, dist.DistError)) and any(m in str(exc) for m in _TIMEOUT_MARKERS) \
+    """A collective's timeout or lost peer (gloo/NCCL), as opposed to any other error."""
+    return isinstance(exc, (RuntimeError, dist.DistError)) \
+        and any(m in str(exc) for m in _TIMEOUT_MARKERS + _PEER_LOST_MARKERS) \
         and not isinstance(exc, (CollectiveTimeoutError, DistributedInitError))
+
+
+def this_node() -> str:
+    """'node N (host)': the launcher's node rank (GROUP_RANK) and this machine's name."""
+    import socket
+
+    return f"node {os.environ.get('GROUP_RANK', '0')} ({socket.gethostname()})"
+
+
+def _nodes_of(store: dist.Store, ranks: Sequence[int]) -> str:
+    nodes: Dict[str, List[int]] = {}
+    for r in ranks:
+        try:
+            where = store.get(f"{NODE_KEY}/{r}").decode() if store.check([f"{NODE_KEY}/{r}"]) else "unknown node"
+        except Exception:  # noqa: BLE001 - best effort
+            where = "unknown node"
+        nodes.setdefault(where, []).append(r)
+    return ", ".join(f"{where}: ranks {rs}" for where, rs in nodes.items())
 
 
 def _pending_collective() -> Optional[Dict[str, Any]]:
@@ -135,12 +157,14 @@ def describe_collective_timeout(exc: BaseException, store: Optional[dist.Store])
     if store is not None and ranks:
         try:
             missing = roll_call(store, f"atorch/timeout/{key}", ranks, me, min(timeout_s, _MAX_GRACE_S))
-            missing_text = (f"; rank(s) {missing} did not arrive" if missing
+            missing_text = (f"; rank(s) {missing} did not arrive ({_nodes_of(store, missing)})" if missing
                             else "; every rank of the group reached it (a slow or lost transfer)")
         except Exception:  # noqa: BLE001 - the store may be gone with the failed rank
             missing_text = "; the other ranks could not be asked (the rendezvous store is unreachable)"
-    return (f"rank {me}: {what} did not complete within {COLLECTIVE_TIMEOUT_ENV}={timeout_s:g} s{missing_text} "
-            f"(original error: {str(exc).strip()[:300]})")
+    lost = any(m in str(exc) for m in _PEER_LOST_MARKERS) and not any(m in str(exc) for m in _TIMEOUT_MARKERS)
+    outcome = "failed: a peer closed its connection" if lost else \
+        f"did not complete within {COLLECTIVE_TIMEOUT_ENV}={timeout_s:g} s"
+    return f"rank {me}: {what} {outcome}{missing_text} (original error: {str(exc).strip()[:300]})"
 
 
 @contextlib.contextmanager
