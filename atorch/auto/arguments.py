@@ -11,8 +11,7 @@ queries, so every rank reaches the same verdict and none is left waiting in a co
 - `validate_batch_layout`: the global batch against the chosen data-parallel size and
   pipeline chunks (called once the strategy is resolved, still before it is applied).
 - `check_loss`: the loss function's result at use (a non-scalar loss named with its shape).
-- `check_tp_suffixes`: TPInfo suffixes that match modules of different shapes, or one module
-  through two entries (to call where a tensor-parallel plan is resolved).
+(TPInfo suffixes that match modules of different shapes: `atorch.utils.tp_checks`.)
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional
 
 import torch
 from torch import nn
@@ -134,35 +133,6 @@ def check_sequence_length(model: nn.Module, dataset: Any) -> None:
                          f"({type(model).__name__}); cut the sequences to at most {value} tokens")
 
 
-def check_tp_suffixes(model: nn.Module, tpinfo: Any) -> None:
-    """Refuse TPInfo entries that are ambiguous on `model`, naming the modules.
-
-    A suffix is ambiguous when the modules it matches have different shapes (GPT-2's bare
-    'c_proj' matches attn.c_proj, 64 -> 64, and mlp.c_proj, 128 -> 64): one sharding cannot
-    suit both. A module matched by entries of two roles is ambiguous too. Pure; call it where
-    the tensor-parallel plan is resolved, before anything is sharded.
-    """
-    modules = dict(model.named_modules())
-    roles: Dict[str, Tuple[str, str]] = {}
-    for kind, suffix, _ in tpinfo.entries():
-        matched = [n for n in modules if n and (n == suffix or n.endswith("." + suffix))]
-        shapes: Dict[Tuple[Any, ...], List[str]] = {}
-        for name in matched:
-            shapes.setdefault(_module_shape(modules[name]), []).append(name)
-        if len(shapes) > 1:
-            shown = "; ".join(f"{cls} {shape}: {names[:3]}{' ...' if len(names) > 3 else ''}"
-                              for (cls, shape), names in shapes.items())
-            raise ValueError(f"TPInfo {kind} suffix {suffix!r} is ambiguous: it matches modules of different shapes "
-                             f"({shown}); use a longer suffix that names one kind of module, e.g. "
-                             f"{_longer_suffixes(suffix, shapes)}")
-        for name in matched:
-            if name in roles and roles[name] != (kind, suffix):
-                other_kind, other_suffix = roles[name]
-                raise ValueError(f"module {name!r} is matched by TPInfo {other_kind} {other_suffix!r} and by {kind} "
-                                 f"{suffix!r}; give each module one role")
-            roles[name] = (kind, suffix)
-
-
 # -- helpers -----------------------------------------------------------------------------
 
 def _describe(value: Any) -> str:
@@ -205,8 +175,8 @@ def _check_factory(name: str, factory: Any, args_name: str, args: Any, skip_firs
     accepted = [p.name for p in params[skip_first:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     unknown = [k for k in kwargs if k not in accepted]
     if unknown:
-        raise ValueError(f"{args_name}={kwargs!r} has key(s) {unknown} that {name}={_name(factory)} does not take; it takes "
-                         f"{accepted}")
+        raise ValueError(f"{args_name}={kwargs!r} has key(s) {unknown} that {name}={_name(factory)} does not take; "
+                         f"it takes {accepted}")
 
 
 def _check_batch_size(global_batch: Any) -> None:
@@ -255,18 +225,3 @@ def _check_output_path(name: str, path: Any) -> None:
         raise ValueError(f"{name}={path!r}: the directory {parent!r} does not exist; create it first")
     if not os.access(parent, os.W_OK):
         raise ValueError(f"{name}={path!r}: the directory {parent!r} is not writable")
-
-
-def _module_shape(module: nn.Module) -> Tuple[Any, ...]:
-    weight = getattr(module, "weight", None)
-    shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else ()
-    return (type(module).__name__, shape)
-
-
-def _longer_suffixes(suffix: str, shapes: Mapping[Any, Sequence[str]]) -> List[str]:
-    out = []
-    for names in shapes.values():
-        parts = names[0].split(".")
-        depth = len(suffix.split("."))
-        out.append(".".join(parts[-depth - 1:]))
-    return out

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from atorch.auto.arguments import check_loss, check_tp_suffixes, validate_arguments, validate_batch_layout
+from atorch.auto.arguments import check_loss, validate_arguments, validate_batch_layout
 from atorch.auto.opt_lib.base import ValidationContext
 from atorch.auto.opt_lib.resolve import resolve_strategy
 from atorch.auto.strategy import Strategy
@@ -30,6 +30,7 @@ from atorch.distributed import timeouts
 from atorch.testing import tiny_gpt2, tiny_llama
 from atorch.testing.parity import TokenDataset
 from atorch.utils.manual_tp_utils import TPInfo
+from atorch.utils.tp_checks import check_tp_suffixes
 
 REPO = Path(__file__).resolve().parents[2]
 BOUND_S = 10.0   # generous: every case is a pure check
