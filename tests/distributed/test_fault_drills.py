@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from atorch.checkpoint.layout import MODEL_PREFIX
 from atorch.distributed import find_free_port
 from atorch.testing import DistributedTestError, run_distributed, tiny_llama
 from atorch.testing.spawn import QUIET_ENV
@@ -80,7 +81,7 @@ def _final_weights(out_dir: Path) -> Dict[str, torch.Tensor]:
 
     ckpt = out_dir / "checkpoints" / f"step_{STEPS}" / "dcp"
     state = _load_state_dict_from_keys(checkpoint_id=str(ckpt))
-    return {k: v for k, v in state.items() if k.startswith("model.")}
+    return {k: v for k, v in state.items() if k.startswith(MODEL_PREFIX)}
 
 
 def _run_killing_one_worker(out_dir: Path) -> subprocess.CompletedProcess:
