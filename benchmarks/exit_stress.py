@@ -1,12 +1,15 @@
 """A finished job exits 0 every time: repeat a 2-rank training job with checkpointing, count failed exits.
 
     python benchmarks/exit_stress.py --repeats 50 --launchers-repeats 20 [--strategy fsdp] [--out DIR]
+    python benchmarks/exit_stress.py --race {torch,torch-destroy,atorch} --repeats 30 --launchers-repeats 0
 
 Each repeat runs `benchmarks/exit_stress_job.py` (train 3 steps, save a checkpoint, exit) under
 `atorch.distributed.run --nproc_per_node 2`; then the two-launcher job (two launchers on
 127.0.0.1 as two nodes of 1 process each) is repeated. A repeat fails when the launcher exits
 non-zero or any output holds "terminate called" / "Aborted" / a signal. Prints one line per
 repeat and a summary (failures, median and max seconds); failing logs are kept under --out.
+`--race MODE` repeats `benchmarks/exit_race_job.py MODE` instead (the minimal reproduction of the
+SIGABRT at exit, with and without atorch's exit teardown).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import List, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "benchmarks" / "exit_stress_job.py"
+RACE_JOB = REPO / "benchmarks" / "exit_race_job.py"
 BAD_MARKERS = ("terminate called", "Aborted", "SIGABRT", "Signals.SIG", "exitcode  : -")
 
 
@@ -43,6 +47,9 @@ def _free_port() -> int:
 
 def one_node(work: Path, strategy: str, timeout: float) -> Tuple[bool, float, str]:
     cmd = [sys.executable, "-m", "atorch.distributed.run", "--nproc_per_node", "2", str(JOB), str(work), strategy]
+    if strategy.startswith("race:"):
+        cmd = [sys.executable, "-m", "atorch.distributed.run", "--nproc_per_node", "2", str(RACE_JOB),
+               strategy.split(":", 1)[1]]
     start = time.monotonic()
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO)
@@ -98,10 +105,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--launchers-repeats", type=int, default=20)
-    parser.add_argument("--strategy", default="fsdp", choices=["fsdp", "ddp", "tp"])
+    parser.add_argument("--strategy", default="fsdp")
     parser.add_argument("--out", default="exit_stress_logs")
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--race", choices=["torch", "torch-destroy", "atorch"], default=None,
+                        help="repeat the minimal exit-race job in this mode instead of the training job")
     args = parser.parse_args()
+    if args.race:
+        args.strategy = f"race:{args.race}"
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = []
