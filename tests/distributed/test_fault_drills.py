@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Dict, List
 
@@ -80,7 +81,9 @@ def _final_weights(out_dir: Path) -> Dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     ckpt = out_dir / "checkpoints" / f"step_{STEPS}" / "dcp"
-    state = _load_state_dict_from_keys(checkpoint_id=str(ckpt))
+    with warnings.catch_warnings():   # one process reading the whole checkpoint is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is unavailable or uninitialized")
+        state = _load_state_dict_from_keys(checkpoint_id=str(ckpt))
     return {k: v for k, v in state.items() if k.startswith(MODEL_PREFIX)}
 
 
