@@ -1,9 +1,11 @@
 """`auto_accelerate`: the entry point. Arguments -> (search) -> `engine.apply_strategy` -> result.
 
-Input mistakes (an unknown optimization, a bad config, a conflicting pair) raise ValueError
-on every rank before any collective. Failures while a valid strategy is being applied are
-logged with their full traceback and returned as `status=False`. The work itself is in
-`atorch.auto.engine` (apply) and `atorch.auto.search` (the automatic mode).
+Mistakes in the arguments (see `atorch.auto.arguments`) and in the strategy (an unknown
+optimization, a bad config, a conflicting pair) raise ValueError/TypeError on every rank before
+any collective, as do atorch's own checks that can only run while applying (all ranks agree
+on them). `status=False` means a valid strategy failed while it was applied (any other
+exception, logged with its traceback) or no searched strategy ran; every rank returns the same.
+The work itself is in `atorch.auto.engine` (apply) and `atorch.auto.search` (the automatic mode).
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ import torch
 from torch import nn
 
 from atorch import distributed as adist
-from atorch.auto.engine import apply_resolved, apply_strategy, build_dataloader, resolve, validation_context
+from atorch.auto.arguments import validate_arguments, validate_batch_layout
+from atorch.auto.engine import apply_resolved, apply_strategy, build_dataloader, validation_context
 from atorch.auto.model_context import ModelContext
+from atorch.auto.opt_lib.resolve import resolve_strategy
 from atorch.auto.result import AutoAccelerateResult
 from atorch.auto.strategy import Strategy, StrategyLike
 from atorch.auto.train_step import train_step
+from atorch.distributed.agreement import agree_on_error
 from atorch.utils.quiet import configure_logging, third_party_warnings_filtered
 
 logger = logging.getLogger(__name__)
@@ -63,6 +68,11 @@ def auto_accelerate(
     """
     if model_input_format not in _INPUT_FORMATS:
         raise ValueError(f"model_input_format={model_input_format!r}; valid values are {list(_INPUT_FORMATS)}")
+    validate_arguments(model=model, optim_func=optim_func, dataset=dataset, loss_func=loss_func,
+                       prepare_input=prepare_input, optim_args=optim_args, optim_param_func=optim_param_func,
+                       dataloader_args=dataloader_args, lr_scheduler_cls=lr_scheduler_cls,
+                       lr_scheduler_args=lr_scheduler_args, save_strategy_to_file=save_strategy_to_file,
+                       report_path=report_path, excluded=excluded, included=included)
     adist.init_distributed()
     configure_logging()
     ctx = ModelContext(
@@ -84,13 +94,15 @@ def _accelerate(ctx: ModelContext, load_strategy: Optional[StrategyLike], ignore
         from atorch.auto.search.auto_search import SearchError, search_for_context  # planner: only when searching
 
         try:
-            search = search_for_context(ctx, excluded=excluded, included=included, report_path=report_path)
+            with agree_on_error("auto_accelerate: the strategy search"):
+                search = search_for_context(ctx, excluded=excluded, included=included, report_path=report_path)
         except SearchError:  # every candidate failed its dry run: the documented status=False path
             logger.exception("auto_accelerate: the strategy search found no strategy that runs")
             return False, None, None
         strategy = search.strategy
     else:
-        strategy = Strategy.from_any(load_strategy)
+        with agree_on_error("auto_accelerate: reading load_strategy"):
+            strategy = Strategy.from_any(load_strategy)
         if not ignore_dryrun_on_load_strategy:
             from atorch.auto.dry_runner import DryRunError, check_strategy_runs
 
@@ -100,9 +112,18 @@ def _accelerate(ctx: ModelContext, load_strategy: Optional[StrategyLike], ignore
                 logger.exception("auto_accelerate: the loaded strategy failed its dry run")
                 return False, None, None
     # Validation raises ValueError on every rank before any collective.
-    resolved = resolve(ctx, strategy)
+    vctx = validation_context(ctx)
+    resolved = resolve_strategy(strategy, vctx)
+    pipeline = vctx.configs.get("pipeline_parallel")
+    validate_batch_layout(ctx.dataloader_args, vctx.parallel_sizes(),
+                          (pipeline.chunks or vctx.parallel_sizes().get("pipeline")) if pipeline else None)
     try:
-        result = apply_resolved(ctx, resolved)
+        # Every rank returns the same status. A rank failing inside an optimization, before one of
+        # its collectives, leaves the others in that collective until ATORCH_COLLECTIVE_TIMEOUT.
+        with agree_on_error(f"auto_accelerate: applying {strategy.describe()}"):
+            result = apply_resolved(ctx, resolved)
+    except (ValueError, TypeError):  # atorch's checks that run while applying: argument mistakes, raised
+        raise
     except Exception:  # noqa: BLE001 - documented status=False path, full reason logged
         logger.exception("auto_accelerate could not apply strategy %s", strategy.describe())
         return False, None, None
@@ -110,6 +131,7 @@ def _accelerate(ctx: ModelContext, load_strategy: Optional[StrategyLike], ignore
         result.search, result.search_report, result.search_reason = search.result, search.report, search.reason
     # Users of the system we follow read the groups through atorch.distributed after this call.
     adist.set_default_parallel_mesh(result.parallel)
-    if save_strategy_to_file and adist.rank() == 0:
-        result.strategy.save(save_strategy_to_file)
+    with agree_on_error(f"auto_accelerate: save_strategy_to_file={save_strategy_to_file!r}"):
+        if save_strategy_to_file and adist.rank() == 0:
+            result.strategy.save(save_strategy_to_file)
     return True, result, result.strategy

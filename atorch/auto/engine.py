@@ -19,11 +19,13 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from atorch import distributed as adist
+from atorch.auto.arguments import check_loss
 from atorch.auto.model_context import ModelContext, default_loss_func, default_prepare_input, first_loss
 from atorch.auto.opt_lib.base import ValidationContext
 from atorch.auto.opt_lib.resolve import ResolvedOptimization, plan_steps, resolve_strategy, wrapper_phase
 from atorch.auto.result import AutoAccelerateResult
 from atorch.auto.strategy import Strategy, StrategyItem
+from atorch.distributed.agreement import agree_on_error
 
 
 def validation_context(ctx: ModelContext) -> ValidationContext:
@@ -52,15 +54,20 @@ def apply_resolved(ctx: ModelContext, resolved: List[ResolvedOptimization]) -> A
     for r in resolved:
         r.optimization.apply(ctx, r.config)
         ctx.applied.append(r.name)
-    place_model(ctx)
-    if ctx.optim is None and ctx.optim_func is not None:
-        ctx.optim = ctx.optim_func(ctx.optim_params(), **ctx.optim_args)
+    # The user's code runs between the optimizations' collectives: each call ends in a vote, so a
+    # failure on one rank raises the same exception on every rank instead of leaving the others
+    # in the next optimization's collective.
+    with agree_on_error("auto_accelerate: placing the model and calling optim_func"):
+        place_model(ctx)
+        if ctx.optim is None and ctx.optim_func is not None:
+            ctx.optim = ctx.optim_func(ctx.optim_params(), **ctx.optim_args)
     for r in wrapper_phase(resolved):
         r.optimization.apply_wrapper(ctx, r.config)
-    if ctx.lr_scheduler is None and ctx.lr_scheduler_cls is not None and ctx.optim is not None:
-        ctx.lr_scheduler = ctx.lr_scheduler_cls(ctx.optim, **ctx.lr_scheduler_args)
-    if ctx.dataloader is None and ctx.dataset is not None:
-        ctx.dataloader, ctx.sampler = build_dataloader(ctx)
+    with agree_on_error("auto_accelerate: calling lr_scheduler_cls and building the dataloader"):
+        if ctx.lr_scheduler is None and ctx.lr_scheduler_cls is not None and ctx.optim is not None:
+            ctx.lr_scheduler = ctx.lr_scheduler_cls(ctx.optim, **ctx.lr_scheduler_args)
+        if ctx.dataloader is None and ctx.dataset is not None:
+            ctx.dataloader, ctx.sampler = build_dataloader(ctx)
     from atorch.checkpoint.model_methods import attach_checkpoint_methods  # imported on use: DCP is heavy
 
     if "transformers" in sys.modules:  # only a transformers model generates; do not import it for others
@@ -130,7 +137,7 @@ def assemble_result(ctx: ModelContext, strategy: Strategy) -> AutoAccelerateResu
     transforms = list(ctx.loss_transforms)
 
     def loss_func(batch: Any, output: Any) -> torch.Tensor:
-        loss = first_loss(user_loss(batch, output))
+        loss = check_loss(first_loss(user_loss(batch, output)), ctx.loss_func)
         for transform in transforms:
             loss = transform(loss)
         return loss

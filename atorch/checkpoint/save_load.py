@@ -46,6 +46,7 @@ from atorch.checkpoint.state import (
     set_rng_state,
     to_json_value,
 )
+from atorch.distributed.agreement import agree_on_error
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +195,7 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
         raise ValueError(f"data_position={data_position!r} must be an atorch.checkpoint.DataPosition")
     final_dir = os.path.normpath(path)
     parent = os.path.dirname(os.path.abspath(final_dir))
+    _check_save_path(final_dir)
     if data_position is None and step is not None and objs.dataloader is not None:
         data_position = DataPosition.after_steps(step * objs.batches_per_step, _len_or_none(objs.dataloader),
                                                  global_batch_size=objs.global_batch_size)
@@ -208,11 +210,13 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
 
     token = _broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
     staging = mf.staging_dir(final_dir, token)
-    if rank == 0:
-        os.makedirs(parent, exist_ok=True)
-        mf.remove_stale_staging(final_dir)
-        os.makedirs(os.path.join(staging, RNG_DIR))
-    _barrier()
+    # Each local step ends in a vote instead of a barrier: a failure on one rank raises the same
+    # exception on every rank, and no rank waits for one that has given up.
+    with agree_on_error(f"save_checkpoint({final_dir!r}): creating the staging directory"):
+        if rank == 0:
+            os.makedirs(parent, exist_ok=True)
+            mf.remove_stale_staging(final_dir)
+            os.makedirs(os.path.join(staging, RNG_DIR))
 
     tensors = {MODEL_PREFIX + k: v for k, v in handler.model_state().items()}
     optim_values: Dict[str, Any] = {}
@@ -227,28 +231,41 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
     _dcp_save(tensors, os.path.join(staging, DCP_DIR))
     del tensors
 
-    _write_json(os.path.join(staging, RNG_DIR, f"rank_{rank:05d}.json"), rng_state())
-    if rank == 0:
-        meta = _meta(objs, handler, step, data_position, small_state, has_optimizer, optim_values, world)
-        _write_json(os.path.join(staging, META_NAME), meta)
-        _write_model_configs(objs.model, staging)
+    with agree_on_error(f"save_checkpoint({final_dir!r}): writing RNG states and metadata"):
+        _write_json(os.path.join(staging, RNG_DIR, f"rank_{rank:05d}.json"), rng_state())
+        if rank == 0:
+            meta = _meta(objs, handler, step, data_position, small_state, has_optimizer, optim_values, world)
+            _write_json(os.path.join(staging, META_NAME), meta)
+            _write_model_configs(objs.model, staging)
     if _before_commit_hook is not None:
         _before_commit_hook(staging)
-    _barrier()
 
     # Each rank fsyncs and hashes an interleaved share of the files; rank 0 commits.
     names = _broadcast(mf.list_files(staging) if rank == 0 else None)
+    with agree_on_error(f"save_checkpoint({final_dir!r}): hashing the files"):
+        own_records = mf.record_files(staging, names[rank::world])
     records: Dict[str, mf.FileRecord] = {}
-    for part in _all_gather(mf.record_files(staging, names[rank::world])):
+    for part in _all_gather(own_records):
         records.update(part)
-    if rank == 0:
-        mf.commit(staging, final_dir, mf.Manifest(files=records, step=step))
-        if update_latest:
-            mf.write_latest(parent, os.path.basename(final_dir))
-        if keep_last is not None:
-            mf.rotate(parent, keep_last, protect=[final_dir])
-    _barrier()
+    with agree_on_error(f"save_checkpoint({final_dir!r}): committing"):
+        if rank == 0:
+            mf.commit(staging, final_dir, mf.Manifest(files=records, step=step))
+            if update_latest:
+                mf.write_latest(parent, os.path.basename(final_dir))
+            if keep_last is not None:
+                mf.rotate(parent, keep_last, protect=[final_dir])
     return final_dir
+
+
+def _check_save_path(final_dir: str) -> None:
+    """Refuse (on every rank, before any collective) a path under a file or onto a file."""
+    if os.path.exists(final_dir) and not os.path.isdir(final_dir):
+        raise ValueError(f"path={final_dir!r} is an existing file; a checkpoint is a directory")
+    ancestor = os.path.dirname(os.path.abspath(final_dir))
+    while ancestor and not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if ancestor and not os.path.isdir(ancestor):
+        raise ValueError(f"path={final_dir!r} lies under {ancestor!r}, which is a file, not a directory")
 
 
 def _len_or_none(obj: Any) -> Optional[int]:
@@ -338,12 +355,15 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
     RNG states are restored when the world size is the one that saved.
     """
     objs = TrainingObjects.of(target, optimizer, lr_scheduler)
-    ckpt_dir = mf.resolve_checkpoint_dir(path)
-    manifest = mf.Manifest.read(ckpt_dir)
+    # Local steps end in a vote: a rank that cannot read a file makes every rank raise the same error.
+    with agree_on_error(f"load_checkpoint({path!r}): locating the checkpoint"):
+        ckpt_dir = mf.resolve_checkpoint_dir(path)
+        manifest = mf.Manifest.read(ckpt_dir)
     verify_checkpoint(ckpt_dir, manifest)
-    meta = _read_meta(ckpt_dir)
     dcp_dir = os.path.join(ckpt_dir, DCP_DIR)
-    entries = tensor_entries(load_dcp_metadata(os.path.join(dcp_dir, ".metadata")))
+    with agree_on_error(f"load_checkpoint({ckpt_dir!r}): reading the metadata"):
+        meta = _read_meta(ckpt_dir)
+        entries = tensor_entries(load_dcp_metadata(os.path.join(dcp_dir, ".metadata")))
 
     handler = objs.handler()
     targets = {MODEL_PREFIX + k: v for k, v in handler.model_state().items()}
@@ -367,7 +387,9 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
                 problems.append(f"{os.path.join(ckpt_dir, META_NAME)}: no optimizer hyperparameters for "
                                 f"{len(missing)} entries, e.g. {missing[:3]} (a different model or optimizer)")
             optim_values = {k: v for k, v in saved_values.items() if k in local_values}
-    mf.raise_problems(ckpt_dir, problems)
+    # Ranks may see different problems (a pipeline stage holds part of the model): all raise.
+    with agree_on_error(f"load_checkpoint({ckpt_dir!r}): checking the model against the checkpoint"):
+        mf.raise_problems(ckpt_dir, problems)
 
     _dcp_load({**targets, **optim_targets}, dcp_dir, manifest)
     handler.load_model_state({k[len(MODEL_PREFIX):]: v for k, v in targets.items()})
@@ -379,15 +401,15 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
         _load_stateful(objs.grad_scaler, meta.get("grad_scaler"), "grad_scaler", ckpt_dir)
 
     rng_restored = False
-    rng_name = f"{RNG_DIR}/rank_{_rank():05d}.json"
-    if load_rng and meta.get("world_size") == _world() and rng_name in manifest.files:
-        set_rng_state(mf.read_json(ckpt_dir, rng_name))
-        rng_restored = True
-    position = DataPosition.from_json(meta["data_position"]) if meta.get("data_position") else None
     dataloader = None
-    if position is not None and objs.dataloader is not None:
-        dataloader = resume_dataloader(objs.dataloader, position)
-    _barrier()
+    with agree_on_error(f"load_checkpoint({ckpt_dir!r}): restoring RNG states and the data position"):
+        rng_name = f"{RNG_DIR}/rank_{_rank():05d}.json"
+        if load_rng and meta.get("world_size") == _world() and rng_name in manifest.files:
+            set_rng_state(mf.read_json(ckpt_dir, rng_name))
+            rng_restored = True
+        position = DataPosition.from_json(meta["data_position"]) if meta.get("data_position") else None
+        if position is not None and objs.dataloader is not None:
+            dataloader = resume_dataloader(objs.dataloader, position)
     return CheckpointState(path=ckpt_dir, step=meta.get("step"), data_position=position,
                            extra=from_json_value(meta.get("extra") or {}), strategy=meta.get("strategy"),
                            saved_world_size=int(meta.get("world_size") or 1), rng_restored=rng_restored,
@@ -407,7 +429,9 @@ def verify_checkpoint(ckpt_dir: str, manifest: Optional[mf.Manifest] = None, col
             raise CheckpointError(f"{ckpt_dir}: the manifest does not list {required}; not an atorch checkpoint")
     problems: List[str] = []
     if collective and _dist():
-        for part in _all_gather(mf.verify_files(ckpt_dir, manifest, names[_rank()::_world()])):
+        with agree_on_error(f"verify_checkpoint({ckpt_dir!r})"):
+            own = mf.verify_files(ckpt_dir, manifest, names[_rank()::_world()])
+        for part in _all_gather(own):
             problems += part
     else:
         problems = mf.verify_files(ckpt_dir, manifest, names)

@@ -8,13 +8,17 @@ A thin front end over torch elastic (`torch.distributed.run`), not a process man
 - Without it, a crash fails the job at once (`--max_restarts` defaults to 0).
 - A single-node job without `--master_port` runs `--standalone`, so concurrent jobs on one
   machine never fight over the default port 29500.
+- Usage mistakes (`--nproc_per_node 0`, `--nnodes 0`, a `--node_rank` outside `--nnodes`, a port
+  outside 1..65535, a missing script, a malformed ATORCH_*_TIMEOUT) exit with status 2 and one
+  line naming the flag, before any process or socket is started.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 DEFAULT_FAULT_TOLERANT_RESTARTS = 3
 DEFAULT_MASTER_PORT = 29500
@@ -41,9 +45,11 @@ def translate_args(argv: List[str]) -> List[str]:
     parser.add_argument("--rdzv_backend", "--rdzv-backend", default=None)
     parser.add_argument("--standalone", action="store_true")
     at = _split_at_script(argv)
-    ours, rest = parser.parse_known_args(argv[:at])
-    if ours.max_restarts is not None and ours.max_restarts < 0:
-        raise ValueError(f"--max_restarts={ours.max_restarts} must be >= 0")
+    try:
+        ours, rest = parser.parse_known_args(argv[:at])
+    except SystemExit as e:  # argparse's own message went to stderr; say it as one usage error
+        raise ValueError(f"bad launcher arguments {argv[:at]} (see the message above)") from e
+    _check_usage(ours, argv[:at])
     if ours.fault_tolerant:
         restarts = DEFAULT_FAULT_TOLERANT_RESTARTS if ours.max_restarts is None else ours.max_restarts
     else:
@@ -64,6 +70,64 @@ def translate_args(argv: List[str]) -> List[str]:
     return out + rest + argv[at:]
 
 
+_NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+
+
+def _nnodes_range(text: str) -> Tuple[int, int]:
+    parts = text.split(":")
+    try:
+        low, high = (int(parts[0]), int(parts[-1])) if len(parts) in (1, 2) else (0, 0)
+    except ValueError:
+        low, high = 0, 0
+    if low < 1 or high < low:
+        raise ValueError(f"--nnodes={text!r} must be a number of nodes >= 1, or MIN:MAX with 1 <= MIN <= MAX")
+    return low, high
+
+
+def _check_usage(ours: argparse.Namespace, launcher_args: List[str]) -> None:
+    """Usage errors naming the flag, before any process or socket is started."""
+    checker = argparse.ArgumentParser(add_help=False)
+    checker.add_argument("--nproc_per_node", "--nproc-per-node", default=None)
+    checker.add_argument("--node_rank", "--node-rank", default=None)
+    more, _ = checker.parse_known_args(launcher_args)
+    ours = argparse.Namespace(**vars(ours), **vars(more))
+    if ours.max_restarts is not None and ours.max_restarts < 0:
+        raise ValueError(f"--max_restarts={ours.max_restarts} must be >= 0")
+    if ours.nproc_per_node is not None and ours.nproc_per_node not in _NPROC_WORDS:
+        try:
+            nproc = int(ours.nproc_per_node)
+        except ValueError:
+            nproc = 0
+        if nproc < 1:
+            raise ValueError(f"--nproc_per_node={ours.nproc_per_node!r} must be a number of processes >= 1 "
+                             f"(or one of {list(_NPROC_WORDS)})")
+    _, max_nodes = _nnodes_range(ours.nnodes)
+    if ours.node_rank is not None:
+        try:
+            node_rank = int(ours.node_rank)
+        except ValueError:
+            node_rank = -1
+        if not 0 <= node_rank < max_nodes:
+            raise ValueError(f"--node_rank={ours.node_rank!r} must be an integer in [0, {max_nodes}) for "
+                             f"--nnodes={ours.nnodes}")
+    if ours.master_port is not None and not 1 <= ours.master_port <= 65535:
+        raise ValueError(f"--master_port={ours.master_port} must be a TCP port, 1..65535")
+
+
+def check_environment(argv: List[str]) -> None:
+    """What only the launching machine can check: the script exists, atorch's timeouts parse."""
+    at = _split_at_script(argv)
+    if at >= len(argv):
+        raise ValueError("no training script: give the script (or -m module) after the launcher flags")
+    script = argv[at]
+    if script not in ("-m", "--module") and not os.path.isfile(script):
+        raise ValueError(f"training script {script!r} does not exist")
+    from atorch.distributed import timeouts
+
+    for name in (timeouts.INIT_TIMEOUT_ENV, timeouts.COLLECTIVE_TIMEOUT_ENV):
+        timeouts.seconds_from_env(name, 1.0)
+
+
 def _master_args(ours: argparse.Namespace) -> List[str]:
     out = []
     if ours.master_addr is not None:
@@ -76,7 +140,14 @@ def _master_args(ours: argparse.Namespace) -> List[str]:
 def main(argv: Optional[List[str]] = None) -> None:
     from torch.distributed.run import main as torch_run_main
 
-    torch_run_main(translate_args(list(sys.argv[1:] if argv is None else argv)))
+    try:
+        args = list(sys.argv[1:] if argv is None else argv)
+        translated = translate_args(args)
+        check_environment(args)
+    except ValueError as e:
+        print(f"atorch.distributed.run: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    torch_run_main(translated)
 
 
 # -- ATorch's entry points (scripts and tests call these) ----------------------------------------

@@ -63,9 +63,10 @@ def _train(cases):
         _expect_value_error("chunks=0 must be an integer >= 1", "llama", [("data", 2), ("pipeline", 2)],
                             {"chunks": 0}),
     ]
-    # A batch that does not split into the micro-batches fails the same way on every rank.
-    status, _, _ = _accelerate("llama", [("data", 2), ("pipeline", 2)], {"chunks": 3})
-    assert status is False
+    # A batch that does not split into the micro-batches is an argument mistake: a ValueError on every
+    # rank, naming the chunks, before anything is applied (it used to be status=False, issue 14).
+    errors.append(_expect_value_error("pipeline_parallel chunks=3 does not divide", "llama",
+                                      [("data", 2), ("pipeline", 2)], {"chunks": 3}))
     out = []
     for kind, dims, config in cases:
         status, result, chosen = _accelerate(kind, dims, config)
@@ -104,7 +105,7 @@ def test_native_pipeline_2_and_4_stages_match_single_process():
     ]
     results = run_distributed(_train, 4, cases, timeout=480)
     for _, errors in results:
-        assert len(errors) == 4
+        assert len(errors) == 5
     for i, (kind, dims, _) in enumerate(cases):
         expected_losses, expected_state = _reference(kind)
         stages = {}

@@ -1,0 +1,227 @@
+"""Checks of `auto_accelerate`'s arguments: pure, identical on every rank, run before any collective.
+
+A mistake in the arguments (a batch size of 0, an optimizer keyword the optimizer does not
+take, a dataset shorter than one global batch, a sequence longer than the model's positions,
+a strategy file into a missing directory, ...) raises `ValueError` (a wrong value) or
+`TypeError` (a wrong kind of object) naming the argument, its value and what is expected.
+Nothing here touches the network, the model's weights or the filesystem beyond `os.path`
+queries, so every rank reaches the same verdict and none is left waiting in a collective.
+
+- `validate_arguments`: everything that does not depend on the strategy (called first).
+- `validate_batch_layout`: the global batch against the chosen data-parallel size and
+  pipeline chunks (called once the strategy is resolved, still before it is applied).
+- `check_loss`: the loss function's result at use (a non-scalar loss named with its shape).
+(TPInfo suffixes that match modules of different shapes: `atorch.utils.tp_checks`.)
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Mapping
+from typing import Any, Callable, Dict, Iterable, Optional
+
+import torch
+from torch import nn
+
+# Keys of `dataloader_args` that `build_dataloader` handles itself (the rest go to DataLoader).
+_OWN_DATALOADER_KEYS = ("batch_size", "shuffle", "seed", "drop_last")
+# DataLoader keywords atorch sets itself: a user value would be silently replaced.
+_RESERVED_DATALOADER_KEYS = ("dataset", "sampler", "batch_sampler")
+# Config fields holding the longest sequence a model's position embeddings cover.
+_POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx")
+
+
+def validate_arguments(
+    *,
+    model: Any,
+    optim_func: Any = None,
+    dataset: Any = None,
+    loss_func: Any = None,
+    prepare_input: Any = None,
+    optim_args: Any = None,
+    optim_param_func: Any = None,
+    dataloader_args: Any = None,
+    lr_scheduler_cls: Any = None,
+    lr_scheduler_args: Any = None,
+    save_strategy_to_file: Any = None,
+    report_path: Any = None,
+    excluded: Any = None,
+    included: Any = None,
+) -> None:
+    """Raise ValueError/TypeError naming the first argument of `auto_accelerate` that cannot work."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {_describe(model)}")
+    for name, value in (("loss_func", loss_func), ("prepare_input", prepare_input),
+                        ("optim_param_func", optim_param_func)):
+        _check_callable(name, value)
+    _check_factory("optim_func", optim_func, "optim_args", optim_args, skip_first=1)
+    if optim_args and optim_func is None:
+        raise ValueError(f"optim_args={dict(optim_args)!r} were given without optim_func; pass optim_func (e.g. "
+                         "torch.optim.AdamW) or drop optim_args")
+    if optim_func is not None and optim_param_func is None and not any(True for _ in model.parameters()):
+        raise ValueError(f"model {type(model).__name__} has no parameters, so optim_func={_name(optim_func)} would "
+                         "get an empty parameter list")
+    _check_factory("lr_scheduler_cls", lr_scheduler_cls, "lr_scheduler_args", lr_scheduler_args, skip_first=1)
+    if lr_scheduler_cls is not None and optim_func is None:
+        raise ValueError(f"lr_scheduler_cls={_name(lr_scheduler_cls)} needs an optimizer; pass optim_func too")
+    args = _check_mapping("dataloader_args", dataloader_args)
+    global_batch = args.get("batch_size", 1)
+    _check_batch_size(global_batch)
+    _check_dataloader_keys(args)
+    if dataset is not None:
+        _check_dataset(dataset, global_batch, args.get("drop_last", True))
+        check_sequence_length(model, dataset)
+    _check_output_path("save_strategy_to_file", save_strategy_to_file)
+    _check_output_path("report_path", report_path)
+    for name, value in (("excluded", excluded), ("included", included)):
+        if value is not None and (isinstance(value, (str, bytes)) or not isinstance(value, Iterable)
+                                  or not all(isinstance(v, str) for v in value)):
+            raise TypeError(f"{name}={value!r} must be a list of optimization names, e.g. ['fsdp', 'amp_native']")
+
+
+def validate_batch_layout(dataloader_args: Optional[Mapping], parallel_sizes: Mapping[str, int],
+                          pipeline_chunks: Optional[int] = None) -> None:
+    """The global batch size splits evenly over the data-parallel ranks (and into pipeline chunks)."""
+    global_batch = dict(dataloader_args or {}).get("batch_size")
+    if global_batch is None:
+        return
+    dp = int(parallel_sizes.get("data", 1))
+    if global_batch % dp != 0:
+        raise ValueError(f"dataloader_args['batch_size']={global_batch} (the global batch size) is not divisible by "
+                         f"the data-parallel size {dp} (parallel dims {dict(parallel_sizes)}); use a multiple of {dp}")
+    if pipeline_chunks is not None and (global_batch // dp) % pipeline_chunks != 0:
+        raise ValueError(f"pipeline_parallel chunks={pipeline_chunks} does not divide the {global_batch // dp} rows "
+                         f"per data-parallel rank (dataloader_args['batch_size']={global_batch} over data size {dp}); "
+                         f"use a global batch size that is a multiple of {pipeline_chunks * dp}")
+
+
+def check_loss(loss: Any, func: Optional[Callable]) -> torch.Tensor:
+    """The loss `func` returned, refused unless it is a one-element tensor (backward needs a scalar)."""
+    who = f"loss_func {_name(func)}" if func is not None else "the model output's .loss (loss_func=None)"
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"{who} returned {_describe(loss)}; it must return a scalar torch.Tensor "
+                        "(or a sequence whose first item is one)")
+    if loss.numel() != 1:
+        raise ValueError(f"{who} returned a loss of shape {tuple(loss.shape)}; it must return a scalar "
+                         "(reduce it, e.g. with .mean())")
+    return loss
+
+
+def check_sequence_length(model: nn.Module, dataset: Any) -> None:
+    """The first sample's `input_ids` fits the model's position embeddings (when both are known)."""
+    config = getattr(model, "config", None)
+    limit = next(((f, getattr(config, f)) for f in _POSITION_FIELDS
+                  if isinstance(getattr(config, f, None), int) and getattr(config, f) > 0), None)
+    if limit is None or not hasattr(dataset, "__getitem__"):
+        return
+    try:
+        sample = dataset[0]
+    except Exception:  # noqa: BLE001 - a dataset that cannot index 0 is checked by the dataloader instead
+        return
+    ids = sample.get("input_ids") if isinstance(sample, Mapping) else None
+    if isinstance(ids, torch.Tensor) and ids.dim() >= 1:
+        length = ids.shape[-1]
+    elif isinstance(ids, (list, tuple)):
+        length = len(ids)
+    else:
+        return
+    field, value = limit
+    field = (getattr(config, "attribute_map", None) or {}).get(field, field)   # GPT-2 calls it n_positions
+    if length > value:
+        raise ValueError(f"dataset[0]['input_ids'] has {length} tokens, more than the model's {field}={value} "
+                         f"({type(model).__name__}); cut the sequences to at most {value} tokens")
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"
+
+
+def _name(func: Any) -> str:
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+
+
+def _check_callable(name: str, value: Any) -> None:
+    if value is not None and not callable(value):
+        raise TypeError(f"{name} must be callable or None, got {_describe(value)}")
+
+
+def _check_mapping(name: str, value: Any) -> Dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{name} must be a dict or None, got {_describe(value)}")
+    bad = [k for k in value if not isinstance(k, str)]
+    if bad:
+        raise TypeError(f"{name} keys must be strings, got {bad[:3]}")
+    return dict(value)
+
+
+def _check_factory(name: str, factory: Any, args_name: str, args: Any, skip_first: int) -> None:
+    """`factory(first, **args)` can be called: factory is callable and takes every key of `args`."""
+    _check_callable(name, factory)
+    kwargs = _check_mapping(args_name, args)
+    if factory is None or not kwargs:
+        return
+    try:
+        params = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check against
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    accepted = [p.name for p in params[skip_first:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [k for k in kwargs if k not in accepted]
+    if unknown:
+        raise ValueError(f"{args_name}={kwargs!r} has key(s) {unknown} that {name}={_name(factory)} does not take; "
+                         f"it takes {accepted}")
+
+
+def _check_batch_size(global_batch: Any) -> None:
+    if not isinstance(global_batch, int) or isinstance(global_batch, bool):
+        raise TypeError(f"dataloader_args['batch_size']={global_batch!r} must be an int (the global batch size)")
+    if global_batch < 1:
+        raise ValueError(f"dataloader_args['batch_size']={global_batch} must be >= 1 (the global batch size, "
+                         "split over the data-parallel ranks)")
+
+
+def _check_dataloader_keys(args: Dict[str, Any]) -> None:
+    from torch.utils.data import DataLoader
+
+    reserved = [k for k in args if k in _RESERVED_DATALOADER_KEYS]
+    if reserved:
+        raise ValueError(f"dataloader_args sets {reserved}, which auto_accelerate builds itself (a "
+                         "DistributedSampler over the data-parallel ranks); pass the dataset as dataset= and drop them")
+    accepted = set(inspect.signature(DataLoader).parameters) | set(_OWN_DATALOADER_KEYS)
+    unknown = sorted(k for k in args if k not in accepted)
+    if unknown:
+        raise ValueError(f"dataloader_args has key(s) {unknown} that DataLoader does not take; valid keys are "
+                         f"{sorted(accepted - set(_RESERVED_DATALOADER_KEYS))}")
+
+
+def _check_dataset(dataset: Any, global_batch: int, drop_last: bool) -> None:
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise TypeError(f"dataset must be a map-style dataset (with __len__ and __getitem__), got "
+                        f"{type(dataset).__name__}; auto_accelerate shards it with a DistributedSampler")
+    size = len(dataset)
+    if size == 0 or (drop_last and size < global_batch):
+        raise ValueError(f"dataset has {size} samples, fewer than one global batch "
+                         f"(dataloader_args['batch_size']={global_batch}): the dataloader would yield no batch")
+
+
+def _check_output_path(name: str, path: Any) -> None:
+    """A file `path` can be written: a str/PathLike whose directory exists and that is not a directory."""
+    if path is None:
+        return
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise TypeError(f"{name}={path!r} must be a file path (str or os.PathLike)")
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ValueError(f"{name}={path!r} is a directory; give a file name inside it")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"{name}={path!r}: the directory {parent!r} does not exist; create it first")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"{name}={path!r}: the directory {parent!r} is not writable")

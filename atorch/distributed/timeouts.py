@@ -1,0 +1,209 @@
+"""Timeouts of process-group setup and of collectives, and what a timed-out collective says.
+
+- `ATORCH_INIT_TIMEOUT` (seconds, default 60): how long a rank waits for the others to join
+  the rendezvous at MASTER_ADDR:MASTER_PORT. A rank that connects to another job's store
+  (MASTER_PORT already in use) fails after it, naming the address, instead of waiting 30 min.
+- `ATORCH_COLLECTIVE_TIMEOUT` (seconds, default 1800): the process groups' timeout. A rank
+  that stalls inside a training collective makes the others fail after it; the message names
+  the collective (from torch's flight recorder) and the ranks that did not arrive (a roll
+  call through the rendezvous store), and the launcher then ends the job.
+
+The roll call: every rank whose collective timed out writes `<pg>/<sequence number>/<rank>`
+into the store, waits a grace period (the skew between ranks entering the collective, at most
+the timeout), and lists the ranks of the group that did not write: those never reached it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import sys
+import time
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import torch.distributed as dist
+
+INIT_TIMEOUT_ENV = "ATORCH_INIT_TIMEOUT"
+COLLECTIVE_TIMEOUT_ENV = "ATORCH_COLLECTIVE_TIMEOUT"
+DEFAULT_INIT_TIMEOUT_S = 60.0
+DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
+# torch's flight recorder (one ring buffer of recent collectives per process group) names the
+# collective that timed out; atorch turns it on unless the user configured it.
+FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"
+FLIGHT_RECORDER_ENTRIES = "2000"
+# Phrases of gloo's and NCCL's errors when a collective times out or a peer is gone.
+_TIMEOUT_MARKERS = ("Timed out waiting", "timed out", "Timeout", "timeout")
+_PEER_LOST_MARKERS = ("closed by peer", "Connection reset", "pair closure", "Broken pipe", "Connection refused")
+NODE_KEY = "atorch/node"
+_MAX_GRACE_S = 30.0
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not complete within ATORCH_COLLECTIVE_TIMEOUT; names it and the ranks that did not arrive."""
+
+
+class DistributedInitError(RuntimeError):
+    """The process group could not be formed at MASTER_ADDR:MASTER_PORT (port in use, a rank missing, ...)."""
+
+
+def seconds_from_env(name: str, default: float) -> float:
+    """A positive number of seconds from environment variable `name` (ValueError naming it otherwise)."""
+    raw = os.environ.get(name, "")
+    if raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"environment variable {name}={raw!r} must be a positive number of seconds")
+    return value
+
+
+def init_timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds_from_env(INIT_TIMEOUT_ENV, DEFAULT_INIT_TIMEOUT_S))
+
+
+def collective_timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds_from_env(COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S))
+
+
+def enable_flight_recorder() -> None:
+    """Record recent collectives (must run before the first process group is created)."""
+    os.environ.setdefault(FLIGHT_RECORDER_ENV, FLIGHT_RECORDER_ENTRIES)
+
+
+def is_timeout_error(exc: BaseException) -> bool:
+    """A collective's timeout or lost peer (gloo/NCCL), as opposed to any other error."""
+    return isinstance(exc, (RuntimeError, dist.DistError)) \
+        and any(m in str(exc) for m in _TIMEOUT_MARKERS + _PEER_LOST_MARKERS) \
+        and not isinstance(exc, (CollectiveTimeoutError, DistributedInitError))
+
+
+def this_node() -> str:
+    """'node N (host)': the launcher's node rank (GROUP_RANK) and this machine's name."""
+    import socket
+
+    return f"node {os.environ.get('GROUP_RANK', '0')} ({socket.gethostname()})"
+
+
+def _nodes_of(store: dist.Store, ranks: Sequence[int]) -> str:
+    nodes: Dict[str, List[int]] = {}
+    for r in ranks:
+        try:
+            where = store.get(f"{NODE_KEY}/{r}").decode() if store.check([f"{NODE_KEY}/{r}"]) else "unknown node"
+        except Exception:  # noqa: BLE001 - best effort
+            where = "unknown node"
+        nodes.setdefault(where, []).append(r)
+    return ", ".join(f"{where}: ranks {rs}" for where, rs in nodes.items())
+
+
+def _pending_collective() -> Optional[Dict[str, Any]]:
+    """The newest flight-recorder entry that did not complete (this rank's stuck collective), if any."""
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+
+        trace = json.loads(_dump_fr_trace_json(True, False))
+    except Exception:  # noqa: BLE001 - the recorder is optional; the message then omits the name
+        return None
+    entries = [e for e in trace.get("entries", []) if not e.get("is_p2p")]
+    if not entries:
+        return None
+    pending = [e for e in entries if e.get("state") != "completed"]
+    entry = (pending or entries)[-1]
+    pg_name, pg_desc = (list(entry.get("process_group") or []) + ["", ""])[:2]
+    ranks = None
+    for cfg in (trace.get("pg_config") or {}).values():
+        if cfg.get("name") == pg_name and cfg.get("name"):
+            try:
+                ranks = json.loads(cfg.get("ranks", "null"))
+            except ValueError:
+                ranks = None
+    if ranks is None and pg_desc == "default_pg" and dist.is_initialized():
+        ranks = list(range(dist.get_world_size()))
+    return {"name": entry.get("profiling_name"), "seq": entry.get("collective_seq_id"),
+            "pg": pg_desc or pg_name, "pg_id": pg_name, "sizes": entry.get("input_sizes"), "ranks": ranks}
+
+
+def roll_call(store: dist.Store, key: str, ranks: Sequence[int], me: int, grace_s: float) -> List[int]:
+    """Ranks of `ranks` that did not write `key/<rank>` within `grace_s` (this rank writes its own)."""
+    store.set(f"{key}/{me}", "1")
+    deadline = time.monotonic() + grace_s
+    missing = list(ranks)
+    while True:
+        missing = [r for r in ranks if not store.check([f"{key}/{r}"])]
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        time.sleep(0.2)
+
+
+def describe_collective_timeout(exc: BaseException, store: Optional[dist.Store]) -> str:
+    """A message naming the collective that timed out on this rank and the ranks that never reached it."""
+    timeout_s = collective_timeout().total_seconds()
+    me = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    pending = _pending_collective()
+    if pending is None:
+        what, ranks, key = "a collective", None, "unknown"
+    else:
+        sizes = f", input sizes {pending['sizes']}" if pending.get("sizes") else ""
+        what = (f"collective {pending['name']} (sequence number {pending['seq']} of process group "
+                f"{pending['pg']!r}{sizes})")
+        ranks, key = pending["ranks"], f"{pending['pg_id']}/{pending['seq']}"
+    if ranks is None and dist.is_initialized():
+        ranks = list(range(dist.get_world_size()))
+    missing_text = ""
+    if store is not None and ranks:
+        try:
+            missing = roll_call(store, f"atorch/timeout/{key}", ranks, me, min(timeout_s, _MAX_GRACE_S))
+            missing_text = (f"; rank(s) {missing} did not arrive ({_nodes_of(store, missing)})" if missing
+                            else "; every rank of the group reached it (a slow or lost transfer)")
+        except Exception:  # noqa: BLE001 - the store may be gone with the failed rank
+            missing_text = "; the other ranks could not be asked (the rendezvous store is unreachable)"
+    lost = any(m in str(exc) for m in _PEER_LOST_MARKERS) and not any(m in str(exc) for m in _TIMEOUT_MARKERS)
+    outcome = "failed: a peer closed its connection" if lost else \
+        f"did not complete within {COLLECTIVE_TIMEOUT_ENV}={timeout_s:g} s"
+    return f"rank {me}: {what} {outcome}{missing_text} (original error: {str(exc).strip()[:300]})"
+
+
+@contextlib.contextmanager
+def diagnose_collective_timeouts() -> Iterator[None]:
+    """Turn a collective timeout raised inside the block into a `CollectiveTimeoutError` with the diagnosis."""
+    try:
+        yield
+    except Exception as e:
+        if is_timeout_error(e) and dist.is_initialized():
+            raise CollectiveTimeoutError(describe_collective_timeout(e, _store)) from e
+        raise
+
+
+_store: Optional[dist.Store] = None
+_previous_hook = None
+_uncaught = False
+
+
+def failed_with_uncaught_exception() -> bool:
+    """Whether an uncaught exception reached sys.excepthook (the process is exiting with an error)."""
+    return _uncaught
+
+
+def install(store: Optional[dist.Store]) -> None:
+    """Remember the rendezvous store and make an uncaught collective timeout print its diagnosis."""
+    global _store, _previous_hook
+    _store = store
+    if _previous_hook is None and store is not None:
+        _previous_hook = sys.excepthook
+        sys.excepthook = _excepthook
+
+
+def _excepthook(exc_type, exc, tb) -> None:
+    global _uncaught
+    _uncaught = True
+    if exc is not None and is_timeout_error(exc) and dist.is_initialized():
+        try:
+            message = describe_collective_timeout(exc, _store)
+        except Exception as e:  # noqa: BLE001 - never hide the original error
+            message = f"(could not diagnose the collective timeout: {e})"
+        print(f"[atorch] {CollectiveTimeoutError.__name__}: {message}", file=sys.stderr, flush=True)
+    (_previous_hook or sys.__excepthook__)(exc_type, exc, tb)

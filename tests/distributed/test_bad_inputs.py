@@ -1,0 +1,237 @@
+"""Bad inputs on 2 gloo ranks: every rank raises the same exception, naming the field, and nobody waits.
+
+One spawn runs the whole catalogue: each case runs on both ranks, and each rank reports the
+exception type and message it got (or its status) and the seconds it took. Cases where only one
+rank fails (a local file error inside a checkpoint save or load, an optimizer factory failing on
+one rank) check the error agreement: the other rank must raise the same exception, not wait in
+a barrier. Also here: MASTER_PORT already in use, and a rank stalling inside a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from typing import Any, Callable, Dict, List, Tuple
+
+import pytest
+import torch
+
+from atorch.distributed import find_free_port
+from atorch.testing import run_distributed
+from atorch.testing.spawn import QUIET_ENV
+
+pytestmark = pytest.mark.distributed
+
+BOUND_S = 60.0   # generous: each case takes well under a second when nobody waits
+
+
+def _accelerate(**overrides: Any):
+    from atorch.auto import auto_accelerate
+    from atorch.testing import tiny_llama
+    from atorch.testing.parity import TokenDataset
+
+    kwargs = dict(optim_func=torch.optim.AdamW, dataset=TokenDataset(), optim_args={"lr": 1e-3},
+                  model_input_format="unpack_dict", dataloader_args={"batch_size": 4},
+                  load_strategy=["parallel_mode"])
+    kwargs.update(overrides)
+    return auto_accelerate(kwargs.pop("model", None) or tiny_llama(seed=0), **kwargs)
+
+
+def _on_rank(rank: int, exc: BaseException) -> Callable:
+    """An optimizer factory that raises `exc` on `rank` only."""
+    def factory(params, lr):
+        import torch.distributed as dist
+
+        if dist.get_rank() == rank:
+            raise exc
+        return torch.optim.SGD(params, lr=lr)
+    return factory
+
+
+def _trained(root: str):
+    status, result, _ = _accelerate()
+    assert status
+    return result
+
+
+def _patched(module: Any, name: str, rank: int, exc: BaseException, fn: Callable[[], Any]) -> Any:
+    """Run fn with `module.name` raising `exc` on `rank` only."""
+    import torch.distributed as dist
+
+    original = getattr(module, name)
+
+    def boom(*args, **kwargs):
+        raise exc
+
+    if dist.get_rank() == rank:
+        setattr(module, name, boom)
+    try:
+        return fn()
+    finally:
+        setattr(module, name, original)
+
+
+def _cases(root: str) -> List[Tuple[str, Callable[[], Any]]]:
+    from atorch.checkpoint import load_checkpoint, save_checkpoint
+    from atorch.checkpoint import manifest as mf
+    from atorch.checkpoint import save_load
+    from atorch.testing.parity import TokenDataset
+
+    result = _trained(root)
+    good = save_checkpoint(result, os.path.join(root, "good"), step=1)
+    with open(os.path.join(root, "a_file"), "w") as f:
+        f.write("x")
+
+    def loss_per_token(batch, output):
+        return output.logits.sum(-1)
+
+    def non_scalar_loss():
+        status, res, _ = _accelerate(loss_func=loss_per_token)
+        batch = res.prepare_input(next(iter(res.dataloader)))
+        return res.loss_func(batch, res.model(**batch))
+
+    return [
+        ("batch_not_divisible_by_data", lambda: _accelerate(dataloader_args={"batch_size": 3})),
+        ("batch_zero", lambda: _accelerate(dataloader_args={"batch_size": 0})),
+        ("chunks_not_dividing_batch", lambda: _accelerate(
+            load_strategy=[("parallel_mode", ([("pipeline", 2)], None)), ("pipeline_parallel", {"chunks": 3})])),
+        ("optim_args_unknown_key", lambda: _accelerate(optim_args={"lr": 1e-3, "momentum": 0.9})),
+        ("dataset_shorter_than_batch", lambda: _accelerate(dataset=TokenDataset(n=2))),
+        ("model_not_module", lambda: _accelerate(model="tiny_llama")),
+        ("save_strategy_missing_dir", lambda: _accelerate(
+            save_strategy_to_file=os.path.join(root, "missing", "strategy.json"))),
+        ("strategy_file_missing", lambda: _accelerate(load_strategy=os.path.join(root, "missing.json"))),
+        ("loss_not_scalar", non_scalar_loss),
+        ("apply_value_error_on_rank_0", lambda: _accelerate(
+            optim_func=_on_rank(0, ValueError("optim_func: lr schedule table is empty")))),
+        ("apply_runtime_error_on_rank_1", lambda: _accelerate(
+            optim_func=_on_rank(1, RuntimeError("out of memory (simulated)")))),
+        ("save_under_a_file", lambda: save_checkpoint(result, os.path.join(root, "a_file", "step_2"), step=2)),
+        ("save_fails_on_rank_1_only", lambda: _patched(
+            mf, "record_files", 1, PermissionError("[Errno 13] Permission denied: 'dcp/__1_0.distcp'"),
+            lambda: save_checkpoint(result, os.path.join(root, "step_3"), step=3))),
+        ("commit_fails_on_rank_0_only", lambda: _patched(
+            mf, "commit", 0, OSError("[Errno 28] No space left on device"),
+            lambda: save_checkpoint(result, os.path.join(root, "step_4"), step=4))),
+        ("load_fails_on_rank_1_only", lambda: _patched(
+            save_load, "set_rng_state", 1, KeyError("torch_cpu"), lambda: load_checkpoint(result, good))),
+        ("load_missing_dir", lambda: load_checkpoint(result, os.path.join(root, "nothing"))),
+    ]
+
+
+# name -> (exception type name or "status=False", text the message must contain)
+EXPECTED: Dict[str, Tuple[str, str]] = {
+    "batch_not_divisible_by_data": ("ValueError", "batch_size']=3"),
+    "batch_zero": ("ValueError", "batch_size']=0"),
+    "chunks_not_dividing_batch": ("ValueError", "chunks=3"),
+    "optim_args_unknown_key": ("ValueError", "'momentum'"),
+    "dataset_shorter_than_batch": ("ValueError", "dataset has 2 samples"),
+    "model_not_module": ("TypeError", "model must be a torch.nn.Module"),
+    "save_strategy_missing_dir": ("ValueError", "save_strategy_to_file"),
+    "strategy_file_missing": ("ValueError", "missing.json"),
+    "loss_not_scalar": ("ValueError", "loss_per_token returned a loss of shape (2, 16)"),
+    "apply_value_error_on_rank_0": ("ValueError",
+                                    "calling optim_func failed on rank [0]: optim_func: lr schedule table"),
+    "apply_runtime_error_on_rank_1": ("status=False", ""),
+    "save_under_a_file": ("ValueError", "a_file"),
+    "save_fails_on_rank_1_only": ("PermissionError", "failed on rank [1]: [Errno 13] Permission denied"),
+    "commit_fails_on_rank_0_only": ("OSError", "committing failed on rank [0]: [Errno 28] No space left"),
+    "load_fails_on_rank_1_only": ("KeyError", "failed on rank [1]"),
+    "load_missing_dir": ("CheckpointError", "no such checkpoint"),
+}
+
+
+def _run_catalogue(root: str) -> Dict[str, Dict[str, Any]]:
+    from atorch import distributed as adist
+
+    out: Dict[str, Dict[str, Any]] = {}
+    for name, call in _cases(root):
+        start = time.monotonic()
+        try:
+            value = call()
+            kind, message = ("status=False", "") if isinstance(value, tuple) and value[0] is False else ("ok", "")
+        except Exception as e:  # noqa: BLE001 - recorded and compared across ranks by the test
+            kind, message = type(e).__name__, str(e)
+        out[name] = {"kind": kind, "message": message, "seconds": time.monotonic() - start,
+                     "groups": adist.is_parallel_group_created()}
+        if adist.is_parallel_group_created():
+            adist.destroy_parallel_group()
+    return out
+
+
+@pytest.mark.heavy
+def test_every_rank_raises_the_same_error_naming_the_field(tmp_path):
+    results = run_distributed(_run_catalogue, 2, str(tmp_path), timeout=600)
+    assert set(results[0]) == set(EXPECTED)
+    for name, (kind, text) in EXPECTED.items():
+        got = [r[name] for r in results]
+        for rank, g in enumerate(got):
+            assert g["kind"] == kind, f"{name} rank {rank}: {g}"
+            assert text in g["message"], f"{name} rank {rank}: {g['message']}"
+            assert g["seconds"] < BOUND_S, f"{name} rank {rank} took {g['seconds']:.1f} s"
+        assert got[0]["message"] == got[1]["message"], f"{name}: ranks differ: {got}"
+    # A strategy file into a missing directory is refused before anything is applied.
+    assert not any(r["save_strategy_missing_dir"]["groups"] for r in results)
+    # A save that failed anywhere published nothing; `latest` still names the good checkpoint.
+    for failed in ("step_2", "step_3", "step_4"):
+        assert not os.path.exists(tmp_path / failed)
+    assert (tmp_path / "latest").read_text().strip() == "good"
+
+
+def _plain_rank_env(rank: int, port: int, **extra: str) -> Dict[str, str]:
+    env = dict(os.environ, **QUIET_ENV, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_PORT=str(port))
+    env.pop("TORCHELASTIC_RESTART_COUNT", None)
+    env.update(extra)
+    return env
+
+
+def test_master_port_in_use_fails_every_rank_naming_the_address():
+    """Another job's store holds MASTER_PORT: rank 0 cannot listen, rank 1 reaches the wrong store; both fail."""
+    import torch.distributed as dist
+
+    port = find_free_port()
+    other_job = dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
+    code = "import atorch; atorch.init_distributed('gloo')"
+    start = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=_plain_rank_env(r, port, ATORCH_INIT_TIMEOUT="10"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    elapsed = time.monotonic() - start
+    del other_job
+    where = f"MASTER_ADDR:MASTER_PORT=127.0.0.1:{port}"
+    for rank, (p, (_, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode != 0, err
+        assert "DistributedInitError" in err and where in err, err
+    assert "already in use" in outs[0][1]
+    assert "only 1 of WORLD_SIZE=2 ranks joined" in outs[1][1] and "ATORCH_INIT_TIMEOUT" in outs[1][1]
+    assert elapsed < BOUND_S, f"took {elapsed:.0f} s"
+
+
+STALL_SCRIPT = textwrap.dedent("""
+    import time, torch, torch.distributed as dist, atorch
+    atorch.init_distributed("gloo")
+    t = torch.ones(8)
+    dist.all_reduce(t)                      # both ranks arrive
+    if dist.get_rank() == 1:
+        time.sleep(600)                     # rank 1 stalls before the next collective
+    dist.all_reduce(t)                      # rank 0 waits here for ATORCH_COLLECTIVE_TIMEOUT
+""")
+
+
+@pytest.mark.heavy
+def test_a_stalled_rank_ends_the_job_naming_the_collective_and_the_missing_rank(tmp_path):
+    script = tmp_path / "stall.py"
+    script.write_text(STALL_SCRIPT)
+    env = dict(os.environ, **QUIET_ENV, ATORCH_COLLECTIVE_TIMEOUT="10")
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "atorch.distributed.run", "--nproc_per_node", "2", str(script)],
+                         capture_output=True, text=True, timeout=300, env=env)
+    elapsed = time.monotonic() - start
+    assert out.returncode != 0
+    log = out.stdout + out.stderr
+    assert "CollectiveTimeoutError: rank 0: collective gloo:all_reduce (sequence number 2" in log, log[-3000:]
+    assert "ATORCH_COLLECTIVE_TIMEOUT=10 s; rank(s) [1] did not arrive" in log, log[-3000:]
+    assert elapsed < 240, f"took {elapsed:.0f} s"   # 10 s timeout + roll call + launcher teardown, under load

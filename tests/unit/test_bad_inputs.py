@@ -1,0 +1,263 @@
+"""A catalogue of user mistakes that one process can check: each raises the documented exception type,
+with a message naming the argument (flag, environment variable, file) at fault, at once.
+
+The distributed half (every rank raises the same, nobody waits) is tests/distributed/test_bad_inputs.py.
+Each case is a callable that must raise; the time bound is generous (these are pure checks that take
+milliseconds; seconds would mean a network wait or a model being built).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import time
+from pathlib import Path
+from typing import Callable, List, NamedTuple, Type
+
+import pytest
+import torch
+from torch import nn
+
+from atorch.auto.arguments import check_loss, validate_arguments, validate_batch_layout
+from atorch.auto.opt_lib.base import ValidationContext
+from atorch.auto.opt_lib.resolve import resolve_strategy
+from atorch.auto.strategy import Strategy
+from atorch.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from atorch.distributed import distributed as ddist
+from atorch.distributed import run as launcher
+from atorch.distributed import timeouts
+from atorch.testing import tiny_gpt2, tiny_llama
+from atorch.testing.parity import TokenDataset
+from atorch.utils.manual_tp_utils import TPInfo
+from atorch.utils.tp_checks import check_tp_suffixes
+
+REPO = Path(__file__).resolve().parents[2]
+BOUND_S = 10.0   # generous: every case is a pure check
+
+
+class Case(NamedTuple):
+    name: str
+    call: Callable[[Path], object]
+    exc: Type[BaseException]
+    names: str          # what the message must contain (the field at fault)
+
+
+_LLAMA = tiny_llama()
+_GPT2 = tiny_gpt2()
+
+
+def _args(**overrides):
+    """validate_arguments with a valid baseline and `overrides` applied."""
+    kwargs = dict(model=_LLAMA, optim_func=torch.optim.AdamW, dataset=TokenDataset(), optim_args={"lr": 1e-3},
+                  dataloader_args={"batch_size": 4})
+    kwargs.update(overrides)
+    return lambda tmp: validate_arguments(**kwargs)
+
+
+class _Iterable(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter([])
+
+
+def _launch(*argv: str) -> Callable[[Path], object]:
+    def call(tmp: Path) -> None:
+        args = list(argv)
+        launcher.translate_args(args)
+        launcher.check_environment(args)
+    return call
+
+
+def _env(monkeypatch_env: dict, fn: Callable[[], object]) -> Callable[[Path], object]:
+    def call(tmp: Path) -> object:
+        saved = {k: os.environ.get(k) for k in monkeypatch_env}
+        os.environ.update(monkeypatch_env)
+        try:
+            return fn()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    return call
+
+
+def _strategy_file(text: bytes) -> Callable[[Path], object]:
+    def call(tmp: Path) -> object:
+        path = tmp / "strategy.bin"
+        path.write_bytes(text)
+        return Strategy.from_any(str(path))
+    return call
+
+
+def _save_under_file(tmp: Path) -> None:
+    (tmp / "a_file").write_text("x")
+    save_checkpoint(nn.Linear(2, 2), str(tmp / "a_file" / "step_1"))
+
+
+def _save_onto_file(tmp: Path) -> None:
+    (tmp / "step_1").write_text("x")
+    save_checkpoint(nn.Linear(2, 2), str(tmp / "step_1"))
+
+
+def _gpt2_c_proj(tmp: Path) -> None:
+    check_tp_suffixes(_GPT2, TPInfo().shard_col("c_fc").shard_row("c_proj"))
+
+
+def _two_roles(tmp: Path) -> None:
+    check_tp_suffixes(_GPT2, TPInfo().shard_col("mlp.c_fc").shard_row("h.0.mlp.c_fc"))
+
+
+def _example_args(**overrides) -> Callable[[Path], object]:
+    def call(tmp: Path) -> None:
+        sys.path.insert(0, str(REPO / "examples" / "llama2"))
+        import example_utils as eu
+
+        args = eu.common_parser("x").parse_args([])
+        for k, v in overrides.items():
+            setattr(args, k, v)
+        eu.validate_common_args(args)
+    return call
+
+
+CASES: List[Case] = [
+    # auto_accelerate's arguments (atorch.auto.arguments.validate_arguments)
+    Case("model_not_module", _args(model="llama"), TypeError, "model must be a torch.nn.Module"),
+    Case("optim_func_not_callable", _args(optim_func="adamw"), TypeError, "optim_func"),
+    Case("optim_args_unknown_key", _args(optim_args={"lr": 1e-3, "beta": 0.9}), ValueError, "'beta'"),
+    Case("optim_args_without_optim_func", _args(optim_func=None), ValueError, "optim_args"),
+    Case("loss_func_not_callable", _args(loss_func=1.0), TypeError, "loss_func"),
+    Case("prepare_input_not_callable", _args(prepare_input="cuda"), TypeError, "prepare_input"),
+    Case("optim_param_func_not_callable", _args(optim_param_func=[]), TypeError, "optim_param_func"),
+    Case("batch_size_zero", _args(dataloader_args={"batch_size": 0}), ValueError, "batch_size']=0"),
+    Case("batch_size_negative", _args(dataloader_args={"batch_size": -8}), ValueError, "batch_size']=-8"),
+    Case("batch_size_float", _args(dataloader_args={"batch_size": 8.0}), TypeError, "batch_size']=8.0"),
+    Case("dataloader_args_not_dict", _args(dataloader_args=[("batch_size", 4)]), TypeError, "dataloader_args"),
+    Case("dataloader_args_unknown_key", _args(dataloader_args={"batch_size": 4, "num_worker": 2}), ValueError,
+         "'num_worker'"),
+    Case("dataloader_args_sampler", _args(dataloader_args={"batch_size": 4, "sampler": None}), ValueError,
+         "'sampler'"),
+    Case("dataset_shorter_than_batch", _args(dataset=TokenDataset(n=3)), ValueError, "dataset has 3 samples"),
+    Case("dataset_empty", _args(dataset=TokenDataset(n=0)), ValueError, "dataset has 0 samples"),
+    Case("dataset_iterable", _args(dataset=_Iterable()), TypeError, "map-style dataset"),
+    Case("sequence_longer_than_llama_positions", _args(dataset=TokenDataset(seq_len=300)), ValueError,
+         "max_position_embeddings=256"),
+    Case("sequence_longer_than_gpt2_positions", _args(model=_GPT2, dataset=TokenDataset(seq_len=257)), ValueError,
+         "n_positions=256"),
+    Case("save_strategy_missing_dir", lambda tmp: validate_arguments(
+        model=_LLAMA, save_strategy_to_file=str(tmp / "no" / "s.json")), ValueError, "save_strategy_to_file"),
+    Case("save_strategy_is_dir", lambda tmp: validate_arguments(model=_LLAMA, save_strategy_to_file=str(tmp)),
+         ValueError, "save_strategy_to_file"),
+    Case("report_path_missing_dir", lambda tmp: validate_arguments(
+        model=_LLAMA, report_path=str(tmp / "no" / "r.csv")), ValueError, "report_path"),
+    Case("lr_scheduler_args_unknown_key", _args(lr_scheduler_cls=torch.optim.lr_scheduler.StepLR,
+                                                lr_scheduler_args={"step_size": 1, "gama": 0.5}),
+         ValueError, "'gama'"),
+    Case("lr_scheduler_cls_not_callable", _args(lr_scheduler_cls="cosine"), TypeError, "lr_scheduler_cls"),
+    Case("lr_scheduler_without_optimizer", _args(optim_func=None, optim_args=None,
+                                                 lr_scheduler_cls=torch.optim.lr_scheduler.StepLR,
+                                                 lr_scheduler_args={"step_size": 1}), ValueError,
+         "lr_scheduler_cls"),
+    Case("excluded_a_string", _args(excluded="fsdp"), TypeError, "excluded"),
+    Case("model_without_parameters", _args(model=nn.ReLU(), dataset=None), ValueError, "no parameters"),
+    # once the strategy is known
+    Case("batch_not_divisible_by_data", lambda tmp: validate_batch_layout({"batch_size": 6}, {"data": 4}),
+         ValueError, "batch_size']=6"),
+    Case("chunks_not_dividing_batch", lambda tmp: validate_batch_layout(
+        {"batch_size": 8}, {"data": 2, "pipeline": 2}, pipeline_chunks=3), ValueError, "chunks=3"),
+    Case("unknown_optimization", lambda tmp: resolve_strategy(Strategy(["fdsp"]), ValidationContext(1)),
+         ValueError, "'fdsp'"),
+    Case("strategy_file_missing", lambda tmp: Strategy.from_any(str(tmp / "missing.json")), ValueError,
+         "missing.json"),
+    Case("strategy_file_not_json", _strategy_file(b"parallel_mode, fsdp"), ValueError, "JSON"),
+    Case("strategy_file_a_pickle", _strategy_file(pickle.dumps({"evil": print})), ValueError, "strategy.bin"),
+    # the loss and tensor parallelism
+    Case("loss_not_scalar", lambda tmp: check_loss(torch.ones(4, 16), lambda b, o: None), ValueError,
+         "shape (4, 16)"),
+    Case("loss_not_tensor", lambda tmp: check_loss(0.5, None), TypeError, "loss_func=None"),
+    Case("tp_suffix_ambiguous_c_proj", _gpt2_c_proj, ValueError, "'transformer.h.0.attn.c_proj'"),
+    Case("tp_module_two_roles", _two_roles, ValueError, "'h.0.mlp.c_fc'"),
+    # the launcher (atorch.distributed.run): usage errors naming the flag
+    Case("launcher_nproc_zero", _launch("--nproc_per_node", "0", "job.py"), ValueError, "--nproc_per_node='0'"),
+    Case("launcher_nproc_word", _launch("--nproc_per_node", "two", "job.py"), ValueError, "--nproc_per_node='two'"),
+    Case("launcher_nnodes_zero", _launch("--nnodes", "0", "job.py"), ValueError, "--nnodes='0'"),
+    Case("launcher_node_rank_outside", _launch("--nnodes", "2", "--node_rank", "2", "job.py"), ValueError,
+         "--node_rank='2'"),
+    Case("launcher_port_range", _launch("--master_port", "70000", "job.py"), ValueError, "--master_port=70000"),
+    Case("launcher_max_restarts_negative", _launch("--max_restarts", "-1", "job.py"), ValueError,
+         "--max_restarts=-1"),
+    Case("launcher_missing_script", _launch("--nproc_per_node", "2", "no_such_job.py"), ValueError,
+         "'no_such_job.py'"),
+    Case("launcher_bad_collective_timeout", _env({"ATORCH_COLLECTIVE_TIMEOUT": "ten"},
+                                                 lambda: timeouts.collective_timeout()),
+         ValueError, "ATORCH_COLLECTIVE_TIMEOUT='ten'"),
+    Case("launcher_bad_init_timeout", _env({"ATORCH_INIT_TIMEOUT": "-5"}, lambda: timeouts.init_timeout()),
+         ValueError, "ATORCH_INIT_TIMEOUT='-5'"),
+    # the environment init_distributed reads
+    Case("env_rank_not_below_world", _env({"RANK": "2", "WORLD_SIZE": "2", "MASTER_PORT": "1234"},
+                                          ddist._rendezvous_env), ValueError, "RANK=2"),
+    Case("env_master_port_not_int", _env({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "http"},
+                                         ddist._rendezvous_env), ValueError, "MASTER_PORT='http'"),
+    Case("env_world_size_zero", _env({"RANK": "0", "WORLD_SIZE": "0", "MASTER_PORT": "1234"},
+                                     ddist._rendezvous_env), ValueError, "WORLD_SIZE='0'"),
+    Case("init_unknown_backend", lambda tmp: ddist.init_distributed("mpi"), ValueError, "backend='mpi'"),
+    # checkpoints
+    Case("save_under_a_file", _save_under_file, ValueError, "a_file"),
+    Case("save_onto_a_file", _save_onto_file, ValueError, "is an existing file"),
+    Case("save_keep_last_zero", lambda tmp: save_checkpoint(nn.Linear(2, 2), str(tmp / "c"), keep_last=0),
+         ValueError, "keep_last=0"),
+    Case("load_missing_dir", lambda tmp: load_checkpoint(nn.Linear(2, 2), str(tmp / "nothing")), CheckpointError,
+         "no such checkpoint"),
+    # the example scripts' arguments (their environment variables become these flags)
+    Case("example_max_steps_zero", _example_args(max_steps=0), ValueError, "--max_steps=0"),
+    Case("example_save_steps_negative", _example_args(save_steps=-1), ValueError, "--save_steps=-1"),
+]
+
+
+
+def test_the_catalogue_is_large_enough():
+    assert len(CASES) >= 40 and len({c.name for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in CASES])
+def test_bad_input_raises_naming_the_field(case: Case, tmp_path: Path):
+    start = time.monotonic()
+    with pytest.raises(case.exc) as info:
+        case.call(tmp_path)
+    elapsed = time.monotonic() - start
+    assert case.names in str(info.value), f"{case.name}: {info.value}"
+    assert elapsed < BOUND_S, f"{case.name} took {elapsed:.1f} s"
+
+
+def test_ambiguous_tp_message_names_both_modules_and_their_shapes():
+    with pytest.raises(ValueError) as info:
+        check_tp_suffixes(_GPT2, TPInfo().shard_row("c_proj"))
+    text = str(info.value)
+    assert "'transformer.h.0.attn.c_proj'" in text and "'transformer.h.0.mlp.c_proj'" in text
+    assert "Conv1D (64, 64)" in text and "Conv1D (128, 64)" in text
+    # The GPT-2 preset names each kind of module unambiguously.
+    from atorch.auto.opt_lib.ds_3d_parallel_optimization import get_gpt2_tpinfo, get_llama_tpinfo
+
+    check_tp_suffixes(_GPT2, get_gpt2_tpinfo(_GPT2))
+    check_tp_suffixes(_LLAMA, get_llama_tpinfo(_LLAMA))
+
+
+def test_valid_arguments_pass():
+    validate_arguments(model=_LLAMA, optim_func=torch.optim.AdamW, dataset=TokenDataset(),
+                       optim_args={"lr": 1e-3, "weight_decay": 0.1}, dataloader_args={"batch_size": 4, "shuffle": True,
+                                                                                      "seed": 3, "num_workers": 0},
+                       lr_scheduler_cls=torch.optim.lr_scheduler.StepLR, lr_scheduler_args={"step_size": 2},
+                       excluded=["fsdp"])
+    validate_batch_layout({"batch_size": 8}, {"data": 2, "pipeline": 2}, pipeline_chunks=4)
+    assert check_loss(torch.tensor(1.5), None).item() == 1.5
+    # An optimizer factory taking **kwargs is not second-guessed.
+    validate_arguments(model=_LLAMA, optim_func=lambda params, **kw: torch.optim.SGD(params, **kw),
+                       optim_args={"lr": 0.1, "anything": 1})
+
+
+def test_launcher_usage_error_exits_2_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as info:
+        launcher.main(["--nproc_per_node", "0", str(REPO / "benchmarks" / "exit_stress_job.py")])
+    assert info.value.code == 2
+    assert "--nproc_per_node='0' must be a number of processes >= 1" in capsys.readouterr().err
