@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 from torch import nn
+from atorch.utils.tp_checks import check_tp_suffixes
 
 
 COL, ROW, VOCAB, REPLIC_DROP, PARALLEL_DROP = "col", "row", "vocab", "replic_drop", "parallel_drop"
@@ -245,6 +246,9 @@ def resolve_tp_plan(model: nn.Module, tpinfo: TPInfo, tp_size: int, world_size: 
                          f"most {world_size})")
     if not isinstance(tpinfo, TPInfo):
         raise ValueError(f"tpinfo must be a TPInfo, got {type(tpinfo).__name__}")
+    # A suffix matching modules of different shapes (GPT-2's bare "c_proj") would fail at the
+    # first forward with a shape error: refused here, naming the modules.
+    check_tp_suffixes(model, tpinfo)
     modules = dict(model.named_modules())
     model_name = type(model).__name__
     head = output_embedding(model)

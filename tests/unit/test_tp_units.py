@@ -149,9 +149,14 @@ def test_plan_errors():
         resolve_tp_plan(model, TPInfo().shard_vocab("c_fc"), 2)
     with pytest.raises(ValueError, match=r"matches 'transformer.h.0.ln_1', a LayerNorm; column/row-parallel"):
         resolve_tp_plan(model, TPInfo().shard_row("ln_1"), 2)
-    with pytest.raises(ValueError, match=r"'transformer.h.0.mlp.c_proj' is matched by TPInfo col 'c_proj' and by "
-                                         r"row 'mlp.c_proj'"):
+    # The bare 'c_proj' matches modules of two shapes: refused first, naming them (issue 14).
+    with pytest.raises(ValueError, match=r"TPInfo col suffix 'c_proj' is ambiguous: it matches modules of different "
+                                         r"shapes .*'transformer.h.0.attn.c_proj'.*'transformer.h.0.mlp.c_proj'"):
         resolve_tp_plan(model, TPInfo().shard_col("c_proj").shard_row("mlp.c_proj"), 2)
+    # Two roles for one module, with suffixes that are each unambiguous.
+    with pytest.raises(ValueError, match=r"'transformer.h.0.mlp.c_proj' is matched by TPInfo col 'mlp.c_proj' and "
+                                         r"by row 'h.0.mlp.c_proj'"):
+        resolve_tp_plan(model, TPInfo().shard_col("mlp.c_proj").shard_row("h.0.mlp.c_proj"), 2)
     with pytest.raises(ValueError, match=r"tensor parallel size 8 must divide the world size 4"):
         resolve_tp_plan(model, TPInfo(), 8, world_size=4)
     with pytest.raises(ValueError, match=r"column-parallel 'transformer.h.0.attn.c_attn' \(Conv1D\) has 192 output "
