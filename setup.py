@@ -23,5 +23,7 @@ setup(
     package_data={"atorch.data": ["assets/corpus.txt", "assets/tokenizer/*"]},
     include_package_data=True,
     install_requires=read_requirements("requirements.txt"),
-    extras_require={"test": ["pytest>=7", "pytest-timeout>=2.1"]},
+    entry_points={"console_scripts": ["atorch = atorch.cli:main"]},
+    extras_require={"test": ["pytest>=7", "pytest-timeout>=2.1", "mypy>=1.10", "tensorboard>=2.14"],
+                    "tensorboard": ["tensorboard>=2.14"]},
 )

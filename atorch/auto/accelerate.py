@@ -1,75 +1,94 @@
-"""`auto_accelerate`: validate -> (search) -> apply -> `AutoAccelerateResult`.
+"""`auto_accelerate`: the entry point. Arguments -> (search) -> `engine.apply_strategy` -> result.
 
 Input mistakes (an unknown optimization, a bad config, a conflicting pair) raise ValueError
 on every rank before any collective. Failures while a valid strategy is being applied are
-logged with their full traceback and returned as `status=False`.
+logged with their full traceback and returned as `status=False`. The work itself is in
+`atorch.auto.engine` (apply) and `atorch.auto.search` (the automatic mode).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-from collections import namedtuple
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
 
 from atorch import distributed as adist
-from atorch.auto.model_context import ModelContext, call_model, default_loss_func, default_prepare_input, first_loss
-from atorch.auto.opt_lib.base import ValidationContext
-from atorch.auto.opt_lib.resolve import resolve_strategy
+from atorch.auto.engine import apply_resolved, apply_strategy, build_dataloader, resolve, validation_context
+from atorch.auto.model_context import ModelContext
+from atorch.auto.result import AutoAccelerateResult
 from atorch.auto.strategy import Strategy, StrategyLike
+from atorch.auto.train_step import train_step
+from atorch.utils.quiet import configure_logging, third_party_warnings_filtered
 
 logger = logging.getLogger(__name__)
 
-AutoAccelerateResult = namedtuple(
-    "AutoAccelerateResult", ["model", "optim", "dataloader", "loss_func", "prepare_input", "lr_scheduler", "args"])
+__all__ = ["AutoAccelerateResult", "apply_strategy", "auto_accelerate", "build_dataloader", "train_step",
+           "validation_context"]
 
 _INPUT_FORMATS = (None, "unpack_sequence", "unpack_dict")
 
 
 def auto_accelerate(
     model: nn.Module,
-    optim_func: Optional[Callable] = None,
+    optim_func: Optional[Callable[..., torch.optim.Optimizer]] = None,
     dataset: Any = None,
-    loss_func: Optional[Callable] = None,
-    prepare_input: Optional[Callable] = None,
+    loss_func: Optional[Callable[[Any, Any], Any]] = None,
+    prepare_input: Optional[Callable[[Any, torch.device], Any]] = None,
     model_input_format: Optional[str] = None,
     optim_args: Optional[Dict[str, Any]] = None,
-    optim_param_func: Optional[Callable] = None,
+    optim_param_func: Optional[Callable[[nn.Module], Iterable]] = None,
     dataloader_args: Optional[Dict[str, Any]] = None,
-    lr_scheduler_cls: Optional[Callable] = None,
-    lr_scheduler_args: Optional[Dict[str, Any]] = None,
-    load_strategy: Optional[StrategyLike] = None,
-    ignore_dryrun_on_load_strategy: bool = True,
-    save_strategy_to_file: Optional[str] = None,
+    distributed_sampler_cls: Optional[Callable[..., Any]] = None,
     excluded: Optional[Sequence[str]] = None,
     included: Optional[Sequence[str]] = None,
+    load_strategy: Optional[StrategyLike] = None,
+    lr_scheduler_cls: Optional[Callable[..., Any]] = None,
+    lr_scheduler_args: Optional[Dict[str, Any]] = None,
+    finetune_strategy: bool = False,
+    save_strategy_to_file: Optional[str] = None,
+    *,
+    ignore_dryrun_on_load_strategy: bool = True,
     report_path: Optional[str] = None,
 ) -> Tuple[bool, Optional[AutoAccelerateResult], Optional[Strategy]]:
     """Make `model` train fast under a given or searched strategy.
 
+    The positional order is that of the system we follow, so its scripts run unchanged.
     Returns `(status, result, strategy)`; `result` is an `AutoAccelerateResult` whose
-    `dataloader_args["batch_size"]` is the *global* batch size, split over data-parallel ranks.
+    dataloader yields this data rank's share of each *global* batch of
+    `dataloader_args["batch_size"]`. After a successful call the strategy's parallel groups
+    are also the process default (`atorch.distributed.parallel_group(name)`).
+    `finetune_strategy` is accepted for compatibility: a loaded strategy is applied as given.
     """
     if model_input_format not in _INPUT_FORMATS:
         raise ValueError(f"model_input_format={model_input_format!r}; valid values are {list(_INPUT_FORMATS)}")
     adist.init_distributed()
+    configure_logging()
     ctx = ModelContext(
         model=model, optim_func=optim_func, optim_args=dict(optim_args or {}), optim_param_func=optim_param_func,
         dataset=dataset, loss_func=loss_func, prepare_input=prepare_input, model_input_format=model_input_format,
-        dataloader_args=dict(dataloader_args or {}), lr_scheduler_cls=lr_scheduler_cls,
-        lr_scheduler_args=dict(lr_scheduler_args or {}), device=adist.device())
+        dataloader_args=dict(dataloader_args or {}), distributed_sampler_cls=distributed_sampler_cls,
+        lr_scheduler_cls=lr_scheduler_cls, lr_scheduler_args=dict(lr_scheduler_args or {}), device=adist.device())
+    with third_party_warnings_filtered():
+        return _accelerate(ctx, load_strategy, ignore_dryrun_on_load_strategy, excluded, included, report_path,
+                           save_strategy_to_file)
+
+
+def _accelerate(ctx: ModelContext, load_strategy: Optional[StrategyLike], ignore_dryrun_on_load_strategy: bool,
+                excluded: Optional[Sequence[str]], included: Optional[Sequence[str]], report_path: Optional[str],
+                save_strategy_to_file: Optional[str]
+                ) -> Tuple[bool, Optional[AutoAccelerateResult], Optional[Strategy]]:
+    search = None
     if load_strategy is None:
         from atorch.auto.search.auto_search import SearchError, search_for_context  # planner: only when searching
 
         try:
-            strategy = search_for_context(ctx, excluded=excluded, included=included, report_path=report_path)
+            search = search_for_context(ctx, excluded=excluded, included=included, report_path=report_path)
         except SearchError:  # every candidate failed its dry run: the documented status=False path
             logger.exception("auto_accelerate: the strategy search found no strategy that runs")
             return False, None, None
+        strategy = search.strategy
     else:
         strategy = Strategy.from_any(load_strategy)
         if not ignore_dryrun_on_load_strategy:
@@ -81,136 +100,16 @@ def auto_accelerate(
                 logger.exception("auto_accelerate: the loaded strategy failed its dry run")
                 return False, None, None
     # Validation raises ValueError on every rank before any collective.
-    resolved = resolve_strategy(strategy, validation_context(ctx))
+    resolved = resolve(ctx, strategy)
     try:
         result = apply_resolved(ctx, resolved)
     except Exception:  # noqa: BLE001 - documented status=False path, full reason logged
         logger.exception("auto_accelerate could not apply strategy %s", strategy.describe())
         return False, None, None
-    chosen = Strategy(r.item for r in resolved)
+    if search is not None:
+        result.search, result.search_report, result.search_reason = search.result, search.report, search.reason
+    # Users of the system we follow read the groups through atorch.distributed after this call.
+    adist.set_default_parallel_mesh(result.parallel)
     if save_strategy_to_file and adist.rank() == 0:
-        chosen.save(save_strategy_to_file)
-    return True, result, chosen
-
-
-def validation_context(ctx: ModelContext) -> ValidationContext:
-    return ValidationContext(world_size=adist.world_size(), model=ctx.model,
-                             model_config=getattr(ctx.model, "config", None), device_type=ctx.device.type)
-
-
-def apply_strategy(ctx: ModelContext, strategy: Strategy) -> AutoAccelerateResult:
-    """Validate and apply `strategy` to `ctx` (raising on any problem); used by the dry runner too."""
-    return apply_resolved(ctx, resolve_strategy(strategy, validation_context(ctx)))
-
-
-def apply_resolved(ctx: ModelContext, resolved) -> AutoAccelerateResult:
-    for r in resolved:
-        r.optimization.apply(ctx, r.config)
-        ctx.applied.append(r.name)
-    _place_model(ctx)
-    if ctx.optim is None and ctx.optim_func is not None:
-        ctx.optim = ctx.optim_func(ctx.optim_params(), **ctx.optim_args)
-    for r in resolved:
-        r.optimization.apply_wrapper(ctx, r.config)
-    if ctx.lr_scheduler is None and ctx.lr_scheduler_cls is not None and ctx.optim is not None:
-        ctx.lr_scheduler = ctx.lr_scheduler_cls(ctx.optim, **ctx.lr_scheduler_args)
-    if ctx.dataloader is None and ctx.dataset is not None:
-        ctx.dataloader, ctx.sampler = build_dataloader(ctx)
-    from atorch.checkpoint.model_methods import attach_checkpoint_methods  # imported on use: DCP is heavy
-
-    # `result.model.save_parallelized(dir, merge_checkpoints=...)` / `.from_parallelized(dir)`.
-    return attach_checkpoint_methods(_result(ctx))
-
-
-def _place_model(ctx: ModelContext) -> None:
-    """Move an ordinary model to the device; sharded or engine-owned models are placed by their wrapper."""
-    if ctx.is_sharded or ctx.engine is not None:
-        return
-    if any(p.is_meta for p in ctx.model.parameters()):
-        raise ValueError("the model still has parameters on the meta device after all optimizations: a model "
-                         "built under record_module_init needs tensor_parallel, pipeline or deepspeed_3d_parallel "
-                         "to materialize it")
-    ctx.model.to(ctx.device)
-
-
-def build_dataloader(ctx: ModelContext) -> Tuple[DataLoader, DistributedSampler]:
-    """A DataLoader whose `batch_size` is the global one divided over the data-parallel ranks."""
-    args = dict(ctx.dataloader_args)
-    global_batch = args.pop("batch_size", 1)
-    dp = ctx.data_parallel_size()
-    if global_batch % dp != 0:
-        raise ValueError(f"dataloader_args batch_size={global_batch} (global) is not divisible by the data-parallel "
-                         f"size {dp}")
-    shuffle = args.pop("shuffle", False)
-    seed = args.pop("seed", 0)
-    drop_last = args.pop("drop_last", True)
-    sampler = DistributedSampler(ctx.dataset, num_replicas=dp, rank=ctx.data_parallel_rank(), shuffle=shuffle,
-                                 seed=seed, drop_last=drop_last)
-    loader = DataLoader(ctx.dataset, batch_size=global_batch // dp, sampler=sampler, drop_last=drop_last, **args)
-    return loader, sampler
-
-
-def _result(ctx: ModelContext) -> AutoAccelerateResult:
-    user_loss = ctx.loss_func or default_loss_func
-
-    def loss_func(batch: Any, output: Any) -> torch.Tensor:
-        loss = first_loss(user_loss(batch, output))
-        for transform in ctx.loss_transforms:
-            loss = transform(loss)
-        return loss
-
-    user_prepare = ctx.prepare_input or default_prepare_input
-
-    def prepare_input(batch: Any, device: Optional[torch.device] = None) -> Any:
-        return user_prepare(batch, device or ctx.device)
-
-    args = {
-        "strategy": list(ctx.applied),
-        "device": ctx.device,
-        "model_input_format": ctx.model_input_format,
-        "data_parallel_size": ctx.data_parallel_size(),
-        "global_batch_size": ctx.dataloader_args.get("batch_size"),
-        "autocast_dtype": ctx.autocast_dtype,
-        "grad_scaler": ctx.grad_scaler,
-        "engine": ctx.engine,
-        "sampler": ctx.sampler,
-        **ctx.extra,
-    }
-    model = ctx.engine if ctx.engine is not None else ctx.model
-    return AutoAccelerateResult(model, ctx.optim, ctx.dataloader, loss_func, prepare_input, ctx.lr_scheduler, args)
-
-
-def train_step(result: AutoAccelerateResult, batch: Any) -> torch.Tensor:
-    """One optimizer step on `batch` for any strategy: forward, loss, backward, step, zero_grad.
-
-    Plain loops (`loss.backward(); optim.step()`) work too; this helper also drives
-    DeepSpeed engines, which need `engine.backward` / `engine.step`.
-    """
-    custom_step = result.args.get("train_step")
-    if custom_step is not None:  # pipeline schedules/engines (pipeline_parallel, deepspeed_3d_parallel) step themselves
-        return custom_step(result, batch)
-    batch = result.prepare_input(batch)
-    output = call_model(result.model, batch, result.args["model_input_format"])
-    loss = result.loss_func(batch, output)
-    engine = result.args.get("engine")
-    if engine is not None:
-        engine.backward(loss)
-        engine.step()
-    else:
-        loss.backward()
-        result.optim.step()
-        result.optim.zero_grad(set_to_none=True)
-        if result.lr_scheduler is not None:
-            result.lr_scheduler.step()
-    return loss.detach()
-
-
-def env_int(name: str, default: int) -> int:
-    """An integer environment variable (read at entry points only)."""
-    raw = os.environ.get(name)
-    if raw in (None, ""):
-        return default
-    try:
-        return int(raw)
-    except ValueError as e:
-        raise ValueError(f"environment variable {name}={raw!r} must be an integer") from e
+        result.strategy.save(save_strategy_to_file)
+    return True, result, result.strategy

@@ -142,10 +142,9 @@ def check_strategy_runs(ctx: ModelContext, strategy: Strategy, config: Optional[
     Validation first, so a bad strategy raises the same ValueError as without the dry run,
     before any collective.
     """
-    from atorch.auto.accelerate import validation_context
-    from atorch.auto.opt_lib.resolve import resolve_strategy
+    from atorch.auto.engine import resolve
 
-    resolve_strategy(Strategy.from_any(strategy), validation_context(ctx))
+    resolve(ctx, Strategy.from_any(strategy))
     result = dry_run(ctx, strategy, config or DryRunConfig.from_env())
     if not result.ok:
         raise DryRunError(f"strategy {Strategy.from_any(strategy).describe()} failed its dry run: {result.error}")
@@ -157,7 +156,8 @@ def check_strategy_runs(ctx: ModelContext, strategy: Strategy, config: Optional[
 # -- one rank -----------------------------------------------------------------------------------
 
 def _run_local(ctx: ModelContext, strategy: Strategy, config: DryRunConfig) -> _LocalOutcome:
-    from atorch.auto.accelerate import apply_strategy, train_step
+    from atorch.auto.engine import apply_strategy
+    from atorch.auto.train_step import train_step
 
     outcome = _LocalOutcome(rank=adist.rank())
     layout = adist.parallel_config() if adist.is_parallel_group_created() else None

@@ -19,7 +19,7 @@ from torch import nn
 import torch
 import torch.distributed as dist
 
-from atorch.checkpoint.layout import (
+from atorch.checkpoint.layout_handlers import (
     LayoutHandler,
     TPShards,
     flatten_optimizer,

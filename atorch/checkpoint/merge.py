@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from atorch.checkpoint import manifest as mf
-from atorch.checkpoint.layout import MODEL_PREFIX
+from atorch.checkpoint.layout_handlers import MODEL_PREFIX
 from atorch.checkpoint.manifest import CheckpointError
 from atorch.checkpoint.safe_load import SafeFileSystemReader, load_dcp_metadata, tensor_entries
 from atorch.checkpoint.save_load import (

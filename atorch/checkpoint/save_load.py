@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from atorch.checkpoint import manifest as mf
-from atorch.checkpoint.layout import (
+from atorch.checkpoint.layout_handlers import (
     MODEL_PREFIX,
     OPTIM_PREFIX,
     LayoutHandler,
@@ -74,20 +74,22 @@ class TrainingObjects:
     strategy: Optional[List[str]] = None
     # Dataloader items one optimizer step consumes (DeepSpeed 3D's dataloader yields micro-batches).
     batches_per_step: int = 1
+    # The strategy's parallel groups (recorded in the checkpoint's metadata); None: atorch's default layout.
+    parallel: Any = None
 
     @classmethod
     def of(cls, target: Any, optimizer: Any = None, lr_scheduler: Any = None) -> "TrainingObjects":
-        if _is_result(target):
-            args = target.args or {}
-            engine = args.get("engine")
+        from atorch.auto.result import AutoAccelerateResult
+
+        if isinstance(target, AutoAccelerateResult):
+            engine = target.engine
             # DeepSpeed 3D's dataloader yields micro-batches: one step takes gradient_accumulation_steps.
-            per_step = int(args.get("gradient_accumulation_steps") or 1) \
-                if "train_micro_batch_size_per_gpu" in args else 1
+            per_step = target.gradient_accumulation_steps if target.micro_batch_size is not None else 1
             return cls(model=target.model, optimizer=optimizer or target.optim,
                        lr_scheduler=lr_scheduler or target.lr_scheduler or getattr(engine, "lr_scheduler", None),
-                       grad_scaler=args.get("grad_scaler"), engine=engine, dataloader=target.dataloader,
-                       global_batch_size=args.get("global_batch_size"),
-                       strategy=list(args.get("strategy") or []) or None, batches_per_step=per_step)
+                       grad_scaler=target.grad_scaler, engine=engine, dataloader=target.dataloader,
+                       global_batch_size=target.global_batch_size, strategy=list(target.applied) or None,
+                       batches_per_step=per_step, parallel=target.parallel)
         if isinstance(target, nn.Module):
             engine = target if is_deepspeed_engine(target) else None
             return cls(model=target, optimizer=optimizer, engine=engine,
@@ -101,10 +103,6 @@ class TrainingObjects:
 
             return DeepSpeedHandler(self.engine)
         return TorchHandler(self.model, self.optimizer)
-
-
-def _is_result(obj: Any) -> bool:
-    return all(hasattr(obj, a) for a in ("model", "optim", "dataloader", "lr_scheduler", "args"))
 
 
 @dataclass
@@ -158,12 +156,14 @@ def _all_gather(value: Any) -> List[Any]:
     return out
 
 
-def _parallel_dims() -> Optional[List[List[Any]]]:
+def _parallel_dims(parallel: Any) -> Optional[List[List[Any]]]:
     from atorch import distributed as adist
 
-    if not adist.is_parallel_group_created():
+    if parallel is None:
+        parallel = adist.default_parallel_mesh()
+    if parallel is None:
         return None
-    return [[n, s] for n, s in adist.parallel_layout().dims]
+    return [[n, s] for n, s in parallel.layout.dims]
 
 
 # -- save ----------------------------------------------------------------------------------
@@ -298,7 +298,7 @@ def _meta(objs: TrainingObjects, handler: LayoutHandler, step: Optional[int], po
     return {
         "format": mf.FORMAT_NAME, "version": mf.FORMAT_VERSION, "step": step,
         "data_position": position.to_json() if position is not None else None,
-        "world_size": world, "parallel_dims": _parallel_dims(), "layout": handler.name,
+        "world_size": world, "parallel_dims": _parallel_dims(objs.parallel), "layout": handler.name,
         "strategy": objs.strategy,
         "model": {"class": _qualname(hf_model) if hf_model is not None else _qualname(objs.model),
                   "hf_prefix": hf_prefix, "has_config": hf_config is not None,

@@ -11,9 +11,11 @@ from atorch.distributed.distributed import (
     rank,
     world_size,
 )
-from atorch.distributed.layout import ParallelLayout
+from atorch.distributed.mesh import ParallelMesh
+from atorch.distributed.parallel_layout import ParallelLayout
 from atorch.distributed.parallel_group import (
     create_parallel_group,
+    default_parallel_mesh,
     destroy_parallel_group,
     device_mesh,
     is_parallel_group_created,
@@ -25,12 +27,13 @@ from atorch.distributed.parallel_group import (
     parallel_rank,
     parallel_rank_or_zero,
     parallel_size_or_one,
+    set_default_parallel_mesh,
 )
 
 __all__ = [
-    "ParallelLayout", "create_parallel_group", "destroy_distributed", "destroy_parallel_group", "device",
+    "ParallelLayout", "ParallelMesh", "create_parallel_group", "default_parallel_mesh", "destroy_distributed", "destroy_parallel_group", "device",
     "device_mesh", "device_type", "find_free_port", "init_distributed", "is_initialized",
     "is_parallel_group_created", "local_rank", "parallel_config", "parallel_group", "parallel_group_ranks",
     "parallel_group_size", "parallel_layout", "parallel_rank", "parallel_rank_or_zero", "parallel_size_or_one",
-    "rank", "world_size",
+    "rank", "set_default_parallel_mesh", "world_size",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from typing import Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,11 @@ def find_free_port() -> int:
 
 
 def _fill_single_process_env() -> None:
+    # `srun python script.py`: Slurm's variables say who this task is (atorch/distributed/slurm.py).
+    from atorch.distributed.slurm import is_slurm_task, slurm_environment
+
+    if is_slurm_task(os.environ):
+        os.environ.update(slurm_environment(os.environ))
     # A plain `python script.py` has none of these; default to a world of one.
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -112,10 +117,21 @@ def device_type() -> str:
     return device().type
 
 
+# Called by `destroy_distributed` before the default group goes (the parallel-group module
+# registers forgetting its default layout): layers above register here instead of this module
+# importing them.
+_ON_DESTROY: List[Callable[[], None]] = []
+
+
+def on_destroy(callback: Callable[[], None]) -> None:
+    """Run `callback` at every `destroy_distributed()`, before the default process group is destroyed."""
+    if callback not in _ON_DESTROY:
+        _ON_DESTROY.append(callback)
+
+
 def destroy_distributed() -> None:
     """Tear down the parallel groups and the default group, if any."""
-    from atorch.distributed.parallel_group import destroy_parallel_group
-
-    destroy_parallel_group()
+    for callback in _ON_DESTROY:
+        callback()
     if is_initialized():
         dist.destroy_process_group()

@@ -8,27 +8,19 @@ before any collective.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from atorch.distributed.distributed import device_type, rank as global_rank, world_size as global_world_size
-from atorch.distributed.layout import Dims, ParallelLayout
+from atorch.distributed.distributed import on_destroy
+from atorch.distributed.mesh import ParallelConfig, ParallelMesh
+from atorch.distributed.parallel_layout import ParallelLayout
 
-ParallelConfig = Tuple[Dims, Optional[List[int]]]
-
-
-@dataclass
-class _ParallelState:
-    layout: ParallelLayout
-    mesh: DeviceMesh
-
-
-# One layout per process: process groups are process-wide objects in torch.distributed too.
-_STATE: Optional[_ParallelState] = None
+# The process-wide default groups, for users who call `create_parallel_group` themselves (and
+# what `auto_accelerate` publishes for the strategy it applied). Optimizations never read it:
+# they get their `ParallelMesh` from the ModelContext.
+_STATE: Optional[ParallelMesh] = None
 
 
 def _split_config(config) -> Tuple[Sequence[Tuple[str, int]], Optional[Sequence[int]]]:
@@ -41,26 +33,29 @@ def _split_config(config) -> Tuple[Sequence[Tuple[str, int]], Optional[Sequence[
 
 
 def create_parallel_group(config: ParallelConfig) -> DeviceMesh:
-    """Create the groups of `config = (dims, rank_order)`; the first dim varies fastest.
+    """Create the groups of `config = (dims, rank_order)` and make them the default; the first dim varies fastest.
 
-    Every rank must call it with the same config. Replaces any previous layout.
+    Every rank must call it with the same config. Replaces any previous default layout.
     """
     dims, rank_order = _split_config(config)
     if not dist.is_initialized():
         raise RuntimeError("create_parallel_group needs a process group: call atorch.init_distributed() first")
-    layout = ParallelLayout.create(dims, global_world_size(), rank_order)
-    destroy_parallel_group()
-    # DeviceMesh is row-major (its last dimension varies fastest), so the names are reversed.
-    order = list(layout.rank_order) if layout.rank_order is not None else list(range(layout.world_size))
-    shape = tuple(size for _, size in reversed(layout.dims))
-    mesh_tensor = torch.tensor(order, dtype=torch.int).reshape(shape)
-    mesh = DeviceMesh(device_type(), mesh_tensor, mesh_dim_names=tuple(reversed(layout.names)))
+    mesh = ParallelMesh.create(dims, rank_order)
+    set_default_parallel_mesh(mesh)
+    return mesh.mesh
+
+
+def set_default_parallel_mesh(mesh: Optional[ParallelMesh]) -> None:
+    """Make `mesh` what `parallel_group(name)` and friends answer (None forgets it)."""
     global _STATE
-    _STATE = _ParallelState(layout, mesh)
-    return mesh
+    _STATE = mesh
 
 
-def _state() -> _ParallelState:
+def default_parallel_mesh() -> Optional[ParallelMesh]:
+    return _STATE
+
+
+def _state() -> ParallelMesh:
     if _STATE is None:
         raise RuntimeError("no parallel groups exist: call atorch.distributed.create_parallel_group first")
     return _STATE
@@ -75,56 +70,43 @@ def parallel_layout() -> ParallelLayout:
 
 
 def device_mesh(*names: str) -> DeviceMesh:
-    """The whole mesh, or its sub-mesh over `names` (given in the atorch order, fastest first)."""
-    state = _state()
-    if not names:
-        return state.mesh
-    for n in names:
-        state.layout._check_name(n)
-    if len(names) == 1:
-        return state.mesh[names[0]]
-    return state.mesh[tuple(reversed(names))]
+    """The whole default mesh, or its sub-mesh over `names` (given in the atorch order, fastest first)."""
+    return _state().device_mesh(*names)
 
 
 def parallel_group(name: str) -> dist.ProcessGroup:
-    state = _state()
-    state.layout._check_name(name)
-    return state.mesh.get_group(name)
+    return _state().group(name)
 
 
 def parallel_rank(name: str) -> int:
-    state = _state()
-    return state.layout.coords(global_rank())[state.layout._check_name(name)]
+    return _state().rank(name)
 
 
 def parallel_group_size(name: str) -> int:
-    return _state().layout.size(name)
+    return _state().size(name)
 
 
 def parallel_group_ranks(name: str) -> List[int]:
     """Global ranks of this rank's group along `name`."""
-    return _state().layout.group_of(name, global_rank())
+    return _state().group_ranks(name)
 
 
 def parallel_config() -> ParallelConfig:
-    layout = _state().layout
-    return [tuple(d) for d in layout.dims], (list(layout.rank_order) if layout.rank_order is not None else None)
+    return _state().config()
 
 
 def parallel_size_or_one(name: str) -> int:
     """Size of dimension `name`, or 1 when there is no layout or no such dimension."""
-    if _STATE is None or name not in _STATE.layout.names:
-        return 1
-    return _STATE.layout.size(name)
+    return 1 if _STATE is None else _STATE.size_or_one(name)
 
 
 def parallel_rank_or_zero(name: str) -> int:
-    if _STATE is None or name not in _STATE.layout.names:
-        return 0
-    return parallel_rank(name)
+    return 0 if _STATE is None else _STATE.rank_or_zero(name)
 
 
 def destroy_parallel_group() -> None:
-    """Forget the layout; torch destroys the sub-groups with the default group."""
-    global _STATE
-    _STATE = None
+    """Forget the default layout; torch destroys the sub-groups with the default group."""
+    set_default_parallel_mesh(None)
+
+
+on_destroy(destroy_parallel_group)

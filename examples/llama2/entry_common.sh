@@ -33,6 +33,7 @@ MAX_STEPS="${MAX_STEPS:-100}"
 LEARNING_RATE="${LEARNING_RATE:-}"               # empty: the script's default for the mode
 PEAK_TFLOPS="${PEAK_TFLOPS:-}"                   # empty: the GPU datasheet table, or a CPU matmul probe
 LOG_STEPS="${LOG_STEPS:-10}"
+LOG_WITH="${LOG_WITH:-}"                         # empty: the script's default (jsonl); tensorboard, jsonl, none
 SAVE_STEPS="${SAVE_STEPS:-50}"
 RESUME="${RESUME:-0}"                            # 1: the latest checkpoint in OUTPUT_DIR, or a checkpoint dir
 
@@ -52,6 +53,7 @@ ARGS=(--output_dir "$OUTPUT_DIR" --block_size "$BLOCK_SIZE" --max_steps "$MAX_ST
 [ -n "$DATASET_PATH" ] && ARGS+=(--dataset_path "$DATASET_PATH")
 [ -n "$LEARNING_RATE" ] && ARGS+=(--learning_rate "$LEARNING_RATE")
 [ -n "$PEAK_TFLOPS" ] && ARGS+=(--peak_tflops "$PEAK_TFLOPS")
+[ -n "$LOG_WITH" ] && ARGS+=(--log_with "$LOG_WITH")
 case "${RESUME,,}" in
   0 | false | no | off | "") ;;
   1 | true | yes | on) ARGS+=(--resume) ;;

@@ -21,8 +21,10 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from tqdm.auto import tqdm
 
 from atorch import distributed as adist
+from atorch.utils.trackers import MetricsLogger
 from atorch.utils.metrics import (
     DevicePeak,
     StepMetrics,
@@ -84,6 +86,8 @@ def common_parser(description: str, per_device_batch: bool = True) -> argparse.A
     train.add_argument("--warmup_steps", type=int, default=0, help="linear warm-up, then cosine decay to 10%%")
     train.add_argument("--seed", type=int, default=42)
     train.add_argument("--log_steps", type=int, default=10, help="print a metrics line every N steps (rank 0)")
+    train.add_argument("--log_with", default="jsonl",
+                       help="metric trackers, comma-separated: tensorboard, jsonl, none (OUTPUT_DIR/logs, rank 0)")
     train.add_argument("--save_steps", type=int, default=50, help="checkpoint every N steps (0: only at the end)")
     train.add_argument("--save_total_limit", type=int, default=2, help="newest checkpoints kept")
     train.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
@@ -436,20 +440,30 @@ def train_loop(args: argparse.Namespace, run_step: Callable[[], torch.Tensor], m
     """
     reported: List[StepMetrics] = []
     window: List[torch.Tensor] = []
+    tracker = MetricsLogger(str(Path(args.output_dir) / "logs"), getattr(args, "log_with", None))
+    bar = tqdm(total=args.max_steps, initial=start_step, desc="train", unit="step", disable=not is_rank0(),
+               mininterval=5.0, file=sys.stderr)
     meter.start()
-    for step in range(start_step + 1, args.max_steps + 1):
-        window.append(run_step().detach().float().reshape(()))
-        meter.step()
-        if step % args.log_steps == 0 or step == args.max_steps:
-            loss = mean_over_ranks(torch.stack(window).mean())
-            window.clear()
-            metrics = meter.report(step, loss)
-            if is_rank0():
-                print(metrics.format(), flush=True)
-                reported.append(metrics)
-        if on_step_end is not None:
-            with meter.paused():  # checkpoint saves are not training throughput
-                on_step_end(step)
+    try:
+        for step in range(start_step + 1, args.max_steps + 1):
+            window.append(run_step().detach().float().reshape(()))
+            meter.step()
+            bar.update(1)
+            if step % args.log_steps == 0 or step == args.max_steps:
+                loss = mean_over_ranks(torch.stack(window).mean())
+                window.clear()
+                metrics = meter.report(step, loss)
+                if is_rank0():
+                    print(metrics.format(), flush=True)
+                    tracker.log(metrics, step)
+                    bar.set_postfix_str(f"loss {loss:.4f}")
+                    reported.append(metrics)
+            if on_step_end is not None:
+                with meter.paused():  # checkpoint saves are not training throughput
+                    on_step_end(step)
+    finally:
+        bar.close()
+        tracker.close()
     return reported
 
 

@@ -25,7 +25,7 @@ import fsdp_llama2  # noqa: E402
 # Every variable an entry script reads; cleared so the caller's environment cannot leak in.
 ENTRY_VARS = ("NPROC_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "DATASET_PATH",
               "MODEL_NAME_OR_PATH", "CONFIG_NAME", "TOKENIZER_NAME", "PER_DEVICE_TRAIN_BATCH_SIZE", "BLOCK_SIZE",
-              "MAX_STEPS", "LEARNING_RATE", "PEAK_TFLOPS", "LOG_STEPS", "SAVE_STEPS", "RESUME", "USE_LORA", "USE_FP8",
+              "MAX_STEPS", "LEARNING_RATE", "PEAK_TFLOPS", "LOG_STEPS", "LOG_WITH", "SAVE_STEPS", "RESUME", "USE_LORA", "USE_FP8",
               "PIPELINE_PARALLEL_SIZE", "MODEL_PARALLEL_SIZE", "MICRO_BATCH_SIZE", "ACCU_STEPS", "BO_SG_MAX_IETR",
               "RANDOM_SAMPLE", "OUTPUT_DIR", "PYTHON")
 
@@ -72,7 +72,7 @@ def test_fsdp_entry_passes_every_variable(tmp_path):
         tmp_path, "fsdp_llama2_entry.sh", NPROC_PER_NODE=3, NNODES=2, NODE_RANK=1, MASTER_ADDR="10.0.0.7",
         DATASET_PATH="/data/c.jsonl", MODEL_NAME_OR_PATH="/models/llama", PER_DEVICE_TRAIN_BATCH_SIZE=5,
         BLOCK_SIZE=128, MAX_STEPS=7, LEARNING_RATE=0.01, LOG_STEPS=2, SAVE_STEPS=3, RESUME=1, USE_LORA=1, USE_FP8=1,
-        OUTPUT_DIR=str(tmp_path / "out"), TOKENIZER_NAME="/tok", PEAK_TFLOPS=312)
+        OUTPUT_DIR=str(tmp_path / "out"), TOKENIZER_NAME="/tok", PEAK_TFLOPS=312, LOG_WITH="tensorboard")
     assert pairs(launch) == {"--nnodes": "2", "--node_rank": "1", "--master_addr": "10.0.0.7",
                              "--nproc_per_node": "3", "--master_port": "29500"}   # multi-node: a fixed default port
     assert script == str(EXAMPLES / "fsdp_llama2.py")
@@ -80,12 +80,12 @@ def test_fsdp_entry_passes_every_variable(tmp_path):
                            "--block_size": "128", "--max_steps": "7", "--log_steps": "2", "--save_steps": "3",
                            "--model_name_or_path": "/models/llama", "--tokenizer_name": "/tok",
                            "--dataset_path": "/data/c.jsonl", "--learning_rate": "0.01", "--peak_tflops": "312",
-                           "--resume": None,
+                           "--log_with": "tensorboard", "--resume": None,
                            "--use_lora": None, "--use_fp8": None}
     parsed = fsdp_llama2.build_parser().parse_args(args)
     assert (parsed.per_device_train_batch_size, parsed.block_size, parsed.max_steps, parsed.log_steps,
             parsed.save_steps, parsed.learning_rate, parsed.peak_tflops, parsed.resume, parsed.use_lora,
-            parsed.use_fp8) == (5, 128, 7, 2, 3, 0.01, 312.0, "latest", True, True)
+            parsed.use_fp8, parsed.log_with) == (5, 128, 7, 2, 3, 0.01, 312.0, "latest", True, True, "tensorboard")
 
 
 def test_defaults_single_node_and_resume_path(tmp_path):

@@ -102,7 +102,7 @@ def test_fp8_trains_or_raises_the_documented_error():
     ctx = ModelContext(model=model, device=DEVICE)
     opt.apply(ctx, config)
     # Every linear of the blocks (7 per layer, 2 layers); lm_head stays in high precision.
-    assert ctx.extra["fp8"]["converted"] == 14
+    assert ctx.summaries["fp8"]["converted"] == 14
     batch = _batch(batch=2, seq=64)
     losses = {}
     for key, m in (("bf16", reference), ("fp8", model)):

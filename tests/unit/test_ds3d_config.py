@@ -143,7 +143,7 @@ def test_presets_by_model_or_config():
 
 
 def test_deepspeed_topology_is_atorch_layout():
-    from atorch.distributed.layout import ParallelLayout
+    from atorch.distributed.parallel_layout import ParallelLayout
     from atorch.modules.pipeline.ds_pipe import build_topology, check_topology_matches_atorch
 
     layout = ParallelLayout.create([("tensor", 2), ("data", 2), ("pipeline", 2)], 8)

@@ -1,6 +1,6 @@
 import pytest
 
-from atorch.distributed.layout import ParallelLayout
+from atorch.distributed.parallel_layout import ParallelLayout
 from atorch.distributed.run import translate_args
 
 DIMS_8 = [("tensor", 2), ("data", 2), ("pipeline", 2)]

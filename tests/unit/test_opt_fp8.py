@@ -81,4 +81,3 @@ def test_convertible_linears_skip_the_head_and_odd_shapes():
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     assert convertible_linears(tiny_llama(num_hidden_layers=1), Fp8Config(skip_modules="q_proj")).count(
         "lm_head") == 1
-    assert not get_optimization("fp8").tunable

@@ -35,7 +35,7 @@ def test_half_and_amp_of_different_dtypes_conflict():
 
 def test_same_dtype_half_and_amp_is_accepted():
     # Harmless redundancy: amp_native skips autocast on the cast model (tests/unit/test_opt_lib_amp.py).
-    assert names([("amp_native", "bf16"), "half"]) == ["parallel_mode", "half", "amp_native"]
+    assert names([("amp_native", "bf16"), "half"]) == ["parallel_mode", "half", "amp_native", "ddp"]
 
 
 def test_application_order_is_fixed_whatever_the_listed_order():
@@ -106,9 +106,9 @@ def test_deepspeed_limits_are_checked_before_anything_runs():
     with pytest.raises(ValueError, match=r"zero2 with use_ds_zero=True needs every rank data-parallel, but "
                                          r"parallel_mode has \{'tensor': 2\}"):
         resolve([tp, ("zero2", {"use_ds_zero": True})], world_size=4)
-    with pytest.raises(ValueError, match=r"'ddp' and 'zero1' \(use_ds_zero=True\) cannot be combined"):
+    with pytest.raises(ValueError, match=r"'ddp' and 'zero1' cannot be combined: the DeepSpeed engine \(use_ds_zero=True\)"):
         resolve(["ddp", ("zero1", {"use_ds_zero": True})])
-    with pytest.raises(ValueError, match=r"'half' and 'fsdp' \(use_ds_zero=True\) cannot be combined"):
+    with pytest.raises(ValueError, match=r"'fsdp' and 'half' cannot be combined: DeepSpeed keeps fp32 master weights"):
         resolve(["half", ("fsdp", {"use_ds_zero": True})])
     with pytest.raises(ValueError, match=r"amp_native\(dtype=float16\) with zero1 \(use_ds_zero=True\) is not "
                                          r"supported on CPU"):

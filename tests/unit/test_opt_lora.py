@@ -39,7 +39,7 @@ def test_only_adapters_are_trainable_with_default_targets(make, targets):
     ctx = _apply(make(seed=0))
     model = ctx.model
     assert isinstance(model, peft.PeftModel)
-    assert ctx.extra["lora"]["target_modules"] == targets
+    assert ctx.summaries["lora"]["target_modules"] == targets
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     # 2 layers x each target x (lora_A, lora_B)
     assert len(trainable) == 2 * len(targets) * 2
@@ -90,7 +90,7 @@ def test_composes_with_non_reentrant_checkpoint():
     ck = get_optimization("checkpoint")()
     ctx = ModelContext(model=ckpt)
     ck.apply(ctx, ck.parse_config(None))
-    assert ctx.extra["checkpoint"]["blocks"] == 2
+    assert ctx.summaries["checkpoint"]["blocks"] == 2
     for model in (plain, ckpt):
         model.train()
         call_model(model, _batch(), "unpack_dict").loss.backward()

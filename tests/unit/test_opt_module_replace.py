@@ -58,7 +58,7 @@ def test_llama_replacements_keep_parameters():
     final_norm_weight = model.model.norm.weight
     ctx = _apply(model)
     # 2 layers x (input, post-attention) + the final norm.
-    assert ctx.extra["module_replace"] == {"attention": 1, "norm": 5, "activation": 0}
+    assert ctx.summaries["module_replace"] == {"attention": 1, "norm": 5, "activation": 0}
     assert model.config._attn_implementation == "sdpa"
     assert isinstance(model.model.norm, FusedRMSNorm)
     assert model.model.norm.weight is final_norm_weight, "the same Parameter object, not a copy"
@@ -68,7 +68,7 @@ def test_llama_replacements_keep_parameters():
 def test_gpt2_replacements():
     model = tiny_gpt2(seed=0)
     ctx = _apply(model)
-    assert ctx.extra["module_replace"] == {"attention": 1, "norm": 0, "activation": 2}
+    assert ctx.summaries["module_replace"] == {"attention": 1, "norm": 0, "activation": 2}
     assert model.config._attn_implementation == "sdpa"
     acts = [m for m in model.modules() if isinstance(m, nn.GELU)]
     assert len(acts) == 2 and all(a.approximate == "tanh" for a in acts)
@@ -76,10 +76,10 @@ def test_gpt2_replacements():
 
 def test_config_selects_kinds():
     only_norm = tiny_llama()
-    assert _apply(only_norm, ["norm"]).extra["module_replace"] == {"attention": 0, "norm": 5, "activation": 0}
+    assert _apply(only_norm, ["norm"]).summaries["module_replace"] == {"attention": 0, "norm": 5, "activation": 0}
     assert only_norm.config._attn_implementation == "eager"
     no_attention = tiny_llama()
-    assert _apply(no_attention, {"attention": False}).extra["module_replace"]["attention"] == 0
+    assert _apply(no_attention, {"attention": False}).summaries["module_replace"]["attention"] == 0
     with pytest.raises(ValueError, match=r"unknown replacement kind\(s\) \['flash'\]; valid kinds are "
                                          r"\['attention', 'norm', 'activation'\]"):
         _apply(tiny_llama(), ["flash"])
@@ -102,7 +102,7 @@ def test_already_fused_attention_is_logged_not_an_error(caplog):
     model = tiny_llama(attn_implementation="sdpa")
     with caplog.at_level(logging.INFO, logger="atorch.auto.opt_lib.module_replace"):
         ctx = _apply(model, ["attention"])
-    assert ctx.extra["module_replace"]["attention"] == 0
+    assert ctx.summaries["module_replace"]["attention"] == 0
     assert "already fused" in caplog.text and "'sdpa'" in caplog.text
 
 
@@ -144,4 +144,3 @@ def test_llama_style_rms_norm_detection():
     assert not is_llama_style_rms_norm(GemmaRMSNorm(16))
     assert not is_llama_style_rms_norm(FusedRMSNorm(16))
     assert not is_llama_style_rms_norm(nn.LayerNorm(16))
-    assert get_optimization("module_replace").tunable

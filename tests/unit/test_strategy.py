@@ -44,7 +44,10 @@ def test_bad_items_and_files():
 def test_resolve_adds_parallel_mode_and_rejects_unknown_names():
     ctx = ValidationContext(world_size=2)
     resolved = resolve_strategy(Strategy([]), ctx)
-    assert [r.name for r in resolved] == ["parallel_mode"]
+    # Two data ranks and nothing that reduces gradients itself: DDP is added too.
+    assert [r.name for r in resolved] == ["parallel_mode", "ddp"]
+    assert [r.name for r in resolve_strategy(Strategy([]), ValidationContext(world_size=1))] == ["parallel_mode"]
+    assert [r.name for r in resolve_strategy(Strategy(["fsdp"]), ctx)] == ["parallel_mode", "fsdp"]
     with pytest.raises(ValueError, match=r"unknown optimization 'fdsp'; valid names are \[.*'parallel_mode'"):
         resolve_strategy(Strategy(["fdsp"]), ctx)
     assert "parallel_mode" in registered_names()
@@ -61,4 +64,5 @@ def test_parallel_mode_config_checks():
         resolve_strategy(Strategy([("parallel_mode", ([("data", 4)], None)),
                                    ("parallel_mode", ([("tensor", 4)], None))]), ctx)
     # The same item twice is harmless and applied once.
-    assert len(resolve_strategy(Strategy(["parallel_mode", "parallel_mode"]), ctx)) == 1
+    resolved = resolve_strategy(Strategy(["parallel_mode", "parallel_mode"]), ctx)
+    assert [r.name for r in resolved] == ["parallel_mode", "ddp"]

@@ -171,7 +171,7 @@ def test_tensor_parallel_validation_is_pure():
         return resolve_strategy(Strategy(strategy + [("tensor_parallel", config or None)]), ctx)
 
     names = [r.name for r in validate(4, [("tensor", 2), ("data", 2)])]
-    assert names == ["parallel_mode", "tensor_parallel"]
+    assert names == ["parallel_mode", "tensor_parallel", "ddp"]   # data=2: gradients averaged by DDP
     with pytest.raises(ValueError, match="needs a 'tensor' dimension in parallel_mode"):
         validate(4, None)
     with pytest.raises(ValueError, match="does not divide num_attention_heads=4"):

@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._precision import dtype_name
-from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext
+from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, WrapperOrder
+from atorch.distributed.mesh import ParallelMesh
 from atorch.utils.module_utils import modules_of_classes, resolve_module_classes
 
 logger = logging.getLogger(__name__)
@@ -48,10 +48,10 @@ def normalize_wrap_cls(where: str, value: Any) -> Optional[Tuple[ClassSpec, ...]
 
 
 # -- torch FSDP2 ----------------------------------------------------------------------------
-def broadcast_module_states(model: nn.Module, device: torch.device) -> None:
+def broadcast_module_states(model: nn.Module, device: torch.device, parallel: ParallelMesh) -> None:
     """Make every data-parallel rank hold data-rank 0's parameters and buffers."""
-    group = adist.parallel_group("data")
-    src = adist.parallel_group_ranks("data")[0]
+    group = parallel.group("data")
+    src = parallel.group_ranks("data")[0]
     if device.type != "cpu":
         model.to(device)  # nccl broadcasts device tensors only
     with torch.no_grad():
@@ -67,7 +67,7 @@ def shard_with_fsdp2(ctx: ModelContext, who: str, *, wrap_cls: Optional[Sequence
     a time; the root unit holds the rest (embeddings, final norm, head). An autocast dtype
     set by amp_native becomes `MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=fp32)`:
     compute in half precision, gradients reduced and stored in fp32 next to fp32 shards.
-    Returns a summary for `result.args`.
+    Returns a summary for `result.summaries`.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -75,9 +75,10 @@ def shard_with_fsdp2(ctx: ModelContext, who: str, *, wrap_cls: Optional[Sequence
     if any(p.is_meta for p in model.parameters()):
         raise ValueError(f"{who}: the model has parameters on the meta device; materialize it first (e.g. with "
                          "tensor_parallel) or build it on a real device")
+    parallel = ctx.require_parallel(who)
     if sync_module_states:
-        broadcast_module_states(model, ctx.device)
-    kwargs: Dict[str, Any] = {"mesh": adist.device_mesh("data")}
+        broadcast_module_states(model, ctx.device, parallel)
+    kwargs: Dict[str, Any] = {"mesh": parallel.device_mesh("data")}
     if ctx.autocast_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=ctx.autocast_dtype, reduce_dtype=torch.float32)
         ctx.autocast_by_wrapper = True
@@ -117,16 +118,18 @@ def validate_deepspeed(who: str, context: ValidationContext, cpu_offload: bool =
     if cpu_offload:
         raise ValueError(f"{who}: cpu_offload=True with use_ds_zero=True is not supported (DeepSpeed's offload "
                          "needs its own CPU Adam); use use_ds_zero=False for torch FSDP2 CPU offload")
-    if "half" in context.configs:
-        raise ValueError(f"optimizations 'half' and {who!r} (use_ds_zero=True) cannot be combined: DeepSpeed keeps "
-                         "fp32 master weights and sets the parameter dtype itself; use amp_native instead of half")
-    if "ddp" in context.configs:
-        raise ValueError(f"optimizations 'ddp' and {who!r} (use_ds_zero=True) cannot be combined: the DeepSpeed "
-                         "engine averages gradients itself")
     amp = context.configs.get("amp_native")
     if amp is not None and amp.dtype is torch.float16 and context.device_type == "cpu":
         raise ValueError(f"amp_native(dtype=float16) with {who} (use_ds_zero=True) is not supported on CPU: "
                          "DeepSpeed's CPU accelerator has no fp16; use dtype=torch.bfloat16")
+
+
+# Partners a DeepSpeed ZeRO engine (use_ds_zero=True) cannot be combined with, and why.
+DEEPSPEED_CONFLICTS: Dict[str, str] = {
+    "half": "DeepSpeed keeps fp32 master weights and sets the parameter dtype itself (use_ds_zero=True); use "
+            "amp_native instead of half",
+    "ddp": "the DeepSpeed engine (use_ds_zero=True) averages gradients itself",
+}
 
 
 def prepare_deepspeed(ctx: ModelContext) -> None:
@@ -182,6 +185,7 @@ def build_deepspeed_engine(ctx: ModelContext, who: str, stage: int) -> Dict[str,
     ctx.engine = engine
     ctx.optim = optim
     ctx.lr_scheduler = scheduler
+    ctx.deepspeed_config = config
     return {"backend": "deepspeed", "zero_stage": stage,
             "mixed_precision": dtype_name(ctx.autocast_dtype) if ctx.autocast_dtype is not None else None}
 
@@ -213,6 +217,7 @@ class Fsdp2ShardingOptimization(Optimization):
     """`fsdp` and `zero2` differ only in these two class attributes (and their name/conflicts)."""
 
     order = Order.SHARDING
+    wrapper_order = WrapperOrder.ENGINE   # builds the DeepSpeed engine when use_ds_zero=True
     reshard_after_forward: ClassVar[bool]
     deepspeed_stage: ClassVar[int]
 
@@ -225,6 +230,25 @@ class Fsdp2ShardingOptimization(Optimization):
                 "reshard_after_forward": cls.reshard_after_forward, "cpu_offload": config.cpu_offload,
                 "ddp_wrap": False}
 
+    @classmethod
+    def config_conflicts(cls, config: Fsdp2ShardingConfig) -> Dict[str, str]:
+        return dict(DEEPSPEED_CONFLICTS) if config.use_ds_zero else {}
+
+    @classmethod
+    def wraps(cls, config: Fsdp2ShardingConfig) -> bool:
+        return config.use_ds_zero
+
+    @classmethod
+    def syncs_gradients(cls, config: Fsdp2ShardingConfig) -> bool:
+        return True
+
+    @classmethod
+    def describe_step(cls, config: Fsdp2ShardingConfig) -> str:
+        if config.use_ds_zero:
+            return f"{cls.name}(deepspeed stage {cls.deepspeed_stage})"
+        reshard = "reshard" if cls.reshard_after_forward else "no reshard"
+        return f"{cls.name}(torch FSDP2, {reshard}{', cpu offload' if config.cpu_offload else ''})"
+
     def validate(self, config: Fsdp2ShardingConfig, context: ValidationContext) -> None:
         if config.use_ds_zero:
             validate_deepspeed(self.name, context, cpu_offload=config.cpu_offload, wrap_cls=config.wrap_cls)
@@ -235,10 +259,10 @@ class Fsdp2ShardingOptimization(Optimization):
             # broadcasts rank 0's weights first (every stage): sync_module_states is implied.
             prepare_deepspeed(ctx)
             return
-        ctx.extra[self.name] = shard_with_fsdp2(
+        ctx.summaries[self.name] = shard_with_fsdp2(
             ctx, self.name, wrap_cls=config.wrap_cls, reshard_after_forward=self.reshard_after_forward,
             cpu_offload=config.cpu_offload, sync_module_states=config.sync_module_states)
 
     def apply_wrapper(self, ctx: ModelContext, config: Fsdp2ShardingConfig) -> None:
         if config.use_ds_zero:
-            ctx.extra[self.name] = build_deepspeed_engine(ctx, self.name, stage=self.deepspeed_stage)
+            ctx.summaries[self.name] = build_deepspeed_engine(ctx, self.name, stage=self.deepspeed_stage)

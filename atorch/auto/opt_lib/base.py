@@ -1,10 +1,14 @@
 """The one interface every optimization implements, and its registry.
 
-An optimization is a class with a typed `Config` dataclass and its metadata on the class
-(`order`, `requires`, `conflicts`, `distributed_only`, `tunable`) and its effect on the
-cost model (`cost_traits`). `validate` is pure and
-raises ValueError with actual and expected values; `apply` transforms the model context
-before the optimizer is built, `apply_wrapper` after it (DDP, AMP scaling, engines).
+An optimization is a class with a typed `Config` dataclass and its metadata on the class:
+`order` (apply phase, before the optimizer exists), `wrapper_order` (wrapper phase, after
+it; None when the class has no wrapper), `requires`, `conflicts` (names) and
+`config_conflicts` (names that conflict only under some config), `allowed_partners` (an
+allow-list, for optimizations that were only tested with a few others), `distributed_only`,
+`syncs_gradients` (whether it reduces gradients itself, so no DDP is added), and its
+effect on the cost model (`cost_traits`). `validate`
+is pure and raises ValueError with actual and expected values; `apply` transforms the model
+context, `apply_wrapper` wraps after the optimizer is built (DDP, AMP scaling, engines).
 Nothing else holds a list of names: the planner and `auto_accelerate` sort and check with
 this metadata only.
 """
@@ -25,7 +29,8 @@ class Order:
 
     Groups first; pipeline splitting next (everything else applies per stage); tensor parallel
     shards weights before anything wraps them; LoRA adapts the (sharded) linears; activation
-    checkpointing and module replacement change blocks before sharding wraps them; casting
+    checkpointing and module replacement change blocks, and compile compiles the result,
+    before sharding wraps them; casting
     and autocast settings must be known to the sharding wrappers (FSDP mixed precision);
     sharding comes last before the optimizer; wrappers (ZeRO optimizers, DeepSpeed engines,
     DDP, gradient scaling) come after the optimizer exists.
@@ -37,12 +42,26 @@ class Order:
     MODULE_REPLACE = 30
     LORA = 40
     CHECKPOINT = 50
+    COMPILE = 55
     HALF = 60
     AMP = 70
     FP8 = 75
     SHARDING = 80
     DEEPSPEED_3D = 90
     DATA_PARALLEL_WRAP = 100
+
+
+class WrapperOrder:
+    """Order of the wrapper phase, which runs after the optimizer is built.
+
+    Engines first (DeepSpeed takes the model and the optimizer and returns its own); then
+    precision wrappers (autocast on the forward, fp16 gradient scaling around the optimizer);
+    data-parallel DDP last, so it wraps the module everything else has prepared.
+    """
+
+    ENGINE = 10
+    PRECISION = 20
+    DATA_PARALLEL = 30
 
 
 @dataclass(frozen=True)
@@ -85,11 +104,34 @@ class Optimization:
     name: ClassVar[str] = ""
     aliases: ClassVar[Tuple[str, ...]] = ()
     order: ClassVar[int] = 0
+    wrapper_order: ClassVar[Optional[int]] = None
+    """Position in the wrapper phase (WrapperOrder); None when `apply_wrapper` does nothing."""
     requires: ClassVar[FrozenSet[str]] = frozenset()
     conflicts: ClassVar[FrozenSet[str]] = frozenset()
+    allowed_partners: ClassVar[Optional[FrozenSet[str]]] = None
+    """When set, the only optimizations this one may be combined with (new ones are refused by default)."""
     distributed_only: ClassVar[bool] = False
-    tunable: ClassVar[bool] = False
     Config: ClassVar[type] = NoConfig
+
+    @classmethod
+    def config_conflicts(cls, config: Any) -> Dict[str, str]:
+        """{optimization name: why} of partners that conflict with this one under `config` only."""
+        return {}
+
+    @classmethod
+    def wraps(cls, config: Any) -> bool:
+        """Whether `apply_wrapper` does anything under `config` (it then runs at `wrapper_order`)."""
+        return cls.wrapper_order is not None
+
+    @classmethod
+    def syncs_gradients(cls, config: Any) -> bool:
+        """True when this optimization reduces gradients over the data ranks itself (no DDP is then added)."""
+        return False
+
+    @classmethod
+    def describe_step(cls, config: Any) -> str:
+        """How this optimization shows in `Strategy.plan()`, e.g. 'fsdp(torch FSDP2, reshard)'."""
+        return cls.name
 
     @classmethod
     def parse_config(cls, raw: Any) -> Any:
@@ -173,10 +215,11 @@ def _load_all() -> None:
         return
     _LOADED = True
     import importlib
+    import os
     import pkgutil
 
-    import atorch.auto.opt_lib as pkg
-
-    for info in pkgutil.iter_modules(pkg.__path__):
+    # By file name, not by importing the package object: the package's __init__ imports this module.
+    package = __name__.rpartition(".")[0]
+    for info in pkgutil.iter_modules([os.path.dirname(__file__)]):
         if info.name not in ("base", "resolve"):
-            importlib.import_module(f"{pkg.__name__}.{info.name}")
+            importlib.import_module(f"{package}.{info.name}")

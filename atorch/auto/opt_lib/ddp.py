@@ -1,8 +1,8 @@
 """`ddp`: wrap the model in DistributedDataParallel over the "data" group, last of all wrappers.
 
-`parallel_mode` already does this implicitly when nothing shards; naming `ddp` makes it
-explicit, lets its options be set, and makes "DDP with fsdp" a rejected combination
-instead of a silent choice.
+`resolve_strategy` adds it (with default options) when the data-parallel size is above 1
+and no other optimization reduces gradients; naming it lets its options be set, and makes
+"DDP with fsdp" a rejected combination instead of a silent choice.
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ from typing import Any, Dict, Optional
 
 from torch.nn.parallel import DistributedDataParallel
 
-from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._sharding import check_bool
-from atorch.auto.opt_lib.base import CostContext, Optimization, Order, register
+from atorch.auto.opt_lib.base import CostContext, Optimization, Order, WrapperOrder, register
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +38,7 @@ class DdpConfig:
 class DdpOptimization(Optimization):
     name = "ddp"
     order = Order.DATA_PARALLEL_WRAP
+    wrapper_order = WrapperOrder.DATA_PARALLEL
     # These reduce(-scatter) gradients themselves; DDP on top would reduce them twice.
     # (zero1 with use_ds_zero=True is refused by zero1's validation: it depends on the config.)
     conflicts = frozenset({"fsdp", "zero2"})
@@ -47,6 +47,10 @@ class DdpOptimization(Optimization):
     @classmethod
     def cost_traits(cls, config: DdpConfig, context: CostContext) -> Dict[str, Any]:
         return {"ddp_wrap": True}
+
+    @classmethod
+    def syncs_gradients(cls, config: DdpConfig) -> bool:
+        return True
 
     def apply_wrapper(self, ctx: ModelContext, config: DdpConfig) -> None:
         if ctx.data_parallel_size() <= 1:
@@ -57,4 +61,4 @@ class DdpOptimization(Optimization):
             kwargs["bucket_cap_mb"] = config.bucket_cap_mb
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         ctx.model = DistributedDataParallel(ctx.model, device_ids=device_ids,
-                                            process_group=adist.parallel_group("data"), **kwargs)
+                                            process_group=ctx.require_parallel("ddp").group("data"), **kwargs)

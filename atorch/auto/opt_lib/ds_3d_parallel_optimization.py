@@ -18,7 +18,6 @@ DeepSpeed is imported only when the optimization is applied.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -27,9 +26,8 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Unio
 import torch
 from torch import nn
 
-from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
-from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
+from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, WrapperOrder, register
 from atorch.modules.pipeline.batches import batch_rows, hf_batch_fn, split_micro_batches
 from atorch.modules.pipeline.partition import plan_stages
 from atorch.modules.pipeline.patchers import (
@@ -162,10 +160,11 @@ class DeepSpeed3DParallelOptimization(Optimization):
     name = "deepspeed_3d_parallel"
     aliases = ("ds_3d_parallel",)
     order = Order.DEEPSPEED_3D
+    wrapper_order = WrapperOrder.ENGINE
     requires = frozenset({"parallel_mode"})
-    # It shards (tensor parallel), syncs gradients (pipeline engine) and sets precision (ds_config) itself.
-    conflicts = frozenset({"pipeline_parallel", "tensor_parallel", "fsdp", "zero1", "zero2", "ddp", "amp_native",
-                           "half", "fp8"})
+    # It shards (tensor parallel), syncs gradients (pipeline engine) and sets precision (ds_config)
+    # itself; these are the optimizations that apply before it to the recorded model.
+    allowed_partners = frozenset({"parallel_mode", "checkpoint", "module_replace", "lora"})
     distributed_only = False  # one process is a valid (1, 1, 1) layout, handy for debugging
     Config = DeepSpeed3DParallelConfig
 
@@ -184,6 +183,13 @@ class DeepSpeed3DParallelOptimization(Optimization):
         if half:
             out["compute_dtype_bytes"] = 2
         return out
+
+    def __init__(self) -> None:
+        self._ds_config: Dict[str, Any] = {}   # resolved in apply, used to build the engine in apply_wrapper
+
+    @classmethod
+    def syncs_gradients(cls, config: DeepSpeed3DParallelConfig) -> bool:
+        return True
 
     def validate(self, config: DeepSpeed3DParallelConfig, context: ValidationContext) -> None:
         _check_fields(config)
@@ -208,7 +214,8 @@ class DeepSpeed3DParallelOptimization(Optimization):
             check_topology_matches_atorch,
         )
 
-        t, d, p = (adist.parallel_size_or_one(n) for n in SUPPORTED_ORDER)
+        parallel = ctx.require_parallel(self.name)
+        t, d, p = (parallel.size_or_one(n) for n in SUPPORTED_ORDER)
         ds_config = resolve_ds_config(config.ds_config, d, p)
         global_batch = ctx.dataloader_args.get("batch_size")
         if global_batch is not None and global_batch != ds_config["train_batch_size"]:
@@ -217,22 +224,23 @@ class DeepSpeed3DParallelOptimization(Optimization):
         if ctx.optim_func is not None and "optimizer" in ds_config:
             raise ValueError("deepspeed_3d_parallel: both optim_func and ds_config['optimizer'] are given; pass one")
         topology = build_topology(p, t, d)
-        check_topology_matches_atorch(topology, adist.parallel_layout())
-        tensor_group = adist.parallel_group("tensor") if t > 1 else None
+        check_topology_matches_atorch(topology, parallel.layout)
+        tensor_group = parallel.group("tensor") if t > 1 else None
         ctx.model = PipeModuleFromRecordedMeta(ctx.model, custom_patcher=config.custom_patcher,
                                                tie_first=config.tie_first, logit_helper=config.logit_helper,
                                                tpinfo=config.tpinfo, tensor_group=tensor_group, topology=topology,
-                                               base_seed=config.base_seed)
+                                               base_seed=config.base_seed,
+                                               randomizer_coords=parallel.layout.coords(torch.distributed.get_rank()))
         _mark_tensor_parallel_params(ctx.model)
         # The pipeline engine places the stages and reduces gradients: no DDP, no _place_model.
         ctx.is_sharded = True
         ctx.dataloader_args["batch_size"] = ds_config["train_batch_size"]
-        ctx.extra["ds_config"] = ds_config
+        self._ds_config = ds_config
 
     def apply_wrapper(self, ctx: ModelContext, config: DeepSpeed3DParallelConfig) -> None:
         import deepspeed
 
-        ds_config = ctx.extra["ds_config"]
+        ds_config = self._ds_config
         if ctx.optim is None and "optimizer" not in ds_config:
             raise ValueError("deepspeed_3d_parallel needs an optimizer: pass optim_func or ds_config['optimizer']")
         if ctx.lr_scheduler is None and ctx.lr_scheduler_cls is not None and ctx.optim is not None:
@@ -246,9 +254,10 @@ class DeepSpeed3DParallelOptimization(Optimization):
         ctx.engine, ctx.optim, ctx.lr_scheduler = engine, optim, scheduler
         if ctx.dataset is not None and ctx.dataloader is None:
             ctx.dataloader, ctx.sampler = _micro_batch_loader(ctx, ds_config["train_micro_batch_size_per_gpu"])
-        ctx.extra["train_step"] = ds3d_train_step
-        ctx.extra["gradient_accumulation_steps"] = ds_config["gradient_accumulation_steps"]
-        ctx.extra["train_micro_batch_size_per_gpu"] = ds_config["train_micro_batch_size_per_gpu"]
+        ctx.deepspeed_config = ds_config
+        ctx.custom_train_step = ds3d_train_step
+        ctx.gradient_accumulation_steps = ds_config["gradient_accumulation_steps"]
+        ctx.micro_batch_size = ds_config["train_micro_batch_size_per_gpu"]
 
 
 def _check_fields(config: DeepSpeed3DParallelConfig) -> None:
@@ -283,11 +292,9 @@ def _mark_tensor_parallel_params(module: nn.Module) -> None:
 
 def _micro_batch_loader(ctx: ModelContext, micro: int) -> Tuple[Any, Any]:
     """The dataloader of `auto_accelerate`, yielding micro-batches (`engine.train_batch` pulls gas of them)."""
-    from atorch.auto.accelerate import build_dataloader
+    from atorch.auto.engine import build_dataloader
 
-    per_step = dataclasses.replace(ctx, dataloader_args={**ctx.dataloader_args,
-                                                         "batch_size": micro * ctx.data_parallel_size()})
-    return build_dataloader(per_step)
+    return build_dataloader(ctx, global_batch=micro * ctx.data_parallel_size())
 
 
 def ds3d_train_step(result: Any, batch: Any) -> torch.Tensor:
@@ -297,8 +304,8 @@ def ds3d_train_step(result: Any, batch: Any) -> torch.Tensor:
     returns the global-batch loss (averaged over micro-batches and data ranks), on every rank.
     """
     engine = result.model
-    gas = result.args["gradient_accumulation_steps"]
-    micro = result.args["train_micro_batch_size_per_gpu"]
+    gas = result.gradient_accumulation_steps
+    micro = result.micro_batch_size
     if isinstance(batch, Sequence) and not isinstance(batch, Mapping) and len(batch) == gas and \
             all(isinstance(b, Mapping) for b in batch):
         micro_batches = list(batch)

@@ -117,5 +117,5 @@ class Fp8Optimization(Optimization):
         if not converted:
             raise RuntimeError(f"fp8: torchao converted none of the {len(names)} eligible linear layers")
         summary: Dict[str, Any] = {"recipe": config.recipe, "converted": len(converted)}
-        ctx.extra["fp8"] = summary
+        ctx.summaries["fp8"] = summary
         logger.info("fp8: %d linear layers run float8 matmuls (%s recipe)", len(converted), config.recipe)

@@ -38,6 +38,10 @@ class HalfOptimization(Optimization):
         return {"compute_dtype_bytes": 2, "param_dtype_bytes": 2}
 
     @classmethod
+    def describe_step(cls, config: HalfConfig) -> str:
+        return f"{cls.name}({dtype_name(config.dtype)})"
+
+    @classmethod
     def parse_config(cls, raw: Any) -> HalfConfig:
         # Also accept a bare dtype: ("half", torch.bfloat16).
         if isinstance(raw, (torch.dtype, str)):

@@ -176,6 +176,6 @@ class LoraOptimization(Optimization):
         total = sum(p.numel() for p in ctx.model.parameters())
         summary: Dict[str, Any] = {"trainable_params": trainable, "total_params": total,
                                    "target_modules": sorted(ctx.model.peft_config["default"].target_modules)}
-        ctx.extra["lora"] = summary
+        ctx.summaries["lora"] = summary
         logger.info("lora: training %d of %d parameters (%.2f%%), adapters on %s", trainable, total,
                     100.0 * trainable / max(total, 1), summary["target_modules"])

@@ -128,7 +128,6 @@ class ModuleReplaceOptimization(Optimization):
 
     name = "module_replace"
     order = Order.MODULE_REPLACE
-    tunable = True
     Config = ModuleReplaceConfig
 
     @classmethod
@@ -176,7 +175,7 @@ class ModuleReplaceOptimization(Optimization):
                 if id(child) in replacements:
                     setattr(parent, child_name, replacements[id(child)])
         counts = plan.counts()
-        ctx.extra["module_replace"] = counts
+        ctx.summaries["module_replace"] = counts
         logger.info("module_replace: replaced %s", counts)
 
 

@@ -1,16 +1,19 @@
-"""`parallel_mode`: create the named parallel groups; wrap with DDP when data > 1 and nothing shards."""
+"""`parallel_mode`: create the named parallel groups of the strategy (and nothing else).
+
+The groups go to `ctx.parallel`, where every other optimization finds them. DDP over "data"
+is the `ddp` optimization, which `resolve_strategy` adds when nothing else reduces gradients.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-from torch.nn.parallel import DistributedDataParallel
-
 from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
-from atorch.distributed.layout import ParallelLayout
+from atorch.distributed.mesh import ParallelMesh
+from atorch.distributed.parallel_layout import ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -53,13 +56,10 @@ class ParallelModeOptimization(Optimization):
 
     def apply(self, ctx: ModelContext, config: ParallelModeConfig) -> None:
         dims = list(config.dims or (("data", adist.world_size()),))
-        adist.create_parallel_group((dims, list(config.rank_order) if config.rank_order else None))
+        ctx.parallel = ParallelMesh.create(dims, list(config.rank_order) if config.rank_order else None)
 
-    def apply_wrapper(self, ctx: ModelContext, config: ParallelModeConfig) -> None:
-        if ctx.data_parallel_size() <= 1 or ctx.is_sharded or ctx.engine is not None:
-            return
-        if "ddp" in ctx.applied:  # the explicit `ddp` optimization wraps, last, with its own options
-            return
-        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        ctx.model = DistributedDataParallel(ctx.model, device_ids=device_ids,
-                                            process_group=adist.parallel_group("data"))
+    @classmethod
+    def describe_step(cls, config: ParallelModeConfig) -> str:
+        if not config.dims:
+            return cls.name
+        return f"{cls.name}({','.join(f'{n}={s}' for n, s in config.dims)})"

@@ -15,9 +15,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
-from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
+from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, WrapperOrder, register
+from atorch.distributed.parallel_layout import ParallelLayout
 from atorch.modules.pipeline.native import SCHEDULES, NativePipeline, build_stage_module, pipeline_train_step
 from atorch.modules.pipeline.partition import PARTITION_METHODS, plan_stages
 from atorch.modules.pipeline.patchers import CustomPatcher, expand_patcher, resolve_patcher
@@ -51,8 +51,12 @@ class PipelineParallelConfig:
 class PipelineParallelOptimization(Optimization):
     name = "pipeline_parallel"
     order = Order.PIPELINE
+    wrapper_order = WrapperOrder.ENGINE
     requires = frozenset({"parallel_mode"})
-    conflicts = frozenset({"deepspeed_3d_parallel", "tensor_parallel", "fsdp", "zero1", "zero2", "ddp"})
+    # The schedule runs forward and backward and averages gradients over "data" itself; these
+    # are the optimizations tested per stage (tests/distributed/test_pipeline_parity.py).
+    allowed_partners = frozenset({"parallel_mode", "amp_native", "half", "checkpoint", "module_replace", "lora",
+                                  "fp8"})
     distributed_only = True
     Config = PipelineParallelConfig
 
@@ -62,6 +66,18 @@ class PipelineParallelOptimization(Optimization):
         stages = context.dims.get("pipeline", 1)
         return {"pipeline_engine": "native", "pipeline_chunks": config.chunks or stages,
                 "pipeline_schedule": config.schedule, "ddp_wrap": False}
+
+    def __init__(self) -> None:
+        self._build: Any = None       # the stage built in apply, wrapped into a schedule in apply_wrapper
+        self._chunks = 1
+
+    @classmethod
+    def syncs_gradients(cls, config: PipelineParallelConfig) -> bool:
+        return True
+
+    @classmethod
+    def describe_step(cls, config: PipelineParallelConfig) -> str:
+        return f"{cls.name}({config.schedule})"
 
     def validate(self, config: PipelineParallelConfig, context: ValidationContext) -> None:
         sizes = context.parallel_sizes()
@@ -93,30 +109,28 @@ class PipelineParallelOptimization(Optimization):
         plan_stages(context.model, pieces, sizes["pipeline"], config.partition_method)
 
     def apply(self, ctx: ModelContext, config: PipelineParallelConfig) -> None:
-        num_stages = adist.parallel_group_size("pipeline")
-        stage_index = adist.parallel_rank("pipeline")
+        parallel = ctx.require_parallel(self.name)
+        num_stages = parallel.size("pipeline")
+        stage_index = parallel.rank("pipeline")
         chunks = config.chunks or num_stages
         _check_batch_divides(ctx, chunks)
         build = build_stage_module(ctx.model, stage_index, num_stages, config.custom_patcher,
                                    config.partition_method, config.base_seed, config.tie_first)
         ctx.model = build.module.to(ctx.device)
-        # This optimization averages gradients over "data" itself (see NativePipeline), so
-        # parallel_mode must not wrap the stage in DDP; the stage is placed above.
+        # This optimization averages gradients over "data" itself (see NativePipeline); the
+        # stage is placed above.
         ctx.is_sharded = True
-        ctx.extra["pipeline_build"] = build
-        ctx.extra["pipeline_chunks"] = chunks
+        self._build, self._chunks = build, chunks
 
     def apply_wrapper(self, ctx: ModelContext, config: PipelineParallelConfig) -> None:
-        build = ctx.extra.pop("pipeline_build")
-        tied_group, tied_param = _tied_pair(build, ctx.model)
-        data_group = adist.parallel_group("data") if adist.parallel_size_or_one("data") > 1 else None
-        pipeline = NativePipeline(ctx.model, build.stage_index, build.plan.num_stages,
-                                  adist.parallel_group("pipeline"), ctx.device, ctx.extra["pipeline_chunks"],
-                                  config.schedule, data_group=data_group, tied_group=tied_group,
-                                  tied_param=tied_param)
-        ctx.extra["pipeline"] = pipeline
-        ctx.extra["train_step"] = pipeline_train_step
-        ctx.extra["pipeline_stage"] = build.stage_index
+        build, parallel = self._build, ctx.require_parallel(self.name)
+        tied_group, tied_param = _tied_pair(build, ctx.model, parallel.layout)
+        data_group = parallel.group("data") if parallel.size_or_one("data") > 1 else None
+        ctx.pipeline = NativePipeline(ctx.model, build.stage_index, build.plan.num_stages, parallel.group("pipeline"),
+                                      ctx.device, self._chunks, config.schedule, data_group=data_group,
+                                      tied_group=tied_group, tied_param=tied_param)
+        ctx.custom_train_step = pipeline_train_step
+        ctx.pipeline_stage = build.stage_index
 
 
 def _check_batch_divides(ctx: ModelContext, chunks: int) -> None:
@@ -130,7 +144,8 @@ def _check_batch_divides(ctx: ModelContext, chunks: int) -> None:
                          "micro-batches; use a global batch size that is a multiple of chunks x data size")
 
 
-def _tied_pair(build: Any, stage: torch.nn.Module) -> Tuple[Optional[dist.ProcessGroup], Optional[torch.nn.Parameter]]:
+def _tied_pair(build: Any, stage: torch.nn.Module, layout: ParallelLayout
+               ) -> Tuple[Optional[dist.ProcessGroup], Optional[torch.nn.Parameter]]:
     """(group, this stage's tied parameter) for the first/last stages of a split tied embedding/head.
 
     Every rank creates every group (torch requires it), in the same order: one group per
@@ -138,7 +153,6 @@ def _tied_pair(build: Any, stage: torch.nn.Module) -> Tuple[Optional[dist.Proces
     """
     if build.tied_paths is None:
         return None, None
-    layout = adist.parallel_layout()
     last = build.plan.num_stages - 1
     mine = None
     for ranks in _first_last_pairs(layout, last):

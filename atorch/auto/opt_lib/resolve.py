@@ -3,13 +3,17 @@
 Pure: every check runs on every rank before any collective, so a bad strategy raises the
 same ValueError everywhere instead of hanging some ranks. The planner uses the same
 function to drop invalid candidates.
+
+Two optimizations are added when missing, the same way: `parallel_mode` (every rank
+data-parallel) and, when the data-parallel size is above 1 and no optimization of the
+strategy reduces gradients itself (`syncs_gradients`), `ddp`.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, List
+from typing import Any, Dict, List, Optional, Type
 
 from atorch.auto.opt_lib.base import Optimization, ValidationContext, canonical_name, get_optimization
 from atorch.auto.strategy import Strategy, StrategyItem
@@ -19,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ResolvedOptimization:
+    """One optimization of a resolved strategy: the instance that applies it (both phases) and its config."""
+
     optimization: Optimization
     config: Any
     item: StrategyItem
@@ -31,36 +37,57 @@ class ResolvedOptimization:
 def resolve_strategy(strategy: Strategy, context: ValidationContext) -> List[ResolvedOptimization]:
     """Validate `strategy` against the registry and return it in application order.
 
-    A missing `parallel_mode` is added (all ranks data-parallel); an item repeated with the
-    same config is dropped with a log line; anything else questionable raises ValueError.
+    A missing `parallel_mode` is added (all ranks data-parallel), and `ddp` when gradients
+    would otherwise not be averaged; an item repeated with the same config is dropped with a
+    log line; anything else questionable raises ValueError.
     """
-    seen: dict = {}
+    seen: Dict[str, Any] = {}
     resolved: List[ResolvedOptimization] = []
-    for item in strategy:
-        name = canonical_name(item.name)
+
+    def add(name: str, raw_config: Any = None, tunable: bool = False) -> None:
         cls = get_optimization(name)
-        config = cls.parse_config(item.config)
+        config = cls.parse_config(raw_config)
         if name in seen:
             if seen[name] == config:
                 logger.info("optimization %r is listed twice with the same config; applying it once", name)
-                continue
+                return
             raise ValueError(f"optimization {name!r} is listed twice with different configs: {seen[name]!r} and "
                              f"{config!r}")
         seen[name] = config
-        resolved.append(ResolvedOptimization(cls(), config, StrategyItem(name, item.config, item.tunable)))
-    if "parallel_mode" not in seen:
-        cls = get_optimization("parallel_mode")
-        config = cls.parse_config(None)
-        seen["parallel_mode"] = config
-        resolved.append(ResolvedOptimization(cls(), config, StrategyItem("parallel_mode")))
+        resolved.append(ResolvedOptimization(cls(), config, StrategyItem(name, raw_config, tunable)))
 
+    for item in strategy:
+        add(canonical_name(item.name), item.config, item.tunable)
+    if "parallel_mode" not in seen:
+        add("parallel_mode")
+    if "ddp" not in seen and _data_parallel_size(seen["parallel_mode"], context.world_size) > 1 and \
+            not any(type(r.optimization).syncs_gradients(r.config) for r in resolved):
+        add("ddp")
+
+    _check_combination(resolved, context)
+    context.configs = dict(seen)
+    context.strategy = Strategy(r.item for r in resolved)
+    for r in resolved:
+        r.optimization.validate(r.config, context)
+    return sorted(resolved, key=lambda r: type(r.optimization).order)
+
+
+def _data_parallel_size(parallel_mode_config: Any, world_size: int) -> int:
+    dims = getattr(parallel_mode_config, "dims", None)
+    return dict(dims).get("data", 1) if dims else world_size
+
+
+def _check_combination(resolved: List[ResolvedOptimization], context: ValidationContext) -> None:
+    """Conflicts (static and config-dependent), allow-lists, requirements and the world size."""
     names = [r.name for r in resolved]
     for r in resolved:
         cls = type(r.optimization)
-        for other in names:
-            if other != r.name and (other in cls.conflicts or r.name in get_optimization(other).conflicts):
-                first, second = sorted((r.name, other))
-                raise ValueError(f"optimizations {first!r} and {second!r} cannot be combined")
+        for other in resolved:
+            if other is r:
+                continue
+            reason = _conflict(cls, r.config, other)
+            if reason is not None:
+                raise ValueError(reason)
         missing = [req for req in cls.requires if req not in names]
         if missing:
             raise ValueError(f"optimization {r.name!r} requires {missing} in the same strategy")
@@ -68,11 +95,41 @@ def resolve_strategy(strategy: Strategy, context: ValidationContext) -> List[Res
             raise ValueError(f"optimization {r.name!r} needs more than one process (world size is "
                              f"{context.world_size})")
 
-    context.configs = dict(seen)
-    context.strategy = Strategy(r.item for r in resolved)
-    for r in resolved:
-        r.optimization.validate(r.config, context)
-    return sorted(resolved, key=lambda r: type(r.optimization).order)
+
+def _conflict(cls: Type[Optimization], config: Any, other: ResolvedOptimization) -> Optional[str]:
+    """Why `cls` (under `config`) cannot be combined with `other`, or None."""
+    other_cls = type(other.optimization)
+    if other.name in cls.conflicts or cls.name in other_cls.conflicts:
+        first, second = sorted((cls.name, other.name))
+        return f"optimizations {first!r} and {second!r} cannot be combined"
+    reason = cls.config_conflicts(config).get(other.name)
+    if reason is not None:
+        first, second = sorted((cls.name, other.name))
+        return f"optimizations {first!r} and {second!r} cannot be combined: {reason}"
+    if cls.allowed_partners is not None and other.name not in cls.allowed_partners:
+        first, second = sorted((cls.name, other.name))
+        return (f"optimizations {first!r} and {second!r} cannot be combined: {cls.name!r} combines only with "
+                f"{sorted(cls.allowed_partners)}")
+    return None
+
+
+def wrapper_phase(resolved: List[ResolvedOptimization]) -> List[ResolvedOptimization]:
+    """The optimizations that wrap after the optimizer is built, in wrapper order."""
+    wrappers = [r for r in resolved if type(r.optimization).wrapper_order is not None
+                and type(r.optimization).wraps(r.config)]
+    return sorted(wrappers, key=lambda r: int(type(r.optimization).wrapper_order or 0))
+
+
+def plan_steps(resolved: List[ResolvedOptimization]) -> List[str]:
+    """The transformations a resolved strategy performs, in the order they run.
+
+    The apply phase (optimizations that override `apply`), then "optimizer", then the wrapper
+    phase; e.g. ['parallel_mode(data=2)', 'checkpoint', 'amp_native(bfloat16)', 'optimizer',
+    'amp_native(bfloat16)', 'ddp'].
+    """
+    applying = [r for r in resolved if type(r.optimization).apply is not Optimization.apply]
+    return ([type(r.optimization).describe_step(r.config) for r in applying] + ["optimizer"]
+            + [type(r.optimization).describe_step(r.config) for r in wrapper_phase(resolved)])
 
 
 def is_valid_strategy(strategy: Strategy, context: ValidationContext) -> bool:
@@ -82,3 +139,15 @@ def is_valid_strategy(strategy: Strategy, context: ValidationContext) -> bool:
     except ValueError:
         return False
     return True
+
+
+def plan(strategy: Strategy, world_size: int = 1, model: Any = None, device_type: str = "cpu") -> str:
+    """The stack `strategy` builds, as one readable line (validates it first, like `auto_accelerate`).
+
+    e.g. `plan(Strategy(["checkpoint", "fsdp", "amp_native"]), world_size=2)` ->
+    'parallel_mode -> checkpoint -> amp_native(bfloat16) -> fsdp(torch FSDP2, reshard) -> optimizer ->
+    fsdp(torch FSDP2, reshard) -> amp_native(bfloat16)'.
+    """
+    context = ValidationContext(world_size=world_size, model=model, model_config=getattr(model, "config", None),
+                                device_type=device_type)
+    return " -> ".join(plan_steps(resolve_strategy(Strategy.from_any(strategy), context)))

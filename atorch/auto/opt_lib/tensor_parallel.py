@@ -15,7 +15,6 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
 from atorch.modules.distributed_modules.randomizer import init_randomizer
@@ -68,8 +67,9 @@ class TensorParallelOptimization(Optimization):
         resolve_tp_plan(context.model, tpinfo, tp_size, world_size=context.world_size)
 
     def apply(self, ctx: ModelContext, config: TensorParallelConfig) -> None:
-        group = adist.parallel_group("tensor")
-        randomizer = init_randomizer(config.base_seed)
+        parallel = ctx.require_parallel("tensor_parallel")
+        group = parallel.group("tensor")
+        randomizer = init_randomizer(config.base_seed, parallel.layout.coords(dist.get_rank()))
         tpinfo = config.tpinfo if config.tpinfo is not None else tpinfo_for_model(ctx.model)
         # A user loss reads output.logits, so it needs them whole; HF's own loss runs vocabulary-parallel.
         gather_logits = True if ctx.loss_func is not None else None
@@ -82,8 +82,7 @@ class TensorParallelOptimization(Optimization):
             _check_replicas_agree(ctx.model, group, ctx.device)
             ctx.model = tp_manual_shard_custom_fn(ctx.model, tpinfo, group=group, randomizer=randomizer,
                                                   gather_logits=gather_logits)
-        ctx.extra["tensor_parallel_size"] = adist.parallel_group_size("tensor")
-        ctx.extra["randomizer"] = randomizer
+        ctx.randomizer = randomizer
 
 
 @torch.no_grad()

@@ -14,10 +14,15 @@ from typing import Any, Dict
 
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
-from atorch.auto.opt_lib._sharding import build_deepspeed_engine, check_bool, prepare_deepspeed, validate_deepspeed
-from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
+from atorch.auto.opt_lib._sharding import (
+    DEEPSPEED_CONFLICTS,
+    build_deepspeed_engine,
+    check_bool,
+    prepare_deepspeed,
+    validate_deepspeed,
+)
+from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, WrapperOrder, register
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,7 @@ class Zero1Config:
 class Zero1Optimization(Optimization):
     name = "zero1"
     order = Order.SHARDING
+    wrapper_order = WrapperOrder.ENGINE   # builds the DeepSpeed engine when use_ds_zero=True
     # Each of these already shards the optimizer state (and more).
     conflicts = frozenset({"zero2", "fsdp"})
     Config = Zero1Config
@@ -43,6 +49,23 @@ class Zero1Optimization(Optimization):
             return {"sharding": "deepspeed", "zero_stage": 1, "ddp_wrap": False}
         # ZeroRedundancyOptimizer: Adam state / data; DDP keeps full gradients and its buckets.
         return {"sharding": "torch_zero1", "zero_stage": 1}
+
+    @classmethod
+    def config_conflicts(cls, config: Zero1Config) -> Dict[str, str]:
+        return dict(DEEPSPEED_CONFLICTS) if config.use_ds_zero else {}
+
+    @classmethod
+    def wraps(cls, config: Zero1Config) -> bool:
+        return config.use_ds_zero
+
+    @classmethod
+    def syncs_gradients(cls, config: Zero1Config) -> bool:
+        # torch: gradients are averaged by DDP as usual (resolve_strategy adds it); DeepSpeed: the engine.
+        return config.use_ds_zero
+
+    @classmethod
+    def describe_step(cls, config: Zero1Config) -> str:
+        return f"{cls.name}(deepspeed stage 1)" if config.use_ds_zero else f"{cls.name}(torch ZeroRedundancyOptimizer)"
 
     def validate(self, config: Zero1Config, context: ValidationContext) -> None:
         # Torch ZeRO-1 with `ddp` is fine: it relies on DDP for gradient averaging either way.
@@ -58,9 +81,9 @@ class Zero1Optimization(Optimization):
         # Replacing the factory (rather than the built optimizer) builds the user's optimizer
         # once, over this rank's share only.
         ctx.optim_func = functools.partial(ZeroRedundancyOptimizer, optimizer_class=ctx.optim_func,
-                                           process_group=adist.parallel_group("data"))
-        ctx.extra["zero1"] = {"backend": "torch_zero_redundancy_optimizer"}
+                                           process_group=ctx.require_parallel("zero1").group("data"))
+        ctx.summaries["zero1"] = {"backend": "torch_zero_redundancy_optimizer"}
 
     def apply_wrapper(self, ctx: ModelContext, config: Zero1Config) -> None:
         if config.use_ds_zero:
-            ctx.extra["zero1"] = build_deepspeed_engine(ctx, "zero1", stage=1)
+            ctx.summaries["zero1"] = build_deepspeed_engine(ctx, "zero1", stage=1)

@@ -38,6 +38,16 @@ class SearchError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class SearchOutcome:
+    """What the automatic search chose, the same strategy on every rank; the rest is rank 0's."""
+
+    strategy: Strategy
+    reason: str
+    result: Optional[SearchResult] = None          # rank 0
+    report: Optional[Dict[str, str]] = None        # rank 0: paths of the table, plot and chosen strategy
+
+
+@dataclass(frozen=True)
 class SearchSettings:
     """The knobs of the automatic search, read from the environment once."""
 
@@ -74,7 +84,7 @@ class SearchSettings:
 
 
 def search_for_context(ctx: ModelContext, excluded: Optional[Sequence[str]] = None,
-                       included: Optional[Sequence[str]] = None, report_path: Optional[str] = None) -> Strategy:
+                       included: Optional[Sequence[str]] = None, report_path: Optional[str] = None) -> SearchOutcome:
     """Find the fastest strategy for `ctx` that fits; the same `Strategy` is returned on every rank.
 
     Writes the trial table (trials.csv), the plot (search.png) and the winner
@@ -111,17 +121,14 @@ def search_for_context(ctx: ModelContext, excluded: Optional[Sequence[str]] = No
         paths = write_search_report(result, directory, plot_name)
         logger.info("chosen strategy: %s\n%s\ntrial table: %s, plot: %s", result.best.describe() if result.best
                     else None, result.reason, paths["table"], paths["plot"])
-        ctx.extra["search_report"] = paths
-        ctx.extra["search_result"] = result
-        best, reason = result.best, result.reason
+        best, reason, found, report = result.best, result.reason, result, paths
     else:
-        best, reason = _follow(evaluate)
+        (best, reason), found, report = _follow(evaluate), None, None
     if layout is not None and not adist.is_parallel_group_created():
         adist.create_parallel_group(layout)
     if best is None:
         raise SearchError(f"no strategy ran in the automatic search: {reason}")
-    ctx.extra["search_reason"] = reason
-    return best
+    return SearchOutcome(best, reason, found, report)
 
 
 def make_predictor(model: Any, batch_size: int, seq_len: int, world_size: int,

@@ -11,7 +11,7 @@ This module imports DeepSpeed; `atorch.modules.pipeline` exposes the class lazil
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import deepspeed
 import torch
@@ -116,7 +116,10 @@ class PipeModuleFromRecordedMeta(PipelineModule):
             "uniform" (equal block counts). Embeddings and head never count.
         tpinfo: the tensor-parallel plan inside each stage when `tensor_group` has more than one
             rank (None: the preset of the model type).
-        tensor_group: the tensor-parallel group; default atorch's "tensor" group when one exists.
+        tensor_group: the tensor-parallel group, or None for none; by default ("atorch") the "tensor" group of
+            atorch's default layout when one exists.
+        randomizer_coords: this rank's coordinate per parallel dimension, which seeds the
+            tensor-parallel dropout streams (None: from atorch's default layout).
         **pipeline_module_kwargs: for `PipelineModule`: `num_stages` or `topology`, `loss_fn`
             (default: the HF causal-LM loss, vocabulary-parallel under tensor parallelism),
             `base_seed` (also the seed the weights are materialized with; default 1234),
@@ -126,7 +129,7 @@ class PipeModuleFromRecordedMeta(PipelineModule):
     def __init__(self, meta_model: nn.Module, custom_patcher: Optional[CustomPatcher] = None,
                  tie_first: bool = True, logit_helper: Optional[Callable] = None,
                  partition_method: str = "parameters", tpinfo: Any = None,
-                 tensor_group: Optional[torch.distributed.ProcessGroup] = None,
+                 tensor_group: Any = "atorch", randomizer_coords: Optional[Mapping[str, int]] = None,
                  **pipeline_module_kwargs: Any):
         ensure_deepspeed_comm()
         if logit_helper is not None and not callable(logit_helper):
@@ -136,13 +139,16 @@ class PipeModuleFromRecordedMeta(PipelineModule):
         num_stages = topology.get_dim("pipe") if topology is not None else kwargs.get("num_stages")
         if num_stages is None:
             raise ValueError("PipeModuleFromRecordedMeta needs num_stages or topology")
-        if tensor_group is None:
+        if isinstance(tensor_group, str) and tensor_group == "atorch":
+            # Not given: the "tensor" group of atorch's default layout, for direct users of this
+            # class; None (as deepspeed_3d_parallel passes without tensor parallelism) means none.
             tensor_group = _atorch_tensor_group()
         patcher = resolve_patcher(meta_model, custom_patcher)
         pieces = expand_patcher(meta_model, patcher)
         plan = plan_stages(meta_model, pieces, num_stages, partition_method)
         base_seed = kwargs.get("base_seed", 1234)
-        source = PieceSource(lambda: materialize_model(meta_model, base_seed, tensor_group, tpinfo), pieces)
+        source = PieceSource(lambda: materialize_model(meta_model, base_seed, tensor_group, tpinfo,
+                                                                     randomizer_coords), pieces)
         tied = tied_head_paths(meta_model, pieces) if tie_first else None
         index_of = {p.path: i for i, p in enumerate(pieces)}
         if tied is not None and plan.stage_of(index_of[tied[0]]) == plan.stage_of(index_of[tied[1]]):

@@ -13,7 +13,7 @@ therefore one full model per rank (the exact mode of `materialize_module`).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,12 +39,13 @@ def rebuild_seeded(model: nn.Module, base_seed: int) -> nn.Module:
 
 
 def materialize_model(model: nn.Module, base_seed: int, tensor_group: Optional[dist.ProcessGroup] = None,
-                      tpinfo: Any = None) -> nn.Module:
+                      tpinfo: Any = None, coords: Optional[Mapping[str, int]] = None) -> nn.Module:
     """This rank's real model: `model` itself when it has real weights, else built from `base_seed`.
 
     With a `tensor_group` of more than one rank, the model is sharded with `tpinfo` (None: the
     tensor-parallel preset of its model type) and its dropout streams are seeded from
-    `base_seed`, exactly as the `tensor_parallel` optimization does.
+    `base_seed` and this rank's parallel `coords` (None: from atorch's default layout), exactly
+    as the `tensor_parallel` optimization does.
     """
     from atorch.modules.distributed_modules.mappings import group_size
 
@@ -56,7 +57,7 @@ def materialize_model(model: nn.Module, base_seed: int, tensor_group: Optional[d
     from atorch.utils.manual_tp_utils import materialize_tp_module, tp_manual_shard_custom_fn
     from atorch.utils.tp_presets import tpinfo_for_model
 
-    randomizer = init_randomizer(base_seed)
+    randomizer = init_randomizer(base_seed, coords)
     if tpinfo is None:
         tpinfo = tpinfo_for_model(model)
     if meta and is_recorded(model):

@@ -196,7 +196,7 @@ def pipeline_train_step(result: Any, batch: Any) -> torch.Tensor:
     Every rank calls it with its data rank's batch (the result's dataloader gives it); the
     return value is that batch's loss on every rank of the pipeline.
     """
-    pipeline: NativePipeline = result.args["pipeline"]
+    pipeline: NativePipeline = result.pipeline
     batch = result.prepare_input(batch)
     loss = pipeline.forward_backward(batch)
     result.optim.step()

@@ -9,7 +9,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP
 
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib import ValidationContext, get_optimization, resolve_strategy
-from atorch.auto.opt_lib.checkpoint import CheckpointConfig, is_checkpointed
+from atorch.auto.opt_lib.activation_checkpoint import CheckpointConfig, is_checkpointed
 from atorch.auto.strategy import Strategy
 from atorch.testing import tiny_gpt2, tiny_llama
 
@@ -52,7 +52,7 @@ def test_same_loss_and_gradients_with_less_saved_activation_memory(make):
     plain = _four_layer(make)
     ckpt = copy.deepcopy(plain)
     ctx = _apply(ckpt)
-    assert ctx.extra["checkpoint"]["blocks"] == 4
+    assert ctx.summaries["checkpoint"]["blocks"] == 4
     plain.train()
     ckpt.train()
     batch = _batch()
@@ -164,13 +164,13 @@ def test_wrap_cls_by_name_or_class_keeps_only_outermost_blocks():
     model = tiny_llama(seed=0, num_hidden_layers=3)
     ctx = _apply(model, {"wrap_cls": ["LlamaDecoderLayer", LlamaMLP]})
     # LlamaMLP sits inside LlamaDecoderLayer: nesting a second checkpoint would recompute twice.
-    assert ctx.extra["checkpoint"] == {"blocks": 3, "classes": ["LlamaDecoderLayer"]}
+    assert ctx.summaries["checkpoint"] == {"blocks": 3, "classes": ["LlamaDecoderLayer"]}
     assert all(is_checkpointed(layer) for layer in model.model.layers)
     assert not any(is_checkpointed(layer.mlp) for layer in model.model.layers)
 
     only_mlp = tiny_llama(seed=0)
     ctx = _apply(only_mlp, {"wrap_cls": "LlamaMLP"})
-    assert ctx.extra["checkpoint"] == {"blocks": 2, "classes": ["LlamaMLP"]}
+    assert ctx.summaries["checkpoint"] == {"blocks": 2, "classes": ["LlamaMLP"]}
 
 
 def test_replaces_hugging_face_gradient_checkpointing():
@@ -207,7 +207,7 @@ def test_generic_module_list_model_and_deepcopy():
     torch.manual_seed(0)
     plain = Net()
     ckpt = copy.deepcopy(plain)
-    assert _apply(ckpt).extra["checkpoint"]["blocks"] == 3
+    assert _apply(ckpt).summaries["checkpoint"]["blocks"] == 3
     x = torch.randn(4, 8)
     plain(x).backward()
     ckpt(x).backward()
@@ -243,4 +243,3 @@ def test_strategy_with_classes_resolves_in_documented_order():
     # Module replacement and LoRA change the blocks before checkpointing wraps them.
     assert [r.name for r in resolved] == ["parallel_mode", "module_replace", "lora", "checkpoint"]
     assert resolved[-1].config.wrap_cls == (LlamaDecoderLayer,)
-    assert get_optimization("checkpoint").tunable

@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Type, U
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, noop_context_fn
+from torch.utils.checkpoint import checkpoint
 
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
@@ -134,11 +134,13 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return inner(*args, **kwargs)
     args, kwargs = _without_cache(self, args, kwargs)
     randomizer = _active_parallel_randomizer()
-    context_fn = (functools.partial(_randomizer_replay_contexts, randomizer) if randomizer is not None
-                  else noop_context_fn)
     # The block's keyword arguments travel in a partial: checkpoint() would take some names
     # (debug, context_fn, determinism_check, ...) as its own options.
-    return checkpoint(functools.partial(inner, **kwargs), *args, use_reentrant=False, context_fn=context_fn)
+    if randomizer is None:
+        # No context_fn argument at all: torch.compile traces checkpoint() only with the default one.
+        return checkpoint(functools.partial(inner, **kwargs), *args, use_reentrant=False)
+    return checkpoint(functools.partial(inner, **kwargs), *args, use_reentrant=False,
+                      context_fn=functools.partial(_randomizer_replay_contexts, randomizer))
 
 
 def is_checkpointed(module: nn.Module) -> bool:
@@ -199,7 +201,6 @@ class CheckpointOptimization(Optimization):
 
     name = "checkpoint"
     order = Order.CHECKPOINT
-    tunable = True
     Config = CheckpointConfig
 
     @classmethod
@@ -227,6 +228,6 @@ class CheckpointOptimization(Optimization):
         for block in blocks:
             checkpoint_module(block)
         summary: Dict[str, Any] = {"blocks": len(blocks), "classes": sorted({type(b).__name__ for b in blocks})}
-        ctx.extra["checkpoint"] = summary
+        ctx.summaries["checkpoint"] = summary
         logger.info("checkpoint: %d blocks of %s recompute their activations in backward; while training they "
                     "run with use_cache=False and no past_key_values", summary["blocks"], summary["classes"])

@@ -204,10 +204,10 @@ def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    for _ in range(4):
-        inner = getattr(optimizer, "optimizer", None)
-        if isinstance(inner, torch.optim.Optimizer) and inner.state is optimizer.state:
-            optimizer = inner
+    from atorch.modules.grad_scaling import GradScalingOptimizer
+
+    while isinstance(optimizer, GradScalingOptimizer):
+        optimizer = optimizer.optimizer
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return optimizer.optim
     return optimizer
@@ -359,17 +359,21 @@ def _is_dtensor(t: Any) -> bool:
 
 
 def _tensor_mesh_for(module: Any):
-    """The 1-D "tensor" DeviceMesh when its group is the module's group, else None."""
+    """A 1-D DeviceMesh over the module's own tensor-parallel group (no global layout is consulted)."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
 
-    from atorch import distributed as adist
-
-    if not adist.is_parallel_group_created() or "tensor" not in adist.parallel_layout().names:
-        return None
-    mesh = adist.device_mesh("tensor")
-    if dist.get_process_group_ranks(mesh.get_group()) != dist.get_process_group_ranks(module.group):
-        return None
+    group = module.group
+    key = tuple(dist.get_process_group_ranks(group))
+    mesh = _MESHES.get(key)
+    if mesh is None or mesh.get_group() is not group:
+        device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+        mesh = _MESHES[key] = DeviceMesh.from_group(group, device_type)
     return mesh
+
+
+# One mesh per tensor group: DTensor views of one module must share their mesh object.
+_MESHES: Dict[Tuple[int, ...], Any] = {}
 
 
 def _dtensor_view(local: torch.Tensor, module: Any, spec: Any):

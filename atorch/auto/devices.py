@@ -1,0 +1,56 @@
+"""Accelerators the planner knows by name: memory and the rates its step-time model divides by.
+
+Peak FLOP/s are the vendors' dense datasheet figures (no sparsity) scaled by `MATMUL_EFFICIENCY`,
+the fraction large transformer matmuls reach in practice; bandwidths are per device, intra-node
+(NVLink) and inter-node (one InfiniBand/RoCE NIC per GPU, the common HPC layout). They feed
+`cost_model.estimate(..., profile=...)`, so only their ratios matter for ranking strategies; a
+calibration on the real machine (`atorch.auto.calibration`) replaces them where one exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict
+
+# Achieved / datasheet for large bf16 GEMMs (typical of MFU-oriented training stacks).
+MATMUL_EFFICIENCY = 0.6
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator kind."""
+
+    name: str
+    memory_bytes: int
+    bf16_flops: float            # dense datasheet peak
+    fp32_flops: float            # dense datasheet peak (TF32 tensor cores where the device has them)
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+    latency_s: float = 1e-5
+
+    def profile(self, multi_node: bool) -> Dict[str, float]:
+        """The rates `cost_model.estimate` takes as `profile`."""
+        bandwidth = self.inter_node_bytes_per_s if multi_node else self.intra_node_bytes_per_s
+        return {"flops_bf16": self.bf16_flops * MATMUL_EFFICIENCY, "flops_fp32": self.fp32_flops * MATMUL_EFFICIENCY,
+                "comm_bytes_per_s": bandwidth, "comm_latency_s": self.latency_s * (4 if multi_node else 1),
+                "layer_overhead_s": 2e-4, "step_overhead_s": 2e-3}
+
+
+DEVICES: Dict[str, DeviceSpec] = {
+    "h100": DeviceSpec("NVIDIA H100 80GB SXM", 80 * 10**9, 989e12, 495e12, 450e9, 50e9),
+    "h200": DeviceSpec("NVIDIA H200 141GB", 141 * 10**9, 989e12, 495e12, 450e9, 50e9),
+    "a100": DeviceSpec("NVIDIA A100 80GB SXM", 80 * 10**9, 312e12, 156e12, 300e9, 25e9),
+    "a100-40gb": DeviceSpec("NVIDIA A100 40GB SXM", 40 * 10**9, 312e12, 156e12, 300e9, 25e9),
+    "v100": DeviceSpec("NVIDIA V100 32GB", 32 * 10**9, 125e12, 15.7e12, 150e9, 12.5e9),
+    "l40s": DeviceSpec("NVIDIA L40S 48GB", 48 * 10**9, 362e12, 183e12, 32e9, 25e9),
+    # The planner's CPU entry: host memory per process is the caller's business (--device-memory).
+    "cpu": DeviceSpec("CPU", 16 * 10**9, 6.65e10 / MATMUL_EFFICIENCY, 3.91e10 / MATMUL_EFFICIENCY, 1.0e9, 1.0e9,
+                      1.43e-3),
+}
+
+
+def device_spec(name: str) -> DeviceSpec:
+    key = name.lower()
+    if key not in DEVICES:
+        raise ValueError(f"unknown device {name!r}; known devices are {sorted(DEVICES)}")
+    return DEVICES[key]

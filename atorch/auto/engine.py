@@ -1,0 +1,136 @@
+"""Apply a strategy to a `ModelContext` and assemble the `AutoAccelerateResult`.
+
+The one path every strategy takes, whether `auto_accelerate` applies it, the dry runner
+tries it, or an optimization builds on it (DeepSpeed 3D's micro-batch loader):
+
+    resolve (validate, order) -> apply phase (by `order`) -> place the model -> build the
+    optimizer -> wrapper phase (by `wrapper_order`) -> LR scheduler -> dataloader -> result
+
+Every function here raises; only the entry point turns a failure into `status=False`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, List, Optional, Tuple
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
+
+from atorch import distributed as adist
+from atorch.auto.model_context import ModelContext, default_loss_func, default_prepare_input, first_loss
+from atorch.auto.opt_lib.base import ValidationContext
+from atorch.auto.opt_lib.resolve import ResolvedOptimization, plan_steps, resolve_strategy, wrapper_phase
+from atorch.auto.result import AutoAccelerateResult
+from atorch.auto.strategy import Strategy
+
+
+def validation_context(ctx: ModelContext) -> ValidationContext:
+    """What validation may see of `ctx`: plain values, the same on every rank."""
+    return ValidationContext(world_size=adist.world_size(), model=ctx.model,
+                             model_config=getattr(ctx.model, "config", None), device_type=ctx.device.type)
+
+
+def resolve(ctx: ModelContext, strategy: Strategy) -> List[ResolvedOptimization]:
+    """Validate `strategy` for `ctx` (ValueError on every rank before any collective), in application order."""
+    return resolve_strategy(strategy, validation_context(ctx))
+
+
+def apply_strategy(ctx: ModelContext, strategy: Strategy) -> AutoAccelerateResult:
+    """Validate and apply `strategy` to `ctx`, raising on any problem."""
+    return apply_resolved(ctx, resolve(ctx, strategy))
+
+
+def describe_plan(ctx: ModelContext, strategy: Strategy) -> str:
+    """The stack `strategy` builds for `ctx`, e.g. 'parallel_mode(data=2) -> fsdp -> optimizer -> ...'."""
+    return " -> ".join(plan_steps(resolve(ctx, strategy)))
+
+
+def apply_resolved(ctx: ModelContext, resolved: List[ResolvedOptimization]) -> AutoAccelerateResult:
+    for r in resolved:
+        r.optimization.apply(ctx, r.config)
+        ctx.applied.append(r.name)
+    place_model(ctx)
+    if ctx.optim is None and ctx.optim_func is not None:
+        ctx.optim = ctx.optim_func(ctx.optim_params(), **ctx.optim_args)
+    for r in wrapper_phase(resolved):
+        r.optimization.apply_wrapper(ctx, r.config)
+    if ctx.lr_scheduler is None and ctx.lr_scheduler_cls is not None and ctx.optim is not None:
+        ctx.lr_scheduler = ctx.lr_scheduler_cls(ctx.optim, **ctx.lr_scheduler_args)
+    if ctx.dataloader is None and ctx.dataset is not None:
+        ctx.dataloader, ctx.sampler = build_dataloader(ctx)
+    from atorch.checkpoint.model_methods import attach_checkpoint_methods  # imported on use: DCP is heavy
+
+    # `result.model.save_parallelized(dir, merge_checkpoints=...)` / `.from_parallelized(dir)`.
+    return attach_checkpoint_methods(assemble_result(ctx, Strategy(r.item for r in resolved)))
+
+
+def place_model(ctx: ModelContext) -> None:
+    """Move an ordinary model to the device; sharded or engine-owned models are placed by their wrapper."""
+    if ctx.is_sharded or ctx.engine is not None:
+        return
+    if any(p.is_meta for p in ctx.model.parameters()):
+        raise ValueError("the model still has parameters on the meta device after all optimizations: a model "
+                         "built under record_module_init needs tensor_parallel, pipeline or deepspeed_3d_parallel "
+                         "to materialize it")
+    ctx.model.to(ctx.device)
+
+
+def build_dataloader(ctx: ModelContext, global_batch: Optional[int] = None) -> Tuple[DataLoader, Sampler]:
+    """A DataLoader whose `batch_size` is the global one (or `global_batch`) divided over the data-parallel ranks."""
+    args = dict(ctx.dataloader_args)
+    batch = args.pop("batch_size", 1)
+    global_batch = batch if global_batch is None else global_batch
+    dp = ctx.data_parallel_size()
+    if global_batch % dp != 0:
+        raise ValueError(f"dataloader_args batch_size={global_batch} (global) is not divisible by the data-parallel "
+                         f"size {dp}")
+    shuffle = args.pop("shuffle", False)
+    seed = args.pop("seed", 0)
+    drop_last = args.pop("drop_last", True)
+    sampler = _make_sampler(ctx, dp, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    loader = DataLoader(ctx.dataset, batch_size=global_batch // dp, sampler=sampler, drop_last=drop_last, **args)
+    return loader, sampler
+
+
+def _make_sampler(ctx: ModelContext, dp: int, *, shuffle: bool, seed: int, drop_last: bool) -> Sampler:
+    """The user's `distributed_sampler_cls` (DistributedSampler's interface), or DistributedSampler."""
+    sampler_cls = ctx.distributed_sampler_cls or DistributedSampler
+    kwargs = {"num_replicas": dp, "rank": ctx.data_parallel_rank(), "shuffle": shuffle, "seed": seed,
+              "drop_last": drop_last}
+    try:
+        accepted = inspect.signature(sampler_cls).parameters
+    except (TypeError, ValueError):  # a builtin or C-implemented callable: pass everything
+        accepted = {}
+    if accepted and not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+    return sampler_cls(ctx.dataset, **kwargs)
+
+
+def assemble_result(ctx: ModelContext, strategy: Strategy) -> AutoAccelerateResult:
+    """The typed result of an applied context."""
+    user_loss = ctx.loss_func or default_loss_func
+    transforms = list(ctx.loss_transforms)
+
+    def loss_func(batch: Any, output: Any) -> torch.Tensor:
+        loss = first_loss(user_loss(batch, output))
+        for transform in transforms:
+            loss = transform(loss)
+        return loss
+
+    user_prepare = ctx.prepare_input or default_prepare_input
+    device = ctx.device
+
+    def prepare_input(batch: Any, device_: Optional[torch.device] = None) -> Any:
+        return user_prepare(batch, device_ or device)
+
+    return AutoAccelerateResult(
+        model=ctx.engine if ctx.engine is not None else ctx.model, optim=ctx.optim, dataloader=ctx.dataloader,
+        loss_func=loss_func, prepare_input=prepare_input, lr_scheduler=ctx.lr_scheduler, strategy=strategy,
+        device=ctx.device, model_input_format=ctx.model_input_format, parallel=ctx.parallel,
+        data_parallel_size=ctx.data_parallel_size(), global_batch_size=ctx.dataloader_args.get("batch_size"),
+        sampler=ctx.sampler, engine=ctx.engine, deepspeed_config=ctx.deepspeed_config,
+        autocast_dtype=ctx.autocast_dtype, grad_scaler=ctx.grad_scaler, custom_train_step=ctx.custom_train_step,
+        gradient_accumulation_steps=ctx.gradient_accumulation_steps, micro_batch_size=ctx.micro_batch_size,
+        pipeline=ctx.pipeline, pipeline_stage=ctx.pipeline_stage, randomizer=ctx.randomizer,
+        summaries=dict(ctx.summaries), applied=list(ctx.applied))

@@ -1,0 +1,125 @@
+"""`compile`: torch.compile each transformer block (default) or the whole model, on any device.
+
+Where it sits, as torchtitan places it: after tensor parallelism, activation checkpointing and
+module replacement (so the compiled code is the block those produced, recomputation included)
+and before sharding (FSDP2's unshard/reshard hooks then run around the compiled block, not
+inside the graph). The block's `forward` is replaced on the instance by its compiled version,
+so module structure, parameter names and state-dict keys stay exactly as they were (no
+`_orig_mod.` prefix), and module hooks stay outside the compiled region.
+
+Per block rather than whole model: blocks of one class share one compiled graph (dynamo treats
+their parameters as inputs), so the compile time is one block's, and a graph break in the
+model's glue code costs nothing. Inductor runs on CPU as well as GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple, Type, Union
+
+import torch
+from torch import nn
+
+from atorch.auto.model_context import ModelContext
+from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
+from atorch.utils.module_utils import modules_of_classes, resolve_module_classes
+
+logger = logging.getLogger(__name__)
+
+ClassSpec = Union[Type[nn.Module], str]
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+SCOPES = ("block", "model")
+# The forward an instance had before compiling (kept so the module can be inspected or restored).
+_EAGER_FORWARD_ATTR = "_atorch_forward_before_compile"
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """How to compile."""
+
+    scope: str = "block"
+    """"block": each transformer block (`wrap_cls`); "model": the whole model's forward."""
+    wrap_cls: Optional[Tuple[ClassSpec, ...]] = None
+    """Block classes or class names for scope="block"; None: the model's transformer block, auto-detected."""
+    mode: Optional[str] = None
+    """torch.compile mode (None: torch's default); one of MODES."""
+    fullgraph: bool = False
+    """Fail instead of falling back to eager at a graph break."""
+    dynamic: Optional[bool] = None
+    """torch.compile's dynamic-shape setting (None: decide from the shapes seen)."""
+
+    def __post_init__(self) -> None:
+        if self.scope not in SCOPES:
+            raise ValueError(f"compile: scope={self.scope!r}; valid scopes are {list(SCOPES)}")
+        if self.mode is not None and self.mode not in MODES:
+            raise ValueError(f"compile: mode={self.mode!r}; valid modes are {list(MODES)} or None")
+        for key in ("fullgraph",):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"compile: {key}={getattr(self, key)!r} must be True or False")
+        if self.dynamic is not None and not isinstance(self.dynamic, bool):
+            raise ValueError(f"compile: dynamic={self.dynamic!r} must be True, False or None")
+        spec = self.wrap_cls
+        if spec is not None:
+            if isinstance(spec, (str, type)):
+                spec = (spec,)
+            if not isinstance(spec, (list, tuple)) or not spec:
+                raise ValueError(f"compile: wrap_cls={self.wrap_cls!r} must be None or a non-empty list of classes "
+                                 "or class names")
+            object.__setattr__(self, "wrap_cls", tuple(spec))
+        if self.scope == "model" and self.wrap_cls is not None:
+            raise ValueError("compile: wrap_cls applies to scope='block' only")
+
+
+def compile_forward(module: nn.Module, config: CompileConfig) -> None:
+    """Replace `module.forward` by its compiled version (on the instance; keys and hooks unchanged)."""
+    eager = module.forward
+    compiled = torch.compile(eager, mode=config.mode, fullgraph=config.fullgraph, dynamic=config.dynamic)
+    setattr(module, _EAGER_FORWARD_ATTR, eager)
+    module.forward = compiled
+
+
+def is_compiled(module: nn.Module) -> bool:
+    return _EAGER_FORWARD_ATTR in vars(module)
+
+
+@register
+class CompileOptimization(Optimization):
+    name = "compile"
+    order = Order.COMPILE
+    Config = CompileConfig
+
+    @classmethod
+    def cost_traits(cls, config: CompileConfig, context: CostContext) -> Dict[str, Any]:
+        # Declared as no effect: inductor's fusion saves some activation memory and time, but the
+        # cost model has no measurement of it yet (the eager coefficients are an upper bound).
+        return {}
+
+    def validate(self, config: CompileConfig, context: ValidationContext) -> None:
+        if config.scope == "block" and context.model is not None:
+            resolve_module_classes(context.model, config.wrap_cls, "compile: wrap_cls")
+
+    @classmethod
+    def describe_step(cls, config: CompileConfig) -> str:
+        return f"{cls.name}({config.scope}{', ' + config.mode if config.mode else ''})"
+
+    def apply(self, ctx: ModelContext, config: CompileConfig) -> None:
+        if config.scope == "model":
+            compile_forward(ctx.model, config)
+            summary: dict = {"scope": "model", "modules": 1}
+        else:
+            classes = resolve_module_classes(ctx.model, config.wrap_cls, "compile: wrap_cls")
+            blocks = modules_of_classes(ctx.model, classes)
+            # Outermost blocks only: a compiled block already compiles what it contains.
+            inside = {id(m) for b in blocks for m in b.modules() if m is not b}
+            blocks = [b for b in blocks if id(b) not in inside]
+            if not blocks:
+                raise ValueError(f"compile: {type(ctx.model).__name__} has no module of {[c.__name__ for c in classes]}"
+                                 "; pass wrap_cls, or scope='model'")
+            for block in blocks:
+                compile_forward(block, config)
+            summary = {"scope": "block", "modules": len(blocks), "classes": sorted({type(b).__name__ for b in blocks})}
+        summary["mode"] = config.mode or "default"
+        ctx.summaries[self.name] = summary
+        logger.info("compile: %s", summary)
+

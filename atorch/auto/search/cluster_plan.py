@@ -1,0 +1,126 @@
+"""`plan_cluster`: the cost model's ranked strategies for a model on a cluster that is not here.
+
+"What should I use for this model on these devices?" answered before renting them: the
+model is built on the meta device (no weights, no GPU), the automatic search space is
+enumerated for the cluster's world size, and every candidate gets the cost model's memory per
+device and step time. Nothing runs; the figures are predictions (see `cost_model.py` for what
+they include), ranked by predicted throughput among the candidates that fit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+import pandas as pd
+import torch
+
+from atorch.auto.devices import DeviceSpec, device_spec
+
+# Configs of well-known models, for planning without a config file (numbers from their papers
+# and model cards; no weights are involved).
+MODEL_PRESETS = {
+    "llama2-7b": dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096),
+    "llama2-13b": dict(model_type="llama", hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                       num_attention_heads=40, num_key_value_heads=40, vocab_size=32000,
+                       max_position_embeddings=4096),
+    "llama2-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                       num_attention_heads=64, num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096),
+    "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192),
+    "gpt2-xl": dict(model_type="gpt2", n_embd=1600, n_layer=48, n_head=25, vocab_size=50257, n_positions=1024),
+}
+
+
+def load_model_config(model: str) -> Any:
+    """A transformers config from a preset name, a config.json path, or a model directory."""
+    from transformers import AutoConfig, CONFIG_MAPPING
+
+    if model in MODEL_PRESETS:
+        values = dict(MODEL_PRESETS[model])
+        return CONFIG_MAPPING[values.pop("model_type")](**values)
+    path = model
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"--model {model!r} is neither a preset ({sorted(MODEL_PRESETS)}) nor a config.json or a "
+                         "model directory that has one")
+    with open(path, encoding="utf-8") as f:
+        values = json.load(f)
+    if "model_type" not in values:
+        raise ValueError(f"{path} has no model_type; it is not a Hugging Face model config")
+    return AutoConfig.for_model(**values)
+
+
+def meta_model(config: Any) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+@dataclass
+class ClusterPlan:
+    """The ranked candidates (`table`), what does not fit (`too_big`), and the inputs."""
+
+    table: pd.DataFrame
+    too_big: pd.DataFrame
+    device: DeviceSpec
+    world_size: int
+    num_params: int
+    rejected: List[str] = field(default_factory=list)
+
+    def format(self, top: int = 15) -> str:
+        lines = [f"{self.num_params / 1e9:.2f}B parameters on {self.world_size} x {self.device.name} "
+                 f"({self.device.memory_bytes / 1e9:.0f} GB each); predictions of the cost model, nothing was run",
+                 ""]
+        if self.table.empty:
+            lines.append("no candidate strategy fits in device memory")
+        else:
+            shown = self.table.head(top).copy()
+            shown["memory_gb"] = shown["memory_gb"].map(lambda v: f"{v:.1f}")
+            shown["step_time_s"] = shown["step_time_s"].map(lambda v: f"{v:.3g}")
+            shown["samples_per_s"] = shown["samples_per_s"].map(lambda v: f"{v:.4g}")
+            lines.append(shown.to_string(index=False))
+        if not self.too_big.empty:
+            lines += ["", f"{len(self.too_big)} candidate(s) do not fit, e.g.:"]
+            for row in self.too_big.head(5).itertuples():
+                lines.append(f"  {row.strategy}: {row.reason}")
+        return "\n".join(lines)
+
+
+def plan_cluster(model_config: Any, world_size: int, device: str, global_batch: int, seq_len: int,
+                 nnodes: int = 1, device_memory_bytes: Optional[int] = None) -> ClusterPlan:
+    """Rank the automatic space's candidates for `model_config` on `world_size` devices of kind `device`."""
+    from atorch.auto.cost_model import ModelShape, estimate
+    from atorch.auto.search.space import SearchSpace
+
+    if world_size < 1 or global_batch < 1 or seq_len < 1 or nnodes < 1:
+        raise ValueError(f"world_size={world_size}, global_batch={global_batch}, seq_len={seq_len} and "
+                         f"nnodes={nnodes} must all be >= 1")
+    spec = device_spec(device)
+    limit = device_memory_bytes or spec.memory_bytes
+    model = meta_model(model_config)
+    shape = ModelShape.from_module(model)
+    device_type = "cpu" if device == "cpu" else "cuda"
+    space = SearchSpace.default_for(model, world_size, device_type)
+    profile = spec.profile(multi_node=nnodes > 1)
+    rows, too_big = [], []
+    for candidate in space.candidates():
+        est = estimate(shape, candidate.strategy, global_batch, seq_len, world_size, device_type, profile=profile)
+        row = {"strategy": candidate.label(), "memory_gb": est.peak_memory_bytes / 1e9,
+               "step_time_s": est.step_time_s, "samples_per_s": est.throughput(global_batch)}
+        if est.peak_memory_bytes > limit:
+            too_big.append({**row, "reason": f"predicted {est.peak_memory_bytes / 1e9:.1f} GB > "
+                                             f"{limit / 1e9:.1f} GB per device"})
+        else:
+            rows.append(row)
+    table = pd.DataFrame(rows, columns=["strategy", "memory_gb", "step_time_s", "samples_per_s"])
+    table = table.sort_values(["samples_per_s", "memory_gb"], ascending=[False, True]).reset_index(drop=True)
+    table.insert(0, "rank", range(1, len(table) + 1))
+    big = pd.DataFrame(too_big, columns=["strategy", "memory_gb", "step_time_s", "samples_per_s", "reason"])
+    big = big.sort_values("memory_gb").reset_index(drop=True)
+    return ClusterPlan(table, big, spec, world_size, shape.num_params, sorted(space.rejected)[:20])

@@ -1,0 +1,138 @@
+"""The `atorch` command: `run` (the launcher), `plan` (strategies for a cluster), `merge`, `env`.
+
+    atorch run --nproc_per_node 8 train.py ARGS
+    atorch plan --model llama2-7b --nproc 8 --nnodes 8 --device h100 --global-batch 512 --seq 4096
+    atorch merge ckpt/step_1000 hf_model/ --tokenizer tok/
+    atorch env
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import platform
+import sys
+from typing import List, Optional
+
+RUN_HELP = """usage: atorch run [atorch options] [torchrun options] SCRIPT.py [script args]
+
+Launch SCRIPT on this node's processes (torch elastic underneath).
+
+atorch options:
+  --nproc_per_node N      processes on this node (e.g. one per GPU)
+  --nnodes N              nodes in the job (default 1)
+  --node_rank R           this node's rank (multi-node)
+  --master_addr HOST      rendezvous host (multi-node; default 127.0.0.1)
+  --master_port PORT      rendezvous port (default: a free port on one node, 29500 on several)
+  --fault_tolerant        restart the whole worker group after a failure (c10d rendezvous)
+  --max_restarts N        restarts allowed (default 3 with --fault_tolerant, else 0)
+
+Every other option before SCRIPT is torchrun's (python -m torch.distributed.run --help).
+"""
+
+
+def _run(argv: List[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(RUN_HELP)
+        return 0
+    from atorch.distributed.run import main as run_main
+
+    run_main(argv)
+    return 0
+
+
+def _plan(argv: List[str]) -> int:
+    from atorch.auto.devices import DEVICES
+    from atorch.auto.search.cluster_plan import MODEL_PRESETS, load_model_config, plan_cluster
+
+    parser = argparse.ArgumentParser(prog="atorch plan", description=(
+        "Rank candidate strategies for a model on a cluster with the cost model: memory per device and predicted "
+        "step time, and what does not fit. Builds the model on the meta device; needs no GPU."))
+    parser.add_argument("--model", required=True,
+                        help=f"a config.json, a model directory, or a preset: {', '.join(sorted(MODEL_PRESETS))}")
+    parser.add_argument("--nproc", type=int, required=True, help="devices per node")
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--device", default="h100", choices=sorted(DEVICES))
+    parser.add_argument("--device-memory-gb", type=float, default=None, help="override the device's memory")
+    parser.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step, all devices")
+    parser.add_argument("--seq", type=int, required=True, help="tokens per sample")
+    parser.add_argument("--top", type=int, default=15, help="rows shown")
+    args = parser.parse_args(argv)
+    try:
+        config = load_model_config(args.model)
+        memory = int(args.device_memory_gb * 1e9) if args.device_memory_gb else None
+        result = plan_cluster(config, args.nproc * args.nnodes, args.device, args.global_batch, args.seq,
+                              nnodes=args.nnodes, device_memory_bytes=memory)
+    except ValueError as e:
+        parser.error(str(e))
+    print(result.format(args.top))
+    return 0
+
+
+def _merge(argv: List[str]) -> int:
+    parser = argparse.ArgumentParser(prog="atorch merge",
+                                     description="Write an atorch checkpoint as a Hugging Face model directory.")
+    parser.add_argument("checkpoint", help="a checkpoint directory (or its parent with a `latest` pointer)")
+    parser.add_argument("out", help="the Hugging Face directory to write")
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer directory to copy into OUT")
+    parser.add_argument("--max-shard-size", default="2GB")
+    parser.add_argument("--lora", choices=("merge", "adapters"), default="merge")
+    args = parser.parse_args(argv)
+    from atorch.checkpoint import merge_checkpoint
+
+    out = merge_checkpoint(args.checkpoint, args.out, tokenizer=args.tokenizer, max_shard_size=args.max_shard_size,
+                           lora=args.lora)
+    print(f"merged {args.checkpoint} -> {out}")
+    return 0
+
+
+def _version(module: str) -> str:
+    try:
+        return getattr(importlib.import_module(module), "__version__", "installed")
+    except Exception as e:  # noqa: BLE001 - report, do not fail
+        return f"not available ({type(e).__name__})"
+
+
+def _env(argv: List[str]) -> int:
+    argparse.ArgumentParser(prog="atorch env", description="Versions, devices, backends, DeepSpeed ops.").parse_args(
+        argv)
+    import torch
+    import torch.distributed as dist
+
+    import atorch
+
+    lines = [f"atorch {atorch.__version__}", f"python {platform.python_version()} ({sys.executable})",
+             f"platform {platform.platform()}"]
+    for name in ("torch", "transformers", "deepspeed", "peft", "hebo", "numpy", "pandas", "safetensors"):
+        lines.append(f"{name} {_version(name)}")
+    lines.append(f"cuda available: {torch.cuda.is_available()}"
+                 + (f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+                    if torch.cuda.is_available() else ""))
+    lines.append(f"cpu threads: {torch.get_num_threads()}, cores: {os.cpu_count()}")
+    backends = [b for b, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available()),
+                                ("mpi", dist.is_mpi_available())) if ok]
+    lines.append(f"distributed backends: {', '.join(backends) or 'none'}")
+    ext = os.environ.get("TORCH_EXTENSIONS_DIR", "")
+    built = sorted(os.listdir(ext)) if ext and os.path.isdir(ext) else []
+    lines.append(f"DeepSpeed ops: {ext} ({', '.join(built) if built else 'none built'})")
+    print("\n".join(lines))
+    return 0
+
+
+COMMANDS = {"run": _run, "plan": _plan, "merge": _merge, "env": _env}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(__doc__.strip())
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\natorch: unknown command {argv[0]!r}; commands are {', '.join(COMMANDS)}", file=sys.stderr)
+            return 2
+        return 0
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Rank and rendezvous from Slurm's environment, for `srun python train.py` (one task per device).
+
+torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR; `srun` sets SLURM_PROCID,
+SLURM_NTASKS, SLURM_LOCALID and the node list instead. `slurm_environment` translates the
+latter into the former (pure: an environment in, the variables to set out), so
+`init_distributed` gives every task its rank instead of making each a world of one. The step's
+values (SLURM_STEP_*) win over the job's: a job may run several steps of different sizes.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, List, Mapping
+
+# Ports derived from the job id, so every task of a job agrees without talking; the range is
+# outside the usual ephemeral ports (32768+) and below common service ports.
+PORT_BASE, PORT_SPAN = 15000, 15000
+
+
+def expand_hostlist(hostlist: str) -> List[str]:
+    """Slurm's compressed host list, e.g. "gpu[01-03,07],login1" -> ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]."""
+    hosts: List[str] = []
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", hostlist):
+        match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", part)
+        if match is None:
+            hosts.append(part)
+            continue
+        prefix, ranges, suffix = match.groups()
+        for item in ranges.split(","):
+            lo, _, hi = item.partition("-")
+            if not hi:
+                hosts.append(f"{prefix}{lo}{suffix}")
+                continue
+            if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
+                raise ValueError(f"SLURM node list {hostlist!r}: bad range {item!r}")
+            width = len(lo)
+            hosts += [f"{prefix}{n:0{width}d}{suffix}" for n in range(int(lo), int(hi) + 1)]
+    if not hosts:
+        raise ValueError(f"SLURM node list {hostlist!r} names no host")
+    return hosts
+
+
+def _tasks_on_this_node(env: Mapping[str, str]) -> int:
+    """SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE ("2(x3),1") for the node of SLURM_NODEID."""
+    raw = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+    counts: List[int] = []
+    for item in filter(None, raw.split(",")):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+        if match is None:
+            raise ValueError(f"SLURM_TASKS_PER_NODE={raw!r} is not in Slurm's format, e.g. '2(x3),1'")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    node = int(env.get("SLURM_NODEID", "0"))
+    if node < len(counts):
+        return counts[node]
+    return int(env.get("SLURM_NTASKS_PER_NODE", "0")) or 1
+
+
+def is_slurm_task(env: Mapping[str, str]) -> bool:
+    """Launched by srun without a launcher of its own (torchrun sets RANK, which wins)."""
+    return "SLURM_PROCID" in env and "RANK" not in env and "TORCHELASTIC_RUN_ID" not in env
+
+
+def slurm_environment(env: Mapping[str, str]) -> Dict[str, str]:
+    """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT for an srun task.
+
+    Values the environment already has (MASTER_ADDR, MASTER_PORT) are kept. Raises ValueError
+    naming the variable when Slurm's values are inconsistent.
+    """
+    def number(*names: str) -> int:
+        for name in names:
+            if env.get(name, "") != "":
+                try:
+                    return int(env[name])
+                except ValueError:
+                    raise ValueError(f"{name}={env[name]!r} must be an integer") from None
+        raise ValueError(f"srun task without {' or '.join(names)}; is this a Slurm step?")
+
+    rank = number("SLURM_PROCID")
+    world = number("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+    local_rank = number("SLURM_LOCALID")
+    if not 0 <= rank < world:
+        raise ValueError(f"SLURM_PROCID={rank} is not in [0, {world}) (SLURM_NTASKS={world})")
+    out = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank),
+           "LOCAL_WORLD_SIZE": str(_tasks_on_this_node(env))}
+    if env.get("MASTER_ADDR"):
+        out["MASTER_ADDR"] = env["MASTER_ADDR"]
+    else:
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if not nodes:
+            raise ValueError("srun task without MASTER_ADDR or SLURM_JOB_NODELIST: cannot find the first node")
+        out["MASTER_ADDR"] = expand_hostlist(nodes)[0]
+    if env.get("MASTER_PORT"):
+        out["MASTER_PORT"] = env["MASTER_PORT"]
+    else:
+        job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "0"
+        step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or "0"
+        if not (job.isdigit() and step.isdigit()):
+            raise ValueError(f"SLURM_JOB_ID={job!r} and SLURM_STEP_ID={step!r} must be integers")
+        out["MASTER_PORT"] = str(PORT_BASE + (int(job) * 97 + int(step)) % PORT_SPAN)
+    return out

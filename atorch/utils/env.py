@@ -1,0 +1,70 @@
+"""The one reader of environment variables: typed values, or a ValueError naming the variable.
+
+Entry points (`auto_accelerate`'s search and dry-run settings, the launcher, the example
+scripts) read the environment through these; optimizations never do.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping, Optional, TypeVar, Union
+
+Number = TypeVar("Number", int, float)
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _raw(name: str, environ: Optional[Mapping[str, str]]) -> Optional[str]:
+    value = (os.environ if environ is None else environ).get(name)
+    return None if value is None or value.strip() == "" else value.strip()
+
+
+def env_int(name: str, default: Optional[int], environ: Optional[Mapping[str, str]] = None,
+            minimum: Optional[int] = None) -> Optional[int]:
+    """An integer (also written as 1e9 or 2.0); `default` when unset or empty."""
+    raw = _raw(name, environ)
+    if raw is None:
+        return default
+    try:
+        number = float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
+    if not number.is_integer():
+        raise ValueError(f"environment variable {name}={raw!r} must be an integer")
+    return _at_least(name, int(number), minimum)
+
+
+def env_float(name: str, default: Optional[float], environ: Optional[Mapping[str, str]] = None,
+              minimum: Optional[float] = None) -> Optional[float]:
+    raw = _raw(name, environ)
+    if raw is None:
+        return default
+    try:
+        return _at_least(name, float(raw), minimum)
+    except ValueError as e:
+        if "must be >=" in str(e):
+            raise
+        raise ValueError(f"environment variable {name}={raw!r} must be a number") from None
+
+
+def env_str(name: str, default: Optional[str], environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    raw = _raw(name, environ)
+    return default if raw is None else raw
+
+
+def env_bool(name: str, default: bool, environ: Optional[Mapping[str, str]] = None) -> bool:
+    raw = _raw(name, environ)
+    if raw is None:
+        return default
+    if raw.lower() in _TRUE:
+        return True
+    if raw.lower() in _FALSE:
+        return False
+    raise ValueError(f"environment variable {name}={raw!r} must be one of {list(_TRUE + _FALSE)}")
+
+
+def _at_least(name: str, value: Union[int, float], minimum: Optional[Union[int, float]]) -> Union[int, float]:
+    if minimum is not None and value < minimum:
+        raise ValueError(f"environment variable {name}={value!r} must be >= {minimum}")
+    return value

@@ -1,0 +1,61 @@
+"""The `atorch` command: plan (the cost model's table for a cluster), env, run's help, merge."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from atorch.auto.cost_model import ModelShape, estimate
+from atorch.auto.devices import device_spec
+from atorch.auto.search.cluster_plan import load_model_config, meta_model, plan_cluster
+from atorch.cli import main
+
+
+def test_plan_7b_on_64_h100_is_the_cost_model_ranked():
+    config = load_model_config("llama2-7b")
+    result = plan_cluster(config, 64, "h100", global_batch=512, seq_len=4096, nnodes=8)
+    assert 6.5e9 < result.num_params < 7e9
+    assert not result.table.empty and list(result.table["rank"])[:3] == [1, 2, 3]
+    # Ranked by predicted throughput; every row fits and every refused one does not.
+    assert result.table["samples_per_s"].is_monotonic_decreasing
+    assert (result.table["memory_gb"] <= 80).all() and (result.too_big["memory_gb"] > 80).all()
+    # The figures are the cost model's own for that strategy, cluster and device profile.
+    from atorch.auto.search.space import SearchSpace
+
+    shape = ModelShape.from_module(meta_model(config))
+    by_label = {c.label(): c.strategy for c in SearchSpace.default_for(meta_model(config), 64, "cuda").candidates()}
+    top = result.table.iloc[0]
+    est = estimate(shape, by_label[top["strategy"]], 512, 4096, 64, "cuda",
+                   profile=device_spec("h100").profile(multi_node=True))
+    assert top["memory_gb"] == pytest.approx(est.peak_memory_bytes / 1e9)
+    assert top["step_time_s"] == pytest.approx(est.step_time_s)
+    # Plain data parallelism of a 7B model with fp32 Adam cannot fit an 80 GB device.
+    assert "parallel_mode(data=64)+ddp" in set(result.too_big["strategy"])
+    text = result.format(5)
+    assert "64 x NVIDIA H100" in text and "do not fit" in text
+
+
+def test_plan_command_and_bad_input(capsys):
+    assert main(["plan", "--model", "gpt2-xl", "--nproc", "8", "--device", "a100", "--global-batch", "64",
+                 "--seq", "1024", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "x NVIDIA A100 80GB" in out and "rank" in out
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "no-such-model", "--nproc", "8", "--global-batch", "8", "--seq", "8"])
+    assert "neither a preset" in capsys.readouterr().err
+
+
+def test_env_run_help_and_unknown_command(capsys):
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert f"torch {torch.__version__}" in out and "distributed backends: gloo" in out
+    assert main(["run", "--help"]) == 0
+    help_text = capsys.readouterr().out
+    assert help_text.index("--fault_tolerant") < help_text.index("torchrun's")
+    assert main(["frobnicate"]) == 2
+
+
+def test_console_script_entry_point():
+    out = subprocess.run([sys.executable, "-m", "atorch.cli", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "atorch plan" in out.stdout

@@ -1,0 +1,41 @@
+"""DeepSpeed's CPU op is built once, at install, inside the environment: no script rebuilds it.
+
+`make install` builds it into `<sys.prefix>/torch_extensions`; importing atorch points
+TORCH_EXTENSIONS_DIR there when the user has no setting, so a script run without the variable
+and with a fresh home directory finds the build instead of compiling for minutes.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXT_DIR = Path(sys.prefix) / "torch_extensions"
+
+SCRIPT = r"""
+import os
+import atorch
+from deepspeed.accelerator import get_accelerator
+builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+builder.load(verbose=False)
+print("EXT", os.environ["TORCH_EXTENSIONS_DIR"])
+"""
+
+
+def _build_files():
+    return {p: p.stat().st_mtime_ns for p in EXT_DIR.rglob("*") if p.is_file()}
+
+
+def test_a_script_without_the_variable_compiles_nothing(tmp_path):
+    if not any(EXT_DIR.rglob("*.so")):
+        pytest.fail(f"no prebuilt DeepSpeed op under {EXT_DIR}: run `make install` (scripts/prebuild_deepspeed_ops.py)")
+    before = _build_files()
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    env.update(HOME=str(tmp_path), XDG_CACHE_HOME=str(tmp_path / ".cache"), DS_ACCELERATOR="cpu")
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"EXT {EXT_DIR}" in out.stdout
+    assert _build_files() == before, "the prebuilt op was rebuilt or changed"
+    assert not (tmp_path / ".cache" / "torch_extensions").exists(), "a build was started under the fresh home"

@@ -1,0 +1,49 @@
+"""srun without torchrun: every task gets its rank from Slurm's environment."""
+
+import pytest
+
+from atorch.distributed.slurm import expand_hostlist, is_slurm_task, slurm_environment
+
+
+def test_hostlists():
+    assert expand_hostlist("gpu[01-03,07],login1") == ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]
+    assert expand_hostlist("node7") == ["node7"]
+    assert expand_hostlist("a[9-11]b,c") == ["a9b", "a10b", "a11b", "c"]
+    with pytest.raises(ValueError, match="bad range '5-3'"):
+        expand_hostlist("n[5-3]")
+
+
+def test_two_nodes_four_tasks_each():
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+           "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "gpu[12-13]", "SLURM_JOB_ID": "4242",
+           "SLURM_STEP_ID": "0"}
+    assert is_slurm_task(env)
+    out = slurm_environment(env)
+    assert out["RANK"] == "5" and out["WORLD_SIZE"] == "8" and out["LOCAL_RANK"] == "1"
+    assert out["LOCAL_WORLD_SIZE"] == "4" and out["MASTER_ADDR"] == "gpu12"
+    # Every task of the step derives the same port from the job and step ids.
+    assert out["MASTER_PORT"] == slurm_environment({**env, "SLURM_PROCID": "0", "SLURM_NODEID": "0"})["MASTER_PORT"]
+    assert 15000 <= int(out["MASTER_PORT"]) < 30000
+
+
+def test_step_values_win_and_explicit_master_is_kept():
+    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "16", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "1",
+           "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "a[1-8]", "SLURM_STEP_NODELIST": "a3",
+           "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29555"}
+    out = slurm_environment(env)
+    assert (out["WORLD_SIZE"], out["LOCAL_WORLD_SIZE"], out["MASTER_ADDR"], out["MASTER_PORT"]) == (
+        "2", "2", "10.1.2.3", "29555")
+    assert slurm_environment({k: v for k, v in env.items() if k != "MASTER_ADDR"})["MASTER_ADDR"] == "a3"
+
+
+def test_not_a_slurm_task_and_bad_values():
+    assert not is_slurm_task({"SLURM_PROCID": "0", "RANK": "0"})          # torchrun inside an allocation
+    assert not is_slurm_task({"SLURM_PROCID": "0", "TORCHELASTIC_RUN_ID": "x"})
+    assert not is_slurm_task({})
+    with pytest.raises(ValueError, match=r"SLURM_PROCID=4 is not in \[0, 4\)"):
+        slurm_environment({"SLURM_PROCID": "4", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_NODELIST": "n1"})
+    with pytest.raises(ValueError, match="SLURM_NTASKS='x' must be an integer"):
+        slurm_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "x", "SLURM_LOCALID": "0"})
+    with pytest.raises(ValueError, match="SLURM_TASKS_PER_NODE='2x' is not in Slurm's format"):
+        slurm_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0",
+                           "SLURM_TASKS_PER_NODE": "2x", "SLURM_NODELIST": "n1"})
