@@ -73,7 +73,7 @@ def validate_arguments(
         _check_dataset(dataset, global_batch, args.get("drop_last", True))
         check_sequence_length(model, dataset)
     _check_output_path("save_strategy_to_file", save_strategy_to_file)
-    _check_output_path("report_path", report_path)
+    _check_report_path(report_path)
     for name, value in (("excluded", excluded), ("included", included)):
         if value is not None and (isinstance(value, (str, bytes)) or not isinstance(value, Iterable)
                                   or not all(isinstance(v, str) for v in value)):
@@ -209,6 +209,22 @@ def _check_dataset(dataset: Any, global_batch: int, drop_last: bool) -> None:
     if size == 0 or (drop_last and size < global_batch):
         raise ValueError(f"dataset has {size} samples, fewer than one global batch "
                          f"(dataloader_args['batch_size']={global_batch}): the dataloader would yield no batch")
+
+
+def _check_report_path(path: Any) -> None:
+    """The search report goes to a directory (created when missing) or, for a .png path, next to that plot."""
+    if path is None:
+        return
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise TypeError(f"report_path={path!r} must be a directory or a .png file path (str or os.PathLike)")
+    if os.fspath(path).lower().endswith(".png"):
+        _check_output_path("report_path", path)
+    elif os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"report_path={os.fspath(path)!r} is a file; give a directory for the search report (or a "
+                         ".png path for the plot)")
+    elif not os.path.exists(path) and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ValueError(f"report_path={os.fspath(path)!r}: the directory {os.path.dirname(os.path.abspath(path))!r} "
+                         "does not exist; create it first (the report directory itself is created)")
 
 
 def _check_output_path(name: str, path: Any) -> None:
