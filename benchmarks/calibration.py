@@ -15,12 +15,11 @@ The measured throughput of a candidate is the median of its recorded measurement
 
     python benchmarks/calibration.py analyze [--table benchmarks/real_landscape.json] [--orders 200]
 
-`measure` records a smaller landscape of its own in the same format (12 candidates that cover
-the dimensions the search space gained: gradient accumulation, DeepSpeed ZeRO, pipeline;
-every candidate built with `auto_accelerate` and timed with `train_step`, 3 warm-up and 8
-timed steps, the median step; rounds in a fresh random order each, interleaved):
+`measure` records a smaller landscape of its own in the same format (9 candidates that cover
+the dimensions the search space gained: gradient accumulation, pipeline; every candidate
+built with `auto_accelerate` and timed with `train_step`, 2 warm-up and 6 timed steps, the median step; rounds in a fresh random order each, interleaved):
 
-    nice -n 5 python benchmarks/calibration.py measure [--rounds 4] [--out benchmarks/step_time_landscape.json]
+    nice -n 5 python benchmarks/calibration.py measure [--rounds 3] [--out benchmarks/step_time_landscape.json]
 """
 
 from __future__ import annotations
@@ -87,18 +86,17 @@ def noise_ceiling(table: Dict[str, Any]) -> float:
 
 MODEL = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=688, num_attention_heads=4,
              num_key_value_heads=4)
-VOCAB, GLOBAL_BATCH, SEQ_LEN, WARMUP, TIMED = 1024, 8, 64, 3, 8
+VOCAB, GLOBAL_BATCH, SEQ_LEN, WARMUP, TIMED = 1024, 8, 64, 2, 6
 DATA2 = ("parallel_mode", ([("data", 2)], None))
 TENSOR2 = [("parallel_mode", ([("tensor", 2), ("data", 1)], None)), "tensor_parallel"]
 CANDIDATES: List[List[Any]] = [
-    [DATA2], [DATA2, "amp_native"], [DATA2, "checkpoint"], [DATA2, "fsdp"], [DATA2, ("zero2", {"use_ds_zero": True})],
-    [DATA2, ("gradient_accumulation", 2)], [DATA2, ("gradient_accumulation", 4)],
-    [DATA2, "fsdp", ("gradient_accumulation", 2)], TENSOR2, [*TENSOR2, "amp_native"], [*TENSOR2, "checkpoint"],
+    [DATA2], [DATA2, "amp_native"], [DATA2, "checkpoint"], [DATA2, "fsdp"], [DATA2, ("gradient_accumulation", 2)],
+    [DATA2, ("gradient_accumulation", 4)], TENSOR2, [*TENSOR2, "amp_native"],
     [("parallel_mode", ([("data", 1), ("pipeline", 2)], None)), "pipeline_parallel"],
 ]
 
 
-def _measure_rank(rounds: int) -> List[Dict[str, Any]]:
+def _measure_rank(rounds: int, path: str) -> List[Dict[str, Any]]:
     import time
 
     import torch
@@ -140,23 +138,29 @@ def _measure_rank(rounds: int) -> List[Dict[str, Any]]:
             out.append({"round": round_, "strategy": label, "strategy_json": json.loads(chosen.to_json()),
                         "status": "ok", "throughput": GLOBAL_BATCH / median, "step_times_s": times,
                         "load_average": os.getloadavg()[0]})
+            if dist.get_rank() == 0:   # written after every measurement: a killed run keeps what it measured
+                _write(path, rounds, out)
+                print(f"round {round_}: {label}: {GLOBAL_BATCH / median:.1f} samples/s", flush=True)
     return out
 
 
-def measure(rounds: int, path: str) -> None:
+def _write(path: str, rounds: int, measurements: List[Dict[str, Any]]) -> None:
     import platform
 
     import torch
 
-    from atorch.testing import run_distributed
-
-    measurements = run_distributed(_measure_rank, 2, rounds, timeout=3600)[0]
     table = {"model": MODEL, "vocab_size": VOCAB, "global_batch": GLOBAL_BATCH, "seq_len": SEQ_LEN, "world_size": 2,
              "candidates": len(CANDIDATES), "repeats": rounds, "warmup_steps": WARMUP, "timed_steps": TIMED,
              "machine": f"{platform.machine()} {os.cpu_count()} CPUs", "torch": torch.__version__,
              "measurements": measurements}
     with open(path, "w") as f:
         json.dump(table, f, indent=1)
+
+
+def measure(rounds: int, path: str) -> None:
+    from atorch.testing import run_distributed
+
+    measurements = run_distributed(_measure_rank, 2, rounds, path, timeout=3600)[0]
     print(f"wrote {path}: {len(measurements)} measurements")
 
 
@@ -165,7 +169,7 @@ def main() -> None:
     parser.add_argument("command", choices=("analyze", "measure"))
     parser.add_argument("--table", default=os.path.join(HERE, "real_landscape.json"))
     parser.add_argument("--out", default=os.path.join(HERE, "step_time_landscape.json"))
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--orders", type=int, default=200)
     parser.add_argument("--trials", default="4,8,12,16,20")
     args = parser.parse_args()

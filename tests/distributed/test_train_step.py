@@ -85,7 +85,7 @@ def _count_ddp_reductions(model: Any) -> List[int]:
             calls.append(bucket.index())
             return allreduce_hook(state, bucket)
 
-        model.register_comm_hook(None, hook)
+        model.register_comm_hook(model.process_group, hook)   # the "data" group (not WORLD: 2D layouts)
     return calls
 
 
