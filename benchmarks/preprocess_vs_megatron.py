@@ -19,7 +19,8 @@ What runs:
   `megatron.core.datasets.indexed_dataset` is used).
 - Every run is a fresh process; runs are interleaved (repeat, size, workers, and the order of the two
   implementations alternates per repeat). Timed: from the first document to the finished `.idx`
-  (start-up and imports excluded on both sides). Peak RSS: the run's own process and its largest
+  (start-up and imports excluded on both sides), and the CPU seconds of the run's process plus its
+  joined workers over the same span (less disturbed by other load than wall time). Peak RSS: the run's own process and its largest
   worker (`ru_maxrss`). The `.bin`/`.idx` of both implementations are compared byte for byte.
 - Reads: `DatasetForCausalLM` (mmap) random samples of `--seq-length` tokens vs the same samples
   assembled from megatron-core's `IndexedDataset(mmap=True).get(doc, offset, length)` with the same
@@ -53,6 +54,12 @@ DEFAULT_VENV = Path.home() / ".cache" / "atorch-bench" / "megatron-core-venv"
 # megatron-core only (no atorch import).
 # --------------------------------------------------------------------------------------------
 
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its reaped children (the joined pool)."""
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return sum(u.ru_utime + u.ru_stime for u in usage)
+
+
 def _peak_rss() -> dict:
     return {"rss_main_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "rss_worker_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
@@ -83,6 +90,7 @@ def megatron_one(corpus: str, prefix: str, workers: int, eod: int, vocab_size: i
 
     from megatron.core.datasets import indexed_dataset
 
+    cpu = _cpu_seconds()
     pool = multiprocessing.Pool(workers, initializer=_mcore_init, initargs=(str(TOKENIZER_JSON), eod))
     builder = indexed_dataset.IndexedDatasetBuilder(prefix + ".bin",
                                                     dtype=indexed_dataset.DType.optimal_dtype(vocab_size))
@@ -98,7 +106,8 @@ def megatron_one(corpus: str, prefix: str, workers: int, eod: int, vocab_size: i
     seconds = time.perf_counter() - start
     pool.close()
     pool.join()
-    print(json.dumps({"documents": documents, "tokens": tokens, "seconds": seconds, **_peak_rss()}))
+    print(json.dumps({"documents": documents, "tokens": tokens, "seconds": seconds,
+                      "cpu_seconds": _cpu_seconds() - cpu, **_peak_rss()}))
 
 
 def atorch_one(corpus: str, prefix: str, workers: int) -> None:
@@ -106,9 +115,11 @@ def atorch_one(corpus: str, prefix: str, workers: int) -> None:
     from atorch.data import DatasetPreprocessor
     from atorch.testing.assets import load_tokenizer
 
-    stats = DatasetPreprocessor(load_tokenizer(), workers=workers).preprocess(corpus, prefix, progress_enabled=False)
+    preprocessor = DatasetPreprocessor(load_tokenizer(), workers=workers)
+    cpu = _cpu_seconds()
+    stats = preprocessor.preprocess(corpus, prefix, progress_enabled=False)  # joins its pool before returning
     print(json.dumps({"documents": stats.documents, "tokens": stats.tokens, "seconds": stats.seconds,
-                      **_peak_rss()}))
+                      "cpu_seconds": _cpu_seconds() - cpu, **_peak_rss()}))
 
 
 def _assemble(get, doc_order, doc_offsets, samples, seq, index):
@@ -276,7 +287,7 @@ def main() -> None:
                         r["load"] = os.getloadavg()[0]
                         results.setdefault((size, workers, impl), []).append(r)
                         print(f"  repeat {repeat} {size:g} MB workers={workers} {impl}: {r['documents']} docs "
-                              f"{r['tokens'] / r['seconds']:,.0f} tokens/s, {r['seconds']:.1f} s, main "
+                              f"{r['tokens'] / r['seconds']:,.0f} tokens/s, {r['seconds']:.1f} s, CPU {r['cpu_seconds']:.1f} s, main "
                               f"{r['rss_main_mb']:.0f} MiB, worker {r['rss_worker_mb']:.0f} MiB, load {r['load']:.1f}",
                               flush=True)
                     a, m = (tmp_path / f"{i}_{size:g}_{workers}" for i in ("atorch", "megatron"))
@@ -297,8 +308,8 @@ def main() -> None:
     print(f"load average after: {loads[-1]}\n")
 
     print("| corpus | workers | impl | documents | tokens | docs/s median (min-max) | tokens/s median (min-max) | "
-          "peak RSS main | peak RSS worker | .bin/.idx identical |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "tokens per CPU s median (min-max) | peak RSS main | peak RSS worker | .bin/.idx identical |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes_mb:
         for workers in args.workers:
             for impl in ("atorch", "megatron"):
@@ -306,6 +317,7 @@ def main() -> None:
                 print(f"| {size:g} MB | {workers} | {impl} | {rs[0]['documents']:,} | {rs[0]['tokens']:,} | "
                       f"{_spread([r['documents'] / r['seconds'] for r in rs])} | "
                       f"{_spread([r['tokens'] / r['seconds'] for r in rs])} | "
+                      f"{_spread([r['tokens'] / r['cpu_seconds'] for r in rs])} | "
                       f"{max(r['rss_main_mb'] for r in rs):.0f} MiB | {max(r['rss_worker_mb'] for r in rs):.0f} MiB | "
                       f"{'yes' if identical[(size, workers)] else 'NO'} |")
     print("\nRatio atorch/megatron (tokens/s, per repeat):")
