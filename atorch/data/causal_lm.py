@@ -142,7 +142,8 @@ class DatasetForCausalLM(Dataset):
         _save_atomically(self.index_files["samples"], samples)  # last: its presence marks a finished build
 
     def _load_index(self) -> None:
-        arrays = {k: np.load(p, mmap_mode="r") for k, p in self.index_files.items()}
+        # Plain ndarray views of the maps: np.memmap's Python-level indexing costs per sample read.
+        arrays = {k: np.load(p, mmap_mode="r").view(np.ndarray) for k, p in self.index_files.items()}
         expected = {"doc_order": self.num_documents, "doc_offsets": self.num_documents + 1,
                     "samples": self.num_tokens // self.max_seq_length}
         for key, size in expected.items():
@@ -175,17 +176,17 @@ class DatasetForCausalLM(Dataset):
         n = len(self)
         if not -n <= index < n:
             raise IndexError(f"sample {index} out of range for {n} samples")
-        start = int(self._samples[index % n]) * self.max_seq_length
+        start = self._samples.item(index % n) * self.max_seq_length
         end = start + self.max_seq_length
-        d = int(np.searchsorted(self._doc_offsets, start, side="right")) - 1
+        offsets, order = self._doc_offsets, self._doc_order
+        d = int(np.searchsorted(offsets, start, side="right")) - 1
         pieces = []
         position = start
         while position < end:
-            doc_end = int(self._doc_offsets[d + 1])
+            doc_end = offsets.item(d + 1)
             take = min(end, doc_end) - position
             if take > 0:
-                pieces.append(self._document_tokens(int(self._doc_order[d]), position - int(self._doc_offsets[d]),
-                                                    take))
+                pieces.append(self._document_tokens(order.item(d), position - offsets.item(d), take))
             position += take
             d += 1
         return np.concatenate(pieces).astype(np.int64)
