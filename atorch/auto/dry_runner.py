@@ -48,6 +48,7 @@ from atorch.auto.model_source import ModelSource
 from atorch.auto.search.search import DryRunResult
 from atorch.auto.step_timing import is_precise_enough, steps_per_sample, summarize
 from atorch.auto.strategy import Strategy
+from atorch.utils.env import env_float, env_int, env_str
 from atorch.utils.peak_memory import PeakMemoryTracker, is_out_of_memory
 
 logger = logging.getLogger(__name__)
@@ -119,28 +120,18 @@ class DryRunConfig:
         ATORCH_DRYRUN_MAX_SECONDS, ATORCH_DRYRUN_TARGET_CI, ATORCH_DRYRUN_TIMEOUT,
         ATORCH_DRYRUN_SCRATCH_DIR and ATORCH_DEVICE_MEMORY_LIMIT; for entry points only."""
         env = os.environ if environ is None else environ
-        limit = _env_number(env, "ATORCH_DEVICE_MEMORY_LIMIT", None, int)
-        profile_steps = _env_number(env, "ATORCH_DRYRUN_PROFILE_STEP", cls.profile_steps, int)
-        return cls(warmup_steps=_env_number(env, "ATORCH_DRYRUN_WARMUP_STEP", cls.warmup_steps, int),
+        limit = env_int("ATORCH_DEVICE_MEMORY_LIMIT", None, env)
+        profile_steps = env_int("ATORCH_DRYRUN_PROFILE_STEP", cls.profile_steps, env)
+        return cls(warmup_steps=env_int("ATORCH_DRYRUN_WARMUP_STEP", cls.warmup_steps, env),
                    profile_steps=profile_steps,
                    # A minimum above the default budget raises the budget rather than failing validation.
-                   max_profile_steps=_env_number(env, "ATORCH_DRYRUN_MAX_STEPS",
-                                                 max(cls.max_profile_steps, profile_steps), int),
-                   max_profile_seconds=_env_number(env, "ATORCH_DRYRUN_MAX_SECONDS", cls.max_profile_seconds, float),
-                   target_relative_ci=_env_number(env, "ATORCH_DRYRUN_TARGET_CI", cls.target_relative_ci, float),
-                   timeout_s=_env_number(env, "ATORCH_DRYRUN_TIMEOUT", cls.timeout_s, float),
-                   scratch_dir=env.get("ATORCH_DRYRUN_SCRATCH_DIR") or None,
+                   max_profile_steps=env_int("ATORCH_DRYRUN_MAX_STEPS", max(cls.max_profile_steps, profile_steps),
+                                             env),
+                   max_profile_seconds=env_float("ATORCH_DRYRUN_MAX_SECONDS", cls.max_profile_seconds, env),
+                   target_relative_ci=env_float("ATORCH_DRYRUN_TARGET_CI", cls.target_relative_ci, env),
+                   timeout_s=env_float("ATORCH_DRYRUN_TIMEOUT", cls.timeout_s, env),
+                   scratch_dir=env_str("ATORCH_DRYRUN_SCRATCH_DIR", None, env),
                    memory_limit_bytes=limit).validate()
-
-
-def _env_number(env: Any, name: str, default: Any, kind: type) -> Any:
-    raw = env.get(name)
-    if raw in (None, ""):
-        return default
-    try:
-        return kind(float(raw)) if kind is int else kind(raw)
-    except ValueError as e:
-        raise ValueError(f"environment variable {name}={raw!r} must be a number") from e
 
 
 @dataclass
@@ -421,7 +412,7 @@ def merge_outcomes(outcomes: List[_LocalOutcome]) -> DryRunResult:
         own = [o for o in failed if not o.collective_timeout] or failed
         # A rank's timeout is usually the consequence of another rank's error: errors first.
         rank_of = {"oom": 0, "exception": 1, "timeout": 2}
-        first = min(own, key=lambda o: (rank_of.get(o.error_kind, 1), o.rank))
+        first = min(own, key=lambda o: (rank_of.get(o.error_kind or "exception", 1), o.rank))
         if first.error_kind == "timeout":
             error = "timeout" + (f": rank {first.rank}: {first.message}" if first.message else "")
         else:

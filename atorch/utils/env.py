@@ -7,7 +7,7 @@ scripts) read the environment through these; optimizations never do.
 from __future__ import annotations
 
 import os
-from typing import Mapping, Optional, TypeVar, Union
+from typing import Mapping, Optional, TypeVar, Union, overload
 
 Number = TypeVar("Number", int, float)
 
@@ -18,6 +18,16 @@ _FALSE = ("0", "false", "no", "off")
 def _raw(name: str, environ: Optional[Mapping[str, str]]) -> Optional[str]:
     value = (os.environ if environ is None else environ).get(name)
     return None if value is None or value.strip() == "" else value.strip()
+
+
+@overload
+def env_int(name: str, default: int, environ: Optional[Mapping[str, str]] = None,
+            minimum: Optional[int] = None) -> int: ...
+
+
+@overload
+def env_int(name: str, default: None, environ: Optional[Mapping[str, str]] = None,
+            minimum: Optional[int] = None) -> Optional[int]: ...
 
 
 def env_int(name: str, default: Optional[int], environ: Optional[Mapping[str, str]] = None,
@@ -32,7 +42,20 @@ def env_int(name: str, default: Optional[int], environ: Optional[Mapping[str, st
         raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
     if not number.is_integer():
         raise ValueError(f"environment variable {name}={raw!r} must be an integer")
-    return _at_least(name, int(number), minimum)
+    value = int(number)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"environment variable {name}={value!r} must be >= {minimum}")
+    return value
+
+
+@overload
+def env_float(name: str, default: float, environ: Optional[Mapping[str, str]] = None,
+              minimum: Optional[float] = None) -> float: ...
+
+
+@overload
+def env_float(name: str, default: None, environ: Optional[Mapping[str, str]] = None,
+              minimum: Optional[float] = None) -> Optional[float]: ...
 
 
 def env_float(name: str, default: Optional[float], environ: Optional[Mapping[str, str]] = None,
@@ -46,6 +69,14 @@ def env_float(name: str, default: Optional[float], environ: Optional[Mapping[str
         if "must be >=" in str(e):
             raise
         raise ValueError(f"environment variable {name}={raw!r} must be a number") from None
+
+
+@overload
+def env_str(name: str, default: str, environ: Optional[Mapping[str, str]] = None) -> str: ...
+
+
+@overload
+def env_str(name: str, default: None, environ: Optional[Mapping[str, str]] = None) -> Optional[str]: ...
 
 
 def env_str(name: str, default: Optional[str], environ: Optional[Mapping[str, str]] = None) -> Optional[str]:

@@ -33,6 +33,7 @@ from atorch.auto.search.cache import CACHE_FILE_NAME, SearchCache, setup_key, sp
 from atorch.auto.search.search import DryRunResult, SearchResult, search_strategy
 from atorch.auto.search.space import SearchSpace
 from atorch.auto.strategy import Strategy
+from atorch.utils.env import env_float, env_int, env_str
 
 logger = logging.getLogger(__name__)
 
@@ -72,23 +73,14 @@ class SearchSettings:
     def from_env(cls, environ: Optional[Dict[str, str]] = None) -> "SearchSettings":
         env = os.environ if environ is None else environ
 
-        def number(name: str, default: Any, kind: type) -> Any:
-            raw = env.get(name)
-            if raw in (None, ""):
-                return default
-            try:
-                return kind(float(raw)) if kind is int else kind(raw)
-            except ValueError as e:
-                raise ValueError(f"environment variable {name}={raw!r} must be a number") from e
-
-        cache = env.get("ATORCH_SEARCH_CACHE") or None
+        cache = env_str("ATORCH_SEARCH_CACHE", None, env)
         cache_enabled = (cache or "").strip().lower() not in ("off", "0", "false", "none")
-        settings = cls(max_trials=number("BO_SG_MAX_IETR", cls.max_trials, int),
-                       random_samples=number("RANDOM_SAMPLE", cls.random_samples, int),
-                       patience=number("MAX_PATIENCE", cls.patience, int),
-                       time_limit_s=number("ATORCH_SEARCH_TIME_LIMIT", None, float),
-                       report_dir=env.get("ATORCH_SEARCH_REPORT_DIR") or DEFAULT_REPORT_DIR,
-                       memory_limit_bytes=number("ATORCH_DEVICE_MEMORY_LIMIT", None, int),
+        settings = cls(max_trials=env_int("BO_SG_MAX_IETR", cls.max_trials, env),
+                       random_samples=env_int("RANDOM_SAMPLE", cls.random_samples, env),
+                       patience=env_int("MAX_PATIENCE", cls.patience, env),
+                       time_limit_s=env_float("ATORCH_SEARCH_TIME_LIMIT", None, env),
+                       report_dir=env_str("ATORCH_SEARCH_REPORT_DIR", DEFAULT_REPORT_DIR, env) or DEFAULT_REPORT_DIR,
+                       memory_limit_bytes=env_int("ATORCH_DEVICE_MEMORY_LIMIT", None, env),
                        cache_path=cache if cache_enabled else None, cache_enabled=cache_enabled)
         if settings.max_trials < 1 or settings.random_samples < 0 or settings.patience < 1:
             raise ValueError(f"BO_SG_MAX_IETR={settings.max_trials} must be >= 1, RANDOM_SAMPLE="
