@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from atorch.checkpoint.layout import MODEL_PREFIX
+from atorch.checkpoint.layout_handlers import MODEL_PREFIX
 from atorch.distributed import find_free_port
 from atorch.testing import DistributedTestError, run_distributed, tiny_llama
 from atorch.testing.spawn import QUIET_ENV
