@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from atorch.auto.cost_model import Estimate, ModelShape, StrategyTraits, estimate
+from atorch.auto.devices import cpu_model_name
 from atorch.auto.strategy import Strategy, StrategyLike
 
 logger = logging.getLogger(__name__)
@@ -71,21 +72,8 @@ def device_kind(device: torch.device) -> str:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
-        name = _cpu_model() + f" x{torch.get_num_threads()} threads"
+        name = cpu_model_name() + f" x{torch.get_num_threads()} threads"
     return f"{device.type}:{name}|torch {torch.__version__}"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 def _synchronize(device: torch.device) -> None:

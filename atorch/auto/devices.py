@@ -9,6 +9,7 @@ calibration on the real machine (`atorch.auto.calibration`) replaces them where 
 
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass
 from typing import Dict
 
@@ -54,3 +55,15 @@ def device_spec(name: str) -> DeviceSpec:
     if key not in DEVICES:
         raise ValueError(f"unknown device {name!r}; known devices are {sorted(DEVICES)}")
     return DEVICES[key]
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one): part of a device kind's identity."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
+from atorch.auto.devices import cpu_model_name
 from atorch.auto.search.search import DryRunResult
 from atorch.auto.strategy import Strategy
 
@@ -88,18 +89,7 @@ def device_description(device: torch.device) -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return f"cuda: {torch.cuda.get_device_name(device)}"
-    return f"{device.type}: {_cpu_name()} x{os.cpu_count()}"
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return f"{device.type}: {cpu_model_name()} x{os.cpu_count()}"
 
 
 def library_versions() -> Tuple[Tuple[str, str], ...]:
