@@ -82,8 +82,9 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
     if model_meta.get("peft_adapter") and not (is_hf and ADAPTER_CONFIG_NAME in manifest.files):
         raise CheckpointError(f"{ckpt_dir}: a LoRA checkpoint needs {CONFIG_NAME} and {ADAPTER_CONFIG_NAME} to be "
                               "merged; this one lacks them")
-    state = load_model_tensors(ckpt_dir, manifest)
-    if dtype is not None:
+    # A model without a Hugging Face config streams: one output shard in memory at a time.
+    state = load_model_tensors(ckpt_dir, manifest) if is_hf else None
+    if state is not None and dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
 
     staging = None
@@ -97,7 +98,7 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
         if is_hf:
             _save_hf(ckpt_dir, model_meta, state, target, max_shard_size, lora, model_class)
         else:
-            save_safetensors(state, target, max_shard_size)
+            stream_safetensors(ckpt_dir, manifest, target, max_shard_size, dtype)
         del state
         if tokenizer is not None:
             _save_tokenizer(tokenizer, target)
@@ -126,6 +127,58 @@ def load_model_tensors(ckpt_dir: str, manifest: mf.Manifest) -> Dict[str, torch.
     with _quiet_single_process_dcp(), raise_checkpoint_errors():
         dcp.load(state, storage_reader=SafeFileSystemReader(dcp_dir, allowed_files=allowed), no_dist=True)
     return {k[len(MODEL_PREFIX):]: v for k, v in state.items()}
+
+
+def stream_safetensors(ckpt_dir: str, manifest: mf.Manifest, out_dir: str, max_shard_size: Union[int, str] = "2GB",
+                       dtype: Optional[torch.dtype] = None) -> None:
+    """The checkpoint's model tensors as safetensors shards (as `save_safetensors`), read shard by shard.
+
+    Shards are planned from the DCP metadata alone; each one is read (DCP reads only those
+    tensors' byte ranges), written and freed before the next. Peak memory above the process's
+    own: one output shard (at most `max_shard_size`, or the largest tensor when that is larger)
+    plus DCP's read buffer of one tensor chunk (at most the largest tensor).
+    """
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    dcp_dir = os.path.join(ckpt_dir, DCP_DIR)
+    entries = {k: v for k, v in tensor_entries(load_dcp_metadata(os.path.join(dcp_dir, ".metadata"))).items()
+               if k.startswith(MODEL_PREFIX)}
+    if not entries:
+        raise CheckpointError(f"{os.path.join(dcp_dir, '.metadata')}: the checkpoint holds no model tensors")
+    allowed = [n[len(DCP_DIR) + 1:] for n in manifest.files if n.startswith(DCP_DIR + "/")]
+
+    def out_dtype(dt: torch.dtype) -> torch.dtype:
+        return dtype if dtype is not None and dt.is_floating_point else dt
+
+    limit = parse_size(max_shard_size)
+    plan: List[List[str]] = [[]]
+    size = 0
+    for key in sorted(entries, key=lambda k: k[len(MODEL_PREFIX):]):
+        shape, dt = entries[key]
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=out_dtype(dt)).element_size()
+        if plan[-1] and size + nbytes > limit:
+            plan.append([])
+            size = 0
+        plan[-1].append(key)
+        size += nbytes
+    weight_map: Dict[str, str] = {}
+    total = 0
+    for i, keys in enumerate(plan):
+        shard = {k: torch.empty(entries[k][0], dtype=entries[k][1]) for k in keys}
+        with _quiet_single_process_dcp(), raise_checkpoint_errors():
+            dcp.load(shard, storage_reader=SafeFileSystemReader(dcp_dir, allowed_files=allowed), no_dist=True)
+        shard = {k[len(MODEL_PREFIX):]: v.to(out_dtype(v.dtype)).contiguous() for k, v in shard.items()}
+        name = ("model.safetensors" if len(plan) == 1
+                else f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors")
+        save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
+        for key, t in shard.items():
+            weight_map[key] = name
+            total += t.numel() * t.element_size()
+        del shard
+    if len(plan) > 1:
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
 
 
 def _resolve_model_class(model_meta: Dict[str, Any], config: Any, model_class: Optional[type],
