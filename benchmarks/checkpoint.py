@@ -207,7 +207,6 @@ def _targets_rank(hidden: int, layers: int, vocab: int, root: str, repeats: int)
         out["torch bytes"].append(float(os.path.getsize(path)))
         out["torch.load"].append(timed_all(lambda: torch.load(path, weights_only=True)))
         os.remove(path)
-        del local
 
         ckpt = os.path.join(root, f"sync{i}", "step_1")
         out["atorch save"].append(timed_all(lambda: save_checkpoint(model, ckpt, step=1, optimizer=optim)))

@@ -8,7 +8,6 @@ import threading
 from typing import Dict
 
 import torch
-import torch.distributed as dist
 
 from atorch.auto import auto_accelerate, train_step
 from atorch.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, wait_for_checkpoint
