@@ -2,6 +2,7 @@
 
 Run:  .venv/bin/python benchmarks/checkpoint.py            # ~270 MB model (fp32), 3 repeats
       .venv/bin/python benchmarks/checkpoint.py --hidden 512 --layers 2 --repeats 1   # quick
+      .venv/bin/python benchmarks/checkpoint.py --targets --hidden 768 --layers 12 --vocab 32000  # issue 19
 
 Measured per case, median of `--repeats`, each in a fresh directory under `--dir`:
   * torch.save / torch.load(weights_only=True) of the state dict (one file, no fsync), and
@@ -11,6 +12,10 @@ Measured per case, median of `--repeats`, each in a fresh directory under `--dir
   * the same with the AdamW state (weights + 2 moments: 3x the bytes);
   * sha256 of the checkpoint's files alone (done once in save, once in load);
   * 2 ranks, FSDP2 (each rank writes and reads its half), model + optimizer.
+With --targets (issue 19), only: 2 FSDP2 ranks, model + AdamW, interleaved per repeat: each rank
+torch.save + fsync of its own local tensors (the same bytes) / torch.load of them, vs save_checkpoint
+(synchronous), save_checkpoint(async_save=True) (seconds until it returns = training blocked, and
+until committed), load_checkpoint; plus sha256 vs xxh3_128 over the checkpoint's files.
 MB/s is the checkpoint's bytes on disk over the seconds. The disk cache is not dropped
 between write and read (no root-only knobs): reads measure the page cache plus hashing.
 """
@@ -143,6 +148,112 @@ def _fsdp_rank(hidden: int, layers: int, vocab: int, root: str, repeats: int) ->
     return out
 
 
+def _local_state(model, optim) -> Dict[str, torch.Tensor]:
+    """This rank's own tensors of the model and AdamW state (DTensor local shards), for torch.save."""
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    out = {f"model.{k}": local(v) for k, v in model.state_dict().items()}
+    for i, st in enumerate(optim.state.values()):
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                out[f"optim.{i}.{k}"] = local(v)
+    return out
+
+
+def _targets_rank(hidden: int, layers: int, vocab: int, root: str, repeats: int) -> Dict[str, List[float]]:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from atorch import distributed as adist
+    from atorch.checkpoint import load_checkpoint, save_checkpoint, wait_for_checkpoint
+    from atorch.checkpoint import manifest as mf
+
+    adist.create_parallel_group(([("data", dist.get_world_size())], None))
+
+    def build():
+        model = _model(hidden, layers, vocab)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=adist.device_mesh("data"))
+        fully_shard(model, mesh=adist.device_mesh("data"))
+        return model
+
+    model = build()
+    optim = _with_optimizer_state(model)
+    rank = dist.get_rank()
+    ops = ("torch.save+fsync", "atorch save", "atorch async: blocked", "atorch async: until committed",
+           "torch.load", "atorch load", "sha256 of the files", "xxh3_128 of the files")
+    out: Dict[str, List[float]] = {op: [] for op in ops}
+    out["bytes"], out["torch bytes"] = [], []
+
+    def timed_all(fn):
+        dist.barrier()
+        t = _timed(fn)
+        dist.barrier()
+        return t
+
+    target = target_optim = None
+    for i in range(repeats):
+        local = _local_state(model, optim)
+        path = os.path.join(root, f"torch_rank{rank}_{i}.pt")
+
+        def save_and_fsync():
+            with open(path, "wb") as f:
+                torch.save(local, f)
+                f.flush()
+                os.fsync(f.fileno())
+
+        out["torch.save+fsync"].append(timed_all(save_and_fsync))
+        out["torch bytes"].append(float(os.path.getsize(path)))
+        out["torch.load"].append(timed_all(lambda: torch.load(path, weights_only=True)))
+        os.remove(path)
+
+        ckpt = os.path.join(root, f"sync{i}", "step_1")
+        out["atorch save"].append(timed_all(lambda: save_checkpoint(model, ckpt, step=1, optimizer=optim)))
+        out["bytes"].append(float(_dir_bytes(ckpt)))
+        names = mf.list_files(ckpt)[rank::dist.get_world_size()]
+        for algo in ("sha256", "xxh3_128"):
+            out[f"{algo} of the files"].append(timed_all(
+                lambda: [mf.checksum_file(os.path.join(ckpt, n), algo) for n in names]))
+        if target is None:
+            target = build()
+            target_optim = torch.optim.AdamW(target.parameters(), lr=1e-4)
+        out["atorch load"].append(timed_all(lambda: load_checkpoint(target, ckpt, optimizer=target_optim)))
+        if rank == 0:
+            shutil.rmtree(os.path.dirname(ckpt))
+
+        actkpt = os.path.join(root, f"async{i}", "step_1")
+        dist.barrier()
+        start = time.perf_counter()
+        save_checkpoint(model, actkpt, step=1, optimizer=optim, async_save=True)
+        out["atorch async: blocked"].append(time.perf_counter() - start)
+        wait_for_checkpoint()
+        out["atorch async: until committed"].append(time.perf_counter() - start)
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(os.path.dirname(actkpt))
+        dist.barrier()
+    return out
+
+
+def bench_targets(args, root: str) -> List[Dict[str, object]]:
+    """Issue 19's ratios on 2 FSDP2 ranks; every row is the slowest rank's seconds, median and range."""
+    from atorch.testing import run_distributed
+
+    per_rank = run_distributed(_targets_rank, 2, args.hidden, args.layers, args.vocab, root, args.repeats,
+                               timeout=3000)
+    nbytes = per_rank[0]["bytes"][0]
+    rows = []
+    for op in per_rank[0]:
+        if "bytes" in op:
+            continue
+        values = [max(r[op][i] for r in per_rank) for i in range(args.repeats)]
+        rows.append({"case": "model + AdamW, FSDP2 on 2 ranks", "op": op, "seconds": _median(values),
+                     "min": min(values), "max": max(values), "all": values,
+                     "MB": nbytes / 1e6, "MB/s": nbytes / 1e6 / _median(values)})
+    return rows
+
+
 def bench_fsdp(args, root: str) -> List[Dict[str, object]]:
     from atorch.testing import run_distributed
 
@@ -165,6 +276,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir, removed at the end)")
     parser.add_argument("--skip-fsdp", action="store_true")
+    parser.add_argument("--targets", action="store_true", help="only issue 19's 2-rank sync/async/load ratios")
     args = parser.parse_args()
     torch.set_num_threads(1)
     root = tempfile.mkdtemp(prefix="atorch_ckpt_bench_", dir=args.dir)
@@ -172,6 +284,14 @@ def main() -> None:
         params = sum(p.numel() for p in _model(args.hidden, args.layers, args.vocab).parameters())
         print(f"model: Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: {params / 1e6:.1f} M "
               f"params, {params * 4 / 1e6:.0f} MB fp32; repeats {args.repeats}; dir {root}")
+        if args.targets:
+            rows = bench_targets(args, root)
+            print("| operation (slowest of 2 ranks) | median s | min-max s | every repeat | MB on disk |")
+            print("|---|---|---|---|---|")
+            for r in rows:
+                print(f"| {r['op']} | {r['seconds']:.2f} | {r['min']:.2f}-{r['max']:.2f} | "
+                      f"{' '.join(f'{v:.2f}' for v in r['all'])} | {r['MB']:.0f} |")
+            return
         rows = bench_single(args, root)
         if not args.skip_fsdp:
             rows += bench_fsdp(args, root)

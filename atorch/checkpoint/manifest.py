@@ -1,7 +1,7 @@
 """Crash-safe checkpoint directories: staging, checksummed manifest, atomic commit, `latest`, rotation.
 
 A checkpoint directory exists under its final name only once it is complete: every file is
-written into `<name>.tmp-<token>`, fsynced, listed with its size and sha256 in
+written into `<name>.tmp-<token>`, fsynced, listed with its size and checksum in
 `manifest.json` (written last), and the directory is renamed atomically. Readers verify the
 manifest before reading any other file, so a killed save, a truncated or edited file, or a
 missing shard is refused with the file named, and nothing is half-loaded.
@@ -21,7 +21,10 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
 FORMAT_NAME = "atorch-checkpoint"
-FORMAT_VERSION = 1
+# Version 2 records each file's checksum under its algorithm's name ("xxh3_128" or "sha256");
+# version 1 manifests (sha256 only) still read and verify.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 STAGING_MARK = ".tmp-"
 _HASH_CHUNK = 8 << 20
 
@@ -30,12 +33,45 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupted or does not match the model; the message says which file."""
 
 
+# Checksums a manifest may record, by name. xxh3_128 (the xxhash library) detects corruption
+# (truncation, bit flips, edits) at memory speed; sha256 is there for users who want a
+# cryptographic digest (and is what version 1 manifests hold).
+SHA256 = "sha256"
+XXH3_128 = "xxh3_128"
+CHECKSUMS = (XXH3_128, SHA256)
+DEFAULT_CHECKSUM = XXH3_128
+
+
+def _hasher(algorithm: str) -> Any:
+    if algorithm == SHA256:
+        return hashlib.sha256()
+    if algorithm == XXH3_128:
+        import xxhash
+
+        return xxhash.xxh3_128()
+    raise ValueError(f"checksum={algorithm!r}; valid values are {list(CHECKSUMS)}")
+
+
+def check_checksum(algorithm: str) -> None:
+    """Raise ValueError (naming the valid values) for an unknown checksum algorithm."""
+    if algorithm not in CHECKSUMS:
+        raise ValueError(f"checksum={algorithm!r}; valid values are {list(CHECKSUMS)}")
+
+
 @dataclass(frozen=True)
 class FileRecord:
-    """Size in bytes and sha256 hex digest of one file of a checkpoint."""
+    """Size in bytes and hex checksum of one file of a checkpoint, with the checksum's algorithm."""
 
     size: int
-    sha256: str
+    digest: str
+    algorithm: str = SHA256
+
+    @property
+    def sha256(self) -> str:
+        """The sha256 digest (only for records made with sha256; kept for version 1 callers)."""
+        if self.algorithm != SHA256:
+            raise AttributeError(f"this record holds a {self.algorithm} checksum, not sha256")
+        return self.digest
 
 
 @dataclass
@@ -51,7 +87,7 @@ class Manifest:
     def to_json(self) -> str:
         return json.dumps({
             "format": self.format, "version": self.version, "step": self.step, "created": self.created,
-            "files": {name: {"size": r.size, "sha256": r.sha256} for name, r in sorted(self.files.items())},
+            "files": {name: {"size": r.size, r.algorithm: r.digest} for name, r in sorted(self.files.items())},
         }, indent=1)
 
     @classmethod
@@ -68,16 +104,20 @@ class Manifest:
         if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
             raise CheckpointError(f"{path}: format is {raw.get('format') if isinstance(raw, dict) else raw!r}, "
                                   f"expected {FORMAT_NAME!r}: not an atorch checkpoint")
-        if raw.get("version") != FORMAT_VERSION:
-            raise CheckpointError(f"{path}: format version {raw.get('version')!r}; this atorch reads version "
-                                  f"{FORMAT_VERSION}")
+        if raw.get("version") not in READABLE_VERSIONS:
+            raise CheckpointError(f"{path}: format version {raw.get('version')!r}; this atorch reads versions "
+                                  f"{list(READABLE_VERSIONS)}")
         files: Dict[str, FileRecord] = {}
         for name, rec in (raw.get("files") or {}).items():
             _check_relative(name, path)
+            algorithms = [a for a in CHECKSUMS if isinstance(rec, dict) and a in rec]
             try:
-                files[name] = FileRecord(int(rec["size"]), str(rec["sha256"]))
+                if len(algorithms) != 1:
+                    raise KeyError("checksum")
+                files[name] = FileRecord(int(rec["size"]), str(rec[algorithms[0]]), algorithms[0])
             except (KeyError, TypeError, ValueError) as e:
-                raise CheckpointError(f"{path}: entry {name!r} must have an integer size and a sha256") from e
+                raise CheckpointError(f"{path}: entry {name!r} must have an integer size and one checksum "
+                                      f"(one of {list(CHECKSUMS)})") from e
         return cls(files=files, step=raw.get("step"), created=float(raw.get("created") or 0.0))
 
 
@@ -102,7 +142,12 @@ def _not_a_checkpoint_message(path: str) -> str:
 # -- hashing and durable writes ---------------------------------------------------------
 
 def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
+    return checksum_file(path, SHA256)
+
+
+def checksum_file(path: str, algorithm: str = DEFAULT_CHECKSUM) -> str:
+    """Hex checksum of the file at `path` with `algorithm` (read in 8 MiB chunks)."""
+    h = _hasher(algorithm)
     with open(path, "rb") as f:
         while True:
             chunk = f.read(_HASH_CHUNK)
@@ -134,13 +179,14 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def record_files(root: str, names: Iterable[str]) -> Dict[str, FileRecord]:
-    """Size and sha256 of each file, fsynced on the way (the data must be durable before the manifest)."""
+def record_files(root: str, names: Iterable[str], algorithm: str = DEFAULT_CHECKSUM) -> Dict[str, FileRecord]:
+    """Size and checksum of each file, fsynced on the way (the data must be durable before the manifest)."""
+    check_checksum(algorithm)
     out: Dict[str, FileRecord] = {}
     for name in names:
         path = os.path.join(root, name)
         fsync_file(path)
-        out[name] = FileRecord(os.path.getsize(path), sha256_file(path))
+        out[name] = FileRecord(os.path.getsize(path), checksum_file(path, algorithm), algorithm)
     return out
 
 
@@ -181,10 +227,10 @@ def verify_files(ckpt_dir: str, manifest: Manifest, names: Sequence[str]) -> Lis
             what = "truncated" if size < rec.size else "larger than written"
             problems.append(f"{path}: {what}: {size} bytes, the manifest says {rec.size}")
             continue
-        digest = sha256_file(path)
-        if digest != rec.sha256:
-            problems.append(f"{path}: checksum mismatch: sha256 {digest[:16]}..., the manifest says "
-                            f"{rec.sha256[:16]}... (the file was modified or corrupted after the save)")
+        digest = checksum_file(path, rec.algorithm)
+        if digest != rec.digest:
+            problems.append(f"{path}: checksum mismatch: {rec.algorithm} {digest[:16]}..., the manifest says "
+                            f"{rec.digest[:16]}... (the file was modified or corrupted after the save)")
     return problems
 
 

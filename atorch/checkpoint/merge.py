@@ -82,8 +82,10 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
     if model_meta.get("peft_adapter") and not (is_hf and ADAPTER_CONFIG_NAME in manifest.files):
         raise CheckpointError(f"{ckpt_dir}: a LoRA checkpoint needs {CONFIG_NAME} and {ADAPTER_CONFIG_NAME} to be "
                               "merged; this one lacks them")
-    state = load_model_tensors(ckpt_dir, manifest)
-    if dtype is not None:
+    # Everything but a LoRA model streams: one output shard in memory at a time.
+    streams = not model_meta.get("peft_adapter")
+    state = None if streams else load_model_tensors(ckpt_dir, manifest)
+    if state is not None and dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
 
     staging = None
@@ -94,10 +96,12 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
         target = staging
     os.makedirs(target, exist_ok=True)
     try:
-        if is_hf:
+        if is_hf and streams:
+            _stream_hf(ckpt_dir, manifest, model_meta, target, max_shard_size, dtype, model_class)
+        elif is_hf:
             _save_hf(ckpt_dir, model_meta, state, target, max_shard_size, lora, model_class)
         else:
-            save_safetensors(state, target, max_shard_size)
+            stream_safetensors(ckpt_dir, manifest, target, max_shard_size, dtype)
         del state
         if tokenizer is not None:
             _save_tokenizer(tokenizer, target)
@@ -126,6 +130,64 @@ def load_model_tensors(ckpt_dir: str, manifest: mf.Manifest) -> Dict[str, torch.
     with _quiet_single_process_dcp(), raise_checkpoint_errors():
         dcp.load(state, storage_reader=SafeFileSystemReader(dcp_dir, allowed_files=allowed), no_dist=True)
     return {k[len(MODEL_PREFIX):]: v for k, v in state.items()}
+
+
+def stream_safetensors(ckpt_dir: str, manifest: mf.Manifest, out_dir: str, max_shard_size: Union[int, str] = "2GB",
+                       dtype: Optional[torch.dtype] = None, names: Optional[Dict[str, str]] = None) -> None:
+    """The checkpoint's model tensors as safetensors shards (as `save_safetensors`), read shard by shard.
+
+    `names`: the output name of each module-name key to write (default: every model tensor
+    under its own name).
+
+    Shards are planned from the DCP metadata alone; each one is read (DCP reads only those
+    tensors' byte ranges), written and freed before the next. Peak memory above the process's
+    own: one output shard (at most `max_shard_size`, or the largest tensor when that is larger)
+    plus DCP's read buffer of one tensor chunk (at most the largest tensor).
+    """
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    dcp_dir = os.path.join(ckpt_dir, DCP_DIR)
+    entries = {k: v for k, v in tensor_entries(load_dcp_metadata(os.path.join(dcp_dir, ".metadata"))).items()
+               if k.startswith(MODEL_PREFIX)}
+    if not entries:
+        raise CheckpointError(f"{os.path.join(dcp_dir, '.metadata')}: the checkpoint holds no model tensors")
+    out_name = {k: k[len(MODEL_PREFIX):] for k in entries} if names is None else {
+        MODEL_PREFIX + k: v for k, v in names.items()}
+    entries = {k: v for k, v in entries.items() if k in out_name}
+    allowed = [n[len(DCP_DIR) + 1:] for n in manifest.files if n.startswith(DCP_DIR + "/")]
+
+    def out_dtype(dt: torch.dtype) -> torch.dtype:
+        return dtype if dtype is not None and dt.is_floating_point else dt
+
+    limit = parse_size(max_shard_size)
+    plan: List[List[str]] = [[]]
+    size = 0
+    for key in sorted(entries, key=lambda k: out_name[k]):
+        shape, dt = entries[key]
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=out_dtype(dt)).element_size()
+        if plan[-1] and size + nbytes > limit:
+            plan.append([])
+            size = 0
+        plan[-1].append(key)
+        size += nbytes
+    weight_map: Dict[str, str] = {}
+    total = 0
+    for i, keys in enumerate(plan):
+        shard = {k: torch.empty(entries[k][0], dtype=entries[k][1]) for k in keys}
+        with _quiet_single_process_dcp(), raise_checkpoint_errors():
+            dcp.load(shard, storage_reader=SafeFileSystemReader(dcp_dir, allowed_files=allowed), no_dist=True)
+        shard = {out_name[k]: v.to(out_dtype(v.dtype)).contiguous() for k, v in shard.items()}
+        name = ("model.safetensors" if len(plan) == 1
+                else f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors")
+        save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
+        for key, t in shard.items():
+            weight_map[key] = name
+            total += t.numel() * t.element_size()
+        del shard
+    if len(plan) > 1:
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
 
 
 def _resolve_model_class(model_meta: Dict[str, Any], config: Any, model_class: Optional[type],
@@ -190,6 +252,39 @@ def build_hf_model(ckpt_dir: str, model_meta: Dict[str, Any], state: Dict[str, t
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     return model
+
+
+def _stream_hf(ckpt_dir: str, manifest: mf.Manifest, model_meta: Dict[str, Any], out_dir: str,
+               max_shard_size: Union[int, str], dtype: Optional[torch.dtype], model_class: Optional[type]) -> None:
+    """A Hugging Face model directory, streamed: the model is built on the meta device only for its
+    key names and weight ties (a tied copy is written once, as `save_pretrained` does)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(ckpt_dir)
+    cls = _resolve_model_class(model_meta, config, model_class, ckpt_dir)
+    with torch.device("meta"):
+        model = cls(config)
+    tied = set(_tied_names(model))
+    prefix = model_meta.get("hf_prefix") or ""
+    wanted = {prefix + k: k for k in model.state_dict() if k not in tied}
+    dcp_dir = os.path.join(ckpt_dir, DCP_DIR)
+    saved = {k[len(MODEL_PREFIX):] for k in tensor_entries(load_dcp_metadata(os.path.join(dcp_dir, ".metadata")))
+             if k.startswith(MODEL_PREFIX)}
+    missing = sorted(k for k in wanted if k not in saved)
+    unexpected = sorted(k for k in saved if k.startswith(prefix) and k not in wanted and k[len(prefix):] not in tied)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{dcp_dir}: the checkpoint does not match {type(model).__name__}({CONFIG_NAME}): "
+            f"missing {missing[:5]} ({len(missing)}), unexpected {unexpected[:5]} ({len(unexpected)})")
+    stream_safetensors(ckpt_dir, manifest, out_dir, max_shard_size, dtype, names=wanted)
+    config = model.config
+    config.architectures = [type(model).__name__]
+    if dtype is not None:
+        config.torch_dtype = dtype
+    config.save_pretrained(out_dir)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and getattr(model, "can_generate", lambda: False)():
+        generation.save_pretrained(out_dir)
 
 
 def _tied_names(model: nn.Module) -> List[str]:

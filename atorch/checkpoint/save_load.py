@@ -6,7 +6,10 @@ A checkpoint directory holds
                   strategy, layout, model class (JSON, never pickle)
   rng/rank_N.json each rank's Python / NumPy / torch / CUDA generator states
   config.json     the Hugging Face config, adapter_config.json for a LoRA model
-  manifest.json   sizes and sha256 of all of the above, written last (see manifest.py)
+  manifest.json   sizes and checksums (xxh3_128 or sha256) of all of the above, written last (see manifest.py)
+
+With `async_save=True` the tensors are copied to host memory in the foreground and the rest of
+the save runs on a background thread (see async_save.py).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from atorch.checkpoint import manifest as mf
+from atorch.checkpoint.async_save import checkpointer
 from atorch.checkpoint.layout_handlers import (
     MODEL_PREFIX,
     OPTIM_PREFIX,
@@ -136,24 +140,26 @@ def _world() -> int:
     return dist.get_world_size() if _dist() else 1
 
 
-def _barrier() -> None:
+# `group`: None is the default group; the background part of an async save passes its own.
+
+def _barrier(group: Any = None) -> None:
     if _dist():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def _broadcast(value: Any) -> Any:
+def _broadcast(value: Any, group: Any = None) -> Any:
     if not _dist():
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
-def _all_gather(value: Any) -> List[Any]:
+def _all_gather(value: Any, group: Any = None) -> List[Any]:
     if not _dist():
         return [value]
     out: List[Any] = [None] * _world()
-    dist.all_gather_object(out, value)
+    dist.all_gather_object(out, value, group=group)
     return out
 
 
@@ -172,7 +178,8 @@ def _parallel_dims(parallel: Any) -> Optional[List[List[Any]]]:
 def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
                     data_position: Optional[DataPosition] = None, extra: Optional[Dict[str, Any]] = None,
                     keep_last: Optional[int] = None, save_optimizer: bool = True, update_latest: bool = True,
-                    optimizer: Any = None, lr_scheduler: Any = None) -> str:
+                    optimizer: Any = None, lr_scheduler: Any = None, async_save: bool = False,
+                    checksum: str = mf.DEFAULT_CHECKSUM) -> str:
     """Save model, optimizer, lr scheduler, grad scaler, RNG states, step and data position to `path`.
 
     Call on every rank. Each rank writes its own shards; the directory appears under `path`
@@ -181,7 +188,15 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
     optimizer steps into the result's dataloader (epoch = step // len(dataloader), the loop
     calling `sampler.set_epoch(epoch)` at each epoch). `extra` is any JSON data, returned by
     `load_checkpoint`. `optimizer` / `lr_scheduler` are for a bare `nn.Module` target. Every rank
-    must see the same filesystem (as DCP assumes). Returns the checkpoint directory.
+    must see the same filesystem (as DCP assumes). `checksum`: the manifest's per-file checksum,
+    "xxh3_128" (fast corruption detection, the default) or "sha256".
+
+    `async_save=True` returns once the tensors are copied to host memory; the write, fsync,
+    checksums, manifest, rename, `latest` and rotation go on in the background, and until they
+    finish the checkpoint does not exist (a crash leaves the previous one as `latest`). The next
+    save (or `wait_for_checkpoint()`) waits for it and raises its error if it failed; call
+    `wait_for_checkpoint()` before `destroy_process_group()`. Returns the checkpoint directory
+    (the path it will have once committed).
     """
     objs = TrainingObjects.of(target, optimizer, lr_scheduler)
     # Input mistakes raise here, on every rank, before any collective.
@@ -193,6 +208,9 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
         raise ValueError(f"step={step!r} must be a non-negative int")
     if data_position is not None and not isinstance(data_position, DataPosition):
         raise ValueError(f"data_position={data_position!r} must be an atorch.checkpoint.DataPosition")
+    mf.check_checksum(checksum)
+    # One save at a time: a previous async save must be committed (or its error raised) first.
+    checkpointer().wait()
     final_dir = os.path.normpath(path)
     parent = os.path.dirname(os.path.abspath(final_dir))
     _check_save_path(final_dir)
@@ -228,32 +246,47 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
         # hyperparameters: merge all ranks'.
         for values in _all_gather(to_json_value(local_values, "optimizer")):
             optim_values.update(values)
-    _dcp_save(tensors, os.path.join(staging, DCP_DIR))
-    del tensors
-
     with agree_on_error(f"save_checkpoint({final_dir!r}): writing RNG states and metadata"):
         _write_json(os.path.join(staging, RNG_DIR, f"rank_{rank:05d}.json"), rng_state())
         if rank == 0:
             meta = _meta(objs, handler, step, data_position, small_state, has_optimizer, optim_values, world)
             _write_json(os.path.join(staging, META_NAME), meta)
             _write_model_configs(objs.model, staging)
-    if _before_commit_hook is not None:
-        _before_commit_hook(staging)
 
-    # Each rank fsyncs and hashes an interleaved share of the files; rank 0 commits.
-    names = _broadcast(mf.list_files(staging) if rank == 0 else None)
-    with agree_on_error(f"save_checkpoint({final_dir!r}): hashing the files"):
-        own_records = mf.record_files(staging, names[rank::world])
-    records: Dict[str, mf.FileRecord] = {}
-    for part in _all_gather(own_records):
-        records.update(part)
-    with agree_on_error(f"save_checkpoint({final_dir!r}): committing"):
-        if rank == 0:
-            mf.commit(staging, final_dir, mf.Manifest(files=records, step=step))
-            if update_latest:
-                mf.write_latest(parent, os.path.basename(final_dir))
-            if keep_last is not None:
-                mf.rotate(parent, keep_last, protect=[final_dir])
+    def write_and_commit(tensors: Dict[str, Any], group: Any, agreed: Callable[[str], Any]) -> None:
+        # Collectives here run on `group` only: the background gloo group of an async save. `agreed`
+        # turns a local failure into the same error on every rank (a vote on the default group) in
+        # the synchronous save; the background thread must not use the default group while
+        # training does, so there it is a plain context and a failure surfaces at the next wait.
+        _dcp_save(tensors, os.path.join(staging, DCP_DIR), group)
+        del tensors
+        if _before_commit_hook is not None:
+            _before_commit_hook(staging)
+        _barrier(group)
+        # Each rank fsyncs and hashes an interleaved share of the files; rank 0 commits.
+        names = _broadcast(mf.list_files(staging) if rank == 0 else None, group)
+        with agreed(f"save_checkpoint({final_dir!r}): hashing the files"):
+            own_records = mf.record_files(staging, names[rank::world], checksum)
+        records: Dict[str, mf.FileRecord] = {}
+        for part in _all_gather(own_records, group):
+            records.update(part)
+        with agreed(f"save_checkpoint({final_dir!r}): committing"):
+            if rank == 0:
+                mf.commit(staging, final_dir, mf.Manifest(files=records, step=step))
+                if update_latest:
+                    mf.write_latest(parent, os.path.basename(final_dir))
+                if keep_last is not None:
+                    mf.rotate(parent, keep_last, protect=[final_dir])
+        _barrier(group)
+
+    if async_save:
+        saver = checkpointer()
+        group = saver.background_group()
+        staged = saver.stage(tensors)
+        del tensors
+        saver.submit(lambda: write_and_commit(staged, group, lambda what: contextlib.nullcontext()))
+    else:
+        write_and_commit(tensors, None, agree_on_error)
     return final_dir
 
 
@@ -283,12 +316,12 @@ def _quiet_single_process_dcp():
         yield
 
 
-def _dcp_save(tensors: Dict[str, torch.Tensor], dcp_dir: str) -> None:
+def _dcp_save(tensors: Dict[str, torch.Tensor], dcp_dir: str, group: Any = None) -> None:
     import torch.distributed.checkpoint as dcp
 
     writer = dcp.FileSystemWriter(dcp_dir, single_file_per_rank=True, sync_files=True, overwrite=True)
     with _quiet_single_process_dcp():
-        dcp.save(tensors, storage_writer=writer, no_dist=not _dist())
+        dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=not _dist())
 
 
 def _write_json(path: str, value: Any) -> None:
@@ -355,6 +388,7 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
     RNG states are restored when the world size is the one that saved.
     """
     objs = TrainingObjects.of(target, optimizer, lr_scheduler)
+    checkpointer().wait()  # an async save in flight may be the checkpoint asked for
     # Local steps end in a vote: a rank that cannot read a file makes every rank raise the same error.
     with agree_on_error(f"load_checkpoint({path!r}): locating the checkpoint"):
         ckpt_dir = mf.resolve_checkpoint_dir(path)

@@ -124,3 +124,44 @@ def test_stale_staging_dirs_of_the_same_name_are_removed(tmp_path):
     assert len(removed) == 2
     assert os.listdir(parent) == [os.path.basename(mf.staging_dir(os.path.join(parent, "step_70"), "c"))]
     assert mf.list_checkpoints(parent) == []
+
+
+@pytest.mark.parametrize("algorithm", mf.CHECKSUMS)
+def test_each_checksum_records_its_algorithm_and_detects_a_flipped_byte(tmp_path, algorithm):
+    final = str(tmp_path / "step_1")
+    staging = mf.staging_dir(final, "t")
+    _write(staging, "a.bin", bytes(range(256)) * 64)
+    mf.commit(staging, final, Manifest(files=mf.record_files(staging, ["a.bin"], algorithm), step=1))
+    m = Manifest.read(final)
+    assert m.files["a.bin"].algorithm == algorithm and m.version == mf.FORMAT_VERSION
+    assert m.files["a.bin"].digest == mf.checksum_file(os.path.join(final, "a.bin"), algorithm)
+    assert mf.verify_files(final, m, ["a.bin"]) == []
+    with open(os.path.join(final, "a.bin"), "r+b") as f:
+        f.seek(1000)
+        f.write(b"\xff")
+    assert any(f"checksum mismatch: {algorithm}" in p for p in mf.verify_files(final, m, ["a.bin"]))
+
+
+def test_version_1_sha256_manifest_still_verifies(tmp_path):
+    import hashlib
+    import json
+
+    ckpt = str(tmp_path / "old")
+    _write(ckpt, "a.bin", b"abc")
+    _write(ckpt, mf.MANIFEST_NAME, json.dumps({"format": "atorch-checkpoint", "version": 1, "step": 3, "files": {
+        "a.bin": {"size": 3, "sha256": hashlib.sha256(b"abc").hexdigest()}}}).encode())
+    m = Manifest.read(ckpt)
+    assert m.files["a.bin"].algorithm == "sha256" and m.files["a.bin"].sha256 == hashlib.sha256(b"abc").hexdigest()
+    assert mf.verify_files(ckpt, m, ["a.bin"]) == []
+    _write(ckpt, "a.bin", b"abd")
+    assert any("checksum mismatch: sha256" in p for p in mf.verify_files(ckpt, m, ["a.bin"]))
+
+
+def test_unknown_checksum_is_refused_with_the_valid_values(tmp_path):
+    with pytest.raises(ValueError, match=r"checksum='md5'; valid values are \['xxh3_128', 'sha256'\]"):
+        mf.record_files(str(tmp_path), [], "md5")
+    ckpt = str(tmp_path / "c")
+    _write(ckpt, mf.MANIFEST_NAME, b'{"format": "atorch-checkpoint", "version": 2, "files": '
+                                   b'{"a.bin": {"size": 1, "md5": "x"}}}')
+    with pytest.raises(CheckpointError, match="one checksum"):
+        Manifest.read(ckpt)
