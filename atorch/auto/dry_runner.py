@@ -421,7 +421,7 @@ def merge_outcomes(outcomes: List[_LocalOutcome]) -> DryRunResult:
         own = [o for o in failed if not o.collective_timeout] or failed
         # A rank's timeout is usually the consequence of another rank's error: errors first.
         rank_of = {"oom": 0, "exception": 1, "timeout": 2}
-        first = min(own, key=lambda o: (rank_of.get(o.error_kind, 1), o.rank))
+        first = min(own, key=lambda o: (rank_of.get(o.error_kind or "", 1), o.rank))
         if first.error_kind == "timeout":
             error = "timeout" + (f": rank {first.rank}: {first.message}" if first.message else "")
         else:
