@@ -37,7 +37,7 @@ def _encode(value: Any, tensors: List[torch.Tensor], where: str) -> Any:
                 "shape": list(value.shape)}
     output_cls = _model_output_class()
     if output_cls is not None and isinstance(value, output_cls):
-        fields = {k: v for k, v in cast(Any, value).items() if k != "past_key_values"}  # a ModelOutput (a dict)  # caches stay with the workers
+        fields = {k: v for k, v in cast(Any, value).items() if k != "past_key_values"}  # caches stay with the workers
         return {_OUTPUT: type(value).__name__, "fields": _encode(fields, tensors, where)}
     if isinstance(value, dict):
         bad = [k for k in value if not isinstance(k, str)]

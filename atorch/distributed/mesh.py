@@ -86,4 +86,5 @@ class ParallelMesh:
     def config(self) -> ParallelConfig:
         """(dims, rank_order) as `create_parallel_group` takes it."""
         layout = self.layout
-        return [cast(Tuple[str, int], tuple(d)) for d in layout.dims], (list(layout.rank_order) if layout.rank_order is not None else None)
+        dims = [cast(Tuple[str, int], tuple(d)) for d in layout.dims]
+        return dims, (list(layout.rank_order) if layout.rank_order is not None else None)

@@ -189,7 +189,8 @@ class CandidatePlanner:
         from hebo.models.model_factory import get_model
 
         AnovaKernel, CodesAndPrediction = _anova_kernel_class()
-        codes, pred = cast(torch.Tensor, self.codes), cast(torch.Tensor, self.pred)  # set whenever there is something to model
+        # Both are set whenever there is something to model (the only case that fits).
+        codes, pred = cast(torch.Tensor, self.codes), cast(torch.Tensor, self.pred)
         num_dims, has_pred = codes.shape[1], pred.shape[1] > 0
         y_var = float(np.var(y)) if len(y) > 1 else 1.0
         # The GP standardizes y: the measured noise variance in those units is its noise floor.
