@@ -28,7 +28,9 @@ $(VENV)/.installed: setup.py requirements.txt constraints.txt
 
 install: $(VENV)/.installed
 
+# The type check (mypy.ini: the whole package, the core interface strictly), then every test.
 test: install
+	$(PY) -m mypy atorch
 	$(PY) -m pytest tests
 
 # Pure-logic tests only (milliseconds each).

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from atorch.auto.strategy import Strategy, StrategyItem
 
@@ -101,9 +101,9 @@ def build_distributed_sampler(sampler_cls: Callable[..., Any], dataset: Any, num
     The keywords the class does not take are left out (`seed` is optional in ATorch's samplers);
     `num_replicas` and `rank` are the data-parallel size and rank.
     """
-    kwargs = {"shuffle": shuffle, "num_replicas": num_replicas, "rank": rank, "seed": seed}
+    kwargs: Dict[str, Any] = {"shuffle": shuffle, "num_replicas": num_replicas, "rank": rank, "seed": seed}
     try:
-        params = inspect.signature(sampler_cls).parameters
+        params: Mapping[str, inspect.Parameter] = inspect.signature(sampler_cls).parameters
     except (TypeError, ValueError):
         params = {}
     if params and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):

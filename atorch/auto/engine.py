@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
@@ -120,10 +120,10 @@ def build_dataloader(ctx: ModelContext, global_batch: Optional[int] = None) -> T
 def _make_sampler(ctx: ModelContext, dp: int, *, shuffle: bool, seed: int, drop_last: bool) -> Sampler:
     """The user's `distributed_sampler_cls` (DistributedSampler's interface), or DistributedSampler."""
     sampler_cls = ctx.distributed_sampler_cls or DistributedSampler
-    kwargs = {"num_replicas": dp, "rank": ctx.data_parallel_rank(), "shuffle": shuffle, "seed": seed,
+    kwargs: Dict[str, Any] = {"num_replicas": dp, "rank": ctx.data_parallel_rank(), "shuffle": shuffle, "seed": seed,
               "drop_last": drop_last}
     try:
-        accepted = inspect.signature(sampler_cls).parameters
+        accepted: Mapping[str, inspect.Parameter] = inspect.signature(sampler_cls).parameters
     except (TypeError, ValueError):  # a builtin or C-implemented callable: pass everything
         accepted = {}
     if accepted and not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):

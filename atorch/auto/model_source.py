@@ -28,7 +28,7 @@ import logging
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import torch
 from torch import nn
@@ -103,7 +103,8 @@ class ModelSource:
             raise
         # Only once every byte is on disk: swap in the stand-ins and release the storages.
         for module, name, is_param, tensor in slots:
-            (module._parameters if is_param else module._buffers)[name] = by_id[id(tensor)].stand_in
+            slot_table: Dict[str, Any] = module._parameters if is_param else module._buffers
+            slot_table[name] = by_id[id(tensor)].stand_in
         for saved in by_id.values():
             saved.original.data = torch.empty(0, dtype=saved.dtype, device=saved.device)
         self.path, self._saved, self._slots = path, list(by_id.values()), slots
@@ -113,7 +114,7 @@ class ModelSource:
         """Read the weights back into the user's own tensors and put those back in the modules."""
         if not self.offloaded:
             return
-        path = self.path
+        path = cast(str, self.path)  # offloaded
         try:
             with open(path, "rb") as f:
                 for saved in self._saved:
@@ -122,7 +123,8 @@ class ModelSource:
             raise RuntimeError(f"could not restore the model's weights from the dry-run scratch file {path}: {e}; "
                                "the model's parameters are still meta-device stand-ins") from e
         for module, name, is_param, tensor in self._slots:
-            (module._parameters if is_param else module._buffers)[name] = tensor
+            slot_table: Dict[str, Any] = module._parameters if is_param else module._buffers
+            slot_table[name] = tensor
         self.path, self._saved, self._slots = None, [], []
         os.unlink(path)
 
@@ -132,7 +134,7 @@ class ModelSource:
         if not self.offloaded:
             raise RuntimeError("ModelSource.build() needs offload() first")
         memo: Dict[int, Any] = {}
-        with open(self.path, "rb") as f:
+        with open(cast(str, self.path), "rb") as f:  # offloaded
             for saved in self._saved:
                 data = _read(f, saved)
                 if isinstance(saved.stand_in, nn.Parameter):
@@ -175,7 +177,8 @@ def _read(f: Any, saved: _Saved) -> torch.Tensor:
     """A new tensor with `saved`'s bytes, on its original device (read straight into it on CPU)."""
     host = torch.empty(saved.shape, dtype=saved.dtype)
     f.seek(saved.offset)
-    view = memoryview(host.reshape(-1).view(torch.uint8).numpy())
+    # An ndarray exports the buffer protocol; numpy's stubs do not declare __buffer__.
+    view = memoryview(host.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
     if f.readinto(view) != saved.nbytes:
         raise OSError(f"short read of {saved.nbytes} bytes at offset {saved.offset}")
     return host if saved.device.type == "cpu" else host.to(saved.device)

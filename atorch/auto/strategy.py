@@ -14,7 +14,7 @@ import importlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 
@@ -244,6 +244,6 @@ def _decode(value: Any) -> Any:
             cls = _import_by_path(value["__dataclass__"])
             if not dataclasses.is_dataclass(cls):
                 raise ValueError(f"{value['__dataclass__']} in strategy JSON is not a dataclass")
-            return cls(**{k: _decode(v) for k, v in value["fields"].items()})
+            return cast(Any, cls)(**{k: _decode(v) for k, v in value["fields"].items()})  # a dataclass type
         return {k: _decode(v) for k, v in value.items()}
     return value

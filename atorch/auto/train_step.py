@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -159,12 +159,14 @@ def _plain_step(result: AutoAccelerateResult, batch: Any, steps: int, max_grad_n
             loss = result.loss_func(micro, call_model(model, micro, fmt))
             (loss / steps if steps > 1 else loss).backward()
         losses.append(loss.detach())
+    # A training step needs the optimizer auto_accelerate built (without one this fails here, as it always did).
+    optim = cast(torch.optim.Optimizer, result.optim)
     norm = None
     if max_grad_norm is not None:
-        _unscale_for_clipping(result.optim)
+        _unscale_for_clipping(optim)
         norm = clip_grad_norm_(result, max_grad_norm)
-    result.optim.step()
-    result.optim.zero_grad(set_to_none=True)
+    optim.step()
+    optim.zero_grad(set_to_none=True)
     if result.lr_scheduler is not None:
         result.lr_scheduler.step()
     return StepStats(_mean(losses), norm, steps)
@@ -264,8 +266,9 @@ def _pipeline_step(result: AutoAccelerateResult, pipeline: Any, batch: Any, step
                 if p.grad is not None:
                     p.grad.div_(steps)
     norm = clip_grad_norm_(result, max_grad_norm) if max_grad_norm is not None else None
-    result.optim.step()
-    result.optim.zero_grad(set_to_none=True)
+    optim = cast(torch.optim.Optimizer, result.optim)  # as in train_step: a step needs the optimizer
+    optim.step()
+    optim.zero_grad(set_to_none=True)
     if result.lr_scheduler is not None:
         result.lr_scheduler.step()
     return StepStats(_mean(losses), norm, steps)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -86,9 +86,10 @@ class AsyncCheckpointer:
             if _is_dtensor(value):
                 from torch.distributed.tensor import DTensor
 
-                local = self._copy(key, value.to_local())
-                staged[key] = DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
-                                                 shape=value.shape, stride=value.stride())
+                dtensor = cast(DTensor, value)
+                local = self._copy(key, dtensor.to_local())
+                staged[key] = DTensor.from_local(local, dtensor.device_mesh, dtensor.placements, run_check=False,
+                                                 shape=dtensor.shape, stride=dtensor.stride())
             else:
                 staged[key] = self._copy(key, value)
         for key in set(self._buffers) - live:  # a tensor the model no longer has

@@ -12,7 +12,7 @@ parameter in memory at a time on every rank while saving and loading.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from torch import nn
 
@@ -40,9 +40,10 @@ class DeepSpeedHandler(LayoutHandler):
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.stage = int(engine.zero_optimization_stage()) if hasattr(engine, "zero_optimization_stage") else 0
-        self.zero = engine.optimizer if self.stage in (1, 2, 3) else None
+        # DeepSpeed's ZeRO optimizer (untyped): its flat groups are read through attributes below.
+        self.zero: Any = engine.optimizer if self.stage in (1, 2, 3) else None
         # Without ZeRO (DeepSpeed's pipeline engine at stage 0) the engine steps a torch optimizer.
-        self.plain_optim = engine.optimizer if self.zero is None and isinstance(
+        self.plain_optim: Optional[torch.optim.Optimizer] = engine.optimizer if self.zero is None and isinstance(
             engine.optimizer, torch.optim.Optimizer) else None
         self.entries, named_modules = _checkpoint_entries(engine.module)
         self.names: Dict[int, str] = {}
@@ -131,13 +132,16 @@ class DeepSpeedHandler(LayoutHandler):
     def optim_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
         from deepspeed.utils import safe_get_full_optimizer_state
 
+        tensors: Dict[str, torch.Tensor]
+        values: Dict[str, Any]
         if self.zero is None:
+            assert self.plain_optim is not None, "has_optimizer is checked before the optimizer state is read"
             init_optimizer_state(self.plain_optim)
             tensors, values = flatten_optimizer(self.plain_optim, self.names)
             return self.tp.to_global(tensors), values
         self._ensure_state()
-        tensors: Dict[str, torch.Tensor] = {}
-        values: Dict[str, Any] = {}
+        tensors = {}
+        values = {}
         for group, params, flat in self._groups():
             flat_state = self.zero.optimizer.state[flat]
             for p in params:
@@ -158,6 +162,7 @@ class DeepSpeedHandler(LayoutHandler):
 
         tensors = self.tp.to_local(tensors)
         if self.zero is None:
+            assert self.plain_optim is not None, "has_optimizer is checked before the optimizer state is loaded"
             load_flat_optimizer(self.plain_optim, self.names, values)  # its tensors were filled in place
             return
         self._ensure_state()
@@ -204,7 +209,8 @@ def _checkpoint_entries(module: nn.Module) -> Tuple[List[Tuple[str, torch.Tensor
     (`local_layers()`) know each piece's original path, so the names are the HF model's.
     """
     if hasattr(module, "local_layers"):
-        pieces = [(layer.path, layer.module) for layer in module.local_layers()]
+        # local_layers is a method of atorch's pipeline stages, unseen through nn.Module's type.
+        pieces = [(layer.path, layer.module) for layer in module.local_layers()]  # type: ignore[operator]
     else:
         pieces = [("", module)]
     entries = []
@@ -218,18 +224,18 @@ def _checkpoint_entries(module: nn.Module) -> Tuple[List[Tuple[str, torch.Tensor
     return entries, named_modules
 
 
-def _shape(p: torch.nn.Parameter) -> torch.Size:
+def _shape(p: torch.Tensor) -> torch.Size:
     return p.ds_shape if hasattr(p, "ds_shape") else p.shape
 
 
-def _gathered(p: torch.nn.Parameter) -> torch.Tensor:
+def _gathered(p: torch.Tensor) -> torch.Tensor:
     import deepspeed
 
     with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
         return p.detach().clone()
 
 
-def _scatter(p: torch.nn.Parameter, full: torch.Tensor) -> None:
+def _scatter(p: torch.Tensor, full: torch.Tensor) -> None:
     """Write `full` into a ZeRO-3 parameter's partitions (every rank holds the same `full`)."""
     import deepspeed
 

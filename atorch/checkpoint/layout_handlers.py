@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 from abc import ABC, abstractmethod
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple, cast
 
 import torch
 from torch import nn
@@ -37,7 +37,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     while seen < 8:
         seen += 1
         if is_deepspeed_engine(model) or isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
+            model = cast(nn.Module, model.module)  # both wrappers hold the user's module there
         elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
             model = model._orig_mod
         else:
@@ -156,14 +156,15 @@ class TorchHandler(LayoutHandler):
     def model_state(self) -> Dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return self.tp.to_global(get_model_state_dict(self.model, options=self._options()))
+        state = cast(Dict[str, torch.Tensor], get_model_state_dict(self.model, options=self._options()))
+        return self.tp.to_global(state)
 
     def optim_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         if self._local_optim is None:
             return {}, {}
-        if self._local_optim is not self.optimizer:
+        if self.optimizer is not None and self._local_optim is not self.optimizer:
             # ZeroRedundancyOptimizer copies its hyperparameters into the local optimizer only at the
             # start of a step, so the local lr lags an lr scheduler by one step: take the outer ones.
             _copy_hyperparameters(self.optimizer.param_groups, self._local_optim.param_groups)
@@ -175,16 +176,18 @@ class TorchHandler(LayoutHandler):
     def load_model_state(self, state: Dict[str, torch.Tensor]) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-        set_model_state_dict(self.model, self.tp.to_local(state), options=self._options(strict=True))
+        local: Dict[str, Any] = self.tp.to_local(state)
+        set_model_state_dict(self.model, local, options=self._options(strict=True))
 
     def load_optim_state(self, tensors: Dict[str, torch.Tensor], values: Dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         if self._local_optim is None:
             return
-        set_optimizer_state_dict(self.model, self._local_optim, {**self.tp.to_local(tensors), **values},
+        flat: Dict[str, Any] = {**self.tp.to_local(tensors), **values}
+        set_optimizer_state_dict(self.model, self._local_optim, flat,
                                  options=self._options(flatten_optimizer_state_dict=True))
-        if self._local_optim is not self.optimizer:
+        if self.optimizer is not None and self._local_optim is not self.optimizer:
             # ZeroRedundancyOptimizer copies its own param_groups into the local optimizer at
             # every step, so the restored hyperparameters (the scheduled lr) must go there too.
             _copy_hyperparameters(self._local_optim.param_groups, self.optimizer.param_groups)
@@ -349,7 +352,7 @@ class TPShards:
             local = self._locals.get(key)
             if local is None:
                 continue
-            module, spec = self.specs[self._param_of(key)]
+            module, spec = self.specs[cast(str, self._param_of(key))]  # a key with a local slice has a spec
             tp_slice = self._slices.get(key, local)
             with torch.no_grad():
                 if not _is_dtensor(value):

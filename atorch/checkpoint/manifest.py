@@ -280,7 +280,7 @@ def write_latest(parent: str, name: str) -> None:
 
 def list_checkpoints(parent: str) -> List[Tuple[str, Manifest]]:
     """Complete atorch checkpoints directly under `parent`, oldest first (by step, then creation time)."""
-    found = []
+    found: List[Tuple[str, Manifest]] = []
     if not os.path.isdir(parent):
         return found
     for name in os.listdir(parent):
@@ -306,7 +306,7 @@ def remove_stale_staging(final_dir: str, keep: Optional[str] = None) -> List[str
     """Delete the `<name>.tmp-*` directories left by killed saves of this same checkpoint name."""
     final_dir = os.path.normpath(final_dir)
     parent, name = os.path.split(final_dir)
-    removed = []
+    removed: List[str] = []
     if not os.path.isdir(parent or "."):
         return removed
     for entry in os.listdir(parent or "."):

@@ -15,7 +15,7 @@ import os
 import re
 import shutil
 import uuid
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Union, cast
 
 import torch
 from torch import nn
@@ -99,7 +99,8 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
         if is_hf and streams:
             _stream_hf(ckpt_dir, manifest, model_meta, target, max_shard_size, dtype, model_class)
         elif is_hf:
-            _save_hf(ckpt_dir, model_meta, state, target, max_shard_size, lora, model_class)
+            _save_hf(ckpt_dir, model_meta, cast(Dict[str, torch.Tensor], state), target, max_shard_size, lora,
+                     model_class)
         else:
             stream_safetensors(ckpt_dir, manifest, target, max_shard_size, dtype)
         del state
@@ -300,7 +301,7 @@ def _tied_names(model: nn.Module) -> List[str]:
 
 def _save_hf(ckpt_dir: str, model_meta: Dict[str, Any], state: Dict[str, torch.Tensor], out_dir: str,
              max_shard_size: Union[int, str], lora: str, model_class: Optional[type]) -> None:
-    model = build_hf_model(ckpt_dir, model_meta, state, model_class)
+    model: Any = build_hf_model(ckpt_dir, model_meta, state, model_class)   # a transformers (or peft) model
     if model_meta.get("peft_adapter"):
         if lora == "adapters":
             model.save_pretrained(out_dir, safe_serialization=True)

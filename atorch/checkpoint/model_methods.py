@@ -106,7 +106,7 @@ def load_hf_weights(model: nn.Module, hf_dir: str, strict: bool = True) -> None:
 
 def _storage_key(t: torch.Tensor) -> Tuple[int, int]:
     local = t.to_local() if hasattr(t, "to_local") else t
-    return (local.untyped_storage().data_ptr(), local.storage_offset())
+    return (local.untyped_storage().data_ptr(), int(local.storage_offset()))
 
 
 def attach_checkpoint_methods(result: Any) -> Any:

@@ -93,8 +93,9 @@ class SafeFileSystemReader(FileSystemReader):
         path = str(self._get_metadata_path(rank))
         metadata = load_dcp_metadata(path)
         self._check_storage_files(metadata)
-        if getattr(metadata, "storage_meta", None) is not None:
-            metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is not None:
+            storage_meta.load_id = self.load_id
         self._metadata = metadata
         return metadata
 

@@ -372,7 +372,7 @@ def _write_model_configs(model: nn.Module, staging: str) -> None:
     peft = peft_model_of(model)
     if peft is not None:
         # peft writes its own config as JSON (sets become lists, enums strings).
-        peft.peft_config[peft.active_adapter].save_pretrained(staging)
+        peft.peft_config[peft.active_adapter].save_pretrained(staging)  # type: ignore[index, union-attr]  # peft
 
 
 # -- load ----------------------------------------------------------------------------------

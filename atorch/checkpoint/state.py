@@ -13,7 +13,7 @@ import itertools
 import logging
 import random
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional, Tuple, cast
 
 import numpy as np
 import torch
@@ -87,7 +87,9 @@ def _unb64(s: str) -> torch.Tensor:
 def rng_state() -> Dict[str, Any]:
     """This process's Python, NumPy, torch CPU and CUDA generator states, as JSON data."""
     version, mt, gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    # legacy=True (the default) returns the tuple form; the stubs also allow the dict form.
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = cast(Tuple[str, np.ndarray, int, int, float],
+                                                            np.random.get_state())
     state: Dict[str, Any] = {
         "python": {"version": version, "state": list(mt), "gauss": gauss},
         "numpy": {"name": np_name, "keys": np_keys.tolist(), "pos": int(np_pos), "has_gauss": int(np_has_gauss),

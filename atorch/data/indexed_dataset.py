@@ -311,7 +311,7 @@ class MMapIndexedDataset(_IndexedTokens):
         return {"prefix": self.prefix}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["prefix"])
+        self.__init__(state["prefix"])  # type: ignore[misc]  # unpickling rebuilds this very class
 
     def get(self, i: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
         i, offset, length = self._window(i, offset, length)
@@ -370,7 +370,7 @@ class IndexedDataset(_LegacyIndex):
             self._file_pid = os.getpid()
         out = np.empty(length, dtype=self.dtype)
         self._file.seek((int(self.data_offsets[i]) + offset) * self.dtype.itemsize)
-        self._file.readinto(memoryview(out).cast("B"))
+        self._file.readinto(memoryview(out).cast("B"))  # type: ignore[attr-defined, arg-type]  # raw FileIO; ndarray is a buffer
         return out
 
     def __getstate__(self) -> dict:
@@ -379,8 +379,9 @@ class IndexedDataset(_LegacyIndex):
         return state
 
     def __del__(self) -> None:
-        if getattr(self, "_file", None) is not None:
-            self._file.close()
+        file = getattr(self, "_file", None)
+        if file is not None:
+            file.close()
 
 
 class IndexedCachedDataset(_LegacyIndex):

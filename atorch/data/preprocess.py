@@ -229,7 +229,7 @@ class DatasetPreprocessor:
             writer.abort()
             raise
         finally:
-            encoded.close()  # stops the worker pool now, also on error
+            encoded.close()  # type: ignore[attr-defined]  # a generator: close() stops the worker pool now, also on error
             progress.close()
         stats = PreprocessStats(str(data_path(prefix)), str(index_path(prefix)), writer.num_sequences,
                                 writer.num_tokens, empty, 0, seconds=time.perf_counter() - start)

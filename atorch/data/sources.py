@@ -170,7 +170,8 @@ def open_hf_dataset(dataset: Iterable[Any], text_key: str = "text", strict: bool
     A map-style `Dataset` is read a column batch at a time (`dataset.iter(batch_size)`), which is
     far faster than row by row.
     """
-    name = getattr(dataset, "info", None) and getattr(dataset.info, "dataset_name", None) or type(dataset).__name__
+    info = getattr(dataset, "info", None)
+    name = (info and getattr(info, "dataset_name", None)) or type(dataset).__name__
     columns = getattr(dataset, "column_names", None)
     if isinstance(columns, list) and text_key not in columns:
         raise ValueError(f"dataset {name!r} has no column {text_key!r}; its columns are {columns}")

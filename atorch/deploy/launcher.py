@@ -28,7 +28,7 @@ import sys
 import threading
 import weakref
 from multiprocessing.connection import Connection
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union, cast
 
 import torch
 from torch import nn
@@ -67,9 +67,9 @@ def _source(model_or_path: Union[nn.Module, str, os.PathLike]) -> Dict[str, Any]
                      "model folder (config.json + weights)")
 
 
-def _config_of(model_or_path: Union[nn.Module, str], source: Dict[str, Any]) -> Any:
+def _config_of(model_or_path: Union[nn.Module, str, os.PathLike], source: Dict[str, Any]) -> Any:
     if source["source"] == "module":
-        return copy.deepcopy(model_or_path.config)
+        return copy.deepcopy(cast(Any, model_or_path).config)  # source "module": a transformers model
     from transformers import AutoConfig
 
     path = source["path"]
@@ -117,7 +117,7 @@ def deploy(model_or_path: Union[nn.Module, str, os.PathLike], tensor_parallel_si
     config = _config_of(model_or_path, source)
     state = None
     if source["source"] == "module":
-        state = {k: v.detach() for k, v in model_or_path.state_dict().items()}
+        state = {k: v.detach() for k, v in cast(nn.Module, model_or_path).state_dict().items()}
 
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     pdeathsig = threading.current_thread() is threading.main_thread()

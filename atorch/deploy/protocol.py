@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from multiprocessing.connection import Connection
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import torch
 
@@ -37,7 +37,7 @@ def _encode(value: Any, tensors: List[torch.Tensor], where: str) -> Any:
                 "shape": list(value.shape)}
     output_cls = _model_output_class()
     if output_cls is not None and isinstance(value, output_cls):
-        fields = {k: v for k, v in value.items() if k != "past_key_values"}  # caches stay with the workers
+        fields = {k: v for k, v in cast(Any, value).items() if k != "past_key_values"}  # caches stay with the workers
         return {_OUTPUT: type(value).__name__, "fields": _encode(fields, tensors, where)}
     if isinstance(value, dict):
         bad = [k for k in value if not isinstance(k, str)]
@@ -91,7 +91,8 @@ def _find_model_output_class(name: str) -> Optional[type]:
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     flat = t.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    # An ndarray exports the buffer protocol; numpy's stubs do not declare __buffer__.
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")  # type: ignore[arg-type]
 
 
 def send(conn: Connection, header: Dict[str, Any], payload: Any = None) -> None:

@@ -7,7 +7,7 @@ import subprocess
 import threading
 import time
 from multiprocessing.connection import Connection, wait
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, cast
 
 import torch
 
@@ -118,7 +118,7 @@ class WorkerGroup:
             for conn in wait(list(pending.values()), timeout=POLL_S):
                 rank = next(r for r, c in pending.items() if c is conn)
                 try:
-                    header, payload = protocol.recv(conn, device)
+                    header, payload = protocol.recv(cast(Connection, conn), device)  # wait() returns what it was given
                 except (EOFError, OSError):
                     del pending[rank]
                     self._check_processes()
@@ -175,7 +175,7 @@ class DeployedModel:
         self._workers = workers
         self.config = config
         self.tensor_parallel_size = tensor_parallel_size
-        self._generation_config = None
+        self._generation_config: Any = None   # a transformers GenerationConfig, built on first use
 
     @property
     def generation_config(self) -> Any:

@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any, Dict
+from typing import Any, Dict, Optional, cast
 
 import torch
 from torch import nn
@@ -63,7 +63,7 @@ def load_model(setup: Dict[str, Any], state: Dict[str, torch.Tensor]) -> nn.Modu
     kind = setup["source"]
     if kind == "module":
         cls = _transformers_class(setup["class"])
-        config = cls.config_class.from_dict(setup["config"])
+        config = cast(Any, cls).config_class.from_dict(setup["config"])  # a transformers model class
         config._attn_implementation = setup.get("attn_implementation") or config._attn_implementation
         model = cls(config)
         if setup.get("dtype"):
@@ -155,13 +155,13 @@ def serve(conn: Connection, model: nn.Module, rank: int, device: torch.device) -
                                  "traceback": traceback.format_exc()})
 
 
-def run(model: nn.Module, op: str, header: Dict[str, Any], payload: Dict[str, Any]) -> Any:
+def run(model: nn.Module, op: Optional[str], header: Dict[str, Any], payload: Dict[str, Any]) -> Any:
     args, kwargs = payload["args"], payload["kwargs"]
     if header.get("seed") is not None:  # every rank samples the same tokens
         torch.manual_seed(header["seed"])
     with torch.inference_mode():
         if op == "generate":
-            return model.generate(*args, **kwargs)
+            return cast(Any, model).generate(*args, **kwargs)  # a transformers model
         if op == "forward":
             return model(*args, **{"use_cache": False, **kwargs})
     raise ValueError(f"deploy worker: unknown operation {op!r}")

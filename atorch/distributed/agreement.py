@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,8 @@ def _group() -> dist.ProcessGroup:
     global _vote_group
     world = dist.group.WORLD
     if _vote_group is None or _vote_group[0] is not world:
-        group = world if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        # Votes run inside an initialized process group, so neither is None.
+        group = cast(dist.ProcessGroup, world if dist.get_backend() == "gloo" else dist.new_group(backend="gloo"))
         _vote_group = (world, group)
     return _vote_group[1]
 

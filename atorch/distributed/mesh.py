@@ -11,7 +11,7 @@ just one of these.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -86,4 +86,5 @@ class ParallelMesh:
     def config(self) -> ParallelConfig:
         """(dims, rank_order) as `create_parallel_group` takes it."""
         layout = self.layout
-        return [tuple(d) for d in layout.dims], (list(layout.rank_order) if layout.rank_order is not None else None)
+        dims = [cast(Tuple[str, int], tuple(d)) for d in layout.dims]
+        return dims, (list(layout.rank_order) if layout.rank_order is not None else None)

@@ -12,7 +12,7 @@ any collective.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, cast
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -202,7 +202,7 @@ def parallel_group_ranks(name: str) -> List[int]:
 def parallel_config() -> ParallelConfig:
     """The primary layout's `(dims, rank_order)`, as given to `create_parallel_group`."""
     state = _state()
-    dims = [tuple(d) for d in state.layout.dims if d[0] != INSTANCE_DIM]
+    dims = [cast(Tuple[str, int], tuple(d)) for d in state.layout.dims if d[0] != INSTANCE_DIM]
     return dims, (list(state.layout.rank_order) if state.layout.rank_order is not None else None)
 
 

@@ -103,7 +103,8 @@ def _nodes_of(store: dist.Store, ranks: Sequence[int]) -> str:
 def _pending_collective() -> Optional[Dict[str, Any]]:
     """The newest flight-recorder entry that did not complete (this rank's stuck collective), if any."""
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json
+        # A private torch function absent from its stubs (hence the ImportError guard).
+        from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
 
         trace = json.loads(_dump_fr_trace_json(True, False))
     except Exception:  # noqa: BLE001 - the recorder is optional; the message then omits the name

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextvars
 import types
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList
@@ -37,7 +37,8 @@ def fuse_ngram_processors(processors: LogitsProcessorList, inplace: bool = False
 
 def _get_logits_processor(model: nn.Module, generation_config: GenerationConfig, *args: Any,
                           **kwargs: Any) -> LogitsProcessorList:
-    processors = type(model)._get_logits_processor(model, generation_config, *args, **kwargs)
+    # transformers' GenerationMixin methods of the model's class, unseen through nn.Module's type.
+    processors = cast(Any, type(model))._get_logits_processor(model, generation_config, *args, **kwargs)
     if not _fused_ngram.get():
         return processors
     # Inside generate the scores passed to the processors are a fresh copy of the logits, kept
@@ -51,7 +52,7 @@ def _generate(model: nn.Module, *args: Any, fused_no_repeat_ngram_blocking: bool
                          f"{fused_no_repeat_ngram_blocking!r}")
     token = _fused_ngram.set(fused_no_repeat_ngram_blocking)
     try:
-        return type(model).generate(model, *args, **kwargs)
+        return cast(Any, type(model)).generate(model, *args, **kwargs)
     finally:
         _fused_ngram.reset(token)
 

@@ -22,6 +22,8 @@ either way.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from transformers.generation.logits_process import LogitsProcessor
 
@@ -68,7 +70,8 @@ class FusedNoRepeatNGramLogitsProcessor(LogitsProcessor):
         fill = torch.full((), float("inf"), dtype=scores.dtype, device=scores.device)
         src = torch.where(banned_ok, -fill, fill)
         out = scores if self.inplace else scores.clone()
-        return out.scatter_reduce_(1, banned.clamp(0, vocab - 1).long(), src, reduce="amin")
+        # transformers annotates processors with FloatTensor; the scores keep their float dtype.
+        return cast(torch.FloatTensor, out.scatter_reduce_(1, banned.clamp(0, vocab - 1).long(), src, reduce="amin"))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(ngram_size={self.ngram_size}, inplace={self.inplace})"

@@ -58,7 +58,8 @@ class GradScalingOptimizer(torch.optim.Optimizer):
         scale = self.scaler.scale(torch.ones((), dtype=torch.float32, device=loss.device))
         return _ScaleGradient.apply(loss, scale)
 
-    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+    # torch declares Optimizer.step as overloads on the closure; this forwards either form.
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
         if closure is not None:
             raise ValueError("amp_native fp16: step(closure) is not supported by GradScaler; call backward on the "
                              "loss returned by result.loss_func, then step()")

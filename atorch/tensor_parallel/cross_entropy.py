@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from atorch.tensor_parallel.mappings import Group, group_rank, group_size
 
 
-def _all_reduce_(t: torch.Tensor, op: dist.ReduceOp, group: Group) -> torch.Tensor:
+def _all_reduce_(t: torch.Tensor, op: "dist.ReduceOp.RedOpType", group: Group) -> torch.Tensor:
     if group_size(group) > 1:
         dist.all_reduce(t, op=op, group=group)
     return t

@@ -156,13 +156,14 @@ def tpinfo_from_transformers_plan(model: nn.Module) -> TPInfo:
                              f"linears, {list(_EMBEDDING_STYLES)} on embeddings, 'replicated_with_grad_allreduce' and "
                              "'moe_tp_experts'. Pass your own TPInfo ('tensor_parallel', {'tpinfo': ...})")
 
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    # get_input_embeddings is a transformers PreTrainedModel method, unseen through nn.Module's type.
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None  # type: ignore[operator]
     embedding_name = next((n for n, m in modules.items() if m is embedding), None) if embedding is not None else None
     embedding_sharded = embedding_name is not None and embedding_name in styled
     if embedding_name is not None and not embedding_sharded and shardable_embedding(embedding):
         tpinfo.shard_vocab(_unique_suffix(embedding_name, modules))
         embedding_sharded = True
-    if head_name is not None and _is_linear(head):
+    if head_name is not None and head is not None and _is_linear(head):
         tied = embedding is not None and head.weight is getattr(embedding, "weight", None)
         if embedding_sharded or not tied:
             tpinfo.shard_col(_unique_suffix(head_name, modules))

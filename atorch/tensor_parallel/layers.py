@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -165,7 +165,7 @@ class ColumnParallelLinear(TensorParallelModule):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group: Group = None,
                  gather_output: bool = False, stride: int = 1, padded_out_features: Optional[int] = None,
-                 weight_layout: str = "linear", device: Optional[torch.device] = None,
+                 weight_layout: str = "linear", device: Union[torch.device, str, None] = None,
                  dtype: Optional[torch.dtype] = None):
         super().__init__(group)
         _check_layout(weight_layout)
@@ -202,7 +202,7 @@ class ColumnParallelLinear(TensorParallelModule):
         _reset_like_linear(w, b, self.in_features)
         specs = self.shard_specs()
         self.weight.copy_(shard_tensor(w, specs["weight"], self.tp_rank))
-        if b is not None:
+        if b is not None and self.bias is not None:
             self.bias.copy_(shard_tensor(b, specs["bias"], self.tp_rank))
 
     @classmethod
@@ -214,9 +214,9 @@ class ColumnParallelLinear(TensorParallelModule):
         layer = cls(in_f, out_f, bias=module.bias is not None, group=group, gather_output=gather_output,
                     stride=stride, padded_out_features=padded_out_features, weight_layout=layout, device="meta")
         specs = layer.shard_specs()
-        layer.weight = _sliced_parameter(module.weight, specs["weight"], layer.tp_rank)
+        layer.weight = _sliced_parameter(cast(torch.Tensor, module.weight), specs["weight"], layer.tp_rank)
         if module.bias is not None:
-            layer.bias = _sliced_parameter(module.bias, specs["bias"], layer.tp_rank)
+            layer.bias = _sliced_parameter(cast(torch.Tensor, module.bias), specs["bias"], layer.tp_rank)
         return layer
 
     def local_output(self, x: torch.Tensor) -> torch.Tensor:
@@ -255,7 +255,7 @@ class RowParallelLinear(TensorParallelModule):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group: Group = None,
                  input_is_parallel: bool = True, weight_layout: str = "linear",
-                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None):
+                 device: Union[torch.device, str, None] = None, dtype: Optional[torch.dtype] = None):
         super().__init__(group)
         _check_layout(weight_layout)
         self.in_features = in_features
@@ -282,7 +282,7 @@ class RowParallelLinear(TensorParallelModule):
         b = torch.empty(self.out_features, device=w.device, dtype=w.dtype) if self.bias is not None else None
         _reset_like_linear(w, b, self.in_features)
         self.weight.copy_(shard_tensor(w, self.in_spec, self.tp_rank))
-        if b is not None:
+        if b is not None and self.bias is not None:
             self.bias.copy_(b)
 
     @classmethod
@@ -291,9 +291,9 @@ class RowParallelLinear(TensorParallelModule):
         in_f, out_f = _linear_sizes(module, layout)
         layer = cls(in_f, out_f, bias=module.bias is not None, group=group, input_is_parallel=input_is_parallel,
                     weight_layout=layout, device="meta")
-        layer.weight = _sliced_parameter(module.weight, layer.in_spec, layer.tp_rank)
+        layer.weight = _sliced_parameter(cast(torch.Tensor, module.weight), layer.in_spec, layer.tp_rank)
         if module.bias is not None:
-            layer.bias = _replicated_parameter(module.bias)
+            layer.bias = _replicated_parameter(cast(torch.Tensor, module.bias))
         return layer
 
     def reduced_output(self, x: torch.Tensor) -> torch.Tensor:
@@ -320,9 +320,11 @@ class VocabParallelEmbedding(TensorParallelModule):
     others) and the partial results are summed over the group.
     """
 
+    embed_scale: Optional[torch.Tensor]  # a non-persistent buffer (Gemma-style scaled embeddings), or None
+
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None, *,
                  group: Group = None, padded_num_embeddings: Optional[int] = None,
-                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None):
+                 device: Union[torch.device, str, None] = None, dtype: Optional[torch.dtype] = None):
         super().__init__(group)
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
@@ -366,7 +368,7 @@ class VocabParallelEmbedding(TensorParallelModule):
             raise ValueError(f"VocabParallelEmbedding does not support nn.Embedding options {unsupported}")
         layer = cls(module.num_embeddings, module.embedding_dim, module.padding_idx, group=group,
                     padded_num_embeddings=padded_num_embeddings, device="meta")
-        layer.weight = _sliced_parameter(module.weight, layer.spec, layer.tp_rank)
+        layer.weight = _sliced_parameter(cast(torch.Tensor, module.weight), layer.spec, layer.tp_rank)
         scale = getattr(module, "embed_scale", None)
         if scale is not None:
             layer.embed_scale = torch.as_tensor(scale).detach().clone()

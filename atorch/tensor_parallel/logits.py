@@ -18,7 +18,7 @@ logits (the gather is differentiable). `benchmarks/tp_logits.py` measures it aga
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ def unwrap_data_parallel(model: nn.Module) -> nn.Module:
     """The module under DistributedDataParallel / DataParallel wrappers."""
     while hasattr(model, "module") and isinstance(getattr(model, "module"), nn.Module) and (
             type(model).__name__ in ("DistributedDataParallel", "DataParallel")):
-        model = model.module
+        model = cast(nn.Module, model.module)
     return model
 
 

@@ -12,7 +12,7 @@ the same objects). Differences from ATorch, on purpose:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -45,4 +45,4 @@ def vocab_parallel_logit_helper(embed: nn.Module, lm_output: Any) -> torch.Tenso
     if not isinstance(lm_output, torch.Tensor):
         raise ValueError(f"vocab_parallel_logit_helper: lm_output must be a tensor or a tuple starting with one, got "
                          f"{type(lm_output).__name__}")
-    return F.linear(copy_to_group(lm_output, parallel_group("tensor")), embed.weight)
+    return F.linear(copy_to_group(lm_output, parallel_group("tensor")), cast(torch.Tensor, embed.weight))

@@ -23,8 +23,9 @@ Usage::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union, cast
 
+import torch
 from torch import nn
 from atorch.utils.tp_checks import check_tp_suffixes
 
@@ -220,7 +221,7 @@ def _is_conv1d(module: nn.Module) -> bool:
 def _linear_sizes(module: nn.Module) -> Tuple[int, int]:
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features
-    return module.nx, module.nf
+    return cast(int, module.nx), cast(int, module.nf)  # transformers' Conv1D: input and output sizes
 
 
 def _name_hint(names: Iterable[str]) -> str:
@@ -330,7 +331,7 @@ def _check_module_type(name: str, module: nn.Module, action: TPAction) -> None:
     if action.kind == EXPERTS:
         weights = {k: getattr(module, k, None) for k in EXPERT_WEIGHTS}
         if not all(isinstance(w, nn.Parameter) and w.dim() == 3 for w in weights.values()):
-            found = {k: tuple(w.shape) if hasattr(w, "shape") else None for k, w in weights.items()}
+            found = {k: tuple(w.shape) if w is not None and hasattr(w, "shape") else None for k, w in weights.items()}
             raise ValueError(f"TPInfo experts suffix {action.suffix!r} matches {name!r}, a {cls} whose expert weights "
                              f"are {found}; expert sharding needs 3-D parameters gate_up_proj [experts, 2 x "
                              "intermediate, hidden] and down_proj [experts, hidden, intermediate] (transformers' "
@@ -342,10 +343,13 @@ def _check_module_type(name: str, module: nn.Module, action: TPAction) -> None:
 
 def _check_module_sizes(name: str, module: nn.Module, action: TPAction, tp_size: int) -> None:
     if action.kind == EXPERTS:
-        intermediate = module.down_proj.shape[2]
-        if intermediate % tp_size != 0 or module.gate_up_proj.shape[1] != 2 * intermediate:
+        # Both are 3-D parameters (checked by _check_module_type).
+        down_proj = cast(torch.Tensor, module.down_proj)
+        gate_up_proj = cast(torch.Tensor, module.gate_up_proj)
+        intermediate = down_proj.shape[2]
+        if intermediate % tp_size != 0 or gate_up_proj.shape[1] != 2 * intermediate:
             raise ValueError(f"experts {name!r} ({type(module).__name__}): intermediate size {intermediate} (gate_up_proj "
-                             f"{tuple(module.gate_up_proj.shape)}) must be divisible by tensor size {tp_size}")
+                             f"{tuple(gate_up_proj.shape)}) must be divisible by tensor size {tp_size}")
         return
     if action.kind not in (COL, ROW):
         return  # embeddings and the LM head are padded to a multiple of the tensor size

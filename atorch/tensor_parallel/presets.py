@@ -137,7 +137,7 @@ def tpinfo_for_model(model: nn.Module) -> TPInfo:
     ValueError when there is neither, naming the presets and how to pass a TPInfo.
     """
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    preset = TP_PRESETS.get(model_type)
+    preset = TP_PRESETS.get(model_type) if model_type is not None else None
     if preset is not None:
         return preset(model)
     if has_transformers_plan(model):

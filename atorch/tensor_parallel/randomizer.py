@@ -28,7 +28,7 @@ import contextlib
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple, cast
 
 import torch
 from torch import nn
@@ -151,8 +151,9 @@ class MultiDimParallelRandomizer:
             key = (group, bool(int(replicated)))
             keys.add(key)
             stream = self._stream(key)
-            stream.cpu_state = state["cpu"].clone()
-            stream.cuda_state = state["cuda"].clone() if state.get("cuda") is not None else None
+            stream.cpu_state = cast(torch.Tensor, state["cpu"]).clone()  # only the CUDA state may be None
+            cuda = state.get("cuda")
+            stream.cuda_state = cuda.clone() if cuda is not None else None
         for key in [k for k in self._streams if k not in keys and k not in self._active]:
             del self._streams[key]
 

@@ -10,7 +10,7 @@ group is passed (the compatibility entry point `tp_manual_shard_custom_fn`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -192,7 +192,7 @@ def _head_slicer(keywords: Tuple[str, ...], heads: int, tp_size: int, rank: int)
     return hook
 
 
-def _tp_layer(module: nn.Module, action: TPAction, group: Group, tp_size: int) -> nn.Module:
+def _tp_layer(module: nn.Module, action: TPAction, group: Group, tp_size: int) -> TensorParallelModule:
     if action.kind == COL:
         _, out_f = _linear_sizes(module)
         padded = pad_to_multiple(out_f, tp_size) if action.option("pad_vocab", False) else None
@@ -200,7 +200,7 @@ def _tp_layer(module: nn.Module, action: TPAction, group: Group, tp_size: int) -
                                               stride=action.option("stride", 1), padded_out_features=padded)
     if action.kind == ROW:
         return RowParallelLinear.from_full(module, group, input_is_parallel=action.option("input_is_parallel", True))
-    return VocabParallelEmbedding.from_full(module, group)
+    return VocabParallelEmbedding.from_full(cast(nn.Embedding, module), group)  # checked by _check_module_type
 
 
 def _share_tied(full: nn.Module, layer: TensorParallelModule, shared: Dict[int, _Shared], name: str) -> None:
@@ -221,7 +221,9 @@ def _share_tied(full: nn.Module, layer: TensorParallelModule, shared: Dict[int, 
 
 def _finish_root(model: nn.Module, plan: TPPlan, group: Group) -> None:
     if plan.vocab_parallel_loss and hasattr(model, "loss_function"):
-        model.loss_function = VocabParallelCausalLMLoss(group, plan.vocab_size)
+        # An HF model (it has loss_function) has a config, so plan.vocab_size is known; setattr because the
+        # loss is a plain callable, not a Module or Tensor (nn.Module.__setattr__'s declared types).
+        setattr(model, "loss_function", VocabParallelCausalLMLoss(group, cast(int, plan.vocab_size)))
     if plan.gather_logits:
         # After the model's forward (and so after its loss, computed from the slices).
         model.register_forward_hook(gather_output_logits)

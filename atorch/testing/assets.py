@@ -1,6 +1,7 @@
 """Paths of the bundled corpus and tokenizer (shipped inside the package, used offline)."""
 
 from pathlib import Path
+from typing import List, Optional
 
 ASSETS_DIR = Path(__file__).resolve().parents[1] / "data" / "assets"
 CORPUS_PATH = ASSETS_DIR / "corpus.txt"
@@ -13,6 +14,6 @@ def load_tokenizer():
     return AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
 
 
-def corpus_documents(limit: int = None):
+def corpus_documents(limit: Optional[int] = None) -> List[str]:
     lines = CORPUS_PATH.read_text(encoding="utf-8").splitlines()
     return lines if limit is None else lines[:limit]

@@ -6,6 +6,8 @@ hidden and intermediate sizes, and the vocabulary matches the bundled tokenizer.
 
 from __future__ import annotations
 
+from typing import Any, Dict
+
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -13,7 +15,7 @@ TINY_VOCAB_SIZE = 1024  # the bundled tokenizer's size (scripts/train_tokenizer.
 
 
 def tiny_llama_config(num_hidden_layers: int = 2, **overrides) -> LlamaConfig:
-    kwargs = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
+    kwargs: Dict[str, Any] = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
                   num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=4,
                   max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
                   attention_dropout=0.0, bos_token_id=0, eos_token_id=1, pad_token_id=3)
@@ -24,7 +26,7 @@ def tiny_llama_config(num_hidden_layers: int = 2, **overrides) -> LlamaConfig:
 
 
 def tiny_gpt2_config(n_layer: int = 2, **overrides) -> GPT2Config:
-    kwargs = dict(vocab_size=TINY_VOCAB_SIZE, n_embd=64, n_layer=n_layer, n_head=4, n_positions=256,
+    kwargs: Dict[str, Any] = dict(vocab_size=TINY_VOCAB_SIZE, n_embd=64, n_layer=n_layer, n_head=4, n_positions=256,
                   n_inner=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1)
     kwargs.update(overrides)
     config = GPT2Config(**kwargs)

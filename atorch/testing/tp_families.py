@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Tuple
 import torch
 from torch import nn
 
-COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+COMMON: Dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=128)
 
 
@@ -72,8 +72,10 @@ def _qwen3_moe() -> Any:
     from transformers import Qwen3MoeConfig
 
     # Layer 1 is a dense MLP (mlp_only_layers), layer 0 a mixture of experts.
-    return Qwen3MoeConfig(vocab_size=1024, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
-                          moe_intermediate_size=64, mlp_only_layers=[1], decoder_sparse_step=1,
+    # head_dim is accepted at run time (transformers' config takes extra attributes) but absent from the
+    # generated __init__ signature the checker reads.
+    return Qwen3MoeConfig(vocab_size=1024, num_key_value_heads=2, head_dim=16, num_experts=4,  # type: ignore[call-arg]
+                          num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[1], decoder_sparse_step=1,
                           tie_word_embeddings=False, **COMMON)
 
 

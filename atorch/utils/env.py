@@ -95,7 +95,7 @@ def env_bool(name: str, default: bool, environ: Optional[Mapping[str, str]] = No
     raise ValueError(f"environment variable {name}={raw!r} must be one of {list(_TRUE + _FALSE)}")
 
 
-def _at_least(name: str, value: Union[int, float], minimum: Optional[Union[int, float]]) -> Union[int, float]:
+def _at_least(name: str, value: Number, minimum: Optional[Union[int, float]]) -> Number:
     if minimum is not None and value < minimum:
         raise ValueError(f"environment variable {name}={value!r} must be >= {minimum}")
     return value

@@ -55,7 +55,7 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def _key(t: torch.Tensor) -> Tuple[int, int, int, torch.dtype]:
     # Tied or aliased tensors (same memory, same extent) are counted once.
-    return (t.data_ptr(), t.storage_offset(), t.numel(), t.dtype)
+    return (t.data_ptr(), int(t.storage_offset()), t.numel(), t.dtype)
 
 
 def _sum_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
@@ -89,7 +89,7 @@ def innermost_optimizer(optimizer: object) -> object:
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             optimizer = optimizer.optim
         elif isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-            optimizer = optimizer.optimizer
+            optimizer = getattr(optimizer, "optimizer")
     return optimizer
 
 

@@ -76,7 +76,7 @@ def _wrap_init(cls: type) -> None:
         object.__setattr__(self, _RECORD_ATTR, InitRecord(type(self), args, dict(kwargs)))
 
     _STATE.patched[cls] = original
-    cls.__init__ = recording_init
+    cls.__init__ = recording_init  # type: ignore[misc]  # deliberate patch, restored by _uninstall
 
 
 def _all_module_classes() -> List[type]:
@@ -92,7 +92,7 @@ def _all_module_classes() -> List[type]:
     return seen
 
 
-def _init_subclass_hook(cls: type, **kwargs: Any) -> None:
+def _init_subclass_hook(cls: Type[nn.Module], **kwargs: Any) -> None:
     # Classes defined inside the block get recorded too; their __init__ is restored on exit.
     super(nn.Module, cls).__init_subclass__(**kwargs)
     _wrap_init(cls)
@@ -103,15 +103,16 @@ def _install() -> None:
         _wrap_init(cls)
     _STATE.had_init_subclass = "__init_subclass__" in nn.Module.__dict__
     _STATE.saved_init_subclass = nn.Module.__dict__.get("__init_subclass__")
-    nn.Module.__init_subclass__ = classmethod(_init_subclass_hook)
+    # Deliberate patch of the hook, restored by _uninstall.
+    nn.Module.__init_subclass__ = classmethod(_init_subclass_hook)  # type: ignore[method-assign,assignment]
 
 
 def _uninstall() -> None:
     for cls, original in _STATE.patched.items():
-        cls.__init__ = original
+        cls.__init__ = original  # type: ignore[misc]  # putting back the __init__ _wrap_init replaced
     _STATE.patched.clear()
     if _STATE.had_init_subclass:
-        nn.Module.__init_subclass__ = _STATE.saved_init_subclass
+        nn.Module.__init_subclass__ = _STATE.saved_init_subclass  # type: ignore[method-assign]  # restoring it
     else:
         del nn.Module.__init_subclass__
 
@@ -370,7 +371,7 @@ def _offload_to_disk(roots: List[nn.Module], directory: str, include_buffers: bo
     replaced: Dict[int, torch.Tensor] = {}   # id of a real tensor -> its meta stand-in (keeps ties)
     for root in roots:
         for owner in root.modules():
-            tables = [owner._parameters] + ([owner._buffers] if include_buffers else [])
+            tables: List[Dict[str, Any]] = [owner._parameters] + ([owner._buffers] if include_buffers else [])
             for table in tables:
                 for name, tensor in list(table.items()):
                     if tensor is None or tensor.is_meta:
@@ -378,6 +379,7 @@ def _offload_to_disk(roots: List[nn.Module], directory: str, include_buffers: bo
                     if id(tensor) not in replaced:
                         path = os.path.join(directory, f"{len(replaced)}.pt")
                         torch.save(tensor.detach().cpu(), path)
+                        meta: torch.Tensor
                         if isinstance(tensor, nn.Parameter):
                             meta = nn.Parameter(torch.empty_like(tensor, device="meta"),
                                                 requires_grad=tensor.requires_grad)

@@ -43,7 +43,8 @@ def _patch_storage_resize() -> None:
     """`UntypedStorage.resize_` on CPU bypasses the dispatcher, so a dispatch mode cannot see it;
     FSDP2 frees its gathered parameters with `resize_(0)`. Counting it keeps the live bytes true."""
     if torch.UntypedStorage.resize_ is not _counting_resize:
-        torch.UntypedStorage.resize_ = _counting_resize
+        # Deliberately patching torch's method (restored by the caller's teardown).
+        torch.UntypedStorage.resize_ = _counting_resize  # type: ignore[method-assign,assignment]
 
 
 class _StorageCounter(TorchDispatchMode):

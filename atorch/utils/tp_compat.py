@@ -23,14 +23,14 @@ is refused (materialize it first).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from atorch.modules.distributed_modules import layers as _layers
+from atorch.tensor_parallel import layers as _layers  # the module the old path aliases
 from atorch.modules.distributed_modules import randomizer as _randomizer
 from atorch.modules.distributed_modules.layers import ShardSpec, TensorParallelModule, shard_tensor
 from atorch.modules.distributed_modules.mappings import gather_from_group
@@ -118,7 +118,7 @@ class ColumnParallelLinear(_layers.ColumnParallelLinear):
         in_f, out_f = _layers._linear_sizes(full, layout)
         super().__init__(in_f, out_f, bias=full.bias is not None, group=resolve_group(process_group, ranks),
                          gather_output=gather_output, stride=stride, weight_layout=layout, device="meta",
-                         dtype=full.weight.dtype)
+                         dtype=cast(torch.Tensor, full.weight).dtype)
         _set_slices(self, full, requires_grad)
 
 
@@ -139,7 +139,7 @@ class RowParallelLinear(_layers.RowParallelLinear):
         in_f, out_f = _layers._linear_sizes(full, layout)
         super().__init__(in_f, out_f, bias=full.bias is not None, group=resolve_group(process_group, ranks),
                          input_is_parallel=input_is_parallel, weight_layout=layout, device="meta",
-                         dtype=full.weight.dtype)
+                         dtype=cast(torch.Tensor, full.weight).dtype)
         _set_slices(self, full, requires_grad)
 
 
@@ -246,7 +246,8 @@ class _RandomizerWithSharedStreams:
         for name, state in states.items():
             if name.startswith(self._PREFIX):
                 groups = tuple(name[len(self._PREFIX):].split(","))
-                stream = get_randomizer(*groups)
+                # Only streams shared over several groups are saved under the prefix.
+                stream = cast(_SharedStream, get_randomizer(*groups))
                 stream.cpu_state = state["cpu"].clone()
                 stream.cuda_state = state["cuda"].clone() if state.get("cuda") is not None else None
 

@@ -13,7 +13,7 @@ import json
 import math
 import os
 from dataclasses import asdict, is_dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union, cast
 
 TRACKERS = ("tensorboard", "jsonl")
 
@@ -65,7 +65,11 @@ class MetricsLogger:
         """Log the numeric values of `metrics` (a mapping or a dataclass such as `StepMetrics`) at `step`."""
         if not self.enabled or not self.trackers:
             return
-        values = asdict(metrics) if is_dataclass(metrics) and not isinstance(metrics, type) else dict(metrics)
+        values: Dict[str, Any]
+        if is_dataclass(metrics) and not isinstance(metrics, type):
+            values = asdict(metrics)
+        else:
+            values = dict(cast(Mapping[str, Any], metrics))
         scalars: Dict[str, float] = {}
         for key, value in values.items():
             if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -58,7 +58,7 @@ class CheckpointConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def _class_forward_signature(cls: type) -> Optional[inspect.Signature]:
+def _class_forward_signature(cls: Type[nn.Module]) -> Optional[inspect.Signature]:
     try:
         return inspect.signature(cls.forward)
     except (TypeError, ValueError):  # a forward without an introspectable signature
@@ -72,7 +72,8 @@ def _without_cache(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, A
     Blocks receive the cache positionally too (GPT-2 passes `past_key_values` second), so the
     call is bound to the class forward's signature to find it.
     """
-    sig = _class_forward_signature(type(module))
+    # A class is hashable; mypy checks nn.Module's instance __hash__ instead.
+    sig = _class_forward_signature(type(module))  # type: ignore[arg-type]
     if sig is None or _INNER_FORWARD_ATTR in module.__dict__:
         return args, {k: (_CACHE_KWARGS[k] if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
     try:
@@ -235,7 +236,7 @@ class CheckpointOptimization(Optimization):
             # recomputation inside ours; its per-layer switch is the `gradient_checkpointing` flag.
             for m in model.modules():
                 if getattr(m, "gradient_checkpointing", False) is True:
-                    m.gradient_checkpointing = False
+                    setattr(m, "gradient_checkpointing", False)  # a plain flag, not a Module or Tensor
             logger.info("checkpoint: replaced the model's Hugging Face gradient checkpointing by atorch's")
         blocks, nested = _outermost(model, modules_of_classes(model, classes))
         if nested:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict
+from typing import Any, Dict, cast
 
 import torch
 import torch.distributed as dist
@@ -104,5 +104,5 @@ class AmpNativeOptimization(Optimization):
         else:
             scaler = torch.amp.GradScaler(ctx.device.type)
         ctx.grad_scaler = scaler
-        ctx.optim = GradScalingOptimizer(ctx.optim, scaler)
+        ctx.optim = GradScalingOptimizer(cast(torch.optim.Optimizer, ctx.optim), scaler)  # checked by the caller
         ctx.loss_transforms.append(ctx.optim.scale_loss)

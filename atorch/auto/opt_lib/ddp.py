@@ -57,7 +57,7 @@ class DdpOptimization(Optimization):
         if ctx.data_parallel_size() <= 1:
             logger.info("ddp: the data-parallel size is 1, so there is nothing to average; the model is not wrapped")
             return
-        kwargs = {"find_unused_parameters": config.find_unused_parameters}
+        kwargs: Dict[str, Any] = {"find_unused_parameters": config.find_unused_parameters}
         if config.bucket_cap_mb is not None:
             kwargs["bucket_cap_mb"] = config.bucket_cap_mb
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None

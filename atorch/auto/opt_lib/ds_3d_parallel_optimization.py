@@ -229,7 +229,7 @@ class DeepSpeed3DParallelOptimization(Optimization):
         tensor_group = parallel.group("tensor") if t > 1 else None
         # auto_accelerate's loss_func is the pipeline's loss, called on the last stage as
         # loss_func(outputs, labels) (ATorch's contract); None: the causal-LM loss.
-        loss_kwargs = {"loss_fn": ctx.loss_func} if ctx.loss_func is not None else {}
+        loss_kwargs: Dict[str, Any] = {"loss_fn": ctx.loss_func} if ctx.loss_func is not None else {}
         ctx.model = PipeModuleFromRecordedMeta(ctx.model, custom_patcher=config.custom_patcher,
                                                tie_first=config.tie_first, logit_helper=config.logit_helper,
                                                tpinfo=config.tpinfo, tensor_group=tensor_group, topology=topology,

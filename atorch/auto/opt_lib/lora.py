@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import torch
 from torch import nn
@@ -72,7 +72,8 @@ def default_target_modules(model: nn.Module, model_config: Any = None) -> Option
     """peft's default LoRA targets for the model's type, or None when peft has none."""
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
 
-    targets = defaults.get(_model_type(model, model_config))
+    model_type = _model_type(model, model_config)
+    targets = defaults.get(model_type) if model_type is not None else None
     return tuple(targets) if targets else None
 
 
@@ -130,7 +131,8 @@ def add_lora_adapters(model: nn.Module, config: LoraConfig, model_config: Any = 
     conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
     fan_in_fan_out = conv1d is not None and any(
         isinstance(m, conv1d) for name, m in model.named_modules() if any(_matches(t, name) for t in targets))
-    peft_config = peft.LoraConfig(r=config.r, lora_alpha=config.alpha, target_modules=list(targets),
+    # peft uses lora_alpha only in alpha / r, so a float works; its annotation says int.
+    peft_config = peft.LoraConfig(r=config.r, lora_alpha=config.alpha, target_modules=list(targets),  # type: ignore[arg-type]
                                   lora_dropout=config.dropout, fan_in_fan_out=fan_in_fan_out)
     cuda_devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     # A private random stream: the adapters do not depend on (or disturb) the caller's RNG state.
@@ -187,7 +189,7 @@ class LoraOptimization(Optimization):
             adapted = sorted(targets)
         else:
             ctx.model = add_lora_adapters(ctx.model, config, getattr(ctx.model, "config", None))
-            adapted = sorted(ctx.model.peft_config["default"].target_modules)
+            adapted = sorted(cast(Any, ctx.model).peft_config["default"].target_modules)  # a peft PeftModel now
         trainable = sum(p.numel() for p in ctx.model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in ctx.model.parameters())
         summary: Dict[str, Any] = {"trainable_params": trainable, "total_params": total,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union, cast
 
 from torch import nn
 
@@ -32,7 +32,7 @@ from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
 from atorch.modules.fused import FusedRMSNorm, is_llama_style_rms_norm
 from atorch.modules.fused.mlp import FusedMLP
-from atorch.modules.fused.mlp_layouts import looks_like_mlp, mlp_layout
+from atorch.modules.fused.mlp_layouts import MLPLayout, looks_like_mlp, mlp_layout
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ def plan_replacements(model: nn.Module, config: ModuleReplaceConfig) -> Replacem
     if config.attention or set(config.classes) & set(_attention_classes(model)):
         _plan_attention(model, plan)
     gelu_classes = _python_gelu_classes()
-    inside_fused_mlp = set()
+    inside_fused_mlp: Set[int] = set()   # ids of modules inside an MLP that is fused whole
     for name, module in model.named_modules():
         if id(module) in inside_fused_mlp:
             continue
@@ -196,7 +196,8 @@ def _fused_equivalent(kind: str, module: nn.Module) -> nn.Module:
         # exactly the tanh approximation torch implements as one kernel.
         return nn.GELU(approximate="tanh")
     if kind == "mlp":
-        layout, activation = mlp_layout(module)
+        # Planned as "mlp" only when mlp_layout gave a layout (not a reason).
+        layout, activation = cast(Tuple[MLPLayout, str], mlp_layout(module))
         return FusedMLP(module, layout, activation)
     raise AssertionError(f"unknown replacement kind {kind!r}")
 
@@ -319,7 +320,8 @@ class ModuleReplaceOptimization(Optimization):
 
 
 def _switch_to_sdpa(hf_model: nn.Module) -> None:
-    hf_model.set_attn_implementation("sdpa")
+    # A transformers PreTrainedModel method, unseen through nn.Module's type.
+    hf_model.set_attn_implementation("sdpa")  # type: ignore[operator]
     # transformers only logs a warning when a sub-model cannot switch; a silent half switch
     # would leave eager attention in place, so check every sub-model's config.
     pretrained_cls = _loaded_transformers_attr("modeling_utils", "PreTrainedModel")

@@ -10,7 +10,7 @@ schedule step, averages gradients over "data" and steps the optimizer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -179,9 +179,9 @@ def _tied_pair(build: Any, stage: torch.nn.Module, layout: ParallelLayout
         if dist.get_rank() in ranks:
             mine = group
     if build.stage_index == 0:
-        return mine, stage.get_submodule(build.tied_paths[0]).weight
+        return mine, cast(torch.nn.Parameter, stage.get_submodule(build.tied_paths[0]).weight)
     if build.stage_index == last:
-        return mine, stage.get_submodule(build.tied_paths[1]).weight
+        return mine, cast(torch.nn.Parameter, stage.get_submodule(build.tied_paths[1]).weight)
     return None, None
 
 

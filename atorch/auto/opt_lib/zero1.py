@@ -108,7 +108,8 @@ class Zero1Optimization(Optimization):
             raise ValueError("zero1 needs optim_func: it shards the optimizer's state")
         # Replacing the factory (rather than the built optimizer) builds the user's optimizer
         # once, over this rank's share only.
-        ctx.optim_func = functools.partial(ZeroRedundancyOptimizer, optimizer_class=ctx.optim_func,
+        # ZeroRedundancyOptimizer only calls optimizer_class(params, **defaults), so a factory works.
+        ctx.optim_func = functools.partial(ZeroRedundancyOptimizer, optimizer_class=ctx.optim_func,  # type: ignore[arg-type]
                                            process_group=ctx.require_parallel("zero1").group("data"))
         ctx.summaries["zero1"] = {"backend": "torch_zero_redundancy_optimizer"}
 

@@ -26,7 +26,7 @@ import io
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence, cast
 
 import numpy as np
 import torch
@@ -189,16 +189,18 @@ class CandidatePlanner:
         from hebo.models.model_factory import get_model
 
         AnovaKernel, CodesAndPrediction = _anova_kernel_class()
-        num_dims, has_pred = self.codes.shape[1], self.pred.shape[1] > 0
+        # Both are set whenever there is something to model (the only case that fits).
+        codes, pred = cast(torch.Tensor, self.codes), cast(torch.Tensor, self.pred)
+        num_dims, has_pred = codes.shape[1], pred.shape[1] > 0
         y_var = float(np.var(y)) if len(y) > 1 else 1.0
         # The GP standardizes y: the measured noise variance in those units is its noise floor.
         noise_lb = _DEFAULT_NOISE_LB if noise_var is None else max(1e-4, min(0.5, noise_var / max(y_var, 1e-12)))
-        num_uniqs = [int(self.codes[:, d].max()) + 1 for d in range(num_dims)]
+        num_uniqs = [int(codes[:, d].max()) + 1 for d in range(num_dims)]
         config = dict(_GP_CONFIG, noise_lb=noise_lb, noise_guess=max(noise_lb, 0.01), num_uniqs=num_uniqs,
                       fe=CodesAndPrediction(num_dims, has_pred), kern=AnovaKernel(num_dims, has_pred))
-        model = get_model("gp", self.pred.shape[1], num_dims, 1, **config)
+        model = get_model("gp", pred.shape[1], num_dims, 1, **config)
         rows = list(rows)
-        model.fit(self.pred[rows], self.codes[rows], torch.tensor(y, dtype=torch.float32))
+        model.fit(pred[rows], codes[rows], torch.tensor(y, dtype=torch.float32))
         self.fits += 1
         return model
 

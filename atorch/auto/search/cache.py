@@ -153,7 +153,8 @@ class SearchCache:
         return cache
 
     def get(self, strategy: Strategy) -> Optional[DryRunResult]:
-        entry = self.results.get(_strategy_key(strategy))
+        key = _strategy_key(strategy)
+        entry = self.results.get(key) if key is not None else None
         return result_from_json(entry) if entry is not None else None
 
     def put(self, strategy: Strategy, result: DryRunResult) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import pandas as pd
 import torch
@@ -40,7 +40,7 @@ def load_model_config(model: str) -> Any:
     from transformers import AutoConfig, CONFIG_MAPPING
 
     if model in MODEL_PRESETS:
-        values = dict(MODEL_PRESETS[model])
+        values: Dict[str, Any] = dict(MODEL_PRESETS[model])
         return CONFIG_MAPPING[values.pop("model_type")](**values)
     path = model
     if os.path.isdir(path):

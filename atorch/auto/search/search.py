@@ -28,7 +28,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 import numpy as np
 import pandas as pd
@@ -100,7 +100,7 @@ class Comparison:
 
     @property
     def separated(self) -> bool:
-        return self.lo is not None and (self.lo > 1.0 or self.hi < 1.0)
+        return self.lo is not None and (self.lo > 1.0 or cast(float, self.hi) < 1.0)  # both set or neither
 
     def line(self) -> str:
         a, b = self.winner.describe(), self.runner_up.describe()
@@ -289,7 +289,7 @@ class _Feasibility:
 
     @property
     def predictor_consistent(self) -> bool:
-        oom_preds = [self.raw(j) for j in self.oom if self.raw(j) is not None]
+        oom_preds = [p for p in (self.raw(j) for j in self.oom) if p is not None]
         return not oom_preds or not self._ok_predicted or max(self._ok_predicted) < min(oom_preds)
 
     def needs_at_least(self, i: int, j: int) -> bool:
@@ -342,7 +342,8 @@ class _Feasibility:
                 scaled = f" (cost model x {self.scale:.2f}, the measured/predicted ratio)" if self.scale != 1.0 else ""
                 reason = f"predicted {format_bytes(p)}{scaled} > {format_bytes(self.limit)} limit"
             else:
-                blocker = self.candidates[self.oom_blocker(i)].label()
+                # Not allowed yet fits the prediction: an out-of-memory candidate blocks it.
+                blocker = self.candidates[cast(int, self.oom_blocker(i))].label()
                 reason = f"needs at least the memory of {blocker}, which ran out of memory"
             rows.append({"strategy": cand.label(), "predicted_memory": int(p) if p is not None else None,
                          "reason": reason})
@@ -576,6 +577,7 @@ class _TrialLog:
         trials = pd.DataFrame(self.rows, columns=TRIAL_COLUMNS)
         ranked = self.ranked()
         comparison = self.compare(ranked[0], ranked[1]) if len(ranked) >= 2 else None
+        best_index: Optional[int]
         if comparison is not None:
             best_index = next(i for i in ranked[:2] if self.candidates[i].strategy == comparison.winner)
         else:

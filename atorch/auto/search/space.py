@@ -310,11 +310,11 @@ class ValidationCache:
     def __call__(self, optimization: Any, config: Any, context: ValidationContext) -> None:
         key = (optimization.name, _value_key(config))
         configs = context.configs
-        for reads, error in self._entries.get(key, ()):
+        for reads, cached_error in self._entries.get(key, ()):
             if reads is not None and all(_value_key(configs.get(k, _MISSING)) == v for k, v in reads):
                 self.hits += 1
-                if error is not None:
-                    raise error
+                if cached_error is not None:
+                    raise cached_error
                 return
         self.misses += 1
         recorder = _RecordingConfigs(configs)
@@ -385,5 +385,5 @@ def memory_saving_ranks(space: "SearchSpace") -> List[Optional[List[float]]]:
     out: List[Optional[List[float]]] = []
     for choices in space.dimensions.values():
         scores = [_memory_saving_score(c) for c in choices]
-        out.append(None if any(s is None for s in scores) else [float(s) for s in scores])
+        out.append(None if any(s is None for s in scores) else [float(s) for s in scores if s is not None])
     return out

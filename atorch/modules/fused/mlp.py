@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -86,7 +86,7 @@ def _matmul_without_bias(proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`proj(x) - proj.bias` for nn.Linear (weight (out, in)) and transformers' Conv1D (weight (in, out))."""
     if isinstance(proj, nn.Linear):
         return F.linear(x, proj.weight)
-    return torch.matmul(x, proj.weight)  # Conv1D
+    return torch.matmul(x, cast(torch.Tensor, proj.weight))  # Conv1D
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ def mlp_layout(module: nn.Module) -> Union[Tuple[MLPLayout, str], str]:
     if cls.__name__ in _PLAIN_LAYOUTS and cls.__module__.startswith("transformers."):
         layout = _PLAIN_LAYOUTS[cls.__name__]
     elif all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")) \
-            and _is_gated_llama_mlp_class(cls):
+            and _is_gated_llama_mlp_class(cls):  # type: ignore[arg-type]  # classes are hashable (mypy checks instances)
         layout = _GATED_LAYOUT
     if layout is None:
         return "its forward is not a known MLP layout"

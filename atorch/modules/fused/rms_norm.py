@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from types import CodeType
-from typing import Tuple
+from typing import Tuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +30,10 @@ class FusedRMSNorm(nn.Module):
     def from_module(cls, module: nn.Module) -> "FusedRMSNorm":
         """A FusedRMSNorm sharing `module.weight` (the same Parameter object, so optimizers and tying still see it)."""
         # Built on meta so no memory is allocated for a weight that is replaced right away.
-        fused = cls(module.weight.shape[0], float(module.variance_epsilon), device=torch.device("meta"))
-        fused.weight = module.weight
+        # A LlamaRMSNorm-like module (checked by is_llama_style_rms_norm): a 1-D Parameter and a number.
+        weight = cast(nn.Parameter, module.weight)
+        fused = cls(weight.shape[0], float(cast(float, module.variance_epsilon)), device=torch.device("meta"))
+        fused.weight = weight
         return fused
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -80,4 +82,5 @@ def is_llama_style_rms_norm(module: nn.Module) -> bool:
     # The cheap structural checks first: the bytecode check imports transformers.
     return (isinstance(weight, nn.Parameter) and weight.dim() == 1
             and isinstance(getattr(module, "variance_epsilon", None), (int, float))
-            and _class_has_llama_rms_norm_forward(type(module)))
+            # A class is hashable; mypy checks nn.Module's instance __hash__ instead.
+            and _class_has_llama_rms_norm_forward(type(module)))  # type: ignore[arg-type]

@@ -182,7 +182,7 @@ class NativePipeline:
         for p in params:
             if p.grad is None:  # keep the flat buffer identical in layout on every data rank
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
+        grads: List[torch.Tensor] = [p.grad for p in params if p.grad is not None]  # all set just above
         flat = torch._utils._flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=self.data_group)
         flat.div_(dist.get_world_size(self.data_group))

@@ -133,7 +133,8 @@ def embedding_paths(model: nn.Module, pieces: Sequence[PieceSpec]) -> List[str]:
     """Paths of pieces that are (or wrap) vocabulary/position embedding tables or the output head."""
     emb_types = (nn.Embedding,)
     out = []
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    # A transformers PreTrainedModel method, unseen through nn.Module's type.
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None  # type: ignore[operator]
     for p in pieces:
         if p.kind == BLOCK:
             continue

@@ -31,7 +31,7 @@ import functools
 import inspect
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -82,7 +82,8 @@ def expand_patcher(model: nn.Module, patcher: CustomPatcher, tie_first: bool = F
         get_submodule(model, path)  # names what the model has when a path is wrong
     block_paths = [p for p in patcher if isinstance(get_submodule(model, p), nn.ModuleList)]
     if not block_paths and is_per_module_patcher(model, patcher):
-        return expand_per_module_patcher(model, patcher, tie_first=tie_first, logit_helper=logit_helper)
+        per_module = cast(Mapping[str, ForwardPatcher], patcher)  # checked by is_per_module_patcher
+        return expand_per_module_patcher(model, per_module, tie_first=tie_first, logit_helper=logit_helper)
     if len(block_paths) != 1:
         raise ValueError(f"custom_patcher must name exactly one nn.ModuleList (the transformer blocks); it names "
                          f"{len(block_paths)}: {block_paths} among {list(patcher)}. (ATorch's per-module form names "
@@ -93,7 +94,7 @@ def expand_patcher(model: nn.Module, patcher: CustomPatcher, tie_first: bool = F
         if not callable(fn):
             raise ValueError(f"custom_patcher[{path!r}] = {fn!r} is not callable; expected patch_fn(module, inputs)")
         if path == block_paths[0]:
-            blocks = get_submodule(model, path)
+            blocks = cast(nn.ModuleList, get_submodule(model, path))  # block_paths are ModuleLists
             if len(blocks) == 0:
                 raise ValueError(f"custom_patcher block list {path!r} is empty")
             pieces.extend(PieceSpec(f"{path}.{i}", fn, BLOCK) for i in range(len(blocks)))
@@ -183,8 +184,8 @@ def default_logit_helper(embedding: nn.Module, outputs: Any) -> torch.Tensor:
     if getattr(embedding, "tp_size", 1) > 1:
         from atorch.modules.distributed_modules.mappings import copy_to_group
 
-        hidden = copy_to_group(hidden, embedding.group)
-    return F.linear(hidden, embedding.weight)
+        hidden = copy_to_group(hidden, cast(Any, embedding).group)  # a tensor-parallel embedding's group
+    return F.linear(hidden, cast(torch.Tensor, embedding.weight))
 
 
 def expand_per_module_patcher(model: nn.Module, patcher: Mapping[str, ForwardPatcher], tie_first: bool = False,
