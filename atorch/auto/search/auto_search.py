@@ -110,16 +110,17 @@ def search_for_context(ctx: ModelContext, excluded: Optional[Sequence[str]] = No
     memory_limit = settings.memory_limit_bytes or device_memory_bytes(ctx.device)
     predictor = make_predictor(ctx.model, batch_size, seq_len, world_size, ctx.device)
     directory, plot_name = _report_location(report_path or settings.report_dir)
-    cache = _open_cache(settings, directory, ctx, world_size, batch_size, seq_len) if adist.rank() == 0 else None
-
     found: Optional[SearchResult] = None
     report: Optional[Dict[str, str]] = None
     with ModelSource(ctx.model, dry_config.scratch_dir) as source:
         evaluate = make_evaluator(ctx, dry_config, source)
         if adist.rank() == 0:
-            logger.info("searching %s (%d valid candidates), memory limit %s bytes per rank", space,
-                        len(space.candidates()), memory_limit)
+            # Everything rank 0 does alone is inside this try: the other ranks wait in _follow
+            # for its next message, so any failure here must reach them as one.
             try:
+                cache = _open_cache(settings, directory, ctx, world_size, batch_size, seq_len)
+                logger.info("searching %s (%d valid candidates), memory limit %s bytes per rank", space,
+                            len(space.candidates()), memory_limit)
                 result = _search_or_confirm(space, _leader_evaluator(evaluate), cache, settings, predictor,
                                             memory_limit, batch_size)
             except BaseException as e:
