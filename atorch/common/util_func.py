@@ -6,7 +6,7 @@ from typing import Any, Callable, Union
 
 import torch
 
-from atorch.distributed.distributed import find_free_port
+from atorch.distributed.process_group import find_free_port
 
 __all__ = ["apply_to_tensors", "data_to_device", "divide", "find_free_port", "get_ip_address"]
 

@@ -1,6 +1,6 @@
 """Process groups, named parallel groups over one DeviceMesh, and the launcher."""
 
-from atorch.distributed.distributed import (
+from atorch.distributed.process_group import (
     destroy_distributed,
     device,
     device_type,

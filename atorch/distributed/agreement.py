@@ -29,7 +29,7 @@ from typing import Iterator, List, Optional, Tuple, cast
 import torch
 import torch.distributed as dist
 
-from atorch.distributed.distributed import on_destroy
+from atorch.distributed.process_group import on_destroy
 
 # Exception types a peer's failure may be re-raised as: the builtins and atorch's own.
 _SAFE_MODULES = ("builtins", "atorch.")

@@ -1,328 +1,67 @@
-"""Process-group initialization and rank queries.
+"""ATorch's `atorch.distributed.distributed` API, kept at that path for its users' scripts.
 
-Works the same under the launcher (env vars set by torch elastic) and in a plain
-`python script.py`, where it fills in a single-process world.
+The process-group functions are `atorch.distributed.process_group`'s; the parallel-group
+queries here return None where a group or dimension does not exist, as ATorch's do (atorch's
+own code uses the strict functions of `parallel_group.py`, which raise instead).
 """
 
 from __future__ import annotations
 
-import atexit
-import datetime
-import gc
-import importlib
-import logging
-import os
-import socket
-import time
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
-import torch
 import torch.distributed as dist
 
-from atorch.distributed import timeouts
-
-logger = logging.getLogger(__name__)
-
-_SUPPORTED_BACKENDS = ("gloo", "nccl")
-
-
-def find_free_port() -> int:
-    """A TCP port that was free a moment ago on the loopback interface."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _fill_single_process_env() -> None:
-    # `srun python script.py`: Slurm's variables say who this task is (atorch/distributed/slurm.py).
-    from atorch.distributed.slurm import is_slurm_task, slurm_environment
-
-    if is_slurm_task(os.environ):
-        os.environ.update(slurm_environment(os.environ))
-    # A plain `python script.py` has none of these; default to a world of one.
-    # An empty value counts as unset (ATorch's tests and some schedulers export MASTER_ADDR="").
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
-        if not os.environ.get(key):
-            os.environ[key] = value
-    if not os.environ.get("MASTER_PORT"):
-        os.environ["MASTER_PORT"] = str(find_free_port())
+from atorch.distributed.process_group import (  # noqa: F401 - re-exported at ATorch's path
+    default_backend,
+    destroy_distributed,
+    device,
+    device_type,
+    find_free_port,
+    init_distributed,
+    is_initialized,
+    local_rank,
+    on_destroy,
+    rank,
+    reset_distributed,
+    world_size,
+)
+from atorch.distributed.parallel_group import _state_of, add_parallel_group, is_parallel_group_created, mesh_of
+from atorch.distributed.parallel_group import destroy_parallel_group as _destroy_parallel_groups
+from atorch.distributed.parallel_group import parallel_config as _parallel_config
+from atorch.distributed.parallel_group import parallel_instance_index as _parallel_instance_index
+from atorch.distributed.parallel_group import parallel_instance_num as _parallel_instance_num
 
 
-def default_backend() -> str:
-    """nccl when CUDA is usable, gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
-
-
-def init_distributed(
-    backend: Optional[str] = None,
-    timeout: Optional[datetime.timedelta] = None,
-    *,
-    set_cuda_device_using_local_rank: bool = False,
-    coworker_num_per_node: int = 0,
-    elastic_or_fault_tolerant: bool = False,
-) -> bool:
-    """Initialize the default process group once; later calls are no-ops.
-
-    Returns True when a process group is ready. Raises ValueError for an unknown backend or a
-    malformed RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, before touching the network. `timeout`
-    is the collectives' timeout (default: `ATORCH_COLLECTIVE_TIMEOUT` seconds, else 30 min);
-    joining the rendezvous has its own, `ATORCH_INIT_TIMEOUT` (default 60 s): a rank that
-    cannot meet the others at MASTER_ADDR:MASTER_PORT in that time (the port is another job's,
-    a rank failed to start) raises `DistributedInitError` naming the address.
-
-    The keywords of ATorch's `init_distributed` are accepted (see `_apply_atorch_init_options`):
-    `set_cuda_device_using_local_rank` selects `cuda:LOCAL_RANK` when CUDA exists (nccl always
-    does); `elastic_or_fault_tolerant` is ignored (restarts are the launcher's job:
-    `python -m atorch.distributed.run --fault_tolerant`); `coworker_num_per_node` > 0
-    (CPU coworker processes) is not supported and raises.
-    """
-    if backend is None:
-        backend = default_backend()
-    if isinstance(backend, str):
-        backend = backend.lower()
-    if backend not in _SUPPORTED_BACKENDS:
-        raise ValueError(f"backend={backend!r} is not supported; choose one of {list(_SUPPORTED_BACKENDS)} or None")
-    _apply_atorch_init_options(set_cuda_device_using_local_rank, coworker_num_per_node, elastic_or_fault_tolerant)
-    if dist.is_initialized():
-        return True
-    _fill_single_process_env()
-    rank_, world, addr, port = _rendezvous_env()
-    collective = timeout if timeout is not None else timeouts.collective_timeout()
-    join = timeouts.init_timeout()
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    timeouts.enable_flight_recorder()
-    store = _rendezvous_store(rank_, world, addr, port, join)
-    dist.init_process_group(backend=backend, store=store, rank=rank_, world_size=world, timeout=collective)
-    timeouts.install(store)
-    _register_exit_teardown()
-    return True
-
-
-_exit_teardown_registered = False
-
-
-def _register_exit_teardown() -> None:
-    """Destroy the process groups at interpreter exit, before finalization (once per process).
-
-    Root cause of the SIGABRT "terminate called without an active exception" at the exit of
-    finished jobs: `dist.destroy_process_group` does not stop gloo's worker threads while any
-    Python object still references the group (measured: 7 threads before and after destroy,
-    1 once the last reference is dropped), and a script that never calls it keeps them to the
-    end. A worker that completes the job's last collective releases that work's tensors a
-    moment after the main thread has moved on; a tensor still referenced from Python when its
-    work finished holds its Python object, so the release takes the GIL. When the main thread
-    has meanwhile reached interpreter finalization, CPython ends the worker thread inside that
-    GIL acquisition (pthread_exit), the unwinding crosses a noexcept C++ frame, and
-    std::terminate aborts the process: after training and saving completed, the worker exits
-    with -6 and the launcher reports a failed job (3 in 30 runs of a 20-collective gloo script
-    under load without destroy_process_group; see benchmarks/RESULTS.md "Clean exit").
-
-    The fix is the teardown order: atexit handlers run while the interpreter is still whole,
-    so destroying atorch's groups there (parallel groups, the vote group, the default group)
-    and dropping atorch's own references to them and to the rendezvous store joins the gloo
-    workers while they can still take the GIL. A process that is failing (an uncaught
-    exception seen by atorch's excepthook) is left to exit at once: a group with a pending
-    collective would wait for that collective's timeout.
-    """
-    global _exit_teardown_registered
-    if not _exit_teardown_registered:
-        atexit.register(_teardown_at_exit)
-        _exit_teardown_registered = True
-
-
-def _teardown_at_exit() -> None:
-    if timeouts.failed_with_uncaught_exception() or not is_initialized():
-        return
-    destroy_distributed()
-    gc.collect()   # groups held only by reference cycles (a model wrapped by DDP/FSDP) go now, not in finalization
-
-
-def _env_int(name: str, minimum: int) -> int:
-    raw = os.environ.get(name, "")
-    try:
-        value = int(raw)
-    except ValueError:
-        value = minimum - 1
-    if value < minimum:
-        raise ValueError(f"environment variable {name}={raw!r} must be an integer >= {minimum}")
-    return value
-
-
-def _rendezvous_env() -> Tuple[int, int, str, int]:
-    """(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), checked before any connection is attempted."""
-    world = _env_int("WORLD_SIZE", 1)
-    rank_ = _env_int("RANK", 0)
-    if rank_ >= world:
-        raise ValueError(f"environment variable RANK={rank_} must be < WORLD_SIZE={world}")
-    port = _env_int("MASTER_PORT", 1)
-    if port > 65535:
-        raise ValueError(f"environment variable MASTER_PORT={port} must be a TCP port, 1..65535")
-    addr = os.environ.get("MASTER_ADDR", "")
-    if not addr:
-        raise ValueError("environment variable MASTER_ADDR is empty; set it to rank 0's host name or address")
-    return rank_, world, addr, port
-
-
-_init_count = 0
-
-
-def _rendezvous_store(rank_: int, world: int, addr: str, port: int, join: datetime.timedelta) -> dist.Store:
-    """The rendezvous store, once every rank has checked in (else `DistributedInitError` after `join`).
-
-    The check-in is a counter under a key of this job's own: a rank that reached another job's
-    store (MASTER_PORT was taken) never sees the count complete and fails after `join`,
-    naming the address, instead of waiting for the collective timeout.
-    """
-    global _init_count
-    _init_count += 1
-    where = f"MASTER_ADDR:MASTER_PORT={addr}:{port}"
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    is_agent_store = attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    try:
-        base = dist.TCPStore(addr, port, world, is_master=not is_agent_store and rank_ == 0, timeout=join,
-                             wait_for_workers=False)
-    except (RuntimeError, dist.DistError) as e:
-        if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
-            raise timeouts.DistributedInitError(
-                f"rank {rank_}: cannot start the rendezvous store at {where}: the port is already in use (another "
-                "job?); choose a free MASTER_PORT (or launch with atorch.distributed.run, which picks one)") from e
-        raise timeouts.DistributedInitError(
-            f"rank {rank_}: cannot reach the rendezvous store at {where} within {join.total_seconds():g} s "
-            f"({timeouts.INIT_TIMEOUT_ENV}): {e}") from e
-    store: dist.Store = base
-    if attempt is not None:
-        # Measured with torch 2.13 and gloo: after a restart, env:// initialization sometimes
-        # reads the previous attempt's listening address from the agent's store and fails with
-        # "Connection refused" in connectFullMesh. Prefixing the keys by attempt avoids that.
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
-        store = dist.PrefixStore(f"/atorch/{run_id}/attempt_{attempt}", base)
-    # One prefix per initialization in this process (a test may destroy and initialize again).
-    store = dist.PrefixStore(f"init_{_init_count}", store)
-    _check_in(store, rank_, world, where, join)
-    # Where each rank runs, for the messages that name the ranks (and nodes) a collective lost.
-    store.set(f"{timeouts.NODE_KEY}/{rank_}", timeouts.this_node())
-    return store
-
-
-def _check_in(store: dist.Store, rank_: int, world: int, where: str, join: datetime.timedelta) -> None:
-    deadline = time.monotonic() + join.total_seconds()
-    try:
-        arrived = store.add("atorch_check_in", 1)
-        while arrived < world:
-            if time.monotonic() >= deadline:
-                raise timeouts.DistributedInitError(
-                    f"rank {rank_}: only {arrived} of WORLD_SIZE={world} ranks joined the rendezvous at {where} "
-                    f"within {join.total_seconds():g} s ({timeouts.INIT_TIMEOUT_ENV}); is MASTER_PORT used by "
-                    "another job, or did a rank fail to start?")
-            time.sleep(0.05)
-            arrived = store.add("atorch_check_in", 0)
-    except timeouts.DistributedInitError:
-        raise
-    except (RuntimeError, dist.DistError) as e:
-        raise timeouts.DistributedInitError(
-            f"rank {rank_}: lost the rendezvous store at {where} while waiting for the other ranks: {e}") from e
-
-
-def is_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def rank() -> int:
-    return dist.get_rank() if is_initialized() else int(os.environ.get("RANK", 0))
-
-
-def world_size() -> int:
-    return dist.get_world_size() if is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-
-
-def local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", 0))
-
-
-def device() -> torch.device:
-    """cuda:LOCAL_RANK when the process group runs on nccl (or CUDA without a group), else cpu."""
-    if is_initialized():
-        if dist.get_backend() == "nccl":
-            return torch.device("cuda", local_rank())
-        return torch.device("cpu")
-    return torch.device("cuda", local_rank()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def device_type() -> str:
-    return device().type
-
-
-# Called by `destroy_distributed` before the default group goes (the parallel-group module
-# registers forgetting its default layout): layers above register here instead of this module
-# importing them.
-_ON_DESTROY: List[Callable[[], None]] = []
-
-
-def on_destroy(callback: Callable[[], None]) -> None:
-    """Run `callback` at every `destroy_distributed()`, before the default process group is destroyed."""
-    if callback not in _ON_DESTROY:
-        _ON_DESTROY.append(callback)
-
-
-def destroy_distributed() -> None:
-    """Tear down the parallel groups and the default group, if any."""
-    for callback in _ON_DESTROY:     # the default parallel groups, the agreement group
-        callback()
-    if is_initialized():
-        dist.destroy_process_group()
-    timeouts.install(None)
-
-
-# -- ATorch compatibility: init keywords and the `atorch.distributed.distributed` query API ------------
-# ATorch's versions return None where a group or dimension does not exist; atorch's own code
-# uses the strict functions of `parallel_group.py`, which raise instead.
-
-_LOGGED_ONCE: set = set()
-
-
-def _log_once(key: str, message: str, *args: Any) -> None:
-    if key not in _LOGGED_ONCE:
-        _LOGGED_ONCE.add(key)
-        logger.info(message, *args)
-
-
-def _apply_atorch_init_options(set_cuda_device_using_local_rank: bool, coworker_num_per_node: int,
-                               elastic_or_fault_tolerant: bool) -> None:
-    """What ATorch's `init_distributed` keywords mean here; validated before any network use."""
-    if not isinstance(coworker_num_per_node, int) or isinstance(coworker_num_per_node, bool) or \
-            coworker_num_per_node < 0:
-        raise ValueError(f"coworker_num_per_node={coworker_num_per_node!r} must be an integer >= 0")
-    if coworker_num_per_node > 0:
-        raise ValueError(f"coworker_num_per_node={coworker_num_per_node} is not supported: atorch has no CPU "
-                         "coworker processes (ATorch's data-preprocessing service); every process trains. Use 0 and "
-                         "preprocess data with atorch.data.DatasetPreprocessor")
-    if elastic_or_fault_tolerant:
-        _log_once("elastic", "init_distributed(elastic_or_fault_tolerant=True): ignored; restarts are handled by the "
-                  "launcher (python -m atorch.distributed.run --fault_tolerant), and every attempt initializes the "
-                  "same way")
-    if set_cuda_device_using_local_rank:
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            _log_once("cuda_device", "init_distributed(set_cuda_device_using_local_rank=True): no GPU found; ignored")
-        else:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % count)
-
-
-def reset_distributed() -> None:
-    """ATorch's name for `destroy_distributed`: drop the parallel groups and the default group."""
-    destroy_distributed()
-
-
-def _parallel_group_module() -> Any:
-    # Imported late (it imports this module); by name, because the package attribute
-    # `atorch.distributed.parallel_group` is the function of the same name.
-    return importlib.import_module("atorch.distributed.parallel_group")
+__all__ = [
+    "backend",
+    "create_parallel_group",
+    "default_backend",
+    "destroy_distributed",
+    "destroy_parallel_group",
+    "device",
+    "device_type",
+    "find_free_port",
+    "get_device_mesh",
+    "init_distributed",
+    "is_distributed",
+    "is_initialized",
+    "local_rank",
+    "on_destroy",
+    "parallel_config",
+    "parallel_group",
+    "parallel_group_and_ranks",
+    "parallel_group_size",
+    "parallel_instance_index",
+    "parallel_instance_num",
+    "parallel_rank",
+    "rank",
+    "reset_distributed",
+    "world_size",
+]
 
 
 def _compat_state(name: str) -> Any:
-    pg = _parallel_group_module()
-    return pg._state_of(name) if is_initialized() else None
+    return _state_of(name) if is_initialized() else None
 
 
 def create_parallel_group(parallel_config: Any, use_atorch_pipe: bool = True, use_device_mesh: bool = False) -> None:
@@ -334,18 +73,16 @@ def create_parallel_group(parallel_config: Any, use_atorch_pipe: bool = True, us
     are always DeviceMesh dimensions here, so `use_device_mesh` changes nothing, and
     `use_atorch_pipe` (ATorch's own pipeline runtime) is ignored.
     """
-    pg = _parallel_group_module()
     if not isinstance(parallel_config, (tuple, list)) or len(parallel_config) not in (2, 3):
         raise ValueError(f"parallel_config={parallel_config!r} must be (dims, rank_order) or "
                          "(dims, rank_order, multi_instance), e.g. ([('tensor', 2), ('data', 2)], None)")
     instances = bool(parallel_config[2]) if len(parallel_config) == 3 else False
-    pg.add_parallel_group((parallel_config[0], parallel_config[1]), instances=instances)
+    add_parallel_group((parallel_config[0], parallel_config[1]), instances=instances)
 
 
 def destroy_parallel_group(destroy_rpc: bool = True) -> None:
     """Forget every parallel group (ATorch's `destroy_rpc` has no meaning here: there is no RPC)."""
-    pg = _parallel_group_module()
-    pg.destroy_parallel_group()
+    _destroy_parallel_groups()
 
 
 def parallel_group(name: str) -> Optional[dist.ProcessGroup]:
@@ -373,18 +110,15 @@ def parallel_group_and_ranks(name: str) -> Tuple[Optional[dist.ProcessGroup], Op
 
 
 def parallel_config() -> Optional[Tuple[List[Tuple[str, int]], Optional[List[int]]]]:
-    pg = _parallel_group_module()
-    return pg.parallel_config() if pg.is_parallel_group_created() else None
+    return _parallel_config() if is_parallel_group_created() else None
 
 
 def parallel_instance_num() -> Optional[int]:
-    pg = _parallel_group_module()
-    return pg.parallel_instance_num() if pg.is_parallel_group_created() else None
+    return _parallel_instance_num() if is_parallel_group_created() else None
 
 
 def parallel_instance_index() -> Optional[int]:
-    pg = _parallel_group_module()
-    return pg.parallel_instance_index() if pg.is_parallel_group_created() else None
+    return _parallel_instance_index() if is_parallel_group_created() else None
 
 
 def get_device_mesh(group_name: str, use_prefix: bool = True) -> Any:
@@ -393,8 +127,7 @@ def get_device_mesh(group_name: str, use_prefix: bool = True) -> Any:
     Its dimension names are in torch's row-major order (slowest first), i.e. the reverse of
     the order given to `create_parallel_group`; index it by name (`mesh["tensor"]`).
     """
-    pg = _parallel_group_module()
-    return pg.mesh_of(group_name) if is_initialized() else None
+    return mesh_of(group_name) if is_initialized() else None
 
 
 def is_distributed() -> bool:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from atorch.distributed.distributed import device_type, rank as global_rank, world_size as global_world_size
+from atorch.distributed.process_group import device_type, rank as global_rank, world_size as global_world_size
 from atorch.distributed.parallel_layout import Dims, ParallelLayout
 
 ParallelConfig = Tuple[Dims, Optional[List[int]]]

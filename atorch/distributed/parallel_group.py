@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence, Tuple, cast
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from atorch.distributed.distributed import on_destroy, rank as global_rank, world_size as global_world_size
+from atorch.distributed.process_group import on_destroy, rank as global_rank, world_size as global_world_size
 from atorch.distributed.mesh import ParallelConfig, ParallelMesh
 from atorch.distributed.parallel_layout import ParallelLayout
 

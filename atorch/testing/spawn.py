@@ -13,7 +13,7 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from atorch.distributed.distributed import find_free_port
+from atorch.distributed.process_group import find_free_port
 
 # Measured on the 2-core CI machine: a torch import plus gloo rendezvous takes 3-8 s a rank.
 DEFAULT_TIMEOUT_S = 240.0
