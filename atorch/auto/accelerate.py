@@ -11,6 +11,7 @@ The work itself is in `atorch.auto.engine` (apply) and `atorch.auto.search` (the
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
@@ -101,7 +102,11 @@ def _accelerate(ctx: ModelContext, load_strategy: Optional[StrategyLike], ignore
             return False, None, None
         strategy = search.strategy
     else:
-        with agree_on_error("auto_accelerate: reading load_strategy"):
+        if isinstance(load_strategy, (str, os.PathLike, bytes, bytearray)):
+            # A file (or its bytes) may fail to read on one rank only: every rank raises the same error.
+            with agree_on_error("auto_accelerate: reading load_strategy"):
+                strategy = Strategy.from_any(load_strategy)
+        else:   # in memory: nothing can differ between ranks, and validation must come before any collective
             strategy = Strategy.from_any(load_strategy)
         if not ignore_dryrun_on_load_strategy:
             from atorch.auto.dry_runner import DryRunError, check_strategy_runs

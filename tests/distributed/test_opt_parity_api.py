@@ -36,7 +36,7 @@ BAD_STRATEGIES = {
     "half(fp16)+amp(bf16)": ([("half", {"dtype": torch.float16}), ("amp_native", {"dtype": torch.bfloat16})],
                              r"'half' \(dtype=float16\) and 'amp_native' \(dtype=bfloat16\) cannot be combined"),
     "ddp+zero1(ds)": (["ddp", ("zero1", {"use_ds_zero": True})],
-                      r"'ddp' and 'zero1' \(use_ds_zero=True\) cannot be combined"),
+                      r"'ddp' and 'zero1' cannot be combined: the DeepSpeed engine \(use_ds_zero=True\)"),
     "unknown name": (["fsdp", "zero3"], r"unknown optimization 'zero3'; valid names are \[.*'fsdp'.*'zero2'"),
     "unknown key": ([("fsdp", {"cpu_ofload": True})],
                     rf"fsdp: unknown config key\(s\) \['cpu_ofload'\]; valid keys are {VALID_FSDP_KEYS}"),
