@@ -24,7 +24,7 @@ from atorch.auto.opt_lib.base import ValidationContext
 from atorch.auto.opt_lib.resolve import resolve_strategy
 from atorch.auto.strategy import Strategy
 from atorch.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from atorch.distributed import distributed as ddist
+from atorch.distributed import process_group as ddist
 from atorch.distributed import run as launcher
 from atorch.distributed import timeouts
 from atorch.testing import tiny_gpt2, tiny_llama
