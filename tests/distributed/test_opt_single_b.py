@@ -109,7 +109,7 @@ def test_single_optimizations_match_single_process():
             # fp32; only the all-reduce summation order (and, for module_replace, fused kernels
             # reordering the same arithmetic, 1e-7 on logits) differs from the reference.
             assert_close_losses(losses, with_lora if name in USES_LORA else plain, rel=1e-5, what=name)
-            assert set(info["names"]) == {"parallel_mode", *strategy}, info
+            assert set(info["names"]) == {"parallel_mode", *strategy, "ddp"}, info   # DDP added for 2 data ranks
             assert info["model"] == "DistributedDataParallel", info
         assert rank_out["checkpoint"][1]["checkpoint"] == {"blocks": 2, "classes": ["LlamaDecoderLayer"]}
         assert rank_out["module_replace"][1]["attn"] == "sdpa"
@@ -119,7 +119,7 @@ def test_single_optimizations_match_single_process():
         # r=8 adapters on q_proj and v_proj (64 -> 64) in 2 layers: 2 * 2 * (64*8 + 8*64).
         assert rank_out["lora"][1]["lora"]["trainable_params"] == 4096
         combined = rank_out["module_replace+lora+checkpoint"][1]
-        assert combined["names"] == ["parallel_mode", "module_replace", "lora", "checkpoint"]
+        assert combined["names"] == ["parallel_mode", "module_replace", "lora", "checkpoint", "ddp"]
         assert combined["checkpoint"]["blocks"] == 2 and combined["attn"] == "sdpa"
 
         fsdp_losses, state_keys = rank_out["checkpoint+fsdp2"]
