@@ -6,7 +6,7 @@ Not an optimization (it registers nothing); the registry imports it like every m
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict
+from typing import Any, ClassVar, Dict, Tuple
 
 import torch
 from torch import nn
@@ -55,6 +55,21 @@ def add_autocast_to_forward(module: nn.Module, device_type: str, dtype: torch.dt
 
     setattr(module, _FORWARD_BEFORE_AUTOCAST, inner)
     module.forward = forward
+
+
+class DescribedByDtype:
+    """Mixin for optimizations whose config is a dtype: shown in strategy names and plans, and saved."""
+
+    name: ClassVar[str]
+    always_shown: ClassVar[Tuple[str, ...]] = ("dtype",)
+
+    @classmethod
+    def describe_step(cls, config: Any) -> str:
+        return f"{cls.name}({dtype_name(config.dtype)})"
+
+    @classmethod
+    def describe_config(cls, config: Any) -> str:
+        return dtype_name(config.dtype)
 
 
 def has_autocast_forward(module: nn.Module) -> bool:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from atorch.auto.model_context import ModelContext
-from atorch.auto.opt_lib._precision import add_autocast_to_forward, dtype_name, parse_half_dtype
+from atorch.auto.opt_lib._precision import DescribedByDtype, add_autocast_to_forward, dtype_name, parse_half_dtype
 from atorch.modules.grad_scaling import GradScalingOptimizer
 from atorch.auto.opt_lib.base import ConfigAlias, CostContext, Optimization, Order, WrapperOrder, is_true, register
 
@@ -43,22 +43,12 @@ class AmpNativeConfig:
 
 
 @register
-class AmpNativeOptimization(Optimization):
+class AmpNativeOptimization(DescribedByDtype, Optimization):
     name = "amp_native"
     order = Order.AMP
     wrapper_order = WrapperOrder.PRECISION
     Config = AmpNativeConfig
     search_dimension = "amp"   # offered: off, or bf16 (the default config; fp16 needs loss scaling)
-
-    always_shown = ("dtype",)
-
-    @classmethod
-    def describe_step(cls, config: AmpNativeConfig) -> str:
-        return f"{cls.name}({dtype_name(config.dtype)})"
-
-    @classmethod
-    def describe_config(cls, config: AmpNativeConfig) -> str:
-        return dtype_name(config.dtype)
 
     @classmethod
     def cost_traits(cls, config: AmpNativeConfig, context: CostContext) -> Dict[str, Any]:

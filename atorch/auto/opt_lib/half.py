@@ -13,7 +13,7 @@ from typing import Any, Dict
 import torch
 
 from atorch.auto.model_context import ModelContext
-from atorch.auto.opt_lib._precision import dtype_name, parse_half_dtype
+from atorch.auto.opt_lib._precision import DescribedByDtype, dtype_name, parse_half_dtype
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
 
 
@@ -27,21 +27,11 @@ class HalfConfig:
 
 
 @register
-class HalfOptimization(Optimization):
+class HalfOptimization(DescribedByDtype, Optimization):
     name = "half"
     order = Order.HALF
     Config = HalfConfig
     search_dimension = None   # no fp32 master weights: it changes the training, not only its speed
-
-    always_shown = ("dtype",)
-
-    @classmethod
-    def describe_step(cls, config: HalfConfig) -> str:
-        return f"{cls.name}({dtype_name(config.dtype)})"
-
-    @classmethod
-    def describe_config(cls, config: HalfConfig) -> str:
-        return dtype_name(config.dtype)
 
     @classmethod
     def cost_traits(cls, config: HalfConfig, context: CostContext) -> Dict[str, Any]:
