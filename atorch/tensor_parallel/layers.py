@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Union, cast
+from typing import Dict, List, Optional, Tuple, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -139,6 +139,37 @@ def _reset_like_linear(weight_full: torch.Tensor, bias_full: Optional[torch.Tens
         nn.init.uniform_(bias_full, -bound, bound)
 
 
+class _ParallelLinear(TensorParallelModule):
+    """What the column- and row-parallel linears share: sizes, layout, parameters, initialization."""
+
+    def __init__(self, in_features: int, out_features: int, local_shape: Tuple[int, int], bias_size: Optional[int],
+                 *, group: Group, weight_layout: str, device: Union[torch.device, str, None],
+                 dtype: Optional[torch.dtype]):
+        super().__init__(group)
+        _check_layout(weight_layout)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight_layout = weight_layout
+        rows, cols = local_shape   # (out, in) as nn.Linear stores it; Conv1D stores the transpose
+        shape = (rows, cols) if weight_layout == "linear" else (cols, rows)
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        self.bias = (nn.Parameter(torch.empty(bias_size, device=device, dtype=dtype)) if bias_size is not None
+                     else None)
+
+    def _linear_weight(self) -> torch.Tensor:
+        """The local weight as `F.linear` wants it ([out, in])."""
+        return self.weight if self.weight_layout == "linear" else self.weight.t()
+
+    def _random_full_weight_and_bias(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Full-size tensors initialized as `nn.Linear` would, in this layer's layout, to be sliced."""
+        full_shape = ((self.out_features, self.in_features) if self.weight_layout == "linear"
+                      else (self.in_features, self.out_features))
+        w = torch.empty(full_shape, device=self.weight.device, dtype=self.weight.dtype)
+        b = torch.empty(self.out_features, device=w.device, dtype=w.dtype) if self.bias is not None else None
+        _reset_like_linear(w, b, self.in_features)
+        return w, b
+
+
 def _module_layout(module: nn.Module) -> str:
     if isinstance(module, nn.Linear):
         return "linear"
@@ -153,7 +184,7 @@ def _linear_sizes(module: nn.Module, layout: str) -> tuple:
     return module.nx, module.nf
 
 
-class ColumnParallelLinear(TensorParallelModule):
+class ColumnParallelLinear(_ParallelLinear):
     """y = x A^T + b with A split by output rows: each rank computes its slice of the outputs.
 
     `gather_output=True` concatenates the slices (and drops vocabulary padding) so the caller
@@ -167,19 +198,14 @@ class ColumnParallelLinear(TensorParallelModule):
                  gather_output: bool = False, stride: int = 1, padded_out_features: Optional[int] = None,
                  weight_layout: str = "linear", device: Union[torch.device, str, None] = None,
                  dtype: Optional[torch.dtype] = None):
-        super().__init__(group)
-        _check_layout(weight_layout)
-        self.in_features = in_features
-        self.out_features = out_features
-        self.gather_output = gather_output
-        self.stride = stride
-        self.weight_layout = weight_layout
-        self.out_spec = ShardSpec(0, out_features, self.tp_size, stride, padded_out_features)
+        tp_size = group_size(group)
+        self.out_spec = ShardSpec(0, out_features, tp_size, stride, padded_out_features)
         self.out_spec.check()
         local_out = self.out_spec.local_size
-        shape = (local_out, in_features) if weight_layout == "linear" else (in_features, local_out)
-        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)) if bias else None
+        super().__init__(in_features, out_features, (local_out, in_features), local_out if bias else None,
+                         group=group, weight_layout=weight_layout, device=device, dtype=dtype)
+        self.gather_output = gather_output
+        self.stride = stride
         if self.weight.device.type != "meta":
             self._init_from_full_random()
 
@@ -195,11 +221,7 @@ class ColumnParallelLinear(TensorParallelModule):
 
     @torch.no_grad()
     def _init_from_full_random(self) -> None:
-        full_shape = ((self.out_features, self.in_features) if self.weight_layout == "linear"
-                      else (self.in_features, self.out_features))
-        w = torch.empty(full_shape, device=self.weight.device, dtype=self.weight.dtype)
-        b = torch.empty(self.out_features, device=w.device, dtype=w.dtype) if self.bias is not None else None
-        _reset_like_linear(w, b, self.in_features)
+        w, b = self._random_full_weight_and_bias()
         specs = self.shard_specs()
         self.weight.copy_(shard_tensor(w, specs["weight"], self.tp_rank))
         if b is not None and self.bias is not None:
@@ -221,8 +243,7 @@ class ColumnParallelLinear(TensorParallelModule):
 
     def local_output(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the output, padding included, before any gather (`x` is the replicated input)."""
-        weight = self.weight if self.weight_layout == "linear" else self.weight.t()
-        return F.linear(x, weight, self.bias)
+        return F.linear(x, self._linear_weight(), self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.local_output(copy_to_group(x, self.group))
@@ -245,7 +266,7 @@ class ColumnParallelLinear(TensorParallelModule):
                 f"gather_output={self.gather_output}, layout={self.weight_layout}, bias={self.bias is not None}")
 
 
-class RowParallelLinear(TensorParallelModule):
+class RowParallelLinear(_ParallelLinear):
     """y = x A^T + b with A split by input columns: partial products are summed over the group.
 
     The input is expected already split along its last dimension (the output of a
@@ -256,18 +277,12 @@ class RowParallelLinear(TensorParallelModule):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group: Group = None,
                  input_is_parallel: bool = True, weight_layout: str = "linear",
                  device: Union[torch.device, str, None] = None, dtype: Optional[torch.dtype] = None):
-        super().__init__(group)
-        _check_layout(weight_layout)
-        self.in_features = in_features
-        self.out_features = out_features
-        self.input_is_parallel = input_is_parallel
-        self.weight_layout = weight_layout
-        self.in_spec = ShardSpec(1 if weight_layout == "linear" else 0, in_features, self.tp_size)
+        self.in_spec = ShardSpec(1 if weight_layout == "linear" else 0, in_features, group_size(group))
         self.in_spec.check()
-        local_in = self.in_spec.local_size
-        shape = (out_features, local_in) if weight_layout == "linear" else (local_in, out_features)
-        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        super().__init__(in_features, out_features, (out_features, self.in_spec.local_size),
+                         out_features if bias else None, group=group, weight_layout=weight_layout, device=device,
+                         dtype=dtype)
+        self.input_is_parallel = input_is_parallel
         if self.weight.device.type != "meta":
             self._init_from_full_random()
 
@@ -276,11 +291,7 @@ class RowParallelLinear(TensorParallelModule):
 
     @torch.no_grad()
     def _init_from_full_random(self) -> None:
-        full_shape = ((self.out_features, self.in_features) if self.weight_layout == "linear"
-                      else (self.in_features, self.out_features))
-        w = torch.empty(full_shape, device=self.weight.device, dtype=self.weight.dtype)
-        b = torch.empty(self.out_features, device=w.device, dtype=w.dtype) if self.bias is not None else None
-        _reset_like_linear(w, b, self.in_features)
+        w, b = self._random_full_weight_and_bias()
         self.weight.copy_(shard_tensor(w, self.in_spec, self.tp_rank))
         if b is not None and self.bias is not None:
             self.bias.copy_(b)
@@ -298,8 +309,7 @@ class RowParallelLinear(TensorParallelModule):
 
     def reduced_output(self, x: torch.Tensor) -> torch.Tensor:
         """The output without bias, summed over the group (`x` is this rank's slice of the input)."""
-        weight = self.weight if self.weight_layout == "linear" else self.weight.t()
-        return reduce_from_group(F.linear(x, weight), self.group)
+        return reduce_from_group(F.linear(x, self._linear_weight()), self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

@@ -3,7 +3,8 @@
 `make install` builds it into `<sys.prefix>/torch_extensions`; importing atorch points
 TORCH_EXTENSIONS_DIR there when the user has no setting, so a script run without the variable
 and with a fresh home directory finds the build instead of compiling for minutes. (The build
-must also be checked by the same ninja that made it: the Makefile puts the venv's first on PATH.)
+must also be checked by the same ninja that made it: importing atorch puts the environment's
+`bin/` first on PATH when it holds a ninja, so the script runs here with a PATH that lacks it.)
 """
 
 import os
@@ -36,7 +37,10 @@ def test_a_script_without_the_variable_compiles_nothing(tmp_path):
     assert not stale, f"{stale}: a build was killed midway and its lock makes every later build wait forever; remove it"
     before = _build_files()
     env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
-    env.update(HOME=str(tmp_path), XDG_CACHE_HOME=str(tmp_path / ".cache"), DS_ACCELERATOR="cpu")
+    env_bin = os.path.join(sys.prefix, "bin")
+    path = [p for p in env.get("PATH", "").split(os.pathsep) if p and os.path.realpath(p) != os.path.realpath(env_bin)]
+    env.update(HOME=str(tmp_path), XDG_CACHE_HOME=str(tmp_path / ".cache"), DS_ACCELERATOR="cpu",
+               PATH=os.pathsep.join(path))
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"EXT {EXT_DIR}" in out.stdout

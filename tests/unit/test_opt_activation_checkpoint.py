@@ -243,3 +243,23 @@ def test_strategy_with_classes_resolves_in_documented_order():
     # Module replacement and LoRA change the blocks before checkpointing wraps them.
     assert [r.name for r in resolved] == ["parallel_mode", "module_replace", "lora", "checkpoint"]
     assert resolved[-1].config.wrap_cls == (LlamaDecoderLayer,)
+
+
+def test_kv_cache_arguments_are_dropped_whatever_their_name():
+    # transformers renames the blocks' cache argument between releases (past_key_value,
+    # past_key_values, cache); a Cache object under any name must not be written twice.
+    from transformers.cache_utils import DynamicCache
+
+    from atorch.auto.opt_lib.activation_checkpoint import _without_cache
+
+    class Block(nn.Module):
+        def forward(self, x, kv_store=None, use_cache=True, scale=2.0):
+            return x * scale
+
+    import inspect
+
+    block = Block()
+    args, kwargs = _without_cache(block, (torch.ones(1), DynamicCache()), {"use_cache": True, "scale": 3.0})
+    bound = inspect.signature(block.forward).bind(*args, **kwargs).arguments
+    assert bound["kv_store"] is None and bound["use_cache"] is False and bound["scale"] == 3.0
+    assert torch.equal(bound["x"], torch.ones(1))

@@ -35,7 +35,23 @@ _INNER_FORWARD_ATTR = "_atorch_forward_before_checkpoint"
 # Keyword arguments through which Hugging Face blocks read and *write* a KV cache. Recomputing
 # the block in backward would write the cache a second time and change the recomputed shapes,
 # and training never reuses the cache, so checkpointed blocks run without one while training.
-_CACHE_KWARGS = {"use_cache": False, "past_key_values": None, "past_key_value": None, "layer_past": None}
+# Besides these names (which transformers renames between releases: `cache` in 5.24), any argument
+# holding a transformers `Cache` object is dropped too.
+_CACHE_KWARGS = {"use_cache": False, "past_key_values": None, "past_key_value": None, "layer_past": None,
+                 "cache": None}
+
+
+def _is_kv_cache(value: Any) -> bool:
+    """A transformers KV cache object (looked up lazily: transformers may not be imported at all)."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    cache_cls = getattr(cache_utils, "Cache", None) if cache_utils is not None else None
+    return cache_cls is not None and isinstance(value, cache_cls)
+
+
+def _disabled(name: str, value: Any) -> Any:
+    if name in _CACHE_KWARGS:
+        return _CACHE_KWARGS[name]
+    return None if _is_kv_cache(value) else value
 
 
 @dataclass(frozen=True)
@@ -75,7 +91,7 @@ def _without_cache(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, A
     # A class is hashable; mypy checks nn.Module's instance __hash__ instead.
     sig = _class_forward_signature(type(module))  # type: ignore[arg-type]
     if sig is None or _INNER_FORWARD_ATTR in module.__dict__:
-        return args, {k: (_CACHE_KWARGS[k] if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
+        return args, {k: _disabled(k, v) for k, v in kwargs.items()}
     try:
         bound = sig.bind(module, *args, **kwargs)
     except TypeError:  # let the real forward raise its own error
@@ -85,9 +101,9 @@ def _without_cache(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, A
             continue
         if param.kind is inspect.Parameter.VAR_KEYWORD:
             extra = bound.arguments[name]
-            bound.arguments[name] = {k: (_CACHE_KWARGS[k] if k in _CACHE_KWARGS else v) for k, v in extra.items()}
-        elif name in _CACHE_KWARGS:
-            bound.arguments[name] = _CACHE_KWARGS[name]
+            bound.arguments[name] = {k: _disabled(k, v) for k, v in extra.items()}
+        elif param.kind is not inspect.Parameter.VAR_POSITIONAL:
+            bound.arguments[name] = _disabled(name, bound.arguments[name])
     return bound.args[1:], bound.kwargs
 
 
