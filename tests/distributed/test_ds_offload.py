@@ -59,7 +59,7 @@ def _train(strategy, optim_name, optim_args):
     assert status, f"auto_accelerate returned status=False for {strategy} (see the log above)"
     losses = [_global_loss(train_step(result, batch)) for _, batch in zip(range(STEPS), result.dataloader)]
     engine = result.args["engine"]
-    zero = engine.zero_optimization_stage(), engine.zero_offload_optimizer(), engine.zero_offload_param()
+    zero = engine.zero_optimization_stage(), bool(engine.zero_offload_optimizer()), bool(engine.zero_offload_param())
     out = {"losses": losses, "optim": type(engine.optimizer).__name__,
            "basic_optim": type(engine.basic_optimizer).__name__, "zero": zero,
            "summary": dict(result.summaries.get(strategy[0][0], {}))}
