@@ -20,6 +20,8 @@ from atorch.auto import auto_accelerate, train_step
 from atorch.testing import run_distributed, tiny_llama
 from atorch.testing.parity import assert_close_losses
 
+pytestmark = pytest.mark.heavy   # one spawn, 4 DeepSpeed engines: ~1-3 min on the 2-core machine
+
 OFFLOAD_REL = 1e-4
 WEIGHT_DECAY = 0.01   # torch AdamW's default, which the reference uses
 ADAMW_SECTION = {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}}
