@@ -106,6 +106,13 @@ def test_strategy_json_round_trip_keeps_ds_config(tmp_path):
     assert config_of(again, "fsdp") == config_of(resolved, "fsdp")
     assert config_of(again, "fsdp").ds_config["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
     assert "fsdp(deepspeed stage 3,ds_config,offload_optimizer=cpu)" in loaded.describe()
+    # A path stays a path; zero1's config round-trips as well (as a dataclass, as the search saves it).
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(OFFLOAD))
+    zero1 = config_of(resolve([("zero1", {"use_ds_zero": True, "ds_config": path})]), "zero1")
+    back = Strategy.from_json(Strategy([("zero1", zero1)]).to_json())
+    assert config_of(resolve(list(back)), "zero1") == zero1 and "zero1(deepspeed stage 1,ds_config=ds.json)" in \
+        back.describe()
 
 
 def test_cost_traits_declare_offload_from_ds_config():
@@ -125,3 +132,31 @@ def test_offload_devices_and_3d_shares_the_reader(tmp_path):
     with pytest.raises(ValueError, match=r"deepspeed_3d_parallel: ds_config train_batch_size=0 must be a positive"):
         resolve_ds_config({"train_batch_size": 0}, 2, 2)
     assert get_optimization("zero1").parse_config({"use_ds_zero": True, "ds_config": OFFLOAD}).ds_config == OFFLOAD
+
+
+def test_who_builds_the_optimizer_is_checked_when_applied():
+    """optim_func or ds_config's optimizer, exactly one; offload needs DeepSpeed's CPU Adam (checked by class name)."""
+    import functools
+
+    from atorch.auto.model_context import ModelContext
+    from atorch.auto.opt_lib._sharding import prepare_deepspeed
+
+    def ctx(optim_func):
+        return ModelContext(model=torch.nn.Linear(2, 2), optim_func=optim_func)
+
+    with pytest.raises(ValueError, match=r"zero2: both optim_func and ds_config\['optimizer'\] are given; pass one"):
+        prepare_deepspeed(ctx(torch.optim.AdamW), "zero2", {"optimizer": {"type": "AdamW"}})
+    with pytest.raises(ValueError, match=r"zero1 with use_ds_zero=True needs optim_func or ds_config\['optimizer'\]"):
+        prepare_deepspeed(ctx(None), "zero1", None)
+    with pytest.raises(ValueError, match=r"fsdp: ds_config offloads the optimizer, which runs DeepSpeed's CPU Adam; "
+                                         r"optim_func='SGD' is not it"):
+        prepare_deepspeed(ctx(torch.optim.SGD), "fsdp", OFFLOAD)
+
+    class DeepSpeedCPUAdam(torch.optim.Adam):   # stands in for deepspeed.ops.adam's (matched by name)
+        pass
+
+    for optim_func in (DeepSpeedCPUAdam, functools.partial(DeepSpeedCPUAdam, adamw_mode=True)):
+        context = ctx(optim_func)
+        prepare_deepspeed(context, "fsdp", OFFLOAD)
+        assert context.is_sharded
+    prepare_deepspeed(ctx(None), "zero2", {**OFFLOAD, "optimizer": {"type": "AdamW"}})
