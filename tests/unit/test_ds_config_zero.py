@@ -78,6 +78,8 @@ def test_user_keys_that_repeat_the_strategy_are_accepted():
      r"fsdp: ds_config zero_optimization.offload_optimizer.device='gpu' must be one of \['none', 'cpu', 'nvme'\]"),
     ([("zero2", {"ds_config": OFFLOAD})], r"zero2: ds_config is DeepSpeed's config and applies with use_ds_zero=True"),
     ([("zero1", {"use_ds_zero": True, "ds_config": [1]})], r"zero1: ds_config must be a dict or a JSON file path"),
+    ([("zero1", {"use_ds_zero": True, "ds_config": {"zero_optimization": 2}})],
+     r"zero1: ds_config zero_optimization=2 must be a section \(a JSON object\)"),
     ([("zero1", {"use_ds_zero": True, "ds_config": {"x": object()}})], r"zero1: ds_config must hold JSON values"),
     ([("zero1", {"use_ds_zero": True, "ds_config": "/nonexistent/ds.json"})],
      r"zero1: ds_config '/nonexistent/ds.json' is not a readable JSON file"),

@@ -138,6 +138,9 @@ def zero_ds_config(who: str, raw: Any, *, stage: int, data_size: int, global_bat
     Everything else (offload, bucket sizes, overlap, an `optimizer` section...) is the user's.
     """
     user = load_ds_config(who, raw)
+    for section in ("zero_optimization", "bf16", "fp16", "amp"):
+        if section in user and not isinstance(user[section], Mapping):
+            raise ValueError(f"{who}: ds_config {section}={user[section]!r} must be a section (a JSON object)")
     user_stage = zero_stage_of(user, default=stage)
     if user_stage != stage:
         raise ValueError(f"{who}: ds_config zero_optimization.stage={user_stage!r} but {who} is DeepSpeed ZeRO stage "
