@@ -50,6 +50,7 @@ from atorch.auto.step_timing import is_precise_enough, steps_per_sample, summari
 from atorch.auto.strategy import Strategy
 from atorch.utils.env import env_float, env_int, env_str
 from atorch.utils.peak_memory import PeakMemoryTracker, is_out_of_memory
+from atorch.utils.quiet import candidate_logs_quieted
 
 logger = logging.getLogger(__name__)
 
@@ -160,9 +161,23 @@ def dry_run(ctx: ModelContext, strategy: Strategy, config: DryRunConfig = DryRun
             return dry_run(ctx, strategy, config, own)
     if source.model is not ctx.model or not source.offloaded:
         raise ValueError("dry_run: source must be an offloaded ModelSource of ctx.model")
-    outcome = _run_local(ctx, Strategy.from_any(strategy), config, source)
+    strategy = Strategy.from_any(strategy)
+    with candidate_logs_quieted():   # this dry run's one line is logged below
+        outcome = _run_local(ctx, strategy, config, source)
     outcomes = _gather(outcome)
-    return merge_outcomes(outcomes)
+    result = merge_outcomes(outcomes)
+    _log_result(strategy, result)
+    return result
+
+
+def _log_result(strategy: Strategy, result: DryRunResult) -> None:
+    """One INFO line per dry run (so rank 0 only, by default; see atorch.utils.quiet)."""
+    if result.ok:
+        logger.info("dry run of %s: %.4g samples/s, peak %s bytes per rank", strategy.describe(), result.throughput,
+                    result.peak_memory_bytes)
+    else:
+        reason = (result.error or "").splitlines()[0] if result.error else "unknown"
+        logger.info("dry run of %s failed: %s", strategy.describe(), reason)
 
 
 def make_evaluator(ctx: ModelContext, config: DryRunConfig,
@@ -183,8 +198,6 @@ def check_strategy_runs(ctx: ModelContext, strategy: Strategy, config: Optional[
     result = dry_run(ctx, strategy, config or DryRunConfig.from_env())
     if not result.ok:
         raise DryRunError(f"strategy {Strategy.from_any(strategy).describe()} failed its dry run: {result.error}")
-    logger.info("dry run of %s: %.4g samples/s, peak %s bytes per rank", Strategy.from_any(strategy).describe(),
-                result.throughput, result.peak_memory_bytes)
     return result
 
 

@@ -24,6 +24,7 @@ from atorch.checkpoint import manifest as mf
 from atorch.checkpoint.layout_handlers import MODEL_PREFIX
 from atorch.checkpoint.manifest import CheckpointError
 from atorch.checkpoint.safe_load import SafeFileSystemReader, load_dcp_metadata, tensor_entries
+from atorch.checkpoint.tokenizer_files import recorded_tokenizer, save_tokenizer
 from atorch.checkpoint.save_load import (
     ADAPTER_CONFIG_NAME,
     CONFIG_NAME,
@@ -35,9 +36,6 @@ from atorch.checkpoint.save_load import (
 )
 
 _LORA_MODES = ("merge", "adapters")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                    "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
-                    "chat_template.json", "chat_template.jinja")
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -66,7 +64,8 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
     """Write the model of checkpoint `ckpt_dir` as a Hugging Face model directory `out_dir`.
 
     Runs in one process without a process group or GPU. `tokenizer`: a tokenizer (its
-    `save_pretrained` is called) or a directory whose tokenizer files are copied. `lora`:
+    `save_pretrained` is called) or a directory whose tokenizer files are copied; None: the
+    tokenizer the checkpoint recorded (`save_checkpoint(..., tokenizer=...)`), if any. `lora`:
     "merge" folds the adapters into the base weights (W + B @ A * scale, peft's
     `merge_and_unload`) and writes a plain model; "adapters" writes only the adapters
     (adapter_model.safetensors + adapter_config.json). `dtype` casts floating weights.
@@ -104,8 +103,10 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
         else:
             stream_safetensors(ckpt_dir, manifest, target, max_shard_size, dtype)
         del state
+        if tokenizer is None:
+            tokenizer = recorded_tokenizer(ckpt_dir)
         if tokenizer is not None:
-            _save_tokenizer(tokenizer, target)
+            save_tokenizer(tokenizer, target)
     except BaseException:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
@@ -338,17 +339,3 @@ def save_safetensors(state: Dict[str, torch.Tensor], out_dir: str, max_shard_siz
             total += t.numel() * t.element_size()
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
-
-
-def _save_tokenizer(tokenizer: Any, out_dir: str) -> None:
-    if hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(out_dir)
-        return
-    src = os.fspath(tokenizer)
-    if not os.path.isdir(src):
-        raise ValueError(f"tokenizer={tokenizer!r} must be a tokenizer object or a directory of tokenizer files")
-    copied = [n for n in _TOKENIZER_FILES if os.path.isfile(os.path.join(src, n))]
-    if not copied:
-        raise ValueError(f"tokenizer directory {src} has none of the tokenizer files {list(_TOKENIZER_FILES)}")
-    for name in copied:
-        shutil.copyfile(os.path.join(src, name), os.path.join(out_dir, name))

@@ -50,6 +50,7 @@ from atorch.checkpoint.state import (
     set_rng_state,
     to_json_value,
 )
+from atorch.checkpoint.tokenizer_files import check_tokenizer, record_tokenizer
 from atorch.distributed.agreement import agree_on_error
 
 logger = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
                     data_position: Optional[DataPosition] = None, extra: Optional[Dict[str, Any]] = None,
                     keep_last: Optional[int] = None, save_optimizer: bool = True, update_latest: bool = True,
                     optimizer: Any = None, lr_scheduler: Any = None, async_save: bool = False,
-                    checksum: str = mf.DEFAULT_CHECKSUM) -> str:
+                    checksum: str = mf.DEFAULT_CHECKSUM, tokenizer: Any = None) -> str:
     """Save model, optimizer, lr scheduler, grad scaler, RNG states, step and data position to `path`.
 
     Call on every rank. Each rank writes its own shards; the directory appears under `path`
@@ -189,7 +190,9 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
     calling `sampler.set_epoch(epoch)` at each epoch). `extra` is any JSON data, returned by
     `load_checkpoint`. `optimizer` / `lr_scheduler` are for a bare `nn.Module` target. Every rank
     must see the same filesystem (as DCP assumes). `checksum`: the manifest's per-file checksum,
-    "xxh3_128" (fast corruption detection, the default) or "sha256".
+    "xxh3_128" (fast corruption detection, the default) or "sha256". `tokenizer` (a tokenizer
+    object or a directory of its files) is recorded with the checkpoint, and `merge_checkpoint`
+    copies it into the Hugging Face folder.
 
     `async_save=True` returns once the tensors are copied to host memory; the write, fsync,
     checksums, manifest, rename, `latest` and rotation go on in the background, and until they
@@ -209,6 +212,8 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
     if data_position is not None and not isinstance(data_position, DataPosition):
         raise ValueError(f"data_position={data_position!r} must be an atorch.checkpoint.DataPosition")
     mf.check_checksum(checksum)
+    if tokenizer is not None:
+        check_tokenizer(tokenizer)
     # One save at a time: a previous async save must be committed (or its error raised) first.
     checkpointer().wait()
     final_dir = os.path.normpath(path)
@@ -252,6 +257,8 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
             meta = _meta(objs, handler, step, data_position, small_state, has_optimizer, optim_values, world)
             _write_json(os.path.join(staging, META_NAME), meta)
             _write_model_configs(objs.model, staging)
+            if tokenizer is not None:
+                record_tokenizer(tokenizer, staging)
 
     def write_and_commit(tensors: Dict[str, Any], group: Any, agreed: Callable[[str], Any]) -> None:
         # Collectives here run on `group` only: the background gloo group of an async save. `agreed`

@@ -5,6 +5,9 @@ CLI). It touches the "atorch" logger only, never the root logger or the user's o
 and adds a handler only when the process has none (so an application's logging setup wins).
 `ATORCH_LOG_LEVEL` (DEBUG, INFO, WARNING, ...) sets the level on every rank.
 
+`candidate_logs_quieted()` keeps what optimizations say while a dry run builds a candidate out
+of the log (the dry run's result is its one line) unless ATORCH_LOG_LEVEL asks for more.
+
 `third_party_warnings_filtered()` hides the FutureWarnings/DeprecationWarnings that DeepSpeed,
 transformers and torch emit about their own internals while atorch drives them; users cannot
 act on those. It is a context manager around atorch's own calls, never a global filter.
@@ -64,3 +67,22 @@ def third_party_warnings_filtered() -> Iterator[None]:
         for category in (FutureWarning, DeprecationWarning):
             warnings.filterwarnings("ignore", category=category, module=_THIRD_PARTY)
         yield
+
+
+@contextlib.contextmanager
+def candidate_logs_quieted() -> Iterator[None]:
+    """Raise the "atorch" logger to WARNING inside the block, unless ATORCH_LOG_LEVEL is set.
+
+    A search builds many candidates; each optimization's INFO line (e.g. "checkpoint: 2 blocks
+    recompute...") repeated per dry run would bury the one line per dry run that matters.
+    """
+    logger = logging.getLogger("atorch")
+    previous = logger.level
+    quiet = env_str("ATORCH_LOG_LEVEL", None) is None and logger.getEffectiveLevel() < logging.WARNING
+    if quiet:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        if quiet:
+            logger.setLevel(previous)

@@ -61,6 +61,7 @@ def main(args: argparse.Namespace) -> None:
         report_path=str(output_dir / "search"), included=included or None, **eu.lr_scheduler_args(args))
     if not status:
         raise SystemExit("auto_accelerate could not apply the strategy it found; the reason is logged above")
+    tokenizer = loaded.tokenizer   # saved with each checkpoint
     del loaded
     if load_strategy is None:
         report = result.args.get("search_report") or {}
@@ -74,7 +75,7 @@ def main(args: argparse.Namespace) -> None:
     if lora is not None:
         flops = eu.with_lora_adapters(flops, lora)
     compute_dtype = result.args.get("autocast_dtype") or result.args.get("half_dtype")
-    checkpointer = eu.Checkpointer(args, result)
+    checkpointer = eu.Checkpointer(args, result, tokenizer=tokenizer)
     start_step = checkpointer.resume()
     meter = eu.build_meter(args, flops, global_batch, compute_dtype=compute_dtype)
     stream = checkpointer.stream

@@ -90,10 +90,11 @@ def main(args: argparse.Namespace) -> None:
         load_strategy=build_strategy(args, loaded.config, tp, dp, pp), **eu.lr_scheduler_args(args))
     if not status:
         raise SystemExit("auto_accelerate could not apply the strategy; the reason is logged above")
+    tokenizer = loaded.tokenizer   # saved with each checkpoint
     del loaded, model
     eu.announce_parameters(result.model)
 
-    checkpointer = eu.Checkpointer(args, result)
+    checkpointer = eu.Checkpointer(args, result, tokenizer=tokenizer)
     start_step = checkpointer.resume()
     meter = eu.build_meter(args, flops, global_batch,
                            compute_dtype=torch.bfloat16 if torch.cuda.is_available() else None)

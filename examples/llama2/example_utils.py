@@ -475,12 +475,14 @@ class Checkpointer:
     keeping the newest `save_total_limit`; `resume()` restores the model, optimizer, scheduler, RNG and
     data position from `--resume`. `strict=False` lets each rank load only the tensors it holds of a
     checkpoint that has more (a pipeline stage); tensors the rank needs must still all be there.
+    `tokenizer` is saved with every checkpoint, so the merged Hugging Face folder has it.
     """
 
-    def __init__(self, args: argparse.Namespace, result: Any, strict: bool = True) -> None:
+    def __init__(self, args: argparse.Namespace, result: Any, strict: bool = True, tokenizer: Any = None) -> None:
         self.args = args
         self.result = result
         self.strict = strict
+        self.tokenizer = tokenizer   # recorded with each checkpoint, so merge_checkpoint copies it
         self.directory = Path(args.output_dir) / "checkpoints"
         self.stream: Optional[BatchStream] = None
         self.last_saved_step: Optional[int] = None
@@ -527,7 +529,7 @@ class Checkpointer:
         loader_batch = self.result.dataloader.batch_size * self.result.args["data_parallel_size"]
         position = DataPosition(self.stream.epoch, self.stream.batches_in_epoch, loader_batch)
         path = save_checkpoint(self.result, str(self.directory / f"step_{step}"), step=step, data_position=position,
-                               keep_last=self.args.save_total_limit)
+                               keep_last=self.args.save_total_limit, tokenizer=self.tokenizer)
         self.last_saved_step = step
         print_rank0(f"checkpoint: saved {path}")
 

@@ -57,13 +57,14 @@ def main(args: argparse.Namespace) -> None:
         load_strategy=build_strategy(args), **eu.lr_scheduler_args(args))
     if not status:
         raise SystemExit("auto_accelerate could not apply the strategy; the reason is logged above")
+    tokenizer = loaded.tokenizer   # saved with each checkpoint
     del loaded
     lora = result.args.get("lora")
     if lora is not None:
         flops = eu.with_lora_adapters(flops, lora)
     eu.announce_parameters(result.model, lora)
 
-    checkpointer = eu.Checkpointer(args, result)
+    checkpointer = eu.Checkpointer(args, result, tokenizer=tokenizer)
     start_step = checkpointer.resume()
     meter = eu.build_meter(args, flops, global_batch, compute_dtype=torch.bfloat16)
     stream = checkpointer.stream

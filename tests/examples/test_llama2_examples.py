@@ -165,16 +165,19 @@ def test_lora_fine_tuning_loads_weights_and_trains_only_adapters(fsdp_run, tmp_p
 
 
 def test_fsdp_checkpoint_exports_to_a_hugging_face_model(fsdp_run, tmp_path):
-    """The README's export step: `merge_checkpoint` of the example's checkpoint, then `from_pretrained`."""
+    """The README's export step: `merge_checkpoint` of the example's checkpoint, then `from_pretrained`.
+    The example records its tokenizer with each checkpoint, so the merge copies it without being told."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from atorch.checkpoint import merge_checkpoint
     from atorch.testing.assets import load_tokenizer
 
     out_dir, first = fsdp_run
     ok(first)
-    merge_checkpoint(str(out_dir / "checkpoints" / "step_20"), str(tmp_path / "hf"), tokenizer=load_tokenizer())
+    merge_checkpoint(str(out_dir / "checkpoints" / "step_20"), str(tmp_path / "hf"))
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tokenizer("hello world")["input_ids"] == load_tokenizer()("hello world")["input_ids"]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert type(model).__name__ == "LlamaForCausalLM"
     assert sum(p.numel() for p in model.parameters()) == 213312 and all(

@@ -186,3 +186,39 @@ def test_merge_streams_one_shard_at_a_time(tmp_path):
         merged.update(load_file(os.path.join(out, name)))
     assert merged.keys() == model.state_dict().keys()
     assert all(torch.equal(merged[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("as_object", [True, False], ids=["tokenizer_object", "tokenizer_dir"])
+def test_the_tokenizer_recorded_at_save_travels_to_the_merged_folder(tmp_path, as_object):
+    """save_checkpoint(..., tokenizer=...) records it (checksummed by the manifest); merge copies it by default."""
+    from atorch.checkpoint import verify_checkpoint
+    from atorch.testing.assets import load_tokenizer
+
+    model = _train_one_step(tiny_llama(seed=0)).eval()
+    ckpt = save_checkpoint(model, str(tmp_path / "ckpt"), tokenizer=load_tokenizer() if as_object else TOKENIZER_DIR)
+    assert "tokenizer/tokenizer.json" in verify_checkpoint(ckpt, collective=False).files
+    out = merge_checkpoint(ckpt, str(tmp_path / "hf"))
+    expected = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))("hello world")["input_ids"]
+    assert AutoTokenizer.from_pretrained(out)("hello world")["input_ids"] == expected
+    assert torch.equal(_logits(_load_hf(out)), _logits(model))
+    # An explicit tokenizer still wins over the recorded one.
+    other = tmp_path / "other_tokenizer"
+    load_tokenizer().save_pretrained(str(other))
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 77}))
+    out2 = merge_checkpoint(ckpt, str(tmp_path / "hf2"), tokenizer=str(other))
+    assert AutoTokenizer.from_pretrained(out2).model_max_length == 77
+    assert AutoTokenizer.from_pretrained(out).model_max_length != 77
+
+
+def test_a_bad_tokenizer_is_refused_before_saving(tmp_path):
+    model = tiny_llama(seed=0)
+    with pytest.raises(ValueError, match=r"tokenizer=42 must be a tokenizer object \(with save_pretrained\) or a "
+                                         r"directory of tokenizer files"):
+        save_checkpoint(model, str(tmp_path / "ckpt"), tokenizer=42)
+    with pytest.raises(ValueError, match="has none of the tokenizer files"):
+        save_checkpoint(model, str(tmp_path / "ckpt"), tokenizer=str(tmp_path))
+    assert not (tmp_path / "ckpt").exists()
+    # Without a recorded tokenizer the merged folder simply has none (as before).
+    ckpt = save_checkpoint(model, str(tmp_path / "ckpt"))
+    assert not os.path.exists(os.path.join(merge_checkpoint(ckpt, str(tmp_path / "hf")), "tokenizer.json"))

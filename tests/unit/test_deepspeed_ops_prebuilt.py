@@ -20,8 +20,8 @@ SCRIPT = r"""
 import os
 import atorch
 from deepspeed.accelerator import get_accelerator
-builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-builder.load(verbose=False)
+for name in ("ShareMemCommBuilder", "CPUAdamBuilder"):  # comm, and ZeRO offload's optimizer
+    get_accelerator().create_op_builder(name).load(verbose=False)
 print("EXT", os.environ["TORCH_EXTENSIONS_DIR"])
 """
 

@@ -53,10 +53,10 @@ def _tiny_llama():
 
 def test_unknown_config_key_lists_valid_keys():
     with pytest.raises(ValueError, match=r"fsdp: unknown config key\(s\) \['cpu_ofload'\]; valid keys are "
-                                         r"\['wrap_cls', 'cpu_offload', 'sync_module_states', 'use_ds_zero'\]"):
+                                         r"\['wrap_cls', 'cpu_offload', 'sync_module_states', 'use_ds_zero', 'ds_config'\]"):
         resolve([("fsdp", {"cpu_ofload": True})])
     with pytest.raises(ValueError, match=r"zero1: unknown config key\(s\) \['stage'\]; valid keys are "
-                                         r"\['use_ds_zero'\]"):
+                                         r"\['use_ds_zero', 'ds_config'\]"):
         resolve([("zero1", {"stage": 1})])
     with pytest.raises(ValueError, match=r"amp_native: unknown config key\(s\) \['dtpye'\]; valid keys are "
                                          r"\['dtype'\]"):
@@ -113,7 +113,7 @@ def test_deepspeed_limits_are_checked_before_anything_runs():
     with pytest.raises(ValueError, match=r"amp_native\(dtype=float16\) with zero1 \(use_ds_zero=True\) is not "
                                          r"supported on CPU"):
         resolve([("amp_native", torch.float16), ("zero1", {"use_ds_zero": True})])
-    with pytest.raises(ValueError, match="cpu_offload=True with use_ds_zero=True is not supported"):
+    with pytest.raises(ValueError, match="cpu_offload=True with use_ds_zero=True is not what offloads DeepSpeed; put"):
         resolve([("fsdp", {"use_ds_zero": True, "cpu_offload": True})])
     with pytest.raises(ValueError, match=r"zero2: wrap_cls=\['LlamaDecoderLayer'\] applies to torch FSDP2 only"):
         resolve([("zero2", {"use_ds_zero": True, "wrap_cls": "LlamaDecoderLayer"})])

@@ -33,3 +33,23 @@ def test_third_party_warnings_are_hidden_inside_only():
             _warn("my_training_script")           # the user's own: kept
         _warn("deepspeed.runtime.engine")         # outside atorch's calls: kept
     assert [w.filename for w in seen] == ["my_training_script.py", "deepspeed.runtime.engine.py"]
+
+
+def test_candidate_logs_are_quieted_during_a_dry_run_unless_asked_for(monkeypatch):
+    """A search builds a candidate per dry run; its optimizations' INFO lines stay out (the dry run logs one)."""
+    from atorch.utils.quiet import candidate_logs_quieted
+
+    logger = logging.getLogger("atorch")
+    child = logging.getLogger("atorch.auto.opt_lib.activation_checkpoint")
+    previous = logger.level
+    try:
+        monkeypatch.delenv("ATORCH_LOG_LEVEL", raising=False)
+        logger.setLevel(logging.INFO)
+        with candidate_logs_quieted():
+            assert not child.isEnabledFor(logging.INFO) and child.isEnabledFor(logging.WARNING)
+        assert child.isEnabledFor(logging.INFO) and logger.level == logging.INFO
+        monkeypatch.setenv("ATORCH_LOG_LEVEL", "INFO")   # the user asked for everything: nothing hidden
+        with candidate_logs_quieted():
+            assert child.isEnabledFor(logging.INFO)
+    finally:
+        logger.setLevel(previous)

@@ -6,9 +6,11 @@ so DeepSpeed is imported only inside the functions that build an engine.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Type, Union
 
@@ -17,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from atorch.auto.model_context import ModelContext
+from atorch.auto.opt_lib._ds_config import DsConfigSpec, load_ds_config, normalize_ds_config, offload_devices, zero_ds_config
 from atorch.auto.opt_lib._precision import dtype_name
 from atorch.distributed.mesh import ParallelMesh
 from atorch.auto.opt_lib.base import ConfigAlias, CostContext, Optimization, Order, ValidationContext, WrapperOrder, is_false, is_true, short_value, shown_fields
@@ -112,9 +115,19 @@ def deepspeed_installed() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
 
 
-def validate_deepspeed(who: str, context: ValidationContext, cpu_offload: bool = False,
-                       wrap_cls: Optional[Sequence[ClassSpec]] = None) -> None:
-    """What DeepSpeed ZeRO here cannot do, raised before any process group work."""
+def check_ds_config_field(who: str, ds_config: Any, use_ds_zero: bool) -> DsConfigSpec:
+    """A Config's `ds_config` in its kept form; refused without use_ds_zero (torch has no use for it)."""
+    spec = normalize_ds_config(who, ds_config)
+    if spec is not None and not use_ds_zero:
+        raise ValueError(f"{who}: ds_config is DeepSpeed's config and applies with use_ds_zero=True only; add "
+                         "'use_ds_zero': True or drop ds_config")
+    return spec
+
+
+def validate_deepspeed(who: str, context: ValidationContext, stage: int, ds_config: DsConfigSpec = None,
+                       cpu_offload: bool = False, wrap_cls: Optional[Sequence[ClassSpec]] = None) -> None:
+    """What DeepSpeed ZeRO here cannot do, and a `ds_config` that contradicts the strategy,
+    raised before any process group work."""
     if wrap_cls is not None:
         raise ValueError(f"{who}: wrap_cls={list(wrap_cls)!r} applies to torch FSDP2 only; with use_ds_zero=True "
                          "DeepSpeed partitions the parameters itself, so leave wrap_cls unset")
@@ -124,18 +137,39 @@ def validate_deepspeed(who: str, context: ValidationContext, cpu_offload: bool =
         raise ValueError(f"{who} with use_ds_zero=True needs every rank data-parallel, but parallel_mode has "
                          f"{others}; use the torch implementation (use_ds_zero=False) with other parallel dims")
     if cpu_offload:
-        raise ValueError(f"{who}: cpu_offload=True with use_ds_zero=True is not supported (DeepSpeed's offload "
-                         "needs its own CPU Adam); use use_ds_zero=False for torch FSDP2 CPU offload")
+        raise ValueError(f"{who}: cpu_offload=True with use_ds_zero=True is not what offloads DeepSpeed; put "
+                         "{'zero_optimization': {'offload_optimizer': {'device': 'cpu'}}} in ds_config (and "
+                         "'offload_param' for fsdp), or use use_ds_zero=False for torch FSDP2 CPU offload")
     amp = context.configs.get("amp_native")
-    if amp is not None and amp.dtype is torch.float16 and context.device_type == "cpu":
+    amp_dtype = amp.dtype if amp is not None else None
+    if amp_dtype is torch.float16 and context.device_type == "cpu":
         raise ValueError(f"amp_native(dtype=float16) with {who} (use_ds_zero=True) is not supported on CPU: "
                          "DeepSpeed's CPU accelerator has no fp16; use dtype=torch.bfloat16")
+    accumulation = context.configs.get("gradient_accumulation")
+    zero_ds_config(who, ds_config, stage=stage, data_size=sizes.get("data", context.world_size),
+                   global_batch=context.global_batch_size,
+                   accumulation_steps=accumulation.steps if accumulation is not None else 1, autocast_dtype=amp_dtype)
+
+
+def deepspeed_cost_traits(stage: int, ds_config: DsConfigSpec) -> Dict[str, Any]:
+    """The cost model's view of a ZeRO engine: optimizer offload moves the sharded states to the host."""
+    optimizer_device, param_device = offload_devices(load_ds_config("cost model", ds_config))
+    return {"sharding": "deepspeed", "zero_stage": stage, "ddp_wrap": False,
+            "cpu_offload": optimizer_device != "none" or param_device != "none"}
 
 
 def describe_sharding(cls: Any, config: Any, stage: int) -> str:
     """'deepspeed stage N' for a DeepSpeed engine, then the other non-default settings."""
     fields = shown_fields(cls, config)
     parts = [f"deepspeed stage {stage}"] if fields.pop("use_ds_zero", False) else []
+    spec = fields.pop("ds_config", None)
+    if isinstance(spec, str):
+        parts.append(f"ds_config={os.path.basename(spec)}")
+    elif spec is not None:   # what the user changed that matters most to a reader: offload
+        optimizer_device, param_device = offload_devices(spec)
+        parts.append("ds_config")
+        parts += [f"offload_{what}={device}" for what, device in (("optimizer", optimizer_device),
+                                                                  ("param", param_device)) if device != "none"]
     return ",".join(parts + [f"{k}={short_value(v)}" for k, v in fields.items()])
 
 
@@ -147,64 +181,69 @@ DEEPSPEED_CONFLICTS: Dict[str, str] = {
 }
 
 
-def prepare_deepspeed(ctx: ModelContext) -> None:
-    """Apply phase: claim gradient sync and precision before the optimizer and wrappers run."""
+def prepare_deepspeed(ctx: ModelContext, who: str, ds_config: DsConfigSpec) -> None:
+    """Apply phase: check who builds the optimizer, claim gradient sync and precision before the
+    optimizer and wrappers run."""
+    user = load_ds_config(who, ds_config)
+    if "optimizer" in user:
+        if ctx.optim_func is not None:
+            raise ValueError(f"{who}: both optim_func and ds_config['optimizer'] are given; pass one (DeepSpeed "
+                             "builds the optimizer of ds_config, e.g. its CPU Adam when offloading)")
+    elif ctx.optim_func is None:
+        raise ValueError(f"{who} with use_ds_zero=True needs optim_func or ds_config['optimizer']: DeepSpeed ZeRO "
+                         "shards the optimizer")
+    elif offload_devices(user)[0] != "none" and not _is_deepspeed_cpu_adam(ctx.optim_func):
+        raise ValueError(f"{who}: ds_config offloads the optimizer, which runs DeepSpeed's CPU Adam; optim_func="
+                         f"{getattr(ctx.optim_func, '__name__', ctx.optim_func)!r} is not it. Pass optim_func="
+                         "deepspeed.ops.adam.DeepSpeedCPUAdam (adamw_mode=True is AdamW), or drop optim_func and "
+                         "put {'optimizer': {'type': 'AdamW', 'params': {...}}} in ds_config")
     ctx.is_sharded = True                # no DDP: the engine reduces gradients
     ctx.autocast_by_wrapper = ctx.autocast_dtype is not None
     ctx.loss_scaling_by_wrapper = True   # DeepSpeed's fp16 has its own loss scaler
 
 
-def deepspeed_config(ctx: ModelContext, stage: int) -> Dict[str, Any]:
-    dp = ctx.data_parallel_size()
+def _is_deepspeed_cpu_adam(factory: Any) -> bool:
+    """Whether an optim_func builds DeepSpeed's CPU Adam (by class name: importing DeepSpeed takes seconds)."""
+    while isinstance(factory, functools.partial):
+        factory = factory.func
+    return isinstance(factory, type) and any(c.__name__ == "DeepSpeedCPUAdam" for c in factory.__mro__)
+
+
+def deepspeed_config(ctx: ModelContext, who: str, stage: int, ds_config: DsConfigSpec) -> Dict[str, Any]:
+    """The engine's config: atorch's derived keys with the user's `ds_config` merged over them (checked)."""
     global_batch = ctx.dataloader_args.get("batch_size")
-    # DeepSpeed insists on a batch size; without a dataloader it only feeds its throughput logs.
-    # train_step sets the accumulation boundary itself; these keep DeepSpeed's bookkeeping true.
-    gas = ctx.gradient_accumulation_steps
-    micro = max(1, global_batch // dp // gas) if global_batch else 1
-    config: Dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": gas,
-        "train_batch_size": micro * dp * gas,
-        "zero_optimization": {"stage": stage},
-        # The user's torch optimizer is passed as DeepSpeed's "client optimizer", so the update
-        # rule is exactly the one asked for; DeepSpeed warns about it unless told it is intended.
-        "zero_allow_untested_optimizer": True,
-        # DeepSpeed 0.19 clips gradients to norm 1.0 unless told otherwise; training must match
-        # the user's plain loop, which does not clip.
-        "gradient_clipping": 0.0,
-        "steps_per_print": 2 ** 31 - 1,
-        "wall_clock_breakdown": False,
-    }
-    if ctx.autocast_dtype is torch.bfloat16:
-        config["bf16"] = {"enabled": True}
-    elif ctx.autocast_dtype is torch.float16:
-        config["fp16"] = {"enabled": True}
-    return config
+    # train_step sets the accumulation boundary itself; the batch keys keep DeepSpeed's bookkeeping true.
+    return zero_ds_config(who, ds_config, stage=stage, data_size=ctx.data_parallel_size(),
+                          global_batch=int(global_batch) if global_batch else None,
+                          accumulation_steps=ctx.gradient_accumulation_steps, autocast_dtype=ctx.autocast_dtype)
 
 
-def build_deepspeed_engine(ctx: ModelContext, who: str, stage: int) -> Dict[str, Any]:
+def build_deepspeed_engine(ctx: ModelContext, who: str, stage: int, ds_config: DsConfigSpec = None) -> Dict[str, Any]:
     """Wrapper phase: a DeepSpeed engine over the model and the user's optimizer (ZeRO `stage`).
 
     DeepSpeed reuses the process group atorch already created (dist_init_required=False). An
     LR scheduler is built here, on the user's optimizer, and handed to the engine, because
-    `engine.step()` is what steps it.
+    `engine.step()` is what steps it. With `optimizer` in ds_config, DeepSpeed builds the
+    optimizer itself over the trainable parameters.
     """
-    if ctx.optim is None:
-        raise ValueError(f"{who} with use_ds_zero=True needs optim_func: DeepSpeed ZeRO shards the optimizer")
     import deepspeed  # heavy; only when an engine is asked for
 
-    config = deepspeed_config(ctx, stage)
+    config = deepspeed_config(ctx, who, stage, ds_config)
     scheduler = None
-    if ctx.lr_scheduler_cls is not None:
+    if ctx.lr_scheduler_cls is not None and ctx.optim is not None:
         scheduler = ctx.lr_scheduler_cls(ctx.optim, **ctx.lr_scheduler_args)
-    engine, optim, _, scheduler = deepspeed.initialize(model=ctx.model, optimizer=ctx.optim, lr_scheduler=scheduler,
-                                                       config=config, dist_init_required=False)
+    params = [p for p in ctx.model.parameters() if p.requires_grad] if ctx.optim is None else None
+    engine, optim, _, scheduler = deepspeed.initialize(model=ctx.model, optimizer=ctx.optim, model_parameters=params,
+                                                       lr_scheduler=scheduler, config=config,
+                                                       dist_init_required=False)
     ctx.engine = engine
     ctx.optim = optim
     ctx.lr_scheduler = scheduler
     ctx.deepspeed_config = config
+    optimizer_device, param_device = offload_devices(config)
     return {"backend": "deepspeed", "zero_stage": stage,
-            "mixed_precision": dtype_name(ctx.autocast_dtype) if ctx.autocast_dtype is not None else None}
+            "mixed_precision": dtype_name(ctx.autocast_dtype) if ctx.autocast_dtype is not None else None,
+            "offload_optimizer": optimizer_device, "offload_param": param_device}
 
 
 
@@ -223,11 +262,15 @@ class Fsdp2ShardingConfig:
     (DeepSpeed always does)."""
     use_ds_zero: bool = False
     """Use a DeepSpeed ZeRO engine instead of torch FSDP2 (then wrap_cls and cpu_offload must stay unset)."""
+    ds_config: DsConfigSpec = None
+    """DeepSpeed's config (dict or JSON path), merged over what atorch derives (use_ds_zero only): offload,
+    bucket sizes, overlap... Batch keys, ZeRO stage and bf16/fp16 may repeat the strategy's but not contradict it."""
 
     def __post_init__(self) -> None:
         for key in ("cpu_offload", "sync_module_states", "use_ds_zero"):
             check_bool(self._owner, key, getattr(self, key))
         object.__setattr__(self, "wrap_cls", normalize_wrap_cls(self._owner, self.wrap_cls))
+        object.__setattr__(self, "ds_config", check_ds_config_field(self._owner, self.ds_config, self.use_ds_zero))
 
 
 # ATorch's FSDP1 options for fsdp/zero2 (fsdp_config dicts of its strategies).
@@ -281,8 +324,7 @@ class Fsdp2ShardingOptimization(Optimization):
     @classmethod
     def cost_traits(cls, config: Fsdp2ShardingConfig, context: CostContext) -> Dict[str, Any]:
         if config.use_ds_zero:
-            return {"sharding": "deepspeed", "zero_stage": cls.deepspeed_stage, "ddp_wrap": False,
-                    "cpu_offload": config.cpu_offload}
+            return deepspeed_cost_traits(cls.deepspeed_stage, config.ds_config)
         return {"sharding": "fsdp2", "zero_stage": 3 if cls.reshard_after_forward else 2,
                 "reshard_after_forward": cls.reshard_after_forward, "cpu_offload": config.cpu_offload,
                 "ddp_wrap": False}
@@ -300,13 +342,14 @@ class Fsdp2ShardingOptimization(Optimization):
 
     def validate(self, config: Fsdp2ShardingConfig, context: ValidationContext) -> None:
         if config.use_ds_zero:
-            validate_deepspeed(self.name, context, cpu_offload=config.cpu_offload, wrap_cls=config.wrap_cls)
+            validate_deepspeed(self.name, context, self.deepspeed_stage, config.ds_config,
+                               cpu_offload=config.cpu_offload, wrap_cls=config.wrap_cls)
 
     def apply(self, ctx: ModelContext, config: Fsdp2ShardingConfig) -> None:
         if config.use_ds_zero:
             # DeepSpeed partitions when the engine is built, after the optimizer exists, and
             # broadcasts rank 0's weights first (every stage): sync_module_states is implied.
-            prepare_deepspeed(ctx)
+            prepare_deepspeed(ctx, self.name, config.ds_config)
             return
         ctx.summaries[self.name] = shard_with_fsdp2(
             ctx, self.name, wrap_cls=config.wrap_cls, reshard_after_forward=self.reshard_after_forward,
@@ -314,4 +357,4 @@ class Fsdp2ShardingOptimization(Optimization):
 
     def apply_wrapper(self, ctx: ModelContext, config: Fsdp2ShardingConfig) -> None:
         if config.use_ds_zero:
-            ctx.summaries[self.name] = build_deepspeed_engine(ctx, self.name, stage=self.deepspeed_stage)
+            ctx.summaries[self.name] = build_deepspeed_engine(ctx, self.name, self.deepspeed_stage, config.ds_config)

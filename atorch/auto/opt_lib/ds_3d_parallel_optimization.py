@@ -18,7 +18,6 @@ DeepSpeed is imported only when the optimization is applied.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 from atorch.auto.model_context import ModelContext
+from atorch.auto.opt_lib._ds_config import complete_batch_sizes, load_ds_config, merge_ds_config, zero_stage_of
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, WrapperOrder, register
 from atorch.modules.pipeline.batches import batch_rows, hf_batch_fn, split_micro_batches
 from atorch.modules.pipeline.partition import plan_stages
@@ -48,7 +48,6 @@ __all__ = ["DeepSpeed3DParallelConfig", "DeepSpeed3DParallelOptimization", "get_
 
 # atorch's dims for DeepSpeed 3D, fastest first: DeepSpeed's (model, data, pipe) order.
 SUPPORTED_ORDER = ("tensor", "data", "pipeline")
-BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
 @dataclass
@@ -80,64 +79,27 @@ class DeepSpeed3DParallelConfig:
     optional attention_mask) are accepted."""
 
 
-def _load_ds_config(raw: Any) -> Dict[str, Any]:
-    if raw is None:
-        return {}
-    if isinstance(raw, (str, os.PathLike)):
-        try:
-            with open(raw) as f:
-                loaded = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"deepspeed_3d_parallel: ds_config {str(raw)!r} is not a readable JSON file: {e}") from e
-        raw = loaded
-    if not isinstance(raw, Mapping):
-        raise ValueError(f"deepspeed_3d_parallel: ds_config must be a dict or a JSON file path, got "
-                         f"{type(raw).__name__}")
-    return json.loads(json.dumps(raw))  # a deep copy: DeepSpeed and this module edit it
+WHO = "deepspeed_3d_parallel"
 
 
 def resolve_ds_config(raw: Any, data_size: int, pipeline_size: int) -> Dict[str, Any]:
     """The DeepSpeed config to run with: batch sizes completed and checked, strategy contradictions refused.
 
     Pure. Raises ValueError naming the values when the config contradicts the parallel layout.
+    Reading, batch completion and merging are shared with the ZeRO engines (`_ds_config`).
     """
-    cfg = _load_ds_config(raw)
-    stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
+    cfg = load_ds_config(WHO, raw)
+    stage = zero_stage_of(cfg)
     if not isinstance(stage, int) or stage >= 2:
-        raise ValueError(f"deepspeed_3d_parallel: ds_config zero_optimization.stage={stage!r} contradicts pipeline "
+        raise ValueError(f"{WHO}: ds_config zero_optimization.stage={stage!r} contradicts pipeline "
                          "parallelism (DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only)")
     stages = (cfg.get("pipeline") or {}).get("stages", "auto")
     if stages not in ("auto", pipeline_size):
-        raise ValueError(f"deepspeed_3d_parallel: ds_config pipeline.stages={stages!r} but parallel_mode has "
+        raise ValueError(f"{WHO}: ds_config pipeline.stages={stages!r} but parallel_mode has "
                          f"pipeline={pipeline_size}")
-    values = {k: cfg.get(k) for k in BATCH_KEYS}
-    for key, value in values.items():
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"deepspeed_3d_parallel: ds_config {key}={value!r} must be a positive integer")
-    total, micro, gas = values["train_batch_size"], values["train_micro_batch_size_per_gpu"], \
-        values["gradient_accumulation_steps"]
-    if total is None:
-        micro, gas = micro or 1, gas or 1
-        total = micro * gas * data_size
-    elif micro is None:
-        gas = gas or 1
-        if total % (gas * data_size) != 0:
-            raise ValueError(f"deepspeed_3d_parallel: ds_config train_batch_size={total} is not divisible by "
-                             f"gradient_accumulation_steps={gas} x data size {data_size}")
-        micro = total // (gas * data_size)
-    elif gas is None:
-        if total % (micro * data_size) != 0:
-            raise ValueError(f"deepspeed_3d_parallel: ds_config train_batch_size={total} is not divisible by "
-                             f"train_micro_batch_size_per_gpu={micro} x data size {data_size}")
-        gas = total // (micro * data_size)
-    if total != micro * gas * data_size:
-        raise ValueError(f"deepspeed_3d_parallel: ds_config train_batch_size={total} != "
-                         f"train_micro_batch_size_per_gpu={micro} x gradient_accumulation_steps={gas} x data size "
-                         f"{data_size} = {micro * gas * data_size}")
-    cfg.update(train_batch_size=total, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas)
+    complete_batch_sizes(WHO, cfg, data_size)
     # DeepSpeed clips at 1.0 by default; atorch's contract is the training of the plain loop.
-    cfg.setdefault("gradient_clipping", 0.0)
-    return cfg
+    return merge_ds_config({"gradient_clipping": 0.0}, cfg)
 
 
 def _layout_sizes(context_sizes: Mapping[str, int], world_size: int) -> Tuple[int, int, int]:

@@ -15,10 +15,13 @@ from typing import Any, Dict, List
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from atorch.auto.model_context import ModelContext
+from atorch.auto.opt_lib._ds_config import DsConfigSpec
 from atorch.auto.opt_lib._sharding import (
     DEEPSPEED_CONFLICTS,
     build_deepspeed_engine,
     check_bool,
+    check_ds_config_field,
+    deepspeed_cost_traits,
     deepspeed_installed,
     describe_sharding,
     prepare_deepspeed,
@@ -40,9 +43,13 @@ from atorch.auto.opt_lib.base import (
 class Zero1Config:
     use_ds_zero: bool = False
     """Use a DeepSpeed ZeRO stage-1 engine instead of torch's ZeroRedundancyOptimizer."""
+    ds_config: DsConfigSpec = None
+    """DeepSpeed's config (dict or JSON path), merged over what atorch derives (use_ds_zero only): optimizer
+    offload, bucket sizes... Batch keys, ZeRO stage and bf16/fp16 may repeat the strategy's but not contradict it."""
 
     def __post_init__(self) -> None:
         check_bool("zero1", "use_ds_zero", self.use_ds_zero)
+        object.__setattr__(self, "ds_config", check_ds_config_field("zero1", self.ds_config, self.use_ds_zero))
 
 
 @register
@@ -84,13 +91,14 @@ class Zero1Optimization(Optimization):
     @classmethod
     def cost_traits(cls, config: Zero1Config, context: CostContext) -> Dict[str, Any]:
         if config.use_ds_zero:
-            return {"sharding": "deepspeed", "zero_stage": 1, "ddp_wrap": False}
+            return deepspeed_cost_traits(1, config.ds_config)
         # ZeroRedundancyOptimizer: Adam state / data; DDP keeps full gradients and its buckets.
         return {"sharding": "torch_zero1", "zero_stage": 1}
 
     config_aliases = {
         "cpu_offload": ConfigAlias(accepts=is_false, instead="zero1 keeps optimizer state on the device; for CPU "
-                                   "offload use fsdp or zero2 with cpu_offload=True"),
+                                   "offload use use_ds_zero=True with ds_config {'zero_optimization': "
+                                   "{'offload_optimizer': {'device': 'cpu'}}}, or fsdp/zero2 with cpu_offload=True"),
         "static_loss_scale": ConfigAlias(instead="loss scaling belongs to amp_native here: use ('amp_native', "
                                          "{'dtype': torch.float16}), which scales dynamically"),
     }
@@ -98,11 +106,11 @@ class Zero1Optimization(Optimization):
     def validate(self, config: Zero1Config, context: ValidationContext) -> None:
         # Torch ZeRO-1 with `ddp` is fine: it relies on DDP for gradient averaging either way.
         if config.use_ds_zero:
-            validate_deepspeed("zero1", context)
+            validate_deepspeed("zero1", context, 1, config.ds_config)
 
     def apply(self, ctx: ModelContext, config: Zero1Config) -> None:
         if config.use_ds_zero:
-            prepare_deepspeed(ctx)
+            prepare_deepspeed(ctx, "zero1", config.ds_config)
             return
         if ctx.optim_func is None:
             raise ValueError("zero1 needs optim_func: it shards the optimizer's state")
@@ -115,4 +123,4 @@ class Zero1Optimization(Optimization):
 
     def apply_wrapper(self, ctx: ModelContext, config: Zero1Config) -> None:
         if config.use_ds_zero:
-            ctx.summaries["zero1"] = build_deepspeed_engine(ctx, "zero1", stage=1)
+            ctx.summaries["zero1"] = build_deepspeed_engine(ctx, "zero1", 1, config.ds_config)

@@ -1,0 +1,236 @@
+"""A user's DeepSpeed config (`ds_config`), read, merged over what atorch derives, and checked.
+
+Shared by the DeepSpeed ZeRO engines (`zero1`/`zero2`/`fsdp` with use_ds_zero=True) and
+`deepspeed_3d_parallel`. Pure: no DeepSpeed import, no collective; every error is a ValueError
+naming the key, the user's value and the value atorch's strategy implies, so it is raised
+identically on every rank during validation. Registers nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
+
+import torch
+
+DsConfigSpec = Union[None, str, Dict[str, Any]]
+"""What a `ds_config` field holds: None, a JSON file path, or a JSON-compatible dict."""
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+def normalize_ds_config(who: str, value: Any) -> DsConfigSpec:
+    """The form a Config keeps: None, a path string, or a deep copy of a dict of JSON values.
+
+    The copy is what the strategy's JSON file stores, so a config that JSON cannot hold is
+    refused here rather than when the strategy is saved.
+    """
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{who}: ds_config must be a dict or a JSON file path, got {type(value).__name__}")
+    try:
+        return json.loads(json.dumps(dict(value)))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{who}: ds_config must hold JSON values only (it is DeepSpeed's JSON config): {e}") from e
+
+
+def load_ds_config(who: str, raw: Any) -> Dict[str, Any]:
+    """A fresh dict of the user's config (None: empty); DeepSpeed and atorch may edit the result."""
+    spec = normalize_ds_config(who, raw)
+    if spec is None:
+        return {}
+    if isinstance(spec, str):
+        try:
+            with open(spec) as f:
+                loaded = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{who}: ds_config {spec!r} is not a readable JSON file: {e}") from e
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{who}: ds_config {spec!r} must hold a JSON object, got {type(loaded).__name__}")
+        return loaded
+    return spec   # normalize_ds_config already copied it
+
+
+def merge_ds_config(derived: Mapping[str, Any], user: Mapping[str, Any]) -> Dict[str, Any]:
+    """`user` over `derived`, recursively for nested sections (e.g. a user's `zero_optimization`
+    with only `offload_optimizer` keeps atorch's `stage`)."""
+    out = json.loads(json.dumps(dict(derived)))
+    for key, value in user.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = merge_ds_config(out[key], value)
+        else:
+            out[key] = json.loads(json.dumps(value))
+    return out
+
+
+def complete_batch_sizes(who: str, cfg: Dict[str, Any], data_size: int) -> Tuple[int, int, int]:
+    """Fill the missing batch keys of `cfg` by DeepSpeed's rule; returns (train_batch_size, micro, accumulation).
+
+    train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x data size.
+    """
+    values = {k: cfg.get(k) for k in BATCH_KEYS}
+    for key, value in values.items():
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{who}: ds_config {key}={value!r} must be a positive integer")
+    total, micro, gas = (values[k] for k in BATCH_KEYS)
+    if total is None:
+        micro, gas = micro or 1, gas or 1
+        total = micro * gas * data_size
+    elif micro is None:
+        gas = gas or 1
+        if total % (gas * data_size) != 0:
+            raise ValueError(f"{who}: ds_config train_batch_size={total} is not divisible by "
+                             f"gradient_accumulation_steps={gas} x data size {data_size}")
+        micro = total // (gas * data_size)
+    elif gas is None:
+        if total % (micro * data_size) != 0:
+            raise ValueError(f"{who}: ds_config train_batch_size={total} is not divisible by "
+                             f"train_micro_batch_size_per_gpu={micro} x data size {data_size}")
+        gas = total // (micro * data_size)
+    if total != micro * gas * data_size:
+        raise ValueError(f"{who}: ds_config train_batch_size={total} != train_micro_batch_size_per_gpu={micro} x "
+                         f"gradient_accumulation_steps={gas} x data size {data_size} = {micro * gas * data_size}")
+    cfg.update(train_batch_size=total, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas)
+    return total, micro, gas
+
+
+def zero_stage_of(cfg: Mapping[str, Any], default: int = 0) -> Any:
+    return (cfg.get("zero_optimization") or {}).get("stage", default)
+
+
+def offload_devices(cfg: Mapping[str, Any]) -> Tuple[str, str]:
+    """(optimizer offload device, parameter offload device) of a config; "none" when not offloaded."""
+    zero = cfg.get("zero_optimization") or {}
+    return ((zero.get("offload_optimizer") or {}).get("device", "none") or "none",
+            (zero.get("offload_param") or {}).get("device", "none") or "none")
+
+
+def _precision_enabled(cfg: Mapping[str, Any], key: str) -> Optional[bool]:
+    """True/False when the user's config says so for `bf16`/`fp16`, None when it does not mention it."""
+    section = cfg.get(key)
+    if section is None:
+        return None
+    if not isinstance(section, Mapping):
+        raise ValueError(f"ds_config {key}={section!r} must be a section like {{'enabled': true}}")
+    enabled = section.get("enabled")
+    if enabled in ("auto", None):
+        return None
+    return bool(enabled)
+
+
+def zero_ds_config(who: str, raw: Any, *, stage: int, data_size: int, global_batch: Optional[int],
+                   accumulation_steps: int, autocast_dtype: Optional[torch.dtype]) -> Dict[str, Any]:
+    """The config of a DeepSpeed ZeRO engine: atorch's derived keys with the user's `raw` merged over them.
+
+    atorch's required keys, which the user's config may repeat but not contradict:
+    - `zero_optimization.stage`: the optimization's stage (zero1: 1, zero2: 2, fsdp: 3);
+    - the batch keys: the dataloader's global batch (`dataloader_args["batch_size"]`) split over
+      the data ranks and the `gradient_accumulation` optimization's steps;
+    - `bf16`/`fp16`: on exactly when amp_native asks for that dtype;
+    - `gradient_clipping`: off (train_step's `max_grad_norm` sets it per step).
+    Everything else (offload, bucket sizes, overlap, an `optimizer` section...) is the user's.
+    """
+    user = load_ds_config(who, raw)
+    for section in ("zero_optimization", "bf16", "fp16", "amp"):
+        if section in user and not isinstance(user[section], Mapping):
+            raise ValueError(f"{who}: ds_config {section}={user[section]!r} must be a section (a JSON object)")
+    user_stage = zero_stage_of(user, default=stage)
+    if user_stage != stage:
+        raise ValueError(f"{who}: ds_config zero_optimization.stage={user_stage!r} but {who} is DeepSpeed ZeRO stage "
+                         f"{stage}; drop the key or use the optimization of that stage (zero1: 1, zero2: 2, fsdp: 3)")
+    _check_precision(who, user, autocast_dtype)
+    clip = user.get("gradient_clipping", 0.0)
+    if clip not in (0, 0.0, None):
+        raise ValueError(f"{who}: ds_config gradient_clipping={clip!r}: clipping is train_step's max_grad_norm here "
+                         "(it sets the engine's clipping at every step); drop the key and pass "
+                         f"train_step(result, batch, max_grad_norm={clip!r})")
+    _check_offload(who, user, stage)
+    derived = derived_zero_config(stage, data_size, global_batch, accumulation_steps, autocast_dtype)
+    _check_batch(who, user, derived, data_size, global_batch, accumulation_steps)
+    return merge_ds_config(derived, user)
+
+
+def derived_zero_config(stage: int, data_size: int, global_batch: Optional[int], accumulation_steps: int,
+                        autocast_dtype: Optional[torch.dtype]) -> Dict[str, Any]:
+    """What atorch's strategy implies for a ZeRO engine, before the user's config."""
+    gas = accumulation_steps
+    # DeepSpeed insists on a batch size; without a dataloader it only feeds its throughput logs.
+    micro = max(1, global_batch // data_size // gas) if global_batch else 1
+    config: Dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+        "train_batch_size": micro * data_size * gas,
+        "zero_optimization": {"stage": stage},
+        # The user's torch optimizer is passed as DeepSpeed's "client optimizer", so the update
+        # rule is exactly the one asked for; DeepSpeed warns about it unless told it is intended.
+        "zero_allow_untested_optimizer": True,
+        # DeepSpeed 0.19 clips gradients to norm 1.0 unless told otherwise; training must match
+        # the user's plain loop, which does not clip.
+        "gradient_clipping": 0.0,
+        "steps_per_print": 2 ** 31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if autocast_dtype is torch.bfloat16:
+        config["bf16"] = {"enabled": True}
+    elif autocast_dtype is torch.float16:
+        config["fp16"] = {"enabled": True}
+    return config
+
+
+def _check_precision(who: str, user: Mapping[str, Any], autocast_dtype: Optional[torch.dtype]) -> None:
+    amp = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(autocast_dtype) if autocast_dtype is not None else None
+    for key in ("bf16", "fp16"):
+        enabled = _precision_enabled(user, key)
+        if enabled is None or enabled == (key == amp):
+            continue
+        if enabled:
+            asked = f"amp_native is {amp}" if amp else "the strategy has no amp_native"
+            raise ValueError(f"{who}: ds_config {key}.enabled=true but {asked}; precision is amp_native's here: "
+                             f"drop {key} from ds_config and add ('amp_native', {{'dtype': torch."
+                             f"{'bfloat16' if key == 'bf16' else 'float16'}}})")
+        raise ValueError(f"{who}: ds_config {key}.enabled=false but amp_native asks for {key}; drop {key} from "
+                         "ds_config, or remove amp_native to train in fp32")
+    if "amp" in user and (user["amp"] or {}).get("enabled"):
+        raise ValueError(f"{who}: ds_config amp (NVIDIA apex) is not supported; use amp_native")
+
+
+def _check_offload(who: str, user: Mapping[str, Any], stage: int) -> None:
+    optimizer_device, param_device = offload_devices(user)
+    for key, device in (("offload_optimizer", optimizer_device), ("offload_param", param_device)):
+        if device not in OFFLOAD_DEVICES:
+            raise ValueError(f"{who}: ds_config zero_optimization.{key}.device={device!r} must be one of "
+                             f"{list(OFFLOAD_DEVICES)}")
+    if param_device != "none" and stage < 3:
+        raise ValueError(f"{who}: ds_config zero_optimization.offload_param needs ZeRO stage 3 (parameters are "
+                         f"partitioned only there), but {who} is stage {stage}; use fsdp with use_ds_zero=True")
+
+
+def _check_batch(who: str, user: Dict[str, Any], derived: Mapping[str, Any], data_size: int,
+                 global_batch: Optional[int], accumulation_steps: int) -> None:
+    given = {k: user[k] for k in BATCH_KEYS if user.get(k) is not None}
+    if not given:
+        return
+    complete = dict(given)
+    total, micro, gas = complete_batch_sizes(who, complete, data_size)
+    if gas != accumulation_steps:
+        raise ValueError(f"{who}: ds_config gradient_accumulation_steps={gas} but the strategy accumulates "
+                         f"{accumulation_steps} micro-batch(es) per step; accumulation is the gradient_accumulation "
+                         f"optimization's here: add ('gradient_accumulation', {{'steps': {gas}}}) and drop the "
+                         "batch keys from ds_config")
+    if global_batch is not None:
+        expected = {k: derived[k] for k in BATCH_KEYS}
+        for key, value in given.items():
+            if value != expected[key]:
+                raise ValueError(f"{who}: ds_config {key}={value} disagrees with the dataloader: its global batch "
+                                 f"{global_batch} (dataloader_args batch_size) over {data_size} data rank(s) and "
+                                 f"{accumulation_steps} accumulation step(s) gives {key}={expected[key]}; drop the "
+                                 "batch keys from ds_config (atorch derives them) or change batch_size")
+    # Without a dataloader the user's (consistent) batch keys stand: DeepSpeed only logs them.
+    user.update(train_batch_size=total, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas)

@@ -1,0 +1,164 @@
+"""`ds_config` of the DeepSpeed ZeRO engines (zero1/zero2/fsdp with use_ds_zero=True): merge over
+atorch's derived keys, conflicts named at validation, JSON round trip, describe and cost traits.
+
+Pure: no process group, no DeepSpeed import.
+"""
+
+import json
+
+import pytest
+import torch
+
+from atorch.auto import Strategy
+from atorch.auto.cost_model import ModelShape, StrategyTraits
+from atorch.auto.opt_lib import ValidationContext, get_optimization, resolve_strategy
+from atorch.auto.opt_lib._ds_config import derived_zero_config, merge_ds_config, offload_devices, zero_ds_config
+from atorch.auto.opt_lib.ds_3d_parallel_optimization import resolve_ds_config
+from atorch.testing import tiny_llama_config
+
+OFFLOAD = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}, "reduce_bucket_size": 1000}}
+
+
+def resolve(items, world_size=2, global_batch=8):
+    return resolve_strategy(Strategy(items), ValidationContext(world_size=world_size, global_batch_size=global_batch))
+
+
+def config_of(resolved, name):
+    return next(r.config for r in resolved if r.name == name)
+
+
+def test_merge_keeps_atorch_keys_under_the_users_sections():
+    derived = derived_zero_config(2, data_size=2, global_batch=8, accumulation_steps=2,
+                                  autocast_dtype=torch.bfloat16)
+    assert (derived["train_micro_batch_size_per_gpu"], derived["train_batch_size"]) == (2, 8)
+    merged = merge_ds_config(derived, OFFLOAD)
+    assert merged["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                                           "reduce_bucket_size": 1000}
+    assert merged["bf16"] == {"enabled": True} and merged["gradient_clipping"] == 0.0
+    assert "offload_optimizer" not in derived["zero_optimization"]   # nothing shared with the inputs
+
+
+def test_user_keys_that_repeat_the_strategy_are_accepted():
+    cfg = zero_ds_config("zero2", {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+                                   "zero_optimization": {"stage": 2, "overlap_comm": True}, "bf16": {"enabled": True}},
+                         stage=2, data_size=2, global_batch=8, accumulation_steps=1, autocast_dtype=torch.bfloat16)
+    assert cfg["zero_optimization"] == {"stage": 2, "overlap_comm": True}
+    assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == \
+        (8, 4, 1)
+    # Without a dataloader, the user's consistent batch keys stand (DeepSpeed only logs them).
+    cfg = zero_ds_config("zero1", {"train_micro_batch_size_per_gpu": 3}, stage=1, data_size=2, global_batch=None,
+                         accumulation_steps=1, autocast_dtype=None)
+    assert cfg["train_batch_size"] == 6
+
+
+@pytest.mark.parametrize("items, match", [
+    ([("zero2", {"use_ds_zero": True, "ds_config": {"train_micro_batch_size_per_gpu": 2}})],
+     r"zero2: ds_config train_micro_batch_size_per_gpu=2 disagrees with the dataloader: its global batch 8 "
+     r"\(dataloader_args batch_size\) over 2 data rank\(s\) and 1 accumulation step\(s\) gives "
+     r"train_micro_batch_size_per_gpu=4"),
+    ([("zero1", {"use_ds_zero": True, "ds_config": {"train_batch_size": 16}})],
+     r"zero1: ds_config train_batch_size=16 disagrees with the dataloader"),
+    ([("fsdp", {"use_ds_zero": True, "ds_config": {"gradient_accumulation_steps": 2}})],
+     r"fsdp: ds_config gradient_accumulation_steps=2 but the strategy accumulates 1 micro-batch\(es\) per step; "
+     r"accumulation is the gradient_accumulation optimization's here: add \('gradient_accumulation', \{'steps': 2\}\)"),
+    ([("zero2", {"use_ds_zero": True, "ds_config": {"zero_optimization": {"stage": 3}}})],
+     r"zero2: ds_config zero_optimization.stage=3 but zero2 is DeepSpeed ZeRO stage 2"),
+    ([("fsdp", {"use_ds_zero": True, "ds_config": {"bf16": {"enabled": True}}})],
+     r"fsdp: ds_config bf16.enabled=true but the strategy has no amp_native; .*add \('amp_native', "
+     r"\{'dtype': torch.bfloat16\}\)"),
+    ([("amp_native", torch.bfloat16), ("zero2", {"use_ds_zero": True, "ds_config": {"bf16": {"enabled": False}}})],
+     r"zero2: ds_config bf16.enabled=false but amp_native asks for bf16"),
+    ([("amp_native", torch.bfloat16), ("zero2", {"use_ds_zero": True, "ds_config": {"fp16": {"enabled": True}}})],
+     r"zero2: ds_config fp16.enabled=true but amp_native is bf16"),
+    ([("zero1", {"use_ds_zero": True, "ds_config": {"gradient_clipping": 1.0}})],
+     r"zero1: ds_config gradient_clipping=1.0: clipping is train_step's max_grad_norm here .*max_grad_norm=1.0"),
+    ([("zero2", {"use_ds_zero": True, "ds_config": {"zero_optimization": {"offload_param": {"device": "cpu"}}}})],
+     r"zero2: ds_config zero_optimization.offload_param needs ZeRO stage 3"),
+    ([("fsdp", {"use_ds_zero": True, "ds_config": {"zero_optimization": {"offload_optimizer": {"device": "gpu"}}}})],
+     r"fsdp: ds_config zero_optimization.offload_optimizer.device='gpu' must be one of \['none', 'cpu', 'nvme'\]"),
+    ([("zero2", {"ds_config": OFFLOAD})], r"zero2: ds_config is DeepSpeed's config and applies with use_ds_zero=True"),
+    ([("zero1", {"use_ds_zero": True, "ds_config": [1]})], r"zero1: ds_config must be a dict or a JSON file path"),
+    ([("zero1", {"use_ds_zero": True, "ds_config": {"zero_optimization": 2}})],
+     r"zero1: ds_config zero_optimization=2 must be a section \(a JSON object\)"),
+    ([("zero1", {"use_ds_zero": True, "ds_config": {"x": object()}})], r"zero1: ds_config must hold JSON values"),
+    ([("zero1", {"use_ds_zero": True, "ds_config": "/nonexistent/ds.json"})],
+     r"zero1: ds_config '/nonexistent/ds.json' is not a readable JSON file"),
+])
+def test_conflicts_are_named_at_validation(items, match):
+    with pytest.raises(ValueError, match=match):
+        resolve(items)
+
+
+def test_accumulation_from_the_strategy_and_json_path(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2}}))
+    resolved = resolve([("gradient_accumulation", {"steps": 2}),
+                        ("zero2", {"use_ds_zero": True, "ds_config": path})])   # a PathLike is kept as a string
+    assert config_of(resolved, "zero2").ds_config == str(path)
+
+
+def test_strategy_json_round_trip_keeps_ds_config(tmp_path):
+    strategy = Strategy([("amp_native", torch.bfloat16),
+                         ("fsdp", {"use_ds_zero": True, "ds_config": {**OFFLOAD, "bf16": {"enabled": True}}})])
+    resolved = resolve(list(strategy))
+    saved = Strategy([(r.name, r.config) for r in resolved])
+    saved.save(tmp_path / "s.json")
+    loaded = Strategy.load(tmp_path / "s.json")
+    again = resolve(list(loaded))
+    assert config_of(again, "fsdp") == config_of(resolved, "fsdp")
+    assert config_of(again, "fsdp").ds_config["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    assert "fsdp(deepspeed stage 3,ds_config,offload_optimizer=cpu)" in loaded.describe()
+    # A path stays a path; zero1's config round-trips as well (as a dataclass, as the search saves it).
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(OFFLOAD))
+    zero1 = config_of(resolve([("zero1", {"use_ds_zero": True, "ds_config": path})]), "zero1")
+    back = Strategy.from_json(Strategy([("zero1", zero1)]).to_json())
+    assert config_of(resolve(list(back)), "zero1") == zero1 and "zero1(deepspeed stage 1,ds_config=ds.json)" in \
+        back.describe()
+
+
+def test_cost_traits_declare_offload_from_ds_config():
+    shape = ModelShape.from_config(tiny_llama_config())
+    for name in ("zero1", "zero2", "fsdp"):
+        plain = StrategyTraits.from_strategy([(name, {"use_ds_zero": True})], 2, shape, device_type="cuda")
+        offload = StrategyTraits.from_strategy([(name, {"use_ds_zero": True, "ds_config": OFFLOAD})], 2, shape,
+                                               device_type="cuda")
+        assert (plain.cpu_offload, offload.cpu_offload) == (False, True)
+        assert offload.sharding == "deepspeed"
+
+
+def test_offload_devices_and_3d_shares_the_reader(tmp_path):
+    assert offload_devices({}) == ("none", "none")
+    assert offload_devices({"zero_optimization": {"offload_param": {"device": "cpu"}}}) == ("none", "cpu")
+    # deepspeed_3d_parallel reads and completes its config with the same module (same messages).
+    with pytest.raises(ValueError, match=r"deepspeed_3d_parallel: ds_config train_batch_size=0 must be a positive"):
+        resolve_ds_config({"train_batch_size": 0}, 2, 2)
+    assert get_optimization("zero1").parse_config({"use_ds_zero": True, "ds_config": OFFLOAD}).ds_config == OFFLOAD
+
+
+def test_who_builds_the_optimizer_is_checked_when_applied():
+    """optim_func or ds_config's optimizer, exactly one; offload needs DeepSpeed's CPU Adam (checked by class name)."""
+    import functools
+
+    from atorch.auto.model_context import ModelContext
+    from atorch.auto.opt_lib._sharding import prepare_deepspeed
+
+    def ctx(optim_func):
+        return ModelContext(model=torch.nn.Linear(2, 2), optim_func=optim_func)
+
+    with pytest.raises(ValueError, match=r"zero2: both optim_func and ds_config\['optimizer'\] are given; pass one"):
+        prepare_deepspeed(ctx(torch.optim.AdamW), "zero2", {"optimizer": {"type": "AdamW"}})
+    with pytest.raises(ValueError, match=r"zero1 with use_ds_zero=True needs optim_func or ds_config\['optimizer'\]"):
+        prepare_deepspeed(ctx(None), "zero1", None)
+    with pytest.raises(ValueError, match=r"fsdp: ds_config offloads the optimizer, which runs DeepSpeed's CPU Adam; "
+                                         r"optim_func='SGD' is not it"):
+        prepare_deepspeed(ctx(torch.optim.SGD), "fsdp", OFFLOAD)
+
+    class DeepSpeedCPUAdam(torch.optim.Adam):   # stands in for deepspeed.ops.adam's (matched by name)
+        pass
+
+    for optim_func in (DeepSpeedCPUAdam, functools.partial(DeepSpeedCPUAdam, adamw_mode=True)):
+        context = ctx(optim_func)
+        prepare_deepspeed(context, "fsdp", OFFLOAD)
+        assert context.is_sharded
+    prepare_deepspeed(ctx(None), "zero2", {**OFFLOAD, "optimizer": {"type": "AdamW"}})
