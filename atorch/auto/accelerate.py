@@ -138,5 +138,7 @@ def _accelerate(ctx: ModelContext, load_strategy: Optional[StrategyLike], ignore
     adist.set_default_parallel_mesh(result.parallel)
     with agree_on_error(f"auto_accelerate: save_strategy_to_file={save_strategy_to_file!r}"):
         if save_strategy_to_file and adist.rank() == 0:
+            # Its directory exists, or it is the report directory (validated, created here if no search ran).
+            os.makedirs(os.path.dirname(os.path.abspath(save_strategy_to_file)), exist_ok=True)
             result.strategy.save(save_strategy_to_file)
     return True, result, result.strategy

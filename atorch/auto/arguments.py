@@ -72,8 +72,8 @@ def validate_arguments(
     if dataset is not None:
         _check_dataset(dataset, global_batch, args.get("drop_last", True))
         check_sequence_length(model, dataset)
-    _check_output_path("save_strategy_to_file", save_strategy_to_file)
     _check_report_path(report_path)
+    _check_output_path("save_strategy_to_file", save_strategy_to_file, created_dir=_report_directory(report_path))
     for name, value in (("excluded", excluded), ("included", included)):
         if value is not None and (isinstance(value, (str, bytes)) or not isinstance(value, Iterable)
                                   or not all(isinstance(v, str) for v in value)):
@@ -227,8 +227,19 @@ def _check_report_path(path: Any) -> None:
                          "does not exist; create it first (the report directory itself is created)")
 
 
-def _check_output_path(name: str, path: Any) -> None:
-    """A file `path` can be written: a str/PathLike whose directory exists and that is not a directory."""
+def _report_directory(report_path: Any) -> Optional[str]:
+    """The directory `auto_accelerate` creates for the search report (None: none, or a .png path)."""
+    if not isinstance(report_path, (str, os.PathLike)) or os.fspath(report_path).lower().endswith(".png"):
+        return None
+    return os.path.abspath(os.fspath(report_path))
+
+
+def _check_output_path(name: str, path: Any, created_dir: Optional[str] = None) -> None:
+    """A file `path` can be written: a str/PathLike whose directory exists and that is not a directory.
+
+    `created_dir` is a directory atorch itself creates (the report directory): a file inside it
+    is fine while it does not exist yet.
+    """
     if path is None:
         return
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
@@ -237,6 +248,8 @@ def _check_output_path(name: str, path: Any) -> None:
     if os.path.isdir(path):
         raise ValueError(f"{name}={path!r} is a directory; give a file name inside it")
     parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent) and parent == created_dir:
+        return   # the report directory, created before anything is written (its own parent was checked)
     if not os.path.isdir(parent):
         raise ValueError(f"{name}={path!r}: the directory {parent!r} does not exist; create it first")
     if not os.access(parent, os.W_OK):

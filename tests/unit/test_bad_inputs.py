@@ -256,6 +256,17 @@ def test_valid_arguments_pass():
                        optim_args={"lr": 0.1, "anything": 1})
 
 
+def test_strategy_file_inside_the_report_directory_that_atorch_creates(tmp_path: Path):
+    # `make demo` on a fresh clone: the report directory does not exist yet and the strategy goes inside it.
+    report = tmp_path / "atorch_search"
+    validate_arguments(model=_LLAMA, report_path=str(report), save_strategy_to_file=str(report / "strategy.json"))
+    with pytest.raises(ValueError, match="save_strategy_to_file"):   # any other missing directory is still refused
+        validate_arguments(model=_LLAMA, report_path=str(report), save_strategy_to_file=str(tmp_path / "x" / "s.json"))
+    with pytest.raises(ValueError, match="report_path"):   # and so is a report directory whose parent is missing
+        validate_arguments(model=_LLAMA, report_path=str(tmp_path / "a" / "b"),
+                           save_strategy_to_file=str(tmp_path / "a" / "b" / "s.json"))
+
+
 def test_launcher_usage_error_exits_2_naming_the_flag(capsys):
     with pytest.raises(SystemExit) as info:
         launcher.main(["--nproc_per_node", "0", str(REPO / "benchmarks" / "exit_stress_job.py")])

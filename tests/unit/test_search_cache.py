@@ -148,3 +148,24 @@ def _search_without_hebo(space, evaluate, **kwargs):
             best, best_tp = c.strategy, r.throughput
     return SearchResult(best, best_tp, pd.DataFrame(rows), pd.DataFrame(), [c.strategy for c in space.candidates()],
                         "exhausted", len(rows), kwargs.get("memory_limit_bytes"), "fastest")
+
+
+def test_a_re_measurement_is_a_new_dry_run_never_the_remembered_one(tmp_path):
+    # The search asks for a strategy again only to re-measure it (A, B, A, B): serving the cached
+    # numbers then would count one measurement twice and fake the interval.
+    from atorch.auto.search.auto_search import _cached_evaluator
+
+    cache = SearchCache.load(str(tmp_path / "cache.json"), KEY)
+    cache.put(DDP, OK)
+    fresh = DryRunResult(120.0, 4_000_000, None, 0.0667, (0.066, 0.067, 0.0671), (118.0, 122.0))
+    calls = []
+
+    def evaluate(strategy):
+        calls.append(strategy)
+        return fresh
+
+    run = _cached_evaluator(evaluate, cache)
+    assert run(DDP) == OK and calls == []                 # first ask in this search: remembered, no dry run
+    assert run(DDP) == fresh and calls == [DDP]           # second ask: measured again
+    assert run(FSDP) == fresh and run(FSDP) == fresh and calls == [DDP, FSDP, FSDP]
+    assert SearchCache.load(str(tmp_path / "cache.json"), KEY).get(DDP) == fresh   # the newest is remembered

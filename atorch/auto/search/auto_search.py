@@ -182,9 +182,19 @@ def _search_or_confirm(space: SearchSpace, evaluate: Callable[[Strategy], DryRun
 
 def _cached_evaluator(evaluate: Callable[[Strategy], DryRunResult],
                       cache: SearchCache) -> Callable[[Strategy], DryRunResult]:
-    """Serves remembered results without a dry run; remembers (and saves) every new one."""
+    """Serves remembered results without a dry run; remembers (and saves) every new one.
+
+    Only a strategy's first evaluation in this search may come from the cache: the search asks
+    again for a strategy only to re-measure it (the interleaved top-two comparison), and serving
+    the remembered numbers a second time would count one measurement twice.
+    """
+    asked: set = set()
+
     def run(strategy: Strategy) -> DryRunResult:
-        cached = cache.get(strategy)
+        key = strategy.to_json()
+        first_time = key not in asked
+        asked.add(key)
+        cached = cache.get(strategy) if first_time else None
         if cached is not None:
             return cached
         result = evaluate(strategy)
