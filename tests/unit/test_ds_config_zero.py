@@ -51,6 +51,20 @@ def test_user_keys_that_repeat_the_strategy_are_accepted():
     assert cfg["train_batch_size"] == 6
 
 
+def test_a_hugging_face_trainer_config_with_auto_values_is_accepted():
+    # "auto" (Hugging Face Trainer configs) means: atorch derives it, or DeepSpeed's default applies.
+    hf = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+          "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "overlap_comm": True}}
+    cfg = zero_ds_config("zero2", hf, stage=2, data_size=2, global_batch=8, accumulation_steps=2,
+                         autocast_dtype=torch.bfloat16)
+    assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == \
+        (8, 2, 2)
+    assert cfg["zero_optimization"] == {"stage": 2, "overlap_comm": True} and cfg["bf16"] == {"enabled": True}
+    assert cfg["gradient_clipping"] == 0.0
+    assert "auto" not in json.dumps(cfg)
+
+
 @pytest.mark.parametrize("items, match", [
     ([("zero2", {"use_ds_zero": True, "ds_config": {"train_micro_batch_size_per_gpu": 2}})],
      r"zero2: ds_config train_micro_batch_size_per_gpu=2 disagrees with the dataloader: its global batch 8 "

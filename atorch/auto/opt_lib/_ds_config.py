@@ -41,8 +41,27 @@ def normalize_ds_config(who: str, value: Any) -> DsConfigSpec:
         raise ValueError(f"{who}: ds_config must hold JSON values only (it is DeepSpeed's JSON config): {e}") from e
 
 
+def _without_auto(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """`cfg` without its "auto" values, at any depth.
+
+    Configs written for Hugging Face's Trainer say "auto" for what the launcher knows (batch
+    sizes, accumulation, clipping, bucket sizes); here that is: atorch derives the key, or
+    DeepSpeed's default applies.
+    """
+    out: Dict[str, Any] = {}
+    for key, value in cfg.items():
+        if isinstance(value, str) and value == "auto":
+            continue
+        out[key] = _without_auto(value) if isinstance(value, dict) else value
+    return out
+
+
 def load_ds_config(who: str, raw: Any) -> Dict[str, Any]:
-    """A fresh dict of the user's config (None: empty); DeepSpeed and atorch may edit the result."""
+    """A fresh dict of the user's config (None: empty), "auto" values dropped; the caller may edit it."""
+    return _without_auto(_read_ds_config(who, raw))
+
+
+def _read_ds_config(who: str, raw: Any) -> Dict[str, Any]:
     spec = normalize_ds_config(who, raw)
     if spec is None:
         return {}
