@@ -35,10 +35,15 @@ def find_free_port() -> int:
 
 def _fill_single_process_env() -> None:
     # `srun python script.py`: Slurm's variables say who this task is (atorch/distributed/slurm.py).
-    from atorch.distributed.slurm import is_slurm_task, slurm_environment
+    from atorch.distributed.slurm import is_slurm_task, outside_step_note, slurm_environment
 
     if is_slurm_task(os.environ):
         os.environ.update(slurm_environment(os.environ))
+    else:
+        note = outside_step_note(os.environ)
+        if note is not None and "slurm_outside_step" not in _LOGGED_ONCE:
+            _LOGGED_ONCE.add("slurm_outside_step")
+            logger.warning(note)   # the allocation's other tasks stay idle: worth saying even when quiet
     # A plain `python script.py` has none of these; default to a world of one.
     # An empty value counts as unset (ATorch's tests and some schedulers export MASTER_ADDR="").
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):

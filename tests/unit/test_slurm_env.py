@@ -47,3 +47,30 @@ def test_not_a_slurm_task_and_bad_values():
     with pytest.raises(ValueError, match="SLURM_TASKS_PER_NODE='2x' is not in Slurm's format"):
         slurm_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0",
                            "SLURM_TASKS_PER_NODE": "2x", "SLURM_NODELIST": "n1"})
+
+
+# Captured from Slurm 22.05 (scripts/slurm_local.sh): `sbatch --ntasks=2`'s batch script, and a
+# task of `srun -n1` inside it.
+BATCH_SCRIPT_ENV = {"SLURM_JOB_ID": "3", "SLURM_JOBID": "3", "SLURM_JOB_NODELIST": "vm", "SLURM_NODELIST": "vm",
+                    "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NPROCS": "2", "SLURM_NTASKS": "2",
+                    "SLURM_PROCID": "0", "SLURM_TASKS_PER_NODE": "2", "SLURM_JOB_NUM_NODES": "1"}
+STEP_ENV = {**BATCH_SCRIPT_ENV, "SLURM_NTASKS": "1", "SLURM_STEPID": "0", "SLURM_STEP_ID": "0",
+            "SLURM_STEP_NODELIST": "vm", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NUM_TASKS": "1",
+            "SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_TASKS_PER_NODE": "1"}
+
+
+def test_a_batch_script_is_not_a_task_of_the_job():
+    # Its SLURM_PROCID=0 with the job's SLURM_NTASKS=2 would make it rank 0 of 2, waiting for a rank 1 that
+    # never starts; it is a world of one, with a hint to use srun.
+    from atorch.distributed.slurm import outside_step_note
+
+    assert not is_slurm_task(BATCH_SCRIPT_ENV)
+    note = outside_step_note(BATCH_SCRIPT_ENV)
+    assert note is not None and "Slurm job 3 (2 tasks) but outside an srun step" in note and "srun python" in note
+    assert outside_step_note({**BATCH_SCRIPT_ENV, "SLURM_NTASKS": "1"}) is None    # nothing left idle
+    assert outside_step_note(STEP_ENV) is None
+    assert outside_step_note({**BATCH_SCRIPT_ENV, "RANK": "0"}) is None            # a launcher's worker
+    assert is_slurm_task(STEP_ENV)
+    out = slurm_environment(STEP_ENV)
+    assert (out["RANK"], out["WORLD_SIZE"], out["LOCAL_RANK"], out["LOCAL_WORLD_SIZE"], out["MASTER_ADDR"]) == (
+        "0", "1", "0", "1", "vm")
