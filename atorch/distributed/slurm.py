@@ -124,3 +124,37 @@ def slurm_environment(env: Mapping[str, str]) -> Dict[str, str]:
             raise ValueError(f"SLURM_JOB_ID={job!r} and SLURM_STEP_ID={step!r} must be integers")
         out["MASTER_PORT"] = str(PORT_BASE + (int(job) * 97 + int(step)) % PORT_SPAN)
     return out
+
+
+# The launcher's flags that say where it stands in the job; given any of them, Slurm's values are not used.
+LAUNCHER_PLACEMENT_FLAGS = ("--nnodes", "--node_rank", "--node-rank", "--master_addr", "--master-addr",
+                            "--master_port", "--master-port", "--rdzv_backend", "--rdzv-backend", "--rdzv_endpoint",
+                            "--rdzv-endpoint", "--standalone")
+
+
+def launcher_placement(env: Mapping[str, str]) -> List[str]:
+    """The launcher's --nnodes/--node_rank/--master_addr/--master_port for `srun --ntasks-per-node=1 atorch run`.
+
+    One launcher task per node of the step: node count and this node's rank from the step, the
+    rendezvous on the step's first node at the job's derived port. [] outside a step and for a
+    one-node step (the launcher's own standalone rendezvous picks a free port there). ValueError
+    when the step runs several launchers on a node: each would start its own workers.
+    """
+    if not is_slurm_task(env):
+        return []
+    nodes_list = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or "1"
+    nodes = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or (
+        str(len(expand_hostlist(nodes_list))) if nodes_list else "1")
+    if not (tasks.isdigit() and nodes.isdigit()):
+        raise ValueError(f"SLURM_STEP_NUM_TASKS={tasks!r} and SLURM_STEP_NUM_NODES={nodes!r} must be integers")
+    if int(tasks) != int(nodes):
+        raise ValueError(
+            f"the launcher runs as {tasks} tasks of an srun step on {nodes} node(s); start one launcher per node "
+            f"(srun --ntasks-per-node=1 atorch run --nproc_per_node N ...), or one process per device without "
+            f"the launcher (srun python train.py)")
+    if int(nodes) == 1:
+        return []
+    placement = slurm_environment(env)
+    return [f"--nnodes={nodes}", f"--node_rank={env.get('SLURM_NODEID', placement['RANK'])}",
+            f"--master_addr={placement['MASTER_ADDR']}", f"--master_port={placement['MASTER_PORT']}"]

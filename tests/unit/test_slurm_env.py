@@ -74,3 +74,36 @@ def test_a_batch_script_is_not_a_task_of_the_job():
     out = slurm_environment(STEP_ENV)
     assert (out["RANK"], out["WORLD_SIZE"], out["LOCAL_RANK"], out["LOCAL_WORLD_SIZE"], out["MASTER_ADDR"]) == (
         "0", "1", "0", "1", "vm")
+
+
+def _launcher_step(nodes: int, tasks: int, node_id: int) -> dict:
+    return {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(node_id), "SLURM_LOCALID": "0",
+            "SLURM_NODEID": str(node_id), "SLURM_STEP_NUM_NODES": str(nodes), "SLURM_STEP_NUM_TASKS": str(tasks),
+            "SLURM_STEP_TASKS_PER_NODE": f"{tasks // nodes}(x{nodes})", "SLURM_STEP_NODELIST": f"gpu[1-{nodes}]",
+            "SLURM_NTASKS": str(tasks)}
+
+
+def test_launcher_takes_its_placement_from_the_step():
+    from atorch.distributed.run import translate_args
+
+    # srun -N2 --ntasks-per-node=1 atorch run --nproc_per_node 8 train.py, on the second node.
+    args = translate_args(["--nproc_per_node", "8", "train.py", "--lr", "1"], env=_launcher_step(2, 2, 1))
+    port = slurm_environment(_launcher_step(2, 2, 0))["MASTER_PORT"]   # the same on every node
+    assert args == ["--max_restarts=0", "--nnodes=2", "--master_addr=gpu1", f"--master_port={port}",
+                    "--node_rank=1", "--nproc_per_node", "8", "train.py", "--lr", "1"]
+    # Restarts: the c10d rendezvous on the first node.
+    args = translate_args(["--fault_tolerant", "--nproc_per_node", "8", "train.py"], env=_launcher_step(2, 2, 0))
+    assert f"--rdzv_endpoint=gpu1:{port}" in args and "--nnodes=2" in args
+    # One node: unchanged (standalone, a free port); explicit placement flags win; outside a step nothing changes.
+    assert translate_args(["--nproc_per_node", "2", "t.py"], env=_launcher_step(1, 1, 0)) == \
+        translate_args(["--nproc_per_node", "2", "t.py"], env={})
+    assert "--nnodes=1" in translate_args(["--nnodes", "1", "t.py"], env=_launcher_step(2, 2, 1))
+    assert "--nnodes=2" not in translate_args(["t.py"], env={**_launcher_step(2, 2, 1), "RANK": "1"})
+
+
+def test_launcher_refuses_several_launchers_per_node():
+    from atorch.distributed.run import translate_args
+
+    with pytest.raises(ValueError, match=r"runs as 4 tasks of an srun step on 2 node\(s\); start one launcher per "
+                                         r"node \(srun --ntasks-per-node=1"):
+        translate_args(["--nproc_per_node", "2", "t.py"], env=_launcher_step(2, 4, 0))
