@@ -1,10 +1,11 @@
-"""Launches under a real Slurm: `srun -N1 -n2 python`, an `sbatch` of examples/slurm/, and the launcher in a step.
+"""Launches under a real Slurm: `srun -N1 -n2 python`, an `sbatch` of examples/slurm/, a launcher per node.
 
 A one-node cluster of this machine (scripts/slurm_local.sh: munged, slurmctld and slurmd on
-127.0.0.1) is started for this module in a directory and on ports of its own, and stopped after
-it. Skipped when `srun` is not on PATH (Debian: apt-get install slurm-wlm munge) or the cluster
-cannot start (the reason says why); with ATORCH_REQUIRE_SLURM=1 (set by .ci/run when it could
-install Slurm) a cluster that does not start fails instead.
+127.0.0.1) and a two-node one (two slurmd daemons posing as nodes) are started for this module,
+each in a directory and on ports of its own, and stopped after it. Skipped when `srun` is not on
+PATH (Debian: apt-get install slurm-wlm munge) or a cluster cannot start (the reason says why);
+with ATORCH_REQUIRE_SLURM=1 (set by .ci/run when it could install Slurm) a cluster that does not
+start fails instead.
 
 Every run trains the tiny Llama with DDP for 3 steps on 2 ranks (examples/slurm/train.py); each
 rank writes what it was told and what it computed. Checked: distinct ranks 0 and 1 of a world of 2,
@@ -16,14 +17,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Tuple
 
 import pytest
 
@@ -43,18 +47,18 @@ RUN_TIMEOUT_S = 300
 _LEAKY = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")
 
 
-@pytest.fixture(scope="module")
-def slurm_env() -> Iterator[Dict[str, str]]:
-    """The environment for srun/sbatch against this module's own one-node cluster."""
+def _cluster(nodes: int) -> Iterator[Dict[str, str]]:
+    """The environment for srun/sbatch against a cluster of `nodes` nodes of its own, stopped afterwards."""
     if shutil.which("srun") is None:
         pytest.skip("srun is not on PATH: no Slurm to test against (Debian: apt-get install slurm-wlm munge)")
     # Short path: munge's unix socket lives under it (108-byte limit).
     cluster_dir = tempfile.mkdtemp(prefix="atorch-slurm-", dir="/tmp")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "SBATCH_", "SALLOC_", "TORCHELASTIC_")) and k not in _LEAKY}
-    env.update({"ATORCH_SLURM_DIR": cluster_dir, "ATORCH_SLURM_CTLD_PORT": str(find_free_port()),
-                "ATORCH_SLURM_SLURMD_PORT": str(find_free_port()), "ATORCH_SLURM_TIMEOUT": "60",
-                "SLURM_CONF": os.path.join(cluster_dir, "slurm.conf"),
+    ctld_port, slurmd_port = _two_free_ports()
+    env.update({"ATORCH_SLURM_DIR": cluster_dir, "ATORCH_SLURM_NODES": str(nodes),
+                "ATORCH_SLURM_CTLD_PORT": str(ctld_port), "ATORCH_SLURM_SLURMD_PORT": str(slurmd_port),
+                "ATORCH_SLURM_TIMEOUT": "60", "SLURM_CONF": os.path.join(cluster_dir, "slurm.conf"),
                 "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                 "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -62,7 +66,7 @@ def slurm_env() -> Iterator[Dict[str, str]]:
     started = subprocess.run(["bash", str(SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=180)
     try:
         if started.returncode != 0:
-            reason = f"the local Slurm cluster did not start:\n{started.stderr[-3000:]}"
+            reason = f"the local Slurm cluster ({nodes} node(s)) did not start:\n{started.stderr[-3000:]}"
             if os.environ.get("ATORCH_REQUIRE_SLURM") == "1":
                 pytest.fail(reason)
             pytest.skip(reason)
@@ -70,6 +74,30 @@ def slurm_env() -> Iterator[Dict[str, str]]:
     finally:
         subprocess.run(["bash", str(SCRIPT), "stop"], env=env, capture_output=True, text=True, timeout=120)
         shutil.rmtree(cluster_dir, ignore_errors=True)
+
+
+def _two_free_ports() -> Tuple[int, int]:
+    """slurmctld's port and a base port p with p and p + 1 free (slurmd of node i listens on p + i)."""
+    for _ in range(50):
+        ctld, base = find_free_port(), find_free_port()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+        if ctld not in (base, base + 1):
+            return ctld, base
+    raise RuntimeError("no two consecutive free ports for the local Slurm cluster")
+
+
+@pytest.fixture(scope="module")
+def slurm_env() -> Iterator[Dict[str, str]]:
+    yield from _cluster(1)
+
+
+@pytest.fixture(scope="module")
+def slurm_two_nodes_env() -> Iterator[Dict[str, str]]:
+    yield from _cluster(2)
 
 
 def _run(cmd: List[str], env: Dict[str, str], job_name: str) -> subprocess.CompletedProcess:
@@ -90,6 +118,34 @@ def _run(cmd: List[str], env: Dict[str, str], job_name: str) -> subprocess.Compl
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+_DONE_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+                "PREEMPTED")
+
+
+def _sbatch(args: List[str], env: Dict[str, str], job_name: str, log: Path) -> None:
+    """Submit a batch job and wait for it, as `sbatch --wait` does but polling every 0.5 s.
+
+    (`sbatch --wait` of Slurm 22.05 sleeps 2, 4, 8, ... 32 s between its polls: measured here, a
+    12 s job returned after 42 s.) Fails the test with the job's log unless it COMPLETED with exit code 0.
+    """
+    job_id = _run(["sbatch", "--parsable", f"--job-name={job_name}", f"--output={log}", *args], env,
+                  job_name).stdout.strip().split(";")[0]
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    state = exit_code = ""
+    while time.monotonic() < deadline:
+        shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=env, capture_output=True, text=True,
+                               timeout=60).stdout
+        state = (re.findall(r"\bJobState=(\S+)", shown) or [""])[0]
+        exit_code = (re.findall(r"\bExitCode=(\S+)", shown) or [""])[0]
+        if state in _DONE_STATES:
+            break
+        time.sleep(0.5)
+    else:
+        subprocess.run(["scancel", job_id], env=env, timeout=60)
+    text = log.read_text() if log.exists() else "(no log)"
+    assert (state, exit_code) == ("COMPLETED", "0:0"), f"batch job {job_id}: {state} {exit_code}\n{text[-4000:]}"
+
+
 def _job_name() -> str:
     return f"atorch-test-{uuid.uuid4().hex[:8]}"
 
@@ -105,10 +161,10 @@ def expected_losses() -> List[float]:
     return reference_losses(tiny_llama(seed=0), global_batches(TokenDataset(), GLOBAL_BATCH, STEPS))
 
 
-def _check_two_ranks(records: List[dict], expected: List[float], what: str) -> None:
+def _check_two_ranks(records: List[dict], expected: List[float], what: str, local_ranks=(0, 1)) -> None:
     assert [r["rank"] for r in records] == [0, 1], what
     assert [r["world_size"] for r in records] == [2, 2], what
-    assert sorted(r["local_rank"] for r in records) == [0, 1], what
+    assert tuple(r["local_rank"] for r in records) == local_ranks, what
     assert records[0]["env"]["MASTER_PORT"] == records[1]["env"]["MASTER_PORT"], what
     assert records[0]["env"]["MASTER_ADDR"] == records[1]["env"]["MASTER_ADDR"], what
     # DDP: the ranks' global losses and their trained weights are the same, bit for bit.
@@ -136,21 +192,27 @@ def test_sbatch_example(slurm_env, expected_losses, tmp_path):
     name = _job_name()
     log = tmp_path / "job.out"
     env = {**slurm_env, "PYTHON": sys.executable, "OUT_DIR": str(tmp_path / "ranks"), "STEPS": str(STEPS)}
-    _run(["sbatch", "--wait", f"--job-name={name}", f"--output={log}", str(SBATCH)], env, name)
+    _sbatch([str(SBATCH)], env, name, log)
     records = _ranks(tmp_path / "ranks")
     _check_two_ranks(records, expected_losses, "sbatch examples/slurm/train.sbatch")
     text = log.read_text()
     assert "2 tasks on" in text and f"done: 2 ranks, {STEPS} steps" in text, text
 
 
-def test_launcher_inside_an_allocation(slurm_env, expected_losses, tmp_path):
-    # One launcher task with both CPUs; it starts the 2 ranks itself (RANK from the launcher wins over SLURM_*).
+def test_launcher_per_node_of_a_two_node_step(slurm_two_nodes_env, expected_losses, tmp_path):
+    # srun -N2 --ntasks-per-node=1 atorch run: each node's launcher takes --nnodes, --node_rank and the
+    # rendezvous (the step's first node) from the step, and starts that node's worker.
     name = _job_name()
-    _run(["srun", "-N1", "-n1", "-c2", "--time=10", f"--job-name={name}", sys.executable, "-m",
-          "atorch.distributed.run", "--nproc_per_node", "2", str(TRAIN), "--steps", str(STEPS), "--global_batch",
-          str(GLOBAL_BATCH), "--out", str(tmp_path)], slurm_env, name)
+    done = _run(["srun", "-N2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--time=10", f"--job-name={name}",
+                 sys.executable, "-m", "atorch.distributed.run", "--nproc_per_node", "1", str(TRAIN), "--steps",
+                 str(STEPS), "--global_batch", str(GLOBAL_BATCH), "--out", str(tmp_path)], slurm_two_nodes_env, name)
     records = _ranks(tmp_path)
-    _check_two_ranks(records, expected_losses, "srun -n1 atorch.distributed.run --nproc_per_node 2")
+    _check_two_ranks(records, expected_losses, "srun -N2 --ntasks-per-node=1 atorch.distributed.run", (0, 0))
+    # Both "nodes" are this machine, named <host> and <host>-2 by scripts/slurm_local.sh.
+    placements = sorted(re.findall(r"--nnodes=2 --node_rank=(\d) --master_addr=(\S+) --master_port=(\d+)",
+                                   done.stderr))
+    assert [p[0] for p in placements] == ["0", "1"], done.stderr
+    assert placements[0][1:] == placements[1][1:] and "-2" not in placements[0][1], placements
 
 
 def test_a_batch_script_alone_is_a_world_of_one(slurm_env, tmp_path):
@@ -161,7 +223,7 @@ def test_a_batch_script_alone_is_a_world_of_one(slurm_env, tmp_path):
     script.write_text("#!/bin/bash\n" f'"{sys.executable}" -c "import atorch; atorch.init_distributed(\'gloo\'); '
                       'print(\'world\', atorch.world_size(), \'rank\', atorch.rank())"\n')
     log = tmp_path / "job.out"
-    _run(["sbatch", "--wait", "--ntasks=2", f"--job-name={name}", f"--output={log}", str(script)], slurm_env, name)
+    _sbatch(["--ntasks=2", str(script)], slurm_env, name, log)
     text = log.read_text()
     assert "world 1 rank 0" in text, text
     assert "outside an srun step" in text, text
