@@ -142,6 +142,19 @@ def check_environment(argv: List[str]) -> None:
 
     for name in (timeouts.INIT_TIMEOUT_ENV, timeouts.COLLECTIVE_TIMEOUT_ENV):
         timeouts.seconds_from_env(name, 1.0)
+    _warn_about_slurm_cpus(argv[:at])
+
+
+def _warn_about_slurm_cpus(launcher_args: List[str]) -> None:
+    """Started by srun with fewer CPUs than workers: say so (the workers would share cores)."""
+    checker = argparse.ArgumentParser(add_help=False)
+    checker.add_argument("--nproc_per_node", "--nproc-per-node", default="1")
+    nproc = checker.parse_known_args(launcher_args)[0].nproc_per_node
+    if not hasattr(os, "sched_getaffinity") or not str(nproc).isdigit():
+        return
+    note = slurm.launcher_cpu_note(os.environ, int(nproc), len(os.sched_getaffinity(0)))
+    if note is not None:
+        print(f"atorch.distributed.run: warning: {note}", file=sys.stderr, flush=True)
 
 
 def _master_args(ours: argparse.Namespace) -> List[str]:

@@ -158,3 +158,17 @@ def launcher_placement(env: Mapping[str, str]) -> List[str]:
     placement = slurm_environment(env)
     return [f"--nnodes={nodes}", f"--node_rank={env.get('SLURM_NODEID', placement['RANK'])}",
             f"--master_addr={placement['MASTER_ADDR']}", f"--master_port={placement['MASTER_PORT']}"]
+
+
+def launcher_cpu_note(env: Mapping[str, str], nproc_per_node: int, cpus: int) -> Optional[str]:
+    """A warning when a launcher in a Slurm job may use fewer CPUs than it starts workers.
+
+    Slurm binds a task to its CPUs (one by default): `srun -n1 atorch run --nproc_per_node 2`
+    runs both workers on one core (seen with Slurm 22.05's task/affinity), at half speed or worse.
+    A batch script is bound to the job's CPUs on its node in the same way.
+    """
+    if not env.get("SLURM_JOB_ID") or "RANK" in env or nproc_per_node <= cpus:
+        return None
+    return (f"this process of Slurm job {env['SLURM_JOB_ID']} may use {cpus} CPU(s) but the launcher starts {nproc_per_node} workers, which will "
+            f"share them; give the task a CPU per worker (srun --cpus-per-task={nproc_per_node} ...) or, without "
+            f"the launcher, one task per worker (srun -n N python train.py)")

@@ -51,6 +51,8 @@ def _cluster(nodes: int) -> Iterator[Dict[str, str]]:
     """The environment for srun/sbatch against a cluster of `nodes` nodes of its own, stopped afterwards."""
     if shutil.which("srun") is None:
         pytest.skip("srun is not on PATH: no Slurm to test against (Debian: apt-get install slurm-wlm munge)")
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("the Slurm tests run 2 tasks on a core each: this machine has 1 CPU")
     # Short path: munge's unix socket lives under it (108-byte limit).
     cluster_dir = tempfile.mkdtemp(prefix="atorch-slurm-", dir="/tmp")
     env = {k: v for k, v in os.environ.items()
@@ -213,6 +215,22 @@ def test_launcher_per_node_of_a_two_node_step(slurm_two_nodes_env, expected_loss
                                    done.stderr))
     assert [p[0] for p in placements] == ["0", "1"], done.stderr
     assert placements[0][1:] == placements[1][1:] and "-2" not in placements[0][1], placements
+
+
+def test_launcher_in_a_one_cpu_task_warns_that_its_workers_share_the_cpu(slurm_env, tmp_path):
+    # srun -n1 gives the task one CPU and Slurm binds it there: both workers of the launcher inherit that one
+    # core. The launcher says so (and how to ask for more); with -c2 the workers get both cores, no warning.
+    script = tmp_path / "where.py"
+    script.write_text("import os\nprint('worker', os.environ['RANK'], sorted(os.sched_getaffinity(0)), flush=True)\n")
+    name = _job_name()
+    launch = [sys.executable, "-m", "atorch.distributed.run", "--nproc_per_node", "2", str(script)]
+    one = _run(["srun", "-n1", "--time=5", f"--job-name={name}", *launch], slurm_env, name)
+    cpus = set(re.findall(r"worker [01] (\[\d+\])", one.stdout))
+    assert len(cpus) == 1, one.stdout                       # the same single CPU for both workers
+    assert "may use 1 CPU(s) but the launcher starts 2 workers" in one.stderr and "--cpus-per-task=2" in one.stderr
+    two = _run(["srun", "-n1", "-c2", "--time=5", f"--job-name={name}", *launch], slurm_env, name)
+    assert "worker 0 [0, 1]" in two.stdout and "worker 1 [0, 1]" in two.stdout, two.stdout
+    assert "may use" not in two.stderr, two.stderr
 
 
 def test_a_batch_script_alone_is_a_world_of_one(slurm_env, tmp_path):

@@ -107,3 +107,16 @@ def test_launcher_refuses_several_launchers_per_node():
     with pytest.raises(ValueError, match=r"runs as 4 tasks of an srun step on 2 node\(s\); start one launcher per "
                                          r"node \(srun --ntasks-per-node=1"):
         translate_args(["--nproc_per_node", "2", "t.py"], env=_launcher_step(2, 4, 0))
+
+
+def test_launcher_warns_when_its_task_has_fewer_cpus_than_workers():
+    from atorch.distributed.slurm import launcher_cpu_note
+
+    # srun -n1 atorch run --nproc_per_node 2: Slurm bound the task to one CPU (seen with 22.05's task/affinity).
+    note = launcher_cpu_note(STEP_ENV, nproc_per_node=2, cpus=1)
+    assert note is not None and "job 3 may use 1 CPU(s) but the launcher starts 2 workers" in note
+    assert "--cpus-per-task=2" in note
+    assert launcher_cpu_note(STEP_ENV, nproc_per_node=2, cpus=2) is None
+    assert "job 3 may use 2 CPU(s)" in launcher_cpu_note(BATCH_SCRIPT_ENV, nproc_per_node=8, cpus=2)
+    assert launcher_cpu_note({}, nproc_per_node=8, cpus=1) is None                      # not in a Slurm job
+    assert launcher_cpu_note({**STEP_ENV, "RANK": "0"}, nproc_per_node=8, cpus=1) is None
