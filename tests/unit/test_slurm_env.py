@@ -120,3 +120,20 @@ def test_launcher_warns_when_its_task_has_fewer_cpus_than_workers():
     assert "job 3 may use 2 CPU(s)" in launcher_cpu_note(BATCH_SCRIPT_ENV, nproc_per_node=8, cpus=2)
     assert launcher_cpu_note({}, nproc_per_node=8, cpus=1) is None                      # not in a Slurm job
     assert launcher_cpu_note({**STEP_ENV, "RANK": "0"}, nproc_per_node=8, cpus=1) is None
+
+
+def test_cuda_device_of_a_task_that_sees_one_gpu(monkeypatch):
+    # srun --gpus-per-task=1: every task sees only its own GPU, device 0, whatever its LOCAL_RANK.
+    import torch
+
+    from atorch.distributed.process_group import cuda_index
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert cuda_index() == 0
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)     # all of the node's GPUs: LOCAL_RANK picks
+    assert cuda_index() == 3
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=3 but this process sees 2 GPU\(s\) \(CUDA_VISIBLE_DEVICES='4,5'\)"):
+        cuda_index()
