@@ -221,7 +221,9 @@ def test_launcher_in_a_one_cpu_task_warns_that_its_workers_share_the_cpu(slurm_e
     # srun -n1 gives the task one CPU and Slurm binds it there: both workers of the launcher inherit that one
     # core. The launcher says so (and how to ask for more); with -c2 the workers get both cores, no warning.
     script = tmp_path / "where.py"
-    script.write_text("import os\nprint('worker', os.environ['RANK'], sorted(os.sched_getaffinity(0)), flush=True)\n")
+    # One write(2) per worker: both share the launcher's stdout, and print() may split a line (seen: 1 run in 5).
+    script.write_text("import os\nos.write(1, f\"worker {os.environ['RANK']} {sorted(os.sched_getaffinity(0))}\\n\""
+                      ".encode())\n")
     name = _job_name()
     launch = [sys.executable, "-m", "atorch.distributed.run", "--nproc_per_node", "2", str(script)]
     one = _run(["srun", "-n1", "--time=5", f"--job-name={name}", *launch], slurm_env, name)
