@@ -14,7 +14,8 @@
 # spool and logs. `start` is idempotent: daemons already running are kept, missing ones started.
 # Environment: ATORCH_SLURM_DIR, ATORCH_SLURM_TIMEOUT (seconds to wait for the node, default 60),
 # ATORCH_SLURM_CTLD_PORT / ATORCH_SLURM_SLURMD_PORT (default 6817 / 6818; node i listens on the
-# latter + i).
+# latter + i), ATORCH_SLURM_FIRST_JOB_ID (default random: atorch derives a job's rendezvous port
+# from its id, so two local clusters numbering their jobs alike would collide).
 # ATORCH_SLURM_NODES=2: two slurmd daemons on this machine pose as nodes <hostname> and
 # <hostname>-2 (the first resolves, and tasks use it as their rendezvous host; Slurm reaches both
 # at 127.0.0.1), with half the CPUs each and no CPU binding (each slurmd would bind its tasks to
@@ -26,6 +27,7 @@ TIMEOUT=${ATORCH_SLURM_TIMEOUT:-60}
 NODES=${ATORCH_SLURM_NODES:-1}
 CTLD_PORT=${ATORCH_SLURM_CTLD_PORT:-6817}
 SLURMD_PORT=${ATORCH_SLURM_SLURMD_PORT:-6818}
+FIRST_JOB_ID=${ATORCH_SLURM_FIRST_JOB_ID:-$(((RANDOM << 8 | RANDOM & 255) + 1))}
 CONF=$DIR/slurm.conf
 MUNGE_SOCKET=$DIR/munge/munge.socket
 export SLURM_CONF=$CONF
@@ -114,6 +116,7 @@ ReturnToService=2
 InactiveLimit=0
 KillWait=5
 MinJobAge=30
+FirstJobId=$FIRST_JOB_ID
 SlurmdTimeout=120
 $nodes_conf
 PartitionName=debug Nodes=$(IFS=,; echo "${names[*]}") Default=YES MaxTime=INFINITE State=UP

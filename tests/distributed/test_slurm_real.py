@@ -57,16 +57,21 @@ def _cluster(nodes: int) -> Iterator[Dict[str, str]]:
     cluster_dir = tempfile.mkdtemp(prefix="atorch-slurm-", dir="/tmp")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "SBATCH_", "SALLOC_", "TORCHELASTIC_")) and k not in _LEAKY}
-    ctld_port, slurmd_port = _two_free_ports()
     env.update({"ATORCH_SLURM_DIR": cluster_dir, "ATORCH_SLURM_NODES": str(nodes),
-                "ATORCH_SLURM_CTLD_PORT": str(ctld_port), "ATORCH_SLURM_SLURMD_PORT": str(slurmd_port),
                 "ATORCH_SLURM_TIMEOUT": "60", "SLURM_CONF": os.path.join(cluster_dir, "slurm.conf"),
                 "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                 "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                 "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu"})
-    started = subprocess.run(["bash", str(SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=180)
     try:
+        for _ in range(2):   # a port found free may be taken before slurmctld binds it: then once more
+            env["ATORCH_SLURM_CTLD_PORT"], env["ATORCH_SLURM_SLURMD_PORT"] = map(str, _two_free_ports())
+            started = subprocess.run(["bash", str(SCRIPT), "start"], env=env, capture_output=True, text=True,
+                                     timeout=180)
+            if started.returncode == 0:
+                break
+            print(f"scripts/slurm_local.sh start failed; retrying on other ports:\n{started.stderr[-2000:]}")
+            subprocess.run(["bash", str(SCRIPT), "stop"], env=env, capture_output=True, text=True, timeout=120)
         if started.returncode != 0:
             reason = f"the local Slurm cluster ({nodes} node(s)) did not start:\n{started.stderr[-3000:]}"
             if os.environ.get("ATORCH_REQUIRE_SLURM") == "1":
