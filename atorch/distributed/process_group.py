@@ -35,10 +35,15 @@ def find_free_port() -> int:
 
 def _fill_single_process_env() -> None:
     # `srun python script.py`: Slurm's variables say who this task is (atorch/distributed/slurm.py).
-    from atorch.distributed.slurm import is_slurm_task, slurm_environment
+    from atorch.distributed.slurm import is_slurm_task, outside_step_note, slurm_environment
 
     if is_slurm_task(os.environ):
         os.environ.update(slurm_environment(os.environ))
+    else:
+        note = outside_step_note(os.environ)
+        if note is not None and "slurm_outside_step" not in _LOGGED_ONCE:
+            _LOGGED_ONCE.add("slurm_outside_step")
+            logger.warning(note)   # the allocation's other tasks stay idle: worth saying even when quiet
     # A plain `python script.py` has none of these; default to a world of one.
     # An empty value counts as unset (ATorch's tests and some schedulers export MASTER_ADDR="").
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
@@ -90,7 +95,7 @@ def init_distributed(
     collective = timeout if timeout is not None else timeouts.collective_timeout()
     join = timeouts.init_timeout()
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(cuda_index())
     timeouts.enable_flight_recorder()
     store = _rendezvous_store(rank_, world, addr, port, join)
     dist.init_process_group(backend=backend, store=store, rank=rank_, world_size=world, timeout=collective)
@@ -240,13 +245,31 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
+def cuda_index() -> int:
+    """This process's CUDA device: LOCAL_RANK, or 0 when the process sees a single GPU.
+
+    A launcher or `srun --gpus-per-node=N` shows every process all of the node's GPUs, and
+    LOCAL_RANK picks one; `srun --gpus-per-task=1` shows each task only its own GPU (one entry in
+    CUDA_VISIBLE_DEVICES), which is device 0 whatever the task's LOCAL_RANK. Anything else (more
+    than one but fewer than LOCAL_RANK + 1 visible) is ambiguous: ValueError, before any network use.
+    """
+    local, count = local_rank(), torch.cuda.device_count()
+    if local < count:
+        return local
+    if count == 1:
+        return 0
+    raise ValueError(f"LOCAL_RANK={local} but this process sees {count} GPU(s) (CUDA_VISIBLE_DEVICES="
+                     f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}): show each process all of its node's GPUs or "
+                     "exactly one (Slurm: --gpus-per-node=N with N tasks per node, or --gpus-per-task=1)")
+
+
 def device() -> torch.device:
-    """cuda:LOCAL_RANK when the process group runs on nccl (or CUDA without a group), else cpu."""
+    """cuda:`cuda_index()` when the process group runs on nccl (or CUDA without a group), else cpu."""
     if is_initialized():
         if dist.get_backend() == "nccl":
-            return torch.device("cuda", local_rank())
+            return torch.device("cuda", cuda_index())
         return torch.device("cpu")
-    return torch.device("cuda", local_rank()) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device("cuda", cuda_index()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def device_type() -> str:

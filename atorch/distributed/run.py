@@ -8,6 +8,9 @@ A thin front end over torch elastic (`torch.distributed.run`), not a process man
 - Without it, a crash fails the job at once (`--max_restarts` defaults to 0).
 - A single-node job without `--master_port` runs `--standalone`, so concurrent jobs on one
   machine never fight over the default port 29500.
+- Started by srun with one task per node (`srun --ntasks-per-node=1 atorch run ...`) and no
+  placement flags, it takes `--nnodes`, `--node_rank` and the rendezvous (the step's first
+  node, a port derived from the job id) from the step (atorch/distributed/slurm.py).
 - Usage mistakes (`--nproc_per_node 0`, `--nnodes 0`, a `--node_rank` outside `--nnodes`, a port
   outside 1..65535, a missing script, a malformed ATORCH_*_TIMEOUT) exit with status 2 and one
   line naming the flag, before any process or socket is started.
@@ -18,7 +21,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import List, Optional, Tuple
+from typing import List, Mapping, Optional, Tuple
+
+from atorch.distributed import slurm
 
 DEFAULT_FAULT_TOLERANT_RESTARTS = 3
 DEFAULT_MASTER_PORT = 29500
@@ -34,8 +39,19 @@ def _split_at_script(argv: List[str]) -> int:
     return len(argv)
 
 
-def translate_args(argv: List[str]) -> List[str]:
-    """Turn atorch launcher arguments into `torch.distributed.run` arguments."""
+def translate_args(argv: List[str], env: Optional[Mapping[str, str]] = None) -> List[str]:
+    """Turn atorch launcher arguments into `torch.distributed.run` arguments.
+
+    Started by srun (one launcher task per node, `env`: default os.environ) without placement
+    flags of its own, the node count, node rank and rendezvous come from the Slurm step.
+    """
+    at = _split_at_script(argv)
+    if not any(arg.split("=")[0] in slurm.LAUNCHER_PLACEMENT_FLAGS for arg in argv[:at]):
+        placement = slurm.launcher_placement(os.environ if env is None else env)
+        if placement:
+            print(f"atorch.distributed.run: Slurm step on {placement[0].split('=')[1]} nodes: {' '.join(placement)}",
+                  file=sys.stderr, flush=True)
+        argv = placement + argv
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--fault_tolerant", "--fault-tolerant", action="store_true")
     parser.add_argument("--max_restarts", "--max-restarts", type=int, default=None)
@@ -126,6 +142,19 @@ def check_environment(argv: List[str]) -> None:
 
     for name in (timeouts.INIT_TIMEOUT_ENV, timeouts.COLLECTIVE_TIMEOUT_ENV):
         timeouts.seconds_from_env(name, 1.0)
+    _warn_about_slurm_cpus(argv[:at])
+
+
+def _warn_about_slurm_cpus(launcher_args: List[str]) -> None:
+    """Started by srun with fewer CPUs than workers: say so (the workers would share cores)."""
+    checker = argparse.ArgumentParser(add_help=False)
+    checker.add_argument("--nproc_per_node", "--nproc-per-node", default="1")
+    nproc = checker.parse_known_args(launcher_args)[0].nproc_per_node
+    if not hasattr(os, "sched_getaffinity") or not str(nproc).isdigit():
+        return
+    note = slurm.launcher_cpu_note(os.environ, int(nproc), len(os.sched_getaffinity(0)))
+    if note is not None:
+        print(f"atorch.distributed.run: warning: {note}", file=sys.stderr, flush=True)
 
 
 def _master_args(ours: argparse.Namespace) -> List[str]:
