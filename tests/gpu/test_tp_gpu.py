@@ -46,7 +46,7 @@ def test_layers_and_vocab_parallel_loss_on_cuda():
     logits = torch.randn(8, 1000, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     target = torch.randint(0, 1000, (8,), device=DEVICE)
     expected = F.cross_entropy(logits.float(), target)
-    assert torch.allclose(vocab_parallel_cross_entropy(logits, target), expected, atol=1e-5)
+    assert torch.allclose(vocab_parallel_cross_entropy(logits, target, reduction="mean"), expected, atol=1e-5)
 
 
 def test_meta_materialization_then_cuda_equals_seeded_cpu_construction():

@@ -17,16 +17,12 @@ from atorch.tensor_parallel.mappings import (
     reduce_from_group,
     scatter_to_group,
 )
-from atorch.tensor_parallel.randomizer import (
-    MultiDimParallelRandomizer,
-    fork_module_rng,
-    get_randomizer,
-    init_randomizer,
-)
+from atorch.modules.distributed_modules.randomizer import get_MDPRInstance, get_randomizer, init_randomizer
+from atorch.tensor_parallel.randomizer import MultiDimParallelRandomizer, fork_module_rng
 
 __all__ = [
     "ColumnParallelLinear", "MultiDimParallelRandomizer", "RowParallelLinear", "ShardSpec", "TensorParallelModule",
     "VocabParallelCausalLMLoss", "VocabParallelEmbedding", "copy_to_group", "fork_module_rng", "gather_from_group",
-    "get_randomizer", "init_randomizer", "reduce_from_group", "scatter_to_group", "shard_tensor", "unshard_tensors",
-    "vocab_parallel_cross_entropy",
+    "get_MDPRInstance", "get_randomizer", "init_randomizer", "reduce_from_group", "scatter_to_group", "shard_tensor",
+    "unshard_tensors", "vocab_parallel_cross_entropy",
 ]

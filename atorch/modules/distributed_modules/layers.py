@@ -1,12 +1,18 @@
-"""Moved to `atorch.tensor_parallel.layers`; this old import path is the same module object.
+"""Old import path of `atorch.tensor_parallel.layers`, plus ATorch's names that lived here.
 
-The star import lets type checkers see the names; the alias in sys.modules makes
-`import atorch.modules.distributed_modules.layers` return the moved module itself (its module-level state included).
+Every name of `atorch.tensor_parallel.layers` is the same object here (the star import for
+type checkers, the module `__getattr__` for the rest, private names included). Added from
+ATorch's module of this path: `ParallelEmbedding` (embedding dimension split, output
+all-gathered) and `_initialize_affine_weight` (this rank's slice of a master weight), both
+from `atorch.utils.tp_compat`.
 """
 
-import sys
+from typing import Any
 
 from atorch.tensor_parallel import layers as _moved
 from atorch.tensor_parallel.layers import *  # noqa: F401,F403
+from atorch.utils.tp_compat import ParallelEmbedding, _initialize_affine_weight  # noqa: F401
 
-sys.modules[__name__] = _moved
+
+def __getattr__(name: str) -> Any:
+    return getattr(_moved, name)
