@@ -352,23 +352,26 @@ def _initialize_affine_weight(weight: torch.Tensor, per_partition_size: int, par
     from atorch.distributed.distributed import parallel_group_size, parallel_rank
 
     size = parallel_group_size(group_name) or 1
+    if size == 1:   # nothing to split: the weight is the master weight
+        with torch.no_grad():
+            if master_weight is not None:
+                weight.data.copy_(master_weight)
+            elif init_method is not None:
+                init_method(weight)
+        return weight if return_master_weight else None
     if master_weight is None:
-        if size > 1 and (out_features is None or in_features is None):
+        if out_features is None or in_features is None:
             raise ValueError("_initialize_affine_weight: give master_weight, or out_features and in_features to "
                              "draw one with init_method")
-        shape = tuple(weight.shape) if size == 1 else (out_features, in_features)
-        master_weight = torch.empty(*shape, dtype=weight.dtype, requires_grad=requires_grad)  # type: ignore[misc]
+        master_weight = torch.empty(out_features, in_features, dtype=weight.dtype, requires_grad=requires_grad)
         if init_method is not None:
             init_method(master_weight)
+    pieces = torch.split(master_weight, divide(per_partition_size, stride), dim=partition_dim)
+    if len(pieces) != size * stride:
+        raise ValueError(f"_initialize_affine_weight: the master weight {tuple(master_weight.shape)} cut along dim "
+                         f"{partition_dim} into pieces of {per_partition_size // stride} gives {len(pieces)} "
+                         f"pieces, not {group_name!r} size {size} x stride {stride}")
+    rank = cast(int, parallel_rank(group_name))
     with torch.no_grad():
-        if size == 1:
-            weight.data.copy_(master_weight)
-        else:
-            pieces = torch.split(master_weight, divide(per_partition_size, stride), dim=partition_dim)
-            if len(pieces) != size * stride:
-                raise ValueError(f"_initialize_affine_weight: the master weight {tuple(master_weight.shape)} cut "
-                                 f"along dim {partition_dim} into pieces of {per_partition_size // stride} gives "
-                                 f"{len(pieces)} pieces, not {group_name!r} size {size} x stride {stride}")
-            rank = cast(int, parallel_rank(group_name))
-            weight.data.copy_(torch.cat(pieces[rank::size], dim=partition_dim))
+        weight.data.copy_(torch.cat(pieces[rank::size], dim=partition_dim))
     return master_weight if return_master_weight else None
