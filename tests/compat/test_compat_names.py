@@ -250,3 +250,13 @@ def test_two_ranks_prefixed_groups_affine_weight_and_vocab_parallel_loss():
         assert out["ce_loss_err"] < 1e-5 and out["ce_grad_err"] < 1e-5
         assert out["embedding_shape"] == (1, 2, 6)
         assert "there is no 'tensor' parallel group" in out["no_tensor_group"]
+
+
+def test_torch_version_and_materialize_path():
+    from atorch.modules.distributed_modules.materialize_modules import materialize_modules_to_device
+    from atorch.utils.meta_model_utils import materialize_modules_to_device as moved
+    from atorch.utils.version import torch_version
+
+    assert torch_version("2.13.0+cpu") == (2, 13, 0) and torch_version("2.6.0a0+git1") == (2, 6, 0)
+    assert torch_version("nightly") == () and torch_version() >= (2, 0, 0)
+    assert materialize_modules_to_device is moved
