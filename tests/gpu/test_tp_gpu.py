@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atorch.modules.distributed_modules.cross_entropy import vocab_parallel_cross_entropy
-from atorch.modules.distributed_modules.layers import ColumnParallelLinear, RowParallelLinear
+from atorch.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from atorch.modules.distributed_modules.randomizer import MultiDimParallelRandomizer, fork_module_rng
 from atorch.testing import run_distributed, tiny_llama, tiny_llama_config
 from atorch.testing.parity import TokenDataset, assert_close_losses, global_batches, reference_losses

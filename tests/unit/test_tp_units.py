@@ -14,7 +14,7 @@ from atorch.auto.opt_lib import ValidationContext, resolve_strategy
 from atorch.auto.opt_lib.tensor_parallel import TensorParallelConfig, TensorParallelOptimization
 from atorch.auto.strategy import Strategy
 from atorch.modules.distributed_modules.cross_entropy import VocabParallelCausalLMLoss, vocab_parallel_cross_entropy
-from atorch.modules.distributed_modules.layers import (
+from atorch.tensor_parallel.layers import (  # atorch's constructors (the old path has ATorch's)
     ColumnParallelLinear,
     RowParallelLinear,
     ShardSpec,
