@@ -94,6 +94,8 @@ def _resolve_group(group: Any) -> Group:
     from atorch.distributed.distributed import parallel_group
 
     found = parallel_group(group)
+    if found is None and dist.get_world_size() == 1:
+        return None   # one process: the world is the group of one
     if found is None:
         raise ValueError(f"vocab_parallel_cross_entropy: there is no {group!r} parallel group; create it "
                          f"(atorch.distributed.create_parallel_group([({group!r}, n), ...], None)) or pass "
