@@ -53,6 +53,7 @@ __all__ = [
     "get_pg_ranks",
     "get_ranks_in_same_group",
     "init_distributed",
+    "is_coworker",
     "is_distributed",
     "is_initialized",
     "local_rank",
@@ -223,6 +224,11 @@ def get_device_mesh(group_name: str, use_prefix: bool = True) -> Any:
     the order given to `create_parallel_group`; index it by name (`mesh["tensor"]`).
     """
     return mesh_of(_prefixed(group_name) if use_prefix else group_name) if is_initialized() else None
+
+
+def is_coworker() -> bool:
+    """Always False: atorch has no CPU coworker processes (ATorch's data service); every process trains."""
+    return False
 
 
 def is_distributed() -> bool:

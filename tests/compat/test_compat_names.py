@@ -264,3 +264,9 @@ def test_torch_version_and_materialize_path():
     assert torch_version("2.13.0+cpu") == (2, 13, 0) and torch_version("2.6.0a0+git1") == (2, 6, 0)
     assert torch_version("nightly") == () and torch_version() >= (2, 0, 0)
     assert materialize_modules_to_device is moved
+
+
+def test_is_coworker_is_false():
+    import atorch
+
+    assert atorch.distributed.is_coworker() is False   # no coworker processes here: every process trains
