@@ -233,6 +233,7 @@ def _two_ranks() -> dict:
 
 
 @pytest.mark.distributed
+@pytest.mark.heavy   # one spawn of 2 ranks: 40-60 s on the shared 2-core machine
 def test_two_ranks_sampler_class_seed_and_sample_batch():
     outs = run_distributed(_two_ranks, 2)
     for rank, out in enumerate(outs):

@@ -240,6 +240,7 @@ def _two_ranks() -> dict:
 
 
 @pytest.mark.distributed
+@pytest.mark.heavy   # one spawn of 2 ranks: 40-60 s on the shared 2-core machine
 def test_two_ranks_prefixed_groups_affine_weight_and_vocab_parallel_loss():
     outs = run_distributed(_two_ranks, 2)
     for rank, out in enumerate(outs):
