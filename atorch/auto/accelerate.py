@@ -10,18 +10,20 @@ The work itself is in `atorch.auto.engine` (apply) and `atorch.auto.search` (the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from atorch import distributed as adist
 from atorch.auto.arguments import validate_arguments, validate_batch_layout
+from atorch.auto.compat import CompatArgs, finetune_strategy_items, translate_atorch_kwargs
 from atorch.auto.engine import apply_resolved, apply_strategy, build_dataloader, validation_context
 from atorch.auto.model_context import ModelContext
-from atorch.auto.opt_lib.resolve import resolve_strategy
+from atorch.auto.opt_lib.resolve import ResolvedOptimization, resolve_strategy
 from atorch.auto.result import AutoAccelerateResult
 from atorch.auto.strategy import Strategy, StrategyLike
 from atorch.auto.train_step import train_step
@@ -57,6 +59,7 @@ def auto_accelerate(
     *,
     ignore_dryrun_on_load_strategy: bool = True,
     report_path: Optional[str] = None,
+    **kargs: Any,
 ) -> Tuple[bool, Optional[AutoAccelerateResult], Optional[Strategy]]:
     """Make `model` train fast under a given or searched strategy.
 
@@ -65,8 +68,17 @@ def auto_accelerate(
     dataloader yields this data rank's share of each *global* batch of
     `dataloader_args["batch_size"]`. After a successful call the strategy's parallel groups
     are also the process default (`atorch.distributed.parallel_group(name)`).
-    `finetune_strategy` is accepted for compatibility: a loaded strategy is applied as given.
+
+    ATorch's extra keywords (`atorch.auto.compat`): `sample_batch` with `batch_size` (and
+    `expand_sample_batch`) stands in for `dataset` in the dry runs only (no dataloader is
+    made from it); `sampler_seed` seeds the sampler (atorch: `dataloader_args["seed"]`);
+    `finetune_strategy=True` resets the configs of the loaded items but `parallel_mode` to
+    their defaults.
     """
+    compat = translate_atorch_kwargs(dataset=dataset, load_strategy=load_strategy,
+                                     distributed_sampler_cls=distributed_sampler_cls,
+                                     finetune_strategy=finetune_strategy, **kargs)
+    dataloader_args = compat.dataloader_args(dataloader_args)
     if model_input_format not in _INPUT_FORMATS:
         raise ValueError(f"model_input_format={model_input_format!r}; valid values are {list(_INPUT_FORMATS)}")
     validate_arguments(model=model, optim_func=optim_func, dataset=dataset, loss_func=loss_func,
@@ -83,20 +95,31 @@ def auto_accelerate(
         lr_scheduler_cls=lr_scheduler_cls, lr_scheduler_args=dict(lr_scheduler_args or {}), device=adist.device())
     with third_party_warnings_filtered():
         return _accelerate(ctx, load_strategy, ignore_dryrun_on_load_strategy, excluded, included, report_path,
-                           save_strategy_to_file)
+                           save_strategy_to_file, compat)
+
+
+def _dry_run_context(ctx: ModelContext, compat: CompatArgs) -> ModelContext:
+    """`ctx`, or a copy reading ATorch's `sample_batch` as its dataset (for dry runs; it is already model input)."""
+    stand_in = compat.dry_run_dataset()
+    if stand_in is None:
+        return ctx
+    args = {k: v for k, v in ctx.dataloader_args.items() if k != "collate_fn"}
+    args["batch_size"] = compat.batch_size
+    return dataclasses.replace(ctx, dataset=stand_in, dataloader_args=args)
 
 
 def _accelerate(ctx: ModelContext, load_strategy: Optional[StrategyLike], ignore_dryrun_on_load_strategy: bool,
                 excluded: Optional[Sequence[str]], included: Optional[Sequence[str]], report_path: Optional[str],
-                save_strategy_to_file: Optional[str]
+                save_strategy_to_file: Optional[str], compat: CompatArgs
                 ) -> Tuple[bool, Optional[AutoAccelerateResult], Optional[Strategy]]:
     search = None
+    dry_ctx = _dry_run_context(ctx, compat)
     if load_strategy is None:
         from atorch.auto.search.auto_search import SearchError, search_for_context  # planner: only when searching
 
         try:
             with agree_on_error("auto_accelerate: the strategy search"):
-                search = search_for_context(ctx, excluded=excluded, included=included, report_path=report_path)
+                search = search_for_context(dry_ctx, excluded=excluded, included=included, report_path=report_path)
         except SearchError:  # every candidate failed its dry run: the documented status=False path
             logger.exception("auto_accelerate: the strategy search found no strategy that runs")
             return False, None, None
@@ -108,20 +131,20 @@ def _accelerate(ctx: ModelContext, load_strategy: Optional[StrategyLike], ignore
                 strategy = Strategy.from_any(load_strategy)
         else:   # in memory: nothing can differ between ranks, and validation must come before any collective
             strategy = Strategy.from_any(load_strategy)
+        if compat.finetune_strategy:
+            strategy = finetune_strategy_items(strategy)
         if not ignore_dryrun_on_load_strategy:
             from atorch.auto.dry_runner import DryRunError, check_strategy_runs
 
+            if dry_ctx is not ctx:  # the sample batch's layout is an argument mistake, not a failed dry run
+                _validate_layout(dry_ctx, strategy)
             try:
-                check_strategy_runs(ctx, strategy)   # validates first: a bad strategy still raises ValueError
+                check_strategy_runs(dry_ctx, strategy)   # validates first: a bad strategy still raises ValueError
             except DryRunError:
                 logger.exception("auto_accelerate: the loaded strategy failed its dry run")
                 return False, None, None
     # Validation raises ValueError on every rank before any collective.
-    vctx = validation_context(ctx)
-    resolved = resolve_strategy(strategy, vctx)
-    pipeline = vctx.configs.get("pipeline_parallel")
-    validate_batch_layout(ctx.dataloader_args, vctx.parallel_sizes(),
-                          (pipeline.chunks or vctx.parallel_sizes().get("pipeline")) if pipeline else None)
+    resolved = _validate_layout(ctx, strategy)
     try:
         # Every rank returns the same status. A rank failing inside an optimization, before one of
         # its collectives, leaves the others in that collective until ATORCH_COLLECTIVE_TIMEOUT.
@@ -142,3 +165,13 @@ def _accelerate(ctx: ModelContext, load_strategy: Optional[StrategyLike], ignore
             os.makedirs(os.path.dirname(os.path.abspath(save_strategy_to_file)), exist_ok=True)
             result.strategy.save(save_strategy_to_file)
     return True, result, result.strategy
+
+
+def _validate_layout(ctx: ModelContext, strategy: Strategy) -> List[ResolvedOptimization]:
+    """Resolve `strategy` for `ctx` and check that the global batch splits over its data ranks and chunks."""
+    vctx = validation_context(ctx)
+    resolved = resolve_strategy(strategy, vctx)
+    pipeline = vctx.configs.get("pipeline_parallel")
+    validate_batch_layout(ctx.dataloader_args, vctx.parallel_sizes(),
+                          (pipeline.chunks or vctx.parallel_sizes().get("pipeline")) if pipeline else None)
+    return resolved

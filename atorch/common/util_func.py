@@ -1,14 +1,20 @@
-"""Helpers ATorch training scripts import from `atorch.common.util_func`: moving nested batches, ports, division."""
+"""Helpers ATorch training scripts import from `atorch.common.util_func`: batches, ports, division, time limits."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Union
+import functools
+import signal
+import threading
+import time
+from typing import Any, Callable, TypeVar, Union, cast
 
 import torch
 
 from atorch.distributed.process_group import find_free_port
 
-__all__ = ["apply_to_tensors", "data_to_device", "divide", "find_free_port", "get_ip_address"]
+__all__ = ["apply_to_tensors", "data_to_device", "divide", "exit_after", "find_free_port", "get_ip_address"]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def apply_to_tensors(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
@@ -54,3 +60,42 @@ def get_ip_address() -> str:
             return s.getsockname()[0]
         except OSError:
             return "127.0.0.1"
+
+
+def exit_after(seconds: float) -> Callable[[F], F]:
+    """Decorator: the call raises TimeoutError (naming the function, the limit and the rank) after `seconds`.
+
+    Uses SIGALRM, so it works only on Unix and in the main thread; called elsewhere, the
+    decorated function raises RuntimeError before running. The previous SIGALRM handler and
+    timer are restored when the call ends (a nested limit does not cancel an outer one for
+    longer than the inner call).
+    """
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
+        raise ValueError(f"exit_after(seconds={seconds!r}): seconds must be a number > 0")
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def limited(*args: Any, **kwargs: Any) -> Any:
+            if not hasattr(signal, "SIGALRM") or threading.current_thread() is not threading.main_thread():
+                raise RuntimeError(f"exit_after: {getattr(fn, '__qualname__', fn)} must be called in the main "
+                                   "thread of a Unix process (the time limit is a SIGALRM)")
+
+            def on_alarm(signum: int, frame: Any) -> None:
+                where = f"rank {torch.distributed.get_rank()}: " if torch.distributed.is_initialized() else ""
+                raise TimeoutError(f"{where}calling {getattr(fn, '__qualname__', fn)} timed out after {seconds} s")
+
+            previous = signal.signal(signal.SIGALRM, on_alarm)
+            started = time.monotonic()
+            outer_left, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+                if outer_left:
+                    # An outer limit was running: give it back what it had left (at least a tick).
+                    signal.setitimer(signal.ITIMER_REAL, max(outer_left - (time.monotonic() - started), 1e-3))
+
+        return cast(F, limited)
+
+    return decorate

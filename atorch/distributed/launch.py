@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+import time
 from argparse import REMAINDER
-from typing import List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Union
 
 from atorch.distributed.run import main as run_main
 
-__all__ = ["main", "parse_args", "to_run_args"]
+__all__ = ["check_process_loop", "main", "parse_args", "to_run_args"]
 
 
 def parse_args(args: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -82,3 +84,24 @@ def main(args: Union[argparse.Namespace, Sequence[str], None] = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def check_process_loop(processes: Sequence[Any], poll_interval_s: float = 1.0) -> None:
+    """Wait for ATorch-style worker entries `(subprocess.Popen, stdout, stderr)` to finish.
+
+    When one exits non-zero the others are terminated and the caller exits with that code
+    (128 + N for a worker killed by signal N), as ATorch's launcher did; returns when all
+    succeeded.
+    """
+    while True:
+        codes = [entry[0].poll() for entry in processes]
+        failed = [(i, c if c >= 0 else 128 - c) for i, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            for entry, code in zip(processes, codes):
+                if code is None:
+                    entry[0].terminate()
+            print(f"worker process(es) failed (index, exit code): {failed}", file=sys.stderr)
+            sys.exit(failed[0][1])
+        if all(c == 0 for c in codes):
+            return
+        time.sleep(poll_interval_s)

@@ -10,7 +10,7 @@ any rank. `VocabParallelCausalLMLoss` plugs this into a Hugging Face model's
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ def _all_reduce_(t: torch.Tensor, op: "dist.ReduceOp.RedOpType", group: Group) -
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: Group, vocab_start: int,
-                vocab_size: int, ignore_index: int) -> torch.Tensor:
+                vocab_size: int, ignore_index: int, label_smoothing: float) -> torch.Tensor:
         local_vocab = logits.shape[-1]
         logits = logits.float()
         # Columns past the real vocabulary are padding: they must not take probability mass.
@@ -49,37 +49,84 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         _all_reduce_(target_logit, dist.ReduceOp.SUM, group)
 
         ignored = target == ignore_index
-        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
+        log_sum_exp = sum_exp.log()
+        loss = log_sum_exp - target_logit
+        if label_smoothing > 0:
+            # torch's convention: the target distribution is (1 - eps) one-hot + eps uniform over
+            # the real vocabulary, so the loss adds eps * mean over the vocabulary of -log p.
+            sum_shifted = _all_reduce_(shifted[..., :valid].sum(dim=-1), dist.ReduceOp.SUM, group)
+            uniform = log_sum_exp - sum_shifted / vocab_size
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * uniform
+        loss = loss.masked_fill(ignored, 0.0)
         exp.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward
+        ctx.label_smoothing, ctx.vocab_size, ctx.valid = label_smoothing, vocab_size, valid
         ctx.save_for_backward(exp, local_target, owned, ignored)
         return loss
 
     @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None, None, None, None]:
+    def backward(ctx: Any, grad_loss: torch.Tensor
+                 ) -> Tuple[Optional[torch.Tensor], None, None, None, None, None, None]:
         softmax, local_target, owned, ignored = ctx.saved_tensors
-        # d loss / d logits = softmax - one_hot(target). The saved buffer is reused (as Megatron
-        # does) to avoid a second [tokens, V_local] allocation, so a retained graph cannot be
-        # backpropagated through twice.
+        # d loss / d logits = softmax - (1 - eps) one_hot(target) - eps / V on the real vocabulary.
+        # The saved buffer is reused (as Megatron does) to avoid a second [tokens, V_local]
+        # allocation, so a retained graph cannot be backpropagated through twice.
         grad = softmax
         flat = grad.view(-1, grad.shape[-1])
         rows = torch.arange(flat.shape[0], device=flat.device)
-        flat[rows, local_target.view(-1)] -= owned.view(-1).to(flat.dtype)
+        flat[rows, local_target.view(-1)] -= (1.0 - ctx.label_smoothing) * owned.view(-1).to(flat.dtype)
+        if ctx.label_smoothing > 0:
+            flat[:, :ctx.valid] -= ctx.label_smoothing / ctx.vocab_size
         grad.mul_((grad_loss * (~ignored)).unsqueeze(-1))
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Group = None,
-                                 vocab_size: Optional[int] = None, ignore_index: int = -100,
-                                 reduction: str = "mean") -> torch.Tensor:
+GroupSpec = Union[str, Group]
+_NO_GROUP = object()   # "the tensor group" default, told apart from an explicit None (the whole world)
+
+
+def _resolve_group(group: Any) -> Group:
+    if group is _NO_GROUP:
+        group = "tensor"
+    if not isinstance(group, str):
+        return group
+    if not dist.is_available() or not dist.is_initialized():
+        return None   # a plain single process: a group of one
+    from atorch.distributed.distributed import parallel_group
+
+    found = parallel_group(group)
+    if found is None and dist.get_world_size() == 1:
+        return None   # one process: the world is the group of one
+    if found is None:
+        raise ValueError(f"vocab_parallel_cross_entropy: there is no {group!r} parallel group; create it "
+                         f"(atorch.distributed.create_parallel_group([({group!r}, n), ...], None)) or pass "
+                         "group= (a ProcessGroup, or None for the whole world)")
+    return found
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0, *,
+                                 group: Any = _NO_GROUP, vocab_size: Optional[int] = None,
+                                 ignore_index: int = -100, reduction: str = "none") -> torch.Tensor:
     """Cross entropy of `target` (global ids) given this rank's vocabulary slice of `logits`.
 
-    `logits` is [..., V_local] where rank r holds ids [r * V_local, (r + 1) * V_local);
-    `vocab_size` is the real vocabulary (ids at or past it are padding); the result equals
-    `F.cross_entropy` on the gathered logits, in float32. reduction: "mean" (over targets
-    that are not `ignore_index`), "sum" or "none".
+    ATorch's (and Megatron's) call: `vocab_parallel_cross_entropy(logits, target, label_smoothing)`
+    over the "tensor" parallel group, one loss per token. `logits` is [..., V_local] where rank
+    r of `group` holds ids [r * V_local, (r + 1) * V_local); `group` is a parallel group name
+    (default "tensor"; a single process needs none), a ProcessGroup, or None for the whole
+    world; `vocab_size` is the real vocabulary (ids at or past it are padding). The result
+    equals `F.cross_entropy(gathered_logits, target, ignore_index=, label_smoothing=,
+    reduction=)` in float32: `label_smoothing` follows torch's convention (eps spread
+    uniformly over the whole real vocabulary, the target included); reduction "none" (default,
+    as ATorch: 0 at `ignore_index`), "mean" (over targets that are not `ignore_index`) or "sum".
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction={reduction!r}; valid values are 'mean', 'sum', 'none'")
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
+            or not 0.0 <= label_smoothing < 1.0:
+        hint = (" (the third argument is label_smoothing, as in ATorch; pass the group as group=)"
+                if not isinstance(label_smoothing, (int, float)) else "")
+        raise ValueError(f"vocab_parallel_cross_entropy: label_smoothing={label_smoothing!r} must be a float in "
+                         f"[0, 1){hint}")
+    group = _resolve_group(group)
     local_vocab = logits.shape[-1]
     world = group_size(group)
     if vocab_size is None:
@@ -89,8 +136,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     vocab_start = group_rank(group) * local_vocab
     if world == 1 and vocab_size == local_vocab:
         return F.cross_entropy(logits.float().view(-1, local_vocab), target.view(-1), ignore_index=ignore_index,
-                               reduction=reduction).view(target.shape if reduction == "none" else ())
-    loss = _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, vocab_size, ignore_index)
+                               reduction=reduction, label_smoothing=float(label_smoothing)
+                               ).view(target.shape if reduction == "none" else ())
+    loss = _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, vocab_size, ignore_index,
+                                            float(label_smoothing))
     if reduction == "none":
         return loss
     if reduction == "sum":
@@ -119,8 +168,9 @@ class VocabParallelCausalLMLoss:
             labels = F.pad(labels, (0, 1), value=ignore_index)
             shift_labels = labels[..., 1:].contiguous()
         shift_labels = shift_labels.to(logits.device)
-        losses = vocab_parallel_cross_entropy(logits, shift_labels, self._group_ref.group, self.vocab_size,
-                                              ignore_index, reduction="none")
+        losses = vocab_parallel_cross_entropy(logits, shift_labels, group=self._group_ref.group,
+                                              vocab_size=self.vocab_size, ignore_index=ignore_index,
+                                              reduction="none")
         if num_items_in_batch is not None:
             if torch.is_tensor(num_items_in_batch):
                 num_items_in_batch = num_items_in_batch.to(losses.device)

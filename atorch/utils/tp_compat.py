@@ -23,20 +23,20 @@ is refused (materialize it first).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional, Sequence, Union, cast
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from atorch.tensor_parallel import layers as _layers  # the module the old path aliases
-from atorch.modules.distributed_modules import randomizer as _randomizer
-from atorch.modules.distributed_modules.layers import ShardSpec, TensorParallelModule, shard_tensor
-from atorch.modules.distributed_modules.mappings import gather_from_group
+from atorch.tensor_parallel import layers as _layers
+from atorch.tensor_parallel import randomizer as _randomizer
+from atorch.tensor_parallel.layers import ShardSpec, TensorParallelModule, shard_tensor
+from atorch.tensor_parallel.mappings import gather_from_group
 
 __all__ = ["ColumnParallelLinear", "ParallelEmbedding", "RowParallelLinear", "VocabParallelEmbedding",
-           "get_MDPRInstance", "get_randomizer", "init_randomizer"]
+           "get_MDPRInstance", "get_randomizer", "init_randomizer"]  # and _initialize_affine_weight
 
 InitMethod = Optional[Callable[[torch.Tensor], Any]]
 GroupSpec = Union[str, dist.ProcessGroup, None]
@@ -215,9 +215,12 @@ class ParallelEmbedding(TensorParallelModule):
 
 # -- randomizer ---------------------------------------------------------------------------------
 
-def init_randomizer(base_seed: int = 1234) -> _randomizer.MultiDimParallelRandomizer:
-    """ATorch's `init_randomizer`: the process randomizer, seeded from `base_seed` and this rank's coordinates."""
-    return _randomizer.init_randomizer(base_seed)
+def init_randomizer(base_seed: int = 1234, coords: Optional[Mapping[str, int]] = None) -> _randomizer.MultiDimParallelRandomizer:
+    """ATorch's `init_randomizer`: the process randomizer, seeded from `base_seed` and this rank's coordinates.
+
+    `coords` (atorch's argument) overrides the coordinates read from the parallel groups.
+    """
+    return _randomizer.init_randomizer(base_seed, coords)
 
 
 class _RandomizerWithSharedStreams:
@@ -308,8 +311,12 @@ class _SharedStream:
 _SHARED: dict = {}   # (id of the process randomizer, sorted groups) -> _SharedStream
 
 
-def get_randomizer(*same_groups: str) -> Union[_Stream, _SharedStream]:
-    """The stream that is the same on the ranks of `same_groups` (none: different on every rank)."""
+def get_randomizer(*same_groups: str) -> Union[_randomizer.MultiDimParallelRandomizer, _Stream, _SharedStream]:
+    """The stream that is the same on the ranks of `same_groups`, with ATorch's `fork()`.
+
+    Without groups: the process randomizer itself, whose `fork()` (defaults) is the stream
+    that differs on every rank, as ATorch's `get_randomizer().fork()`.
+    """
     from atorch import distributed as adist
 
     randomizer = _randomizer.get_randomizer()
@@ -322,4 +329,49 @@ def get_randomizer(*same_groups: str) -> Union[_Stream, _SharedStream]:
         return _SHARED[key]
     if same_groups:
         return _Stream(randomizer, same_groups[0], True)
-    return _Stream(randomizer, "tensor", False)
+    return randomizer
+
+
+# -- master weights split by hand (ATorch's layers module) --------------------------------------
+
+def _initialize_affine_weight(weight: torch.Tensor, per_partition_size: int, partition_dim: int,
+                              init_method: InitMethod = None, master_weight: Optional[torch.Tensor] = None,
+                              out_features: Optional[int] = None, in_features: Optional[int] = None,
+                              group_name: str = "tensor", stride: int = 1, return_master_weight: bool = False,
+                              requires_grad: bool = True) -> Optional[torch.Tensor]:
+    """Fill `weight` with this rank's slice of a master weight split over the `group_name` group (ATorch's helper).
+
+    The master weight (given, or `[out_features, in_features]` drawn with `init_method`, the
+    same on every rank when the random state is) is cut along `partition_dim` into pieces of
+    `per_partition_size // stride` rows; rank r of a group of size n takes pieces r, r + n,
+    r + 2n, ... (the strided layout of fused projections) concatenated. Without the group (no
+    parallel groups, or size 1) `weight` gets the whole master weight. Returns the master
+    weight when `return_master_weight`, else None.
+    """
+    from atorch.common.util_func import divide
+    from atorch.distributed.distributed import parallel_group_size, parallel_rank
+
+    size = parallel_group_size(group_name) or 1
+    if size == 1:   # nothing to split: the weight is the master weight
+        with torch.no_grad():
+            if master_weight is not None:
+                weight.data.copy_(master_weight)
+            elif init_method is not None:
+                init_method(weight)
+        return weight if return_master_weight else None
+    if master_weight is None:
+        if out_features is None or in_features is None:
+            raise ValueError("_initialize_affine_weight: give master_weight, or out_features and in_features to "
+                             "draw one with init_method")
+        master_weight = torch.empty(out_features, in_features, dtype=weight.dtype, requires_grad=requires_grad)
+        if init_method is not None:
+            init_method(master_weight)
+    pieces = torch.split(master_weight, divide(per_partition_size, stride), dim=partition_dim)
+    if len(pieces) != size * stride:
+        raise ValueError(f"_initialize_affine_weight: the master weight {tuple(master_weight.shape)} cut along dim "
+                         f"{partition_dim} into pieces of {per_partition_size // stride} gives {len(pieces)} "
+                         f"pieces, not {group_name!r} size {size} x stride {stride}")
+    rank = cast(int, parallel_rank(group_name))
+    with torch.no_grad():
+        weight.data.copy_(torch.cat(pieces[rank::size], dim=partition_dim))
+    return master_weight if return_master_weight else None

@@ -62,3 +62,17 @@ def test_launch_main_and_elastic_run_start_workers(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     for how in ("launch", "elastic"):
         assert sorted(p.read_text() for p in tmp_path.glob(f"done_{how}.*")) == ["3.0", "3.0"], how
+
+
+def test_check_process_loop_waits_and_stops_the_others_on_a_failure():
+    from atorch.distributed.launch import check_process_loop
+
+    ok = [(subprocess.Popen([sys.executable, "-c", "pass"]), None, None) for _ in range(2)]
+    check_process_loop(ok, poll_interval_s=0.05)
+    assert all(p.returncode == 0 for p, _, _ in ok)
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    bad = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(SystemExit) as exit_info:
+        check_process_loop([(slow, None, None), (bad, None, None)], poll_interval_s=0.05)
+    assert exit_info.value.code == 3
+    assert slow.wait(timeout=30) != 0     # terminated, not left running

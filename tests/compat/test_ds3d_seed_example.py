@@ -6,9 +6,8 @@ its per-block forward patchers keyed `"wpe"`, `"h.0"`, `"h.1"`, ..., its strateg
 batch_fn and optim_param_func, unchanged but for one line: its block patcher took `outputs[0]` of
 the block, which transformers >= 5 returns as a tensor (no longer a tuple), so the line accepts
 both. Adapted for CPU: gloo instead of nccl, no fp16 (DeepSpeed's CPU accelerator has none),
-tiny sizes. Its loss calls our
-`vocab_parallel_cross_entropy` with the tensor group and `reduction="none"` spelled out
-(ATorch's function took neither argument: its group was always "tensor", its result per token).
+tiny sizes. Its loss function is the example's, verbatim: `vocab_parallel_cross_entropy(logits,
+labels).view(-1)` (the "tensor" group, one loss per token, as ATorch's).
 
 Parity: the losses of 3 `train_batch` steps equal plain single-process training of the same
 model (`torch.manual_seed(1234); GPT2Model(config)`, run through the same forward patchers in
@@ -141,7 +140,6 @@ def _train_seed_example():
     import atorch
     from atorch.auto import auto_accelerate
     from atorch.auto.opt_lib.ds_3d_parallel_optimization import DeepSpeed3DParallelConfig
-    from atorch.distributed.distributed import parallel_group
     from atorch.modules.distributed_modules.cross_entropy import vocab_parallel_cross_entropy
     from atorch.utils.meta_model_utils import record_module_init
 
@@ -162,8 +160,11 @@ def _train_seed_example():
     def my_loss_func(logits, labels):
         labels, loss_mask = labels[0], labels[1]
         logits = logits.float()
-        losses = vocab_parallel_cross_entropy(logits, labels, group=parallel_group("tensor"), reduction="none")
-        return masked_loss(losses, loss_mask)
+        losses = vocab_parallel_cross_entropy(logits, labels).view(-1)
+        loss = torch.sum(losses * loss_mask.view(-1))
+        if loss_mask.sum().item() > 0:
+            loss = loss / loss_mask.sum()
+        return loss
 
     status, result, best_strategy = auto_accelerate(meta_model, torch.optim.AdamW, optim_args={"lr": LR},
                                                     optim_param_func=optim_param_func, loss_func=my_loss_func,

@@ -128,7 +128,8 @@ def _slices(name: str, group: Any) -> Dict[str, Any]:
     ids = TokenDataset(n=2, seq_len=12, seed=5, vocab_size=min(config.vocab_size, 1000)).tokens
     with torch.no_grad():
         out, expected = model(input_ids=ids, labels=ids), reference(input_ids=ids, labels=ids)
-        loss = vocab_parallel_cross_entropy(out.logits[:, :-1], ids[:, 1:], group, config.vocab_size)
+        loss = vocab_parallel_cross_entropy(out.logits[:, :-1], ids[:, 1:], group=group, vocab_size=config.vocab_size,
+                                            reduction="mean")
     return {"shape": tuple(out.logits.shape), "loss": loss.item(), "model_loss": out.loss.item(),
             "expected_loss": expected.loss.item(), "vocab": config.vocab_size}
 

@@ -123,7 +123,7 @@ def _eval_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tenso
 
 
 def _train_one(kind: str, dims: List[Tuple[str, int]], meta: bool, **tp_config: Any) -> Dict[str, Any]:
-    from atorch.modules.distributed_modules.layers import ColumnParallelLinear
+    from atorch.tensor_parallel.layers import ColumnParallelLinear
     from atorch.utils.manual_tp_utils import gather_tp_state_dict, tp_param_bytes
 
     strategy = [("parallel_mode", (dims, None)), ("tensor_parallel", {"base_seed": BASE_SEED, **tp_config})]

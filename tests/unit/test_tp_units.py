@@ -14,7 +14,7 @@ from atorch.auto.opt_lib import ValidationContext, resolve_strategy
 from atorch.auto.opt_lib.tensor_parallel import TensorParallelConfig, TensorParallelOptimization
 from atorch.auto.strategy import Strategy
 from atorch.modules.distributed_modules.cross_entropy import VocabParallelCausalLMLoss, vocab_parallel_cross_entropy
-from atorch.modules.distributed_modules.layers import (
+from atorch.tensor_parallel.layers import (  # atorch's constructors (the old path has ATorch's)
     ColumnParallelLinear,
     RowParallelLinear,
     ShardSpec,
@@ -257,13 +257,13 @@ def test_vocab_parallel_cross_entropy_matches_f_cross_entropy():
     ref_logits = logits.detach().clone()[..., :7].requires_grad_()
     expected = F.cross_entropy(ref_logits.reshape(-1, 7), target.reshape(-1), ignore_index=-100)
     # Columns 7..9 are vocabulary padding (vocab_size=7): they must take no probability mass.
-    actual = vocab_parallel_cross_entropy(logits, target, None, vocab_size=7)
+    actual = vocab_parallel_cross_entropy(logits, target, group=None, vocab_size=7, reduction="mean")
     assert torch.allclose(actual, expected, atol=1e-6)
     actual.backward()
     expected.backward()
     assert torch.allclose(logits.grad[..., :7], ref_logits.grad, atol=1e-6)
     assert logits.grad[..., 7:].abs().max() == 0 and logits.grad[0, 0].abs().max() == 0
-    none = vocab_parallel_cross_entropy(logits, target, None, 7, reduction="none")
+    none = vocab_parallel_cross_entropy(logits, target, group=None, vocab_size=7)   # ATorch's default: per token
     assert none.shape == (2, 6) and none[0, 0] == 0
     with pytest.raises(ValueError, match="reduction='avg'"):
         vocab_parallel_cross_entropy(logits, target, reduction="avg")

@@ -46,7 +46,8 @@ class CausalLMLoss:
 
         shift_logits = logits[..., :-1, :].contiguous()
         shift_labels = labels[..., 1:].contiguous().to(shift_logits.device)
-        return vocab_parallel_cross_entropy(shift_logits, shift_labels, self.group, self.vocab_size, IGNORE_INDEX)
+        return vocab_parallel_cross_entropy(shift_logits, shift_labels, group=self.group, vocab_size=self.vocab_size,
+                                            ignore_index=IGNORE_INDEX, reduction="mean")
 
 
 def hf_inputs(batch: Mapping[str, torch.Tensor]) -> tuple:
