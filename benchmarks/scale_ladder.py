@@ -9,7 +9,8 @@ checkpoint through `auto_accelerate`, AdamW, a global batch of `--batch` x `--se
   model construction, `auto_accelerate` and two training steps inside it) and the process's
   peak RSS (VmHWM, reset right before the model is built, read after the timed steps; it also
   holds the Python/torch runtime, allocator caching and gloo buffers);
-- step time: `--steps` timed `train_step`s after the two tracked ones (median, min-max);
+- step time: `--steps` timed `train_step`s after the two tracked ones (median, min-max), wall and
+  the process's CPU seconds (all its threads; less disturbed by other jobs than wall time);
 - `atorch.checkpoint.save_checkpoint` / `load_checkpoint` seconds (model + AdamW state, both ranks,
   barrier to barrier, sha256 manifest included).
 
@@ -109,13 +110,14 @@ def _rank(size: str, batch: int, seq: int, steps: int, ckpt_root: str) -> Dict[s
         for _ in range(2):                                # the second step has the optimizer state
             float(train_step(result, next(batches)))
     out["tensor_peak"] = tracker.peak_bytes
-    times = []
+    times, cpu_times = [], []
     for _ in range(steps):
         b = next(batches)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         float(train_step(result, b))
         times.append(time.perf_counter() - start)
-    out["step_s"] = times
+        cpu_times.append(time.process_time() - cpu)
+    out["step_s"], out["step_cpu_s"] = times, cpu_times
     out["rss_peak"] = _status_kb("VmHWM") * 1024
 
     ckpt = os.path.join(ckpt_root, size)
@@ -162,8 +164,8 @@ def run_real(sizes: List[str], batch: int, seq: int, steps: int, max_rss_gib: fl
 
     print("| model | params | set-up s (build s) | peak tensor GiB/rank (r0, r1) | predicted GiB | predicted/"
           "measured | peak RSS GiB/rank | predicted/RSS | step s (median, min-max over ranks x steps) | "
-          "predicted step s | checkpoint GB | save s | load s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "CPU s/step (all threads) | predicted step s | checkpoint GB | save s | load s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for size in sizes:
         stop = threading.Event()
         watcher = threading.Thread(target=_watch_rss, args=(int(max_rss_gib * GIB), stop), daemon=True)
@@ -179,11 +181,13 @@ def run_real(sizes: List[str], batch: int, seq: int, steps: int, max_rss_gib: fl
         tensor = [r["tensor_peak"] for r in ranks]
         rss = [r["rss_peak"] for r in ranks]
         all_steps = [t for r in ranks for t in r["step_s"]]
+        cpu_steps = [t for r in ranks for t in r["step_cpu_s"]]
         print(f"| {size} | {ranks[0]['params'] / 1e6:.0f}M | {max(r['setup_s'] for r in ranks):.1f} "
               f"({max(r['build_s'] for r in ranks):.1f}) | {max(tensor) / GIB:.2f} ({tensor[0] / GIB:.2f}, "
               f"{tensor[1] / GIB:.2f}) | {est.peak_memory_bytes / GIB:.2f} | {est.peak_memory_bytes / max(tensor):.3f} | "
               f"{max(rss) / GIB:.2f} | {est.peak_memory_bytes / max(rss):.3f} | {statistics.median(all_steps):.2f} "
-              f"({min(all_steps):.2f}-{max(all_steps):.2f}) | {est.step_time_s:.2f} | "
+              f"({min(all_steps):.2f}-{max(all_steps):.2f}) | {statistics.median(cpu_steps):.2f} "
+              f"({min(cpu_steps):.2f}-{max(cpu_steps):.2f}) | {est.step_time_s:.2f} | "
               f"{sum(r['ckpt_bytes'] for r in ranks[:1]) / 1e9:.2f} | {max(r['save_s'] for r in ranks):.1f} | "
               f"{max(r['load_s'] for r in ranks):.1f} |", flush=True)
         breakdown = {k[4:]: round(v / GIB, 3) for k, v in est.breakdown.items() if k.startswith("mem_")}
