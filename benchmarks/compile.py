@@ -34,9 +34,10 @@ MODEL = dict(vocab_size=8192, hidden_size=768, intermediate_size=2048, num_hidde
 
 
 def build(strategy: List[Any], batch: int, seq: int, use_cache: bool) -> Any:
-    # use_cache=False, as training scripts set it: with Hugging Face's default (True) every forward
-    # builds a key/value cache whose per-layer state dynamo guards on, so each block recompiles
-    # and past torch's recompile limit (8) the rest run eager (measured: slower than eager, see RESULTS.md).
+    # use_cache=False, as training scripts set it. With Hugging Face's default (True) every forward
+    # builds a key/value cache whose per-layer state dynamo guards on, so each block recompiled and
+    # past torch's recompile limit (8) the rest ran eager (RESULTS.md); `compile` now turns it off
+    # itself, so --use-cache only leaves the eager copy's cache on.
     config = LlamaConfig(**MODEL, use_cache=use_cache)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)

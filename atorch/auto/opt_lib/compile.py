@@ -120,12 +120,17 @@ class CompileOptimization(Optimization):
         return f"{cls.name}({config.scope}{', ' + config.mode if config.mode else ''})"
 
     def apply(self, ctx: ModelContext, config: CompileConfig) -> None:
-        if getattr(getattr(ctx.model, "config", None), "use_cache", False) is True:
-            # Measured on a 98M Llama (benchmarks/RESULTS.md, "Compile"): Hugging Face's key/value
-            # cache makes dynamo recompile each block for its layer index; past torch's recompile
-            # limit (8) the rest run eager, and the step was slower than eager.
-            logger.warning("compile: model.config.use_cache is True; training needs no key/value cache and with it "
-                           "every block recompiles -- set model.config.use_cache = False before auto_accelerate")
+        model_config = getattr(ctx.model, "config", None)
+        if getattr(model_config, "use_cache", False) is True:
+            # Hugging Face's key/value cache in a training forward: dynamo recompiles each block for
+            # its layer's cache state (past torch's recompile limit of 8 the rest ran eager, slower
+            # than eager: benchmarks/RESULTS.md, "Compile"), and with activation checkpointing the
+            # recompute appends to the cache the forward filled (a shape error). Training needs no
+            # cache; `generate` passes use_cache=True itself. Hugging Face's gradient checkpointing
+            # makes the same change.
+            logger.warning("compile: setting model.config.use_cache = False (a key/value cache makes every compiled "
+                           "block recompile and breaks recomputation); generate() still uses its cache")
+            model_config.use_cache = False
         if config.scope == "model":
             compile_forward(ctx.model, config)
             summary: dict = {"scope": "model", "modules": 1}
