@@ -121,7 +121,7 @@ class CompileOptimization(Optimization):
 
     def apply(self, ctx: ModelContext, config: CompileConfig) -> None:
         model_config = getattr(ctx.model, "config", None)
-        if getattr(model_config, "use_cache", False) is True:
+        if model_config is not None and getattr(model_config, "use_cache", False) is True:
             # Hugging Face's key/value cache in a training forward: dynamo recompiles each block for
             # its layer's cache state (past torch's recompile limit of 8 the rest ran eager, slower
             # than eager: benchmarks/RESULTS.md, "Compile"), and with activation checkpointing the
