@@ -184,7 +184,8 @@ def run_real(sizes: List[str], batch: int, seq: int, steps: int, max_rss_gib: fl
         cpu_steps = [t for r in ranks for t in r["step_cpu_s"]]
         print(f"| {size} | {ranks[0]['params'] / 1e6:.0f}M | {max(r['setup_s'] for r in ranks):.1f} "
               f"({max(r['build_s'] for r in ranks):.1f}) | {max(tensor) / GIB:.2f} ({tensor[0] / GIB:.2f}, "
-              f"{tensor[1] / GIB:.2f}) | {est.peak_memory_bytes / GIB:.2f} | {est.peak_memory_bytes / max(tensor):.3f} | "
+              f"{tensor[1] / GIB:.2f}) | {est.peak_memory_bytes / GIB:.2f} | "
+              f"{est.peak_memory_bytes / max(tensor):.3f} | "
               f"{max(rss) / GIB:.2f} | {est.peak_memory_bytes / max(rss):.3f} | {statistics.median(all_steps):.2f} "
               f"({min(all_steps):.2f}-{max(all_steps):.2f}) | {statistics.median(cpu_steps):.2f} "
               f"({min(cpu_steps):.2f}-{max(cpu_steps):.2f}) | {est.step_time_s:.2f} | "
