@@ -16,7 +16,8 @@ measured peaks by `scripts/calibrate_cost_model.py`, not chosen by hand. Checked
 measured bytes on 2 ranks for every backend (tests/distributed/test_memory_model.py), the ZeRO
 paper's Figure 1 (tests/unit/test_cost_model.py) and torch's FSDPMemTracker at 1B-7B on 8-64
 fake ranks (benchmarks/memory_model.py). Step time = FLOPs / measured rate + a per-layer
-overhead + communication volume / measured bandwidth + a latency per collective.
+overhead (both times the strategy's `compute_time_factor`, e.g. compile's) + communication volume /
+measured bandwidth + a latency per collective.
 """
 
 from __future__ import annotations
@@ -194,6 +195,8 @@ class StrategyTraits:
     lora_rank: int = 0                  # lora: adapters of this rank, base weights frozen
     lora_targets: Optional[Tuple[str, ...]] = None
     trainable_fraction: float = 1.0     # derived: trainable / total parameters (lora)
+    # how fast it computes
+    compute_time_factor: float = 1.0    # multiplies compute + per-layer overhead seconds (compile: < 1)
 
     @classmethod
     def from_strategy(cls, strategy: StrategyLike, world_size: int, shape: ModelShape,
@@ -550,8 +553,11 @@ def time_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int, 
     rate = rates["flops_bf16"] if traits.compute_dtype_bytes == 2 else rates["flops_fp32"]
     if traits.fp8:
         rate *= 1.6
-    compute = flops / rate
-    overhead = rates["step_overhead_s"] + L * rates["layer_overhead_s"] * (1.5 if traits.checkpoint else 1.0)
+    # compute_time_factor (e.g. compile's measured compiled/eager ratio) scales what runs inside
+    # the model, kernels and per-layer framework overhead alike; communication is unaffected.
+    compute = flops / rate * traits.compute_time_factor
+    overhead = rates["step_overhead_s"] + \
+        L * rates["layer_overhead_s"] * (1.5 if traits.checkpoint else 1.0) * traits.compute_time_factor
     bw, lat = rates["comm_bytes_per_s"], rates["comm_latency_s"]
     comm = 0.0
     collectives = 0

@@ -47,8 +47,11 @@ def _group() -> dist.ProcessGroup:
     global _vote_group
     world = dist.group.WORLD
     if _vote_group is None or _vote_group[0] is not world:
-        # Votes run inside an initialized process group, so neither is None.
-        group = cast(dist.ProcessGroup, world if dist.get_backend() == "gloo" else dist.new_group(backend="gloo"))
+        # Votes run inside an initialized process group, so neither is None. Gloo and the fake
+        # backend (one simulated rank: collectives return their input, so every vote is "no error")
+        # carry the vote themselves; a gloo group cannot be created next to a fake one.
+        own = dist.get_backend() in ("gloo", "fake")
+        group = cast(dist.ProcessGroup, world if own else dist.new_group(backend="gloo"))
         _vote_group = (world, group)
     return _vote_group[1]
 

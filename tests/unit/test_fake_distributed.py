@@ -20,3 +20,17 @@ def test_fake_process_group_plays_one_rank_of_many():
     with pytest.raises(ValueError, match=r"rank=8 must be in \[0, world_size=8\)"):
         with fake_process_group(8, 8):
             pass
+
+
+def test_auto_accelerate_runs_under_a_fake_process_group():
+    """auto_accelerate's error votes use the fake group itself (benchmarks/memory_model.py relies on it)."""
+    from atorch.auto import auto_accelerate
+    from atorch.testing import tiny_llama
+
+    with fake_process_group(0, 2):
+        ok, result, _ = auto_accelerate(tiny_llama(), torch.optim.AdamW, load_strategy=["parallel_mode", "fsdp"])
+        assert ok
+        ids = torch.randint(0, 100, (1, 8))
+        result.model(input_ids=ids, labels=ids).loss.backward()
+        del result
+    assert not dist.is_initialized()

@@ -30,6 +30,15 @@ logger = logging.getLogger(__name__)
 ClassSpec = Union[Type[nn.Module], str]
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 SCOPES = ("block", "model")
+# Step time compiled / eager, by device type: what the cost model multiplies compute time by.
+# "cpu": measured here, per-block compile of a 98M Llama, fp32 AdamW, 1 thread: CPU seconds per
+# step compiled / eager 0.92 (0.88-0.94 over 6 interleaved rounds; benchmarks/compile.py,
+# benchmarks/RESULTS.md "Compile"; wall time on the loaded machine was too noisy to use).
+# "cuda" (and other accelerators): an assumption, not measured here -- PyTorch and IBM report
+# torch.compile raising training MFU by 10-23% on Llama-style models with FSDP and activation
+# checkpointing on A100s (pytorch.org/blog/maximizing-training-throughput), i.e. a factor
+# 0.81-0.91; 1 / 1.15 is taken.
+COMPUTE_TIME_FACTOR: Dict[str, float] = {"cpu": 0.92, "cuda": 0.87}
 # The forward an instance had before compiling (kept so the module can be inspected or restored).
 _EAGER_FORWARD_ATTR = "_atorch_forward_before_compile"
 
@@ -102,15 +111,26 @@ class CompileOptimization(Optimization):
 
     @classmethod
     def cost_traits(cls, config: CompileConfig, context: CostContext) -> Dict[str, Any]:
-        # No modeled effect yet: inductor's gain depends on the model and device, and the search
-        # measures it in the dry run (benchmarks/RESULTS.md, "compile").
-        return {}
+        # A prior for ranking; the dry run measures the real gain of this model on this device.
+        factor = COMPUTE_TIME_FACTOR.get(context.device_type, COMPUTE_TIME_FACTOR["cuda"])
+        return {"compute_time_factor": factor}
 
     @classmethod
     def describe_step(cls, config: CompileConfig) -> str:
         return f"{cls.name}({config.scope}{', ' + config.mode if config.mode else ''})"
 
     def apply(self, ctx: ModelContext, config: CompileConfig) -> None:
+        model_config = getattr(ctx.model, "config", None)
+        if model_config is not None and getattr(model_config, "use_cache", False) is True:
+            # Hugging Face's key/value cache in a training forward: dynamo recompiles each block for
+            # its layer's cache state (past torch's recompile limit of 8 the rest ran eager, slower
+            # than eager: benchmarks/RESULTS.md, "Compile"), and with activation checkpointing the
+            # recompute appends to the cache the forward filled (a shape error). Training needs no
+            # cache; `generate` passes use_cache=True itself. Hugging Face's gradient checkpointing
+            # makes the same change.
+            logger.warning("compile: setting model.config.use_cache = False (a key/value cache makes every compiled "
+                           "block recompile and breaks recomputation); generate() still uses its cache")
+            model_config.use_cache = False
         if config.scope == "model":
             compile_forward(ctx.model, config)
             summary: dict = {"scope": "model", "modules": 1}
