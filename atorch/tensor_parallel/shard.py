@@ -44,13 +44,18 @@ from atorch.tensor_parallel.plan import (
     resolve_tp_plan,
 )
 from atorch.tensor_parallel.randomizer import MultiDimParallelRandomizer, fork_module_rng
-from atorch.utils.meta_model_utils import is_meta_module, materialize_module
+from atorch.utils.meta_model_utils import (
+    TP_MARK_ATTR,
+    is_meta_module,
+    materialize_module,
+    register_tensor_parallel_builder,
+)
 from atorch.utils.module_utils import find_transformer_block_classes
 
 __all__ = ["gather_tp_logits", "gather_tp_state_dict", "load_tp_state_dict", "materialize_tp_module", "shard_model",
            "tp_manual_shard_custom_fn", "tp_param_bytes", "tp_plan_of"]
 
-_ACTION_ATTR = "_atorch_tp_action"
+_ACTION_ATTR = TP_MARK_ATTR
 _SHRINK_ATTR = "_atorch_tp_shrink"
 _HEADS_ATTR = "_atorch_tp_head_inputs"
 _PLAN_ATTR = "_atorch_tp_plan"
@@ -342,3 +347,6 @@ def tp_param_bytes(module: nn.Module) -> int:
             seen.add(id(p))
             total += p.numel() * p.element_size()
     return total
+
+
+register_tensor_parallel_builder(lambda module, base_seed: materialize_tp_module(module, base_seed))

@@ -172,14 +172,46 @@ def _seeded(seed: Optional[int]) -> Iterator[None]:
         yield
 
 
+# A meta module marked for tensor parallelism (`tp_manual_shard_custom_fn` on a recorded meta
+# model) must be built as this rank's shards, not at full size. The tensor-parallel package sits
+# beside this one and imports it, so it registers its builder here instead of being imported.
+TP_MARK_ATTR = "_atorch_tp_action"
+_TPBuilder = Callable[[nn.Module, int], nn.Module]
+_tp_builder: Optional[_TPBuilder] = None
+
+
+def register_tensor_parallel_builder(builder: _TPBuilder) -> None:
+    """Called by `atorch.tensor_parallel.shard`: builds a marked meta module from a base seed."""
+    global _tp_builder
+    _tp_builder = builder
+
+
+def is_marked_for_tensor_parallel(module: nn.Module) -> bool:
+    return any(TP_MARK_ATTR in m.__dict__ for m in module.modules())
+
+
 def build_recorded_module(module: nn.Module, seed: Optional[int] = None) -> nn.Module:
     """Replay `module`'s recorded construction for real, on the CPU; the meta module is unchanged.
 
     With `seed`, the result equals `torch.manual_seed(seed); cls(*args, **kwargs)` and the
     caller's random state is left untouched; without it, construction draws from the current
     generators, exactly like an ordinary construction at this point of the program.
+    A module marked for tensor parallelism (ATorch's flow: `tp_manual_shard_custom_fn` on the
+    meta model, then this) is built as this rank's shards (`materialize_tp_module`); without
+    `seed`, its base seed is drawn from the current generator, so ranks seeded alike agree.
     Raises ValueError when `module` was not recorded or its structure changed after recording.
     """
+    if is_marked_for_tensor_parallel(module):
+        if _tp_builder is None:   # cannot happen through the public API: marking imports the builder
+            raise ValueError(f"{type(module).__name__} is marked for tensor parallelism; build it with "
+                             "atorch.tensor_parallel.materialize_tp_module")
+        base_seed = seed if seed is not None else int(torch.randint(0, 2**31 - 1, (1,)).item())
+        return _tp_builder(module, base_seed)
+    return replay_recorded_module(module, seed)
+
+
+def replay_recorded_module(module: nn.Module, seed: Optional[int] = None) -> nn.Module:
+    """`build_recorded_module` at full size whatever marks the module carries (the builders' own step)."""
     record = init_record(module)
     if record is None:
         raise ValueError(f"{type(module).__name__} was not built under record_module_init(), so its construction "
@@ -229,7 +261,7 @@ def materialize_module(module: nn.Module, base_seed: int, *, device: Optional[to
     stay shared: the first block to own one builds it, later blocks reuse it.
     """
     if not per_block:
-        real = build_recorded_module(module, seed=base_seed)
+        real = replay_recorded_module(module, seed=base_seed)
         if transform is not None:
             real = transform("", real, module)
         return real.to(device) if device is not None else real

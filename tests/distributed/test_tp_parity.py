@@ -220,6 +220,14 @@ def _run_2_ranks() -> Dict[str, Any]:
     merged = gather_tp_state_dict(per_block)
     out["per_block_merged"] = merged if dist.get_rank() == 0 else None
     out["per_block_tied"] = per_block.lm_head.weight is per_block.transformer.wte.weight
+    # ATorch's documented flow builds the marked meta model with build_recorded_module: it must
+    # give this rank's shards (as materialize_tp_module does), never the full unsharded model.
+    from atorch.utils.meta_model_utils import build_recorded_module
+
+    replayed = build_recorded_module(meta, seed=BASE_SEED)
+    expected = materialize_tp_module(meta, BASE_SEED)
+    out["atorch_flow_shapes"] = {k: list(v.shape) for k, v in replayed.state_dict().items()}
+    out["atorch_flow_equal"] = all(torch.equal(v, expected.state_dict()[k]) for k, v in replayed.state_dict().items())
     dist.barrier()
     return _portable(out)
 
@@ -412,6 +420,9 @@ def test_tp2_parity_errors_and_per_block_materialization():
         assert "needs a 'tensor' dimension" in errors["tensor_dim"], errors
         assert r["mismatch_error"] and "weights differ across the tensor group" in r["mismatch_error"]
         assert r["per_block_tied"]
+        assert r["atorch_flow_equal"]
+        shapes = r["atorch_flow_shapes"]   # the fused q|k|v projection split over 2 ranks
+        assert shapes["transformer.h.0.attn.c_attn.weight"][1] == 3 * _config("gpt2").n_embd // 2, shapes
 
     # Per-block weights do not depend on the tensor size: TP=2 gathered == unsharded per-block build.
     with record_module_init():

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from atorch.utils.meta_model_utils import build_recorded_module, is_meta_module, is_recorded
+from atorch.utils.meta_model_utils import is_meta_module, is_recorded, replay_recorded_module
 
 
 def rebuild_seeded(model: nn.Module, base_seed: int) -> nn.Module:
@@ -28,7 +28,7 @@ def rebuild_seeded(model: nn.Module, base_seed: int) -> nn.Module:
     The caller's random state is left untouched.
     """
     if is_recorded(model):
-        return build_recorded_module(model, seed=base_seed)
+        return replay_recorded_module(model, seed=base_seed)
     config = getattr(model, "config", None)
     if config is None:
         raise ValueError(f"{type(model).__name__} is on the meta device but was not built under record_module_init() "
