@@ -304,33 +304,32 @@ def forget_library_groups(groups: Optional[Sequence[Any]]) -> None:
     if ds_groups is None:
         return
     release = getattr(ds_groups, "_release_process_group_references", None)   # DeepSpeed >= 0.18
-    if groups is None:
-        if release is not None:
-            release(None)
-            return
-        groups = [value for value in vars(ds_groups).values() if isinstance(value, dist.ProcessGroup)]
-    retired = {id(group) for group in groups}
-    for group in groups:
-        if release is not None:
+    if release is not None:
+        for group in ([None] if groups is None else groups):
             release(group)
-    # Older DeepSpeed (and what the release above does not cover): any module-level group, a
+    retired = None if groups is None else {id(group) for group in groups}
+
+    def gone(value: Any) -> bool:
+        return isinstance(value, dist.ProcessGroup) and (retired is None or id(value) in retired)
+
+    # Older DeepSpeed (and whatever the release above does not cover): a module-level group, a
     # dict of groups, or a DeviceMesh over a retired group.
     for name, value in list(vars(ds_groups).items()):
-        if isinstance(value, dist.ProcessGroup) and id(value) in retired:
+        if gone(value) or _mesh_uses(value, retired):
             setattr(ds_groups, name, None)
         elif isinstance(value, dict):
-            for key in [k for k, v in value.items() if id(v) in retired]:
+            for key in [k for k, v in value.items() if gone(v)]:
                 del value[key]
-        elif _mesh_uses(value, retired):
-            setattr(ds_groups, name, None)
 
 
-def _mesh_uses(value: Any, retired: set) -> bool:
-    """Whether `value` is a DeviceMesh with a process group in `retired`."""
+def _mesh_uses(value: Any, retired: Optional[set]) -> bool:
+    """Whether `value` is a DeviceMesh with a process group in `retired` (None: any group)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(value, DeviceMesh):
         return False
+    if retired is None:
+        return True
     try:
         return any(id(group) in retired for group in value.get_all_groups())
     except (RuntimeError, ValueError, KeyError):   # a mesh whose groups are already gone
