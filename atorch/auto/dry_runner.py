@@ -397,11 +397,11 @@ def _candidate_world(timeout_s: float) -> Iterator[Optional[dict]]:
     finally:
         c10d._update_default_pg(original)
         c10d.default_pg_timeout = saved_timeout
-        if state["clean"]:
-            # Each gloo group holds sockets to every peer; 30 candidates on 8 ranks would pile up
-            # hundreds. Groups of a failed candidate may be mid-collective and are left alone.
-            for pg in [pg for pg in c10d._world.pg_map if pg not in existing]:
-                dist.destroy_process_group(pg)
+        # Each gloo group holds sockets to every peer; 30 candidates on 8 ranks would pile up
+        # hundreds. Groups of a failed candidate may be mid-collective and are left alone, but
+        # forgotten all the same: libraries that cache groups (DeepSpeed) must never hand one of
+        # this candidate's groups to the next candidate.
+        adist.retire_groups([pg for pg in c10d._world.pg_map if pg not in existing], destroy=state["clean"])
 
 
 # -- agreement ------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from atorch.distributed.process_group import (
     local_rank,
     rank,
     reset_distributed,
+    retire_groups,
     world_size,
 )
 from atorch.distributed.distributed import is_coworker
@@ -41,5 +42,5 @@ __all__ = [
     "init_distributed", "is_coworker", "is_initialized", "is_parallel_group_created", "local_rank", "parallel_config",
     "parallel_group", "parallel_group_ranks", "parallel_group_size", "parallel_instance_index",
     "parallel_instance_num", "parallel_layout", "parallel_rank", "parallel_rank_or_zero", "parallel_size_or_one",
-    "rank", "reset_distributed", "set_default_parallel_mesh", "world_size",
+    "rank", "reset_distributed", "retire_groups", "set_default_parallel_mesh", "world_size",
 ]

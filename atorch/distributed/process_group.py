@@ -13,8 +13,9 @@ import gc
 import logging
 import os
 import socket
+import sys
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -294,7 +295,68 @@ def destroy_distributed() -> None:
         callback()
     if is_initialized():
         dist.destroy_process_group()
+    forget_library_groups(None)      # every group is gone: so are DeepSpeed's cached ones
     timeouts.install(None)
+
+
+def retire_groups(groups: Sequence[Any], destroy: bool) -> None:
+    """`groups` will never be used again (a dry-run candidate's): libraries forget them, then,
+    if `destroy`, they are destroyed.
+
+    Why: DeepSpeed caches process groups in module globals (`deepspeed.utils.groups`: the
+    clone of the world its ZeRO engines reduce over, ZeRO++'s intra-node group, the mesh...)
+    and reuses a cached group on every later engine. Only `deepspeed.comm.destroy_process_group`
+    tells it a group is gone; a group destroyed with `torch.distributed` directly stays cached,
+    and the next engine's first collective on it raises "Group ... is not registered". A group
+    that is retired without being destroyed (a failed candidate's, possibly mid-collective)
+    must not be reused either.
+    """
+    retired = list(groups)
+    if not retired:
+        return
+    forget_library_groups(retired)
+    if destroy:
+        for group in retired:
+            dist.destroy_process_group(group)
+
+
+def forget_library_groups(groups: Optional[Sequence[Any]]) -> None:
+    """Drop DeepSpeed's cached references to `groups` (None: to every group). Imports nothing:
+    a process that never imported DeepSpeed has nothing cached."""
+    ds_groups = sys.modules.get("deepspeed.utils.groups")
+    if ds_groups is None:
+        return
+    release = getattr(ds_groups, "_release_process_group_references", None)   # DeepSpeed >= 0.18
+    if release is not None:
+        for group in ([None] if groups is None else groups):
+            release(group)
+    retired = None if groups is None else {id(group) for group in groups}
+
+    def gone(value: Any) -> bool:
+        return isinstance(value, dist.ProcessGroup) and (retired is None or id(value) in retired)
+
+    # Older DeepSpeed (and whatever the release above does not cover): a module-level group, a
+    # dict of groups, or a DeviceMesh over a retired group.
+    for name, value in list(vars(ds_groups).items()):
+        if gone(value) or _mesh_uses(value, retired):
+            setattr(ds_groups, name, None)
+        elif isinstance(value, dict):
+            for key in [k for k, v in value.items() if gone(v)]:
+                del value[key]
+
+
+def _mesh_uses(value: Any, retired: Optional[set]) -> bool:
+    """Whether `value` is a DeviceMesh with a process group in `retired` (None: any group)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(value, DeviceMesh):
+        return False
+    if retired is None:
+        return True
+    try:
+        return any(id(group) in retired for group in value.get_all_groups())
+    except (RuntimeError, ValueError, KeyError):   # a mesh whose groups are already gone
+        return True
 
 
 # -- ATorch compatibility: the keywords of its init_distributed ----------------------------------

@@ -20,6 +20,7 @@ from atorch.modules.pipeline.batches import CausalLMLoss, batch_rows, hf_inputs,
 from atorch.modules.pipeline.materialize import materialize_model
 from atorch.modules.pipeline.partition import StagePlan, plan_stages
 from atorch.modules.pipeline.patchers import CustomPatcher, PieceSpec, expand_patcher, resolve_patcher, tied_head_paths
+from atorch.utils.module_utils import find_transformer_block_classes
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -42,12 +43,19 @@ class PipelineStageModule(nn.Module):
 
     `forward(*inputs)` runs the pieces' patches in order on the tuple the previous stage sent
     (the first stage receives `(input_ids, attention_mask)`; the last returns the logits).
+
+    `block_classes` names the original model's transformer block classes: the stage states them
+    as its `_no_split_modules`, as a Hugging Face model does, so what looks for the blocks
+    (activation checkpointing, FSDP wrapping) finds them in the stage, whose blocks no longer
+    sit in one `nn.ModuleList`.
     """
 
-    def __init__(self, pieces: Sequence[Tuple[PieceSpec, nn.Module]], stage_index: int, num_stages: int):
+    def __init__(self, pieces: Sequence[Tuple[PieceSpec, nn.Module]], stage_index: int, num_stages: int,
+                 block_classes: Sequence[str] = ()):
         super().__init__()
         self.stage_index = stage_index
         self.num_stages = num_stages
+        self._no_split_modules: List[str] = list(block_classes)
         self._piece_specs: List[PieceSpec] = [spec for spec, _ in pieces]
         for spec, module in pieces:
             _attach(self, spec.path, module)
@@ -90,9 +98,10 @@ def build_stage_module(model: nn.Module, stage_index: int, num_stages: int,
         index = {p.path: i for i, p in enumerate(pieces)}
         if plan.stage_of(index[tied[0]]) == plan.stage_of(index[tied[1]]):
             tied = None  # same stage: already one Parameter
+    blocks = [cls.__name__ for cls in find_transformer_block_classes(model)]
     real = materialize_model(model, base_seed)
     mine = [(spec, real.get_submodule(spec.path)) for spec in plan.stage_pieces(stage_index)]
-    return StageBuild(PipelineStageModule(mine, stage_index, num_stages), plan, stage_index, tied)
+    return StageBuild(PipelineStageModule(mine, stage_index, num_stages, blocks), plan, stage_index, tied)
 
 
 class NativePipeline:

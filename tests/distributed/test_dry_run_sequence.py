@@ -1,0 +1,57 @@
+"""Candidates in sequence in one process: no candidate inherits state from the previous one.
+
+The dry runner destroys a clean candidate's process groups with torch.distributed; DeepSpeed
+caches groups in module globals (the clone of the world its ZeRO engines reduce over) and used
+to hand the destroyed one to the next DeepSpeed engine ("Group ... is not registered"). Here a
+DeepSpeed engine follows another DeepSpeed engine (stage 1, then stage 3 with gradient
+accumulation: the `make demo` failure) and torch FSDP2 and DeepSpeed alternate, in one process
+per rank; every dry run must succeed and DeepSpeed must hold no group of a finished candidate.
+"""
+
+import pytest
+import torch
+
+from atorch.testing import run_distributed, tiny_llama
+
+SEQUENCE = [
+    ["parallel_mode", ("zero1", {"use_ds_zero": True})],
+    [("parallel_mode", ([("data", 2)], None)), ("gradient_accumulation", {"steps": 4}),
+     ("fsdp", {"use_ds_zero": True})],
+    ["parallel_mode", "fsdp"],
+    ["parallel_mode", ("zero2", {"use_ds_zero": True})],
+    ["parallel_mode", "fsdp"],
+]
+
+
+def _sequence():
+    import torch.distributed as dist
+    from deepspeed.utils import groups as ds_groups
+
+    from atorch.auto.dry_runner import DryRunConfig, dry_run
+    from atorch.auto.model_context import ModelContext
+    from atorch.auto.strategy import Strategy
+    from atorch.testing.parity import TokenDataset
+
+    ctx = ModelContext(model=tiny_llama(seed=0), optim_func=torch.optim.AdamW, optim_args={"lr": 1e-3},
+                       dataset=TokenDataset(n=64, seq_len=32), model_input_format="unpack_dict",
+                       dataloader_args={"batch_size": 8})
+    config = DryRunConfig(warmup_steps=1, profile_steps=1, max_profile_steps=1, timeout_s=120)
+    out = []
+    for spec in SEQUENCE:
+        strategy = Strategy(spec)
+        result = dry_run(ctx, strategy, config)
+        cached = ds_groups._WORLD_GROUP
+        out.append((strategy.describe(), result.ok, result.error,
+                    cached is None or cached in dist.distributed_c10d._world.pg_map))
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.heavy
+def test_deepspeed_and_fsdp_candidates_in_sequence():
+    pytest.importorskip("deepspeed")
+    rank0, rank1 = run_distributed(_sequence, 2, timeout=600)
+    assert rank0 == rank1
+    for name, ok, error, cache_valid in rank0:
+        assert ok, (name, error)
+        assert cache_valid, f"DeepSpeed still caches a destroyed group after {name}"
