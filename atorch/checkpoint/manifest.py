@@ -42,7 +42,8 @@ CHECKSUMS = (XXH3_128, SHA256)
 DEFAULT_CHECKSUM = XXH3_128
 
 
-def _hasher(algorithm: str) -> Any:
+def new_hasher(algorithm: str) -> Any:
+    """A fresh incremental hasher (`update(bytes)`, `hexdigest()`) for `algorithm`."""
     if algorithm == SHA256:
         return hashlib.sha256()
     if algorithm == XXH3_128:
@@ -147,7 +148,7 @@ def sha256_file(path: str) -> str:
 
 def checksum_file(path: str, algorithm: str = DEFAULT_CHECKSUM) -> str:
     """Hex checksum of the file at `path` with `algorithm` (read in 8 MiB chunks)."""
-    h = _hasher(algorithm)
+    h = new_hasher(algorithm)
     with open(path, "rb") as f:
         while True:
             chunk = f.read(_HASH_CHUNK)
