@@ -163,6 +163,14 @@ def _local_state(model, optim) -> Dict[str, torch.Tensor]:
     return out
 
 
+def _all_gather_values(values: List[float]) -> List[List[float]]:
+    import torch.distributed as dist
+
+    gathered: List[List[float]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, values)
+    return gathered
+
+
 def _targets_rank(hidden: int, layers: int, vocab: int, root: str, repeats: int,
                   fresh_target: bool = False) -> Dict[str, List[float]]:
     import torch.distributed as dist
@@ -239,6 +247,10 @@ def _targets_rank(hidden: int, layers: int, vocab: int, root: str, repeats: int,
         dist.barrier()
         if rank == 0:
             shutil.rmtree(os.path.dirname(actkpt))
+        # Each repeat as it ends (slower rank), so a run cut short by a time limit still reports.
+        last = {op: max(vals) for op, vals in zip(ops, zip(*_all_gather_values([out[op][-1] for op in ops])))}
+        if rank == 0:
+            print(f"repeat {i}: " + "; ".join(f"{op} {v:.2f}" for op, v in last.items()), flush=True)
         dist.barrier()
     out["peak RSS GiB"] = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20]
     return out
