@@ -30,7 +30,7 @@ from torch import nn
 
 from atorch.checkpoint import manifest as mf
 from atorch.checkpoint.async_save import checkpointer
-from atorch.checkpoint.hashing_writer import HashingFileSystemWriter
+from atorch.checkpoint.hashing_writer import DATA_SUFFIX, HashingFileSystemWriter
 from atorch.checkpoint.layout_handlers import (
     MODEL_PREFIX,
     OPTIM_PREFIX,
@@ -271,7 +271,8 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
         # Each rank fsyncs and hashes an interleaved share of the small files; rank 0 commits.
         names = _broadcast(mf.list_files(staging) if rank == 0 else None, group)
         with agreed("hashing the files"):
-            small = [n for n in names[rank::world] if n not in written]
+            # Data files are hashed by the rank that wrote them (any rank's, not only this one's).
+            small = [n for n in names[rank::world] if not n.endswith(DATA_SUFFIX)]
             own_records = {**written, **mf.record_files(staging, small, checksum)}
         records: Dict[str, mf.FileRecord] = {}
         for part in _all_gather(own_records, group):

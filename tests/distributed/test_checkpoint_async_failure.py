@@ -1,6 +1,6 @@
-"""An async save whose background part fails on one rank only: every rank raises at its next wait, naming
-the failing rank and the error, and none waits for the collective timeout; the previous checkpoint stays
-`latest`, and the next save works.
+"""A 2-rank save reads none of its data files back to checksum them. An async save whose background part
+fails on one rank only: every rank raises at its next wait, naming the failing rank and the error, and
+none waits for the collective timeout; the previous checkpoint stays `latest`, and the next save works.
 
 The collectives' timeout is 30 minutes (ATORCH_COLLECTIVE_TIMEOUT below) and the test's is 180 s: a rank
 left waiting in a background collective for the failed one would be killed at 180 s and fail the test.
@@ -35,7 +35,19 @@ def _raises(fn) -> str:
 def _failing_rank(root: str) -> Dict[str, object]:
     rank = dist.get_rank()
     model = _model()
-    save_checkpoint(model, os.path.join(root, "step_1"), step=1)
+    # On 2 ranks too, no rank reads a data file back to checksum it (each is hashed while written).
+    read_back: List[str] = []
+    real_checksum_file = mf.checksum_file
+
+    def spy(path, algorithm=mf.DEFAULT_CHECKSUM):
+        read_back.append(os.path.basename(path))
+        return real_checksum_file(path, algorithm)
+
+    mf.checksum_file = spy  # type: ignore[assignment]
+    try:
+        save_checkpoint(model, os.path.join(root, "step_1"), step=1)
+    finally:
+        mf.checksum_file = real_checksum_file  # type: ignore[assignment]
     errors: List[str] = []
     latest: List[str] = []
 
@@ -67,7 +79,7 @@ def _failing_rank(root: str) -> Dict[str, object]:
     save_checkpoint(model, os.path.join(root, "step_4"), step=4, async_save=True)
     wait_for_checkpoint()
     latest.append(os.path.basename(mf.read_latest(root) or ""))
-    return {"errors": errors, "latest": latest,
+    return {"errors": errors, "latest": latest, "read_back": read_back,
             "failed_exist": [os.path.exists(os.path.join(root, n)) for n in ("step_2", "step_3")]}
 
 
@@ -80,4 +92,5 @@ def test_async_background_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
         assert second.startswith("OSError: ") and "failed on rank [0]" in second and "I/O error" in second, second
         assert r["latest"] == ["step_1", "step_1", "step_4"]
         assert r["failed_exist"] == [False, False]
+        assert r["read_back"] and not [n for n in r["read_back"] if n.endswith(".distcp")], r["read_back"]
     assert [os.path.basename(p) for p, _ in mf.list_checkpoints(root)] == ["step_1", "step_4"]
