@@ -7,15 +7,16 @@ Run:  .venv/bin/python benchmarks/checkpoint.py            # ~270 MB model (fp32
 Measured per case, median of `--repeats`, each in a fresh directory under `--dir`:
   * torch.save / torch.load(weights_only=True) of the state dict (one file, no fsync), and
     torch.save followed by fsync (what durability costs without anything else);
-  * save_checkpoint / load_checkpoint in one process: DCP shards, sha256 of every file,
-    fsync, manifest, atomic rename; load verifies every checksum first;
+  * save_checkpoint / load_checkpoint in one process: DCP shards, a checksum of every file
+    (xxh3_128, taken while writing), fsync, manifest, atomic rename; load verifies every checksum first;
   * the same with the AdamW state (weights + 2 moments: 3x the bytes);
   * sha256 of the checkpoint's files alone (done once in save, once in load);
   * 2 ranks, FSDP2 (each rank writes and reads its half), model + optimizer.
 With --targets (issue 19), only: 2 FSDP2 ranks, model + AdamW, interleaved per repeat: each rank
 torch.save + fsync of its own local tensors (the same bytes) / torch.load of them, vs save_checkpoint
 (synchronous), save_checkpoint(async_save=True) (seconds until it returns = training blocked, and
-until committed), load_checkpoint; plus sha256 vs xxh3_128 over the checkpoint's files.
+until committed), load_checkpoint (into the live model and optimizer; --fresh-target: a new one);
+plus sha256 vs xxh3_128 over the checkpoint's files; per-repeat ratios and each rank's peak RSS.
 MB/s is the checkpoint's bytes on disk over the seconds. The disk cache is not dropped
 between write and read (no root-only knobs): reads measure the page cache plus hashing.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import tempfile
@@ -161,7 +163,16 @@ def _local_state(model, optim) -> Dict[str, torch.Tensor]:
     return out
 
 
-def _targets_rank(hidden: int, layers: int, vocab: int, root: str, repeats: int) -> Dict[str, List[float]]:
+def _all_gather_values(values: List[float]) -> List[List[float]]:
+    import torch.distributed as dist
+
+    gathered: List[List[float]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, values)
+    return gathered
+
+
+def _targets_rank(hidden: int, layers: int, vocab: int, root: str, repeats: int,
+                  fresh_target: bool = False) -> Dict[str, List[float]]:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -216,8 +227,12 @@ def _targets_rank(hidden: int, layers: int, vocab: int, root: str, repeats: int)
             out[f"{algo} of the files"].append(timed_all(
                 lambda: [mf.checksum_file(os.path.join(ckpt, n), algo) for n in names]))
         if target is None:
-            target = build()
-            target_optim = torch.optim.AdamW(target.parameters(), lr=1e-4)
+            # Default: load into the live model and optimizer (what torch.load is compared with:
+            # reading the state, not building an optimizer). --fresh-target: a new model and an
+            # AdamW without state (the load's zero step builds it), at the cost of a second copy.
+            target, target_optim = (build(), None) if fresh_target else (model, optim)
+            if target_optim is None:
+                target_optim = torch.optim.AdamW(target.parameters(), lr=1e-4)
         out["atorch load"].append(timed_all(lambda: load_checkpoint(target, ckpt, optimizer=target_optim)))
         if rank == 0:
             shutil.rmtree(os.path.dirname(ckpt))
@@ -232,7 +247,12 @@ def _targets_rank(hidden: int, layers: int, vocab: int, root: str, repeats: int)
         dist.barrier()
         if rank == 0:
             shutil.rmtree(os.path.dirname(actkpt))
+        # Each repeat as it ends (slower rank), so a run cut short by a time limit still reports.
+        last = {op: max(vals) for op, vals in zip(ops, zip(*_all_gather_values([out[op][-1] for op in ops])))}
+        if rank == 0:
+            print(f"repeat {i}: " + "; ".join(f"{op} {v:.2f}" for op, v in last.items()), flush=True)
         dist.barrier()
+    out["peak RSS GiB"] = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20]
     return out
 
 
@@ -241,11 +261,13 @@ def bench_targets(args, root: str) -> List[Dict[str, object]]:
     from atorch.testing import run_distributed
 
     per_rank = run_distributed(_targets_rank, 2, args.hidden, args.layers, args.vocab, root, args.repeats,
-                               timeout=3000)
+                               args.fresh_target, timeout=3000)
     nbytes = per_rank[0]["bytes"][0]
+    peaks = ", ".join(f"{r['peak RSS GiB'][0]:.2f}" for r in per_rank)
+    print(f"peak RSS per rank: {peaks} GiB")
     rows = []
     for op in per_rank[0]:
-        if "bytes" in op:
+        if "bytes" in op or "RSS" in op:
             continue
         values = [max(r[op][i] for r in per_rank) for i in range(args.repeats)]
         rows.append({"case": "model + AdamW, FSDP2 on 2 ranks", "op": op, "seconds": _median(values),
@@ -277,6 +299,8 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir, removed at the end)")
     parser.add_argument("--skip-fsdp", action="store_true")
     parser.add_argument("--targets", action="store_true", help="only issue 19's 2-rank sync/async/load ratios")
+    parser.add_argument("--fresh-target", action="store_true",
+                        help="--targets: load into a new model and stateless AdamW (another copy of the state)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     root = tempfile.mkdtemp(prefix="atorch_ckpt_bench_", dir=args.dir)
@@ -291,6 +315,14 @@ def main() -> None:
             for r in rows:
                 print(f"| {r['op']} | {r['seconds']:.2f} | {r['min']:.2f}-{r['max']:.2f} | "
                       f"{' '.join(f'{v:.2f}' for v in r['all'])} | {r['MB']:.0f} |")
+            by_op = {r["op"]: r["all"] for r in rows}
+            for name, num, den in (("sync save / torch.save+fsync", "atorch save", "torch.save+fsync"),
+                                   ("async blocked / sync save", "atorch async: blocked", "atorch save"),
+                                   ("async blocked / torch.save+fsync", "atorch async: blocked", "torch.save+fsync"),
+                                   ("load / torch.load", "atorch load", "torch.load")):
+                ratios = [a / b for a, b in zip(by_op[num], by_op[den])]
+                print(f"{name}: per repeat {' '.join(f'{x:.2f}' for x in ratios)}; median "
+                      f"{_median(ratios):.2f}")
             return
         rows = bench_single(args, root)
         if not args.skip_fsdp:

@@ -22,8 +22,11 @@ The staged copies are plain host tensors (DTensors keep their mesh and placement
 host local shard), so the training step may change the live parameters at once.
 
 One save runs at a time: `submit` (and every synchronous save or load) first waits for the
-previous one. A failure in the background is raised by the next `wait()`, which the next
-save calls; call `wait_for_checkpoint()` before `destroy_process_group()` or exit.
+previous one. Each local step of the background part ends in a vote on the background group
+(`agree_on_error(..., group=)`), so a failure on one rank ends every rank's background part at
+once with the same error naming that rank, never a wait for the collective timeout. The error
+is raised by the next `wait()`, which the next save or load calls; call `wait_for_checkpoint()`
+before `destroy_process_group()` or exit.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from torch import nn
 
 from atorch.checkpoint import manifest as mf
 from atorch.checkpoint.async_save import checkpointer
+from atorch.checkpoint.hashing_writer import DATA_SUFFIX, HashingFileSystemWriter
 from atorch.checkpoint.layout_handlers import (
     MODEL_PREFIX,
     OPTIM_PREFIX,
@@ -260,24 +261,33 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
             if tokenizer is not None:
                 record_tokenizer(tokenizer, staging)
 
-    def write_and_commit(tensors: Dict[str, Any], group: Any, agreed: Callable[[str], Any]) -> None:
-        # Collectives here run on `group` only: the background gloo group of an async save. `agreed`
-        # turns a local failure into the same error on every rank (a vote on the default group) in
-        # the synchronous save; the background thread must not use the default group while
-        # training does, so there it is a plain context and a failure surfaces at the next wait.
-        _dcp_save(tensors, os.path.join(staging, DCP_DIR), group)
+    def write_and_commit(tensors: Dict[str, Any], group: Any) -> None:
+        # Collectives here run on `group` only: None (the default group) in a synchronous save, the
+        # background gloo group in an async one (the training step owns the default group then).
+        # Every local step ends in a vote on that group, so a failure on one rank (in the
+        # background too) raises the same error, naming the rank, on every rank at once.
+        def agreed(what: str) -> Any:
+            return agree_on_error(f"save_checkpoint({final_dir!r}): {what}", group=group)
+
+        # The data files are checksummed while DCP writes them (no second read of the state).
+        written = _dcp_save(tensors, os.path.join(staging, DCP_DIR), group, checksum)
         del tensors
-        if _before_commit_hook is not None:
-            _before_commit_hook(staging)
-        _barrier(group)
-        # Each rank fsyncs and hashes an interleaved share of the files; rank 0 commits.
+        with agreed("writing the tensors"):
+            if _before_commit_hook is not None:
+                _before_commit_hook(staging)
+        # Each rank fsyncs and hashes an interleaved share of the small files; rank 0 commits.
         names = _broadcast(mf.list_files(staging) if rank == 0 else None, group)
-        with agreed(f"save_checkpoint({final_dir!r}): hashing the files"):
-            own_records = mf.record_files(staging, names[rank::world], checksum)
+        with agreed("hashing the files"):
+            # Data files are hashed by the rank that wrote them (any rank's, not only this one's).
+            small = [n for n in names[rank::world] if not n.endswith(DATA_SUFFIX)]
+            own_records = {**written, **mf.record_files(staging, small, checksum)}
         records: Dict[str, mf.FileRecord] = {}
         for part in _all_gather(own_records, group):
             records.update(part)
-        with agreed(f"save_checkpoint({final_dir!r}): committing"):
+        with agreed("committing"):
+            unrecorded = sorted(set(names) - set(records))
+            if unrecorded:
+                raise CheckpointError(f"{staging}: no checksum for {unrecorded[:5]}; a file appeared during the save")
             if rank == 0:
                 mf.commit(staging, final_dir, mf.Manifest(files=records, step=step))
                 if update_latest:
@@ -291,9 +301,9 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
         group = saver.background_group()
         staged = saver.stage(tensors)
         del tensors
-        saver.submit(lambda: write_and_commit(staged, group, lambda what: contextlib.nullcontext()))
+        saver.submit(lambda: write_and_commit(staged, group))
     else:
-        write_and_commit(tensors, None, agree_on_error)
+        write_and_commit(tensors, None)
     return final_dir
 
 
@@ -323,12 +333,16 @@ def _quiet_single_process_dcp():
         yield
 
 
-def _dcp_save(tensors: Dict[str, torch.Tensor], dcp_dir: str, group: Any = None) -> None:
+def _dcp_save(tensors: Dict[str, torch.Tensor], dcp_dir: str, group: Any = None,
+              checksum: str = mf.DEFAULT_CHECKSUM) -> Dict[str, mf.FileRecord]:
+    """Write the tensors with DCP (fsynced); returns the records of this rank's data files, relative
+    to the checkpoint directory (the parent of `dcp_dir`)."""
     import torch.distributed.checkpoint as dcp
 
-    writer = dcp.FileSystemWriter(dcp_dir, single_file_per_rank=True, sync_files=True, overwrite=True)
+    writer = HashingFileSystemWriter(dcp_dir, checksum, single_file_per_rank=True, sync_files=True, overwrite=True)
     with _quiet_single_process_dcp():
         dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=not _dist())
+    return writer.records(os.path.dirname(os.path.normpath(dcp_dir)))
 
 
 def _write_json(path: str, value: Any) -> None:

@@ -101,8 +101,12 @@ def _agreed_exception(what: str, failures: List[Tuple[int, Tuple[str, str, str]]
         return RemoteRankError(f"{what} failed on ranks {ranks}: {module}.{qualname}: {message}")
 
 
-def agree(what: str, error: Optional[BaseException]) -> None:
-    """Every rank calls this at the same point; raises the same exception everywhere if any rank had one."""
+def agree(what: str, error: Optional[BaseException], group: Optional[dist.ProcessGroup] = None) -> None:
+    """Every rank calls this at the same point; raises the same exception everywhere if any rank had one.
+
+    `group`: a gloo group of all ranks to vote on instead of the default one (a background
+    thread, such as an async checkpoint save, must not use the group the training step uses).
+    """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         if error is not None:
             raise error
@@ -110,7 +114,7 @@ def agree(what: str, error: Optional[BaseException]) -> None:
     if error is not None and getattr(error, _AGREED, False):
         # Raised by an inner agreement, so on every rank at the same point: no second vote.
         raise error
-    group = _group()
+    group = group if group is not None else _group()
     flag = torch.tensor([1 if error is not None else 0], dtype=torch.int64)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if int(flag.item()) == 0:
@@ -127,14 +131,14 @@ def agree(what: str, error: Optional[BaseException]) -> None:
 
 
 @contextlib.contextmanager
-def agree_on_error(what: str) -> Iterator[None]:
+def agree_on_error(what: str, group: Optional[dist.ProcessGroup] = None) -> Iterator[None]:
     """Run a local (collective-free) block; on exit all ranks agree on success or raise the same exception.
 
-    Exits from KeyboardInterrupt/SystemExit are not voted on: they end the process.
+    Exits from KeyboardInterrupt/SystemExit are not voted on: they end the process. `group`: as in `agree`.
     """
     error: Optional[BaseException] = None
     try:
         yield
     except Exception as e:  # noqa: BLE001 - every failure is voted on and re-raised below
         error = e
-    agree(what, error)
+    agree(what, error, group)

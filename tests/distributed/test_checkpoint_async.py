@@ -94,7 +94,7 @@ def test_async_save_on_two_fsdp_ranks(tmp_path):
         assert r["committed"] == (True, "step_1")
         assert r["step"] == 1 and r["same"] and r["moved"]
         assert r["algorithms"] == {"sha256"} and r["remaining"] == ["step_2"]
-        assert r["error"] == "disk full (simulated)"
+        assert r["error"].endswith("failed on ranks [0, 1]: disk full (simulated)"), r["error"]
         assert r["latest_after_failure"] == "step_2" and not r["step_3_exists"]
     # The failed save left only its staging directory, never a checkpoint.
     assert [os.path.basename(p) for p, _ in mf.list_checkpoints(root)] == ["step_2"]
