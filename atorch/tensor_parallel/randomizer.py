@@ -183,6 +183,27 @@ def get_randomizer() -> MultiDimParallelRandomizer:
     return _DEFAULT
 
 
+# Marks a module whose forward runs inside a parallel stream (set by fork_module_rng).
+_FORK_ATTR = "_atorch_rng_fork"
+
+
+def randomizer_for(module: nn.Module) -> Optional[MultiDimParallelRandomizer]:
+    """The randomizer that the forked modules inside `module` draw from; None when none draws.
+
+    Activation checkpointing replays these streams when it recomputes `module`, and needs no
+    replay (so torch.compile can trace it) when nothing inside draws from one. A dropout with
+    p == 0 draws nothing.
+    """
+    for m in module.modules():
+        if _FORK_ATTR not in m.__dict__ or (isinstance(m, nn.modules.dropout._DropoutNd) and m.p == 0):
+            continue
+        explicit = m.__dict__[_FORK_ATTR]
+        if explicit is not None:
+            return explicit
+        return _DEFAULT
+    return None
+
+
 def fork_module_rng(module: nn.Module, randomizer: Optional[MultiDimParallelRandomizer] = None,
                     group: str = "tensor", replicated: bool = False) -> List[torch.utils.hooks.RemovableHandle]:
     """Run `module`'s forward (in training) inside `randomizer.fork(group, replicated)`; returns the hook handles.
@@ -192,6 +213,7 @@ def fork_module_rng(module: nn.Module, randomizer: Optional[MultiDimParallelRand
     call. A dropout with p == 0 draws nothing and is left alone.
     """
     tokens: List[Optional[Tuple[MultiDimParallelRandomizer, Optional[_Token]]]] = []
+    module.__dict__[_FORK_ATTR] = randomizer   # read by randomizer_for (None: the process default)
 
     def enter(mod: nn.Module, args: tuple) -> None:
         if not mod.training or (isinstance(mod, nn.modules.dropout._DropoutNd) and mod.p == 0):

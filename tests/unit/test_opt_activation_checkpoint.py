@@ -263,3 +263,24 @@ def test_kv_cache_arguments_are_dropped_whatever_their_name():
     bound = inspect.signature(block.forward).bind(*args, **kwargs).arguments
     assert bound["kv_store"] is None and bound["use_cache"] is False and bound["scale"] == 3.0
     assert torch.equal(bound["x"], torch.ones(1))
+
+
+def test_only_the_blocks_own_forked_dropouts_bring_in_the_stream_replay(monkeypatch):
+    # A randomizer left in the process (an earlier tensor-parallel dry run) must not make an
+    # unrelated model's checkpoint pass a context_fn: torch.compile cannot trace that replay.
+    from atorch.auto.opt_lib.activation_checkpoint import _parallel_randomizer_of
+    from atorch.tensor_parallel import randomizer as rnd
+
+    monkeypatch.setattr(rnd, "_DEFAULT", None)
+    stale = rnd.init_randomizer(base_seed=3, coords={})
+    plain = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1))
+    assert _parallel_randomizer_of(plain) is None
+    forked = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1), nn.Dropout(0.0))
+    rnd.fork_module_rng(forked[1])
+    assert _parallel_randomizer_of(forked) is stale               # the process default, looked up at call time
+    own = rnd.MultiDimParallelRandomizer(5)
+    idle = nn.Sequential(nn.Dropout(0.0))
+    rnd.fork_module_rng(idle[0], randomizer=own)
+    assert _parallel_randomizer_of(idle) is None                  # p == 0 draws nothing
+    idle[0].p = 0.2
+    assert _parallel_randomizer_of(idle) is own

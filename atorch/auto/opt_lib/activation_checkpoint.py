@@ -107,18 +107,17 @@ def _without_cache(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, A
     return bound.args[1:], bound.kwargs
 
 
-def _active_parallel_randomizer() -> Any:
-    """The tensor-parallel dropout randomizer when one was created in this process, else None.
+def _parallel_randomizer_of(block: nn.Module) -> Any:
+    """The tensor-parallel dropout randomizer that `block`'s dropouts draw from, else None.
 
-    Looked up through sys.modules: if its module was never imported, no randomizer exists.
+    Looked up through sys.modules: if its module was never imported, nothing was forked. Only
+    the block's own forked modules count, so a randomizer left by another model in this process
+    (an earlier dry-run candidate) changes nothing here.
     """
     module = sys.modules.get("atorch.tensor_parallel.randomizer")
     if module is None:
         return None
-    try:
-        return module.get_randomizer()
-    except RuntimeError:  # the module is loaded but no randomizer was initialized
-        return None
+    return module.randomizer_for(block)
 
 
 def _randomizer_replay_contexts(randomizer: Any) -> Tuple[contextlib.AbstractContextManager,
@@ -150,7 +149,7 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not (self.training and torch.is_grad_enabled()):
         return inner(*args, **kwargs)
     args, kwargs = _without_cache(self, args, kwargs)
-    randomizer = _active_parallel_randomizer()
+    randomizer = _parallel_randomizer_of(self)
     # The block's keyword arguments travel in a partial: checkpoint() would take some names
     # (debug, context_fn, determinism_check, ...) as its own options.
     if randomizer is None:
