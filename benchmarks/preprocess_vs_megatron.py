@@ -338,10 +338,13 @@ def _corpus(work: Path, size: float) -> Path:
 
 
 def _estimate(done: list, run: dict) -> float:
-    """Seconds the run will likely take: its configuration's last run, else 0 (unknown: just run it)."""
-    same = [r for r in done if r["kind"] == run["kind"] and r["size"] == run["size"]
-            and r.get("workers") == run.get("workers") and r["impl"] == run["impl"]]
-    return same[-1]["elapsed"] if same else 0.0
+    """Seconds the run will likely take: its configuration's last run, else a run of another corpus size with
+    the same kind and workers scaled by size, else 0 (unknown: just run it)."""
+    alike = [r for r in done if r["kind"] == run["kind"] and r.get("workers") == run.get("workers")]
+    same = [r for r in alike if r["size"] == run["size"] and r["impl"] == run["impl"]]
+    if same:
+        return same[-1]["elapsed"]
+    return max((r["elapsed"] * run["size"] / r["size"] for r in alike), default=0.0)
 
 
 def main() -> None:
@@ -453,7 +456,9 @@ def _summarize(args, done: list) -> None:
                       f"{_spread([r['tokens'] / r['cpu_seconds'] for r in rs])} | {sched} | "
                       f"{max(r['rss_main_mb'] for r in rs):.0f} MiB | {max(r['rss_worker_mb'] for r in rs):.0f} MiB | "
                       f"{'yes' if same else 'NO'} |")
-    print("\nRatio atorch/megatron per repeat (tokens/s; tokens per CPU s), with the 1-min loads before the two runs:")
+    print("\nPer repeat, atorch/megatron: tokens/s ratio = tokens per CPU s ratio x ratio of CPU obtained per wall "
+          "second; then each side's workers' share of their time on a CPU / asleep (the rest: waiting for a CPU), "
+          "and the 1-min loads before the two runs:")
     for size in args.sizes_mb:
         for workers in args.workers:
             pairs = []
@@ -462,9 +467,14 @@ def _summarize(args, done: list) -> None:
                 m = [r for r in pre.get((size, workers, "megatron"), []) if r["repeat"] == repeat]
                 if a and m:
                     a0, m0 = a[0], m[0]
-                    pairs.append(f"{a0['tokens'] / a0['seconds'] / (m0['tokens'] / m0['seconds']):.2f}; "
-                                 f"{a0['cpu_seconds'] and m0['cpu_seconds'] / a0['cpu_seconds']:.2f} "
-                                 f"(load {a0['load']:.0f}/{m0['load']:.0f})")
+                    def share(r: dict) -> str:
+                        span = r.get("worker_span_s") or float("nan")
+                        return f"{100 * r['worker_cpu_s'] / span:.0f}/{100 * r['worker_sleep_s'] / span:.0f}%"
+
+                    obtained = (a0["cpu_seconds"] / a0["seconds"]) / (m0["cpu_seconds"] / m0["seconds"])
+                    pairs.append(f"{a0['tokens'] / a0['seconds'] / (m0['tokens'] / m0['seconds']):.2f} = "
+                                 f"{m0['cpu_seconds'] / a0['cpu_seconds']:.2f} x {obtained:.2f} "
+                                 f"(workers {share(a0)} vs {share(m0)}; load {a0['load']:.0f}/{m0['load']:.0f})")
             if pairs:
                 print(f"  {size:g} MB, workers={workers}: " + ", ".join(pairs))
     reads = {}
