@@ -1,10 +1,15 @@
 """atorch's data tools against megatron-core's, side by side: preprocessing and random sample reads.
 
     .venv/bin/python benchmarks/preprocess_vs_megatron.py [--sizes-mb 16 48] [--repeats 2] [--workers 1 2]
+        [--work-dir /tmp/atorch-vs-megatron] [--max-seconds 500] [--fresh]
+
+Resumable: the results of every run are appended to `<work-dir>/results.jsonl`; a rerun of the same
+command skips the runs already there, `--max-seconds` stops before a run that would end past it (so each
+invocation under a shared benchmark lock stays short), and the summary covers all recorded runs.
 
 What runs:
-- Corpus: JSON lines generated from the bundled corpus (`benchmarks/preprocess.py`'s generator) in a
-  temp directory, one file per size; never committed.
+- Corpus: JSON lines generated from the bundled corpus (`benchmarks/preprocess.py`'s generator, seed 0)
+  under `--work-dir` on first use, one file per size; never committed.
 - atorch: `DatasetPreprocessor(workers=w).preprocess(corpus, out)` with the bundled tokenizer.
 - Megatron: the flow of Megatron-LM's `tools/preprocess_data.py` (which megatron-core's wheel does
   not ship), driven here with megatron-core's own `IndexedDatasetBuilder`: a `multiprocessing.Pool`
