@@ -240,3 +240,25 @@ def test_tokenizer_path_and_tokenizers_object(tmp_path, tokenizer):
                                                                                 progress_enabled=False)
     assert read_all(tmp_path / "a") == read_all(tmp_path / "b") == [encode(tokenizer, "abc") + [1]]
     assert np.dtype(MMapIndexedDataset(tmp_path / "a").dtype) == np.uint16
+
+
+def test_fast_batch_encoding_gives_the_same_ids(tokenizer):
+    # Workers tokenize with the Rust backend's encode_batch_fast (no character offsets) when it has one;
+    # the ids must be those of the offset-tracking encode_batch, and it must really be the call made.
+    backend = tokenizer.backend_tokenizer
+    docs = corpus_documents(40) + [""]
+    expected = [e.ids for e in backend.encode_batch(docs, add_special_tokens=False)]
+    encoder = preprocess_module._ChunkEncoder(tokenizer, np.dtype(np.uint16), 845, None)
+    assert encoder._token_ids(docs) == expected
+    calls = []
+
+    class Spy:  # a tokenizers.Tokenizer lookalike whose offset-tracking call must not be used
+        def encode_batch(self, texts, add_special_tokens):
+            raise AssertionError("encode_batch used although encode_batch_fast exists")
+
+        def encode_batch_fast(self, texts, add_special_tokens):
+            calls.append(len(texts))
+            return backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+
+    spied = preprocess_module._ChunkEncoder(Spy(), np.dtype(np.uint16), 845, None)
+    assert spied._token_ids(docs) == expected and calls == [len(docs)]
