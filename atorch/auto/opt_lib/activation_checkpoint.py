@@ -35,7 +35,8 @@ _INNER_FORWARD_ATTR = "_atorch_forward_before_checkpoint"
 # Keyword arguments through which Hugging Face blocks read and *write* a KV cache. Recomputing
 # the block in backward would write the cache a second time and change the recomputed shapes,
 # and training never reuses the cache, so checkpointed blocks run without one while training.
-_CACHE_KWARGS = {"use_cache": False, "past_key_values": None, "past_key_value": None, "layer_past": None}
+_CACHE_KWARGS = {"use_cache": False, "past_key_values": None, "past_key_value": None, "layer_past": None,
+                 "cache": None}   # transformers >= 5.2x names it `cache`
 
 
 @dataclass(frozen=True)
