@@ -353,18 +353,36 @@ def _block_saved_bytes(shape: ModelShape, mode: str, seq_len: int, fused_attenti
     return float(replicated), float(sharded)
 
 
-def _final_norm_saved_bytes(shape: ModelShape, mode: str) -> float:
+def _frozen_inputs_bytes(shape: ModelShape, mode: str) -> Tuple[float, float]:
+    """Bytes per token a block does *not* save when its base linears are frozen (LoRA): a frozen
+    linear needs no input for a weight gradient. The q/k/v input stays (peft's default adapters
+    on q and v, or GPT-2's c_attn, read it); the MLP input, the attention output and the MLP
+    product are saved only for the frozen o/gate/up/down weights. Under autocast the three
+    frozen q/k/v casts go too (the two adapters cast their own copies)."""
+    h, f = shape.hidden_size, shape.intermediate_size
+    nbytes = 4 if mode == "fp32" else 2
+    replicated = nbytes * h + (2 * 3 * h if mode == "autocast" and shape.gated else 0)
+    return float(replicated), float(nbytes * (h + f))
+
+
+def _final_norm_saved_bytes(shape: ModelShape, mode: str, frozen_head: bool = False) -> float:
     """Bytes per token the final norm and the LM head's input save (replicated under tensor parallelism)."""
     h = shape.hidden_size
     if shape.gated:
-        return float({"fp32": 4 * 3 * h, "autocast": 4 * 2 * h + 2 * h, "half": 4 * h + 2 * 2 * h}[mode])
-    return float({"fp32": 4 * 2 * h, "autocast": 4 * h + 2 * h, "half": 2 * 2 * h}[mode])
+        saved = {"fp32": 4 * 3 * h, "autocast": 4 * 2 * h + 2 * h, "half": 4 * h + 2 * 2 * h}[mode]
+    else:
+        saved = {"fp32": 4 * 2 * h, "autocast": 4 * h + 2 * h, "half": 2 * 2 * h}[mode]
+    # A frozen head (LoRA) keeps no input for its weight gradient.
+    return float(saved - ((4 if mode == "fp32" else 2) * h if frozen_head else 0))
 
 
 def block_activation_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int) -> float:
     """Bytes one decoder block saves for backward on one rank (what a checkpointed block rebuilds)."""
     mode = precision_mode(traits)
     replicated, sharded = _block_saved_bytes(shape, mode, seq_len, traits.fused_attention or shape.fused_attention)
+    if traits.lora_rank:
+        frozen_replicated, frozen_sharded = _frozen_inputs_bytes(shape, mode)
+        replicated, sharded = replicated - frozen_replicated, sharded - frozen_sharded
     return micro_batch * seq_len * (replicated + sharded / traits.tensor)
 
 
@@ -384,7 +402,12 @@ def activation_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int
         per_block = block_activation_bytes(shape, traits, micro_batch, seq_len)
     # The loss saves its fp32 softmax (log-softmax, or the vocabulary-parallel softmax slice).
     softmax = tokens * 4 * shape.vocab_size / traits.tensor
-    return blocks * per_block + tokens * _final_norm_saved_bytes(shape, mode) + softmax
+    final = tokens * _final_norm_saved_bytes(shape, mode, frozen_head=bool(traits.lora_rank))
+    if traits.pipeline_engine is not None:
+        # The schedule keeps each in-flight micro-batch's stage output for its backward: on the
+        # last stage, the logits (b*s*vocab in the compute dtype).
+        final += tokens * shape.vocab_size / traits.tensor * traits.compute_dtype_bytes
+    return blocks * per_block + final + softmax
 
 
 def loss_buffer_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int,
