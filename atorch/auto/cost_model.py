@@ -483,7 +483,8 @@ RESIDENT_KEYS = MODEL_STATE_KEYS + ("ddp_buckets", "ds_reduce_buffer", "grad_fp3
 # What exists only while activations are alive (forward and backward), and what exists only
 # from the end of backward through the optimizer step (gradients are set to None by zero_grad,
 # so they do not exist during the next forward). Everything else is held all the time.
-ACTIVATION_PHASE_KEYS = ("activations", "loss_buffers", "weight_casts", "gathered_params", "ds_reduce_bucket")
+ACTIVATION_PHASE_KEYS = ("activations", "loss_buffers", "weight_casts", "gathered_params", "ds_reduce_bucket",
+                         "unit_grads")
 GRADIENT_PHASE_KEYS = ("grads", "reduce_scatter", "step_grad_fp32", "recompute")
 
 
@@ -600,8 +601,13 @@ def _fsdp2_states(shape: ModelShape, traits: StrategyTraits, params: float, trai
         out["gathered_params"] = params * gathered_bytes
     else:                                   # the root unit stays gathered; blocks: the current one and a prefetch
         out["gathered_params"] = (root + 2 * block) * gathered_bytes
-    # Reduce-scatter of the largest unit: its unsharded fp32 gradients and the flat send buffer.
-    out["reduce_scatter"] = 2 * max(root, block) * 4
+    # A unit's backward leaves its unsharded gradients (in the compute dtype) and copies them into
+    # the flat fp32 reduce-scatter input. The largest unit (the root: embeddings and head) reduces
+    # last, when the activations are gone; a block reduces while most activations are still alive
+    # (checked against FSDPMemTracker at 1B-7B, benchmarks/memory_model.py).
+    per_param = gathered_bytes + 4
+    out["reduce_scatter"] = max(root, block) * per_param
+    out["unit_grads"] = block * per_param
     return out
 
 
