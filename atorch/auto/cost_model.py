@@ -9,10 +9,10 @@ into `StrategyTraits`; the formulas read only those traits. Memory per rank, by 
 (`memory_breakdown`): replicated (DDP, torch ZeRO-1, tensor/pipeline stages), torch FSDP2, or
 DeepSpeed ZeRO (a half-precision module with fp32 master partitions) -- model states,
 buffers, gathered parameters and activations. The peak (`peak_bytes`) is what is always held
-plus the larger of the activation phase and the gradient phase. Activations use per-layer
-terms (b*s*h, b*s*ffn, b*heads*s^2 for an attention that materializes its matrix) and a logits
-term (b*s*vocab), with and without activation checkpointing; their coefficients are fitted to
-measured peaks by `scripts/calibrate_cost_model.py`, not chosen by hand. Checked against
+plus the larger of the activation phase and the gradient phase. Activations are counted, not
+fitted: the tensors a Hugging Face decoder block saves for backward (per precision mode,
+attention kind and tensor-parallel split; `_block_saved_bytes`), the final norm, and the loss's
+b*s*vocab buffers (TP's gathered logits included), with and without checkpointing. Checked against
 measured bytes on 2 ranks for every backend (tests/distributed/test_memory_model.py), the ZeRO
 paper's Figure 1 (tests/unit/test_cost_model.py) and torch's FSDPMemTracker at 1B-7B on 8-64
 fake ranks (benchmarks/memory_model.py). Step time = FLOPs / measured rate + a per-layer
