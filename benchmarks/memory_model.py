@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig, Qwen2Config
 
 from atorch.auto import auto_accelerate
 from atorch.auto.cost_model import estimate
@@ -40,7 +40,20 @@ from atorch.testing.fake_distributed import fake_process_group
 GIB = 2 ** 30
 VOCAB = 32000
 
-# Public Llama-family shapes: TinyLlama-1.1B, OpenLLaMA-3B, Llama-2-7B.
+# Public Llama-family shapes: TinyLlama-1.1B, OpenLLaMA-3B, Llama-2-7B (vocabulary 32000, untied
+# head); and other architectures: GPT-2 XL (LayerNorm, GELU MLP, learned positions, tied head,
+# vocabulary 50257), Qwen2-1.5B (GQA with 2 KV heads, q/k/v biases, tied head, vocabulary 151936)
+# and Mistral-7B (GQA with 8 KV heads, vocabulary 32000).
+OTHER_MODELS: Dict[str, Any] = {
+    "gpt2-xl": lambda: GPT2Config(n_embd=1600, n_layer=48, n_head=25, n_positions=1024, vocab_size=50257,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "qwen2-1.5b": lambda: Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                      num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                                      tie_word_embeddings=True),
+    "mistral-7b": lambda: LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                      num_attention_heads=32, num_key_value_heads=8, vocab_size=VOCAB,
+                                      tie_word_embeddings=False),
+}
 MODELS: Dict[str, Dict[str, int]] = {
     "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                num_key_value_heads=4),
@@ -72,8 +85,12 @@ class Row:
     seconds: float
 
 
-def llama_config(name: str) -> LlamaConfig:
-    config = LlamaConfig(vocab_size=VOCAB, tie_word_embeddings=False, **MODELS[name])
+def llama_config(name: str) -> PretrainedConfig:
+    """The config of `name` (a key of MODELS or OTHER_MODELS), with sdpa attention."""
+    if name in OTHER_MODELS:
+        config = OTHER_MODELS[name]()
+    else:
+        config = LlamaConfig(vocab_size=VOCAB, tie_word_embeddings=False, **MODELS[name])
     config._attn_implementation = "sdpa"
     return config
 
@@ -114,8 +131,8 @@ def measure(model_name: str, world: int, strategy_name: str, micro_batch: int, s
     with fake_process_group(0, world):
         mode = FakeTensorMode()
         with mode:
-            model = LlamaForCausalLM(config)
-            ids = torch.randint(0, VOCAB, (micro_batch, seq))
+            model = AutoModelForCausalLM.from_config(config)
+            ids = torch.randint(0, config.vocab_size, (micro_batch, seq))
         num_params = sum(p.numel() for p in model.parameters())
         # auto_accelerate runs outside the fake mode: its device mesh needs real tensors; the
         # model's parameters stay fake, so every op on them is faked anyway.

@@ -9,10 +9,10 @@ into `StrategyTraits`; the formulas read only those traits. Memory per rank, by 
 (`memory_breakdown`): replicated (DDP, torch ZeRO-1, tensor/pipeline stages), torch FSDP2, or
 DeepSpeed ZeRO (a half-precision module with fp32 master partitions) -- model states,
 buffers, gathered parameters and activations. The peak (`peak_bytes`) is what is always held
-plus the larger of the activation phase and the gradient phase. Activations use per-layer
-terms (b*s*h, b*s*ffn, b*heads*s^2 for an attention that materializes its matrix) and a logits
-term (b*s*vocab), with and without activation checkpointing; their coefficients are fitted to
-measured peaks by `scripts/calibrate_cost_model.py`, not chosen by hand. Checked against
+plus the larger of the activation phase and the gradient phase. Activations are counted, not
+fitted: the tensors a Hugging Face decoder block saves for backward (per precision mode,
+attention kind and tensor-parallel split; `_block_saved_bytes`), the final norm, and the loss's
+b*s*vocab buffers (TP's gathered logits included), with and without checkpointing. Checked against
 measured bytes on 2 ranks for every backend (tests/distributed/test_memory_model.py), the ZeRO
 paper's Figure 1 (tests/unit/test_cost_model.py) and torch's FSDPMemTracker at 1B-7B on 8-64
 fake ranks (benchmarks/memory_model.py). Step time = FLOPs / measured rate + a per-layer
@@ -33,25 +33,13 @@ from torch import nn
 from atorch.auto.strategy import Strategy, StrategyLike
 
 # --------------------------------------------------------------------------------------------
-# Calibration. Produced by `python scripts/calibrate_cost_model.py` on the 2-core CPU machine
-# (torch 2.13, fp32 AdamW, tiny Llama/GPT-2 variants; see benchmarks/RESULTS.md, "Cost model").
-# Activation coefficients are bytes per element of each feature, for one training step at
-# steady state (optimizer state allocated), fitted as the peak minus parameters, Adam state and
-# the LM head's gradient; "recompute" is the one block rebuilt in backward. "matmul_params"
-# (bf16) absorbs autocast's weight copies and whatever else scales with the parameters at the
-# tiny models' peak (4.97 bytes a parameter, more than the 2 of a bf16 copy).
+# Activations are counted, not fitted: the bytes per token that a Hugging Face decoder block
+# saves for backward, tensor by tensor, in each precision mode (listed with
+# torch.autograd.graph.saved_tensors_hooks on Llama and GPT-2 blocks, eager and sdpa attention;
+# see `_block_saved_bytes`), and the loss's b*s*vocab buffers. Checked against measured peaks on
+# 2 CPU ranks (tests/distributed/test_dry_run.py) and torch's trackers at 1B-7B
+# (benchmarks/memory_model.py).
 # --------------------------------------------------------------------------------------------
-
-ACTIVATION_COEFFICIENTS: Dict[str, Dict[str, float]] = {
-    # feature -> bytes per element: per layer (layer_*) of b*s*h, b*s*ffn, b*heads*s^2; once of
-    # b*s*vocab (logits, log-softmax, its gradient) and b*s*h; "matmul_params": autocast weight copies.
-    "fp32": {"layer_bsh": 45.126, "layer_bsf": 18.546, "layer_bas2": 3.632, "bsv": 16.397, "bsh": 9.276},
-    "fp32_checkpoint": {"layer_bsh": 4.0, "bsh": 25.649, "bsf": 11.662, "bas2": 0.0, "bsv": 15.969},
-    "bf16": {"layer_bsh": 31.478, "layer_bsf": 9.467, "layer_bas2": 5.556, "bsv": 14.364, "bsh": 23.078,
-             "matmul_params": 4.973},
-    "bf16_checkpoint": {"layer_bsh": 4.0, "bsh": 7.157, "bsf": 0.0, "bas2": 2.088, "bsv": 13.829,
-                        "matmul_params": 5.724},
-}
 
 # The device rates the step-time model divides by. "cpu" is measured (calibration script);
 # the GPU entry is a datasheet-derived guess (no GPU was available to calibrate on) and only
@@ -81,6 +69,7 @@ class ModelShape:
     embedding_params: int       # token/position embeddings + LM head (not tensor-sharded)
     kv_dim: int = 0             # key/value projection width (grouped-query attention); 0: hidden_size
     gated: bool = True          # Llama-style gated MLP (three matrices) rather than GPT-2's two
+    fused_attention: bool = False   # the model's own attention never materializes b*heads*s^2 (sdpa, flash)
 
     @classmethod
     def from_config(cls, config: Any) -> "ModelShape":
@@ -108,8 +97,10 @@ class ModelShape:
         positions = _config_int(config, ("n_positions",), default=0) * h
         tied = bool(getattr(config, "tie_word_embeddings", False))
         embedding = vocab * h * (1 if tied else 2) + positions
+        fused = getattr(config, "_attn_implementation", None) in ("sdpa", "flash_attention_2", "flash_attention_3",
+                                                                  "flex_attention")
         return cls(layers * layer + embedding + final_norm, layers, h, ffn, heads, vocab, layer, embedding,
-                   kv_heads * head_dim, gated)
+                   kv_heads * head_dim, gated, fused)
 
     @classmethod
     def from_module(cls, model: nn.Module) -> "ModelShape":
@@ -124,7 +115,7 @@ class ModelShape:
                 embedding += head.weight.numel()
             layer = (num_params - embedding) // max(1, shape.num_layers)
             return cls(num_params, shape.num_layers, shape.hidden_size, shape.intermediate_size, shape.num_heads,
-                       shape.vocab_size, layer, embedding, shape.kv_dim, shape.gated)
+                       shape.vocab_size, layer, embedding, shape.kv_dim, shape.gated, shape.fused_attention)
         # A plain module: the largest ModuleList is the layer stack; the widest Linear input is the width.
         linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
         hidden = max((m.in_features for m in linears), default=1)
@@ -173,6 +164,7 @@ class StrategyTraits:
     tensor: int = 1
     pipeline: int = 1
     tensor_parallel: bool = False
+    gather_logits: bool = True          # tensor_parallel: the model returns the full logits (gathered)
     # precision
     compute_dtype_bytes: int = 4        # activations and matmuls (amp/half/DeepSpeed bf16: 2)
     param_dtype_bytes: int = 4          # parameters as the user's optimizer sees them (half: 2)
@@ -317,27 +309,131 @@ class Estimate:
         return batch_size / self.step_time_s if self.step_time_s > 0 else 0.0
 
 
-def activation_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int) -> float:
-    """Peak activation bytes of one rank's forward+backward (fitted coefficients, see module docstring)."""
-    c = ACTIVATION_COEFFICIENTS[_coefficient_key(traits)]
-    # A pipeline stage runs its share of the blocks (the logits term stays: the last stage has it).
-    b, s, h, L = micro_batch, seq_len, shape.hidden_size, math.ceil(shape.num_layers / traits.pipeline)
-    bsf = b * s * shape.intermediate_size
-    bas2 = 0.0 if traits.fused_attention or shape.num_heads == 0 else b * shape.num_heads * s * s
-    bsh = b * s * h
-    bsv = b * s * shape.vocab_size
-    if traits.checkpoint:
-        total = c["layer_bsh"] * L * bsh + c["bsh"] * bsh + c["bsf"] * bsf + c["bas2"] * bas2 + c["bsv"] * bsv
+def precision_mode(traits: StrategyTraits) -> str:
+    """How the blocks compute, which decides the dtype of every saved activation.
+
+    "fp32"; "autocast" (fp32 weights under `torch.autocast`: the residual stream and the norms
+    stay fp32, each matmul saves a half copy of its input and of its weight); "half" (the module
+    itself computes in half: the `half` optimization, FSDP2 mixed precision, DeepSpeed bf16/fp16).
+    """
+    if traits.compute_dtype_bytes == 4:
+        return "fp32"
+    if traits.autocast and traits.sharding not in ("fsdp2", "deepspeed") and traits.param_dtype_bytes == 4:
+        return "autocast"
+    return "half"
+
+
+def _block_saved_bytes(shape: ModelShape, mode: str, seq_len: int, fused_attention: bool) -> Tuple[float, float]:
+    """Bytes per token that one decoder block saves for backward: (replicated, tensor-sharded).
+
+    Counted on Hugging Face's Llama and GPT-2 blocks (saved_tensors_hooks, one storage counted
+    once). Replicated under Megatron tensor parallelism: the residual stream, the norms' inputs
+    and outputs, the column-parallel inputs (and their autocast copies). Sharded: q, k, v, the
+    attention output, the attention matrix and the MLP's intermediate tensors.
+
+    Llama (RMSNorm, SwiGLU): fp32 saves x, norm(x), the q/k/v input, q, k, v, the attention
+    output and the same three for the MLP half, plus gate, silu(gate), up and their product.
+    Under autocast the norms stay fp32 (x and x*rsqrt saved in fp32), while q, k and v each save
+    their own half copy of the shared input (activation casts are not cached; 5 copies a block).
+    In half the norms save an fp32 upcast of their input. Eager attention saves the softmax
+    output (fp32 under autocast and in half, plus its half copy) and k and v repeated to every
+    head; sdpa saves k and v at their grouped-query width and no b*heads*s^2 matrix.
+    GPT-2 (LayerNorm, GELU MLP): x, the qkv input, q, k, v, the attention output, x2, the MLP
+    input, and five b*s*ffn tensors (the tanh GELU keeps three of its intermediates).
+    """
+    h, f = shape.hidden_size, shape.intermediate_size
+    kv = (shape.kv_dim or h) if fused_attention else h
+    attn = 0 if fused_attention or shape.num_heads == 0 else shape.num_heads * seq_len
+    if shape.gated:
+        qkvo = 2 * h + 2 * kv
+        replicated = {"fp32": 4 * 6 * h, "autocast": 4 * 4 * h + 2 * 5 * h, "half": 4 * 2 * h + 2 * 4 * h}[mode]
+        sharded = {"fp32": 4 * qkvo + 4 * 4 * f + 4 * attn, "autocast": 2 * qkvo + 2 * 4 * f + 6 * attn,
+                   "half": 2 * qkvo + 2 * 4 * f + 6 * attn}[mode]
     else:
-        total = L * (c["layer_bsh"] * bsh + c["layer_bsf"] * bsf + c["layer_bas2"] * bas2) + c["bsv"] * bsv + \
-            c["bsh"] * bsh
-    # Measured (tests/distributed/test_dry_run.py): atorch's tensor parallel (vocab-parallel head,
-    # sharded heads and MLP) divides the per-rank activation peak by the tensor size.
-    return total / traits.tensor
+        replicated = {"fp32": 4 * 4 * h, "autocast": 4 * 2 * h + 2 * 2 * h, "half": 2 * 4 * h}[mode]
+        sharded = {"fp32": 4 * 4 * h + 4 * 5 * f + 4 * attn, "autocast": 2 * 4 * h + 2 * 5 * f + 6 * attn,
+                   "half": 2 * 4 * h + 2 * 5 * f + 2 * attn}[mode]
+    return float(replicated), float(sharded)
 
 
-def _coefficient_key(traits: StrategyTraits) -> str:
-    return ("fp32" if traits.compute_dtype_bytes == 4 else "bf16") + ("_checkpoint" if traits.checkpoint else "")
+def _frozen_inputs_bytes(shape: ModelShape, mode: str) -> Tuple[float, float]:
+    """Bytes per token a block does *not* save when its base linears are frozen (LoRA): a frozen
+    linear needs no input for a weight gradient. The q/k/v input stays (peft's default adapters
+    on q and v, or GPT-2's c_attn, read it); the MLP input, the attention output and the MLP
+    product are saved only for the frozen o/gate/up/down weights. Under autocast the three
+    frozen q/k/v casts go too (the two adapters cast their own copies)."""
+    h, f = shape.hidden_size, shape.intermediate_size
+    nbytes = 4 if mode == "fp32" else 2
+    replicated = nbytes * h + (2 * 3 * h if mode == "autocast" and shape.gated else 0)
+    return float(replicated), float(nbytes * (h + f))
+
+
+def _final_norm_saved_bytes(shape: ModelShape, mode: str, frozen_head: bool = False) -> float:
+    """Bytes per token the final norm and the LM head's input save (replicated under tensor parallelism)."""
+    h = shape.hidden_size
+    if shape.gated:
+        saved = {"fp32": 4 * 3 * h, "autocast": 4 * 2 * h + 2 * h, "half": 4 * h + 2 * 2 * h}[mode]
+    else:
+        saved = {"fp32": 4 * 2 * h, "autocast": 4 * h + 2 * h, "half": 2 * 2 * h}[mode]
+    # A frozen head (LoRA) keeps no input for its weight gradient.
+    return float(saved - ((4 if mode == "fp32" else 2) * h if frozen_head else 0))
+
+
+def block_activation_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int) -> float:
+    """Bytes one decoder block saves for backward on one rank (what a checkpointed block rebuilds)."""
+    mode = precision_mode(traits)
+    replicated, sharded = _block_saved_bytes(shape, mode, seq_len, traits.fused_attention or shape.fused_attention)
+    if traits.lora_rank:
+        frozen_replicated, frozen_sharded = _frozen_inputs_bytes(shape, mode)
+        replicated, sharded = replicated - frozen_replicated, sharded - frozen_sharded
+    return micro_batch * seq_len * (replicated + sharded / traits.tensor)
+
+
+def activation_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int) -> float:
+    """Bytes one rank's forward saves for backward: its blocks, the final norm and the loss's softmax.
+
+    With activation checkpointing a block keeps only its input (the residual stream: fp32 unless
+    the module computes in half). A pipeline stage runs its share of the blocks (the final norm
+    and the loss are counted: the last stage has them).
+    """
+    mode = precision_mode(traits)
+    tokens = micro_batch * seq_len
+    blocks = math.ceil(shape.num_layers / traits.pipeline)
+    if traits.checkpoint:
+        per_block = 1.0 * tokens * (2 if mode == "half" else 4) * shape.hidden_size
+    else:
+        per_block = block_activation_bytes(shape, traits, micro_batch, seq_len)
+    # The loss saves its fp32 softmax (log-softmax, or the vocabulary-parallel softmax slice).
+    softmax = tokens * 4 * shape.vocab_size / traits.tensor
+    final = tokens * _final_norm_saved_bytes(shape, mode, frozen_head=bool(traits.lora_rank))
+    if traits.pipeline_engine is not None:
+        # The schedule keeps each in-flight micro-batch's stage output for its backward: on the
+        # last stage, the logits (b*s*vocab in the compute dtype).
+        final += tokens * shape.vocab_size / traits.tensor * traits.compute_dtype_bytes
+    return blocks * per_block + final + softmax
+
+
+def loss_buffer_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int,
+                      head_grad: float) -> float:
+    """The b*s*vocab buffers on top of the saved activations at the activation phase's peak.
+
+    Hugging Face's loss (`ForCausalLMLoss`, as `atorch.auto.train_step` runs it: the model's
+    output is dropped before backward): the log-softmax backward holds its saved output, the
+    incoming gradient and its result, 2 x 4 bytes a logit beyond the saved softmax; then the LM
+    head's backward holds the logits' gradient and the head's weight gradient (`head_grad`).
+    atorch's tensor parallel: the vocabulary-parallel loss's forward holds the local logits, an
+    fp32 copy and the shifted logits; with `gather_logits` (the default) the output hook then
+    holds the local slice, the gathered list and the concatenated full logits (b*s*vocab in the
+    compute dtype, twice). Its backward reuses the saved softmax as the gradient.
+    """
+    tokens = micro_batch * seq_len
+    v, t, cb = shape.vocab_size, traits.tensor, traits.compute_dtype_bytes
+    if traits.tensor_parallel and t > 1:
+        upcast = 4 if cb < 4 else 0
+        forward = tokens * v / t * (cb + upcast + 4)
+        gather = tokens * v * cb * (2 + 1 / t) if traits.gather_logits else 0.0
+        return max(forward, gather, head_grad)
+    return max(tokens * v * 8.0, head_grad + tokens * v * (cb - 4))
 
 
 def estimate(model_or_config: Union[nn.Module, Any, ModelShape], strategy: StrategyLike, batch_size: int,
@@ -390,8 +486,9 @@ RESIDENT_KEYS = MODEL_STATE_KEYS + ("ddp_buckets", "ds_reduce_buffer", "grad_fp3
 # What exists only while activations are alive (forward and backward), and what exists only
 # from the end of backward through the optimizer step (gradients are set to None by zero_grad,
 # so they do not exist during the next forward). Everything else is held all the time.
-ACTIVATION_PHASE_KEYS = ("activations", "weight_casts", "gathered_params", "ds_reduce_bucket", "head_grad")
-GRADIENT_PHASE_KEYS = ("grads", "reduce_scatter", "step_grad_fp32")
+ACTIVATION_PHASE_KEYS = ("activations", "loss_buffers", "weight_casts", "gathered_params", "ds_reduce_bucket",
+                         "unit_grads")
+GRADIENT_PHASE_KEYS = ("grads", "reduce_scatter", "step_grad_fp32", "recompute")
 
 
 def peak_bytes(breakdown: Mapping[str, float]) -> int:
@@ -459,16 +556,24 @@ def memory_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int
     else:
         out = _replicated_states(shape, traits, params_per_rank, trainable)
     out["activations"] = activation_bytes(shape, traits, micro_batch, seq_len) * _in_flight_micro_batches(traits)
+    head_grad = 0.0
     if not traits.lora_rank:
-        # Backward starts with the LM head: its whole (unsharded) weight gradient exists while every
-        # activation is still alive. In the compute dtype under FSDP2/DeepSpeed mixed precision.
+        # The LM head's whole (unsharded) weight gradient, in the dtype backward produces it
+        # (the compute dtype under FSDP2/DeepSpeed mixed precision); under autocast the half
+        # gradient of the cast weight is accumulated into the fp32 one.
+        head = shape.vocab_size * shape.hidden_size / t
         gbytes = traits.storage_bytes if traits.sharding != "fsdp2" else min(traits.compute_dtype_bytes,
                                                                            traits.param_dtype_bytes)
-        out["head_grad"] = shape.embedding_params / 2 / t * gbytes
-    if traits.autocast and traits.sharding not in ("fsdp2", "deepspeed") and traits.param_dtype_bytes == 4:
-        # Autocast keeps low-precision copies of the matmul weights for backward (fitted bytes/parameter).
-        coef = ACTIVATION_COEFFICIENTS[_coefficient_key(traits)].get("matmul_params", 0.0)
-        out["weight_casts"] = coef * (params_per_rank - shape.embedding_params / t / 2)
+        head_grad = head * (gbytes + (2 if precision_mode(traits) == "autocast" else 0))
+    out["loss_buffers"] = loss_buffer_bytes(shape, traits, micro_batch, seq_len, head_grad)
+    if precision_mode(traits) == "autocast":
+        # Autocast caches a half copy of every matmul weight (the head's included) for the
+        # forward, and each linear saves it for backward: 2 bytes a matmul parameter.
+        lookups = (shape.embedding_params - shape.vocab_size * shape.hidden_size) / t
+        out["weight_casts"] = 2.0 * max(0.0, params_per_rank - lookups)
+    if traits.checkpoint:
+        # Backward rebuilds one block at a time, while the gradients are being produced.
+        out["recompute"] = block_activation_bytes(shape, traits, micro_batch, seq_len)
     if traits.cpu_offload and device_type != "cpu":
         for key in ("params", "grads", "master", "optimizer", "grad_fp32", "step_grad_fp32"):
             if key in out:
@@ -499,8 +604,13 @@ def _fsdp2_states(shape: ModelShape, traits: StrategyTraits, params: float, trai
         out["gathered_params"] = params * gathered_bytes
     else:                                   # the root unit stays gathered; blocks: the current one and a prefetch
         out["gathered_params"] = (root + 2 * block) * gathered_bytes
-    # Reduce-scatter of the largest unit: its unsharded fp32 gradients and the flat send buffer.
-    out["reduce_scatter"] = 2 * max(root, block) * 4
+    # A unit's backward leaves its unsharded gradients (in the compute dtype) and copies them into
+    # the flat fp32 reduce-scatter input. The largest unit (the root: embeddings and head) reduces
+    # last, when the activations are gone; a block reduces while most activations are still alive
+    # (checked against FSDPMemTracker at 1B-7B, benchmarks/memory_model.py).
+    per_param = gathered_bytes + 4
+    out["reduce_scatter"] = max(root, block) * per_param
+    out["unit_grads"] = block * per_param
     return out
 
 

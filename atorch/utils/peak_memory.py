@@ -115,10 +115,24 @@ class _StorageCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        # Views and in-place results share an input's storage: nothing was allocated. Counting
+        # them would count a storage created before entry (a parameter `.t()` in a linear).
+        inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
+            if isinstance(leaf, torch.Tensor) and (is_traceable_wrapper_subclass(leaf)
+                                                   or _storage_key(leaf) not in inputs):
                 self._count(leaf)
         return out
+
+
+def _storage_key(tensor: torch.Tensor) -> Optional[int]:
+    """The identity of a plain tensor's storage (None for wrapper subclasses and opaque tensors)."""
+    if is_traceable_wrapper_subclass(tensor) or tensor.is_meta:
+        return None
+    try:
+        return tensor.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 class PeakMemoryTracker:

@@ -56,7 +56,7 @@ class TensorParallelOptimization(Optimization):
     @classmethod
     def cost_traits(cls, config: TensorParallelConfig, context: CostContext) -> Dict[str, Any]:
         # Linears, embeddings and the head sharded over "tensor" (the size comes from parallel_mode).
-        return {"tensor_parallel": True}
+        return {"tensor_parallel": True, "gather_logits": config.gather_logits}
 
     def validate(self, config: TensorParallelConfig, context: ValidationContext) -> None:
         if not isinstance(config.base_seed, int) or isinstance(config.base_seed, bool):
