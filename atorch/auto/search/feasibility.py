@@ -36,9 +36,9 @@ PRUNE_BELOW = 0.02
 # the predicted peaks, each option's systematic error, and a candidate's own residual. The cost
 # model is validated to ~10-15% per backend (issue 12, item 3); the data widen these when wrong.
 PRIOR_SD_WITH_PREDICTOR = {"bias": 0.15, "option": 0.05, "residual": 0.05}
-# Without a predictor: the level is unknown (learned from the first peak) and each option may
-# change memory by a factor of e^+-0.5 a priori.
-PRIOR_SD_WITHOUT = {"bias": 30.0, "option": 0.5, "residual": 0.05}
+# Without a predictor: the level is unknown (learned from the first peak) and one option
+# changes the peak by a factor of about e^+-0.3 (35%) a priori.
+PRIOR_SD_WITHOUT = {"bias": 30.0, "option": 0.3, "residual": 0.05}
 # Weight of the residual prior, in pseudo-observations.
 RESIDUAL_PRIOR_DF = 3.0
 
@@ -116,11 +116,21 @@ class Feasibility:
     # -- the log-memory model -------------------------------------------------------------------
 
     def _one_hot(self) -> np.ndarray:
+        """Design matrix: an intercept, then per unordered dimension one column per option but
+        the first, and per memory-ordered dimension one column per *step* of saving (rank >= r):
+        an option that saves more is the one before it plus one more step, so a deep saving
+        (fsdp = zero1 + two more steps) is a sum of modest effects the prior does not shrink away."""
         cols = [np.ones(len(self.choices))]
         for d in range(self.choices.shape[1]):
             values = sorted(set(self.choices[:, d].tolist()))
-            for v in values[1:]:
-                cols.append((self.choices[:, d] == v).astype(float))
+            r = self.ranks[d] if d < len(self.ranks) else None
+            if r is None:
+                for v in values[1:]:
+                    cols.append((self.choices[:, d] == v).astype(float))
+            else:
+                rank = np.asarray([r[v] for v in self.choices[:, d]])
+                for level in sorted({r[v] for v in values})[1:]:
+                    cols.append((rank >= level).astype(float))
         return np.stack(cols, axis=1)
 
     def _fit(self) -> tuple:

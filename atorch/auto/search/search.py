@@ -54,6 +54,10 @@ PREDICTED_SEEDS = 2
 REMEASURE_ROUNDS = 3
 # Inside the noise, a candidate wins on memory when it needs at least this much less.
 MEMORY_TIE_BREAK = 0.10
+# ... and when its measured throughput is at most this much lower: an interval that includes 1
+# can still hold a point estimate 15% apart (two noisy runs), and giving up 15% for memory
+# nobody asked for is not a tie.
+TIE_MAX_LOSS = 0.03
 
 TRIAL_COLUMNS = ["trial", "strategy", "status", "throughput", "throughput_lo", "throughput_hi",
                  "predicted_throughput", "predicted_memory", "measured_memory", "reason", "seconds",
@@ -263,7 +267,7 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
             if since_improvement >= patience:
                 stop_reason = f"no improvement in {patience} trials (patience)"
                 break
-            pick = seeding.next(remaining, predictions, trials.tried)
+            pick = seeding.next(remaining, predictions, trials.tried, list(trials.runs))
             if out_of_time(planner.expected_seconds if planner and pick is None else 0.0):
                 stop_reason = f"time_limit_s={time_limit_s:g} would be exceeded by another trial"
                 break
@@ -360,7 +364,8 @@ class _Seeding:
     def planned(self, predictions: List[Any]) -> int:
         return self.cover + (PREDICTED_SEEDS if any(p is not None for p in predictions) else 0)
 
-    def next(self, remaining: Dict[int, float], predictions: List[Any], tried: Set[int]) -> Optional[Tuple[int, str]]:
+    def next(self, remaining: Dict[int, float], predictions: List[Any], tried: Set[int],
+             measured: Sequence[int]) -> Optional[Tuple[int, str]]:
         """The next seed (index, source), or None once seeding is over."""
         if self.predicted_left > 0:
             pool = [i for i in remaining if predictions[i] is not None]
@@ -374,7 +379,8 @@ class _Seeding:
             return None
         self.cover -= 1
         choices = [c.choices for c in self.candidates]
-        covered = {(d, v) for j in tried for d, v in enumerate(choices[j])}
+        # Only a run that measured a throughput covers its options (an out-of-memory one did not).
+        covered = {(d, v) for j in measured for d, v in enumerate(choices[j])}
         pool = sorted(remaining)
         key = [(round(remaining[i] * sum((d, v) not in covered for d, v in enumerate(choices[i])), 1),
                 min((_hamming(choices[i], choices[j]) for j in tried), default=0)) for i in pool]
@@ -557,7 +563,8 @@ class _TrialLog:
 
     def compare(self, a: int, b: int) -> Optional[Comparison]:
         """A (the higher pooled mean) against B: separated by the interval, or a tie broken by
-        memory (at least MEMORY_TIE_BREAK less), else by the measured mean."""
+        memory (at least MEMORY_TIE_BREAK less, when the measured means are within TIE_MAX_LOSS),
+        else by the measured mean."""
         ea, eb = self.pooled(a), self.pooled(b)
         sa, sb = self.candidates[a].strategy, self.candidates[b].strategy
         if math.isnan(ea.var) or math.isnan(eb.var):
@@ -567,7 +574,8 @@ class _TrialLog:
             return Comparison(sa, sb, ci.ratio, ci.lo, ci.hi, "throughput", runs=(ea.n, eb.n))
         pa, pb = self._peak(a), self._peak(b)
         winner, chosen_by, saving = a, "measured mean", None
-        if pa and pb and abs(pa - pb) >= MEMORY_TIE_BREAK * max(pa, pb):
+        close = abs(ea.mean - eb.mean) <= -math.log1p(-TIE_MAX_LOSS)
+        if close and pa and pb and abs(pa - pb) >= MEMORY_TIE_BREAK * max(pa, pb):
             winner, chosen_by = (a, "memory") if pa < pb else (b, "memory")
             saving = 1.0 - min(pa, pb) / max(pa, pb)
         # Otherwise the higher measured mean, still the best estimate: preferring the simpler
