@@ -275,6 +275,28 @@ def summarize(ratios: List[float]) -> str:
     return f"{np.mean(r >= TARGET) * 100:5.1f}% | {r.mean():.3f} | {r.min():.3f}"
 
 
+def summarize_log(path: str) -> None:
+    """The table rows of our search from a run's per-landscape lines (for a run stopped before
+    its end: the rows are otherwise printed at the end)."""
+    import re
+
+    rows: Dict[Tuple[str, str], List[Tuple[float, Optional[int]]]] = {}
+    with open(path) as f:
+        for line in f:
+            m = re.match(r"(\S+) #\d+ \(\d+ s\): oom [\d.]+ (.*) random\(mean\)", line)
+            if not m:
+                continue
+            for item in m.group(2).split():
+                name, value = item.split("=")
+                ratio, _, oom = value.partition("/oom")
+                rows.setdefault((m.group(1), name), []).append((float(ratio), int(oom) if oom else None))
+    for (family, predictor), values in rows.items():
+        ooms = [o for _, o in values if o is not None]
+        print(f"| {family} | ours, predictor {predictor} | {len(values)} | {summarize([r for r, _ in values])} | "
+              f"{np.mean(ooms):.2f} |" if ooms else f"| {family} | ours, predictor {predictor} | {len(values)} | "
+              f"{summarize([r for r, _ in values])} | |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--space", type=int, choices=(64, 256), default=64)
@@ -287,7 +309,11 @@ def main() -> None:
     parser.add_argument("--seed-offset", type=int, default=0,
                         help="added to every landscape seed: 0 = the seeds the search was developed on, "
                              "another value = held-out landscapes")
+    parser.add_argument("--summarize-log", help="print the table rows from a (stopped) run's output and exit")
     args = parser.parse_args()
+    if args.summarize_log:
+        summarize_log(args.summarize_log)
+        return
     if args.planner_time:
         secs = planner_seconds_512()
         print(f"planner on 512 candidates, 25 observations: seconds per suggestion median {np.median(secs):.3f}, "
@@ -327,7 +353,7 @@ def main() -> None:
                 print(f"  hebo default on {fam_name} #{k}: ratio {ratio:.3f}, suggest s median "
                       f"{np.median(secs):.1f}, max {max(secs):.1f}", flush=True)
             print(f"{fam_name} #{k} ({time.time() - started:.0f} s): oom {land.oom_fraction:.2f} " +
-                  " ".join(f"{p}={ours[p][-1]:.3f}" for p in args.predictors if ours[p]) +
+                  " ".join(f"{p}={ours[p][-1]:.3f}/oom{infos[p][-1]['oom']}" for p in args.predictors if ours[p]) +
                   f" random(mean)={np.mean(rand[-RANDOM_ORDERS:]):.3f}", flush=True)
         for p in args.predictors:
             if ours[p]:

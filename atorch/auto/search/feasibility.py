@@ -154,7 +154,11 @@ class Feasibility:
             cov = np.linalg.inv(precision)
             mean = cov @ (prior_mean / prior_var + x.T @ y / resid_var)
             r = y - x @ mean
-            resid_var = (RESIDUAL_PRIOR_DF * sd["residual"] ** 2 + float(r @ r)) / (RESIDUAL_PRIOR_DF + len(rows))
+            # A residual is shrunk by the leverage of its own observation (E r^2 = s^2 (1 - h)):
+            # divide it back out, or option effects fitted to few peaks would hide the scatter.
+            leverage = np.clip(np.einsum("ij,jk,ik->i", x, cov, x) / resid_var, 0.0, 0.95)
+            scatter = float(np.sum(r * r / (1.0 - leverage)))
+            resid_var = (RESIDUAL_PRIOR_DF * sd["residual"] ** 2 + scatter) / (RESIDUAL_PRIOR_DF + len(rows))
         return mean, cov, resid_var
 
     def model(self) -> Tuple[np.ndarray, np.ndarray]:
