@@ -32,7 +32,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -51,7 +51,17 @@ def build_space(model: Any) -> Any:
     from atorch.auto.search.space import SearchSpace
 
     space = SearchSpace.default_for(model, 2, "cpu")
-    return SearchSpace({d: space.dimensions[d] for d in DIMENSIONS}, world_size=2, model=model, device_type="cpu")
+    dims = {d: space.dimensions[d] for d in DIMENSIONS}
+    # The measured space: torch's ZeRO backend only, data or tensor parallel (the default space
+    # has since gained the DeepSpeed backend and pipeline stages, which the table never measured).
+    dims["zero"] = [z for z in dims["zero"] if z is None or isinstance(z, str)]
+    dims["parallel"] = [p for p in dims["parallel"] if "pipeline" not in repr(p)]
+    return SearchSpace(dims, world_size=2, model=model, device_type="cpu")
+
+
+def table_key(label: str) -> str:
+    """A strategy's label as the table wrote it (before resolve named DDP and amp its dtype)."""
+    return label.replace("+ddp", "").replace("amp_native(bfloat16)", "amp_native")
 
 
 def landscape_model() -> torch.nn.Module:
@@ -127,7 +137,8 @@ def per_candidate(table: Dict[str, Any]) -> Dict[str, List[Dict[str, Any]]]:
     return out
 
 
-def replay(path: str, replays: int, max_trials_options: List[int]) -> Dict[str, Any]:
+def replay(path: str, replays: int, max_trials_options: List[int],
+           predictor_kinds: Sequence[str] = ("none", "cost model", "cost model + refit")) -> Dict[str, Any]:
     from atorch.auto.cost_model import ModelShape, estimate
     from atorch.auto.search.search import DryRunResult, search_strategy
 
@@ -136,10 +147,12 @@ def replay(path: str, replays: int, max_trials_options: List[int]) -> Dict[str, 
         model = landscape_model()
     space = build_space(model)
     measured = per_candidate(table)
+    measured = {**measured, **{c.label(): measured[table_key(c.label())] for c in space.candidates()
+                               if table_key(c.label()) in measured}}
     missing = [c.label() for c in space.candidates() if c.label() not in measured]
     if missing:
         raise SystemExit(f"{path} has no measurement of {len(missing)} candidates, e.g. {missing[0]}")
-    means = {k: statistics.mean(m["throughput"] for m in v) for k, v in measured.items()}
+    means = {c.label(): statistics.mean(m["throughput"] for m in measured[c.label()]) for c in space.candidates()}
     true_best = max(means, key=means.get)
     best_low = min(m["throughput"] for m in measured[true_best])
     shape = ModelShape.from_module(model)
@@ -147,9 +160,21 @@ def replay(path: str, replays: int, max_trials_options: List[int]) -> Dict[str, 
     def predictor(strategy: Any) -> Any:
         return estimate(shape, strategy, table["global_batch"], table["seq_len"], table["world_size"], "cpu")
 
+    def make_predictor(kind: str) -> Any:
+        """None, the cost model, or the cost model refitted on every dry run of the search
+        (`LearningPredictor`: the search tells it each measured step time)."""
+        if kind == "none":
+            return None
+        if kind == "cost model":
+            return predictor
+        from atorch.auto.calibration import LearningPredictor, cost_model_predictor
+
+        return LearningPredictor(cost_model_predictor(shape, table["global_batch"], table["seq_len"],
+                                                      table["world_size"], "cpu"))
+
     rows = []
     for max_trials in max_trials_options:
-        for use_predictor in (False, True):
+        for kind in predictor_kinds:
             outcomes = []
             for seed in range(replays):
                 rng = np.random.default_rng(1000 + seed)
@@ -162,14 +187,13 @@ def replay(path: str, replays: int, max_trials_options: List[int]) -> Dict[str, 
                                         tuple(m["step_times_s"]), ci)
 
                 result = search_strategy(space, evaluate, max_trials=max_trials, seed=seed,
-                                         predictor=predictor if use_predictor else None,
-                                         batch_size=table["global_batch"])
+                                         predictor=make_predictor(kind), batch_size=table["global_batch"])
                 winner = result.best.describe() if result.best is not None else None
                 within = winner is not None and max(m["throughput"] for m in measured[winner]) >= best_low
                 outcomes.append({"ratio": means[winner] / means[true_best] if winner else 0.0,
                                  "dry_runs": len(result.trials), "within_noise": within, "winner": winner})
             ratios = [o["ratio"] for o in outcomes]
-            rows.append({"max_trials": max_trials, "predictor": "cost model" if use_predictor else "none",
+            rows.append({"max_trials": max_trials, "predictor": kind,
                          "replays": replays, "mean_ratio": statistics.mean(ratios), "worst_ratio": min(ratios),
                          "p_ge_0.98": sum(r >= 0.98 for r in ratios) / replays,
                          "mean_dry_runs": statistics.mean(o["dry_runs"] for o in outcomes),

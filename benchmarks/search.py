@@ -190,8 +190,9 @@ def run_ours(space: SearchSpace, land: Landscape, predictor: str, budget: int, s
 
     land.reset_noise(f"ours-{predictor}")
     pred = None if predictor == "none" else (lambda s, table=land.predicted[predictor]: table[s])
+    # The device's memory is known to every real search (auto_search passes it), predictor or not.
     result = search_strategy(space, evaluator, max_trials=budget, patience=budget, seed=seed, predictor=pred,
-                             memory_limit_bytes=land.limit if pred is not None else None)
+                             memory_limit_bytes=land.limit)
     info = {"runs": len(calls), "oom": sum(r.status == "oom" for r in calls),
             "planner": result.planner_seconds, "separated": bool(result.comparison and result.comparison.separated)}
     return land.ratio(result.best), info
@@ -274,6 +275,28 @@ def summarize(ratios: List[float]) -> str:
     return f"{np.mean(r >= TARGET) * 100:5.1f}% | {r.mean():.3f} | {r.min():.3f}"
 
 
+def summarize_log(path: str) -> None:
+    """The table rows of our search from a run's per-landscape lines (for a run stopped before
+    its end: the rows are otherwise printed at the end)."""
+    import re
+
+    rows: Dict[Tuple[str, str], List[Tuple[float, Optional[int]]]] = {}
+    with open(path) as f:
+        for line in f:
+            m = re.match(r"(\S+) #\d+ \(\d+ s\): oom [\d.]+ (.*) random\(mean\)", line)
+            if not m:
+                continue
+            for item in m.group(2).split():
+                name, value = item.split("=")
+                ratio, _, oom = value.partition("/oom")
+                rows.setdefault((m.group(1), name), []).append((float(ratio), int(oom) if oom else None))
+    for (family, predictor), values in rows.items():
+        ooms = [o for _, o in values if o is not None]
+        print(f"| {family} | ours, predictor {predictor} | {len(values)} | {summarize([r for r, _ in values])} | "
+              f"{np.mean(ooms):.2f} |" if ooms else f"| {family} | ours, predictor {predictor} | {len(values)} | "
+              f"{summarize([r for r, _ in values])} | |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--space", type=int, choices=(64, 256), default=64)
@@ -283,7 +306,14 @@ def main() -> None:
     parser.add_argument("--hebo-default", type=int, default=0, help="landscapes per family for HEBO's own suggest()")
     parser.add_argument("--skip-ours", action="store_true")
     parser.add_argument("--planner-time", action="store_true", help="only time the planner on 512 candidates")
+    parser.add_argument("--seed-offset", type=int, default=0,
+                        help="added to every landscape seed: 0 = the seeds the search was developed on, "
+                             "another value = held-out landscapes")
+    parser.add_argument("--summarize-log", help="print the table rows from a (stopped) run's output and exit")
     args = parser.parse_args()
+    if args.summarize_log:
+        summarize_log(args.summarize_log)
+        return
     if args.planner_time:
         secs = planner_seconds_512()
         print(f"planner on 512 candidates, 25 observations: seconds per suggestion median {np.median(secs):.3f}, "
@@ -302,7 +332,7 @@ def main() -> None:
         hebo: List[float] = []
         ooms, rhos = [], []
         for k in range(args.landscapes):
-            seed = 1000 * args.space + 100 * list(FAMILIES).index(fam_name) + k
+            seed = 1000 * args.space + 100 * list(FAMILIES).index(fam_name) + k + args.seed_offset
             land = Landscape(space, family, seed)
             ooms.append(land.oom_fraction)
             from scipy.stats import spearmanr
@@ -323,7 +353,7 @@ def main() -> None:
                 print(f"  hebo default on {fam_name} #{k}: ratio {ratio:.3f}, suggest s median "
                       f"{np.median(secs):.1f}, max {max(secs):.1f}", flush=True)
             print(f"{fam_name} #{k} ({time.time() - started:.0f} s): oom {land.oom_fraction:.2f} " +
-                  " ".join(f"{p}={ours[p][-1]:.3f}" for p in args.predictors if ours[p]) +
+                  " ".join(f"{p}={ours[p][-1]:.3f}/oom{infos[p][-1]['oom']}" for p in args.predictors if ours[p]) +
                   f" random(mean)={np.mean(rand[-RANDOM_ORDERS:]):.3f}", flush=True)
         for p in args.predictors:
             if ours[p]:
@@ -338,7 +368,7 @@ def main() -> None:
                         f"{summarize(hebo)} | {budget} | |")
         print(f"{fam_name}: OOM share of candidates {min(ooms):.2f}-{max(ooms):.2f}; Spearman(noisy predictor, "
               f"truth) {np.mean(rhos):.2f} mean", flush=True)
-    print(f"\nspace {args.space}, budget {budget} dry runs (re-measurements included), "
+    print(f"\nspace {args.space}, seed offset {args.seed_offset}, budget {budget} dry runs (re-measurements included), "
           f"target >= {TARGET} of the best\n")
     print("| space | family | method | landscapes | P(>= 0.98) | mean ratio | worst | dry runs | OOM runs |")
     print("|---|---|---|---|---|---|---|---|---|")

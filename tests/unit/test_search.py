@@ -78,7 +78,7 @@ class FirstRemaining:
     def __init__(self, labels, choices, prior, seed):
         self.expected_seconds = 0.0
 
-    def suggest(self, observed, remaining):
+    def suggest(self, observed, remaining, log_fit=None):
         from atorch.auto.search.bo import Suggestion
 
         return Suggestion(list(remaining)[0], 0.0, "first", len(remaining))
@@ -230,7 +230,9 @@ def test_predicted_infeasible_candidates_are_never_run(dummy_opts):
     # The best two candidates do not fit: the search must settle for the best that does.
     ranked = sorted(table, key=table.get, reverse=True)
     too_big = set(ranked[:2]) | {s for s in table if "t_zero1" in s}
-    predictor = lambda s: Estimate(limit + 1 if s in too_big else limit // 2, 1.0 / table[s])  # noqa: E731
+    # Predicted 2x over the limit: far beyond the memory model's uncertainty (a candidate predicted
+    # just over is only made unlikely, see test_search_feasibility.py).
+    predictor = lambda s: Estimate(2 * limit if s in too_big else limit // 2, 1.0 / table[s])  # noqa: E731
     evaluator = Recorder(table, memory={s: predictor(s).peak_memory_bytes for s in table})   # an accurate model
     result = search_strategy(space, evaluator, max_trials=40, patience=40, predictor=predictor,
                              memory_limit_bytes=limit, planner_factory=FirstRemaining)
@@ -260,10 +262,10 @@ def test_memory_predictions_are_corrected_by_measured_peaks(dummy_opts):
     # It underestimates 1.6x: "50" means 80 (fits), "150" stays out, and the reason says why.
     calls, result = run(1.6)
     assert len(calls) == 6 and not set(calls) & big
-    assert result.pruned["reason"].str.contains("x 1.60, the measured/predicted ratio").all()
-    # 2.5x (the correction is capped at 2x): after the first trial nothing is predicted to fit.
+    assert result.pruned["reason"].str.contains(r"cost model x 1\.[56]\d, the measured/predicted ratio").all()
+    # 2.5x: the measured peaks (125 for "50") soon say that nothing else fits a 99 limit.
     calls, result = run(2.5, limit=99)
-    assert len(calls) == 1 and "fits" in result.stop_reason and len(result.pruned) == 7
+    assert len(calls) <= 3 and "fits" in result.stop_reason and len(result.pruned) == 8 - len(calls)
 
 
 def test_survives_raising_and_failing_evaluators(dummy_opts):

@@ -14,7 +14,7 @@ from scipy import stats as st
 from atorch.auto.cost_model import Estimate
 from atorch.auto.search import DryRunResult, SearchSpace, search_strategy
 from atorch.auto.search.bo import Suggestion
-from atorch.auto.search.search import Comparison, _Feasibility
+from atorch.auto.search.search import Comparison
 from atorch.auto.search.space import Candidate, memory_saving_ranks
 from atorch.auto.search.stats import (LogEstimate, log_throughput_of_steps, mean_ci, pool_runs, ratio_ci,
                                       relative_half_width_to_log_var)
@@ -27,7 +27,7 @@ class LastPlanner:
     def __init__(self, labels, choices, prior, seed):
         self.expected_seconds = 0.0
 
-    def suggest(self, observed, remaining):
+    def suggest(self, observed, remaining, log_fit=None):
         return Suggestion(list(remaining)[-1], 0.0, "last", len(remaining))
 
 
@@ -41,7 +41,7 @@ class RecordingPlanner:
         self.expected_seconds = 0.0
         RecordingPlanner.instances.append(self)
 
-    def suggest(self, observed, remaining):
+    def suggest(self, observed, remaining, log_fit=None):
         self.calls.append(([o.index for o in observed], list(remaining)))
         return Suggestion(list(remaining)[0], 0.0, "first", len(remaining))
 
@@ -182,23 +182,6 @@ def test_oom_is_learned_by_dominance_without_a_predictor():
                 assert not dominated, (c.strategy.describe(), e.strategy.describe())
     assert (result.pruned["reason"].str.contains("which ran out of memory")).all() and not result.pruned.empty
     assert len(result.trials) + len(result.pruned) == len(cands)
-
-
-def test_feasibility_uses_the_predicted_peak_only_while_it_is_consistent():
-    s = Strategy(["parallel_mode"])
-    cands = [Candidate(s, (i,)) for i in range(4)]
-    preds = [Estimate(p, 1.0) for p in (10, 20, 30, 40)]
-    feas = _Feasibility(cands, preds, limit=None, ranks=[None])     # no dominance: one unordered dimension
-    feas.observe(2, DryRunResult(0.0, None, "oom"))
-    assert [feas.allowed(i) for i in range(4)] == [True, True, True, False]   # 40 >= 30 predicted
-    feas.observe(0, DryRunResult(5.0, 12))
-    assert feas.predictor_consistent and not feas.allowed(3)
-    # A candidate ran fine while predicted above one that ran out: the predictor's order is wrong.
-    feas.predictions[1] = Estimate(35, 1.0)
-    feas.observe(1, DryRunResult(5.0, 12))
-    assert not feas.predictor_consistent and feas.allowed(3)
-    # Scale correction: measured 12 vs predicted 10 and 35 -> median ratio 0.77, clamped to [0.5, 2].
-    assert feas.scale == pytest.approx(float(np.median([12 / 10, 12 / 35])))
 
 
 # -- re-measurement and the reason line -----------------------------------------------------------

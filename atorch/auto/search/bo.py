@@ -26,7 +26,7 @@ import io
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence, cast
+from typing import Iterator, Mapping, Optional, Sequence, cast
 
 import numpy as np
 import torch
@@ -204,16 +204,31 @@ class CandidatePlanner:
         self.fits += 1
         return model
 
-    def suggest(self, observed: Sequence[Observation], remaining: Sequence[int]) -> Suggestion:
-        """The remaining candidate with the lowest LCB of -log-throughput given `observed`."""
+    def update_prior(self, prior: Sequence[float]) -> None:
+        """A refitted predictor's new predictions: the GP's feature follows them from the next fit."""
+        self.prior = np.asarray(prior, dtype=float)
+        if self.codes is None or not self.has_prior or np.ptp(self.prior) <= 1e-12:
+            return     # the kernel's shape (with or without the feature) is fixed at construction
+        p = (self.prior - self.prior.mean()) / self.prior.std()
+        self.pred = torch.tensor(p, dtype=torch.float32).reshape(-1, 1)
+
+    def suggest(self, observed: Sequence[Observation], remaining: Sequence[int],
+                log_fit: Optional[Mapping[int, float]] = None) -> Suggestion:
+        """The remaining candidate with the lowest LCB of -log-throughput given `observed`,
+        less its log-probability of fitting in memory (`log_fit`, 0 when not given): the
+        highest optimistic throughput x P(fit)."""
         if not remaining:
             raise ValueError("no remaining candidate to suggest")
         start = time.perf_counter()
         remaining = list(remaining)
         values = [o.log_throughput for o in observed]
+        fit = np.zeros(self.num_candidates)
+        if log_fit:
+            for i, v in log_fit.items():
+                fit[i] = v
         if self.codes is None or len(observed) < 2 or np.ptp(values) < 1e-12:
-            # Nothing to fit yet: the predictor's favourite, else the first remaining.
-            index = remaining[int(np.argmax(self.prior[remaining]))]
+            # Nothing to fit yet: the predictor's favourite (x P(fit)), else the likeliest to fit.
+            index = remaining[int(np.argmax(self.prior[remaining] + fit[remaining]))]
             return Suggestion(index, time.perf_counter() - start, "prior" if self.has_prior else "order")
         scored = remaining
         if len(remaining) > MAX_SCORED:
@@ -229,6 +244,9 @@ class CandidatePlanner:
             acquisition = LCB(model, kappa=self.kappa)
             with torch.no_grad():
                 scores = acquisition(self.pred[scored], self.codes[scored]).reshape(-1).numpy()
+        # LCB is an optimistic -log-throughput (HEBO un-standardizes it): minus log P(fit) makes
+        # it the optimistic throughput x P(fit), an out-of-memory run counting as 0.
+        scores = scores - fit[scored]
         self.max_scored = max(self.max_scored, len(scored))
         # Ties (identical feature rows) go to the predictor's favourite.
         order = np.lexsort((-self.prior[scored], scores))

@@ -3,23 +3,30 @@
 Pure: it takes a `SearchSpace`, an evaluator callable (one dry run per call) and an optional
 predictor (the cost model); it never imports training code. Order of work:
 
-1. Predict every candidate. A candidate may be run only while it is *feasible* (`_Feasibility`):
-   its predicted peak, rescaled by the measured/predicted ratio of the trials so far, fits
-   `memory_limit_bytes`, and it needs less memory than no candidate that ran out of memory
-   (by the predicted peak while the predictor orders the measured peaks consistently, and by
-   dominance in memory-saving choices, `space.memory_saving_ranks`, always).
-2. Evaluate the predictor's top candidates, then `random_samples` spread-out random ones.
-3. Then HEBO's acquisition over the remaining feasible candidates picks each next one
-   (`bo.py`): a GP on log-throughput with a main-effect + pairwise-interaction kernel, the
-   prediction as a learned feature, and the measured noise as its noise floor.
-   Failed trials are not throughput observations: an exception or timeout retires that one
-   candidate, an out-of-memory trial teaches feasibility (step 1); neither reaches the GP.
+1. Predict every candidate, and give each a probability of fitting in memory
+   (`feasibility.py`): certain by dominance in memory-saving choices (no less memory than one
+   that ran out: 0; no more than one that ran: 1), else from a log-memory model (the predicted
+   peak as its prior mean, corrected by every measured peak, its uncertainty learned from them).
+   Only candidates below `PRUNE_BELOW` are not run; the others are weighted by it.
+2. Seed: the predictor's top candidates, then `random_samples` (at least the widest dimension's
+   options) spread-out ones, each weighted by its probability of fitting.
+3. Then HEBO's acquisition over the remaining candidates picks each next one (`bo.py`): a GP
+   on log-throughput with a main-effect + pairwise-interaction kernel, the prediction as a
+   feature whose weight is learned, the measured noise as its noise floor; the acquisition
+   (an optimistic log-throughput) plus log P(fit), i.e. an optimistic throughput that counts
+   an out-of-memory run as 0. Failed trials are not throughput observations: an exception or
+   timeout retires that one candidate, an out-of-memory trial teaches feasibility (step 1);
+   neither reaches the GP. A predictor that learns (`LearningPredictorLike`: it has
+   `observe(strategy, step_time_s)`) is told every successful dry run and every candidate is
+   predicted again: the GP's feature and the memory model follow the refit.
 4. The search phase stops at its share of `max_trials`, after `patience` trials without
    improvement, when the next trial would overrun `time_limit_s`, or when nothing is left.
-5. When the evaluator reports per-step times (its noise), the top two are re-measured
-   interleaved (A, B, A, B, counted in `max_trials`) and compared with a 95% interval of their
-   throughput ratio (`stats.py`); inside the noise, the one using at least 10% less memory
-   wins, else the higher measured mean. `SearchResult.comparison` holds that comparison, `reason` says it in one line.
+5. When the evaluator reports per-step times (its noise), the leader is re-measured
+   interleaved with the candidate likeliest to beat it (counted in `max_trials`), round after
+   round until a 95% interval of their throughput ratio (`stats.py`) separates the leader
+   from every other candidate or the rounds are spent; inside the noise, the one using at least
+   10% less memory wins, else the higher measured mean. `SearchResult.comparison` holds the
+   winner against the runner-up, `reason` says it in one line.
 """
 
 from __future__ import annotations
@@ -28,11 +35,12 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Set, Tuple, cast, runtime_checkable
 
 import numpy as np
 import pandas as pd
 
+from atorch.auto.search.feasibility import PRUNE_BELOW, Feasibility
 from atorch.auto.search.space import Candidate, SearchSpace, memory_saving_ranks
 from atorch.auto.search.stats import LogEstimate, RatioCI, log_throughput_of_steps, pool_runs, ratio_ci
 from atorch.auto.strategy import Strategy
@@ -42,12 +50,14 @@ logger = logging.getLogger(__name__)
 # Candidates the predictor ranks first are tried before any random sample: when the cost model
 # is right the search is over after one confirming trial, and when it is wrong it costs two.
 PREDICTED_SEEDS = 2
-# How far measured peaks may rescale the cost model's memory predictions (see _Feasibility).
-MEMORY_SCALE_RANGE = (0.5, 2.0)
-# Interleaved re-measurement rounds of the top two (each round: one dry run of each).
-REMEASURE_ROUNDS = 2
+# Most rounds of interleaved re-measurement (each: one dry run of the leader, one of its challenger).
+REMEASURE_ROUNDS = 3
 # Inside the noise, a candidate wins on memory when it needs at least this much less.
 MEMORY_TIE_BREAK = 0.10
+# ... and when its measured throughput is at most this much lower: an interval that includes 1
+# can still hold point estimates several % apart (a few noisy runs), and on benchmark landscapes
+# with 3% noise per run a 3% allowance declared candidates truly 7% slower (benchmarks/search.py).
+TIE_MAX_LOSS = 0.01
 
 TRIAL_COLUMNS = ["trial", "strategy", "status", "throughput", "throughput_lo", "throughput_hi",
                  "predicted_throughput", "predicted_memory", "measured_memory", "reason", "seconds",
@@ -139,6 +149,19 @@ class SearchResult:
         return self.reason
 
 
+@runtime_checkable
+class LearningPredictorLike(Protocol):
+    """A predictor that learns from measurements (e.g. `atorch.auto.calibration.LearningPredictor`).
+
+    The search calls `observe(strategy, measured_step_time_s)` after every successful dry run
+    (seconds per optimizer step) and then predicts every candidate again, so the surrogate's
+    predictor feature and the memory model follow the refit."""
+
+    def __call__(self, strategy: Strategy) -> Any: ...
+
+    def observe(self, strategy: Strategy, measured_step_time_s: float) -> None: ...
+
+
 def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int = 30, random_samples: int = 3,
                     patience: int = 8, seed: int = 0, predictor: Optional[Predictor] = None,
                     memory_limit_bytes: Optional[int] = None, time_limit_s: Optional[float] = None,
@@ -149,10 +172,11 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
     """Search `space` for the highest-throughput strategy; see the module docstring.
 
     `batch_size` turns predicted step times into predicted samples/s for the table (ranking
-    only needs the step times). `progress` shows a tqdm bar. `remeasure_rounds` (0 to turn it
-    off) interleaved re-measurements of the top two close the search when the evaluator
-    reports per-step times. `planner_factory(labels, choices, prior, seed)` replaces the HEBO
-    planner (tests, benchmarks).
+    only needs the step times), and a measured throughput into the step time a learning
+    predictor observes when the evaluator reports none. `progress` shows a tqdm bar.
+    `remeasure_rounds` (0 to turn it off) is the most rounds of interleaved re-measurement
+    (leader, challenger) that close the search when the evaluator reports per-step times.
+    `planner_factory(labels, choices, prior, seed)` replaces the HEBO planner (tests, benchmarks).
     """
     if max_trials < 1:
         raise ValueError(f"max_trials={max_trials} must be >= 1")
@@ -169,31 +193,68 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
                          f"e.g. {next(iter(space.rejected.items()), None)})")
     predictions = [_predict(predictor, c.strategy) for c in candidates]
     trials = _TrialLog(candidates, predictions, batch_size)
-    feasibility = _Feasibility(candidates, predictions, memory_limit_bytes, memory_saving_ranks(space))
-    feasible = feasibility.allowed_among(range(len(candidates)))
-    if not feasible:
-        return trials.result(None, "every candidate is predicted over the memory limit",
-                             feasibility.pruned_table(trials.tried), len(candidates), memory_limit_bytes)
+    feasibility = Feasibility([c.choices for c in candidates], memory_saving_ranks(space), memory_limit_bytes,
+                              _peaks(predictions))
+    labels_of = [c.label() for c in candidates]
+
+    def allowed(indices: Any) -> Dict[int, float]:
+        """Untried (or given) candidates that may run, with their probability of fitting."""
+        probs = feasibility.probabilities(list(indices))
+        return {i: f.p for i, f in probs.items() if f.p >= PRUNE_BELOW}
+
+    def pruned_table() -> pd.DataFrame:
+        rows = []
+        for i in range(len(candidates)):
+            if i in trials.tried or feasibility.probability(i).p >= PRUNE_BELOW:
+                continue
+            p = feasibility.raw_predicted[i]
+            rows.append({"strategy": labels_of[i], "predicted_memory": int(p) if p is not None else None,
+                         "reason": feasibility.describe(i, labels_of)})
+        return pd.DataFrame(rows, columns=["strategy", "predicted_memory", "reason"])
+
+    if not allowed(range(len(candidates))):
+        return trials.result(None, "every candidate is predicted over the memory limit", pruned_table(),
+                             len(candidates), memory_limit_bytes)
 
     rng = np.random.default_rng(seed)
-    queue = _initial_queue(feasible, predictions, random_samples, rng, candidates)
+    seeding = _Seeding(candidates, random_samples, rng)
     make_planner = planner_factory or _hebo_planner
     prior = _prior(predictions)
     labels = list(space.labels().values())
     choices = [c.choices for c in candidates]
+    learner = predictor if isinstance(predictor, LearningPredictorLike) else None
     # Built before the first trial when it will be needed, so its one-time cost (importing hebo,
     # a first GP fit: seconds) counts against time_limit_s like everything else.
-    planner = make_planner(labels, choices, prior, seed) if len(feasible) > len(queue) else None
+    planner = make_planner(labels, choices, prior, seed) if len(allowed(range(len(candidates)))) > \
+        seeding.planned(predictions) else None
     stop_reason = "exhausted"
     since_improvement = 0
-    bar = _progress_bar(min(max_trials, len(feasible) + 2 * remeasure_rounds), progress)
+    bar = _progress_bar(min(max_trials, len(candidates) + 2 * remeasure_rounds), progress)
 
     def out_of_time(planner_cost: float = 0.0) -> bool:
         return time_limit_s is not None and clock() - start + trials.typical_seconds() + planner_cost > time_limit_s
 
+    def run(index: int, planner_s: float, source: str) -> bool:
+        nonlocal predictions, prior
+        result, seconds = _evaluate(evaluator, candidates[index].strategy, clock)
+        improved = trials.add(index, result, seconds, planner_s, source)
+        feasibility.observe(index, result.status, result.peak_memory_bytes)
+        bar.update(1)
+        bar.set_postfix_str(f"best {trials.best_mean_throughput():.4g}/s")
+        if learner is not None and result.ok:
+            step = result.step_time_s or (batch_size / result.throughput if batch_size else None)
+            if step and _observe(learner, candidates[index].strategy, float(step)):
+                predictions = [_predict(predictor, c.strategy) for c in candidates]
+                trials.predictions = predictions
+                feasibility.set_predictions(_peaks(predictions))
+                prior = _prior(predictions)
+                if planner is not None and prior is not None and hasattr(planner, "update_prior"):
+                    planner.update_prior(prior)
+        return improved
+
     try:
         while True:   # the search phase
-            remaining = feasibility.allowed_among(i for i in range(len(candidates)) if i not in trials.tried)
+            remaining = allowed(i for i in range(len(candidates)) if i not in trials.tried)
             # Once the evaluator has shown it reports noise, keep budget for the re-measurements.
             reserve = _remeasure_reserve(max_trials, remeasure_rounds) if trials.noise_reported else 0
             if not remaining:
@@ -201,49 +262,44 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
                 break
             if trials.count >= max_trials - reserve:
                 stop_reason = f"max_trials={max_trials} reached" + (
-                    f" ({reserve} kept for re-measuring the top two)" if reserve else "")
+                    f" ({reserve} kept for re-measuring the top candidates)" if reserve else "")
                 break
             if since_improvement >= patience:
                 stop_reason = f"no improvement in {patience} trials (patience)"
                 break
-            queue = [q for q in queue if q[0] in remaining]
-            if out_of_time(planner.expected_seconds if planner and not queue else 0.0):
+            pick = seeding.next(remaining, predictions, trials.tried, list(trials.runs))
+            if out_of_time(planner.expected_seconds if planner and pick is None else 0.0):
                 stop_reason = f"time_limit_s={time_limit_s:g} would be exceeded by another trial"
                 break
-            planner_s, source = float("nan"), "initial"
-            if queue:
-                index, source = queue.pop(0)
+            planner_s = float("nan")
+            if pick is not None:
+                index, source = pick
             else:
                 if planner is None:   # candidates came back under a corrected memory prediction
                     planner = make_planner(labels, choices, prior, seed)
-                suggestion = planner.suggest(trials.observations(), remaining)
+                    if prior is not None and hasattr(planner, "update_prior"):
+                        planner.update_prior(prior)
+                log_fit = {i: math.log(max(p, 1e-12)) for i, p in remaining.items()}
+                suggestion = planner.suggest(trials.observations(), sorted(remaining), log_fit=log_fit)
                 index, planner_s, source = suggestion.index, suggestion.seconds, f"hebo-{suggestion.how}"
                 if out_of_time():
                     stop_reason = f"time_limit_s={time_limit_s:g} would be exceeded by another trial"
                     break
-            result, seconds = _evaluate(evaluator, candidates[index].strategy, clock)
-            improved = trials.add(index, result, seconds, planner_s, source)
-            feasibility.observe(index, result)
+            improved = run(index, planner_s, source)
             since_improvement = 0 if improved else since_improvement + 1
-            bar.update(1)
-            bar.set_postfix_str(f"best {trials.best_mean_throughput():.4g}/s")
-        # The re-measurement phase: A, B, A, B, stopping early once the interval separates them.
-        for _ in range(remeasure_rounds if trials.noise_reported else 0):
-            top = trials.ranked()[:2]
-            if len(top) < 2 or trials.count + 2 > max_trials or out_of_time(trials.typical_seconds()):
+        # The re-measurement phase: the leader against its likeliest challenger, interleaved,
+        # until the interval separates the leader from every other candidate or the budget is spent.
+        rounds = 0
+        while trials.noise_reported and rounds < remeasure_rounds:
+            pair = trials.challenge(first=rounds == 0)
+            if pair is None or trials.count + 2 > max_trials or out_of_time(trials.typical_seconds()):
                 break
-            for index in top:
-                result, seconds = _evaluate(evaluator, candidates[index].strategy, clock)
-                trials.add(index, result, seconds, float("nan"), "remeasure")
-                feasibility.observe(index, result)
-                bar.update(1)
-            comparison = trials.compare(*top)
-            if comparison is not None and comparison.separated:
-                break
+            for index in pair:
+                run(index, float("nan"), "remeasure")
+            rounds += 1
     finally:
         bar.close()
-    return trials.result(stop_reason, None, feasibility.pruned_table(trials.tried), len(candidates),
-                         memory_limit_bytes)
+    return trials.result(stop_reason, None, pruned_table(), len(candidates), memory_limit_bytes)
 
 
 def _remeasure_reserve(max_trials: int, rounds: int) -> int:
@@ -253,101 +309,20 @@ def _remeasure_reserve(max_trials: int, rounds: int) -> int:
     return min(2 * rounds, 2 * (max_trials // 10))
 
 
-class _Feasibility:
-    """Which candidates may be dry-run, learned from the memory model and from out-of-memory trials.
+def _peaks(predictions: List[Any]) -> Optional[List[Optional[float]]]:
+    if not predictions or any(p is None for p in predictions):
+        return None
+    return [float(p.peak_memory_bytes) for p in predictions]
 
-    - Predicted peak x `scale` <= limit, where `scale` is the median measured/predicted peak
-      ratio of the trials that ran (clamped to [0.5, 2]): a cost model that underestimates
-      prunes more after the first trial, one that overestimates gives back what it pruned.
-    - A candidate needing at least the memory of one that ran out of memory is skipped. "At
-      least" by dominance in memory-saving choices (every ordered dimension saves no more,
-      every unordered one equal: `memory_saving_ranks`), and by the predicted peak while the
-      predictor is consistent with what ran (no candidate ran fine while predicted at or above
-      the prediction of one that ran out). A predictor that ranks memory wrongly is ignored here.
-    """
 
-    def __init__(self, candidates: List[Candidate], predictions: List[Any], limit: Optional[int],
-                 ranks: Sequence[Optional[Sequence[float]]]) -> None:
-        self.candidates, self.predictions, self.limit = candidates, predictions, limit
-        self.ranks = list(ranks)
-        self.scale = 1.0
-        self._ratios: List[float] = []
-        self.oom: List[int] = []
-        self._ok_predicted: List[float] = []      # raw predicted peaks of candidates that ran fine
-
-    def raw(self, i: int) -> Optional[float]:
-        pred = self.predictions[i]
-        return None if pred is None else float(pred.peak_memory_bytes)
-
-    def predicted(self, i: int) -> Optional[float]:
-        raw = self.raw(i)
-        return None if raw is None else raw * self.scale
-
-    def fits_prediction(self, i: int) -> bool:
-        p = self.predicted(i)
-        return self.limit is None or p is None or p <= self.limit
-
-    @property
-    def predictor_consistent(self) -> bool:
-        oom_preds = [p for p in (self.raw(j) for j in self.oom) if p is not None]
-        return not oom_preds or not self._ok_predicted or max(self._ok_predicted) < min(oom_preds)
-
-    def needs_at_least(self, i: int, j: int) -> bool:
-        """Whether candidate i needs at least the memory of candidate j."""
-        ci, cj = self.candidates[i].choices, self.candidates[j].choices
-        dominated = True
-        for a, b, r in zip(ci, cj, self.ranks):
-            if r is None:
-                if a != b:
-                    dominated = False
-                    break
-            elif r[a] > r[b]:
-                dominated = False
-                break
-        if dominated:
-            return True
-        ri, rj = self.raw(i), self.raw(j)
-        return ri is not None and rj is not None and ri >= rj and self.predictor_consistent
-
-    def oom_blocker(self, i: int) -> Optional[int]:
-        return next((j for j in self.oom if j != i and self.needs_at_least(i, j)), None)
-
-    def allowed(self, i: int) -> bool:
-        return self.fits_prediction(i) and self.oom_blocker(i) is None
-
-    def allowed_among(self, indices: Any) -> List[int]:
-        return [i for i in indices if self.allowed(i)]
-
-    def observe(self, i: int, result: DryRunResult) -> None:
-        raw = self.raw(i)
-        if result.status == "oom":
-            if i not in self.oom:
-                self.oom.append(i)
-            return
-        if not result.ok:
-            return
-        if raw is not None:
-            self._ok_predicted.append(raw)
-            if raw > 0 and result.peak_memory_bytes:
-                self._ratios.append(result.peak_memory_bytes / raw)
-                self.scale = min(MEMORY_SCALE_RANGE[1], max(MEMORY_SCALE_RANGE[0], float(np.median(self._ratios))))
-
-    def pruned_table(self, tried: Set[int]) -> pd.DataFrame:
-        rows = []
-        for i, cand in enumerate(self.candidates):
-            if i in tried or self.allowed(i):
-                continue
-            p = self.predicted(i)
-            if not self.fits_prediction(i):
-                scaled = f" (cost model x {self.scale:.2f}, the measured/predicted ratio)" if self.scale != 1.0 else ""
-                reason = f"predicted {format_bytes(p)}{scaled} > {format_bytes(self.limit)} limit"
-            else:
-                # Not allowed yet fits the prediction: an out-of-memory candidate blocks it.
-                blocker = self.candidates[cast(int, self.oom_blocker(i))].label()
-                reason = f"needs at least the memory of {blocker}, which ran out of memory"
-            rows.append({"strategy": cand.label(), "predicted_memory": int(p) if p is not None else None,
-                         "reason": reason})
-        return pd.DataFrame(rows, columns=["strategy", "predicted_memory", "reason"])
+def _observe(learner: LearningPredictorLike, strategy: Strategy, step_time_s: float) -> bool:
+    try:
+        learner.observe(strategy, step_time_s)
+        return True
+    except Exception as e:  # noqa: BLE001 - a predictor that cannot learn is still a predictor
+        logger.warning("the predictor could not learn from %s (%s); its predictions stay as they were",
+                       strategy.describe(), e)
+        return False
 
 
 def _predict(predictor: Optional[Predictor], strategy: Strategy) -> Any:
@@ -367,42 +342,55 @@ def _prior(predictions: List[Any]) -> Optional[List[float]]:
     return [-math.log(max(float(p.step_time_s), 1e-12)) for p in predictions]
 
 
-def _initial_queue(feasible: List[int], predictions: List[Any], random_samples: int,
-                   rng: np.random.Generator, candidates: Optional[List[Candidate]] = None) -> List[tuple]:
-    """(index, source) pairs: the predictor's fastest, then random ones that cover the space.
+class _Seeding:
+    """The first trials, before the surrogate has data: the predictor's fastest candidates
+    (weighted by their probability of fitting), then spread-out ones.
 
-    The random part has at least as many points as the largest dimension has options, and each
-    is drawn among the candidates showing the most options not yet covered (then the farthest,
-    in changed dimensions, from those already queued): after it every option of every dimension
-    has been measured once where feasibility allows, so the surrogate's main effects all start
-    from data rather than from its prior.
+    The spread-out part has at least as many points as the largest dimension has options, and
+    each is drawn among the candidates showing the most options not yet covered (weighted by
+    the probability of fitting), then the farthest, in changed dimensions, from those already
+    tried: after it every option of every dimension has been measured once where memory allows,
+    so the surrogate's main effects all start from data rather than from its prior. Picks are
+    made one at a time, so each sees what the trials so far taught about memory.
     """
-    queue: List[tuple] = []
-    predicted = [i for i in feasible if predictions[i] is not None]
-    predicted.sort(key=lambda i: predictions[i].step_time_s)
-    for i in predicted[:PREDICTED_SEEDS]:
-        queue.append((i, "predicted-top"))
-    chosen = [q for q, _ in queue]
-    if candidates is None or random_samples == 0:
-        rest = [i for i in feasible if i not in chosen]
-        picks = [int(i) for i in rng.permutation(rest)[:random_samples]] if rest else []
-        return queue + [(i, "random") for i in picks]
-    widest = max(len({c.choices[d] for c in candidates}) for d in range(len(candidates[0].choices)))
-    covered = {(d, v) for j in chosen for d, v in enumerate(candidates[j].choices)}
-    for _ in range(max(random_samples, widest)):
-        pool = [i for i in feasible if i not in chosen]
-        if not pool:
-            break
-        new = [sum((d, v) not in covered for d, v in enumerate(candidates[i].choices)) for i in pool]
-        dist = [min((_hamming(candidates[i].choices, candidates[j].choices) for j in chosen), default=0) for i in pool]
-        key = [(n, d) for n, d in zip(new, dist)]
+
+    def __init__(self, candidates: List[Candidate], random_samples: int, rng: np.random.Generator) -> None:
+        self.candidates, self.rng = candidates, rng
+        dims = len(candidates[0].choices) if candidates else 0
+        widest = max((len({c.choices[d] for c in candidates}) for d in range(dims)), default=1)
+        self.cover = 0 if random_samples == 0 else max(random_samples, widest)
+        self.predicted_left = PREDICTED_SEEDS
+
+    def planned(self, predictions: List[Any]) -> int:
+        return self.cover + (PREDICTED_SEEDS if any(p is not None for p in predictions) else 0)
+
+    def next(self, remaining: Dict[int, float], predictions: List[Any], tried: Set[int],
+             measured: Sequence[int]) -> Optional[Tuple[int, str]]:
+        """The next seed (index, source), or None once seeding is over."""
+        if self.predicted_left > 0:
+            pool = [i for i in remaining if predictions[i] is not None]
+            if pool:
+                self.predicted_left -= 1
+                best = max(pool, key=lambda i: (math.log(remaining[i]) - math.log(
+                    max(float(predictions[i].step_time_s), 1e-12)), -i))
+                return best, "predicted-top"
+            self.predicted_left = 0
+        if self.cover <= 0:
+            return None
+        self.cover -= 1
+        choices = [c.choices for c in self.candidates]
+        # Only a run that measured a throughput covers its options (an out-of-memory one did not).
+        covered = {(d, v) for j in measured for d, v in enumerate(choices[j])}
+        pool = sorted(remaining)
+        key = [(round(remaining[i] * sum((d, v) not in covered for d, v in enumerate(choices[i])), 1),
+                min((_hamming(choices[i], choices[j]) for j in tried), default=0)) for i in pool]
         top = max(key)
-        pool = [i for i, k in zip(pool, key) if k == top]
-        pick = int(pool[int(rng.integers(len(pool)))])
-        chosen.append(pick)
-        covered.update((d, v) for d, v in enumerate(candidates[pick].choices))
-        queue.append((pick, "random"))
-    return queue
+        tied = [i for i, k in zip(pool, key) if k == top]
+        return int(tied[int(self.rng.integers(len(tied)))]), "random"
+
+
+def _normal_cdf(z: float) -> float:
+    return 0.5 * math.erfc(-z / math.sqrt(2.0))
 
 
 def _hamming(a: Sequence[int], b: Sequence[int]) -> int:
@@ -548,9 +536,35 @@ class _TrialLog:
         peaks = [r[0].peak_memory_bytes for r in self.runs[index] if r[0].peak_memory_bytes]
         return float(np.mean(peaks)) if peaks else None
 
+    def challenge(self, first: bool = False) -> Optional[Tuple[int, int]]:
+        """(leader, challenger) to re-measure, or None when the leader is separated from every
+        other candidate (`first`: never None with two candidates: one dry run's interval, from
+        its own steps, does not see load changing between runs, so the first round always
+        happens). The challenger is the candidate likeliest to be faster than the leader
+        (normal approximation of the difference of their pooled log-throughputs); re-measuring
+        both is what most reduces the chance of declaring the slower one."""
+        ranked = self.ranked()
+        if len(ranked) < 2:
+            return None
+        a = ranked[0]
+        ea = self.pooled(a)
+        best_p, challenger = -1.0, None
+        for b in ranked[1:]:
+            eb = self.pooled(b)
+            if math.isnan(ea.var) or math.isnan(eb.var):
+                p, separated = 0.5, False
+            else:
+                sd = math.sqrt(max(ea.var + eb.var, 1e-300))
+                p = float(_normal_cdf((eb.mean - ea.mean) / sd))
+                separated = ratio_ci(ea, eb).separated
+            if (first or not separated) and p > best_p:
+                best_p, challenger = p, b
+        return None if challenger is None else (a, challenger)
+
     def compare(self, a: int, b: int) -> Optional[Comparison]:
         """A (the higher pooled mean) against B: separated by the interval, or a tie broken by
-        memory (at least MEMORY_TIE_BREAK less), else by the measured mean."""
+        memory (at least MEMORY_TIE_BREAK less, when the measured means are within TIE_MAX_LOSS),
+        else by the measured mean."""
         ea, eb = self.pooled(a), self.pooled(b)
         sa, sb = self.candidates[a].strategy, self.candidates[b].strategy
         if math.isnan(ea.var) or math.isnan(eb.var):
@@ -560,7 +574,8 @@ class _TrialLog:
             return Comparison(sa, sb, ci.ratio, ci.lo, ci.hi, "throughput", runs=(ea.n, eb.n))
         pa, pb = self._peak(a), self._peak(b)
         winner, chosen_by, saving = a, "measured mean", None
-        if pa and pb and abs(pa - pb) >= MEMORY_TIE_BREAK * max(pa, pb):
+        close = abs(ea.mean - eb.mean) <= -math.log1p(-TIE_MAX_LOSS)
+        if close and pa and pb and abs(pa - pb) >= MEMORY_TIE_BREAK * max(pa, pb):
             winner, chosen_by = (a, "memory") if pa < pb else (b, "memory")
             saving = 1.0 - min(pa, pb) / max(pa, pb)
         # Otherwise the higher measured mean, still the best estimate: preferring the simpler

@@ -1,0 +1,232 @@
+"""Probability that a candidate fits in memory, learned from the memory model and from the dry runs.
+
+Out-of-memory is a property of a candidate, not a low throughput: the search never gives it to
+the throughput surrogate. It learns it here instead, from three sources:
+
+- **Dominance** (certain): memory is monotone in the memory-saving choices
+  (`space.memory_saving_ranks`). A candidate that saves no more memory than one that ran out
+  of memory (every ordered choice saves no more, every unordered one equal) does not fit
+  (P = 0); one that saves at least as much as one that ran fine does (P = 1).
+- **A log-memory model** (uncertain): log peak = log predicted peak (0 without a predictor)
+  + a global bias + one effect per option + a per-candidate residual, a Bayesian linear model
+  whose posterior is updated by every measured peak (a run that fits reports its peak; one that
+  ran out and reports a peak above the limit is observed too). The residual variance is learned
+  from the peaks themselves (a scaled inverse chi-square with a prior of `RESIDUAL_PRIOR_DF`
+  pseudo-observations), so a predictor that scatters widely makes the search less sure, and
+  a candidate predicted just over the limit comes back once the peaks show that its
+  prediction may be that far off. P(fit) = Phi((log limit - mean) / sd).
+- Without a limit or any memory information: P = 1 (nothing to learn from).
+
+The search prunes a candidate only when P(fit) < `PRUNE_BELOW` and weights its acquisition
+by P(fit) otherwise (an expected throughput that counts an out-of-memory run as 0).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+from scipy.stats import norm
+
+# Below this probability of fitting a candidate is not run (reported in `pruned`).
+PRUNE_BELOW = 0.02
+# Prior standard deviations (log scale) of the memory model with a predictor: the global bias of
+# the predicted peaks, each option's systematic error, and a candidate's own residual. The cost
+# model is validated to ~10-15% per backend (issue 12, item 3); the data widen these when wrong.
+PRIOR_SD_WITH_PREDICTOR = {"bias": 0.15, "option": 0.05, "residual": 0.05}
+# Without a predictor: the level is unknown (learned from the first peak) and one option
+# changes the peak by a factor of about e^+-0.3 (35%) a priori.
+PRIOR_SD_WITHOUT = {"bias": 30.0, "option": 0.3, "residual": 0.05}
+# Weight of the residual prior, in pseudo-observations.
+RESIDUAL_PRIOR_DF = 3.0
+
+
+@dataclass(frozen=True)
+class FitProbability:
+    """P(fit) of one candidate and why."""
+
+    p: float
+    why: str            # "ran", "dominates <j>", "dominated by <j>", "model", "unknown"
+    other: Optional[int] = None                 # the candidate that decided it by dominance
+    predicted: Optional[float] = None           # the model's median peak (bytes), when used
+
+
+class Feasibility:
+    """P(fit) for every candidate of a search (see the module docstring).
+
+    `choices[i]` candidate i's option index per dimension, `ranks[d]` dimension d's memory-saving
+    score per option (None: unordered), `predicted_peaks[i]` the predictor's peak (None: none).
+    """
+
+    def __init__(self, choices: Sequence[Sequence[int]], ranks: Sequence[Optional[Sequence[float]]],
+                 limit: Optional[float], predicted_peaks: Optional[Sequence[Optional[float]]] = None) -> None:
+        self.choices = np.asarray([list(c) for c in choices], dtype=int).reshape(len(choices), -1)
+        self.ranks = list(ranks)
+        self.limit = limit
+        self.oom: List[int] = []
+        self.ok: List[int] = []
+        self.peaks: Dict[int, float] = {}      # measured log-peaks (ok runs, and oom runs over the limit)
+        self._design = self._one_hot()
+        self.set_predictions(predicted_peaks)
+
+    # -- inputs --------------------------------------------------------------------------------
+
+    def set_predictions(self, predicted_peaks: Optional[Sequence[Optional[float]]]) -> None:
+        """(Re)set the predictor's peaks (a refitted predictor may change them)."""
+        n = len(self.choices)
+        peaks = list(predicted_peaks) if predicted_peaks is not None else [None] * n
+        self.has_predictor = all(p is not None and p > 0 for p in peaks) and n > 0
+        self.offset = np.log(np.asarray([float(p or 1.0) for p in peaks])) if self.has_predictor else np.zeros(n)
+        self.raw_predicted = [None if p is None else float(p) for p in peaks]
+        self._posterior: Optional[Tuple[np.ndarray, np.ndarray]] = None
+
+    def observe(self, i: int, status: str, peak_bytes: Optional[float]) -> None:
+        """One dry run of candidate i: status "ok", "oom" or another failure (ignored here)."""
+        if status == "oom":
+            if i not in self.oom:
+                self.oom.append(i)
+            if peak_bytes and self.limit is not None and peak_bytes > self.limit:
+                self.peaks[i] = math.log(peak_bytes)
+        elif status == "ok":
+            if i not in self.ok:
+                self.ok.append(i)
+            if peak_bytes and peak_bytes > 0:
+                self.peaks[i] = math.log(peak_bytes)
+        else:
+            return
+        self._posterior = None
+
+    # -- dominance -----------------------------------------------------------------------------
+
+    def needs_at_least(self, i: int, j: int) -> bool:
+        """Whether candidate i needs at least the memory of candidate j (by dominance only)."""
+        for a, b, r in zip(self.choices[i], self.choices[j], self.ranks):
+            if r is None:
+                if a != b:
+                    return False
+            elif r[a] > r[b]:
+                return False
+        return True
+
+    def oom_blocker(self, i: int) -> Optional[int]:
+        return next((j for j in self.oom if j != i and self.needs_at_least(i, j)), None)
+
+    # -- the log-memory model -------------------------------------------------------------------
+
+    def _one_hot(self) -> np.ndarray:
+        """Design matrix: an intercept, then per unordered dimension one column per option but
+        the first, and per memory-ordered dimension one column per *step* of saving (rank >= r):
+        an option that saves more is the one before it plus one more step, so a deep saving
+        (fsdp = zero1 + two more steps) is a sum of modest effects the prior does not shrink away."""
+        cols = [np.ones(len(self.choices))]
+        for d in range(self.choices.shape[1]):
+            values = sorted(set(self.choices[:, d].tolist()))
+            r = self.ranks[d] if d < len(self.ranks) else None
+            if r is None:
+                for v in values[1:]:
+                    cols.append((self.choices[:, d] == v).astype(float))
+            else:
+                rank = np.asarray([r[v] for v in self.choices[:, d]])
+                for level in sorted({r[v] for v in values})[1:]:
+                    cols.append((rank >= level).astype(float))
+        return np.stack(cols, axis=1)
+
+    def _fit(self) -> tuple:
+        """Posterior mean and covariance of the coefficients, and the residual variance."""
+        sd = PRIOR_SD_WITH_PREDICTOR if self.has_predictor else PRIOR_SD_WITHOUT
+        k = self._design.shape[1]
+        prior_var = np.full(k, sd["option"] ** 2)
+        prior_var[0] = sd["bias"] ** 2
+        prior_mean = np.zeros(k)
+        rows = sorted(self.peaks)
+        if not self.has_predictor and rows:
+            prior_mean[0] = float(np.mean([self.peaks[r] for r in rows]))
+        if not rows:
+            return prior_mean, np.diag(prior_var), sd["residual"] ** 2
+        x = self._design[rows]
+        y = np.asarray([self.peaks[r] for r in rows]) - self.offset[rows]
+        # Two passes: the residual variance from the first fit's residuals, then the final fit.
+        resid_var = sd["residual"] ** 2
+        for _ in range(2):
+            precision = np.diag(1.0 / prior_var) + x.T @ x / resid_var
+            cov = np.linalg.inv(precision)
+            mean = cov @ (prior_mean / prior_var + x.T @ y / resid_var)
+            r = y - x @ mean
+            # A residual is shrunk by the leverage of its own observation (E r^2 = s^2 (1 - h)):
+            # divide it back out, or option effects fitted to few peaks would hide the scatter.
+            leverage = np.clip(np.einsum("ij,jk,ik->i", x, cov, x) / resid_var, 0.0, 0.95)
+            scatter = float(np.sum(r * r / (1.0 - leverage)))
+            resid_var = (RESIDUAL_PRIOR_DF * sd["residual"] ** 2 + scatter) / (RESIDUAL_PRIOR_DF + len(rows))
+        return mean, cov, resid_var
+
+    def model(self) -> Tuple[np.ndarray, np.ndarray]:
+        """(median predicted log-peak, its standard deviation) of every candidate."""
+        if self._posterior is None:
+            mean, cov, resid_var = self._fit()
+            mu = self.offset + self._design @ mean
+            var = np.einsum("ij,jk,ik->i", self._design, cov, self._design) + resid_var
+            self._posterior = (mu, np.sqrt(var))
+        return self._posterior
+
+    @property
+    def informed(self) -> bool:
+        """Whether the model knows anything about the level of memory (a predictor or a peak)."""
+        return self.has_predictor or bool(self.peaks)
+
+    # -- the answer ----------------------------------------------------------------------------
+
+    def probability(self, i: int) -> FitProbability:
+        if i in self.ok:
+            return FitProbability(1.0, "ran")
+        if i in self.oom:
+            return FitProbability(0.0, "ran out of memory")
+        blocker = self.oom_blocker(i)
+        if blocker is not None:
+            return FitProbability(0.0, "dominated", blocker)
+        saver = next((j for j in self.ok if self.needs_at_least(j, i)), None)
+        if saver is not None:
+            return FitProbability(1.0, "dominates", saver)
+        if self.limit is None or not self.informed:
+            return FitProbability(1.0, "unknown")
+        mu, sd = self.model()
+        p = float(norm.cdf((math.log(self.limit) - mu[i]) / sd[i]))
+        return FitProbability(p, "model", predicted=math.exp(mu[i]))
+
+    def probabilities(self, indices: Sequence[int]) -> Dict[int, FitProbability]:
+        return {i: self.probability(i) for i in indices}
+
+    def scale(self) -> float:
+        """Measured over predicted peak, as the model has learned it (exp of the global bias)."""
+        if not self.has_predictor:
+            return 1.0
+        mean, _, _ = self._fit()
+        return float(math.exp(mean[0]))
+
+    def describe(self, i: int, labels: Sequence[str]) -> str:
+        """Why candidate i is not run, for the `pruned` table."""
+        f = self.probability(i)
+        if f.why == "dominated":
+            return f"needs at least the memory of {labels[cast_int(f.other)]}, which ran out of memory"
+        pred = self.raw_predicted[i]
+        scale = self.scale()
+        if pred is not None:
+            scaled = f" (cost model x {scale:.2f}, the measured/predicted ratio)" if abs(scale - 1) > 0.01 else ""
+            head = f"predicted {_fmt(pred)}{scaled}"
+        else:
+            head = f"memory model {_fmt(f.predicted)}"
+        return f"{head} > {_fmt(self.limit)} limit (P(fit) {f.p:.3f} < {PRUNE_BELOW})"
+
+
+def cast_int(v: Any) -> int:
+    return int(v)
+
+
+def _fmt(n: Optional[float]) -> str:
+    if n is None or n != n:
+        return "?"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"

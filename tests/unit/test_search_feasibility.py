@@ -1,0 +1,249 @@
+"""The search's probability of fitting in memory, its learning predictor hook, and the leader vs
+challenger re-measurement; each in milliseconds (a recording planner stands in for HEBO)."""
+
+import math
+from typing import Dict, List
+
+import numpy as np
+import pytest
+
+from atorch.auto.cost_model import Estimate
+from atorch.auto.search import DryRunResult, SearchSpace, search_strategy
+from atorch.auto.search.bo import Suggestion
+from atorch.auto.search.feasibility import PRUNE_BELOW, Feasibility
+from atorch.auto.search.search import LearningPredictorLike, _TrialLog
+from atorch.auto.search.space import Candidate, memory_saving_ranks
+from atorch.auto.strategy import Strategy
+
+
+def space16() -> SearchSpace:
+    return SearchSpace({"zero": [None, "zero1", "zero2", "fsdp"], "checkpoint": [None, "checkpoint"],
+                        "amp": [None, "amp_native"]}, world_size=2)
+
+
+class FitRecordingPlanner:
+    """Suggests the remaining candidate with the highest log P(fit) it is given (ties: the first);
+    records every call."""
+
+    instances: List["FitRecordingPlanner"] = []
+
+    def __init__(self, labels, choices, prior, seed):
+        self.expected_seconds = 0.0
+        self.calls: List[tuple] = []
+        self.priors: List[List[float]] = [list(prior) if prior is not None else None]
+        FitRecordingPlanner.instances.append(self)
+
+    def update_prior(self, prior):
+        self.priors.append(list(prior))
+
+    def suggest(self, observed, remaining, log_fit=None):
+        self.calls.append(([o.index for o in observed], list(remaining), dict(log_fit or {})))
+        best = max(remaining, key=lambda i: ((log_fit or {}).get(i, 0.0), -i))
+        return Suggestion(best, 0.0, "fit", len(remaining))
+
+
+# -- the probability of fitting -----------------------------------------------------------------
+
+def test_dominance_is_certain_both_ways():
+    """No more saving than an OOM candidate: P = 0; at least the saving of one that ran: P = 1."""
+    space = space16()
+    cands = space.candidates()
+    feas = Feasibility([c.choices for c in cands], memory_saving_ranks(space), limit=100.0)
+    index = {c.choices: i for i, c in enumerate(cands)}
+    oom, ran = index[(1, 0, 0)], index[(2, 1, 0)]          # zero1 no-ckpt ran out; zero2+ckpt ran
+    feas.observe(oom, "oom", None)
+    feas.observe(ran, "ok", 90.0)
+    assert feas.probability(index[(0, 0, 0)]).p == 0.0 and feas.probability(index[(0, 0, 0)]).other == oom
+    assert feas.probability(index[(3, 1, 0)]).p == 1.0 and feas.probability(index[(3, 1, 0)]).why == "dominates"
+    # Different amp (unordered): dominance says nothing; the model does (amp's effect is unknown).
+    other_amp = feas.probability(index[(0, 0, 1)])
+    assert other_amp.why == "model" and 0.0 < other_amp.p < 1.0
+    assert "which ran out of memory" in feas.describe(index[(0, 0, 0)], [c.label() for c in cands])
+
+
+def test_memory_model_learns_option_effects_from_measured_peaks_without_a_predictor():
+    """Peaks exactly log-linear in the options: after a few of them the model predicts the rest."""
+    space = space16()
+    cands = space.candidates()
+    ranks = memory_saving_ranks(space)
+
+    def peak(c: Candidate) -> float:
+        return 100.0 * 0.7 ** c.choices[0] * 0.6 ** c.choices[1] * (1.2 if c.choices[2] else 1.0)
+
+    feas = Feasibility([c.choices for c in cands], ranks, limit=80.0)
+    assert feas.probability(0).p == 1.0 and feas.probability(0).why == "unknown"   # nothing known yet
+    for i in (0, 3, 5, 9, 12, 14):
+        feas.observe(i, "ok" if peak(cands[i]) <= 80 else "oom", peak(cands[i]))
+    mu, sd = feas.model()
+    for i, c in enumerate(cands):
+        assert abs(mu[i] - math.log(peak(c))) < 0.1, (c.choices, math.exp(mu[i]), peak(c))
+        p = feas.probability(i).p
+        margin = math.log(80.0) - math.log(peak(c))
+        if margin > 0.25:
+            assert p > 0.9
+        if margin < -0.25:
+            assert p < 0.1
+
+
+def test_a_scattered_predictor_prunes_less_once_its_scatter_is_measured():
+    """Per-candidate prediction errors of 20%: a candidate predicted just over the limit is
+    pruned while the predictor is assumed accurate, and comes back once the peaks show its scatter."""
+    rng = np.random.default_rng(0)
+    n = 40
+    choices = [(i,) for i in range(n)]                       # one unordered dimension: no dominance
+    predicted = [100.0] * n
+    predicted[-1] = 100.0 * 1.5                              # 50% over a limit of 100
+    feas = Feasibility(choices, [None], limit=100.0, predicted_peaks=predicted)
+    assert feas.probability(n - 1).p < PRUNE_BELOW
+    for i in range(12):                                      # measured peaks scatter 20% around "100"
+        feas.observe(i, "ok", 80.0 * math.exp(rng.normal(0, 0.2)))
+    assert feas.probability(n - 1).p > PRUNE_BELOW      # back among the candidates that may run
+    assert 0.6 < feas.scale() < 1.0                           # the global bias (about 0.8) is learned
+
+
+def test_a_biased_predictor_is_rescaled_by_measured_peaks():
+    choices = [(i,) for i in range(4)]
+    feas = Feasibility(choices, [None], limit=100.0, predicted_peaks=[50, 60, 70, 150])
+    assert feas.probability(3).p < PRUNE_BELOW and feas.probability(0).p > 0.99
+    for i in range(3):
+        feas.observe(i, "ok", 0.5 * [50, 60, 70][i])         # the cost model overestimates 2x
+    assert feas.probability(3).p > 0.5 and feas.scale() == pytest.approx(0.5, rel=0.15)
+
+
+def test_acquisition_is_weighted_by_the_probability_of_fitting():
+    """The planner is given log P(fit) for exactly the remaining candidates it may choose from,
+    and candidates below PRUNE_BELOW are never offered."""
+    FitRecordingPlanner.instances.clear()
+    space = space16()
+    cands = space.candidates()
+    index = {c.strategy: i for i, c in enumerate(cands)}
+
+    def peak(c: Candidate) -> float:
+        return 100.0 * 0.7 ** c.choices[0] * 0.6 ** c.choices[1] * (1.2 if c.choices[2] else 1.0)
+
+    def evaluator(s):
+        c = cands[index[s]]
+        if peak(c) > 60:
+            return DryRunResult(0.0, int(peak(c)), "oom")
+        return DryRunResult(10.0 + c.choices[2], int(peak(c)))
+
+    result = search_strategy(space, evaluator, max_trials=16, patience=16, random_samples=2,
+                             memory_limit_bytes=60, planner_factory=FitRecordingPlanner, remeasure_rounds=0)
+    planner = FitRecordingPlanner.instances[-1]
+    assert planner.calls
+    for _, remaining, log_fit in planner.calls:
+        assert set(log_fit) == set(remaining)
+        assert all(math.log(PRUNE_BELOW) <= v <= 0.0 for v in log_fit.values())
+    ooms = int((result.trials["status"] == "oom").sum())
+    assert ooms <= 2, result.trials[["strategy", "status"]]
+    assert result.best is not None and peak(cands[index[result.best]]) <= 60
+
+
+# -- the learning predictor hook ------------------------------------------------------------------
+
+class Learner:
+    """A predictor that learns: it predicts the measured step time once it has seen one."""
+
+    def __init__(self, table: Dict[Strategy, float]):
+        self.table = table
+        self.seen: Dict[Strategy, float] = {}
+        self.calls = 0
+
+    def __call__(self, strategy):
+        self.calls += 1
+        step = self.seen.get(strategy, 1.0)                   # before learning: everything alike
+        return Estimate(1000, step)
+
+    def observe(self, strategy, measured_step_time_s):
+        self.seen[strategy] = measured_step_time_s
+
+
+def test_a_learning_predictor_observes_every_successful_dry_run_and_is_predicted_again():
+    FitRecordingPlanner.instances.clear()
+    space = space16()
+    strategies = space.strategies()
+    table = {s: 10.0 + i for i, s in enumerate(strategies)}
+    raising = strategies[4]
+    learner = Learner(table)
+    assert isinstance(learner, LearningPredictorLike)
+
+    def evaluator(s):
+        if s == raising:
+            raise RuntimeError("boom")
+        return DryRunResult(table[s], 500, step_time_s=32.0 / table[s])
+
+    result = search_strategy(space, evaluator, max_trials=8, patience=8, random_samples=2, predictor=learner,
+                             planner_factory=FitRecordingPlanner, remeasure_rounds=0)
+    ok = [s for s, st in zip(result.evaluated, result.trials["status"]) if st == "ok"]
+    assert set(learner.seen) == set(ok) and raising not in learner.seen
+    assert learner.seen[ok[0]] == pytest.approx(32.0 / table[ok[0]])
+    # Every candidate predicted once at the start and once after each observation.
+    assert learner.calls == len(strategies) * (1 + len(ok))
+    # The planner's feature followed the refit, and the trial table shows the refitted prediction.
+    planner = FitRecordingPlanner.instances[-1]
+    assert len(planner.priors) >= 2 and planner.priors[-1] != planner.priors[1]
+
+
+def test_a_predictor_whose_observe_raises_is_kept_as_it_was():
+    class Broken(Learner):
+        def observe(self, strategy, measured_step_time_s):
+            raise ValueError("cannot learn")
+
+    space = space16()
+    table = {s: 10.0 + i for i, s in enumerate(space.strategies())}
+    learner = Broken(table)
+    result = search_strategy(space, lambda s: DryRunResult(table[s], 500, step_time_s=1.0 / table[s]),
+                             max_trials=4, predictor=learner, planner_factory=FitRecordingPlanner)
+    assert len(result.trials) == 4 and learner.calls == len(table)
+
+
+def test_the_calibration_learning_predictor_satisfies_the_protocol():
+    from atorch.auto.calibration import LearningPredictor
+
+    assert isinstance(LearningPredictor(lambda s: Estimate(1, 1.0)), LearningPredictorLike)
+
+
+# -- final selection: the leader against its likeliest challenger ----------------------------------
+
+def _log(space, runs):
+    cands = space.candidates()
+    log = _TrialLog(cands, [None] * len(cands), None)
+    for index, throughput, rel in runs:
+        step = 32.0 / throughput
+        steps = tuple(step * (1 + rel * z) for z in (-1.2, -0.4, 0.0, 0.4, 1.2))
+        log.add(index, DryRunResult(throughput, 100, step_times_s=steps), 1.0, float("nan"),
+                "remeasure" if index in log.tried else "random")
+    return log
+
+
+def test_challenger_is_the_likeliest_to_beat_the_leader():
+    space = space16()
+    # Leader 100 (precise), 99 (noisy: may well be faster), 97 (precise: clearly slower), 60.
+    log = _log(space, [(0, 100.0, 0.005), (1, 99.0, 0.10), (2, 97.0, 0.002), (3, 60.0, 0.01)])
+    assert log.challenge() == (0, 1)
+    # Separated from everyone: no further round, except the first one, which always happens.
+    log = _log(space, [(0, 100.0, 0.002), (1, 80.0, 0.002)])
+    assert log.challenge() is None and log.challenge(first=True) == (0, 1)
+
+
+def test_remeasurement_continues_until_separated_within_the_budget():
+    space = space16()
+    strategies = space.strategies()
+    table = {s: 50.0 + i for i, s in enumerate(strategies)}
+    a, b = strategies[-1], strategies[-2]
+    table[a], table[b] = 104.0, 100.0
+    calls = []
+
+    def evaluator(s):
+        calls.append(s)
+        rng = np.random.default_rng(len(calls))
+        step = 32.0 / table[s]
+        return DryRunResult(table[s], 100, step_times_s=tuple(step * (1 + 0.04 * z) for z in rng.normal(size=5)))
+
+    result = search_strategy(space, evaluator, max_trials=30, patience=99, random_samples=1,
+                             planner_factory=FitRecordingPlanner, remeasure_rounds=3)
+    sources = result.trials["source"].tolist()
+    assert len(calls) <= 30 and 2 <= sources.count("remeasure") <= 6 and sources.count("remeasure") % 2 == 0
+    # Every re-measurement round pairs the leader of that moment with another candidate.
+    pairs = [tuple(result.evaluated[k:k + 2]) for k, s in enumerate(sources) if s == "remeasure"][::2]
+    assert all(x != y for x, y in pairs)
