@@ -207,8 +207,8 @@ class Feasibility:
     def describe(self, i: int, labels: Sequence[str]) -> str:
         """Why candidate i is not run, for the `pruned` table."""
         f = self.probability(i)
-        if f.why == "dominated":
-            return f"needs at least the memory of {labels[cast_int(f.other)]}, which ran out of memory"
+        if f.why == "dominated" and f.other is not None:
+            return f"needs at least the memory of {labels[f.other]}, which ran out of memory"
         pred = self.raw_predicted[i]
         scale = self.scale()
         if pred is not None:
@@ -217,10 +217,6 @@ class Feasibility:
         else:
             head = f"memory model {_fmt(f.predicted)}"
         return f"{head} > {_fmt(self.limit)} limit (P(fit) {f.p:.3f} < {PRUNE_BELOW})"
-
-
-def cast_int(v: Any) -> int:
-    return int(v)
 
 
 def _fmt(n: Optional[float]) -> str:

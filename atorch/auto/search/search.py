@@ -622,12 +622,3 @@ def _progress_bar(total: int, enabled: bool) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="strategy search", unit="trial", leave=True)
-
-
-def format_bytes(n: Optional[float]) -> str:
-    if n is None or n != n:
-        return "?"
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
