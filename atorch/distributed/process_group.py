@@ -15,7 +15,7 @@ import os
 import socket
 import sys
 import time
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -50,8 +50,22 @@ def _fill_single_process_env() -> None:
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
         if not os.environ.get(key):
             os.environ[key] = value
+            _FILLED_IN[key] = value
     if not os.environ.get("MASTER_PORT"):
-        os.environ["MASTER_PORT"] = str(find_free_port())
+        os.environ["MASTER_PORT"] = _FILLED_IN["MASTER_PORT"] = str(find_free_port())
+
+
+# The variables the single-process fill-in wrote ({name: value}); `destroy_distributed` removes
+# them, so the next init of this process picks a new free port instead of the previous world's
+# (whose store may still hold it).
+_FILLED_IN: Dict[str, str] = {}
+
+
+def _unfill_single_process_env() -> None:
+    for key, value in list(_FILLED_IN.items()):
+        if os.environ.get(key) == value:   # untouched since: ours to remove
+            del os.environ[key]
+    _FILLED_IN.clear()
 
 
 def default_backend() -> str:
@@ -297,6 +311,7 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
     forget_library_groups(None)      # every group is gone: so are DeepSpeed's cached ones
     timeouts.install(None)
+    _unfill_single_process_env()
 
 
 def retire_groups(groups: Sequence[Any], destroy: bool) -> None:

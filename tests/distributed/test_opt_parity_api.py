@@ -28,7 +28,7 @@ from atorch.auto import auto_accelerate, train_step
 from atorch.testing import run_distributed, tiny_llama
 from atorch.testing.parity import assert_close_losses, global_batches
 
-VALID_FSDP_KEYS = r"\['wrap_cls', 'cpu_offload', 'sync_module_states', 'use_ds_zero'\]"
+VALID_FSDP_KEYS = r"\['wrap_cls', 'cpu_offload', 'sync_module_states', 'use_ds_zero', 'ds_config'\]"
 BAD_STRATEGIES = {
     "zero1+zero2": (["zero1", "zero2"], r"optimizations 'zero1' and 'zero2' cannot be combined"),
     "zero2+fsdp": (["zero2", "fsdp"], r"optimizations 'fsdp' and 'zero2' cannot be combined"),
