@@ -50,6 +50,8 @@ def parse_description(text: str) -> Strategy:
             items.append(("parallel_mode", (dims, None)))
         elif re.fullmatch(r"[a-z_0-9]+", part):
             items.append(part)
+        elif re.fullmatch(r"amp_native\((\w+)\)", part):     # describe() names amp's dtype
+            items.append(("amp_native", {"dtype": part[len("amp_native("):-1]}))
         else:
             raise ValueError(f"cannot parse strategy item {part!r} of {text!r} (only default configs are supported)")
     return Strategy(items)
