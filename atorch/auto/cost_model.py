@@ -184,6 +184,8 @@ class StrategyTraits:
     # what the model computes
     checkpoint: bool = False
     fused_attention: bool = False       # module_replace: sdpa, no b*heads*s^2 matrix
+    fused_activation: bool = False      # module_replace: GPT-2's Python tanh GELU as one op (saves its input only)
+    fused_norm: bool = False            # module_replace: RMSNorm as F.rms_norm (saves fp32 upcast and result in half)
     lora_rank: int = 0                  # lora: adapters of this rank, base weights frozen
     lora_targets: Optional[Tuple[str, ...]] = None
     trainable_fraction: float = 1.0     # derived: trainable / total parameters (lora)
@@ -323,7 +325,8 @@ def precision_mode(traits: StrategyTraits) -> str:
     return "half"
 
 
-def _block_saved_bytes(shape: ModelShape, mode: str, seq_len: int, fused_attention: bool) -> Tuple[float, float]:
+def _block_saved_bytes(shape: ModelShape, mode: str, seq_len: int, fused_attention: bool,
+                       fused_activation: bool = False, fused_norm: bool = False) -> Tuple[float, float]:
     """Bytes per token that one decoder block saves for backward: (replicated, tensor-sharded).
 
     Counted on Hugging Face's Llama and GPT-2 blocks (saved_tensors_hooks, one storage counted
@@ -339,7 +342,12 @@ def _block_saved_bytes(shape: ModelShape, mode: str, seq_len: int, fused_attenti
     output (fp32 under autocast and in half, plus its half copy) and k and v repeated to every
     head; sdpa saves k and v at their grouped-query width and no b*heads*s^2 matrix.
     GPT-2 (LayerNorm, GELU MLP): x, the qkv input, q, k, v, the attention output, x2, the MLP
-    input, and five b*s*ffn tensors (the tanh GELU keeps three of its intermediates).
+    input, and five b*s*ffn tensors (Hugging Face's tanh GELU in Python ops keeps its input and
+    three intermediates; `fused_activation`, module_replace's `nn.GELU(approximate="tanh")`,
+    keeps only its input: two b*s*ffn tensors, 0.57x the block in half at GPT-2 XL's width).
+    `fused_norm` (module_replace's `F.rms_norm`): in half, each norm keeps its normalized result
+    in fp32 where Hugging Face's RMSNorm keeps it in half (+2 bytes a norm; same bytes in fp32
+    and under autocast). Measured on CPU, where `F.rms_norm` runs as its composite.
     """
     h, f = shape.hidden_size, shape.intermediate_size
     kv = (shape.kv_dim or h) if fused_attention else h
@@ -349,10 +357,13 @@ def _block_saved_bytes(shape: ModelShape, mode: str, seq_len: int, fused_attenti
         replicated = {"fp32": 4 * 6 * h, "autocast": 4 * 4 * h + 2 * 5 * h, "half": 4 * 2 * h + 2 * 4 * h}[mode]
         sharded = {"fp32": 4 * qkvo + 4 * 4 * f + 4 * attn, "autocast": 2 * qkvo + 2 * 4 * f + 6 * attn,
                    "half": 2 * qkvo + 2 * 4 * f + 6 * attn}[mode]
+        if fused_norm and mode == "half":
+            replicated += 2 * 2 * h
     else:
+        ffn = 2 if fused_activation else 5      # b*s*ffn tensors the MLP keeps
         replicated = {"fp32": 4 * 4 * h, "autocast": 4 * 2 * h + 2 * 2 * h, "half": 2 * 4 * h}[mode]
-        sharded = {"fp32": 4 * 4 * h + 4 * 5 * f + 4 * attn, "autocast": 2 * 4 * h + 2 * 5 * f + 6 * attn,
-                   "half": 2 * 4 * h + 2 * 5 * f + 2 * attn}[mode]
+        sharded = {"fp32": 4 * 4 * h + 4 * ffn * f + 4 * attn, "autocast": 2 * 4 * h + 2 * ffn * f + 6 * attn,
+                   "half": 2 * 4 * h + 2 * ffn * f + 2 * attn}[mode]
     return float(replicated), float(sharded)
 
 
@@ -368,11 +379,14 @@ def _frozen_inputs_bytes(shape: ModelShape, mode: str) -> Tuple[float, float]:
     return float(replicated), float(nbytes * (h + f))
 
 
-def _final_norm_saved_bytes(shape: ModelShape, mode: str, frozen_head: bool = False) -> float:
+def _final_norm_saved_bytes(shape: ModelShape, mode: str, frozen_head: bool = False,
+                            fused_norm: bool = False) -> float:
     """Bytes per token the final norm and the LM head's input save (replicated under tensor parallelism)."""
     h = shape.hidden_size
     if shape.gated:
         saved = {"fp32": 4 * 3 * h, "autocast": 4 * 2 * h + 2 * h, "half": 4 * h + 2 * 2 * h}[mode]
+        if fused_norm and mode == "half":     # F.rms_norm keeps its normalized result in fp32
+            saved += 2 * h
     else:
         saved = {"fp32": 4 * 2 * h, "autocast": 4 * h + 2 * h, "half": 2 * 2 * h}[mode]
     # A frozen head (LoRA) keeps no input for its weight gradient.
@@ -382,7 +396,8 @@ def _final_norm_saved_bytes(shape: ModelShape, mode: str, frozen_head: bool = Fa
 def block_activation_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int) -> float:
     """Bytes one decoder block saves for backward on one rank (what a checkpointed block rebuilds)."""
     mode = precision_mode(traits)
-    replicated, sharded = _block_saved_bytes(shape, mode, seq_len, traits.fused_attention or shape.fused_attention)
+    replicated, sharded = _block_saved_bytes(shape, mode, seq_len, traits.fused_attention or shape.fused_attention,
+                                             traits.fused_activation, traits.fused_norm)
     if traits.lora_rank:
         frozen_replicated, frozen_sharded = _frozen_inputs_bytes(shape, mode)
         replicated, sharded = replicated - frozen_replicated, sharded - frozen_sharded
@@ -403,14 +418,19 @@ def activation_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int
         per_block = 1.0 * tokens * (2 if mode == "half" else 4) * shape.hidden_size
     else:
         per_block = block_activation_bytes(shape, traits, micro_batch, seq_len)
-    # The loss saves its fp32 softmax (log-softmax, or the vocabulary-parallel softmax slice).
-    softmax = tokens * 4 * shape.vocab_size / traits.tensor
-    final = tokens * _final_norm_saved_bytes(shape, mode, frozen_head=bool(traits.lora_rank))
+    softmax = loss_softmax_bytes(shape, traits, micro_batch, seq_len)
+    final = tokens * _final_norm_saved_bytes(shape, mode, frozen_head=bool(traits.lora_rank),
+                                             fused_norm=traits.fused_norm)
     if traits.pipeline_engine is not None:
         # The schedule keeps each in-flight micro-batch's stage output for its backward: on the
         # last stage, the logits (b*s*vocab in the compute dtype).
         final += tokens * shape.vocab_size / traits.tensor * traits.compute_dtype_bytes
     return blocks * per_block + final + softmax
+
+
+def loss_softmax_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int) -> float:
+    """The loss's saved fp32 softmax (log-softmax, or the vocabulary-parallel softmax slice)."""
+    return micro_batch * seq_len * 4.0 * shape.vocab_size / traits.tensor
 
 
 def loss_buffer_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int,
@@ -483,27 +503,40 @@ MODEL_STATE_KEYS = ("params", "grads", "master", "optimizer")
 RESIDENT_KEYS = MODEL_STATE_KEYS + ("ddp_buckets", "ds_reduce_buffer", "grad_fp32")
 
 
-# What exists only while activations are alive (forward and backward), and what exists only
-# from the end of backward through the optimizer step (gradients are set to None by zero_grad,
-# so they do not exist during the next forward). Everything else is held all the time.
-ACTIVATION_PHASE_KEYS = ("activations", "loss_buffers", "weight_casts", "gathered_params", "ds_reduce_bucket",
-                         "unit_grads")
-GRADIENT_PHASE_KEYS = ("grads", "reduce_scatter", "step_grad_fp32", "recompute")
+# The moments of a step, each a set of breakdown entries alive together; everything in no
+# phase is held all the time. Gradients are set to None by zero_grad, so none exist during the
+# next forward. Backward frees activations as it creates gradients, block by block: with a
+# stack of similar blocks their sum is largest at one end, so backward is checked at its start
+# (all activations, the loss freed) and at its end (all gradients).
+FORWARD_END_KEYS = ("activations", "loss_softmax", "loss_buffers", "weight_casts", "gathered_params",
+                    "ds_reduce_bucket")
+# A block's backward: its unsharded gradients and their reduce-scatter copy (`unit_grads`), the
+# next block prefetched, a checkpointed block rebuilt, FSDP2's root unit holding the LM head's
+# unsharded gradient until the root reduces last.
+BACKWARD_KEYS = ("weight_casts", "gathered_params", "prefetch", "ds_reduce_bucket", "unit_grads", "recompute",
+                 "held_root_grads")
+BACKWARD_START_KEYS = ("activations",) + BACKWARD_KEYS
+BACKWARD_END_KEYS = ("grads",) + BACKWARD_KEYS
+# After backward: the root unit's reduce-scatter; DeepSpeed's fp32 gradient copy for the step.
+GRADIENT_PHASE_KEYS = ("grads", "reduce_scatter", "step_grad_fp32")
+# The optimizer step: the gradients and the step's own temporaries (`optimizer_step`).
+STEP_PHASE_KEYS = ("grads", "step_grad_fp32", "optimizer_step")
+PHASES = (FORWARD_END_KEYS, BACKWARD_START_KEYS, BACKWARD_END_KEYS, GRADIENT_PHASE_KEYS, STEP_PHASE_KEYS)
+# Entries of the activation phases (forward and backward), for callers that want them summed.
+ACTIVATION_PHASE_KEYS = tuple(dict.fromkeys(FORWARD_END_KEYS + BACKWARD_KEYS))
 
 
-def peak_bytes(breakdown: Mapping[str, float]) -> int:
-    """Per-rank device peak: what is always held + the larger of the activation and the gradient phases.
+def peak_bytes(breakdown: Mapping[str, float], phases: Optional[Tuple[Tuple[str, ...], ...]] = None) -> int:
+    """Per-rank device peak: what is always held + the largest of the step's moments (`PHASES`).
 
-    Backward frees activations as it creates gradients, block by block; with a stack of similar
-    blocks the sum of the two is largest at one end, so the peak is the larger phase (checked
-    against torch's FSDPMemTracker at 1B-7B, benchmarks/memory_model.py). `host_*` entries
-    (CPU offload) are not device memory.
+    Checked against torch's FSDPMemTracker at 1B-7B (benchmarks/memory_model.py) and measured
+    bytes on 2 ranks. `host_*` entries (CPU offload) are not device memory. `phases` restricts
+    the moments considered (e.g. `PHASES[:-1]`: forward and backward only).
     """
     device = {k: v for k, v in breakdown.items() if not k.startswith("host_")}
-    activation = sum(device.get(k, 0.0) for k in ACTIVATION_PHASE_KEYS)
-    gradient = sum(device.get(k, 0.0) for k in GRADIENT_PHASE_KEYS)
-    always = sum(device.values()) - activation - gradient
-    return int(always + max(activation, gradient))
+    in_a_phase = {k for keys in PHASES for k in keys}
+    always = sum(v for k, v in device.items() if k not in in_a_phase)
+    return int(always + max(sum(device.get(k, 0.0) for k in keys) for keys in (phases or PHASES)))
 
 
 def model_state_bytes(breakdown: Mapping[str, float]) -> float:
@@ -555,7 +588,13 @@ def memory_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int
         out = _fsdp2_states(shape, traits, params_per_rank, trainable)
     else:
         out = _replicated_states(shape, traits, params_per_rank, trainable)
+    if traits.sharding != "deepspeed":     # DeepSpeed's step: its fp32 gradient copy (step_grad_fp32)
+        out["optimizer_step"] = _torch_adam_step_bytes(shape, traits, trainable, device_type)
     out["activations"] = activation_bytes(shape, traits, micro_batch, seq_len) * _in_flight_micro_batches(traits)
+    if traits.pipeline_engine is None:
+        # The loss's saved softmax is freed by the loss's backward, before any block's backward.
+        out["loss_softmax"] = loss_softmax_bytes(shape, traits, micro_batch, seq_len)
+        out["activations"] -= out["loss_softmax"]
     head_grad = 0.0
     if not traits.lora_rank:
         # The LM head's whole (unsharded) weight gradient, in the dtype backward produces it
@@ -581,6 +620,42 @@ def memory_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int
     return out
 
 
+# Temporaries of torch's Adam/AdamW step, in copies of the parameters' local tensors (measured
+# with PeakMemoryTracker on real tensors: tests/unit/test_cost_model_moments.py). The foreach
+# implementation (torch's default on CUDA) builds one list the size of every parameter (sqrt of
+# the second moment). The per-tensor one (the default on CPU) holds 2 temporaries of the
+# parameter it updates; on FSDP2's DTensor shards it also keeps 3 copies of every shard it has
+# updated until the step returns.
+ADAM_FOREACH_COPIES = 1
+ADAM_PER_TENSOR_COPIES = 2
+ADAM_PER_TENSOR_DTENSOR_KEPT_COPIES = 3
+
+
+def adam_step_bytes(trainable_elements: float, largest_elements: float, state_bytes: int, foreach: bool,
+                    dtensor: bool) -> float:
+    """Bytes torch's Adam/AdamW step allocates beyond the parameters, gradients and its state.
+
+    `trainable_elements`: the rank's trainable parameter elements; `largest_elements`: its largest
+    single parameter tensor (the local shard under FSDP2); `state_bytes`: the moments' dtype size.
+    """
+    if foreach:
+        return ADAM_FOREACH_COPIES * trainable_elements * state_bytes
+    largest = min(largest_elements, trainable_elements)
+    kept = ADAM_PER_TENSOR_DTENSOR_KEPT_COPIES * trainable_elements if dtensor else 0.0
+    return (kept + ADAM_PER_TENSOR_COPIES * largest) * state_bytes
+
+
+def _torch_adam_step_bytes(shape: ModelShape, traits: StrategyTraits, trainable: float, device_type: str) -> float:
+    """`adam_step_bytes` for the rank's local optimizer (torch's default implementation on `device_type`)."""
+    shard = traits.optimizer_shard
+    widest = max(shape.vocab_size * shape.hidden_size, shape.hidden_size * shape.intermediate_size)
+    if traits.lora_rank:
+        widest = shape.hidden_size * traits.lora_rank
+    largest = widest / traits.tensor / (traits.data if traits.sharding == "fsdp2" else 1)
+    return adam_step_bytes(trainable / shard, largest, traits.param_dtype_bytes, foreach=device_type != "cpu",
+                           dtensor=traits.sharding == "fsdp2")
+
+
 def _replicated_states(shape: ModelShape, traits: StrategyTraits, params: float, trainable: float) -> Dict[str, float]:
     pbytes = traits.param_dtype_bytes
     # torch's Adam keeps its two moments in the parameter dtype.
@@ -602,8 +677,13 @@ def _fsdp2_states(shape: ModelShape, traits: StrategyTraits, params: float, trai
     block = shape.layer_params / t
     if not traits.reshard_after_forward:   # every unit stays gathered from its forward to its backward
         out["gathered_params"] = params * gathered_bytes
-    else:                                   # the root unit stays gathered; blocks: the current one and a prefetch
-        out["gathered_params"] = (root + 2 * block) * gathered_bytes
+    else:
+        # The root unit stays gathered, and the current block; in backward, the next one prefetched.
+        out["gathered_params"] = (root + block) * gathered_bytes
+        out["prefetch"] = block * gathered_bytes
+    if not traits.lora_rank:
+        # The root unit reduces last: the LM head's unsharded gradient lives through the blocks' backward.
+        out["held_root_grads"] = shape.vocab_size * shape.hidden_size / t * gathered_bytes
     # A unit's backward leaves its unsharded gradients (in the compute dtype) and copies them into
     # the flat fp32 reduce-scatter input. The largest unit (the root: embeddings and head) reduces
     # last, when the activations are gone; a block reduces while most activations are still alive

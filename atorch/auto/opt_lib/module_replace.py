@@ -291,8 +291,11 @@ class ModuleReplaceOptimization(Optimization):
 
     @classmethod
     def cost_traits(cls, config: ModuleReplaceConfig, context: CostContext) -> Dict[str, Any]:
-        # sdpa attention never materializes the b x heads x s x s matrix.
-        return {"fused_attention": bool(config.attention)}
+        # sdpa attention never materializes the b x heads x s x s matrix; the fused GELU saves
+        # only its input (the Python one four b*s*ffn tensors); F.rms_norm keeps other tensors
+        # than Hugging Face's RMSNorm in half precision. A fused MLP fuses its activation too.
+        return {"fused_attention": bool(config.attention), "fused_activation": bool(config.activation or config.mlp),
+                "fused_norm": bool(config.norm)}
 
     @classmethod
     def parse_config(cls, raw: Any) -> ModuleReplaceConfig:
