@@ -142,9 +142,10 @@ def _config_int(config: Any, names: Tuple[str, ...], default: Optional[int] = No
     return default
 
 
-# What DeepSpeed allocates with atorch's engine configs (DeepSpeed's defaults, checked against
-# DeepSpeed 0.19 in tests/distributed/test_memory_model.py): the ZeRO-1/2 reduce bucket, and
-# ZeRO-3's contiguous reduce buffer (elements), both in the module's dtype; ZeRO-3's prefetch.
+# What DeepSpeed allocates with atorch's engine configs (checked against DeepSpeed 0.19 in
+# tests/distributed/test_memory_model.py): the ZeRO-1/2 reduce bucket and ZeRO-3's contiguous
+# reduce buffer, both `reduce_bucket_size` elements in the module's dtype (atorch derives it from
+# the model: `_ds_config.bucket_elements`; DeepSpeed's own default is 5e8); ZeRO-3's prefetch.
 DS_REDUCE_BUCKET_ELEMENTS = 500_000_000
 DS_STAGE3_PREFETCH_ELEMENTS = 50_000_000
 
@@ -175,6 +176,7 @@ class StrategyTraits:
     zero_stage: int = 0
     reshard_after_forward: bool = True  # fsdp2 only
     cpu_offload: bool = False           # sharded states live in host memory (not counted on a GPU)
+    ds_bucket_elements: int = 0         # DeepSpeed's reduce bucket (user's ds_config); 0: atorch derives it
     ddp_wrap: bool = False              # a DDP wrapper when data > 1 and nothing else reduces gradients
     # pipelines and accumulation
     pipeline_engine: Optional[str] = None   # "native" (torch pipelining) or "deepspeed"
@@ -695,8 +697,12 @@ def _fsdp2_states(shape: ModelShape, traits: StrategyTraits, params: float, trai
 
 
 def _deepspeed_states(shape: ModelShape, traits: StrategyTraits, params: float, trainable: float) -> Dict[str, float]:
+    from atorch.auto.opt_lib._ds_config import bucket_elements
+
     d, stage = traits.data, traits.zero_stage
     hbytes = traits.storage_bytes           # bf16/fp16 enabled: the module is half; else fp32
+    # The user's reduce_bucket_size, else the one atorch derives from the trainable elements.
+    bucket = traits.ds_bucket_elements or bucket_elements(int(trainable))
     shard = d if stage >= 1 else 1
     out = {"params": params * hbytes / (d if stage >= 3 else 1),
            # the partition's reduced gradients, in the module dtype (stage 0: every gradient)
@@ -710,13 +716,13 @@ def _deepspeed_states(shape: ModelShape, traits: StrategyTraits, params: float, 
         out["grad_fp32" if stage >= 3 else "step_grad_fp32"] = trainable * 4 / shard
     if stage >= 3:
         # The contiguous reduce buffer, allocated at start-up, and the layers gathered for compute.
-        out["ds_reduce_buffer"] = DS_REDUCE_BUCKET_ELEMENTS * hbytes
+        out["ds_reduce_buffer"] = bucket * hbytes
         unit = max(shape.embedding_params / 2, shape.layer_params) / traits.tensor
         out["gathered_params"] = min(params, unit + DS_STAGE3_PREFETCH_ELEMENTS) * hbytes
     elif stage >= 1:
-        # The reduce bucket of the backward pass (`reduce_bucket_size` elements, however small the
-        # model), freed once the gradients are reduced.
-        out["ds_reduce_bucket"] = DS_REDUCE_BUCKET_ELEMENTS * hbytes
+        # The reduce bucket of the backward pass (`reduce_bucket_size` elements), freed once the
+        # gradients are reduced.
+        out["ds_reduce_bucket"] = bucket * hbytes
     return out
 
 

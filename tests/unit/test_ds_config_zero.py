@@ -10,11 +10,17 @@ import pytest
 import torch
 
 from atorch.auto import Strategy
-from atorch.auto.cost_model import ModelShape, StrategyTraits
+from atorch.auto.cost_model import ModelShape, StrategyTraits, estimate
 from atorch.auto.opt_lib import ValidationContext, get_optimization, resolve_strategy
-from atorch.auto.opt_lib._ds_config import derived_zero_config, merge_ds_config, offload_devices, zero_ds_config
+from atorch.auto.opt_lib._ds_config import (
+    bucket_elements,
+    derived_zero_config,
+    merge_ds_config,
+    offload_devices,
+    zero_ds_config,
+)
 from atorch.auto.opt_lib.ds_3d_parallel_optimization import resolve_ds_config
-from atorch.testing import tiny_llama_config
+from atorch.testing import tiny_llama, tiny_llama_config
 
 OFFLOAD = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}, "reduce_bucket_size": 1000}}
 
@@ -176,3 +182,31 @@ def test_who_builds_the_optimizer_is_checked_when_applied():
         prepare_deepspeed(context, "fsdp", OFFLOAD)
         assert context.is_sharded
     prepare_deepspeed(ctx(None), "zero2", {**OFFLOAD, "optimizer": {"type": "AdamW"}})
+
+
+def test_buckets_follow_the_model_size_and_the_users_values_win():
+    def zero(user, trainable):
+        return zero_ds_config("zero2", user, stage=2, data_size=2, global_batch=8, accumulation_steps=1,
+                              autocast_dtype=torch.bfloat16, trainable_elements=trainable)["zero_optimization"]
+
+    # DeepSpeed's 5e8-element default bucket is 1 GB a rank in bf16 even for a 213k-parameter model.
+    assert zero(None, 213_000) == {"stage": 2, "reduce_bucket_size": 213_000, "allgather_bucket_size": 213_000}
+    assert zero(None, 7_000_000_000)["reduce_bucket_size"] == 500_000_000      # bounded by DeepSpeed's default
+    assert bucket_elements(0) == 1
+    user = zero({"zero_optimization": {"reduce_bucket_size": 1000}}, 213_000)
+    assert (user["reduce_bucket_size"], user["allgather_bucket_size"]) == (1000, 213_000)
+    assert zero({"zero_optimization": {"reduce_bucket_size": "auto"}}, 213_000)["reduce_bucket_size"] == 213_000
+    # Without the model's size (validation), DeepSpeed's defaults stand.
+    assert "reduce_bucket_size" not in derived_zero_config(2, 2, 8, 1, torch.bfloat16)["zero_optimization"]
+
+
+def test_the_cost_model_counts_the_bucket_deepspeed_allocates():
+    shape = ModelShape.from_module(tiny_llama())
+    derived = estimate(shape, ["amp_native", ("zero2", {"use_ds_zero": True})], 8, 32, 2, "cuda").breakdown
+    assert derived["mem_ds_reduce_bucket"] == 2 * shape.num_params          # bf16, one bucket for the model
+    user = {"zero_optimization": {"reduce_bucket_size": 1000}}
+    given = estimate(shape, ["amp_native", ("zero2", {"use_ds_zero": True, "ds_config": user})], 8, 32, 2,
+                     "cuda").breakdown
+    assert given["mem_ds_reduce_bucket"] == 2 * 1000
+    stage3 = estimate(shape, ["amp_native", ("fsdp", {"use_ds_zero": True})], 8, 32, 2, "cuda").breakdown
+    assert stage3["mem_ds_reduce_buffer"] == 2 * shape.num_params

@@ -19,6 +19,24 @@ DsConfigSpec = Union[None, str, Dict[str, Any]]
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+# DeepSpeed's default `reduce_bucket_size` and `allgather_bucket_size` (elements). Its reduce
+# bucket is one buffer of that many elements in the module's dtype, allocated however small the
+# model (1 GB a rank in bf16): for the backward pass at stages 1-2, for the whole run at stage 3.
+DS_DEFAULT_BUCKET_ELEMENTS = 500_000_000
+
+
+def bucket_elements(trainable_elements: int) -> int:
+    """The reduce/allgather bucket atorch asks DeepSpeed for: the model's trainable elements, at
+    most DeepSpeed's default. A bucket larger than every gradient it can hold changes nothing
+    but the memory: a model smaller than the default fills one bucket either way, so the
+    reductions (and their overlap with backward) are the same."""
+    return int(max(1, min(DS_DEFAULT_BUCKET_ELEMENTS, trainable_elements)))
+
+
+def user_bucket_elements(cfg: Mapping[str, Any]) -> Optional[int]:
+    """The user's `zero_optimization.reduce_bucket_size`, or None when the config leaves it unset."""
+    value = (cfg.get("zero_optimization") or {}).get("reduce_bucket_size")
+    return None if value in (None, "auto") else int(float(value))
 
 
 def normalize_ds_config(who: str, value: Any) -> DsConfigSpec:
@@ -145,7 +163,8 @@ def _precision_enabled(cfg: Mapping[str, Any], key: str) -> Optional[bool]:
 
 
 def zero_ds_config(who: str, raw: Any, *, stage: int, data_size: int, global_batch: Optional[int],
-                   accumulation_steps: int, autocast_dtype: Optional[torch.dtype]) -> Dict[str, Any]:
+                   accumulation_steps: int, autocast_dtype: Optional[torch.dtype],
+                   trainable_elements: Optional[int] = None) -> Dict[str, Any]:
     """The config of a DeepSpeed ZeRO engine: atorch's derived keys with the user's `raw` merged over them.
 
     atorch's required keys, which the user's config may repeat but not contradict:
@@ -154,7 +173,9 @@ def zero_ds_config(who: str, raw: Any, *, stage: int, data_size: int, global_bat
       the data ranks and the `gradient_accumulation` optimization's steps;
     - `bf16`/`fp16`: on exactly when amp_native asks for that dtype;
     - `gradient_clipping`: off (train_step's `max_grad_norm` sets it per step).
-    Everything else (offload, bucket sizes, overlap, an `optimizer` section...) is the user's.
+    Derived, and overridden by the user's values: `reduce_bucket_size` and `allgather_bucket_size`
+    from `trainable_elements` (`bucket_elements`; DeepSpeed's defaults when it is None).
+    Everything else (offload, overlap, an `optimizer` section...) is the user's.
     """
     user = load_ds_config(who, raw)
     for section in ("zero_optimization", "bf16", "fp16", "amp"):
@@ -171,13 +192,15 @@ def zero_ds_config(who: str, raw: Any, *, stage: int, data_size: int, global_bat
                          "(it sets the engine's clipping at every step); drop the key and pass "
                          f"train_step(result, batch, max_grad_norm={clip!r})")
     _check_offload(who, user, stage)
-    derived = derived_zero_config(stage, data_size, global_batch, accumulation_steps, autocast_dtype)
+    derived = derived_zero_config(stage, data_size, global_batch, accumulation_steps, autocast_dtype,
+                                  trainable_elements)
     _check_batch(who, user, derived, data_size, global_batch, accumulation_steps)
     return merge_ds_config(derived, user)
 
 
 def derived_zero_config(stage: int, data_size: int, global_batch: Optional[int], accumulation_steps: int,
-                        autocast_dtype: Optional[torch.dtype]) -> Dict[str, Any]:
+                        autocast_dtype: Optional[torch.dtype],
+                        trainable_elements: Optional[int] = None) -> Dict[str, Any]:
     """What atorch's strategy implies for a ZeRO engine, before the user's config."""
     gas = accumulation_steps
     # DeepSpeed insists on a batch size; without a dataloader it only feeds its throughput logs.
@@ -196,6 +219,9 @@ def derived_zero_config(stage: int, data_size: int, global_batch: Optional[int],
         "steps_per_print": 2 ** 31 - 1,
         "wall_clock_breakdown": False,
     }
+    if trainable_elements is not None:
+        bucket = bucket_elements(trainable_elements)
+        config["zero_optimization"].update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
     if autocast_dtype is torch.bfloat16:
         config["bf16"] = {"enabled": True}
     elif autocast_dtype is torch.float16:

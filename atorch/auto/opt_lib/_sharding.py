@@ -19,7 +19,14 @@ import torch.distributed as dist
 from torch import nn
 
 from atorch.auto.model_context import ModelContext
-from atorch.auto.opt_lib._ds_config import DsConfigSpec, load_ds_config, normalize_ds_config, offload_devices, zero_ds_config
+from atorch.auto.opt_lib._ds_config import (
+    DsConfigSpec,
+    load_ds_config,
+    normalize_ds_config,
+    offload_devices,
+    user_bucket_elements,
+    zero_ds_config,
+)
 from atorch.auto.opt_lib._precision import dtype_name
 from atorch.distributed.mesh import ParallelMesh
 from atorch.auto.opt_lib.base import ConfigAlias, CostContext, Optimization, Order, ValidationContext, WrapperOrder, is_false, is_true, short_value, shown_fields
@@ -153,9 +160,11 @@ def validate_deepspeed(who: str, context: ValidationContext, stage: int, ds_conf
 
 def deepspeed_cost_traits(stage: int, ds_config: DsConfigSpec) -> Dict[str, Any]:
     """The cost model's view of a ZeRO engine: optimizer offload moves the sharded states to the host."""
-    optimizer_device, param_device = offload_devices(load_ds_config("cost model", ds_config))
+    user = load_ds_config("cost model", ds_config)
+    optimizer_device, param_device = offload_devices(user)
     return {"sharding": "deepspeed", "zero_stage": stage, "ddp_wrap": False,
-            "cpu_offload": optimizer_device != "none" or param_device != "none"}
+            "cpu_offload": optimizer_device != "none" or param_device != "none",
+            "ds_bucket_elements": user_bucket_elements(user) or 0}
 
 
 def describe_sharding(cls: Any, config: Any, stage: int) -> str:
@@ -213,9 +222,11 @@ def deepspeed_config(ctx: ModelContext, who: str, stage: int, ds_config: DsConfi
     """The engine's config: atorch's derived keys with the user's `ds_config` merged over them (checked)."""
     global_batch = ctx.dataloader_args.get("batch_size")
     # train_step sets the accumulation boundary itself; the batch keys keep DeepSpeed's bookkeeping true.
+    trainable = sum(p.numel() for p in ctx.model.parameters() if p.requires_grad)
     return zero_ds_config(who, ds_config, stage=stage, data_size=ctx.data_parallel_size(),
                           global_batch=int(global_batch) if global_batch else None,
-                          accumulation_steps=ctx.gradient_accumulation_steps, autocast_dtype=ctx.autocast_dtype)
+                          accumulation_steps=ctx.gradient_accumulation_steps, autocast_dtype=ctx.autocast_dtype,
+                          trainable_elements=trainable)
 
 
 def build_deepspeed_engine(ctx: ModelContext, who: str, stage: int, ds_config: DsConfigSpec = None) -> Dict[str, Any]:
