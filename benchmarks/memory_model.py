@@ -124,8 +124,9 @@ def _step_outside_peak(tracker: Any, optim: torch.optim.Optimizer) -> None:
     copies of the largest local shard (measured: one sharded Linear, world 8), where the same step
     on real tensors holds 3 copies of every shard + 2 of the largest (torch's per-tensor AdamW, the
     CPU default) or 1 of every shard (foreach, the CUDA default). On the checkpointed rows that
-    phantom was the measured peak (Qwen2-1.5B: 2.7 GiB of it). So the peak reported is the forward/backward peak; the optimizer step's
-    transient is checked on real tensors (tests/unit/test_cost_model_moments.py) instead.
+    phantom was the measured peak (Qwen2-1.5B: 2.7 GiB of it). So the peak reported is the
+    forward/backward peak; the optimizer step's transient is checked on real tensors
+    (tests/unit/test_cost_model_moments.py) instead.
     """
     peak, peak_snap = dict(tracker._peak_mem), dict(tracker._peak_mem_snap)
     optim.step()
