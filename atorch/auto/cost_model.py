@@ -148,6 +148,34 @@ def _config_int(config: Any, names: Tuple[str, ...], default: Optional[int] = No
 # the model: `_ds_config.bucket_elements`; DeepSpeed's own default is 5e8); ZeRO-3's prefetch.
 DS_REDUCE_BUCKET_ELEMENTS = 500_000_000
 DS_STAGE3_PREFETCH_ELEMENTS = 50_000_000
+# ZeRO-3 keeps every parameter smaller than this whole on every rank (DeepSpeed's default
+# `stage3_param_persistence_threshold`): norms and biases, and every parameter of a tiny model.
+DS_STAGE3_PERSISTENCE_ELEMENTS = 100_000
+
+
+def _parameter_sizes(shape: ModelShape) -> Tuple[Tuple[int, int], ...]:
+    """(elements, count) of the model's parameter tensors, as Hugging Face's Llama and GPT-2 lay them out."""
+    h, f, L = shape.hidden_size, shape.intermediate_size, shape.num_layers
+    kv = shape.kv_dim or h
+    matrices = shape.vocab_size * h
+    embeddings = ((matrices, max(1, shape.embedding_params // max(1, matrices))),
+                  (shape.embedding_params % max(1, matrices), 1))
+    block: Tuple[Tuple[int, int], ...]
+    if shape.gated:
+        block = ((h * h, 2 * L), (h * kv, 2 * L), (h * f, 3 * L), (h, 2 * L + 1))
+    else:   # GPT-2: fused qkv, LayerNorm weights and biases, a bias on every linear
+        block = ((h * (h + 2 * kv), L), (h * h, L), (h * f, 2 * L), (h + 2 * kv, L), (f, L), (h, 6 * L + 2))
+    return tuple(size for size in embeddings + block if size[0] > 0)
+
+
+def _largest_param_elements(shape: ModelShape) -> int:
+    return max(elements for elements, _ in _parameter_sizes(shape))
+
+
+def _ds_persistent_elements(shape: ModelShape) -> int:
+    """Elements ZeRO-3 keeps whole on every rank: the parameters below the persistence threshold."""
+    return sum(elements * count for elements, count in _parameter_sizes(shape)
+               if elements < DS_STAGE3_PERSISTENCE_ELEMENTS)
 
 
 @dataclass(frozen=True)
@@ -175,7 +203,9 @@ class StrategyTraits:
     sharding: Optional[str] = None
     zero_stage: int = 0
     reshard_after_forward: bool = True  # fsdp2 only
-    cpu_offload: bool = False           # sharded states live in host memory (not counted on a GPU)
+    cpu_offload: bool = False           # torch FSDP2 CPUOffloadPolicy: sharded params, grads, optimizer on the host
+    ds_offload_optimizer: bool = False  # DeepSpeed offload_optimizer: fp32 master, Adam state, fp32 grads on the host
+    ds_offload_params: bool = False     # DeepSpeed offload_param (ZeRO-3): the half parameter partitions too
     ds_bucket_elements: int = 0         # DeepSpeed's reduce bucket (user's ds_config); 0: atorch derives it
     ddp_wrap: bool = False              # a DDP wrapper when data > 1 and nothing else reduces gradients
     # pipelines and accumulation
@@ -502,7 +532,8 @@ def micro_batch_size(traits: StrategyTraits, global_batch: int) -> int:
 # those that stay allocated from one step to the next (what a rank holds once a backward pass
 # has finished and its activations are freed); the others exist only during part of a step.
 MODEL_STATE_KEYS = ("params", "grads", "master", "optimizer")
-RESIDENT_KEYS = MODEL_STATE_KEYS + ("ddp_buckets", "ds_reduce_buffer", "grad_fp32")
+RESIDENT_KEYS = MODEL_STATE_KEYS + ("ddp_buckets", "ds_reduce_buffer", "grad_fp32", "ds_persistent_params",
+                                    "ds_offload_buffers", "ds_offload_host_buffers")
 
 
 # The moments of a step, each a set of breakdown entries alive together; everything in no
@@ -615,11 +646,30 @@ def memory_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int
     if traits.checkpoint:
         # Backward rebuilds one block at a time, while the gradients are being produced.
         out["recompute"] = block_activation_bytes(shape, traits, micro_batch, seq_len)
-    if traits.cpu_offload and device_type != "cpu":
-        for key in ("params", "grads", "master", "optimizer", "grad_fp32", "step_grad_fp32"):
+    if device_type != "cpu":
+        for key in _host_keys(traits):
             if key in out:
                 out[f"host_{key}"] = out.pop(key)
     return out
+
+
+def _host_keys(traits: StrategyTraits) -> Tuple[str, ...]:
+    """Breakdown entries CPU offload keeps in host memory instead of the device's.
+
+    - torch FSDP2 `CPUOffloadPolicy`: the sharded parameters, gradients and optimizer state (the
+      optimizer steps on the host, its temporaries too); units are gathered onto the device.
+    - DeepSpeed `offload_optimizer`: the fp32 master partition, Adam state and the fp32 gradient
+      partition DeepSpeed reduces into; the half module (stages 1-2) or its partitions (stage 3)
+      and the reduce bucket stay on the device. `offload_param` (stage 3) moves the partitions too.
+    """
+    if traits.sharding == "deepspeed":
+        if not traits.ds_offload_optimizer and not traits.ds_offload_params:
+            return ()
+        moved = ("master", "optimizer", "grad_fp32", "ds_offload_host_buffers") if traits.ds_offload_optimizer else ()
+        return moved + (("params",) if traits.ds_offload_params else ())
+    if traits.cpu_offload:
+        return ("params", "grads", "master", "optimizer", "grad_fp32", "step_grad_fp32", "optimizer_step")
+    return ()
 
 
 # Temporaries of torch's Adam/AdamW step, in copies of the parameters' local tensors (measured
@@ -650,11 +700,13 @@ def adam_step_bytes(trainable_elements: float, largest_elements: float, state_by
 def _torch_adam_step_bytes(shape: ModelShape, traits: StrategyTraits, trainable: float, device_type: str) -> float:
     """`adam_step_bytes` for the rank's local optimizer (torch's default implementation on `device_type`)."""
     shard = traits.optimizer_shard
-    widest = max(shape.vocab_size * shape.hidden_size, shape.hidden_size * shape.intermediate_size)
+    widest = _largest_param_elements(shape)
     if traits.lora_rank:
         widest = shape.hidden_size * traits.lora_rank
     largest = widest / traits.tensor / (traits.data if traits.sharding == "fsdp2" else 1)
-    return adam_step_bytes(trainable / shard, largest, traits.param_dtype_bytes, foreach=device_type != "cpu",
+    # CPU offload steps on host tensors: torch picks the per-tensor implementation there.
+    on_host = device_type == "cpu" or traits.cpu_offload
+    return adam_step_bytes(trainable / shard, largest, traits.param_dtype_bytes, foreach=not on_host,
                            dtensor=traits.sharding == "fsdp2")
 
 
@@ -710,11 +762,24 @@ def _deepspeed_states(shape: ModelShape, traits: StrategyTraits, params: float, 
            # DeepSpeed clones its partition into fp32 master weights even when the module is fp32
            "master": trainable * 4 / shard,
            "optimizer": trainable * ADAM_STATE_BYTES_PER_PARAM / shard}
-    if hbytes < 4:
-        # The step upcasts the partition's gradients to fp32; ZeRO-3 keeps that buffer between steps,
-        # ZeRO-1/2 free it after the step.
-        out["grad_fp32" if stage >= 3 else "step_grad_fp32"] = trainable * 4 / shard
+    largest = _largest_param_elements(shape) / traits.tensor
+    if traits.ds_offload_optimizer:
+        # The CPU Adam steps on a persistent fp32 gradient partition in host memory (measured on
+        # 2 ranks, DeepSpeed 0.19). Stages 1-2 reduce straight into it (no half partition) and keep
+        # a half copy of the partition on the host plus a gradient staging buffer of the largest
+        # parameter on each side; stage 3 keeps its half gradient partition on the device.
+        out["grad_fp32"] = trainable * 4 / shard
+        if stage < 3:
+            del out["grads"]
+            out["ds_offload_host_buffers"] = (trainable / shard + largest) * hbytes
+            out["ds_offload_buffers"] = largest * hbytes
+    elif hbytes < 4:
+        # The step upcasts the partition's gradients to fp32 and frees the copy afterwards (ZeRO-3
+        # too: measured after the second backward, no fp32 gradient partition is alive).
+        out["step_grad_fp32"] = trainable * 4 / shard
     if stage >= 3:
+        # Parameters below the persistence threshold stay whole on every rank, next to the partitions.
+        out["ds_persistent_params"] = min(_ds_persistent_elements(shape), params) * hbytes
         # The contiguous reduce buffer, allocated at start-up, and the layers gathered for compute.
         out["ds_reduce_buffer"] = bucket * hbytes
         unit = max(shape.embedding_params / 2, shape.layer_params) / traits.tensor

@@ -143,8 +143,48 @@ def test_cost_traits_declare_offload_from_ds_config():
         plain = StrategyTraits.from_strategy([(name, {"use_ds_zero": True})], 2, shape, device_type="cuda")
         offload = StrategyTraits.from_strategy([(name, {"use_ds_zero": True, "ds_config": OFFLOAD})], 2, shape,
                                                device_type="cuda")
-        assert (plain.cpu_offload, offload.cpu_offload) == (False, True)
-        assert offload.sharding == "deepspeed"
+        assert (plain.ds_offload_optimizer, offload.ds_offload_optimizer) == (False, True)
+        assert not offload.ds_offload_params and not offload.cpu_offload    # cpu_offload is torch FSDP2's
+        assert offload.sharding == "deepspeed" and offload.ds_bucket_elements == 1000
+
+
+PARAMS = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
+
+
+def test_offload_keeps_on_the_device_what_each_backend_keeps_there():
+    shape = ModelShape.from_module(tiny_llama())
+    n, d = shape.num_params, 2
+
+    def breakdown(item):
+        return estimate(shape, ["amp_native", item], 8, 32, d, "cuda").breakdown
+
+    # DeepSpeed optimizer offload: the bf16 module, the bucket and a staging buffer of the largest
+    # parameter stay; master, Adam state, the fp32 gradient partition (no bf16 partition, no
+    # upcast for the step), a bf16 copy of the partition and a second staging buffer go to the host.
+    largest = 1024 * 64                     # tiny_llama's embedding (and head)
+    opt = breakdown(("zero2", {"use_ds_zero": True, "ds_config": OFFLOAD}))
+    assert opt["mem_params"] == 2 * n and opt["mem_ds_reduce_bucket"] == 2 * 1000
+    assert opt["mem_host_grad_fp32"] == 4 * n / d and opt["mem_host_master"] == 4 * n / d
+    assert opt["mem_host_optimizer"] == 8 * n / d and opt["mem_ds_offload_buffers"] == 2 * largest
+    assert opt["mem_host_ds_offload_host_buffers"] == 2 * (n / d + largest)
+    assert not {"mem_grads", "mem_step_grad_fp32", "mem_host_step_grad_fp32", "mem_master"} & set(opt)
+    # ZeRO-3 with optimizer offload only: the bf16 partitions and gradient partition stay; with
+    # offload_param the parameter partitions go too. Parameters below 1e5 elements (all of the
+    # tiny model's) stay whole on every rank either way.
+    z3 = breakdown(("fsdp", {"use_ds_zero": True, "ds_config": OFFLOAD}))
+    assert z3["mem_params"] == 2 * n / d and z3["mem_grads"] == 2 * n / d and "mem_host_params" not in z3
+    assert z3["mem_host_grad_fp32"] == 4 * n / d and z3["mem_ds_persistent_params"] == 2 * n
+    z3p = breakdown(("fsdp", {"use_ds_zero": True, "ds_config": PARAMS}))
+    assert z3p["mem_host_params"] == 2 * n / d and "mem_params" not in z3p
+    # torch FSDP2 CPUOffloadPolicy: fp32 shards, gradients, Adam state and the (per-tensor) step on the host.
+    torch_offload = estimate(shape, ["parallel_mode", "amp_native", ("fsdp", {"cpu_offload": True})], 8, 32, d,
+                             "cuda").breakdown
+    assert torch_offload["mem_host_params"] == 4 * n / d and "mem_optimizer_step" not in torch_offload
+    assert torch_offload["mem_host_optimizer_step"] > 0 and torch_offload["mem_gathered_params"] > 0
+    # On a CPU run the host is the device: nothing is split off, the totals are the same.
+    on_cpu = estimate(shape, ["amp_native", ("zero2", {"use_ds_zero": True, "ds_config": OFFLOAD})], 8, 32, d,
+                      "cpu").breakdown
+    assert not any(k.startswith("mem_host_") for k in on_cpu) and on_cpu["mem_grad_fp32"] == 4 * n / d
 
 
 def test_offload_devices_and_3d_shares_the_reader(tmp_path):

@@ -159,11 +159,12 @@ def validate_deepspeed(who: str, context: ValidationContext, stage: int, ds_conf
 
 
 def deepspeed_cost_traits(stage: int, ds_config: DsConfigSpec) -> Dict[str, Any]:
-    """The cost model's view of a ZeRO engine: optimizer offload moves the sharded states to the host."""
+    """The cost model's view of a ZeRO engine: what its offload options move to the host (the
+    optimizer side and the parameter partitions separately), and the user's reduce bucket."""
     user = load_ds_config("cost model", ds_config)
     optimizer_device, param_device = offload_devices(user)
     return {"sharding": "deepspeed", "zero_stage": stage, "ddp_wrap": False,
-            "cpu_offload": optimizer_device != "none" or param_device != "none",
+            "ds_offload_optimizer": optimizer_device != "none", "ds_offload_params": param_device != "none",
             "ds_bucket_elements": user_bucket_elements(user) or 0}
 
 
