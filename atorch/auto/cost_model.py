@@ -70,6 +70,7 @@ class ModelShape:
     kv_dim: int = 0             # key/value projection width (grouped-query attention); 0: hidden_size
     gated: bool = True          # Llama-style gated MLP (three matrices) rather than GPT-2's two
     fused_attention: bool = False   # the model's own attention never materializes b*heads*s^2 (sdpa, flash)
+    kv_cache: bool = False          # a training forward fills Hugging Face's key/value cache (config.use_cache)
 
     @classmethod
     def from_config(cls, config: Any) -> "ModelShape":
@@ -100,7 +101,7 @@ class ModelShape:
         fused = getattr(config, "_attn_implementation", None) in ("sdpa", "flash_attention_2", "flash_attention_3",
                                                                   "flex_attention")
         return cls(layers * layer + embedding + final_norm, layers, h, ffn, heads, vocab, layer, embedding,
-                   kv_heads * head_dim, gated, fused)
+                   kv_heads * head_dim, gated, fused, bool(getattr(config, "use_cache", False)))
 
     @classmethod
     def from_module(cls, model: nn.Module) -> "ModelShape":
@@ -115,7 +116,8 @@ class ModelShape:
                 embedding += head.weight.numel()
             layer = (num_params - embedding) // max(1, shape.num_layers)
             return cls(num_params, shape.num_layers, shape.hidden_size, shape.intermediate_size, shape.num_heads,
-                       shape.vocab_size, layer, embedding, shape.kv_dim, shape.gated, shape.fused_attention)
+                       shape.vocab_size, layer, embedding, shape.kv_dim, shape.gated, shape.fused_attention,
+                       shape.kv_cache)
         # A plain module: the largest ModuleList is the layer stack; the widest Linear input is the width.
         linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
         hidden = max((m.in_features for m in linears), default=1)
@@ -218,6 +220,7 @@ class StrategyTraits:
     fused_attention: bool = False       # module_replace: sdpa, no b*heads*s^2 matrix
     fused_activation: bool = False      # module_replace: GPT-2's Python tanh GELU as one op (saves its input only)
     fused_norm: bool = False            # module_replace: RMSNorm as F.rms_norm (saves fp32 upcast and result in half)
+    kv_cache_off: bool = False          # compile: sets the model's use_cache to False
     lora_rank: int = 0                  # lora: adapters of this rank, base weights frozen
     lora_targets: Optional[Tuple[str, ...]] = None
     trainable_fraction: float = 1.0     # derived: trainable / total parameters (lora)
@@ -358,7 +361,8 @@ def precision_mode(traits: StrategyTraits) -> str:
 
 
 def _block_saved_bytes(shape: ModelShape, mode: str, seq_len: int, fused_attention: bool,
-                       fused_activation: bool = False, fused_norm: bool = False) -> Tuple[float, float]:
+                       fused_activation: bool = False, fused_norm: bool = False,
+                       kv_cache: bool = False) -> Tuple[float, float]:
     """Bytes per token that one decoder block saves for backward: (replicated, tensor-sharded).
 
     Counted on Hugging Face's Llama and GPT-2 blocks (saved_tensors_hooks, one storage counted
@@ -380,6 +384,11 @@ def _block_saved_bytes(shape: ModelShape, mode: str, seq_len: int, fused_attenti
     `fused_norm` (module_replace's `F.rms_norm`): in half, each norm keeps its normalized result
     in fp32 where Hugging Face's RMSNorm keeps it in half (+2 bytes a norm; same bytes in fp32
     and under autocast). Measured on CPU, where `F.rms_norm` runs as its composite.
+    `kv_cache` (a training forward with Hugging Face's cache, no checkpointing): the cache's
+    `torch.cat` copies k and v and attention saves the copies. Where q, k and v are views of one
+    fused projection (GPT-2's c_attn) the projection stays saved through q, so the copies are 2 x
+    kv more; with separate projections (Llama) they replace tensors that are then freed (measured:
+    the same bytes with and without the cache).
     """
     h, f = shape.hidden_size, shape.intermediate_size
     kv = (shape.kv_dim or h) if fused_attention else h
@@ -396,6 +405,8 @@ def _block_saved_bytes(shape: ModelShape, mode: str, seq_len: int, fused_attenti
         replicated = {"fp32": 4 * 4 * h, "autocast": 4 * 2 * h + 2 * 2 * h, "half": 2 * 4 * h}[mode]
         sharded = {"fp32": 4 * 4 * h + 4 * ffn * f + 4 * attn, "autocast": 2 * 4 * h + 2 * ffn * f + 6 * attn,
                    "half": 2 * 4 * h + 2 * ffn * f + 2 * attn}[mode]
+        if kv_cache:
+            sharded += (4 if mode == "fp32" else 2) * 2 * (shape.kv_dim or h)
     return float(replicated), float(sharded)
 
 
@@ -425,11 +436,13 @@ def _final_norm_saved_bytes(shape: ModelShape, mode: str, frozen_head: bool = Fa
     return float(saved - ((4 if mode == "fp32" else 2) * h if frozen_head else 0))
 
 
-def block_activation_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int) -> float:
-    """Bytes one decoder block saves for backward on one rank (what a checkpointed block rebuilds)."""
+def block_activation_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int,
+                           kv_cache: bool = False) -> float:
+    """Bytes one decoder block saves for backward on one rank (what a checkpointed block rebuilds,
+    without a cache: checkpointed blocks run with use_cache=False)."""
     mode = precision_mode(traits)
     replicated, sharded = _block_saved_bytes(shape, mode, seq_len, traits.fused_attention or shape.fused_attention,
-                                             traits.fused_activation, traits.fused_norm)
+                                             traits.fused_activation, traits.fused_norm, kv_cache)
     if traits.lora_rank:
         frozen_replicated, frozen_sharded = _frozen_inputs_bytes(shape, mode)
         replicated, sharded = replicated - frozen_replicated, sharded - frozen_sharded
@@ -449,7 +462,8 @@ def activation_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int
     if traits.checkpoint:
         per_block = 1.0 * tokens * (2 if mode == "half" else 4) * shape.hidden_size
     else:
-        per_block = block_activation_bytes(shape, traits, micro_batch, seq_len)
+        per_block = block_activation_bytes(shape, traits, micro_batch, seq_len,
+                                           kv_cache=shape.kv_cache and not traits.kv_cache_off)
     softmax = loss_softmax_bytes(shape, traits, micro_batch, seq_len)
     final = tokens * _final_norm_saved_bytes(shape, mode, frozen_head=bool(traits.lora_rank),
                                              fused_norm=traits.fused_norm)

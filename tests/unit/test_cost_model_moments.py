@@ -157,3 +157,27 @@ def test_the_optimizer_step_follows_the_device_default():
     assert cpu["mem_optimizer_step"] == pytest.approx(
         (3 * shape.num_params + 2 * shape.vocab_size * shape.hidden_size) / 8 * 4)
     assert precision_mode(StrategyTraits.from_strategy(strategy, 8, shape)) == "fp32"
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_training_forward_with_the_kv_cache_saves_what_the_model_counts(arch):
+    layers = 2
+    model = (tiny_gpt2(n_layer=layers, attn_implementation="sdpa") if arch == "gpt2"
+             else tiny_llama(num_hidden_layers=layers, attn_implementation="sdpa"))
+    model.train()
+    ids = torch.randint(0, 100, (1, SEQ))
+
+    def saved(use_cache: bool) -> float:
+        return _saved_bytes_per_token(model, lambda: model(input_ids=ids, use_cache=use_cache), set(), ())
+
+    shape = ModelShape.from_module(model)
+    assert shape.kv_cache                   # Hugging Face's default: use_cache=True
+    with_cache = sum(_block_saved_bytes(shape, "fp32", SEQ, True, kv_cache=True))
+    without = sum(_block_saved_bytes(shape, "fp32", SEQ, True))
+    # GPT-2: the cache's copies of k and v are saved on top (its q/k/v are views of one c_attn
+    # output); Llama: the copies replace k and v, the same bytes.
+    assert saved(True) - saved(False) == pytest.approx(layers * (with_cache - without))
+    assert (with_cache > without) == (arch == "gpt2")
+    # compile turns the cache off, and checkpointed blocks run without it.
+    traits = StrategyTraits.from_strategy(["parallel_mode", "compile"], 1, shape)
+    assert traits.kv_cache_off

@@ -113,7 +113,8 @@ class CompileOptimization(Optimization):
     def cost_traits(cls, config: CompileConfig, context: CostContext) -> Dict[str, Any]:
         # A prior for ranking; the dry run measures the real gain of this model on this device.
         factor = COMPUTE_TIME_FACTOR.get(context.device_type, COMPUTE_TIME_FACTOR["cuda"])
-        return {"compute_time_factor": factor}
+        # apply() turns Hugging Face's key/value cache off for training.
+        return {"compute_time_factor": factor, "kv_cache_off": True}
 
     @classmethod
     def describe_step(cls, config: CompileConfig) -> str:
