@@ -7,13 +7,15 @@ Two layers over the cost model (`atorch.auto.cost_model.estimate`, used as is):
    per backend and group size for the collectives), cached as JSON in
    `$ATORCH_CALIBRATION_CACHE` or `~/.cache/atorch/calibration.json` (never pickle), and
    handed to the cost model through its `profile=` argument (`DeviceConstants.as_profile`).
-2. **Refit** (`LearningPredictor`): the cost model's step time is the sum of three parts
-   (`breakdown` keys time_compute, time_overhead, time_communication). Every measured dry run
-   (`observe(strategy, step_time_s)`) refits one non-negative weight per part by least
-   squares on relative errors, shrunk towards a common scale (the median measured/predicted
-   ratio) so that one or two trials rescale the model without reordering it, and more trials
-   reweigh compute against overhead against communication, which reorders the remaining
-   candidates. Predicted memory is left as the base model says.
+2. **Refit** (`LearningPredictor`), on every measured dry run (`observe(strategy, step_time_s)`):
+   one non-negative weight per part of the cost model's step time (compute, overhead,
+   communication; least squares on relative errors, shrunk towards a common rescale), then
+   per-option corrections: log(measured / predicted) ~ bias + one effect per option of the
+   strategy (amp, checkpoint, each sharder, tensor=2, ...), ridge-shrunk towards 0 and fitted
+   with a Huber loss. An option the cost model misjudges (autocast on a CPU) is learned from
+   the trials that used it and corrects the candidates not yet run, which reorders them; one
+   trial only rescales, and one wild measurement is downweighted. Memory is left as the base
+   model says.
 """
 
 from __future__ import annotations
@@ -288,40 +290,144 @@ def fit_weights(features: np.ndarray, measured: np.ndarray, prior_strength: floa
     return weights
 
 
+def option_keys(strategy: StrategyLike) -> Tuple[str, ...]:
+    """The options a strategy is made of, as keys a per-option correction can be learned for.
+
+    One key per item (its name, with its config when it has one: `amp_native:{"dtype": ...}`),
+    and one per parallel dimension of size > 1 (`parallel_mode:tensor=2`) instead of the layout
+    as a whole, so that what is learned about tensor=2 applies to every candidate using it.
+    """
+    keys = []
+    for item in Strategy.from_any(strategy):
+        if item.name == "parallel_mode":
+            dims = _layout(item.config)
+            if dims is not None:
+                keys.extend(f"parallel_mode:{k}={v}" for k, v in sorted(dims.items()) if v > 1)
+                continue
+        if item.config is None:
+            keys.append(item.name)
+        else:
+            keys.append(f"{item.name}:{json.dumps(item.config, sort_keys=True, default=repr)}")
+    return tuple(sorted(set(keys)))
+
+
+def _layout(config: Any) -> Optional[Dict[str, int]]:
+    dims = getattr(config, "dims", None)
+    if dims is None and isinstance(config, (tuple, list)) and config and isinstance(config[0], (tuple, list)):
+        dims = config[0]
+    if config is None:
+        return {}
+    try:
+        return {str(name): int(size) for name, size in dims}
+    except (TypeError, ValueError):
+        return None
+
+
+def fit_option_effects(keys: Sequence[Sequence[str]], residuals: Sequence[float], ridge: float = 2.0,
+                       huber_delta: float = 0.1, iterations: int = 10) -> Tuple[float, Dict[str, float]]:
+    """(bias, effect per option) with residual_i ~ bias + sum of the effects of row i's options.
+
+    `residuals` are log(measured / predicted). The bias is free (it rescales every candidate
+    alike, so it never reorders them); the effects are ridge-shrunk towards 0 with strength
+    `ridge` in units of one observation, so an option seen in one or two trials gets a fraction
+    of its apparent effect and one trial (whose residual the bias absorbs) changes no ranking.
+    A Huber loss (quadratic within max(`huber_delta`, 1.345 x the residuals' robust sigma) in
+    log units, linear beyond), by iterated reweighting, keeps one wild measurement from dragging
+    the effects of its options.
+    """
+    if ridge <= 0:
+        raise ValueError(f"ridge={ridge!r} must be > 0 (0 would let one trial set an option's effect)")
+    y = np.asarray(residuals, dtype=float)
+    if len(keys) != len(y) or len(y) == 0:
+        raise ValueError(f"fit_option_effects needs one key list per residual, got {len(keys)} and {len(y)}")
+    names = sorted({k for row in keys for k in row})
+    index = {k: j for j, k in enumerate(names)}
+    x = np.zeros((len(y), len(names) + 1))
+    x[:, 0] = 1.0
+    for i, row in enumerate(keys):
+        for k in row:
+            x[i, 1 + index[k]] = 1.0
+    penalty = np.full(len(names) + 1, float(ridge))
+    penalty[0] = 0.0   # the bias is free: it rescales all candidates alike
+    weights = np.ones(len(y))
+    for _ in range(iterations):
+        xtw = x.T * weights
+        coef = np.linalg.solve(xtw @ x + np.diag(penalty), xtw @ y)
+        r = np.abs(y - x @ coef)
+        # The threshold follows the residuals' own spread (1.345 sigma, sigma from the median
+        # absolute residual), floored at huber_delta: a fit whose residuals are all alike (a
+        # shrunk but consistent fit) keeps every point at full weight; one point far beyond
+        # the others is downweighted.
+        delta = max(huber_delta, 1.345 * 1.4826 * float(np.median(r)))
+        new = np.where(r <= delta, 1.0, delta / np.maximum(r, 1e-12))
+        if np.allclose(new, weights):
+            break
+        weights = new
+    return float(coef[0]), {k: float(coef[1 + j]) for k, j in index.items()}
+
+
 class LearningPredictor:
     """A predictor (`strategy -> Estimate`) whose step times are refitted on every observed dry run.
 
     `base` must return estimates with the cost model's breakdown (time_compute, time_overhead,
-    time_communication), e.g. `cost_model_predictor(...)` with probed constants. Before any
-    observation it predicts exactly what `base` does; the returned breakdown holds the weighted
-    components. A search uses it by calling `observe(strategy, global_batch / throughput)` after
-    each successful dry run and predicting the remaining candidates again (base estimates are
-    cached, so that costs three multiplications per candidate).
+    time_communication), e.g. `cost_model_predictor(...)` with probed constants. Two refits,
+    one after the other, on every observation:
+
+    1. (`fit_components`) one non-negative weight per part (`fit_weights`): rescales compute
+       against overhead against communication;
+    2. (`option_ridge`, None: off) per-option corrections (`fit_option_effects`): the log of
+       measured / predicted explained as a bias plus one effect per option (`option_keys`),
+       ridge-shrunk towards 0. The prediction of a candidate not yet run is multiplied by
+       exp(bias + the effects of its options): what the cost model misjudges about an option
+       (autocast's casts on a CPU, a sharder's per-step bookkeeping) is learned from the
+       candidates that used it and applied to those that have not run. Options never observed
+       get no correction.
+
+    Before any observation it predicts exactly what `base` does. A search uses it by calling
+    `observe(strategy, global_batch / throughput)` after each successful dry run and predicting
+    the remaining candidates again (base estimates are cached).
     """
 
-    def __init__(self, base: Predictor, prior_strength: float = 0.1) -> None:
+    def __init__(self, base: Predictor, prior_strength: float = 0.1, option_ridge: Optional[float] = 2.0,
+                 fit_components: bool = True, huber_delta: float = 0.1) -> None:
         if prior_strength <= 0:
             raise ValueError(f"prior_strength={prior_strength!r} must be > 0")
+        if option_ridge is not None and option_ridge <= 0:
+            raise ValueError(f"option_ridge={option_ridge!r} must be > 0 (or None: no per-option corrections)")
+        if huber_delta <= 0:
+            raise ValueError(f"huber_delta={huber_delta!r} must be > 0")
         self.base = base
         self.prior_strength = prior_strength
+        self.option_ridge = option_ridge
+        self.fit_components = fit_components
+        self.huber_delta = huber_delta
         self.weights = np.ones(len(COMPONENTS))
-        self._observed: Dict[str, Tuple[np.ndarray, float]] = {}
-        self._cache: Dict[str, Estimate] = {}
+        self.bias = 0.0
+        self.effects: Dict[str, float] = {}
+        self._observed: Dict[str, Tuple[np.ndarray, float, Tuple[str, ...]]] = {}
+        self._cache: Dict[str, Tuple[Estimate, Tuple[str, ...]]] = {}
 
-    def _base(self, strategy: StrategyLike) -> Estimate:
+    def _base(self, strategy: StrategyLike) -> Tuple[Estimate, Tuple[str, ...]]:
         s = Strategy.from_any(strategy)
         key = repr(s)
         if key not in self._cache:
-            self._cache[key] = self.base(s)
+            self._cache[key] = (self.base(s), option_keys(s))
         return self._cache[key]
 
+    def correction(self, strategy: StrategyLike) -> float:
+        """The factor the per-option refit multiplies `strategy`'s step time by (1.0 before any trial)."""
+        _, keys = self._base(strategy)
+        return math.exp(self.bias + sum(self.effects.get(k, 0.0) for k in keys))
+
     def __call__(self, strategy: StrategyLike) -> Estimate:
-        est = self._base(strategy)
+        est, keys = self._base(strategy)
         x = _features(est)
         if not x.any():
             return est
-        step = float(x @ self.weights)
-        weighted = {k: float(est.breakdown.get(k, 0.0)) * float(w) for k, w in zip(COMPONENTS, self.weights)}
+        factor = math.exp(self.bias + sum(self.effects.get(k, 0.0) for k in keys))
+        step = float(x @ self.weights) * factor
+        weighted = {k: float(est.breakdown.get(k, 0.0)) * float(w) * factor
+                    for k, w in zip(COMPONENTS, self.weights)}
         return Estimate(est.peak_memory_bytes, step, {**est.breakdown, **weighted})
 
     def observe(self, strategy: StrategyLike, measured_step_time_s: float) -> None:
@@ -331,20 +437,28 @@ class LearningPredictor:
                 and math.isfinite(measured_step_time_s)):
             raise ValueError(f"measured_step_time_s={measured_step_time_s!r} must be a finite number > 0")
         s = Strategy.from_any(strategy)
-        x = _features(self._base(s))
+        est, keys = self._base(s)
+        x = _features(est)
         if not x.any():
             return
-        self._observed[repr(s)] = (x, float(measured_step_time_s))
+        self._observed[repr(s)] = (x, float(measured_step_time_s), keys)
         xs = np.stack([v[0] for v in self._observed.values()])
         ys = np.array([v[1] for v in self._observed.values()])
-        self.weights = fit_weights(xs, ys, self.prior_strength)
+        if self.fit_components:
+            self.weights = fit_weights(xs, ys, self.prior_strength)
+        if self.option_ridge is not None:
+            residuals = np.log(ys / np.maximum(xs @ self.weights, 1e-30))
+            self.bias, self.effects = fit_option_effects([v[2] for v in self._observed.values()], residuals,
+                                                         self.option_ridge, self.huber_delta)
 
     @property
     def observations(self) -> int:
         return len(self._observed)
 
     def describe(self) -> Dict[str, float]:
-        return dict(zip(COMPONENTS, (float(w) for w in self.weights)))
+        """The fitted weights per component, the bias and the per-option effects (log units)."""
+        return {**dict(zip(COMPONENTS, (float(w) for w in self.weights))), "bias": self.bias,
+                **{f"effect {k}": v for k, v in sorted(self.effects.items())}}
 
 
 def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float:
@@ -357,5 +471,5 @@ def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 __all__ = ["COMPONENTS", "DeviceConstants", "LearningPredictor", "calibrate_device", "cost_model_predictor",
-           "default_cache_path", "device_kind", "fit_weights", "kendall_tau", "load_cache", "probe_all_reduce",
-           "probe_matmul"]
+           "default_cache_path", "device_kind", "fit_option_effects", "fit_weights", "kendall_tau", "load_cache",
+           "option_keys", "probe_all_reduce", "probe_matmul"]

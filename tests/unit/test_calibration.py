@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -163,3 +164,115 @@ def test_learning_predictor_keeps_memory_and_validates():
 def test_device_constants_profile_with_comm():
     c = DeviceConstants("cpu:x", 1.0, 2.0, "gloo:2", 3.0, 4.0)
     assert c.as_profile() == {"flops_fp32": 1.0, "flops_bf16": 2.0, "comm_bytes_per_s": 3.0, "comm_latency_s": 4.0}
+
+
+# -- per-option corrections --------------------------------------------------------------------
+
+OPTIONS = ("amp_native", "checkpoint", "zero1", "fsdp", "module_replace")
+# What the synthetic machine does that the base model does not know: log factors per option.
+TRUE_EFFECTS = {"amp_native": 0.5, "checkpoint": -0.3, "zero1": 0.25, "fsdp": 0.6, "module_replace": -0.1,
+                "parallel_mode:tensor=2": 0.4}
+
+
+def _option_landscape():
+    """32 candidates (data 2 or tensor 2, x 5 options on/off in a fixed pseudo-random subset), a base
+    model with fixed breakdowns, and a 'measured' step = base step x exp(sum of the true effects)."""
+    rng = np.random.default_rng(3)
+    strategies, rows, measured = [], {}, {}
+    for i in range(32):
+        layout = [("data", 2)] if i % 2 else [("tensor", 2), ("data", 1)]
+        chosen = [o for o, bit in zip(OPTIONS, rng.integers(0, 2, len(OPTIONS))) if bit]
+        s = Strategy([("parallel_mode", (layout, None)), *chosen, f"tag{i}"])
+        parts = tuple(rng.uniform(0.05, 1.0, size=3))
+        rows[s.describe()] = parts
+        keys = calibration.option_keys(s)
+        measured[s.describe()] = sum(parts) * float(np.exp(sum(TRUE_EFFECTS.get(k, 0.0) for k in keys)))
+        strategies.append(s)
+    return strategies, _TableBase(rows), measured
+
+
+def _held_out_tau(predict, strategies, measured):
+    return kendall_tau([-predict(s).step_time_s for s in strategies], [-measured[s.describe()] for s in strategies])
+
+
+def test_option_keys_name_items_configs_and_parallel_dims():
+    s = Strategy([("parallel_mode", ([("tensor", 2), ("data", 1)], None)), "tensor_parallel",
+                  ("amp_native", {"dtype": "bfloat16"}), ("gradient_accumulation", 4)])
+    assert calibration.option_keys(s) == ('amp_native:{"dtype": "bfloat16"}', "gradient_accumulation:4",
+                                          "parallel_mode:tensor=2", "tensor_parallel")
+    assert calibration.option_keys(Strategy(["parallel_mode", "fsdp"])) == ("fsdp",)
+
+
+def test_per_option_refit_moves_the_ranking_towards_the_truth_as_trials_come_in():
+    strategies, base, measured = _option_landscape()
+    held_out = strategies[16:]
+    taus = []
+    for n in (0, 4, 8, 16):
+        learner = LearningPredictor(base, fit_components=False)
+        for s in strategies[:n]:
+            learner.observe(s, measured[s.describe()])
+        taus.append(_held_out_tau(learner, held_out, measured))
+    assert taus[0] < 0.5 and taus[-1] > 0.75, taus
+    assert taus[0] < taus[1] < taus[2] < taus[3], taus     # improves as trials come in
+    learner = LearningPredictor(base, fit_components=False)
+    for s in strategies[:16]:
+        learner.observe(s, measured[s.describe()])
+    # Shrunk but in the right direction and order: fsdp's effect the largest, checkpoint's negative.
+    effects = learner.effects
+    assert effects["fsdp"] > effects["amp_native"] > effects["zero1"] > 0 > effects["checkpoint"]
+    assert 0.5 * TRUE_EFFECTS["fsdp"] < effects["fsdp"] < TRUE_EFFECTS["fsdp"] * 1.05
+    # The default (component weights, then per-option corrections) gets there too.
+    both = LearningPredictor(base)
+    for s in strategies[:16]:
+        both.observe(s, measured[s.describe()])
+    assert _held_out_tau(both, held_out, measured) > 0.75
+
+
+def test_one_trial_rescales_without_reordering_and_few_trials_move_little():
+    strategies, base, measured = _option_landscape()
+    plain = [base(s).step_time_s for s in strategies]
+    learner = LearningPredictor(base, fit_components=False)
+    learner.observe(strategies[0], measured[strategies[0].describe()] * 3.0)
+    after = [learner(s).step_time_s for s in strategies]
+    assert np.argsort(after).tolist() == np.argsort(plain).tolist()           # the same order
+    assert after[0] == pytest.approx(measured[strategies[0].describe()] * 3.0)  # the bias took it all
+    assert max(abs(v) for v in learner.effects.values()) < 1e-12
+    # Two trials that differ in one option: that option gets a third of the apparent log ratio (ridge 2).
+    a = Strategy([("parallel_mode", ([("data", 2)], None)), "x"])
+    b = Strategy([("parallel_mode", ([("data", 2)], None)), "x", "fsdp"])
+    base2 = _TableBase({a.describe(): (1.0, 0.0, 0.0), b.describe(): (1.0, 0.0, 0.0)})
+    two = LearningPredictor(base2, fit_components=False, option_ridge=2.0, huber_delta=10.0)
+    two.observe(a, 1.0)
+    two.observe(b, 2.0)
+    # min over c, e: c^2 + (log 2 - c - e)^2 + 2 e^2 (c = bias + x's effect, free) gives e = log(2) / 5.
+    assert two.effects["fsdp"] == pytest.approx(math.log(2.0) / 5.0)
+
+
+def test_a_wild_measurement_does_not_drag_the_effects():
+    strategies, base, measured = _option_landscape()
+    seen, held_out = strategies[:16], strategies[16:]
+    wild = dict(measured)
+    wild[seen[3].describe()] *= 10.0          # one trial 10x slower than the truth (a stalled machine)
+    robust = LearningPredictor(base, fit_components=False)
+    naive = LearningPredictor(base, fit_components=False, huber_delta=100.0)   # plain least squares
+    for s in seen:
+        robust.observe(s, wild[s.describe()])
+        naive.observe(s, wild[s.describe()])
+    clean = LearningPredictor(base, fit_components=False)
+    for s in seen:
+        clean.observe(s, measured[s.describe()])
+    options = [k for k in clean.effects if not k.startswith("tag")]
+    moved = max(abs(robust.effects[k] - clean.effects[k]) for k in options)
+    moved_naive = max(abs(naive.effects[k] - clean.effects[k]) for k in options)
+    assert moved < 0.02 < 0.1 < moved_naive, (moved, moved_naive)
+    assert _held_out_tau(robust, held_out, measured) > _held_out_tau(naive, held_out, measured) \
+        > _held_out_tau(base, held_out, measured)
+
+
+def test_fit_option_effects_validates():
+    with pytest.raises(ValueError, match="ridge"):
+        calibration.fit_option_effects([("a",)], [0.1], ridge=0.0)
+    with pytest.raises(ValueError, match="one key list per residual"):
+        calibration.fit_option_effects([("a",)], [0.1, 0.2])
+    with pytest.raises(ValueError, match="option_ridge"):
+        LearningPredictor(_TableBase({}), option_ridge=-1.0)
