@@ -297,7 +297,7 @@ def option_keys(strategy: StrategyLike) -> Tuple[str, ...]:
     and one per parallel dimension of size > 1 (`parallel_mode:tensor=2`) instead of the layout
     as a whole, so that what is learned about tensor=2 applies to every candidate using it.
     """
-    keys = []
+    keys: List[str] = []
     for item in Strategy.from_any(strategy):
         if item.name == "parallel_mode":
             dims = _layout(item.config)
@@ -312,11 +312,14 @@ def option_keys(strategy: StrategyLike) -> Tuple[str, ...]:
 
 
 def _layout(config: Any) -> Optional[Dict[str, int]]:
+    """{dim: size} of a parallel_mode config ({} for none), or None when it has another form."""
+    if config is None:
+        return {}
     dims = getattr(config, "dims", None)
     if dims is None and isinstance(config, (tuple, list)) and config and isinstance(config[0], (tuple, list)):
         dims = config[0]
-    if config is None:
-        return {}
+    if dims is None:
+        return None
     try:
         return {str(name): int(size) for name, size in dims}
     except (TypeError, ValueError):
