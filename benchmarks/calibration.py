@@ -73,20 +73,21 @@ def parse_description(text: str) -> Strategy:
     return Strategy(items)
 
 
-def _probe_rank(cache: str, config: Any, workloads: List[Any], sizes: List[int], seq_len: int) -> Dict[str, Any]:
+def _probe_rank(cache: str, config: Any, workloads: List[Any], sizes: List[int], seq_len: int,
+                refresh: bool = False) -> Dict[str, Any]:
     import torch
 
     from atorch.auto.cost_model import ModelShape
 
     shape = ModelShape.from_config(config)
     cpu = torch.device("cpu")
-    return {"block": calibrate_model(shape, workloads, sizes, cpu, seq_len=seq_len, cache_path=cache),
-            "gemm": calibrate_model(shape, workloads, sizes, cpu, method="gemm", cache_path=cache),
-            "square": calibrate_device(cpu, cache_path=cache).as_profile()}
+    return {"block": calibrate_model(shape, workloads, sizes, cpu, seq_len=seq_len, cache_path=cache, refresh=refresh),
+            "gemm": calibrate_model(shape, workloads, sizes, cpu, method="gemm", cache_path=cache, refresh=refresh),
+            "square": calibrate_device(cpu, cache_path=cache, refresh=refresh).as_profile()}
 
 
 def probe_constants(cache: str, config: Any, strategies: List[Strategy], batch: int, seq: int,
-                    world: int) -> Dict[str, Any]:
+                    world: int, refresh: bool = False) -> Dict[str, Any]:
     """The probed rates for these candidates: read from `cache`, measured (2 ranks) where it misses."""
     from atorch.auto.cost_model import ModelShape
     from atorch.testing import run_distributed
@@ -97,7 +98,8 @@ def probe_constants(cache: str, config: Any, strategies: List[Strategy], batch: 
         tokens, tensor, moved, _ = strategy_workload(shape, s, batch, seq, world)
         workloads.add((tokens, tensor))
         sizes.update(moved)
-    return run_distributed(_probe_rank, 2, cache, config, sorted(workloads), sorted(sizes), seq, timeout=600)[0]
+    return run_distributed(_probe_rank, 2, cache, config, sorted(workloads), sorted(sizes), seq, refresh,
+                           timeout=600)[0]
 
 
 def noise_ceiling(table: Dict[str, Any]) -> float:
@@ -307,6 +309,7 @@ def main() -> None:
     parser.add_argument("--table", default=os.path.join(HERE, "real_landscape.json"))
     parser.add_argument("--out", default=os.path.join(HERE, "step_time_landscape.json"))
     parser.add_argument("--cache", default=os.path.join(HERE, "calibration_probe.json"))
+    parser.add_argument("--refresh", action="store_true", help="probe: measure again what the cache holds")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--orders", type=int, default=200)
     parser.add_argument("--trials", default="0,4,8,12,16")
@@ -316,7 +319,7 @@ def main() -> None:
     elif args.command == "probe":
         land = load_landscape(args.table)
         probed = probe_constants(args.cache, land["config"], list(land["strategies"].values()), land["batch"],
-                                 land["seq"], land["world"])
+                                 land["seq"], land["world"], args.refresh)
         print(f"{args.cache}: {probed['block'].device_kind}")
         for k in ("block", "gemm"):
             print(k, {key: f"{v:.3g}" for key, v in probed[k].flops.items()}, probed[k].layer_overhead_s,

@@ -276,3 +276,124 @@ def test_fit_option_effects_validates():
         calibration.fit_option_effects([("a",)], [0.1, 0.2])
     with pytest.raises(ValueError, match="option_ridge"):
         LearningPredictor(_TableBase({}), option_ridge=-1.0)
+
+
+# -- the probe at the model's shapes -----------------------------------------------------------
+
+def _shape():
+    from atorch.auto.cost_model import ModelShape
+
+    return ModelShape.from_config(tiny_llama_config(num_hidden_layers=2, hidden_size=64, intermediate_size=96,
+                                                    vocab_size=128))
+
+
+def test_model_gemms_are_the_blocks_projections_forward_and_backward():
+    shape = _shape()
+    gemms = calibration.model_gemms(shape, tokens=32, tensor=1)
+    flops = sum(2 * m * k * n * c for m, k, n, c in gemms)
+    # 6 x (block matmul params x layers + LM head) per token: forward, input grad, weight grad.
+    block_matmuls = 4 * 64 * 64 + 3 * 64 * 96
+    assert flops == 6 * 32 * (block_matmuls * shape.num_layers + 64 * 128)
+    split = calibration.model_gemms(shape, tokens=32, tensor=2)
+    assert sum(2 * m * k * n * c for m, k, n, c in split) == 6 * 32 * (block_matmuls // 2 * 2 + 64 * 128)
+    with pytest.raises(ValueError, match="tokens=0"):
+        calibration.model_gemms(shape, tokens=0)
+
+
+def test_probes_return_plausible_rates_on_a_tiny_block():
+    shape = _shape()
+    rate, overhead = calibration.probe_block(torch.device("cpu"), shape, tokens=64, seq_len=8, tensor=1, half=False,
+                                             min_seconds=0.0)
+    assert 1e5 < rate < 1e15 and overhead >= 0.0
+    rate_half, _ = calibration.probe_block(torch.device("cpu"), shape, tokens=64, seq_len=8, tensor=2, half=True,
+                                           min_seconds=0.0)
+    assert 1e5 < rate_half < 1e15
+    gemm = calibration.probe_model_gemms(torch.device("cpu"), shape, 16, 1, torch.float32, min_seconds=0.0)
+    assert 1e5 < gemm < 1e15
+    with pytest.raises(ValueError, match="tokens=4 must be >= seq_len=8"):
+        calibration.probe_block(torch.device("cpu"), shape, tokens=4, seq_len=8, tensor=1, half=False)
+
+
+def test_fit_bandwidth_recovers_bandwidth_and_latency():
+    bw, lat = 2e9, 3e-4
+    times = {size: lat + 2 * (4 - 1) / 4 * size / bw for size in (4, 1 << 16, 1 << 20, 1 << 24)}
+    got_bw, got_lat = calibration.fit_bandwidth(times, ranks=4)
+    assert got_bw == pytest.approx(bw, rel=1e-6) and got_lat == pytest.approx(lat, rel=1e-6)
+    with pytest.raises(ValueError, match=">= 2 sizes"):
+        calibration.fit_bandwidth({4: 1e-4}, ranks=2)
+
+
+def _fake_probes(monkeypatch):
+    calls = []
+
+    def block(device, shape, tokens, seq_len, tensor, half, min_seconds=0.1):
+        calls.append(("block", tokens, tensor, half))
+        return (2e10 if half else 1e10) * tensor, 1e-3
+
+    def gemms(device, shape, tokens, tensor, dtype, min_seconds=0.02):
+        calls.append(("gemm", tokens, tensor, dtype))
+        return 5e10
+
+    monkeypatch.setattr(calibration, "probe_block", block)
+    monkeypatch.setattr(calibration, "probe_model_gemms", gemms)
+    return calls
+
+
+def test_calibrate_model_measures_missing_points_once_and_caches_json(tmp_path, monkeypatch):
+    calls = _fake_probes(monkeypatch)
+    shape = _shape()
+    path = str(tmp_path / "calibration.json")
+    first = calibration.calibrate_model(shape, [(32, 1)], seq_len=8, cache_path=path)
+    assert len(calls) == 2 and first.flops == {"bf16:tokens=32:tensor=1": 2e10, "fp32:tokens=32:tensor=1": 1e10}
+    assert first.layer_overhead_s["fp32:tokens=32:tensor=1"] == 1e-3 and first.comm_bytes_per_s is None
+    text = open(path).read()
+    assert json.loads(text)["version"] == calibration.CACHE_VERSION and "pickle" not in text
+    again = calibration.calibrate_model(shape, [(32, 1)], seq_len=8, cache_path=path)
+    assert again == first and len(calls) == 2                       # read back
+    wider = calibration.calibrate_model(shape, [(32, 1), (64, 2)], seq_len=8, cache_path=path)
+    assert len(calls) == 4 and wider.flops["fp32:tokens=64:tensor=2"] == 2e10   # only the new point measured
+    other_seq = calibration.calibrate_model(shape, [(32, 1)], seq_len=16, cache_path=path)
+    assert len(calls) == 6 and other_seq.shape_key.endswith("seq=16")            # keyed by shape and seq
+    calibration.calibrate_model(shape, [(32, 1)], method="gemm", cache_path=path)
+    assert calls[-1][0] == "gemm"
+    with pytest.raises(ValueError, match="method='x'"):
+        calibration.calibrate_model(shape, [(32, 1)], method="x", cache_path=path)
+
+
+def test_calibrate_model_ignores_a_corrupt_cache_or_entry_with_a_warning(tmp_path, monkeypatch, caplog):
+    calls = _fake_probes(monkeypatch)
+    shape = _shape()
+    path = tmp_path / "calibration.json"
+    kind = calibration.device_kind(torch.device("cpu"))
+    key = calibration.shape_key(shape) + ",seq=8"
+    for content in ("{truncated", json.dumps({"version": 1, "entries": {kind: {"block": {key: {"fp32": "fast"}}}}}),
+                    json.dumps({"version": 1, "entries": {kind: {"block": {key: [1, 2]}}}})):
+        path.write_text(content)
+        caplog.clear()
+        before = len(calls)
+        constants = calibration.calibrate_model(shape, [(32, 1)], seq_len=8, cache_path=str(path))
+        assert len(calls) == before + 2 and constants.flops["fp32:tokens=32:tensor=1"] == 1e10
+        assert str(path) in caplog.text and "unusable" in caplog.text
+        assert json.loads(path.read_text())["entries"][kind]["block"][key]["fp32:tokens=32:tensor=1"] == 1e10
+
+
+def test_shaped_constants_give_each_strategy_its_own_rates():
+    shape = _shape()
+    constants = calibration.ShapedConstants(
+        "cpu:x", "k", {"fp32:tokens=32:tensor=1": 1e9, "bf16:tokens=32:tensor=1": 2e9,
+                       "fp32:tokens=64:tensor=2": 4e9, "bf16:tokens=64:tensor=2": 8e9},
+        comm_bytes_per_s=1e9, comm_latency_s=1e-4,
+        layer_overhead_s={"fp32:tokens=32:tensor=1": 1e-3, "bf16:tokens=32:tensor=1": 2e-3})
+    assert constants.profile_for(32, 1) == {"flops_fp32": 1e9, "flops_bf16": 2e9, "layer_overhead_s": 1e-3,
+                                            "comm_bytes_per_s": 1e9, "comm_latency_s": 1e-4}
+    assert constants.profile_for(32, 1, half=True)["layer_overhead_s"] == 2e-3
+    assert constants.profile_for(60, 2)["flops_fp32"] == 4e9          # nearest probed point
+    assert "layer_overhead_s" not in constants.profile_for(64, 2)
+    data2 = Strategy([("parallel_mode", ([("data", 2)], None))])
+    tensor2 = Strategy([("parallel_mode", ([("tensor", 2), ("data", 1)], None)), "tensor_parallel"])
+    assert calibration.strategy_workload(shape, data2, 8, 8, 2)[:2] == (32, 1)
+    tokens, tensor, sizes, half = calibration.strategy_workload(shape, tensor2, 8, 8, 2)
+    assert (tokens, tensor, half) == (64, 2, False) and sizes == [64 * 64 * 4]
+    predict = cost_model_predictor(shape, 8, 8, 2, profile=constants)
+    for s, (tok, ten) in ((data2, (32, 1)), (tensor2, (64, 2))):
+        assert predict(s) == estimate(shape, s, 8, 8, 2, profile=constants.profile_for(tok, ten))
