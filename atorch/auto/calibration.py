@@ -536,8 +536,10 @@ def calibrate_model(shape: ModelShape, workloads: Sequence[Tuple[int, int]], com
         agreed = torch.tensor(flags, dtype=torch.int64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
         flags = [int(x) for x in agreed.tolist()]
+        # Ranks may hold different caches: when any rank misses a point, all measure every point,
+        # so the collectives below see tensors of one length on every rank.
         if flags[0]:
-            missing = [k for k in wanted if k not in gemm] or wanted
+            missing = wanted
         if flags[1]:
             missing_sizes = sizes
     if flags[0]:
