@@ -4,16 +4,26 @@ The landscape is the table of `benchmarks/real_landscape.py` (every candidate of
 32-candidate space dry-run 3 times on 2 CPU ranks; the tiny-but-not-trivial Llama). Compared:
 
 - cost model: `cost_model.estimate` with its built-in CPU constants;
-- probed: the same with this machine's constants from `calibration.calibrate_device` (matmul
-  FLOP/s, gloo all-reduce over 2 ranks), measured here in a 2-rank spawn;
-- refit after n trials: `LearningPredictor(probed)` that observed n candidates (one of
-  their recorded measurements each, at random: the real noise), scored on the candidates it
-  has not seen, averaged over random trial orders. The rows before calibration are scored on
-  the same held-out sets.
+- probed: the same with this machine's rates at the model's own shapes
+  (`calibration.calibrate_model`: one decoder block's forward + backward per tokens-per-rank,
+  tensor split and dtype, giving FLOP/s and a per-layer overhead; gloo all-reduce at the sizes
+  the candidates move), measured in a 2-rank spawn and cached as JSON (`probe`, below); also
+  reported on all candidates: the block's matmuls alone ("gemm") and one large square matmul
+  (`calibrate_device`, the session-3 probe);
+- + refit after k trials: `LearningPredictor` that observed k candidates (one of their
+  recorded measurements each, at random: the real noise), scored on the candidates it has not
+  seen, over random trial orders: component weights only (the session-3 refit), per-option
+  corrections only, and both (the default). The rows without refit are scored on the same
+  held-out sets.
 
 The measured throughput of a candidate is the median of its recorded measurements.
 
-    python benchmarks/calibration.py analyze [--table benchmarks/real_landscape.json] [--orders 200]
+    flock /tmp/atorch-bench.lock nice -n 0 python benchmarks/calibration.py probe [--table ...] [--cache ...]
+    nice -n 19 python benchmarks/calibration.py analyze [--table benchmarks/real_landscape.json] [--orders 200]
+
+`analyze` reads the probe's cache (`--cache`, default benchmarks/calibration_probe.json) and
+refuses to measure under load: run `probe` first (a cache that misses a point is completed by
+the next `probe`).
 
 `measure` records a smaller landscape of its own in the same format (9 candidates that cover
 the dimensions the search space gained: gradient accumulation, pipeline; every candidate
@@ -29,12 +39,18 @@ import json
 import os
 import re
 import statistics
-import tempfile
 from typing import Any, Dict, List
 
 import numpy as np
 
-from atorch.auto.calibration import LearningPredictor, calibrate_device, cost_model_predictor, kendall_tau
+from atorch.auto.calibration import (
+    LearningPredictor,
+    calibrate_device,
+    calibrate_model,
+    cost_model_predictor,
+    kendall_tau,
+    strategy_workload,
+)
 from atorch.auto.strategy import Strategy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -57,17 +73,33 @@ def parse_description(text: str) -> Strategy:
     return Strategy(items)
 
 
-def _probe_rank(cache: str) -> Dict[str, float]:
+def _probe_rank(cache: str, config: Any, workloads: List[Any], sizes: List[int], seq_len: int,
+                refresh: bool = False) -> Dict[str, Any]:
     import torch
 
-    return calibrate_device(torch.device("cpu"), cache_path=cache).as_profile()
+    from atorch.auto.cost_model import ModelShape
+
+    shape = ModelShape.from_config(config)
+    cpu = torch.device("cpu")
+    return {"block": calibrate_model(shape, workloads, sizes, cpu, seq_len=seq_len, cache_path=cache, refresh=refresh),
+            "gemm": calibrate_model(shape, workloads, sizes, cpu, method="gemm", cache_path=cache, refresh=refresh),
+            "square": calibrate_device(cpu, cache_path=cache, refresh=refresh).as_profile()}
 
 
-def probe_constants() -> Dict[str, float]:
+def probe_constants(cache: str, config: Any, strategies: List[Strategy], batch: int, seq: int,
+                    world: int, refresh: bool = False) -> Dict[str, Any]:
+    """The probed rates for these candidates: read from `cache`, measured (2 ranks) where it misses."""
+    from atorch.auto.cost_model import ModelShape
     from atorch.testing import run_distributed
 
-    with tempfile.TemporaryDirectory() as tmp:
-        return run_distributed(_probe_rank, 2, os.path.join(tmp, "calibration.json"), timeout=300)[0]
+    shape = ModelShape.from_config(config)
+    workloads, sizes = set(), set()
+    for s in strategies:
+        tokens, tensor, moved, _ = strategy_workload(shape, s, batch, seq, world)
+        workloads.add((tokens, tensor))
+        sizes.update(moved)
+    return run_distributed(_probe_rank, 2, cache, config, sorted(workloads), sorted(sizes), seq, refresh,
+                           timeout=600)[0]
 
 
 def noise_ceiling(table: Dict[str, Any]) -> float:
@@ -166,24 +198,12 @@ def measure(rounds: int, path: str) -> None:
     print(f"wrote {path}: {len(measurements)} measurements")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("command", choices=("analyze", "measure"))
-    parser.add_argument("--table", default=os.path.join(HERE, "real_landscape.json"))
-    parser.add_argument("--out", default=os.path.join(HERE, "step_time_landscape.json"))
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--orders", type=int, default=200)
-    parser.add_argument("--trials", default="4,8,12,16,20")
-    args = parser.parse_args()
-    if args.command == "measure":
-        measure(args.rounds, args.out)
-        return
-    with open(args.table) as f:
-        table = json.load(f)
+def load_landscape(path: str) -> Dict[str, Any]:
+    """The table's candidates: their strategies, recorded throughputs and the model config."""
     from atorch.testing import tiny_llama_config
 
-    config = tiny_llama_config(**table["model"], vocab_size=table["vocab_size"])
-    batch, seq, world = table["global_batch"], table["seq_len"], table["world_size"]
+    with open(path) as f:
+        table = json.load(f)
     runs: Dict[str, List[float]] = {}
     for m in table["measurements"]:
         if m["status"] == "ok" and m["throughput"] > 0:
@@ -192,47 +212,121 @@ def main() -> None:
     encoded = {m["strategy"]: m.get("strategy_json") for m in table["measurements"]}
     strategies = {n: Strategy.from_json(json.dumps(encoded[n])) if encoded.get(n) else parse_description(n)
                   for n in names}
+    return {"table": table, "config": tiny_llama_config(**table["model"], vocab_size=table["vocab_size"]),
+            "runs": runs, "names": names, "strategies": strategies,
+            "batch": table["global_batch"], "seq": table["seq_len"], "world": table["world_size"]}
+
+
+def analyze(args: argparse.Namespace) -> None:
+    land = load_landscape(args.table)
+    table, config, runs, names, strategies = (land[k] for k in ("table", "config", "runs", "names", "strategies"))
+    batch, seq, world = land["batch"], land["seq"], land["world"]
     measured = {n: statistics.median(runs[n]) for n in names}
     spread = [max(v) / min(v) for v in runs.values() if len(v) > 1]
+    if not os.path.exists(args.cache):
+        raise SystemExit(f"no probe cache at {args.cache}: run `flock /tmp/atorch-bench.lock nice -n 0 python "
+                         f"benchmarks/calibration.py probe --table {args.table} --cache {args.cache}` first")
+    probed_all = probe_constants(args.cache, config, list(strategies.values()), batch, seq, world)
 
     base = cost_model_predictor(config, batch, seq, world, "cpu")
-    profile = probe_constants()
-    probed = cost_model_predictor(config, batch, seq, world, "cpu", profile=profile)
+    probed = cost_model_predictor(config, batch, seq, world, "cpu", profile=probed_all["block"])
+    gemm = cost_model_predictor(config, batch, seq, world, "cpu", profile=probed_all["gemm"])
+    square = cost_model_predictor(config, batch, seq, world, "cpu", profile=probed_all["square"])
 
-    def tau(predict, subset):
+    def tau(predict: Any, subset: List[str]) -> float:
         return kendall_tau([batch / predict(strategies[n]).step_time_s for n in subset], [measured[n] for n in subset])
 
+    block = probed_all["block"]
     print(f"table: {args.table}: {len(names)} candidates, {sum(len(v) for v in runs.values())} measurements, "
           f"max/min spread of a candidate's measurements: median {statistics.median(spread):.2f}, "
-          f"max {max(spread):.2f}")
-    print(f"probed constants: {json.dumps({k: float(f'{v:.3g}') for k, v in profile.items()})}")
-    print("| predictor | candidates scored | Kendall tau (mean over orders) | spread (10th-90th pct) |")
-    print("|---|---|---|---|")
-    print(f"| cost model (built-in CPU constants) | all {len(names)} | {tau(base, names):.3f} | - |")
-    print(f"| one measured round vs another (the noise ceiling) | common candidates | {noise_ceiling(table):.3f} | - |")
-    print(f"| probed constants | all {len(names)} | {tau(probed, names):.3f} | - |")
+          f"max {max(spread):.2f}; noise ceiling (one round vs another): tau {noise_ceiling(table):.3f}")
+    print(f"probed (block, per tokens:tensor): " + ", ".join(
+        f"{k} {v:.3g} FLOP/s + {block.layer_overhead_s.get(k, 0) * 1e3:.2f} ms/layer" for k, v in block.flops.items()))
+    print(f"all-reduce fitted over the moved sizes: {block.comm_bytes_per_s or 0:.3g} B/s, "
+          f"{(block.comm_latency_s or 0) * 1e6:.0f} us; GEMMs alone: "
+          + ", ".join(f"{k} {v:.3g}" for k, v in probed_all["gemm"].flops.items())
+          + f"; one square matmul: {json.dumps({k: float(f'{v:.3g}') for k, v in probed_all['square'].items()})}")
+    print()
+    print(f"| all {len(names)} candidates | Kendall tau |")
+    print("|---|---|")
+    for label, p in (("cost model (built-in CPU constants)", base), ("probed: one square matmul (session 3)", square),
+                     ("probed: the block's GEMMs at the model's shapes", gemm),
+                     ("probed: the model's block, rate + per-layer overhead", probed)):
+        print(f"| {label} | {tau(p, names):.3f} |")
+    print()
+    variants = {
+        "cost model": None,
+        "cost model + component refit (session 3)": (base, dict(option_ridge=None)),
+        "cost model + per-option refit": (base, dict(fit_components=False)),
+        "cost model + both refits (default)": (base, {}),
+        "probed (block)": None,
+        "probed (block) + both refits": (probed, {}),
+    }
+    trials = [int(t) for t in args.trials.split(",") if int(t) < len(names) - 2]
+    results: Dict[str, Dict[int, List[float]]] = {v: {} for v in variants}
     rng = np.random.default_rng(0)
-    for n_trials in (int(t) for t in args.trials.split(",") if int(t) < len(names) - 2):
-        rows: Dict[str, List[float]] = {"cost model": [], "probed": [], "refit": [], "refit (base)": []}
+    for k in trials:
+        for v in variants:
+            results[v][k] = []
         for _ in range(args.orders):
             order = list(rng.permutation(names))
-            seen, held_out = order[:n_trials], order[n_trials:]
-            learner = LearningPredictor(probed)
-            learner_base = LearningPredictor(base)
+            seen, held_out = order[:k], order[k:]
+            learners = {v: LearningPredictor(spec[0], **spec[1]) for v, spec in variants.items() if spec is not None}
             for n in seen:
                 step = batch / float(rng.choice(runs[n]))   # one recorded measurement: the real noise
-                learner.observe(strategies[n], step)
-                learner_base.observe(strategies[n], step)
-            rows["cost model"].append(tau(base, held_out))
-            rows["probed"].append(tau(probed, held_out))
-            rows["refit"].append(tau(learner, held_out))
-            rows["refit (base)"].append(tau(learner_base, held_out))
-        for label, values in rows.items():
-            name = {"cost model": "cost model", "probed": "probed constants",
-                    "refit": f"probed + refit on {n_trials} trials",
-                    "refit (base)": f"cost model + refit on {n_trials} trials"}[label]
-            lo, hi = np.percentile(values, [10, 90])
-            print(f"| {name} | {len(names) - n_trials} held out | {np.mean(values):.3f} | {lo:.2f}-{hi:.2f} |")
+                for learner in learners.values():
+                    learner.observe(strategies[n], step)
+            results["cost model"][k].append(tau(base, held_out))
+            results["probed (block)"][k].append(tau(probed, held_out))
+            for v, learner in learners.items():
+                results[v][k].append(tau(learner, held_out))
+    print(f"Held-out candidates only; mean Kendall tau over {args.orders} random trial orders (10th-90th pct):")
+    print()
+    print("| predictor | " + " | ".join(f"k={k} ({len(names) - k} held out)" for k in trials) + " |")
+    print("|---|" + "---|" * len(trials))
+    for v in variants:
+        cells = []
+        for k in trials:
+            lo, hi = np.percentile(results[v][k], [10, 90])
+            cells.append(f"{np.mean(results[v][k]):.3f} ({lo:.2f}-{hi:.2f})")
+        print(f"| {v} | " + " | ".join(cells) + " |")
+    print()
+    print("Paired gain over the cost model on the same held-out sets (mean, 10th-90th pct, share of orders > 0):")
+    for v in variants:
+        if v == "cost model":
+            continue
+        cells = []
+        for k in trials:
+            d = np.array(results[v][k]) - np.array(results["cost model"][k])
+            lo, hi = np.percentile(d, [10, 90])
+            cells.append(f"k={k}: {d.mean():+.3f} ({lo:+.2f}..{hi:+.2f}, {np.mean(d > 0):.0%})")
+        print(f"- {v}: " + "; ".join(cells))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("command", choices=("analyze", "measure", "probe"))
+    parser.add_argument("--table", default=os.path.join(HERE, "real_landscape.json"))
+    parser.add_argument("--out", default=os.path.join(HERE, "step_time_landscape.json"))
+    parser.add_argument("--cache", default=os.path.join(HERE, "calibration_probe.json"))
+    parser.add_argument("--refresh", action="store_true", help="probe: measure again what the cache holds")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--orders", type=int, default=200)
+    parser.add_argument("--trials", default="0,4,8,12,16")
+    args = parser.parse_args()
+    if args.command == "measure":
+        measure(args.rounds, args.out)
+    elif args.command == "probe":
+        land = load_landscape(args.table)
+        probed = probe_constants(args.cache, land["config"], list(land["strategies"].values()), land["batch"],
+                                 land["seq"], land["world"], args.refresh)
+        print(f"{args.cache}: {probed['block'].device_kind}")
+        for k in ("block", "gemm"):
+            print(k, {key: f"{v:.3g}" for key, v in probed[k].flops.items()}, probed[k].layer_overhead_s,
+                  probed[k].comm_bytes_per_s, probed[k].comm_latency_s)
+        print("square", probed["square"])
+    else:
+        analyze(args)
 
 
 if __name__ == "__main__":

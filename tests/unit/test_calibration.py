@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -163,3 +164,236 @@ def test_learning_predictor_keeps_memory_and_validates():
 def test_device_constants_profile_with_comm():
     c = DeviceConstants("cpu:x", 1.0, 2.0, "gloo:2", 3.0, 4.0)
     assert c.as_profile() == {"flops_fp32": 1.0, "flops_bf16": 2.0, "comm_bytes_per_s": 3.0, "comm_latency_s": 4.0}
+
+
+# -- per-option corrections --------------------------------------------------------------------
+
+OPTIONS = ("amp_native", "checkpoint", "zero1", "fsdp", "module_replace")
+# What the synthetic machine does that the base model does not know: log factors per option.
+TRUE_EFFECTS = {"amp_native": 0.5, "checkpoint": -0.3, "zero1": 0.25, "fsdp": 0.6, "module_replace": -0.1,
+                "parallel_mode:tensor=2": 0.4}
+
+
+def _option_landscape():
+    """32 candidates (data 2 or tensor 2, x 5 options on/off in a fixed pseudo-random subset), a base
+    model with fixed breakdowns, and a 'measured' step = base step x exp(sum of the true effects)."""
+    rng = np.random.default_rng(3)
+    strategies, rows, measured = [], {}, {}
+    for i in range(32):
+        layout = [("data", 2)] if i % 2 else [("tensor", 2), ("data", 1)]
+        chosen = [o for o, bit in zip(OPTIONS, rng.integers(0, 2, len(OPTIONS))) if bit]
+        s = Strategy([("parallel_mode", (layout, None)), *chosen, f"tag{i}"])
+        parts = tuple(rng.uniform(0.05, 1.0, size=3))
+        rows[s.describe()] = parts
+        keys = calibration.option_keys(s)
+        measured[s.describe()] = sum(parts) * float(np.exp(sum(TRUE_EFFECTS.get(k, 0.0) for k in keys)))
+        strategies.append(s)
+    return strategies, _TableBase(rows), measured
+
+
+def _held_out_tau(predict, strategies, measured):
+    return kendall_tau([-predict(s).step_time_s for s in strategies], [-measured[s.describe()] for s in strategies])
+
+
+def test_option_keys_name_items_configs_and_parallel_dims():
+    s = Strategy([("parallel_mode", ([("tensor", 2), ("data", 1)], None)), "tensor_parallel",
+                  ("amp_native", {"dtype": "bfloat16"}), ("gradient_accumulation", 4)])
+    assert calibration.option_keys(s) == ('amp_native:{"dtype": "bfloat16"}', "gradient_accumulation:4",
+                                          "parallel_mode:tensor=2", "tensor_parallel")
+    assert calibration.option_keys(Strategy(["parallel_mode", "fsdp"])) == ("fsdp",)
+
+
+def test_per_option_refit_moves_the_ranking_towards_the_truth_as_trials_come_in():
+    strategies, base, measured = _option_landscape()
+    held_out = strategies[16:]
+    taus = []
+    for n in (0, 4, 8, 16):
+        learner = LearningPredictor(base, fit_components=False)
+        for s in strategies[:n]:
+            learner.observe(s, measured[s.describe()])
+        taus.append(_held_out_tau(learner, held_out, measured))
+    assert taus[0] < 0.5 and taus[-1] > 0.75, taus
+    assert taus[0] < taus[1] < taus[2] < taus[3], taus     # improves as trials come in
+    learner = LearningPredictor(base, fit_components=False)
+    for s in strategies[:16]:
+        learner.observe(s, measured[s.describe()])
+    # Shrunk but in the right direction and order: fsdp's effect the largest, checkpoint's negative.
+    effects = learner.effects
+    assert effects["fsdp"] > effects["amp_native"] > effects["zero1"] > 0 > effects["checkpoint"]
+    assert 0.5 * TRUE_EFFECTS["fsdp"] < effects["fsdp"] < TRUE_EFFECTS["fsdp"] * 1.05
+    # The default (component weights, then per-option corrections) gets there too.
+    both = LearningPredictor(base)
+    for s in strategies[:16]:
+        both.observe(s, measured[s.describe()])
+    assert _held_out_tau(both, held_out, measured) > 0.75
+
+
+def test_one_trial_rescales_without_reordering_and_few_trials_move_little():
+    strategies, base, measured = _option_landscape()
+    plain = [base(s).step_time_s for s in strategies]
+    learner = LearningPredictor(base, fit_components=False)
+    learner.observe(strategies[0], measured[strategies[0].describe()] * 3.0)
+    after = [learner(s).step_time_s for s in strategies]
+    assert np.argsort(after).tolist() == np.argsort(plain).tolist()           # the same order
+    assert after[0] == pytest.approx(measured[strategies[0].describe()] * 3.0)  # the bias took it all
+    assert max(abs(v) for v in learner.effects.values()) < 1e-12
+    # Two trials that differ in one option: that option gets a third of the apparent log ratio (ridge 2).
+    a = Strategy([("parallel_mode", ([("data", 2)], None)), "x"])
+    b = Strategy([("parallel_mode", ([("data", 2)], None)), "x", "fsdp"])
+    base2 = _TableBase({a.describe(): (1.0, 0.0, 0.0), b.describe(): (1.0, 0.0, 0.0)})
+    two = LearningPredictor(base2, fit_components=False, option_ridge=2.0, huber_delta=10.0)
+    two.observe(a, 1.0)
+    two.observe(b, 2.0)
+    # min over c, e: c^2 + (log 2 - c - e)^2 + 2 e^2 (c = bias + x's effect, free) gives e = log(2) / 5.
+    assert two.effects["fsdp"] == pytest.approx(math.log(2.0) / 5.0)
+
+
+def test_a_wild_measurement_does_not_drag_the_effects():
+    strategies, base, measured = _option_landscape()
+    seen, held_out = strategies[:16], strategies[16:]
+    wild = dict(measured)
+    wild[seen[3].describe()] *= 10.0          # one trial 10x slower than the truth (a stalled machine)
+    robust = LearningPredictor(base, fit_components=False)
+    naive = LearningPredictor(base, fit_components=False, huber_delta=100.0)   # plain least squares
+    for s in seen:
+        robust.observe(s, wild[s.describe()])
+        naive.observe(s, wild[s.describe()])
+    clean = LearningPredictor(base, fit_components=False)
+    for s in seen:
+        clean.observe(s, measured[s.describe()])
+    options = [k for k in clean.effects if not k.startswith("tag")]
+    moved = max(abs(robust.effects[k] - clean.effects[k]) for k in options)
+    moved_naive = max(abs(naive.effects[k] - clean.effects[k]) for k in options)
+    assert moved < 0.02 < 0.1 < moved_naive, (moved, moved_naive)
+    assert _held_out_tau(robust, held_out, measured) > _held_out_tau(naive, held_out, measured) \
+        > _held_out_tau(base, held_out, measured)
+
+
+def test_fit_option_effects_validates():
+    with pytest.raises(ValueError, match="ridge"):
+        calibration.fit_option_effects([("a",)], [0.1], ridge=0.0)
+    with pytest.raises(ValueError, match="one key list per residual"):
+        calibration.fit_option_effects([("a",)], [0.1, 0.2])
+    with pytest.raises(ValueError, match="option_ridge"):
+        LearningPredictor(_TableBase({}), option_ridge=-1.0)
+
+
+# -- the probe at the model's shapes -----------------------------------------------------------
+
+def _shape():
+    from atorch.auto.cost_model import ModelShape
+
+    return ModelShape.from_config(tiny_llama_config(num_hidden_layers=2, hidden_size=64, intermediate_size=96,
+                                                    vocab_size=128))
+
+
+def test_model_gemms_are_the_blocks_projections_forward_and_backward():
+    shape = _shape()
+    gemms = calibration.model_gemms(shape, tokens=32, tensor=1)
+    flops = sum(2 * m * k * n * c for m, k, n, c in gemms)
+    # 6 x (block matmul params x layers + LM head) per token: forward, input grad, weight grad.
+    block_matmuls = 4 * 64 * 64 + 3 * 64 * 96
+    assert flops == 6 * 32 * (block_matmuls * shape.num_layers + 64 * 128)
+    split = calibration.model_gemms(shape, tokens=32, tensor=2)
+    assert sum(2 * m * k * n * c for m, k, n, c in split) == 6 * 32 * (block_matmuls // 2 * 2 + 64 * 128)
+    with pytest.raises(ValueError, match="tokens=0"):
+        calibration.model_gemms(shape, tokens=0)
+
+
+def test_probes_return_plausible_rates_on_a_tiny_block():
+    shape = _shape()
+    rate, overhead = calibration.probe_block(torch.device("cpu"), shape, tokens=64, seq_len=8, tensor=1, half=False,
+                                             min_seconds=0.0)
+    assert 1e5 < rate < 1e15 and overhead >= 0.0
+    rate_half, _ = calibration.probe_block(torch.device("cpu"), shape, tokens=64, seq_len=8, tensor=2, half=True,
+                                           min_seconds=0.0)
+    assert 1e5 < rate_half < 1e15
+    gemm = calibration.probe_model_gemms(torch.device("cpu"), shape, 16, 1, torch.float32, min_seconds=0.0)
+    assert 1e5 < gemm < 1e15
+    with pytest.raises(ValueError, match="tokens=4 must be >= seq_len=8"):
+        calibration.probe_block(torch.device("cpu"), shape, tokens=4, seq_len=8, tensor=1, half=False)
+
+
+def test_fit_bandwidth_recovers_bandwidth_and_latency():
+    bw, lat = 2e9, 3e-4
+    times = {size: lat + 2 * (4 - 1) / 4 * size / bw for size in (4, 1 << 16, 1 << 20, 1 << 24)}
+    got_bw, got_lat = calibration.fit_bandwidth(times, ranks=4)
+    assert got_bw == pytest.approx(bw, rel=1e-6) and got_lat == pytest.approx(lat, rel=1e-6)
+    with pytest.raises(ValueError, match=">= 2 sizes"):
+        calibration.fit_bandwidth({4: 1e-4}, ranks=2)
+
+
+def _fake_probes(monkeypatch):
+    calls = []
+
+    def block(device, shape, tokens, seq_len, tensor, half, min_seconds=0.1):
+        calls.append(("block", tokens, tensor, half))
+        return (2e10 if half else 1e10) * tensor, 1e-3
+
+    def gemms(device, shape, tokens, tensor, dtype, min_seconds=0.02):
+        calls.append(("gemm", tokens, tensor, dtype))
+        return 5e10
+
+    monkeypatch.setattr(calibration, "probe_block", block)
+    monkeypatch.setattr(calibration, "probe_model_gemms", gemms)
+    return calls
+
+
+def test_calibrate_model_measures_missing_points_once_and_caches_json(tmp_path, monkeypatch):
+    calls = _fake_probes(monkeypatch)
+    shape = _shape()
+    path = str(tmp_path / "calibration.json")
+    first = calibration.calibrate_model(shape, [(32, 1)], seq_len=8, cache_path=path)
+    assert len(calls) == 2 and first.flops == {"bf16:tokens=32:tensor=1": 2e10, "fp32:tokens=32:tensor=1": 1e10}
+    assert first.layer_overhead_s["fp32:tokens=32:tensor=1"] == 1e-3 and first.comm_bytes_per_s is None
+    text = open(path).read()
+    assert json.loads(text)["version"] == calibration.CACHE_VERSION and "pickle" not in text
+    again = calibration.calibrate_model(shape, [(32, 1)], seq_len=8, cache_path=path)
+    assert again == first and len(calls) == 2                       # read back
+    wider = calibration.calibrate_model(shape, [(32, 1), (64, 2)], seq_len=8, cache_path=path)
+    assert len(calls) == 4 and wider.flops["fp32:tokens=64:tensor=2"] == 2e10   # only the new point measured
+    other_seq = calibration.calibrate_model(shape, [(32, 1)], seq_len=16, cache_path=path)
+    assert len(calls) == 6 and other_seq.shape_key.endswith("seq=16")            # keyed by shape and seq
+    calibration.calibrate_model(shape, [(32, 1)], method="gemm", cache_path=path)
+    assert calls[-1][0] == "gemm"
+    with pytest.raises(ValueError, match="method='x'"):
+        calibration.calibrate_model(shape, [(32, 1)], method="x", cache_path=path)
+
+
+def test_calibrate_model_ignores_a_corrupt_cache_or_entry_with_a_warning(tmp_path, monkeypatch, caplog):
+    calls = _fake_probes(monkeypatch)
+    shape = _shape()
+    path = tmp_path / "calibration.json"
+    kind = calibration.device_kind(torch.device("cpu"))
+    key = calibration.shape_key(shape) + ",seq=8"
+    for content in ("{truncated", json.dumps({"version": 1, "entries": {kind: {"block": {key: {"fp32": "fast"}}}}}),
+                    json.dumps({"version": 1, "entries": {kind: {"block": {key: [1, 2]}}}})):
+        path.write_text(content)
+        caplog.clear()
+        before = len(calls)
+        constants = calibration.calibrate_model(shape, [(32, 1)], seq_len=8, cache_path=str(path))
+        assert len(calls) == before + 2 and constants.flops["fp32:tokens=32:tensor=1"] == 1e10
+        assert str(path) in caplog.text and "unusable" in caplog.text
+        assert json.loads(path.read_text())["entries"][kind]["block"][key]["fp32:tokens=32:tensor=1"] == 1e10
+
+
+def test_shaped_constants_give_each_strategy_its_own_rates():
+    shape = _shape()
+    constants = calibration.ShapedConstants(
+        "cpu:x", "k", {"fp32:tokens=32:tensor=1": 1e9, "bf16:tokens=32:tensor=1": 2e9,
+                       "fp32:tokens=64:tensor=2": 4e9, "bf16:tokens=64:tensor=2": 8e9},
+        comm_bytes_per_s=1e9, comm_latency_s=1e-4,
+        layer_overhead_s={"fp32:tokens=32:tensor=1": 1e-3, "bf16:tokens=32:tensor=1": 2e-3})
+    assert constants.profile_for(32, 1) == {"flops_fp32": 1e9, "flops_bf16": 2e9, "layer_overhead_s": 1e-3,
+                                            "comm_bytes_per_s": 1e9, "comm_latency_s": 1e-4}
+    assert constants.profile_for(32, 1, half=True)["layer_overhead_s"] == 2e-3
+    assert constants.profile_for(60, 2)["flops_fp32"] == 4e9          # nearest probed point
+    assert "layer_overhead_s" not in constants.profile_for(64, 2)
+    data2 = Strategy([("parallel_mode", ([("data", 2)], None))])
+    tensor2 = Strategy([("parallel_mode", ([("tensor", 2), ("data", 1)], None)), "tensor_parallel"])
+    assert calibration.strategy_workload(shape, data2, 8, 8, 2)[:2] == (32, 1)
+    tokens, tensor, sizes, half = calibration.strategy_workload(shape, tensor2, 8, 8, 2)
+    assert (tokens, tensor, half) == (64, 2, False) and sizes == [64 * 64 * 4]
+    predict = cost_model_predictor(shape, 8, 8, 2, profile=constants)
+    for s, (tok, ten) in ((data2, (32, 1)), (tensor2, (64, 2))):
+        assert predict(s) == estimate(shape, s, 8, 8, 2, profile=constants.profile_for(tok, ten))
