@@ -404,3 +404,20 @@ def test_dry_run_result_status():
     assert DryRunResult(0.0, None, "timeout").status == "timeout"
     assert DryRunResult(0.0, None, "exception: ValueError: x").status == "exception"
     assert DryRunResult(0.0, None, "weird").status == "failed"
+
+
+def test_auto_search_predicts_with_a_cost_model_that_learns_from_its_dry_runs():
+    import torch
+
+    from atorch.auto.search.auto_search import make_predictor
+    from atorch.auto.search.search import LearningPredictorLike
+
+    predictor = make_predictor(tiny_llama(), 8, 64, 2, torch.device("cpu"))
+    assert isinstance(predictor, LearningPredictorLike)
+    amp = Strategy([("parallel_mode", ([("data", 2)], None)), ("amp_native", {"dtype": torch.bfloat16})])
+    plain = Strategy([("parallel_mode", ([("data", 2)], None))])
+    before_amp, before_plain = predictor(amp).step_time_s, predictor(plain).step_time_s
+    # Both measured 3x slower than predicted: the bias learns the scale, every prediction follows.
+    predictor.observe(amp, 3 * before_amp)
+    predictor.observe(plain, 3 * before_plain)
+    assert predictor(amp).step_time_s > 2 * before_amp and predictor(plain).step_time_s > 2 * before_plain
