@@ -247,7 +247,10 @@ def _rss_gib() -> float:
 
 def _targets_rank(hidden: int, layers: int, vocab: int, root: str, repeats: int,
                   fresh_target: bool = False, intermediate: Optional[int] = None, torch_chunk_mb: int = 0,
-                  skip_async: bool = False, skip_sha256: bool = False) -> Dict[str, List[float]]:
+                  skip_async: bool = False, skip_sha256: bool = False,
+                  atorch_crc32: bool = False) -> Dict[str, List[float]]:
+    import contextlib
+
     import torch.distributed as dist
 
     from atorch import distributed as adist
@@ -255,6 +258,10 @@ def _targets_rank(hidden: int, layers: int, vocab: int, root: str, repeats: int,
     from atorch.checkpoint import manifest as mf
     from atorch.checkpoint.async_save import checkpointer
 
+    if atorch_crc32:  # the "before" of session 4: torch.save's CRC32 pass inside atorch's data files too
+        from atorch.checkpoint import hashing_writer
+
+        hashing_writer._no_crc32_in_this_thread = contextlib.nullcontext  # type: ignore[assignment]
     adist.create_parallel_group(([("data", dist.get_world_size())], None))
     mesh = adist.device_mesh("data")
 
@@ -354,7 +361,7 @@ def bench_targets(args, root: str) -> List[Dict[str, object]]:
 
     per_rank = run_distributed(_targets_rank, 2, args.hidden, args.layers, args.vocab, root, args.repeats,
                                args.fresh_target, args.intermediate, args.torch_chunk_mb, args.skip_async,
-                               args.skip_sha256, timeout=3000)
+                               args.skip_sha256, args.atorch_crc32, timeout=3000)
     nbytes = per_rank[0]["bytes"][0]
     peaks = [r["peak RSS GiB"][0] for r in per_rank]
     print(f"peak RSS per rank: {', '.join(f'{p:.2f}' for p in peaks)} GiB (sum {sum(peaks):.2f} GiB)")
@@ -398,6 +405,8 @@ def main() -> None:
     parser.add_argument("--skip-async", action="store_true",
                         help="--targets: no async save (its staging copy is another copy of the state)")
     parser.add_argument("--skip-sha256", action="store_true", help="--targets: no sha256 comparison row")
+    parser.add_argument("--atorch-crc32", action="store_true",
+                        help="--targets: atorch's data files keep torch.save's CRC32 pass (before session 4)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir, removed at the end)")
     parser.add_argument("--skip-fsdp", action="store_true")
