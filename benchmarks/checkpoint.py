@@ -248,7 +248,7 @@ def _rss_gib() -> float:
 def _targets_rank(hidden: int, layers: int, vocab: int, root: str, repeats: int,
                   fresh_target: bool = False, intermediate: Optional[int] = None, torch_chunk_mb: int = 0,
                   skip_async: bool = False, skip_sha256: bool = False,
-                  atorch_crc32: bool = False) -> Dict[str, List[float]]:
+                  atorch_crc32: bool = False, ab_crc32: bool = False) -> Dict[str, List[float]]:
     import contextlib
 
     import torch.distributed as dist
@@ -276,6 +276,8 @@ def _targets_rank(hidden: int, layers: int, vocab: int, root: str, repeats: int,
         ops.append("sha256 of the files")
     if not skip_async:
         ops += ["atorch async: blocked", "atorch async: until committed"]
+    if ab_crc32:
+        ops.append("atorch save, CRC32 kept (before)")
     out: Dict[str, List[float]] = {op: [] for op in ops}
     out["bytes"], out["torch bytes"], out["RSS after repeat GiB"] = [], [], []
 
@@ -316,6 +318,18 @@ def _targets_rank(hidden: int, layers: int, vocab: int, root: str, repeats: int,
         ckpt = os.path.join(root, f"sync{i}", "step_1")
         out["atorch save"].append(timed_all(lambda: save_checkpoint(model, ckpt, step=1, optimizer=optim)))
         out["bytes"].append(float(_dir_bytes(ckpt)))
+        if ab_crc32:  # the same save with torch.save's CRC32 pass kept (as before session 4), interleaved
+            from atorch.checkpoint import hashing_writer
+
+            skip = hashing_writer._no_crc32_in_this_thread
+            hashing_writer._no_crc32_in_this_thread = contextlib.nullcontext  # type: ignore[assignment]
+            before = os.path.join(root, f"crc{i}", "step_1")
+            out["atorch save, CRC32 kept (before)"].append(timed_all(
+                lambda: save_checkpoint(model, before, step=1, optimizer=optim)))
+            hashing_writer._no_crc32_in_this_thread = skip  # type: ignore[assignment]
+            if rank == 0:
+                shutil.rmtree(os.path.dirname(before))
+            dist.barrier()
         names = mf.list_files(ckpt)[rank::dist.get_world_size()]
         for algo in ("xxh3_128",) if skip_sha256 else ("sha256", "xxh3_128"):
             out[f"{algo} of the files"].append(timed_all(
@@ -361,7 +375,7 @@ def bench_targets(args, root: str) -> List[Dict[str, object]]:
 
     per_rank = run_distributed(_targets_rank, 2, args.hidden, args.layers, args.vocab, root, args.repeats,
                                args.fresh_target, args.intermediate, args.torch_chunk_mb, args.skip_async,
-                               args.skip_sha256, args.atorch_crc32, timeout=3000)
+                               args.skip_sha256, args.atorch_crc32, args.ab_crc32, timeout=3000)
     nbytes = per_rank[0]["bytes"][0]
     peaks = [r["peak RSS GiB"][0] for r in per_rank]
     print(f"peak RSS per rank: {', '.join(f'{p:.2f}' for p in peaks)} GiB (sum {sum(peaks):.2f} GiB)")
@@ -407,6 +421,8 @@ def main() -> None:
     parser.add_argument("--skip-sha256", action="store_true", help="--targets: no sha256 comparison row")
     parser.add_argument("--atorch-crc32", action="store_true",
                         help="--targets: atorch's data files keep torch.save's CRC32 pass (before session 4)")
+    parser.add_argument("--ab-crc32", action="store_true",
+                        help="--targets: also time, in each repeat, the sync save with the CRC32 pass kept")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir, removed at the end)")
     parser.add_argument("--skip-fsdp", action="store_true")
@@ -433,7 +449,9 @@ def main() -> None:
             for name, num, den in (("sync save / torch.save+fsync", "atorch save", "torch.save+fsync"),
                                    ("async blocked / sync save", "atorch async: blocked", "atorch save"),
                                    ("async blocked / torch.save+fsync", "atorch async: blocked", "torch.save+fsync"),
-                                   ("load / torch.load", "atorch load", "torch.load")):
+                                   ("load / torch.load", "atorch load", "torch.load"),
+                                   ("sync save with CRC32 (before) / torch.save+fsync",
+                                    "atorch save, CRC32 kept (before)", "torch.save+fsync")):
                 if num not in by_op:
                     continue
                 ratios = [a / b for a, b in zip(by_op[num], by_op[den])]
