@@ -290,18 +290,25 @@ def _targets_rank(hidden: int, layers: int, vocab: int, root: str, repeats: int,
     target = target_optim = None
     for i in range(repeats):
         local = _local_state(model, optim)
-        # torch.save of this rank's tensors; with --torch-chunk-mb in files of at most that size
-        # (each fsynced), so that torch.load can be timed one file at a time, its result dropped
-        # at once: a whole-state torch.load result would be another full copy of the state.
+        # torch.save of this rank's tensors; with --torch-chunk-mb in files of at most that size,
+        # so that torch.load can be timed one file at a time, its result dropped at once (a
+        # whole-state torch.load result would be another full copy of the state). The files are
+        # fsynced after the last one is written, as one file's single fsync would be (an fsync
+        # after each file would stall the writing while the disk catches up).
         groups = _chunks(local, torch_chunk_mb * 2**20) if torch_chunk_mb else [local]
         paths = [os.path.join(root, f"torch_rank{rank}_{i}_{j}.pt") for j in range(len(groups))]
 
         def save_and_fsync():
-            for group, path in zip(groups, paths):
-                with open(path, "wb") as f:
+            files = [open(path, "wb") for path in paths]
+            try:
+                for group, f in zip(groups, files):
                     torch.save(group, f)
                     f.flush()
+                for f in files:
                     os.fsync(f.fileno())
+            finally:
+                for f in files:
+                    f.close()
 
         def load_and_drop():
             for path in paths:
