@@ -157,7 +157,7 @@ class SafeFileSystemReader(FileSystemReader):
         (the page cache's pages, no copy) and each tensor is deserialized with its storage pointing
         into the mapping, so the only copy is into the target. Each item's pages are unmapped once
         copied (they stay in the page cache), so the process's RSS grows by one tensor, not the
-        file. Items are read from the end of the file backwards (see the loop). The deserialization is torch.load's own, with its weights-only unpickler. Items with
+        file. The deserialization is torch.load's own, with its weights-only unpickler. Items with
         DCP storage transforms, or a torch whose private loader differs, go through DCP's reader.
         """
         infos = [self.storage_data[item.storage_index] for item in items]
@@ -173,11 +173,7 @@ class SafeFileSystemReader(FileSystemReader):
                 # Read-only on purpose: the mapping is only ever copied from.
                 warnings.filterwarnings("ignore", message=".*not writable.*")
                 whole = torch.frombuffer(mapped, dtype=torch.uint8).untyped_storage()
-            # Last item of the file first: verification has just hashed the file front to back, so
-            # when the file is larger than the page cache its end is what is still cached; reading
-            # backwards takes that part from memory before later reads evict it (a file that fits
-            # is all cached either way).
-            for item, info in sorted(zip(items, infos), key=lambda pair: pair[1].offset, reverse=True):
+            for item, info in sorted(zip(items, infos), key=lambda pair: pair[1].offset):
                 try:
                     item_file = cast(IO[bytes], _create_file_view(f, info.offset, info.length))
                     archive = torch._C.PyTorchFileReader(item_file)
