@@ -325,6 +325,19 @@ def _targets_rank(hidden: int, layers: int, vocab: int, root: str, repeats: int,
         ckpt = os.path.join(root, f"sync{i}", "step_1")
         out["atorch save"].append(timed_all(lambda: save_checkpoint(model, ckpt, step=1, optimizer=optim)))
         out["bytes"].append(float(_dir_bytes(ckpt)))
+        if target is None:
+            # Default: load into the live model and optimizer (what torch.load is compared with:
+            # reading the state, not building an optimizer). --fresh-target: a new model and an
+            # AdamW without state (the load's zero step builds it), at the cost of a second copy.
+            target, target_optim = (build(), None) if fresh_target else (model, optim)
+            if target_optim is None:
+                target_optim = torch.optim.AdamW(target.parameters(), lr=1e-4)
+        out["atorch load"].append(timed_all(lambda: load_checkpoint(target, ckpt, optimizer=target_optim)))
+        # Comparisons after the load, so that the load, like torch.load, reads what its save just wrote.
+        names = mf.list_files(ckpt)[rank::dist.get_world_size()]
+        for algo in ("xxh3_128",) if skip_sha256 else ("sha256", "xxh3_128"):
+            out[f"{algo} of the files"].append(timed_all(
+                lambda: [mf.checksum_file(os.path.join(ckpt, n), algo) for n in names]))
         if ab_crc32:  # the same save with torch.save's CRC32 pass kept (as before session 4), interleaved
             from atorch.checkpoint import hashing_writer
 
@@ -337,18 +350,6 @@ def _targets_rank(hidden: int, layers: int, vocab: int, root: str, repeats: int,
             if rank == 0:
                 shutil.rmtree(os.path.dirname(before))
             dist.barrier()
-        names = mf.list_files(ckpt)[rank::dist.get_world_size()]
-        for algo in ("xxh3_128",) if skip_sha256 else ("sha256", "xxh3_128"):
-            out[f"{algo} of the files"].append(timed_all(
-                lambda: [mf.checksum_file(os.path.join(ckpt, n), algo) for n in names]))
-        if target is None:
-            # Default: load into the live model and optimizer (what torch.load is compared with:
-            # reading the state, not building an optimizer). --fresh-target: a new model and an
-            # AdamW without state (the load's zero step builds it), at the cost of a second copy.
-            target, target_optim = (build(), None) if fresh_target else (model, optim)
-            if target_optim is None:
-                target_optim = torch.optim.AdamW(target.parameters(), lr=1e-4)
-        out["atorch load"].append(timed_all(lambda: load_checkpoint(target, ckpt, optimizer=target_optim)))
         dist.barrier()
         if rank == 0:
             shutil.rmtree(os.path.dirname(ckpt))
