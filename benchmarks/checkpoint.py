@@ -3,6 +3,9 @@
 Run:  .venv/bin/python benchmarks/checkpoint.py            # ~270 MB model (fp32), 3 repeats
       .venv/bin/python benchmarks/checkpoint.py --hidden 512 --layers 2 --repeats 1   # quick
       .venv/bin/python benchmarks/checkpoint.py --targets --hidden 768 --layers 12 --vocab 32000  # issue 19
+      # issue 19 at ~1B (1004.6 M, model + AdamW 12 GB; ~16 GiB RSS for both ranks; no async: its copy does not fit):
+      .venv/bin/python benchmarks/checkpoint.py --targets --hidden 2048 --layers 17 --intermediate 5632 \
+          --vocab 32000 --repeats 5 --torch-chunk-mb 1024 --skip-async --skip-sha256
 
 Measured per case, median of `--repeats`, each in a fresh directory under `--dir`:
   * torch.save / torch.load(weights_only=True) of the state dict (one file, no fsync), and
@@ -17,6 +20,9 @@ torch.save + fsync of its own local tensors (the same bytes) / torch.load of the
 (synchronous), save_checkpoint(async_save=True) (seconds until it returns = training blocked, and
 until committed), load_checkpoint (into the live model and optimizer; --fresh-target: a new one);
 plus sha256 vs xxh3_128 over the checkpoint's files; per-repeat ratios and each rank's peak RSS.
+The ranks build the model on the meta device and materialize only their own shards; torch.save files
+of at most --torch-chunk-mb are torch.load-ed one at a time and dropped, so at most one extra copy of
+the state exists at a time (the async staging copy, unless --skip-async).
 MB/s is the checkpoint's bytes on disk over the seconds. The disk cache is not dropped
 between write and read (no root-only knobs): reads measure the page cache plus hashing.
 """
