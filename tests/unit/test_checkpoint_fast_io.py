@@ -100,3 +100,63 @@ def test_load_still_refuses_a_corrupted_data_file(tmp_path):
     with pytest.raises(CheckpointError, match="checksum mismatch"):
         load_checkpoint(fresh, out)
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items())
+
+
+def _zip_crc32_fields(data: bytes):
+    """CRC32 of every zip central-directory entry in `data` (a DCP data file is a run of torch.save archives)."""
+    import struct
+
+    crcs, at = [], data.find(b"PK\x01\x02")
+    while at != -1:
+        crcs.append(struct.unpack_from("<I", data, at + 16)[0])
+        at = data.find(b"PK\x01\x02", at + 4)
+    return crcs
+
+
+def test_data_files_skip_torch_save_crc32_and_still_load(tmp_path):
+    """The xxh3 checksum taken while writing replaces torch.save's CRC32 pass inside the data files."""
+    model, optim = _trained()
+    out = save_checkpoint(model, str(tmp_path / "step_1"), step=1, optimizer=optim)
+    data = [n for n in mf.Manifest.read(out).files if n.endswith(".distcp")]
+    with open(os.path.join(out, data[0]), "rb") as f:
+        crcs = _zip_crc32_fields(f.read())
+    assert crcs and set(crcs) == {0}
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    load_checkpoint(model, out, optimizer=optim)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+    # torch.save elsewhere in this thread still writes CRC32s (torch's own setting).
+    buf = io.BytesIO()
+    torch.save(torch.arange(8.0), buf)
+    assert torch.serialization.get_crc32_options() is True
+    assert 0 not in _zip_crc32_fields(buf.getvalue())
+
+
+def test_crc32_is_off_only_in_the_thread_writing_a_data_file(tmp_path):
+    import threading
+
+    from atorch.checkpoint.hashing_writer import _HashingFileSystem
+
+    fs = _HashingFileSystem("xxh3_128")
+    seen = {}
+
+    def other_thread():
+        seen["other"] = torch.serialization.get_crc32_options()
+
+    with fs.create_stream(str(tmp_path / "__0_0.distcp"), "wb"):
+        seen["writer"] = torch.serialization.get_crc32_options()
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+    with fs.create_stream(str(tmp_path / ".metadata"), "wb"):
+        seen["small file"] = torch.serialization.get_crc32_options()
+    seen["after"] = torch.serialization.get_crc32_options()
+    assert seen == {"writer": False, "other": True, "small file": True, "after": True}
+    torch.serialization.set_crc32_options(False)  # a user's own setting is still obeyed outside
+    try:
+        assert torch.serialization.get_crc32_options() is False
+    finally:
+        torch.serialization.set_crc32_options(True)
