@@ -1,7 +1,8 @@
 """Tokenize a corpus into Megatron-LM `.bin` + `.idx` files, in parallel and in bounded memory.
 
-Documents are read lazily, tokenized in chunks by a process pool (results kept in corpus order)
-and written as they arrive, so memory depends on `workers * chunk_size`, not on the corpus size.
+Documents are read lazily, tokenized in chunks (one worker: a tokenizing thread overlapped with
+reading, packing and writing; more: a process pool, results kept in corpus order) and written as
+they arrive, so memory depends on `workers * chunk_size`, not on the corpus size.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import logging
 import multiprocessing as mp
 import os
 import time
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Deque, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -33,6 +35,12 @@ logger = logging.getLogger(__name__)
 
 # Chunks in flight per worker: enough to keep every worker busy while the parent writes.
 _INFLIGHT_PER_WORKER = 4
+# workers=1: chunks handed to the tokenizing thread, the one it encodes and the next one, so it
+# never waits for the reading, packing and writing done meanwhile by the calling thread.
+_INFLIGHT_THREADED = 2
+
+Chunk = Tuple[np.ndarray, np.ndarray, int]
+"""A chunk's flat token array, per-document sizes and number of texts that tokenized to nothing."""
 
 
 @dataclass
@@ -74,21 +82,37 @@ class _ChunkEncoder:
         self.vocab_size = vocab_size
         self.eod_token_id = eod_token_id
 
-    def _token_ids(self, texts: List[str]) -> List[List[int]]:
-        # The Rust tokenizer's batch call skips the Python-side BatchEncoding: ~20% faster than __call__.
+    def native_batch_encode(self) -> Optional[Callable[[List[str]], Sequence[Any]]]:
+        """The Rust backend's batch call (texts -> `Encoding`s with `.ids`), or None for a Python tokenizer.
+
+        encode_batch_fast (tokenizers >= 0.20) skips the character offsets, which only an aligner needs:
+        same ids, ~18% less CPU per token. Both calls release the GIL while they tokenize, which is
+        what lets `workers=1` overlap tokenizing with everything else.
+        """
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is None and hasattr(self.tokenizer, "encode_batch"):
             backend = self.tokenizer
-        if backend is not None:
-            # encode_batch_fast (tokenizers >= 0.20) skips the character offsets, which only an aligner needs:
-            # same ids, ~18% less worker CPU per token, and in workers that CPU is the whole critical path.
-            encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-            return [e.ids for e in encode(texts, add_special_tokens=False)]
+        if backend is None:
+            return None
+        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+
+        def batch_encode(texts: List[str]) -> Sequence[Any]:
+            return encode(texts, add_special_tokens=False)
+
+        return batch_encode
+
+    def _token_ids(self, texts: List[str]) -> List[List[int]]:
+        # The Rust tokenizer's batch call skips the Python-side BatchEncoding: ~20% faster than __call__.
+        encode = self.native_batch_encode()
+        if encode is not None:
+            return [e.ids for e in encode(texts)]
         return list(self.tokenizer(texts, add_special_tokens=False)["input_ids"])
 
-    def __call__(self, texts: List[str]) -> Tuple[np.ndarray, np.ndarray, int]:
-        ids = [doc for doc in self._token_ids(texts) if doc]
-        empty = len(texts) - len(ids)
+    def pack(self, ids: List[List[int]]) -> Chunk:
+        """One chunk's token ids (a list per text, in order) as a `Chunk`; checks the vocabulary range."""
+        n_texts = len(ids)
+        ids = [doc for doc in ids if doc]
+        empty = n_texts - len(ids)
         if self.eod_token_id is not None:
             for doc in ids:
                 doc.append(self.eod_token_id)
@@ -98,6 +122,9 @@ class _ChunkEncoder:
             bad = int(flat.max()) if flat.max() >= self.vocab_size else int(flat.min())
             raise ValueError(f"tokenizer produced token id {bad}, outside the vocabulary [0, {self.vocab_size})")
         return flat.astype(self.dtype), sizes.astype(np.int32), empty
+
+    def __call__(self, texts: List[str]) -> Chunk:
+        return self.pack(self._token_ids(texts))
 
 
 _worker_encoder: Optional[_ChunkEncoder] = None
@@ -110,7 +137,7 @@ def _init_worker(encoder: _ChunkEncoder) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
-def _encode_in_worker(texts: List[str]) -> Tuple[np.ndarray, np.ndarray, int]:
+def _encode_in_worker(texts: List[str]) -> Chunk:
     assert _worker_encoder is not None, "worker initializer did not run"
     return _worker_encoder(texts)
 
@@ -135,7 +162,9 @@ class DatasetPreprocessor:
         binarization_impl: "mmap" (default), "lazy" or "cached"; see `atorch.data.indexed_dataset`.
         append_eod: append `eod_token_id` to every document, so concatenated documents stay separated.
         eod_token_id: defaults to the tokenizer's `eos_token_id`.
-        workers: tokenizing processes; 1 tokenizes in this process.
+        workers: tokenizing processes. 1 tokenizes in this process, on a thread of its own while the
+            calling thread reads, packs and writes (a Rust-backed tokenizer releases the GIL);
+            more use a process pool.
         strict: make the first unusable input line an error instead of a counted skip.
 
     The token dtype is the smallest that fits the vocabulary (uint16 below 65500 ids, else int32).
@@ -246,28 +275,58 @@ class DatasetPreprocessor:
                     stats.tokens_per_second)
         return stats
 
-    def _encode_chunks(self, encoder: _ChunkEncoder,
-                       chunks: Iterator[List[str]]) -> Iterator[Tuple[np.ndarray, np.ndarray, int]]:
+    def _encode_chunks(self, encoder: _ChunkEncoder, chunks: Iterator[List[str]]) -> Iterator[Chunk]:
         if self.workers == 1:
-            yield from map(encoder, chunks)
-            return
-        # Fork shares the loaded tokenizer without pickling or re-importing torch in each worker.
-        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-        pool = mp.get_context(method).Pool(self.workers, initializer=_init_worker, initargs=(encoder,))
+            return _encode_overlapped(encoder, chunks)
+        return _encode_in_pool(encoder, chunks, self.workers)
+
+
+def _encode_overlapped(encoder: _ChunkEncoder, chunks: Iterator[List[str]]) -> Iterator[Chunk]:
+    """One tokenizer, two threads: a helper thread runs the native batch call (GIL released) on the
+    next chunk while this thread reads and parses the input, packs the previous chunk's ids and
+    writes them. Tokenizers without a native batch call (pure Python) run serially here."""
+    encode = encoder.native_batch_encode()
+    if encode is None:
+        yield from map(encoder, chunks)
+        return
+    pending: Deque[Future] = collections.deque()
+    # `with` joins the thread on every exit, after at most the chunk it is encoding (the rest is cancelled).
+    with ThreadPoolExecutor(1, thread_name_prefix="atorch-tokenize") as thread:
         try:
-            # apply_async with a bounded window instead of imap: Pool.imap reads its whole input
-            # ahead of the workers, which would hold the corpus in memory.
-            pending: collections.deque = collections.deque()
             for chunk in chunks:
-                pending.append(pool.apply_async(_encode_in_worker, (chunk,)))
-                if len(pending) >= _INFLIGHT_PER_WORKER * self.workers:
-                    yield pending.popleft().get()
+                pending.append(thread.submit(encode, chunk))
+                if len(pending) >= _INFLIGHT_THREADED:
+                    yield encoder.pack([e.ids for e in pending.popleft().result()])
             while pending:
-                yield pending.popleft().get()
-            pool.close()
-            pool.join()
+                yield encoder.pack([e.ids for e in pending.popleft().result()])
         finally:
-            pool.terminate()
+            for future in pending:
+                future.cancel()
+
+
+def _encode_in_pool(encoder: _ChunkEncoder, chunks: Iterator[List[str]], workers: int) -> Iterator[Chunk]:
+    """`workers` processes tokenize and pack whole chunks; results come back in corpus order.
+
+    A process pool executor rather than multiprocessing.Pool: when a worker dies (killed, out of
+    memory) every pending result raises BrokenProcessPool, where Pool would wait forever.
+    """
+    # Fork shares the loaded tokenizer without pickling or re-importing torch in each worker.
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context(method), initializer=_init_worker,
+                               initargs=(encoder,))
+    pending: Deque[Future] = collections.deque()
+    try:
+        # A bounded window of submitted chunks instead of map(): the executor's map submits its whole
+        # input at once, which would hold the corpus in memory.
+        for chunk in chunks:
+            pending.append(pool.submit(_encode_in_worker, chunk))
+            if len(pending) >= _INFLIGHT_PER_WORKER * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        # On an error or an early close: drop the queued chunks, wait only for those being encoded.
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _chunks(documents: Iterable[str], chunk_size: int) -> Iterator[List[str]]:
