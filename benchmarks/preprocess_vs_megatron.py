@@ -185,10 +185,17 @@ def megatron_one(corpus: str, prefix: str, workers: int, eod: int, vocab_size: i
                       "cpu_seconds": _cpu_seconds() - cpu, **sched, **_peak_rss()}))
 
 
-def atorch_one(corpus: str, prefix: str, workers: int) -> None:
+def atorch_one(corpus: str, prefix: str, workers: int, serial: bool = False) -> None:
     sys.path.insert(0, str(REPO))
     from atorch.data import DatasetPreprocessor
+    from atorch.data import preprocess as preprocess_module
     from atorch.testing.assets import load_tokenizer
+
+    if serial:  # "atorch-serial": workers=1 without the tokenizing thread (the path before session 4)
+        def encode_serially(encoder, chunks):
+            yield from map(encoder, chunks)
+
+        preprocess_module._encode_overlapped = encode_serially
 
     preprocessor = DatasetPreprocessor(load_tokenizer(), workers=workers)
     cpu = _cpu_seconds()
@@ -315,7 +322,9 @@ def _plan(args) -> list:
     for repeat in range(args.repeats):
         for size in args.sizes_mb:
             for workers in args.workers:
-                order = ["atorch", "megatron"] if (repeat + workers) % 2 == 0 else ["megatron", "atorch"]
+                impls = ["atorch", "megatron"] + (["atorch-serial"] if workers == 1 and args.serial_baseline else [])
+                shift = (repeat + workers) % len(impls)  # each implementation takes each place in turn
+                order = impls[shift:] + impls[:shift]
                 runs += [{"kind": "preprocess", "repeat": repeat, "size": size, "workers": workers, "impl": impl}
                          for impl in order]
     for repeat in range(args.repeats + 1):
@@ -366,16 +375,18 @@ def main() -> None:
                         help="stop before a run that would end past this many seconds (estimated from the last "
                              "run of its configuration); rerun the same command to continue. 0: no limit")
     parser.add_argument("--fresh", action="store_true", help="forget the results of earlier invocations")
+    parser.add_argument("--serial-baseline", action="store_true",
+                        help="at workers=1 also run atorch without its tokenizing thread ('atorch-serial')")
     parser.add_argument("--megatron-one", nargs=5, help=argparse.SUPPRESS)
-    parser.add_argument("--atorch-one", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--atorch-one", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--reads-one", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.megatron_one:
         c, p, w, e, v = args.megatron_one
         return megatron_one(c, p, int(w), int(e), int(v))
     if args.atorch_one:
-        c, p, w = args.atorch_one
-        return atorch_one(c, p, int(w))
+        c, p, w, serial = args.atorch_one
+        return atorch_one(c, p, int(w), serial == "serial")
     if args.reads_one:
         i, p, s, n, seed = args.reads_one
         return reads_one(i, p, int(s), int(n), int(seed))
@@ -410,8 +421,9 @@ def main() -> None:
         started = time.perf_counter()
         if run["kind"] == "preprocess":
             prefix = str(work / f"{impl}_{size:g}_{run['workers']}")
-            if impl == "atorch":
-                r = _child(pythons[impl], ["--atorch-one", corpus, prefix, run["workers"]])
+            if impl.startswith("atorch"):
+                mode = "serial" if impl == "atorch-serial" else "default"
+                r = _child(pythons["atorch"], ["--atorch-one", corpus, prefix, run["workers"], mode])
             else:
                 r = _child(pythons[impl], ["--megatron-one", corpus, prefix, run["workers"], eod, vocab])
             r["sha"] = {s: _sha(Path(prefix + s)) for s in (".bin", ".idx")}
@@ -445,10 +457,10 @@ def _summarize(args, done: list) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes_mb:
         for workers in args.workers:
-            shas = {impl: {json.dumps(r["sha"]) for r in pre.get((size, workers, impl), [])}
-                    for impl in ("atorch", "megatron")}
-            same = len(shas["atorch"] | shas["megatron"]) == 1
-            for impl in ("atorch", "megatron"):
+            impls = ("atorch", "atorch-serial", "megatron")
+            shas = set().union(*({json.dumps(r["sha"]) for r in pre.get((size, workers, impl), [])} for impl in impls))
+            same = len(shas) == 1
+            for impl in impls:
                 rs = pre.get((size, workers, impl))
                 if not rs:
                     continue
@@ -464,24 +476,24 @@ def _summarize(args, done: list) -> None:
     print("\nPer repeat, atorch/megatron: tokens/s ratio = tokens per CPU s ratio x ratio of CPU obtained per wall "
           "second; then each side's workers' share of their time on a CPU / asleep (the rest: waiting for a CPU), "
           "and the 1-min loads before the two runs:")
-    for size in args.sizes_mb:
-        for workers in args.workers:
-            pairs = []
-            for repeat in range(args.repeats):
-                a = [r for r in pre.get((size, workers, "atorch"), []) if r["repeat"] == repeat]
-                m = [r for r in pre.get((size, workers, "megatron"), []) if r["repeat"] == repeat]
-                if a and m:
-                    a0, m0 = a[0], m[0]
-                    def share(r: dict) -> str:
-                        span = r.get("worker_span_s") or float("nan")
-                        return f"{100 * r['worker_cpu_s'] / span:.0f}/{100 * r['worker_sleep_s'] / span:.0f}%"
+    for size, workers, other in ((s, w, o) for s in args.sizes_mb for w in args.workers
+                                 for o in ("megatron", "atorch-serial")):
+        pairs = []
+        for repeat in range(args.repeats):
+            a = [r for r in pre.get((size, workers, "atorch"), []) if r["repeat"] == repeat]
+            m = [r for r in pre.get((size, workers, other), []) if r["repeat"] == repeat]
+            if a and m:
+                a0, m0 = a[0], m[0]
+                def share(r: dict) -> str:
+                    span = r.get("worker_span_s") or float("nan")
+                    return f"{100 * r['worker_cpu_s'] / span:.0f}/{100 * r['worker_sleep_s'] / span:.0f}%"
 
-                    obtained = (a0["cpu_seconds"] / a0["seconds"]) / (m0["cpu_seconds"] / m0["seconds"])
-                    pairs.append(f"{a0['tokens'] / a0['seconds'] / (m0['tokens'] / m0['seconds']):.2f} = "
-                                 f"{m0['cpu_seconds'] / a0['cpu_seconds']:.2f} x {obtained:.2f} "
-                                 f"(workers {share(a0)} vs {share(m0)}; load {a0['load']:.0f}/{m0['load']:.0f})")
-            if pairs:
-                print(f"  {size:g} MB, workers={workers}: " + ", ".join(pairs))
+                obtained = (a0["cpu_seconds"] / a0["seconds"]) / (m0["cpu_seconds"] / m0["seconds"])
+                pairs.append(f"{a0['tokens'] / a0['seconds'] / (m0['tokens'] / m0['seconds']):.2f} = "
+                             f"{m0['cpu_seconds'] / a0['cpu_seconds']:.2f} x {obtained:.2f} "
+                             f"(workers {share(a0)} vs {share(m0)}; load {a0['load']:.0f}/{m0['load']:.0f})")
+        if pairs:
+                print(f"  {size:g} MB, workers={workers}, atorch/{other}: " + ", ".join(pairs))
     reads = {}
     for r in done:
         if r["kind"] == "reads" and r["size"] == max(args.sizes_mb):
