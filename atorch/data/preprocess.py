@@ -1,8 +1,12 @@
 """Tokenize a corpus into Megatron-LM `.bin` + `.idx` files, in parallel and in bounded memory.
 
-Documents are read lazily, tokenized in chunks (one worker: a tokenizing thread overlapped with
-reading, packing and writing; more: a process pool, results kept in corpus order) and written as
-they arrive, so memory depends on `workers * chunk_size`, not on the corpus size.
+Documents are read lazily, tokenized in chunks (in this process for one worker, else by a process
+pool, results kept in corpus order) and written as they arrive, so memory depends on
+`workers * chunk_size`, not on the corpus size.
+
+One worker is one process on purpose: the tokenizer's native call is ~94% of its CPU (reading and
+JSON ~1%, packing ids ~5%), so a tokenizing thread overlapped with the rest cost 2-3% more CPU per
+token and gained no wall time (benchmarks/RESULTS.md, "After the workers=1 change (session 4)").
 """
 
 from __future__ import annotations
@@ -13,10 +17,10 @@ import logging
 import multiprocessing as mp
 import os
 import time
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Deque, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Deque, Iterable, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -35,9 +39,6 @@ logger = logging.getLogger(__name__)
 
 # Chunks in flight per worker: enough to keep every worker busy while the parent writes.
 _INFLIGHT_PER_WORKER = 4
-# workers=1: chunks handed to the tokenizing thread, the one it encodes and the next one, so it
-# never waits for the reading, packing and writing done meanwhile by the calling thread.
-_INFLIGHT_THREADED = 2
 
 Chunk = Tuple[np.ndarray, np.ndarray, int]
 """A chunk's flat token array, per-document sizes and number of texts that tokenized to nothing."""
@@ -82,30 +83,16 @@ class _ChunkEncoder:
         self.vocab_size = vocab_size
         self.eod_token_id = eod_token_id
 
-    def native_batch_encode(self) -> Optional[Callable[[List[str]], Sequence[Any]]]:
-        """The Rust backend's batch call (texts -> `Encoding`s with `.ids`), or None for a Python tokenizer.
-
-        encode_batch_fast (tokenizers >= 0.20) skips the character offsets, which only an aligner needs:
-        same ids, ~18% less CPU per token. Both calls release the GIL while they tokenize, which is
-        what lets `workers=1` overlap tokenizing with everything else.
-        """
+    def _token_ids(self, texts: List[str]) -> List[List[int]]:
+        # The Rust tokenizer's batch call skips the Python-side BatchEncoding: ~20% faster than __call__.
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is None and hasattr(self.tokenizer, "encode_batch"):
             backend = self.tokenizer
-        if backend is None:
-            return None
-        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-
-        def batch_encode(texts: List[str]) -> Sequence[Any]:
-            return encode(texts, add_special_tokens=False)
-
-        return batch_encode
-
-    def _token_ids(self, texts: List[str]) -> List[List[int]]:
-        # The Rust tokenizer's batch call skips the Python-side BatchEncoding: ~20% faster than __call__.
-        encode = self.native_batch_encode()
-        if encode is not None:
-            return [e.ids for e in encode(texts)]
+        if backend is not None:
+            # encode_batch_fast (tokenizers >= 0.20) skips the character offsets, which only an aligner needs:
+            # same ids, ~18% less worker CPU per token, and in workers that CPU is the whole critical path.
+            encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+            return [e.ids for e in encode(texts, add_special_tokens=False)]
         return list(self.tokenizer(texts, add_special_tokens=False)["input_ids"])
 
     def pack(self, ids: List[List[int]]) -> Chunk:
@@ -162,9 +149,7 @@ class DatasetPreprocessor:
         binarization_impl: "mmap" (default), "lazy" or "cached"; see `atorch.data.indexed_dataset`.
         append_eod: append `eod_token_id` to every document, so concatenated documents stay separated.
         eod_token_id: defaults to the tokenizer's `eos_token_id`.
-        workers: tokenizing processes. 1 tokenizes in this process, on a thread of its own while the
-            calling thread reads, packs and writes (a Rust-backed tokenizer releases the GIL);
-            more use a process pool.
+        workers: tokenizing processes; 1 tokenizes in this process, more use a process pool.
         strict: make the first unusable input line an error instead of a counted skip.
 
     The token dtype is the smallest that fits the vocabulary (uint16 below 65500 ids, else int32).
@@ -277,31 +262,9 @@ class DatasetPreprocessor:
 
     def _encode_chunks(self, encoder: _ChunkEncoder, chunks: Iterator[List[str]]) -> Iterator[Chunk]:
         if self.workers == 1:
-            return _encode_overlapped(encoder, chunks)
-        return _encode_in_pool(encoder, chunks, self.workers)
-
-
-def _encode_overlapped(encoder: _ChunkEncoder, chunks: Iterator[List[str]]) -> Iterator[Chunk]:
-    """One tokenizer, two threads: a helper thread runs the native batch call (GIL released) on the
-    next chunk while this thread reads and parses the input, packs the previous chunk's ids and
-    writes them. Tokenizers without a native batch call (pure Python) run serially here."""
-    encode = encoder.native_batch_encode()
-    if encode is None:
-        yield from map(encoder, chunks)
-        return
-    pending: Deque[Future] = collections.deque()
-    # `with` joins the thread on every exit, after at most the chunk it is encoding (the rest is cancelled).
-    with ThreadPoolExecutor(1, thread_name_prefix="atorch-tokenize") as thread:
-        try:
-            for chunk in chunks:
-                pending.append(thread.submit(encode, chunk))
-                if len(pending) >= _INFLIGHT_THREADED:
-                    yield encoder.pack([e.ids for e in pending.popleft().result()])
-            while pending:
-                yield encoder.pack([e.ids for e in pending.popleft().result()])
-        finally:
-            for future in pending:
-                future.cancel()
+            yield from map(encoder, chunks)
+        else:
+            yield from _encode_in_pool(encoder, chunks, self.workers)
 
 
 def _encode_in_pool(encoder: _ChunkEncoder, chunks: Iterator[List[str]], workers: int) -> Iterator[Chunk]:

@@ -3,7 +3,6 @@
 import json
 import logging
 import os
-import threading
 from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
@@ -176,8 +175,7 @@ def test_legacy_impls_hold_the_same_tokens(tmp_path, tokenizer, impl):
 @pytest.mark.parametrize("workers", [1, 2])
 def test_reading_stays_bounded(tmp_path, tokenizer, monkeypatch, workers):
     # The input is pulled only a bounded window ahead of what is written: memory does not
-    # grow with the corpus (Pool.imap would have read all 5000 documents up front). workers=1:
-    # the tokenizing thread holds at most the chunk it encodes and the next one.
+    # grow with the corpus (Pool.imap would have read all 5000 documents up front).
     pulled = []
 
     def documents():
@@ -266,57 +264,6 @@ def test_fast_batch_encoding_gives_the_same_ids(tokenizer):
 
     spied = preprocess_module._ChunkEncoder(Spy(), np.dtype(np.uint16), 845, None)
     assert spied._token_ids(docs) == expected and calls == [len(docs)]
-
-
-def test_one_worker_tokenizes_on_a_helper_thread_with_identical_output(tmp_path, tokenizer):
-    # workers=1 runs the native batch call on a helper thread (overlapped with reading, packing and
-    # writing); its files must equal those of a plain serial loop over the same encoder.
-    docs = corpus_documents(120) + [""]
-    threads = []
-    backend = tokenizer.backend_tokenizer
-
-    class ThreadSpy:  # a tokenizers.Tokenizer lookalike that records which thread tokenizes
-        def get_vocab_size(self, with_added_tokens):
-            return backend.get_vocab_size(with_added_tokens=with_added_tokens)
-
-        def encode_batch(self, texts, add_special_tokens):
-            threads.append(threading.current_thread().name)
-            return backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
-
-    stats = DatasetPreprocessor(ThreadSpy(), chunk_size=16, eod_token_id=1).preprocess(
-        docs, tmp_path / "threaded", progress_enabled=False)
-    assert len(threads) == 8 and all(name.startswith("atorch-tokenize") for name in threads), threads
-    encoder = preprocess_module._ChunkEncoder(tokenizer, np.dtype(np.uint16), 845, 1)
-    writer = preprocess_module.IndexedDatasetWriter(tmp_path / "serial", np.dtype(np.uint16), "mmap")
-    for flat, sizes, _ in map(encoder, preprocess_module._chunks(docs, 16)):
-        writer.add_sequences(flat, sizes)
-    writer.finalize()
-    for suffix in ("bin", "idx"):
-        assert (tmp_path / f"threaded.{suffix}").read_bytes() == (tmp_path / f"serial.{suffix}").read_bytes()
-    assert (stats.documents, stats.empty_documents) == (120, 1)
-    assert not [t for t in threading.enumerate() if t.name.startswith("atorch-tokenize")]
-
-
-def test_tokenizing_thread_error_raises_and_writes_nothing(tmp_path, tokenizer):
-    backend = tokenizer.backend_tokenizer
-
-    class FailsOnThirdChunk:
-        calls = 0
-
-        def get_vocab_size(self, with_added_tokens):
-            return 845
-
-        def encode_batch(self, texts, add_special_tokens):
-            FailsOnThirdChunk.calls += 1
-            if FailsOnThirdChunk.calls == 3:
-                raise RuntimeError("tokenizer exploded")
-            return backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
-
-    with pytest.raises(RuntimeError, match="tokenizer exploded"):
-        DatasetPreprocessor(FailsOnThirdChunk(), chunk_size=4, eod_token_id=1).preprocess(
-            corpus_documents(40), tmp_path / "x", progress_enabled=False)
-    assert list(tmp_path.iterdir()) == []
-    assert not [t for t in threading.enumerate() if t.name.startswith("atorch-tokenize")]
 
 
 class _DiesInWorker:
