@@ -185,17 +185,10 @@ def megatron_one(corpus: str, prefix: str, workers: int, eod: int, vocab_size: i
                       "cpu_seconds": _cpu_seconds() - cpu, **sched, **_peak_rss()}))
 
 
-def atorch_one(corpus: str, prefix: str, workers: int, serial: bool = False) -> None:
+def atorch_one(corpus: str, prefix: str, workers: int) -> None:
     sys.path.insert(0, str(REPO))
     from atorch.data import DatasetPreprocessor
-    from atorch.data import preprocess as preprocess_module
     from atorch.testing.assets import load_tokenizer
-
-    if serial:  # "atorch-serial": workers=1 without the tokenizing thread (the path before session 4)
-        def encode_serially(encoder, chunks):
-            yield from map(encoder, chunks)
-
-        preprocess_module._encode_overlapped = encode_serially
 
     preprocessor = DatasetPreprocessor(load_tokenizer(), workers=workers)
     cpu = _cpu_seconds()
@@ -322,9 +315,7 @@ def _plan(args) -> list:
     for repeat in range(args.repeats):
         for size in args.sizes_mb:
             for workers in args.workers:
-                impls = ["atorch", "megatron"] + (["atorch-serial"] if workers == 1 and args.serial_baseline else [])
-                shift = (repeat + workers) % len(impls)  # each implementation takes each place in turn
-                order = impls[shift:] + impls[:shift]
+                order = ["atorch", "megatron"] if (repeat + workers) % 2 == 0 else ["megatron", "atorch"]
                 runs += [{"kind": "preprocess", "repeat": repeat, "size": size, "workers": workers, "impl": impl}
                          for impl in order]
     for repeat in range(args.repeats + 1):
@@ -375,18 +366,16 @@ def main() -> None:
                         help="stop before a run that would end past this many seconds (estimated from the last "
                              "run of its configuration); rerun the same command to continue. 0: no limit")
     parser.add_argument("--fresh", action="store_true", help="forget the results of earlier invocations")
-    parser.add_argument("--serial-baseline", action="store_true",
-                        help="at workers=1 also run atorch without its tokenizing thread ('atorch-serial')")
     parser.add_argument("--megatron-one", nargs=5, help=argparse.SUPPRESS)
-    parser.add_argument("--atorch-one", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--atorch-one", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--reads-one", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.megatron_one:
         c, p, w, e, v = args.megatron_one
         return megatron_one(c, p, int(w), int(e), int(v))
     if args.atorch_one:
-        c, p, w, serial = args.atorch_one
-        return atorch_one(c, p, int(w), serial == "serial")
+        c, p, w = args.atorch_one
+        return atorch_one(c, p, int(w))
     if args.reads_one:
         i, p, s, n, seed = args.reads_one
         return reads_one(i, p, int(s), int(n), int(seed))
@@ -421,9 +410,8 @@ def main() -> None:
         started = time.perf_counter()
         if run["kind"] == "preprocess":
             prefix = str(work / f"{impl}_{size:g}_{run['workers']}")
-            if impl.startswith("atorch"):
-                mode = "serial" if impl == "atorch-serial" else "default"
-                r = _child(pythons["atorch"], ["--atorch-one", corpus, prefix, run["workers"], mode])
+            if impl == "atorch":
+                r = _child(pythons[impl], ["--atorch-one", corpus, prefix, run["workers"]])
             else:
                 r = _child(pythons[impl], ["--megatron-one", corpus, prefix, run["workers"], eod, vocab])
             r["sha"] = {s: _sha(Path(prefix + s)) for s in (".bin", ".idx")}
@@ -457,6 +445,8 @@ def _summarize(args, done: list) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes_mb:
         for workers in args.workers:
+            # "atorch-serial": recorded by session 4's experiment (commit a445a56), where workers=1 "atorch" was a
+            # tokenizing thread overlapped with the rest and "atorch-serial" the one-thread path atorch keeps.
             impls = ("atorch", "atorch-serial", "megatron")
             shas = set().union(*({json.dumps(r["sha"]) for r in pre.get((size, workers, impl), [])} for impl in impls))
             same = len(shas) == 1
