@@ -445,10 +445,12 @@ def _summarize(args, done: list) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes_mb:
         for workers in args.workers:
-            shas = {impl: {json.dumps(r["sha"]) for r in pre.get((size, workers, impl), [])}
-                    for impl in ("atorch", "megatron")}
-            same = len(shas["atorch"] | shas["megatron"]) == 1
-            for impl in ("atorch", "megatron"):
+            # "atorch-serial": recorded by session 4's experiment (commit a445a56), where workers=1 "atorch" was a
+            # tokenizing thread overlapped with the rest and "atorch-serial" the one-thread path atorch keeps.
+            impls = ("atorch", "atorch-serial", "megatron")
+            shas = set().union(*({json.dumps(r["sha"]) for r in pre.get((size, workers, impl), [])} for impl in impls))
+            same = len(shas) == 1
+            for impl in impls:
                 rs = pre.get((size, workers, impl))
                 if not rs:
                     continue
@@ -464,24 +466,24 @@ def _summarize(args, done: list) -> None:
     print("\nPer repeat, atorch/megatron: tokens/s ratio = tokens per CPU s ratio x ratio of CPU obtained per wall "
           "second; then each side's workers' share of their time on a CPU / asleep (the rest: waiting for a CPU), "
           "and the 1-min loads before the two runs:")
-    for size in args.sizes_mb:
-        for workers in args.workers:
-            pairs = []
-            for repeat in range(args.repeats):
-                a = [r for r in pre.get((size, workers, "atorch"), []) if r["repeat"] == repeat]
-                m = [r for r in pre.get((size, workers, "megatron"), []) if r["repeat"] == repeat]
-                if a and m:
-                    a0, m0 = a[0], m[0]
-                    def share(r: dict) -> str:
-                        span = r.get("worker_span_s") or float("nan")
-                        return f"{100 * r['worker_cpu_s'] / span:.0f}/{100 * r['worker_sleep_s'] / span:.0f}%"
+    for size, workers, other in ((s, w, o) for s in args.sizes_mb for w in args.workers
+                                 for o in ("megatron", "atorch-serial")):
+        pairs = []
+        for repeat in range(args.repeats):
+            a = [r for r in pre.get((size, workers, "atorch"), []) if r["repeat"] == repeat]
+            m = [r for r in pre.get((size, workers, other), []) if r["repeat"] == repeat]
+            if a and m:
+                a0, m0 = a[0], m[0]
+                def share(r: dict) -> str:
+                    span = r.get("worker_span_s") or float("nan")
+                    return f"{100 * r['worker_cpu_s'] / span:.0f}/{100 * r['worker_sleep_s'] / span:.0f}%"
 
-                    obtained = (a0["cpu_seconds"] / a0["seconds"]) / (m0["cpu_seconds"] / m0["seconds"])
-                    pairs.append(f"{a0['tokens'] / a0['seconds'] / (m0['tokens'] / m0['seconds']):.2f} = "
-                                 f"{m0['cpu_seconds'] / a0['cpu_seconds']:.2f} x {obtained:.2f} "
-                                 f"(workers {share(a0)} vs {share(m0)}; load {a0['load']:.0f}/{m0['load']:.0f})")
-            if pairs:
-                print(f"  {size:g} MB, workers={workers}: " + ", ".join(pairs))
+                obtained = (a0["cpu_seconds"] / a0["seconds"]) / (m0["cpu_seconds"] / m0["seconds"])
+                pairs.append(f"{a0['tokens'] / a0['seconds'] / (m0['tokens'] / m0['seconds']):.2f} = "
+                             f"{m0['cpu_seconds'] / a0['cpu_seconds']:.2f} x {obtained:.2f} "
+                             f"(workers {share(a0)} vs {share(m0)}; load {a0['load']:.0f}/{m0['load']:.0f})")
+        if pairs:
+                print(f"  {size:g} MB, workers={workers}, atorch/{other}: " + ", ".join(pairs))
     reads = {}
     for r in done:
         if r["kind"] == "reads" and r["size"] == max(args.sizes_mb):

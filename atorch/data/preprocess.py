@@ -1,7 +1,12 @@
 """Tokenize a corpus into Megatron-LM `.bin` + `.idx` files, in parallel and in bounded memory.
 
-Documents are read lazily, tokenized in chunks by a process pool (results kept in corpus order)
-and written as they arrive, so memory depends on `workers * chunk_size`, not on the corpus size.
+Documents are read lazily, tokenized in chunks (in this process for one worker, else by a process
+pool, results kept in corpus order) and written as they arrive, so memory depends on
+`workers * chunk_size`, not on the corpus size.
+
+One worker is one process on purpose: the tokenizer's native call is ~94% of its CPU (reading and
+JSON ~1%, packing ids ~5%), so a tokenizing thread overlapped with the rest cost 2-3% more CPU per
+token and gained no wall time (benchmarks/RESULTS.md, "After the workers=1 change (session 4)").
 """
 
 from __future__ import annotations
@@ -12,9 +17,10 @@ import logging
 import multiprocessing as mp
 import os
 import time
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Deque, Iterable, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -33,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 # Chunks in flight per worker: enough to keep every worker busy while the parent writes.
 _INFLIGHT_PER_WORKER = 4
+
+Chunk = Tuple[np.ndarray, np.ndarray, int]
+"""A chunk's flat token array, per-document sizes and number of texts that tokenized to nothing."""
 
 
 @dataclass
@@ -86,9 +95,11 @@ class _ChunkEncoder:
             return [e.ids for e in encode(texts, add_special_tokens=False)]
         return list(self.tokenizer(texts, add_special_tokens=False)["input_ids"])
 
-    def __call__(self, texts: List[str]) -> Tuple[np.ndarray, np.ndarray, int]:
-        ids = [doc for doc in self._token_ids(texts) if doc]
-        empty = len(texts) - len(ids)
+    def pack(self, ids: List[List[int]]) -> Chunk:
+        """One chunk's token ids (a list per text, in order) as a `Chunk`; checks the vocabulary range."""
+        n_texts = len(ids)
+        ids = [doc for doc in ids if doc]
+        empty = n_texts - len(ids)
         if self.eod_token_id is not None:
             for doc in ids:
                 doc.append(self.eod_token_id)
@@ -98,6 +109,9 @@ class _ChunkEncoder:
             bad = int(flat.max()) if flat.max() >= self.vocab_size else int(flat.min())
             raise ValueError(f"tokenizer produced token id {bad}, outside the vocabulary [0, {self.vocab_size})")
         return flat.astype(self.dtype), sizes.astype(np.int32), empty
+
+    def __call__(self, texts: List[str]) -> Chunk:
+        return self.pack(self._token_ids(texts))
 
 
 _worker_encoder: Optional[_ChunkEncoder] = None
@@ -110,7 +124,7 @@ def _init_worker(encoder: _ChunkEncoder) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
-def _encode_in_worker(texts: List[str]) -> Tuple[np.ndarray, np.ndarray, int]:
+def _encode_in_worker(texts: List[str]) -> Chunk:
     assert _worker_encoder is not None, "worker initializer did not run"
     return _worker_encoder(texts)
 
@@ -135,7 +149,7 @@ class DatasetPreprocessor:
         binarization_impl: "mmap" (default), "lazy" or "cached"; see `atorch.data.indexed_dataset`.
         append_eod: append `eod_token_id` to every document, so concatenated documents stay separated.
         eod_token_id: defaults to the tokenizer's `eos_token_id`.
-        workers: tokenizing processes; 1 tokenizes in this process.
+        workers: tokenizing processes; 1 tokenizes in this process, more use a process pool.
         strict: make the first unusable input line an error instead of a counted skip.
 
     The token dtype is the smallest that fits the vocabulary (uint16 below 65500 ids, else int32).
@@ -246,28 +260,36 @@ class DatasetPreprocessor:
                     stats.tokens_per_second)
         return stats
 
-    def _encode_chunks(self, encoder: _ChunkEncoder,
-                       chunks: Iterator[List[str]]) -> Iterator[Tuple[np.ndarray, np.ndarray, int]]:
+    def _encode_chunks(self, encoder: _ChunkEncoder, chunks: Iterator[List[str]]) -> Iterator[Chunk]:
         if self.workers == 1:
             yield from map(encoder, chunks)
-            return
-        # Fork shares the loaded tokenizer without pickling or re-importing torch in each worker.
-        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-        pool = mp.get_context(method).Pool(self.workers, initializer=_init_worker, initargs=(encoder,))
-        try:
-            # apply_async with a bounded window instead of imap: Pool.imap reads its whole input
-            # ahead of the workers, which would hold the corpus in memory.
-            pending: collections.deque = collections.deque()
-            for chunk in chunks:
-                pending.append(pool.apply_async(_encode_in_worker, (chunk,)))
-                if len(pending) >= _INFLIGHT_PER_WORKER * self.workers:
-                    yield pending.popleft().get()
-            while pending:
-                yield pending.popleft().get()
-            pool.close()
-            pool.join()
-        finally:
-            pool.terminate()
+        else:
+            yield from _encode_in_pool(encoder, chunks, self.workers)
+
+
+def _encode_in_pool(encoder: _ChunkEncoder, chunks: Iterator[List[str]], workers: int) -> Iterator[Chunk]:
+    """`workers` processes tokenize and pack whole chunks; results come back in corpus order.
+
+    A process pool executor rather than multiprocessing.Pool: when a worker dies (killed, out of
+    memory) every pending result raises BrokenProcessPool, where Pool would wait forever.
+    """
+    # Fork shares the loaded tokenizer without pickling or re-importing torch in each worker.
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context(method), initializer=_init_worker,
+                               initargs=(encoder,))
+    pending: Deque[Future] = collections.deque()
+    try:
+        # A bounded window of submitted chunks instead of map(): the executor's map submits its whole
+        # input at once, which would hold the corpus in memory.
+        for chunk in chunks:
+            pending.append(pool.submit(_encode_in_worker, chunk))
+            if len(pending) >= _INFLIGHT_PER_WORKER * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        # On an error or an early close: drop the queued chunks, wait only for those being encoded.
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _chunks(documents: Iterable[str], chunk_size: int) -> Iterator[List[str]]:

@@ -2,6 +2,8 @@
 
 import json
 import logging
+import os
+from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 import pytest
@@ -262,3 +264,30 @@ def test_fast_batch_encoding_gives_the_same_ids(tokenizer):
 
     spied = preprocess_module._ChunkEncoder(Spy(), np.dtype(np.uint16), 845, None)
     assert spied._token_ids(docs) == expected and calls == [len(docs)]
+
+
+class _DiesInWorker:
+    """A Python tokenizer whose worker process dies abruptly (as if killed) on its second chunk."""
+
+    eos_token_id = 1
+
+    def __init__(self, parent_pid):
+        self.parent_pid = parent_pid
+        self.calls = 0
+
+    def __len__(self):
+        return 845
+
+    def __call__(self, texts, add_special_tokens):
+        self.calls += 1
+        if os.getpid() != self.parent_pid and self.calls == 2:
+            os._exit(9)
+        return {"input_ids": [[5, 6] for _ in texts]}
+
+
+def test_dead_worker_raises_instead_of_hanging(tmp_path):
+    # multiprocessing.Pool would wait forever for the lost chunk; the executor reports the dead worker.
+    with pytest.raises(BrokenProcessPool):
+        DatasetPreprocessor(_DiesInWorker(os.getpid()), chunk_size=2, workers=2).preprocess(
+            [f"doc {i}" for i in range(40)], tmp_path / "dead", progress_enabled=False)
+    assert list(tmp_path.iterdir()) == []
