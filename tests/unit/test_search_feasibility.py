@@ -247,3 +247,65 @@ def test_remeasurement_continues_until_separated_within_the_budget():
     # Every re-measurement round pairs the leader of that moment with another candidate.
     pairs = [tuple(result.evaluated[k:k + 2]) for k, s in enumerate(sources) if s == "remeasure"][::2]
     assert all(x != y for x, y in pairs)
+
+
+def test_the_surrogate_posterior_picks_the_challenger():
+    space = space16()
+    # Measured: 0 leads by a lucky run (100), 1 is close (99, the model thinks it is slower),
+    # 2 measured lower (96) but the surrogate, pooling similar candidates, puts it above 0.
+    log = _log(space, [(0, 100.0, 0.08), (1, 99.0, 0.08), (2, 96.0, 0.08)])
+    assert log.challenge() == (0, 1)
+    posterior = {0: (math.log(97.0), 1e-4), 1: (math.log(95.0), 1e-4), 2: (math.log(99.0), 1e-4)}
+    assert log.challenge(posterior=posterior) == (0, 2)
+    # A candidate the posterior does not cover keeps its measured probability.
+    assert log.challenge(posterior={0: posterior[0], 2: posterior[2]}) == (0, 2)
+
+
+def test_identical_step_times_reserve_nothing_for_remeasuring():
+    space = space16()
+    table = {s: 10.0 + i for i, s in enumerate(space.strategies())}
+
+    def deterministic(s):
+        step = 32.0 / table[s]
+        return DryRunResult(table[s], 100, step_time_s=step, step_times_s=(step,) * 5)
+
+    result = search_strategy(space, deterministic, max_trials=14, patience=14, planner_factory=FitRecordingPlanner)
+    assert (result.trials["source"] != "remeasure").all() and len(result.trials) == 14
+    assert result.trials["strategy"].nunique() == 14
+
+
+def test_log_expected_improvement_matches_the_closed_form_and_ranks_the_far_tail():
+    from scipy.stats import norm
+
+    from atorch.auto.search.bo import log_expected_improvement
+
+    mean = np.array([0.0, 0.5, 1.0, 3.0])
+    var = np.array([1.0, 0.25, 0.04, 0.01])
+    sd = np.sqrt(var)
+    z = (0.2 - mean) / sd
+    closed = (0.2 - mean) * norm.cdf(z) + sd * norm.pdf(z)
+    got = log_expected_improvement(0.2, mean, var)
+    assert np.allclose(np.exp(got[:3]), closed[:3], rtol=1e-9)
+    # z = -28: the closed form underflows to 0, the log still orders the tail by distance.
+    far = log_expected_improvement(0.2, np.array([3.0, 3.5]), np.array([0.01, 0.01]))
+    assert np.all(np.isfinite(far)) and far[0] > far[1] and got[3] < got[2]
+
+
+def test_a_clear_lead_is_not_remeasured_and_its_reserve_goes_to_the_search():
+    space = space16()
+    strategies = space.strategies()
+    table = {s: 50.0 + i for i, s in enumerate(strategies)}
+    table[strategies[0]] = 400.0          # far ahead of everyone (the seeding measures it first)
+
+    def evaluator(s):
+        step = 32.0 / table[s]
+        steps = tuple(step * (1 + 0.01 * z) for z in (-1.2, -0.4, 0.0, 0.4, 1.2))
+        return DryRunResult(table[s], 100, step_time_s=step, step_times_s=steps)
+
+    result = search_strategy(space, evaluator, max_trials=12, patience=12, planner_factory=FitRecordingPlanner)
+    assert len(result.trials) == 12 and result.trials["strategy"].nunique() == 12
+    assert result.best == strategies[0] and result.comparison.separated
+    # A close race is re-measured: the same space with a runner-up 2% behind.
+    table[strategies[0]], table[strategies[5]] = 102.0, 100.0
+    result = search_strategy(space, evaluator, max_trials=12, patience=12, planner_factory=FitRecordingPlanner)
+    assert (result.trials["source"] == "remeasure").sum() >= 2
