@@ -204,8 +204,9 @@ def test_search_fits_a_model_whose_unsharded_state_does_not(tmp_path):
     limit, model_bytes = rank0["limit"], rank0["model_bytes"]
     assert model_bytes < limit < rank0["ddp_predicted"]          # the premise: the model fits, DDP does not
     assert rank0["status"] and rank1["status"] and rank0["strategy"] == rank1["strategy"]
-    # A strategy that splits the model states: sharded (fsdp/zero2) or split into pipeline stages.
-    assert {"fsdp", "zero2", "pipeline_parallel"} & set(rank0["strategy"]), rank0["strategy"]
+    # A strategy that splits the model states (ZeRO's parameters, gradients and optimizer state):
+    # sharded (zero1: the optimizer state; zero2, fsdp: more) or split into pipeline stages.
+    assert {"zero1", "zero2", "fsdp", "pipeline_parallel"} & set(rank0["strategy"]), rank0["strategy"]
     pruned = rank0["pruned"]
     assert "parallel_mode(data=2)+ddp" in set(pruned["strategy"]) and len(pruned) >= 8
     trials = rank0["trials"]

@@ -285,3 +285,26 @@ def test_hebo_planner_work_is_bounded_on_large_spaces():
     suggestion = planner.suggest(observed, list(range(10, 2000)))
     assert planner.fits == 1 and suggestion.scored == MAX_SCORED == planner.max_scored
     assert 10 <= suggestion.index < 2000 and suggestion.how == "acquisition"
+
+
+def test_hebo_planner_posterior_pools_measurements_and_refits_on_a_new_prior():
+    """The posterior at measured candidates follows their measurements; one fit serves the next
+    suggestion and posterior on the same trials; a new predictor feature forces a new fit."""
+    from atorch.auto.search.bo import CandidatePlanner, Observation
+
+    labels = [["a", "b"], ["x", "y", "z"], ["p", "q"]]
+    choices = [(i, j, k) for i in range(2) for j in range(3) for k in range(2)]
+    truth = {c: 1.0 * c[0] - 0.5 * c[1] + 0.3 * c[2] for c in choices}     # additive log-throughput
+    prior = [truth[c] for c in choices]
+    planner = CandidatePlanner(labels, choices, prior=prior, seed=0)
+    seen = [0, 3, 5, 6, 9, 11]
+    observed = [Observation(i, truth[choices[i]], 1e-4) for i in seen]
+    suggestion = planner.suggest(observed, [i for i in range(len(choices)) if i not in seen])
+    post = planner.posterior(observed, seen)
+    assert planner.fits == 1 and suggestion.how == "acquisition"
+    assert all(abs(post[i][0] - truth[choices[i]]) < 0.2 and post[i][1] >= 0 for i in seen)
+    best, worst = max(seen, key=lambda i: truth[choices[i]]), min(seen, key=lambda i: truth[choices[i]])
+    assert post[best][0] > post[worst][0]
+    planner.update_prior([-v for v in prior])
+    planner.posterior(observed, seen)
+    assert planner.fits == 2

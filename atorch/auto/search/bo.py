@@ -220,6 +220,7 @@ class CandidatePlanner:
     def update_prior(self, prior: Sequence[float]) -> None:
         """A refitted predictor's new predictions: the GP's feature follows them from the next fit."""
         self.prior = np.asarray(prior, dtype=float)
+        self._last_fit = None            # fitted on the old feature
         if self.codes is None or not self.has_prior or np.ptp(self.prior) <= 1e-12:
             return     # the kernel's shape (with or without the feature) is fixed at construction
         p = (self.prior - self.prior.mean()) / self.prior.std()
