@@ -208,7 +208,10 @@ def test_search_fits_a_model_whose_unsharded_state_does_not(tmp_path):
     # sharded (zero1: the optimizer state; zero2, fsdp: more) or split into pipeline stages.
     assert {"zero1", "zero2", "fsdp", "pipeline_parallel"} & set(rank0["strategy"]), rank0["strategy"]
     pruned = rank0["pruned"]
-    assert "parallel_mode(data=2)+ddp" in set(pruned["strategy"]) and len(pruned) >= 8
+    # Pruned without a dry run: at least the unsharded data-parallel candidates (ddp with and
+    # without amp / checkpointing), each with the reason it cannot fit.
+    assert "parallel_mode(data=2)+ddp" in set(pruned["strategy"]) and len(pruned) >= 4
+    assert pruned["reason"].str.len().gt(0).all(), pruned
     trials = rank0["trials"]
     ok = trials[trials["status"] == "ok"]
     assert len(ok) >= 1 and (ok["measured_memory"] <= limit).all()
