@@ -309,3 +309,25 @@ def test_a_clear_lead_is_not_remeasured_and_its_reserve_goes_to_the_search():
     table[strategies[0]], table[strategies[5]] = 102.0, 100.0
     result = search_strategy(space, evaluator, max_trials=12, patience=12, planner_factory=FitRecordingPlanner)
     assert (result.trials["source"] == "remeasure").sum() >= 2
+
+
+@pytest.mark.parametrize("bad", [Estimate(float("nan"), 1.0), Estimate(100, float("nan")), Estimate(100, 0.0),
+                                 Estimate(-5, 1.0), Estimate(100, float("inf")), "not an estimate"])
+def test_an_unusable_prediction_is_searched_without_one_and_warned_once(bad, caplog):
+    space = space16()
+    strategies = space.strategies()
+    table = {s: 10.0 + i for i, s in enumerate(strategies)}
+    half = set(strategies[::2])
+
+    def predictor(s):
+        return bad if s in half else Estimate(100, 1.0 / table[s])
+
+    with caplog.at_level("WARNING", logger="atorch.auto.search.search"):
+        result = search_strategy(space, lambda s: DryRunResult(table[s], 50, step_time_s=1.0 / table[s]),
+                                 max_trials=6, predictor=predictor, memory_limit_bytes=1000,
+                                 planner_factory=FitRecordingPlanner)
+    assert len(result.trials) == 6 and result.best is not None
+    warnings = [r.getMessage() for r in caplog.records if "no usable prediction" in r.getMessage()]
+    assert len(warnings) == 1 and f"for {len(half)} of {len(strategies)} candidates" in warnings[0]
+    # Nothing unusable reaches the table: the unpredicted rows have no predicted memory.
+    assert result.trials["predicted_memory"].dropna().eq(100).all()

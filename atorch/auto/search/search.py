@@ -206,7 +206,8 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
     if not candidates:
         raise ValueError(f"the search space has no valid candidate ({space.size} combinations were all refused; "
                          f"e.g. {next(iter(space.rejected.items()), None)})")
-    predictions = [_predict(predictor, c.strategy) for c in candidates]
+    warned: Set[str] = set()         # predictor problems already logged (once per search)
+    predictions = _predict_all(predictor, candidates, warned)
     trials = _TrialLog(candidates, predictions, batch_size)
     feasibility = Feasibility([c.choices for c in candidates], memory_saving_ranks(space), memory_limit_bytes,
                               _peaks(predictions))
@@ -259,7 +260,7 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
         if learner is not None and result.ok:
             step = result.step_time_s or (batch_size / result.throughput if batch_size else None)
             if step and _observe(learner, candidates[index].strategy, float(step)):
-                predictions = [_predict(predictor, c.strategy) for c in candidates]
+                predictions = _predict_all(predictor, candidates, warned)
                 trials.predictions = predictions
                 feasibility.set_predictions(_peaks(predictions))
                 prior = _prior(predictions)
@@ -356,14 +357,50 @@ def _observe(learner: LearningPredictorLike, strategy: Strategy, step_time_s: fl
         return False
 
 
-def _predict(predictor: Optional[Predictor], strategy: Strategy) -> Any:
+def _predict_all(predictor: Optional[Predictor], candidates: List[Candidate], warned: Set[str]) -> List[Any]:
+    """Every candidate's prediction; None where the predictor raised or answered something
+    unusable (one warning per kind of problem and search, naming the first candidate and the count)."""
     if predictor is None:
-        return None
+        return [None] * len(candidates)
+    out: List[Any] = []
+    problems: Dict[str, Tuple[str, int]] = {}
+    for c in candidates:
+        prediction, problem = _predict(predictor, c.strategy)
+        out.append(prediction)
+        if problem:
+            kind = problem.split("=", 1)[0].split(" (", 1)[0]
+            first, count = problems.get(kind, (f"{c.strategy.describe()}: {problem}", 0))
+            problems[kind] = (first, count + 1)
+    for kind, (first, count) in problems.items():
+        if kind not in warned:
+            warned.add(kind)
+            logger.warning("the predictor gave no usable prediction for %d of %d candidates (e.g. %s); they are "
+                           "searched without one", count, len(candidates), first)
+    return out
+
+
+def _predict(predictor: Predictor, strategy: Strategy) -> Tuple[Any, str]:
+    """(prediction, "") or (None, why it is unusable)."""
     try:
-        return predictor(strategy)
+        prediction = predictor(strategy)
     except Exception as e:  # noqa: BLE001 - an unpredictable candidate is still searchable
-        logger.warning("predictor failed on %s (%s); it is searched without a prediction", strategy.describe(), e)
-        return None
+        return None, f"raised {type(e).__name__} ({e})"
+    problem = _invalid_prediction(prediction)
+    return (None, problem) if problem else (prediction, "")
+
+
+def _invalid_prediction(prediction: Any) -> str:
+    """Why a predictor's answer cannot be used ("" when it can): it needs a finite positive
+    step time and a finite non-negative peak memory."""
+    try:
+        step, peak = float(prediction.step_time_s), float(prediction.peak_memory_bytes)
+    except (AttributeError, TypeError, ValueError) as e:
+        return f"an object without numeric step_time_s / peak_memory_bytes ({type(prediction).__name__}: {e})"
+    if not (math.isfinite(step) and step > 0):
+        return f"step_time_s={step!r}"
+    if not (math.isfinite(peak) and peak >= 0):
+        return f"peak_memory_bytes={peak!r}"
+    return ""
 
 
 def _prior(predictions: List[Any]) -> Optional[List[float]]:
