@@ -331,3 +331,10 @@ def test_an_unusable_prediction_is_searched_without_one_and_warned_once(bad, cap
     assert len(warnings) == 1 and f"for {len(half)} of {len(strategies)} candidates" in warnings[0]
     # Nothing unusable reaches the table: the unpredicted rows have no predicted memory.
     assert result.trials["predicted_memory"].dropna().eq(100).all()
+
+
+def test_a_measured_peak_that_is_not_a_positive_number_teaches_the_memory_model_nothing():
+    from atorch.auto.search.search import _usable_peak
+
+    assert _usable_peak(1234) == 1234.0 and _usable_peak(2.5e9) == 2.5e9
+    assert all(_usable_peak(v) is None for v in (None, float("nan"), float("inf"), 0, -5, "x"))

@@ -254,7 +254,7 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
         nonlocal predictions, prior
         result, seconds = _evaluate(evaluator, candidates[index].strategy, clock)
         improved = trials.add(index, result, seconds, planner_s, source)
-        feasibility.observe(index, result.status, result.peak_memory_bytes)
+        feasibility.observe(index, result.status, _usable_peak(result.peak_memory_bytes))
         bar.update(1)
         bar.set_postfix_str(f"best {trials.best_mean_throughput():.4g}/s")
         if learner is not None and result.ok:
@@ -387,6 +387,15 @@ def _predict(predictor: Predictor, strategy: Strategy) -> Tuple[Any, str]:
         return None, f"raised {type(e).__name__} ({e})"
     problem = _invalid_prediction(prediction)
     return (None, problem) if problem else (prediction, "")
+
+
+def _usable_peak(peak: Any) -> Optional[float]:
+    """A measured peak the memory model can learn from: finite and positive, else unknown."""
+    try:
+        value = float(peak)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) and value > 0 else None
 
 
 def _invalid_prediction(prediction: Any) -> str:
