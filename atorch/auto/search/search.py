@@ -638,9 +638,10 @@ class _TrialLog:
         pooled measurement in that probability: the leader by measured mean is often the one
         whose single run was lucky, and a truly faster candidate measured a few % low is then
         not the likeliest challenger by the raw means; pooled with what similar candidates
-        showed, it is (benchmarks/search.py: 9 of 22 misses on 270 development landscapes had
-        the best candidate measured but not declared). Separation stays a matter of the
-        measurements alone."""
+        showed, it can be. (benchmarks/search.py: 7 of 22 misses on 270 development landscapes
+        had the best candidate measured but not declared; this choice of challenger did not
+        turn any of those 7 into a hit -- the best there was measured low in both of its runs.)
+        Separation stays a matter of the measurements alone."""
         ranked = self.ranked()
         if len(ranked) < 2:
             return None
