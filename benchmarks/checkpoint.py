@@ -234,16 +234,9 @@ def _all_gather_values(values: List[float]) -> List[List[float]]:
 
 def _chunks(tensors: Dict[str, torch.Tensor], max_bytes: int) -> List[Dict[str, torch.Tensor]]:
     """`tensors` in groups of at most `max_bytes` (a larger tensor is a group of its own), in order."""
-    groups: List[Dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if groups[-1] and size + nbytes > max_bytes:
-            groups.append({})
-            size = 0
-        groups[-1][key] = t
-        size += nbytes
-    return groups
+    from atorch.checkpoint.merge import group_by_bytes
+
+    return group_by_bytes(tensors.items(), max_bytes)
 
 
 def _rss_gib() -> float:

@@ -106,6 +106,23 @@ def probe_matmul(device: torch.device, dtype: torch.dtype, size: int = 0, min_se
     return 2.0 * size ** 3 / statistics.median(times)
 
 
+def _time_all_reduce(device: torch.device, numel: int, group: Any, repeats: int) -> float:
+    """Seconds of one all-reduce of `numel` fp32 elements over `group`: the median of `repeats`
+    (after a warm-up), the slowest rank's, so every rank returns the same. Collective."""
+    x = torch.ones(numel, dtype=torch.float32, device=device)
+    dist.all_reduce(x, group=group)   # warm-up
+    samples = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        dist.all_reduce(x, group=group)
+        _synchronize(device)
+        samples.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
 def probe_all_reduce(device: torch.device, group: Any = None, large_bytes: int = 8 << 20,
                      repeats: int = 5) -> Tuple[float, float]:
     """(bus bandwidth bytes/s, latency s) of all-reduce over `group`: a 1-element and a large tensor.
@@ -114,23 +131,8 @@ def probe_all_reduce(device: torch.device, group: Any = None, large_bytes: int =
     rank returns the same constants.
     """
     n = dist.get_world_size(group)
-
-    def timed(numel: int) -> float:
-        x = torch.ones(numel, dtype=torch.float32, device=device)
-        dist.all_reduce(x, group=group)   # warm-up
-        samples = []
-        for _ in range(repeats):
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            dist.all_reduce(x, group=group)
-            _synchronize(device)
-            samples.append(time.perf_counter() - t0)
-        t = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return float(t.item())
-
-    latency = timed(1)
-    large = timed(large_bytes // 4)
+    latency = _time_all_reduce(device, 1, group, repeats)
+    large = _time_all_reduce(device, large_bytes // 4, group, repeats)
     bus_bytes = 2.0 * (n - 1) / n * large_bytes
     return bus_bytes / max(large - latency, 1e-9), latency
 
@@ -381,21 +383,7 @@ def probe_all_reduce_sizes(device: torch.device, sizes: Sequence[int], group: An
     """Seconds of one all-reduce of each byte size in `sizes` over `group` (the slowest rank's median).
 
     Collective: every rank must pass the same sizes."""
-    out: Dict[int, float] = {}
-    for size in sizes:
-        x = torch.ones(max(1, int(size) // 4), dtype=torch.float32, device=device)
-        dist.all_reduce(x, group=group)   # warm-up
-        samples = []
-        for _ in range(repeats):
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            dist.all_reduce(x, group=group)
-            _synchronize(device)
-            samples.append(time.perf_counter() - t0)
-        t = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        out[int(size)] = float(t.item())
-    return out
+    return {int(size): _time_all_reduce(device, max(1, int(size) // 4), group, repeats) for size in sizes}
 
 
 def fit_bandwidth(times: Mapping[int, float], ranks: int) -> Tuple[float, float]:

@@ -15,7 +15,7 @@ import os
 import re
 import shutil
 import uuid
-from typing import Any, Dict, List, Optional, Union, cast
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -38,6 +38,20 @@ from atorch.checkpoint.save_load import (
 _LORA_MODES = ("merge", "adapters")
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def group_by_bytes(tensors: Iterable[Tuple[str, torch.Tensor]], max_bytes: int) -> List[Dict[str, torch.Tensor]]:
+    """`tensors` in order, in groups of at most `max_bytes` (a larger tensor is a group of its own)."""
+    groups: List[Dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append({})
+            size = 0
+        groups[-1][key] = t
+        size += nbytes
+    return groups
 
 
 def parse_size(size: Union[int, str]) -> int:
@@ -315,17 +329,7 @@ def save_safetensors(state: Dict[str, torch.Tensor], out_dir: str, max_shard_siz
     """`model.safetensors`, or `model-0000i-of-0000n.safetensors` shards plus `model.safetensors.index.json`."""
     from safetensors.torch import save_file
 
-    limit = parse_size(max_shard_size)
-    shards: List[Dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key in sorted(state):
-        t = state[key].contiguous()
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > limit:
-            shards.append({})
-            size = 0
-        shards[-1][key] = t
-        size += nbytes
+    shards = group_by_bytes(((key, state[key].contiguous()) for key in sorted(state)), parse_size(max_shard_size))
     if len(shards) == 1:
         save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
         return

@@ -226,6 +226,11 @@ class CandidatePlanner:
         p = (self.prior - self.prior.mean()) / self.prior.std()
         self.pred = torch.tensor(p, dtype=torch.float32).reshape(-1, 1)
 
+    def _can_model(self, observed: Sequence[Observation]) -> bool:
+        """Something to fit: a dimension that varies, and at least two different measurements."""
+        return self.codes is not None and len(observed) >= 2 and \
+            float(np.ptp([o.log_throughput for o in observed])) >= 1e-12
+
     def _fitted(self, observed: Sequence[Observation]) -> object:
         """The GP fitted on `observed` (-log-throughput, HEBO minimizes); the last fit is reused
         when the observations did not change (the re-measurement phase asks again)."""
@@ -244,13 +249,12 @@ class CandidatePlanner:
         """The surrogate's posterior (mean, variance) of log-throughput at `indices`, given
         `observed`: for a measured candidate, its measurement pooled with what similar
         candidates showed (empty when there is nothing to model yet)."""
-        values = [o.log_throughput for o in observed]
-        if self.codes is None or len(observed) < 2 or np.ptp(values) < 1e-12 or not indices:
+        if not self._can_model(observed) or not indices:
             return {}
-        model = self._fitted(observed)
+        model, codes = self._fitted(observed), cast(torch.Tensor, self.codes)   # set when _can_model
         rows = list(indices)
         with _quiet_hebo(self.seed), torch.no_grad():
-            mu, var = model.predict(self.pred[rows], self.codes[rows])   # type: ignore[attr-defined]
+            mu, var = model.predict(self.pred[rows], codes[rows])   # type: ignore[attr-defined]
         return {i: (-float(m), float(v)) for i, m, v in zip(rows, mu.reshape(-1), var.reshape(-1))}
 
     def suggest(self, observed: Sequence[Observation], remaining: Sequence[int],
@@ -263,12 +267,11 @@ class CandidatePlanner:
             raise ValueError("no remaining candidate to suggest")
         start = time.perf_counter()
         remaining = list(remaining)
-        values = [o.log_throughput for o in observed]
         fit = np.zeros(self.num_candidates)
         if log_fit:
             for i, v in log_fit.items():
                 fit[i] = v
-        if self.codes is None or len(observed) < 2 or np.ptp(values) < 1e-12:
+        if not self._can_model(observed):
             # Nothing to fit yet: the predictor's favourite (x P(fit)), else the likeliest to fit.
             index = remaining[int(np.argmax(self.prior[remaining] + fit[remaining]))]
             return Suggestion(index, time.perf_counter() - start, "prior" if self.has_prior else "order")
@@ -276,19 +279,19 @@ class CandidatePlanner:
         if len(remaining) > MAX_SCORED:
             rng = np.random.default_rng(self.seed + len(observed))
             scored = sorted(int(i) for i in rng.choice(remaining, size=MAX_SCORED, replace=False))
-        model = self._fitted(observed)
+        model, codes = self._fitted(observed), cast(torch.Tensor, self.codes)   # set when _can_model
         with _quiet_hebo(self.seed + len(observed)), torch.no_grad():
             if self.acquisition == "lcb":
                 from hebo.acquisitions.acq import LCB
 
                 # LCB is an optimistic -log-throughput (HEBO un-standardizes it): minus log P(fit)
                 # makes it the optimistic throughput x P(fit), an out-of-memory run counting as 0.
-                scores = LCB(model, kappa=self.kappa)(self.pred[scored], self.codes[scored]).reshape(-1).numpy()
+                scores = LCB(model, kappa=self.kappa)(self.pred[scored], codes[scored]).reshape(-1).numpy()
                 scores = scores - fit[scored]
             else:
                 measured = sorted({o.index for o in observed})
-                mu_seen, _ = model.predict(self.pred[measured], self.codes[measured])   # type: ignore[attr-defined]
-                mu, var = model.predict(self.pred[scored], self.codes[scored])          # type: ignore[attr-defined]
+                mu_seen, _ = model.predict(self.pred[measured], codes[measured])   # type: ignore[attr-defined]
+                mu, var = model.predict(self.pred[scored], codes[scored])          # type: ignore[attr-defined]
                 # Minimizing -log-throughput: the improvement is below the incumbent's posterior mean.
                 scores = -(log_expected_improvement(float(mu_seen.min()), mu.reshape(-1).double().numpy(),
                                                     var.reshape(-1).double().numpy()) + fit[scored])

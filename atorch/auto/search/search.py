@@ -367,9 +367,9 @@ def _predict_all(predictor: Optional[Predictor], candidates: List[Candidate], wa
     for c in candidates:
         prediction, problem = _predict(predictor, c.strategy)
         out.append(prediction)
-        if problem:
-            kind = problem.split("=", 1)[0].split(" (", 1)[0]
-            first, count = problems.get(kind, (f"{c.strategy.describe()}: {problem}", 0))
+        if problem is not None:
+            kind, detail = problem
+            first, count = problems.get(kind, (f"{c.strategy.describe()}: {detail}", 0))
             problems[kind] = (first, count + 1)
     for kind, (first, count) in problems.items():
         if kind not in warned:
@@ -379,14 +379,14 @@ def _predict_all(predictor: Optional[Predictor], candidates: List[Candidate], wa
     return out
 
 
-def _predict(predictor: Predictor, strategy: Strategy) -> Tuple[Any, str]:
-    """(prediction, "") or (None, why it is unusable)."""
+def _predict(predictor: Predictor, strategy: Strategy) -> Tuple[Any, Optional[Tuple[str, str]]]:
+    """(prediction, None) or (None, (kind of problem, what was wrong))."""
     try:
         prediction = predictor(strategy)
     except Exception as e:  # noqa: BLE001 - an unpredictable candidate is still searchable
-        return None, f"raised {type(e).__name__} ({e})"
+        return None, ("raised", f"raised {type(e).__name__} ({e})")
     problem = _invalid_prediction(prediction)
-    return (None, problem) if problem else (prediction, "")
+    return (None, problem) if problem is not None else (prediction, None)
 
 
 def _usable_peak(peak: Any) -> Optional[float]:
@@ -398,18 +398,18 @@ def _usable_peak(peak: Any) -> Optional[float]:
     return value if math.isfinite(value) and value > 0 else None
 
 
-def _invalid_prediction(prediction: Any) -> str:
-    """Why a predictor's answer cannot be used ("" when it can): it needs a finite positive
-    step time and a finite non-negative peak memory."""
+def _invalid_prediction(prediction: Any) -> Optional[Tuple[str, str]]:
+    """(kind, what) when a predictor's answer cannot be used, None when it can: it needs a
+    finite positive step time and a finite non-negative peak memory."""
     try:
         step, peak = float(prediction.step_time_s), float(prediction.peak_memory_bytes)
     except (AttributeError, TypeError, ValueError) as e:
-        return f"an object without numeric step_time_s / peak_memory_bytes ({type(prediction).__name__}: {e})"
+        return "type", f"an object without numeric step_time_s / peak_memory_bytes ({type(prediction).__name__}: {e})"
     if not (math.isfinite(step) and step > 0):
-        return f"step_time_s={step!r}"
+        return "step_time_s", f"step_time_s={step!r}"
     if not (math.isfinite(peak) and peak >= 0):
-        return f"peak_memory_bytes={peak!r}"
-    return ""
+        return "peak_memory_bytes", f"peak_memory_bytes={peak!r}"
+    return None
 
 
 def _prior(predictions: List[Any]) -> Optional[List[float]]:
