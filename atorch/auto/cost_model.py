@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
@@ -71,6 +72,9 @@ class ModelShape:
     gated: bool = True          # Llama-style gated MLP (three matrices) rather than GPT-2's two
     fused_attention: bool = False   # the model's own attention never materializes b*heads*s^2 (sdpa, flash)
     kv_cache: bool = False          # a training forward fills Hugging Face's key/value cache (config.use_cache)
+    # Measured / formula bytes a block saves for backward (`activation_probe`): the formula is
+    # Llama's and GPT-2's; other architectures are measured on their own first block.
+    activation_scale: float = 1.0
 
     @classmethod
     def from_config(cls, config: Any) -> "ModelShape":
@@ -446,7 +450,7 @@ def block_activation_bytes(shape: ModelShape, traits: StrategyTraits, micro_batc
     if traits.lora_rank:
         frozen_replicated, frozen_sharded = _frozen_inputs_bytes(shape, mode)
         replicated, sharded = replicated - frozen_replicated, sharded - frozen_sharded
-    return micro_batch * seq_len * (replicated + sharded / traits.tensor)
+    return micro_batch * seq_len * (replicated + sharded / traits.tensor) * shape.activation_scale
 
 
 def activation_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int) -> float:
@@ -513,7 +517,7 @@ def estimate(model_or_config: Union[nn.Module, Any, ModelShape], strategy: Strat
     """
     if batch_size <= 0 or seq_len <= 0 or world_size <= 0:
         raise ValueError(f"batch_size={batch_size}, seq_len={seq_len}, world_size={world_size} must all be > 0")
-    shape = _shape_of(model_or_config)
+    shape = _shape_of(model_or_config, seq_len)
     device_type = torch.device(device).type
     traits = StrategyTraits.from_strategy(strategy, world_size, shape, device_type)
     rates = dict(DEVICE_PROFILES.get(device_type, DEVICE_PROFILES["cuda"]))
@@ -526,12 +530,33 @@ def estimate(model_or_config: Union[nn.Module, Any, ModelShape], strategy: Strat
                                                              **{f"time_{k}": v for k, v in time.items()}})
 
 
-def _shape_of(obj: Any) -> ModelShape:
+def _shape_of(obj: Any, seq_len: Optional[int] = None) -> ModelShape:
     if isinstance(obj, ModelShape):
         return obj
     if isinstance(obj, nn.Module):
-        return ModelShape.from_module(obj)
+        return calibrated_shape(obj, seq_len) if seq_len else ModelShape.from_module(obj)
     return ModelShape.from_config(obj)
+
+
+# model -> {(seq_len, parameter count): scale}: one probe per model and sequence length.
+_SCALES: "weakref.WeakKeyDictionary[nn.Module, Dict[Tuple[int, int], float]]" = weakref.WeakKeyDictionary()
+
+
+def calibrated_shape(model: nn.Module, seq_len: int) -> ModelShape:
+    """`ModelShape.from_module(model)` with its block activations measured on the model itself
+    (`activation_probe.block_activation_scale`, cached per model and sequence length)."""
+    from atorch.auto.activation_probe import block_activation_scale
+
+    shape = ModelShape.from_module(model)
+    key = (int(seq_len), shape.num_params)
+    scales = _SCALES.setdefault(model, {})
+    if key not in scales:
+        def formula(tokens: int, mode: str) -> float:
+            replicated, sharded = _block_saved_bytes(shape, mode, tokens, shape.fused_attention)
+            return tokens * (replicated + sharded)
+
+        scales[key] = block_activation_scale(model, key[0], formula)
+    return dataclasses.replace(shape, activation_scale=scales[key])
 
 
 def micro_batch_size(traits: StrategyTraits, global_batch: int) -> int:

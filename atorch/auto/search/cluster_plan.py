@@ -95,7 +95,7 @@ class ClusterPlan:
 def plan_cluster(model_config: Any, world_size: int, device: str, global_batch: int, seq_len: int,
                  nnodes: int = 1, device_memory_bytes: Optional[int] = None) -> ClusterPlan:
     """Rank the automatic space's candidates for `model_config` on `world_size` devices of kind `device`."""
-    from atorch.auto.cost_model import ModelShape, estimate
+    from atorch.auto.cost_model import calibrated_shape, estimate
     from atorch.auto.search.space import SearchSpace
 
     if world_size < 1 or global_batch < 1 or seq_len < 1 or nnodes < 1:
@@ -104,7 +104,7 @@ def plan_cluster(model_config: Any, world_size: int, device: str, global_batch: 
     spec = device_spec(device)
     limit = device_memory_bytes or spec.memory_bytes
     model = meta_model(model_config)
-    shape = ModelShape.from_module(model)
+    shape = calibrated_shape(model, seq_len)
     device_type = "cpu" if device == "cpu" else "cuda"
     space = SearchSpace.default_for(model, world_size, device_type)
     profile = spec.profile(multi_node=nnodes > 1)

@@ -1,0 +1,221 @@
+"""Measure what one decoder block of the user's own model saves for backward, to calibrate the cost model.
+
+The cost model's activation formulas (`cost_model._block_saved_bytes`) are counted on Hugging
+Face's Llama and GPT-2 blocks. Other architectures save other things: GPT-NeoX, OPT, Falcon
+and StarCoder2 blocks save 35-50% less than the Llama formula says (non-gated MLPs, parallel
+attention, fused biases), Mixtral-style mixture-of-experts blocks up to 1.8x more (router
+logits, per-expert gathers), dropout adds its masks. A formula per architecture would never
+be finished; one forward of the first block of the model itself is exact for that model.
+
+`block_activation_scale(model, seq_len, formula)` runs the model's forward for one sequence of
+`seq_len` tokens (at most `PROBE_TOKENS`; batch 1) under `torch.autograd.graph.saved_tensors_hooks`, counts the bytes
+of every tensor the first block saves (one storage counted once, parameters and buffers
+excluded), stops the forward as soon as that block returns (nothing after it runs), and
+returns measured / formula (`formula(tokens, mode)`: the cost model's bytes for that block,
+passed in so that this module stays below the cost model). The cost model multiplies its block formula by this scale for
+every strategy (`ModelShape.activation_scale`), so the strategy-dependent parts (precision,
+tensor sharding, fused modules, LoRA) keep their shape and the architecture-dependent level
+comes from the measurement.
+
+Where it runs: on the model's own device with its own parameters (a CPU model computes one
+block for real: a 7B block at 1024 tokens is ~0.4 TFLOP, seconds here), or, for a model on the
+meta device, under `FakeTensorMode` (no compute, no memory). A model whose forward cannot run that way
+(data-dependent shapes on meta, an unusual forward signature) keeps the formula (scale 1.0)
+and the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Set
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+logger = logging.getLogger(__name__)
+
+# The scale is a correction, not a replacement: a measurement this far from the formula is
+# more likely a probe artifact (a block that shares its work with the model, a custom
+# autograd function hiding its saves) than the architecture; it is clipped and logged.
+SCALE_RANGE = (0.25, 4.0)
+# The probe's sequence length, at most. Real parameters: up to 1024 tokens (a 7B block at 1024
+# tokens is ~0.4 TFLOP, seconds on a CPU), since blocks whose attention is not fused save
+# s^2-sized tensors the formula may not know, which only the real length shows. Meta models
+# run under fake tensors, where attention takes its unfused math path even for a model whose
+# real kernel is fused: a short sequence keeps that s^2 matrix small (at 128 tokens ~6% of a
+# 7B block's saves).
+PROBE_TOKENS = 1024
+FAKE_PROBE_TOKENS = 128
+
+
+class _BlockDone(Exception):
+    """Raised from the first block's forward hook to stop the model's forward there."""
+
+
+@dataclass(frozen=True)
+class BlockActivations:
+    """What the first block saved for backward, for one sequence of `seq_len` tokens."""
+
+    saved_bytes: int
+    seq_len: int
+    dtype: torch.dtype
+
+
+def find_blocks(model: nn.Module) -> Optional[nn.ModuleList]:
+    """The model's stack of repeated blocks: its longest `nn.ModuleList` (None without one)."""
+    stacks = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    return max(stacks, key=len) if stacks else None
+
+
+def _storage_key(tensor: torch.Tensor) -> Optional[int]:
+    """The identity of a tensor's storage (stable across views, and on the meta device too)."""
+    try:
+        return int(tensor.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
+
+
+@contextlib.contextmanager
+def _train_mode(model: nn.Module) -> Iterator[None]:
+    modes = {m: m.training for m in model.modules()}
+    model.train()
+    try:
+        yield
+    finally:
+        for m, training in modes.items():
+            m.training = training
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_errors() -> Iterator[None]:
+    """FakeTensorMode logs a traceback at ERROR for an op without a meta kernel before raising;
+    the probe handles the exception, so the traceback would only alarm the user."""
+    fake_logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_logger.level
+    fake_logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        fake_logger.setLevel(level)
+
+
+def measure_first_block(model: nn.Module, seq_len: int) -> BlockActivations:
+    """Run `model`'s forward on one sequence of `seq_len` tokens and count what its first block saves.
+
+    The tokens are all id 0, passed as `input_ids` (what a Hugging Face causal LM takes). Raises
+    ValueError when the model has no block stack or is already distributed; whatever its forward
+    raises otherwise propagates (the caller decides).
+    """
+    blocks = find_blocks(model)
+    if blocks is None:
+        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of blocks")
+    first_param = next(iter(blocks[0].parameters()), None)
+    if first_param is None:
+        raise ValueError(f"{type(model).__name__}'s first block has no parameters")
+    reason = _distributed(model)
+    if reason:   # its forward would run collectives on this rank alone
+        raise ValueError(f"{type(model).__name__} is already distributed ({reason})")
+    device = first_param.device
+    tensors = list(model.parameters()) + list(model.buffers())
+    # On the meta device Hugging Face's mask code reads values (`.item()`): run under fake tensors,
+    # which carry the same shapes and let it through (no compute, no memory either way).
+    fake = FakeTensorMode(allow_non_fake_inputs=True) if device.type == "meta" else None
+    if fake is not None:   # the fake copies the forward will see (the mode memoizes them)
+        tensors += [fake.from_tensor(t) for t in tensors]
+    # Parameters and buffers are saved by reference (a linear saves its weight): not activations.
+    owned: Set[Optional[int]] = {_storage_key(t) for t in tensors}
+    seen: Set[Optional[int]] = set()
+    state = {"inside": False, "bytes": 0}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if state["inside"]:
+            key = _storage_key(tensor)
+            if key is not None and key not in owned and key not in seen:
+                seen.add(key)
+                state["bytes"] += tensor.untyped_storage().nbytes()
+        return tensor
+
+    def enter(*_: object) -> None:
+        state["inside"] = True
+
+    def leave(*_: object) -> None:
+        state["inside"] = False
+        raise _BlockDone()
+
+    tokens = torch.zeros(1, seq_len, dtype=torch.long, device="cpu" if fake is not None else device)
+    hooks = [blocks[0].register_forward_pre_hook(enter), blocks[0].register_forward_hook(leave)]
+    # Dropout draws random numbers: the user's generator streams are left as they were.
+    rng_devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=rng_devices), _train_mode(model), torch.enable_grad(), \
+                _quiet_fake_tensor_errors(), (fake if fake is not None else contextlib.nullcontext()), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            for kwargs in ({"use_cache": False}, {}):   # a non-Hugging Face forward may not take use_cache
+                try:
+                    model(input_ids=tokens, **kwargs)
+                except _BlockDone:
+                    break
+                except TypeError as e:
+                    if kwargs and "use_cache" in str(e):
+                        continue
+                    raise
+                raise ValueError(f"{type(model).__name__}'s forward never ran its first block")
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return BlockActivations(int(state["bytes"]), seq_len, first_param.dtype)
+
+
+def _distributed(model: nn.Module) -> Optional[str]:
+    """Why `model` cannot run a forward on one rank alone (sharded or wrapped parameters), or None."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return "DTensor parameters"
+    for module in model.modules():
+        kind = type(module).__name__
+        if kind in ("DistributedDataParallel", "FullyShardedDataParallel", "DeepSpeedEngine") or \
+                hasattr(module, "_fsdp_wrapped_module"):
+            return kind
+    return None
+
+
+_WARNED: Set[str] = set()
+
+
+FormulaBytes = Callable[[int, str], float]
+"""(tokens, "fp32" or "half") -> the bytes the cost model's formula says one block saves."""
+
+
+def block_activation_scale(model: nn.Module, seq_len: int, formula: FormulaBytes) -> float:
+    """Measured / `formula` bytes the first block of `model` saves per sequence; 1.0 if unmeasurable.
+
+    Measured at min(`seq_len`, `PROBE_TOKENS`) tokens (`FAKE_PROBE_TOKENS` on the meta device).
+    `formula` is asked for the model as it is (no strategy): "half" when its parameters are
+    half, else "fp32".
+    """
+    name = type(model).__name__
+    on_meta = any(p.device.type == "meta" for p in model.parameters())
+    seq_len = max(1, min(int(seq_len), FAKE_PROBE_TOKENS if on_meta else PROBE_TOKENS))
+    try:
+        measured = measure_first_block(model, seq_len)
+        expected = formula(seq_len, "half" if measured.dtype in (torch.float16, torch.bfloat16) else "fp32")
+    except Exception as e:  # noqa: BLE001 - any failure of an arbitrary model's forward means "not measurable"
+        if name not in _WARNED:
+            _WARNED.add(name)
+            logger.info("activation probe: %s not measured (%s: %s); the cost model keeps its block formula",
+                        name, type(e).__name__, e)
+        return 1.0
+    if not expected > 0 or measured.saved_bytes <= 0:
+        return 1.0
+    scale = measured.saved_bytes / expected
+    low, high = SCALE_RANGE
+    if not low <= scale <= high:
+        logger.warning("activation probe: %s's first block saved %.3g bytes for %d tokens, %.2fx the cost model's "
+                       "formula; using %.2fx", name, measured.saved_bytes, seq_len, scale,
+                       min(max(scale, low), high))
+        scale = min(max(scale, low), high)
+    return scale
