@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Set
+from typing import Callable, Iterator, List, Optional, Set
 
 import torch
 from torch import nn
@@ -129,14 +129,21 @@ def measure_first_block(model: nn.Module, seq_len: int) -> BlockActivations:
     owned: Set[Optional[int]] = {_storage_key(t) for t in tensors}
     seen: Set[Optional[int]] = set()
     state = {"inside": False, "bytes": 0}
+    # The saved tensors, held here for the probe's duration (a freed storage's address could be
+    # reused and then miss the count) and not by the graph: a pack hook that returns the tensor
+    # itself makes an op that saves its own output (softmax, exp, SiLU's sigmoid) hold that
+    # output in a C++ reference cycle that Python's collector cannot see, and the probe's whole
+    # graph outlived it (measured: 28 tensors kept alive per probe on the tiny Llama).
+    kept: List[torch.Tensor] = []
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
+    def pack(tensor: torch.Tensor) -> None:
         if state["inside"]:
             key = _storage_key(tensor)
             if key is not None and key not in owned and key not in seen:
                 seen.add(key)
                 state["bytes"] += tensor.untyped_storage().nbytes()
-        return tensor
+                kept.append(tensor)
+        return None   # never unpacked: the probe runs no backward
 
     def enter(*_: object) -> None:
         state["inside"] = True
@@ -152,7 +159,7 @@ def measure_first_block(model: nn.Module, seq_len: int) -> BlockActivations:
     try:
         with torch.random.fork_rng(devices=rng_devices), _train_mode(model), torch.enable_grad(), \
                 _quiet_fake_tensor_errors(), (fake if fake is not None else contextlib.nullcontext()), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
             for kwargs in ({"use_cache": False}, {}):   # a non-Hugging Face forward may not take use_cache
                 try:
                     model(input_ids=tokens, **kwargs)
@@ -166,7 +173,12 @@ def measure_first_block(model: nn.Module, seq_len: int) -> BlockActivations:
     finally:
         for hook in hooks:
             hook.remove()
+        kept.clear()
     return BlockActivations(int(state["bytes"]), seq_len, first_param.dtype)
+
+
+def _never_unpacked(_: None) -> torch.Tensor:
+    raise RuntimeError("the activation probe's graph is not for backward")
 
 
 def _distributed(model: nn.Module) -> Optional[str]:
