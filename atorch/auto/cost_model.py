@@ -178,10 +178,9 @@ def _largest_param_elements(shape: ModelShape) -> int:
     return max(elements for elements, _ in _parameter_sizes(shape))
 
 
-def _ds_persistent_elements(shape: ModelShape) -> int:
+def _ds_persistent_elements(shape: ModelShape, threshold: int = DS_STAGE3_PERSISTENCE_ELEMENTS) -> int:
     """Elements ZeRO-3 keeps whole on every rank: the parameters below the persistence threshold."""
-    return sum(elements * count for elements, count in _parameter_sizes(shape)
-               if elements < DS_STAGE3_PERSISTENCE_ELEMENTS)
+    return sum(elements * count for elements, count in _parameter_sizes(shape) if elements < threshold)
 
 
 @dataclass(frozen=True)
@@ -213,6 +212,10 @@ class StrategyTraits:
     ds_offload_optimizer: bool = False  # DeepSpeed offload_optimizer: fp32 master, Adam state, fp32 grads on the host
     ds_offload_params: bool = False     # DeepSpeed offload_param (ZeRO-3): the half parameter partitions too
     ds_bucket_elements: int = 0         # DeepSpeed's reduce bucket (user's ds_config); 0: atorch derives it
+    # ZeRO-3's stage3_param_persistence_threshold and stage3_prefetch_bucket_size from the user's
+    # ds_config (elements; 0 is a setting); None: DeepSpeed's defaults.
+    ds_persistence_elements: Optional[int] = None
+    ds_prefetch_elements: Optional[int] = None
     ddp_wrap: bool = False              # a DDP wrapper when data > 1 and nothing else reduces gradients
     # pipelines and accumulation
     pipeline_engine: Optional[str] = None   # "native" (torch pipelining) or "deepspeed"
@@ -818,11 +821,14 @@ def _deepspeed_states(shape: ModelShape, traits: StrategyTraits, params: float, 
         out["step_grad_fp32"] = trainable * 4 / shard
     if stage >= 3:
         # Parameters below the persistence threshold stay whole on every rank, next to the partitions.
-        out["ds_persistent_params"] = min(_ds_persistent_elements(shape), params) * hbytes
+        threshold = DS_STAGE3_PERSISTENCE_ELEMENTS if traits.ds_persistence_elements is None \
+            else traits.ds_persistence_elements
+        out["ds_persistent_params"] = min(_ds_persistent_elements(shape, threshold), params) * hbytes
         # The contiguous reduce buffer, allocated at start-up, and the layers gathered for compute.
         out["ds_reduce_buffer"] = bucket * hbytes
         unit = max(shape.embedding_params / 2, shape.layer_params) / traits.tensor
-        out["gathered_params"] = min(params, unit + DS_STAGE3_PREFETCH_ELEMENTS) * hbytes
+        prefetch = DS_STAGE3_PREFETCH_ELEMENTS if traits.ds_prefetch_elements is None else traits.ds_prefetch_elements
+        out["gathered_params"] = min(params, unit + prefetch) * hbytes
     elif stage >= 1:
         # The reduce bucket of the backward pass (`reduce_bucket_size` elements), freed once the
         # gradients are reduced.

@@ -153,3 +153,35 @@ def test_ds3d_8_ranks_tensor2_data2_pipeline2_matches_single_process():
     full = sum(p.numel() for p in tiny_llama(seed=SEED, num_hidden_layers=LAYERS).parameters())
     per_rank = [case["stage_params"] for cases, _ in results for case in cases]
     assert max(per_rank) <= 0.26 * full, (per_rank, full)
+
+
+def _train_zero1(dims):
+    """DeepSpeed 3D with ZeRO-1 over "data": losses, and the reduce bucket the engine was given."""
+    from atorch.auto import auto_accelerate
+
+    ds_config = {**_ds_config(), "zero_optimization": {"stage": 1}}
+    status, result, _ = auto_accelerate(
+        _meta_model("llama"), optim_func=torch.optim.AdamW, optim_args={"lr": LR}, dataset=TokenDataset(),
+        load_strategy=_strategy(dims, ds_config=ds_config), ignore_dryrun_on_load_strategy=True)
+    assert status
+    engine = result.model
+    data_iter = iter(result.dataloader)
+    losses = [engine.train_batch(data_iter).item() for _ in range(STEPS)]
+    trainable = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+    out = {"losses": losses, "bucket": engine.zero_reduce_bucket_size(), "trainable": trainable,
+           "stage": engine.zero_optimization_stage()}
+    del engine, result, data_iter
+    dist.barrier()
+    return out
+
+
+@pytest.mark.heavy
+def test_ds3d_zero1_sizes_its_bucket_from_the_stage_and_matches_single_process():
+    """DeepSpeed's 5e8-element default bucket (1 GB a rank in bf16) would hold a 2 MB model's
+    gradients 500 times over: atorch sizes it from the stage's trainable elements, as for the
+    ZeRO engines, and the cost model assumes the same."""
+    dims = [("tensor", 1), ("data", 2), ("pipeline", 1)]
+    for r in run_distributed(_train_zero1, 2, dims, timeout=300):
+        assert r["stage"] == 1, r
+        assert r["bucket"] == r["trainable"], r
+        assert_close_losses(r["losses"], _reference("llama", 2), rel=REL, what="ds3d zero1 data 2")

@@ -49,6 +49,9 @@ BACKENDS: Dict[str, List[Any]] = {
     "deepspeed zero1 bf16": ["amp_native", ("zero1", {"use_ds_zero": True})],
     "deepspeed zero2 bf16": ["amp_native", ("zero2", {"use_ds_zero": True})],
     "deepspeed zero3 bf16": ["amp_native", ("fsdp", {"use_ds_zero": True})],
+    # Nothing persists whole (DeepSpeed's default threshold keeps every tensor of this tiny model whole).
+    "deepspeed zero3 bf16 persistence 0": ["amp_native", ("fsdp", {"use_ds_zero": True, "ds_config": {
+        "zero_optimization": {"stage3_param_persistence_threshold": 0}}})],
     "deepspeed zero2 bf16 offload_optimizer": ["amp_native", ("zero2", {"use_ds_zero": True, "ds_config": {
         "zero_optimization": {"offload_optimizer": {"device": "cpu"}}}})],
     "deepspeed zero3 bf16 offload_optimizer+param": ["amp_native", ("fsdp", {"use_ds_zero": True, "ds_config": {

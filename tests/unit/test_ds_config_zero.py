@@ -17,6 +17,7 @@ from atorch.auto.opt_lib._ds_config import (
     derived_zero_config,
     merge_ds_config,
     offload_devices,
+    with_derived_buckets,
     zero_ds_config,
 )
 from atorch.auto.opt_lib.ds_3d_parallel_optimization import resolve_ds_config
@@ -101,6 +102,10 @@ def test_a_hugging_face_trainer_config_with_auto_values_is_accepted():
     ([("zero1", {"use_ds_zero": True, "ds_config": {"zero_optimization": 2}})],
      r"zero1: ds_config zero_optimization=2 must be a section \(a JSON object\)"),
     ([("zero1", {"use_ds_zero": True, "ds_config": {"x": object()}})], r"zero1: ds_config must hold JSON values"),
+    ([("fsdp", {"use_ds_zero": True, "ds_config": {"zero_optimization": {"stage3_param_persistence_threshold": "x"}}})],
+     r"ds_config zero_optimization.stage3_param_persistence_threshold='x' must be a non-negative number of elements"),
+    ([("zero2", {"use_ds_zero": True, "ds_config": {"zero_optimization": {"reduce_bucket_size": -5}}})],
+     r"ds_config zero_optimization.reduce_bucket_size=-5 must be a non-negative number of elements"),
     ([("zero1", {"use_ds_zero": True, "ds_config": "/nonexistent/ds.json"})],
      r"zero1: ds_config '/nonexistent/ds.json' is not a readable JSON file"),
 ])
@@ -250,3 +255,42 @@ def test_the_cost_model_counts_the_bucket_deepspeed_allocates():
     assert given["mem_ds_reduce_bucket"] == 2 * 1000
     stage3 = estimate(shape, ["amp_native", ("fsdp", {"use_ds_zero": True})], 8, 32, 2, "cuda").breakdown
     assert stage3["mem_ds_reduce_buffer"] == 2 * shape.num_params
+
+
+def test_zero3_persistence_and_prefetch_from_the_users_config():
+    """ZeRO-3 keeps every parameter below `stage3_param_persistence_threshold` whole on each rank
+    (DeepSpeed's default 1e5 elements: all of a tiny model) and gathers `stage3_prefetch_bucket_size`
+    elements ahead; the cost model reads the user's values (0 is a setting: nothing persists, no
+    prefetch)."""
+    shape = ModelShape.from_module(tiny_llama())
+
+    def breakdown(zero):
+        cfg = {"zero_optimization": zero}
+        return estimate(shape, ["amp_native", ("fsdp", {"use_ds_zero": True, "ds_config": cfg})], 8, 32, 2,
+                        "cuda").breakdown
+
+    default, none, everything = breakdown({}), breakdown({"stage3_param_persistence_threshold": 0}), \
+        breakdown({"stage3_param_persistence_threshold": 10 ** 12})
+    assert default["mem_ds_persistent_params"] == everything["mem_ds_persistent_params"] > 0   # tiny: all persist
+    assert none["mem_ds_persistent_params"] == 0
+    big = ModelShape.from_config(tiny_llama_config(hidden_size=1024, intermediate_size=2048, vocab_size=32000))
+    unit = max(big.embedding_params / 2, big.layer_params)
+
+    def gathered(zero):
+        cfg = {"zero_optimization": zero}
+        return estimate(big, ["amp_native", ("fsdp", {"use_ds_zero": True, "ds_config": cfg})], 8, 32, 2,
+                        "cuda").breakdown["mem_gathered_params"]
+
+    assert gathered({"stage3_prefetch_bucket_size": 0}) == 2 * unit
+    assert gathered({"stage3_prefetch_bucket_size": 1000}) == 2 * (unit + 1000)
+
+
+def test_3d_buckets_follow_the_stage_only_with_a_zero_optimizer():
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}
+    assert with_derived_buckets(cfg, 4096)["zero_optimization"] == {
+        "stage": 1, "reduce_bucket_size": 4096, "allgather_bucket_size": 4096}
+    users = {"zero_optimization": {"stage": 1, "reduce_bucket_size": 10}}
+    assert with_derived_buckets(users, 4096)["zero_optimization"]["reduce_bucket_size"] == 10
+    assert with_derived_buckets({"zero_optimization": {"stage": 0}}, 4096) == {"zero_optimization": {"stage": 0}}
+    assert with_derived_buckets({}, 4096) == {}
+    assert cfg == {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}     # not edited

@@ -35,8 +35,37 @@ def bucket_elements(trainable_elements: int) -> int:
 
 def user_bucket_elements(cfg: Mapping[str, Any]) -> Optional[int]:
     """The user's `zero_optimization.reduce_bucket_size`, or None when the config leaves it unset."""
-    value = (cfg.get("zero_optimization") or {}).get("reduce_bucket_size")
-    return None if value in (None, "auto") else int(float(value))
+    return _user_elements(cfg, "reduce_bucket_size")
+
+
+def user_stage3_elements(cfg: Mapping[str, Any]) -> Tuple[Optional[int], Optional[int]]:
+    """The user's ZeRO-3 `(stage3_param_persistence_threshold, stage3_prefetch_bucket_size)`, None
+    where unset (DeepSpeed's defaults apply; 0 is a valid setting of either: nothing persists, no prefetch)."""
+    return (_user_elements(cfg, "stage3_param_persistence_threshold"),
+            _user_elements(cfg, "stage3_prefetch_bucket_size"))
+
+
+def _user_elements(cfg: Mapping[str, Any], key: str) -> Optional[int]:
+    value = (cfg.get("zero_optimization") or {}).get(key)
+    if value in (None, "auto"):
+        return None
+    try:
+        elements = int(float(value))
+    except (TypeError, ValueError):
+        elements = -1
+    if elements < 0 or isinstance(value, bool):
+        raise ValueError(f"ds_config zero_optimization.{key}={value!r} must be a non-negative number of elements")
+    return elements
+
+
+def with_derived_buckets(cfg: Mapping[str, Any], trainable_elements: int) -> Dict[str, Any]:
+    """`cfg` with `reduce_bucket_size`/`allgather_bucket_size` sized from `trainable_elements`
+    (`bucket_elements`) where it runs a ZeRO optimizer (stage >= 1) and leaves them unset; the
+    user's values win. Without it DeepSpeed allocates its 5e8-element default whatever the model."""
+    if not isinstance(zero_stage_of(cfg), int) or zero_stage_of(cfg) < 1:
+        return dict(cfg)
+    bucket = bucket_elements(trainable_elements)
+    return merge_ds_config({"zero_optimization": {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket}}, cfg)
 
 
 def normalize_ds_config(who: str, value: Any) -> DsConfigSpec:
@@ -192,6 +221,8 @@ def zero_ds_config(who: str, raw: Any, *, stage: int, data_size: int, global_bat
                          "(it sets the engine's clipping at every step); drop the key and pass "
                          f"train_step(result, batch, max_grad_norm={clip!r})")
     _check_offload(who, user, stage)
+    user_bucket_elements(user)      # a bucket or ZeRO-3 size that is not a count of elements raises here
+    user_stage3_elements(user)
     derived = derived_zero_config(stage, data_size, global_batch, accumulation_steps, autocast_dtype,
                                   trainable_elements)
     _check_batch(who, user, derived, data_size, global_batch, accumulation_steps)
@@ -220,8 +251,7 @@ def derived_zero_config(stage: int, data_size: int, global_batch: Optional[int],
         "wall_clock_breakdown": False,
     }
     if trainable_elements is not None:
-        bucket = bucket_elements(trainable_elements)
-        config["zero_optimization"].update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
+        config = with_derived_buckets(config, trainable_elements)
     if autocast_dtype is torch.bfloat16:
         config["bf16"] = {"enabled": True}
     elif autocast_dtype is torch.float16:

@@ -25,6 +25,7 @@ from atorch.auto.opt_lib._ds_config import (
     normalize_ds_config,
     offload_devices,
     user_bucket_elements,
+    user_stage3_elements,
     zero_ds_config,
 )
 from atorch.auto.opt_lib._precision import dtype_name
@@ -163,9 +164,11 @@ def deepspeed_cost_traits(stage: int, ds_config: DsConfigSpec) -> Dict[str, Any]
     optimizer side and the parameter partitions separately), and the user's reduce bucket."""
     user = load_ds_config("cost model", ds_config)
     optimizer_device, param_device = offload_devices(user)
+    persistence, prefetch = user_stage3_elements(user)
     return {"sharding": "deepspeed", "zero_stage": stage, "ddp_wrap": False,
             "ds_offload_optimizer": optimizer_device != "none", "ds_offload_params": param_device != "none",
-            "ds_bucket_elements": user_bucket_elements(user) or 0}
+            "ds_bucket_elements": user_bucket_elements(user) or 0,
+            "ds_persistence_elements": persistence, "ds_prefetch_elements": prefetch}
 
 
 def describe_sharding(cls: Any, config: Any, stage: int) -> str:

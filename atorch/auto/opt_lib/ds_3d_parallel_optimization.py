@@ -26,7 +26,14 @@ import torch
 from torch import nn
 
 from atorch.auto.model_context import ModelContext
-from atorch.auto.opt_lib._ds_config import complete_batch_sizes, load_ds_config, merge_ds_config, zero_stage_of
+from atorch.auto.opt_lib._ds_config import (
+    complete_batch_sizes,
+    load_ds_config,
+    merge_ds_config,
+    user_bucket_elements,
+    with_derived_buckets,
+    zero_stage_of,
+)
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, WrapperOrder, register
 from atorch.modules.pipeline.batches import batch_rows, hf_batch_fn, split_micro_batches
 from atorch.modules.pipeline.partition import plan_stages
@@ -98,6 +105,7 @@ def resolve_ds_config(raw: Any, data_size: int, pipeline_size: int) -> Dict[str,
         raise ValueError(f"{WHO}: ds_config pipeline.stages={stages!r} but parallel_mode has "
                          f"pipeline={pipeline_size}")
     complete_batch_sizes(WHO, cfg, data_size)
+    user_bucket_elements(cfg)     # a bucket size that is not a count of elements raises here
     # DeepSpeed clips at 1.0 by default; atorch's contract is the training of the plain loop.
     return merge_ds_config({"gradient_clipping": 0.0}, cfg)
 
@@ -149,7 +157,8 @@ class DeepSpeed3DParallelOptimization(Optimization):
         stage = (ds.get("zero_optimization") or {}).get("stage", 0)
         out: Dict[str, Any] = {"sharding": "deepspeed", "zero_stage": stage,
                                "pipeline_engine": "deepspeed", "tensor_parallel": True, "ddp_wrap": False,
-                               "accumulation_steps": gas, "pipeline_chunks": gas, "pipeline_schedule": "1f1b"}
+                               "accumulation_steps": gas, "pipeline_chunks": gas, "pipeline_schedule": "1f1b",
+                               "ds_bucket_elements": user_bucket_elements(ds) or 0}
         if half:
             out["compute_dtype_bytes"] = 2
         return out
@@ -207,7 +216,10 @@ class DeepSpeed3DParallelOptimization(Optimization):
     def apply_wrapper(self, ctx: ModelContext, config: DeepSpeed3DParallelConfig) -> None:
         import deepspeed
 
-        ds_config = self._ds_config
+        # ZeRO-1 over "data": its buckets sized from this stage's trainable elements (the user's
+        # sizes win), as for the ZeRO engines; DeepSpeed's default is 5e8 elements whatever the model.
+        ds_config = with_derived_buckets(self._ds_config, sum(q.numel() for q in ctx.model.parameters()
+                                                                  if q.requires_grad))
         if ctx.optim is None and "optimizer" not in ds_config:
             raise ValueError("deepspeed_3d_parallel needs an optimizer: pass optim_func or ds_config['optimizer']")
         if ctx.lr_scheduler is None and ctx.lr_scheduler_cls is not None and ctx.optim is not None:
