@@ -1,6 +1,9 @@
 """Dry-run one candidate of every combination class of the default search space, in one process per rank.
 
-    python scripts/sweep_space.py [--model llama|gpt2] [--world 2] [--batch_size 16] [--limit N] [--out FILE]
+    python scripts/sweep_space.py [--model llama|gpt2|FAMILY] [--world 2] [--batch_size 16] [--limit N] [--out FILE]
+
+FAMILY: any tiny architecture of `atorch.testing.tp_families` (qwen2, gpt_neox, falcon, bloom, opt,
+mixtral, gemma2, phi3, ...), built from its config as the tensor-parallel tests build it.
 
 A combination class is the set of optimizations a candidate combines, with the DeepSpeed
 variants of zero1/zero2/fsdp counted apart (e.g. `pm(data)+gradient_accumulation+checkpoint+
@@ -24,10 +27,17 @@ from typing import Any, Dict, List
 import torch
 
 from atorch.testing import run_distributed, tiny_gpt2, tiny_llama
+from atorch.testing.tp_families import FAMILIES, build_family
+
+MODELS = ("llama", "gpt2") + tuple(f for f in FAMILIES if f not in ("llama", "gpt2"))
 
 
 def _model(kind: str) -> torch.nn.Module:
-    return tiny_llama(seed=0) if kind == "llama" else tiny_gpt2(seed=0)
+    if kind == "llama":
+        return tiny_llama(seed=0)
+    if kind == "gpt2":
+        return tiny_gpt2(seed=0)
+    return build_family(kind, seed=0)[0]
 
 
 def combination_class(strategy: Any) -> str:
@@ -82,7 +92,7 @@ def _run(kind: str, batch_size: int, chosen: Dict[str, str], out_path: str) -> N
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=("llama", "gpt2"), default="llama")
+    parser.add_argument("--model", choices=MODELS, default="llama")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--batch_size", type=int, default=16, help="global batch size (the demo's)")
     parser.add_argument("--limit", type=int, default=None, help="only the first N classes")

@@ -64,10 +64,19 @@ class BlockActivations:
     dtype: torch.dtype
 
 
-def find_blocks(model: nn.Module) -> Optional[nn.ModuleList]:
-    """The model's stack of repeated blocks: its longest `nn.ModuleList` (None without one)."""
-    stacks = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    return max(stacks, key=len) if stacks else None
+def find_blocks(model: nn.Module) -> Optional[List[nn.Module]]:
+    """The model's repeated transformer blocks in forward order (None without any).
+
+    The classes Hugging Face names in `_no_split_modules` (one block each), else the children of
+    the largest uniform `nn.ModuleList` (`find_transformer_block_classes`): not simply the
+    longest ModuleList, which in a mixture of experts is a layer's experts (Qwen3-MoE: 128
+    experts, 48 layers).
+    """
+    from atorch.utils.module_utils import find_transformer_block_classes, modules_of_classes
+
+    classes = find_transformer_block_classes(model)
+    blocks = list(modules_of_classes(model, classes)) if classes else []
+    return blocks or None
 
 
 def _storage_key(tensor: torch.Tensor) -> Optional[int]:

@@ -41,15 +41,20 @@ def _classes_from_no_split_modules(model: nn.Module) -> List[Type[nn.Module]]:
 
 
 def _class_of_largest_uniform_module_list(model: nn.Module) -> Optional[Type[nn.Module]]:
+    """The child class of the longest uniform `nn.ModuleList` that is not inside another one's
+    children: the layer stack, not a layer's own list (a mixture of experts can have more experts
+    per layer than layers)."""
+    uniform = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, nn.ModuleList) and len(module) > 0 and len({type(c) for c in module}) == 1]
+    names = [name for name, _ in uniform]
     best: Optional[Type[nn.Module]] = None
     best_len = 0
-    for module in model.modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+    for name, module in uniform:
+        if any(other != name and (other == "" or name.startswith(other + ".")) for other in names):
             continue
-        kinds = {type(child) for child in module}
         # len > best_len keeps the first of equally long lists (module order is deterministic).
-        if len(kinds) == 1 and len(module) > best_len:
-            best, best_len = next(iter(kinds)), len(module)
+        if len(module) > best_len:
+            best, best_len = type(module[0]), len(module)
     return best
 
 

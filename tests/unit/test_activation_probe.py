@@ -153,3 +153,22 @@ def test_the_probe_frees_everything_it_allocated():
         live = tracker.live_bytes
     assert tracker.peak_bytes > 0          # the forward ran inside the tracker
     assert live == 0
+
+
+def test_blocks_are_the_layers_not_a_longer_list_of_experts():
+    """A mixture of experts can hold more experts per layer than the model has layers."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = nn.ModuleList([nn.Linear(8, 8) for _ in range(8)])
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Block() for _ in range(2)])
+
+    model = Model()
+    assert find_blocks(model) == list(model.layers)
+    hf = _model(tf.LlamaConfig(**SMALL, intermediate_size=128))
+    assert find_blocks(hf) == list(hf.model.layers)
