@@ -89,13 +89,25 @@ def _storage_key(tensor: torch.Tensor) -> Optional[int]:
 
 @contextlib.contextmanager
 def _train_mode(model: nn.Module) -> Iterator[None]:
+    """Training mode for the probe's forward, and the model's buffers as they were afterwards: a
+    forward in training mode may update them (BatchNorm's running statistics), and an estimate
+    must not change the model. Buffers are small in a language model (rotary frequencies)."""
     modes = {m: m.training for m in model.modules()}
+    # Every buffer, restored whatever its version counter says: BatchNorm's kernel updates its
+    # running statistics in place without bumping it. A buffer the forward replaced (a rotary
+    # embedding's rescaled frequencies) gets its old tensor back too.
+    buffers = [(m, name, b, b.detach().clone()) for m in model.modules() for name, b in m._buffers.items()
+               if b is not None]
     model.train()
     try:
         yield
     finally:
         for m, training in modes.items():
             m.training = training
+        with torch.no_grad():
+            for m, name, buffer, value in buffers:
+                buffer.copy_(value)
+                m._buffers[name] = buffer
 
 
 @contextlib.contextmanager

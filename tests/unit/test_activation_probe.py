@@ -172,3 +172,32 @@ def test_blocks_are_the_layers_not_a_longer_list_of_experts():
     assert find_blocks(model) == list(model.layers)
     hf = _model(tf.LlamaConfig(**SMALL, intermediate_size=128))
     assert find_blocks(hf) == list(hf.model.layers)
+
+
+def test_the_probe_leaves_running_statistics_as_they_were():
+    """A block with BatchNorm updates its running statistics in a training-mode forward."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.proj = nn.BatchNorm1d(8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(self.norm(x.transpose(1, 2)).transpose(1, 2))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.layers = nn.Embedding(16, 8), nn.ModuleList([Block(), Block()])
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            x = self.embed(input_ids)
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    model = Model().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert measure_first_block(model, 16).saved_bytes > 0
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not model.training
