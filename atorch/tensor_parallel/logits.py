@@ -49,7 +49,12 @@ def gather_tp_logits(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     if head is None or logits.shape[-1] != head.out_spec.local_size:
         return logits
     full = gather_from_group(logits, head.group)
-    return full[..., :head.out_features]
+    if full.shape[-1] == head.out_features:
+        return full
+    # The vocabulary was padded to a multiple of the tensor size: drop the padding into a tensor
+    # of its own. A view of the gathered one, returned by an FSDP2 root, would lose FSDP's
+    # pre-backward hook to any in-place op on it (torch warns on every forward).
+    return full[..., :head.out_features].contiguous()
 
 
 def gather_output_logits(model: nn.Module, args: Any, output: Any) -> Any:
