@@ -111,6 +111,48 @@ def test_a_head_dim_other_than_hidden_over_heads(family):
     assert formula.q_dim == 128 and formula.kv_dim == 64
 
 
+# Layouts beyond the tensor-parallel families: OPT-350m's narrower word embeddings (project_in/out),
+# Falcon-7B's multi-query and Falcon-40B's grouped key/value heads in one fused qkv.
+OTHER_LAYOUTS = {
+    "opt_proj": lambda: transformers.OPTConfig(vocab_size=1000, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                               num_attention_heads=4, word_embed_proj_dim=32,
+                                               max_position_embeddings=128),
+    "falcon_multi_query": lambda: transformers.FalconConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2,
+                                                            num_attention_heads=4, multi_query=True),
+    "falcon_40b": lambda: transformers.FalconConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2,
+                                                    num_attention_heads=4, new_decoder_architecture=True,
+                                                    num_kv_heads=2),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(OTHER_LAYOUTS))
+def test_other_layouts_count_the_real_model(layout):
+    config = OTHER_LAYOUTS[layout]()
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    shape = ModelShape.from_config(config)
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    assert not shape.gated
+    if layout.startswith("falcon"):
+        qkv = model.transformer.h[0].self_attention.query_key_value.out_features
+        assert qkv == shape.q_dim + 2 * shape.kv_dim
+        assert shape.kv_dim == (16 if layout == "falcon_multi_query" else 32)
+
+
+def test_shared_experts_are_always_active():
+    """Qwen2-MoE: 4 routed experts of width 32 (top-2) and one shared expert of width 96 with its gate."""
+    config = transformers.Qwen2MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=96, num_experts=4, num_experts_per_tok=2,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         vocab_size=100)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    shape = ModelShape.from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    inactive = sum((e.gate_up_proj.shape[0] - 2) * (e.gate_up_proj[0].numel() + e.down_proj[0].numel())
+                   for e in (layer.mlp.experts for layer in model.model.layers))
+    assert shape.num_params == total and shape.active_params == total - inactive
+    assert shape.intermediate_size == 2 * 32 + 96
+
+
 def test_largest_and_persistent_parameters_are_the_real_tensors():
     model, config = build_family("qwen3_moe")
     shape = ModelShape.from_config(config)
