@@ -134,6 +134,9 @@ class ModelShape:
         return cls(num_params, layers, hidden, ffn, 0, vocab, (num_params - embedding) // max(1, layers), embedding)
 
 
+_FFN_NAMES = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+
+
 def _formula_shape(config: Any) -> ModelShape:
     """The shape by Llama's and GPT-2's formula, with the widths every family's config states.
 
@@ -144,7 +147,7 @@ def _formula_shape(config: Any) -> ModelShape:
     layers = _config_int(config, ("num_hidden_layers", "n_layer", "num_layers"))
     heads = _config_int(config, ("num_attention_heads", "n_head"))
     vocab = _config_int(config, ("vocab_size",))
-    ffn = _config_int(config, ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"), default=4 * h) or 4 * h
+    ffn = _config_int(config, _FFN_NAMES, default=4 * h) or 4 * h
     kv_heads = _config_int(config, ("num_key_value_heads", "num_kv_heads"), default=heads) or heads
     if getattr(config, "multi_query", False) is True and not getattr(config, "new_decoder_architecture", False):
         kv_heads = 1    # Falcon's and GPT-BigCode's multi-query attention: one key/value head
@@ -215,15 +218,18 @@ def _module_layout(model: nn.Module, config: Any, num_layers: int) -> Dict[str, 
     sizes: Dict[int, int] = {}
     for p in params:
         sizes[p.numel()] = sizes.get(p.numel(), 0) + 1
-    experts, top_k = _experts_per_token(config)
-    inactive = 0.0
-    if top_k:
-        for name, module in model.named_modules():
-            if name.rpartition(".")[2] == "experts":
-                inactive += sum(p.numel() for p in module.parameters()) * (experts - top_k) / experts
     fields: Dict[str, Any] = dict(num_params=num_params, layer_params=(num_params - embedding) // max(1, num_layers),
-                                  embedding_params=embedding, parameter_sizes=tuple(sorted(sizes.items())),
-                                  active_params=num_params - round(inactive))
+                                  embedding_params=embedding, parameter_sizes=tuple(sorted(sizes.items())))
+    experts, top_k = _experts_per_token(config)
+    routed = [module for name, module in model.named_modules() if name.rpartition(".")[2] == "experts"]
+    if top_k and routed:
+        inactive = sum(p.numel() for module in routed for p in module.parameters()) * (experts - top_k) / experts
+        fields["active_params"] = num_params - round(inactive)
+    elif top_k:     # the config names experts its model does not have: a dense MLP after all
+        _log_once(f"{type(model).__name__}: its config routes {top_k} of {experts} experts but no module is named "
+                  "'experts'; the FLOP count multiplies every parameter")
+        h = _config_int(config, ("hidden_size", "n_embd", "d_model"))
+        fields["intermediate_size"] = _config_int(config, _FFN_NAMES, default=4 * h) or 4 * h
     stacks = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == num_layers]
     if stacks:      # the layer stack's first block tells a gated MLP from a two-matrix one
         names = {part for name, _ in stacks[0][0].named_parameters() for part in name.split(".")}
@@ -235,7 +241,7 @@ def _module_layout(model: nn.Module, config: Any, num_layers: int) -> Dict[str, 
 # a search asks for a handful of configs, but a long-lived process may see many.
 _LAYOUTS: "OrderedDict[str, Dict[str, Any]]" = OrderedDict()
 _LAYOUTS_MAX = 64
-_LOGGED_FALLBACKS: Set[str] = set()
+_LOGGED_MESSAGES: Set[str] = set()
 
 
 def _meta_layout(config: Any, num_layers: int) -> Optional[Dict[str, Any]]:
@@ -261,17 +267,20 @@ def _meta_layout(config: Any, num_layers: int) -> Optional[Dict[str, Any]]:
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager")
     except Exception as error:  # noqa: BLE001 - any failure means "use the formula", said once
-        reason = f"{type(config).__name__}: {type(error).__name__}: {error}"
-        if reason not in _LOGGED_FALLBACKS:
-            _LOGGED_FALLBACKS.add(reason)
-            logger.info("cost model: counting %s's parameters by the Llama/GPT-2 formula (building its model on "
-                        "the meta device failed: %s)", type(config).__name__, reason)
+        _log_once(f"counting {type(config).__name__}'s parameters by the Llama/GPT-2 formula (building its model "
+                  f"on the meta device failed: {type(error).__name__}: {error})")
         return None
     layout = _module_layout(model, config, num_layers)
     _LAYOUTS[key] = layout
     if len(_LAYOUTS) > _LAYOUTS_MAX:
         _LAYOUTS.popitem(last=False)
     return layout
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED_MESSAGES:
+        _LOGGED_MESSAGES.add(message)
+        logger.info("cost model: %s", message)
 
 
 def _shares_storage(weight: torch.Tensor, model: nn.Module) -> bool:

@@ -153,6 +153,17 @@ def test_shared_experts_are_always_active():
     assert shape.intermediate_size == 2 * 32 + 96
 
 
+def test_experts_a_config_names_but_its_model_lacks_are_not_counted(caplog):
+    """A dense Llama whose config carries Mixtral's expert fields (e.g. copied between configs)."""
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, vocab_size=100, num_local_experts=4,
+                                      num_experts_per_tok=2)
+    with caplog.at_level(logging.INFO, logger="atorch.auto.cost_model"):
+        shape = ModelShape.from_config(config)
+    assert shape.compute_params == shape.num_params and shape.intermediate_size == 128
+    assert any("no module is named 'experts'" in r.getMessage() for r in caplog.records)
+
+
 def test_largest_and_persistent_parameters_are_the_real_tensors():
     model, config = build_family("qwen3_moe")
     shape = ModelShape.from_config(config)
