@@ -32,7 +32,8 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig, Qwen2Config
+from transformers import (AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, MixtralConfig,
+                          PretrainedConfig, Qwen2Config, Qwen3Config)
 
 from atorch.auto import auto_accelerate
 from atorch.auto.cost_model import PHASES, estimate, peak_bytes
@@ -44,7 +45,11 @@ VOCAB = 32000
 # Public Llama-family shapes: TinyLlama-1.1B, OpenLLaMA-3B, Llama-2-7B (vocabulary 32000, untied
 # head); and other architectures: GPT-2 XL (LayerNorm, GELU MLP, learned positions, tied head,
 # vocabulary 50257), Qwen2-1.5B (GQA with 2 KV heads, q/k/v biases, tied head, vocabulary 151936)
-# and Mistral-7B (GQA with 8 KV heads, vocabulary 32000).
+# and Mistral-7B (GQA with 8 KV heads, vocabulary 32000). Non-Llama layouts the cost model reads
+# off the model class (`ModelShape.from_config`): Pythia-1.4B (GPT-NeoX: fused qkv with biases,
+# LayerNorm, two-matrix GELU MLP, parallel residual, untied head, vocabulary 50304), Qwen3-0.6B
+# (16 heads of 128 on a width of 1024, q/k norms, tied head, vocabulary 151936) and a small
+# Mixtral-style mixture of experts (8 experts of width 2816, top-2; 1.2B parameters, 0.4B active).
 OTHER_MODELS: Dict[str, Any] = {
     "gpt2-xl": lambda: GPT2Config(n_embd=1600, n_layer=48, n_head=25, n_positions=1024, vocab_size=50257,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
@@ -54,6 +59,16 @@ OTHER_MODELS: Dict[str, Any] = {
     "mistral-7b": lambda: LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                       num_attention_heads=32, num_key_value_heads=8, vocab_size=VOCAB,
                                       tie_word_embeddings=False),
+    "pythia-1.4b": lambda: GPTNeoXConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+                                         num_attention_heads=16, vocab_size=50304, rotary_pct=0.25,
+                                         max_position_embeddings=2048, tie_word_embeddings=False,
+                                         hidden_dropout=0.0, attention_dropout=0.0),
+    "qwen3-0.6b": lambda: Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                      num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                      vocab_size=151936, tie_word_embeddings=True),
+    "moe-1.2b": lambda: MixtralConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
+                                      num_attention_heads=16, num_key_value_heads=8, num_local_experts=8,
+                                      num_experts_per_tok=2, vocab_size=VOCAB, tie_word_embeddings=False),
 }
 MODELS: Dict[str, Dict[str, int]] = {
     "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,

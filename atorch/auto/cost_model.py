@@ -2,7 +2,9 @@
 
 The planner ranks candidates by predicted step time and never dry-runs one whose predicted
 peak exceeds the device memory. Pure: plain values in (model shape, strategy, batch, world
-size, device), an `Estimate` out; nothing is allocated or communicated.
+size, device), an `Estimate` out; nothing is allocated or communicated. A transformers config's
+parameter layout (counts, tensor sizes, experts) is read off its own model class built on the
+meta device (`ModelShape.from_config`); other configs are counted by Llama's and GPT-2's formula.
 
 What a strategy does is declared by its optimizations (`Optimization.cost_traits`), combined
 into `StrategyTraits`; the formulas read only those traits. Memory per rank, by backend
@@ -22,16 +24,23 @@ measured bandwidth + a latency per collective.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
+import logging
 import math
+import sys
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Set, Tuple, Union
 
 import torch
 from torch import nn
 
 from atorch.auto.strategy import Strategy, StrategyLike
+
+logger = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------
 # Activations are counted, not fitted: the bytes per token that a Hugging Face decoder block
@@ -63,10 +72,12 @@ class ModelShape:
     num_params: int
     num_layers: int
     hidden_size: int
+    # The MLP width one token goes through: the dense MLP's, or for a mixture of experts the
+    # top-k experts' together plus the shared experts' (what the activation formula reads).
     intermediate_size: int
     num_heads: int
     vocab_size: int
-    layer_params: int           # parameters of one transformer block
+    layer_params: int           # parameters of one transformer block (the non-embedding parameters / layers)
     embedding_params: int       # token/position embeddings + LM head (not tensor-sharded)
     kv_dim: int = 0             # key/value projection width (grouped-query attention); 0: hidden_size
     gated: bool = True          # Llama-style gated MLP (three matrices) rather than GPT-2's two
@@ -75,54 +86,44 @@ class ModelShape:
     # Measured / formula bytes a block saves for backward (`activation_probe`): the formula is
     # Llama's and GPT-2's; other architectures are measured on their own first block.
     activation_scale: float = 1.0
+    # Width of one attention head; 0: hidden_size // num_heads. Gemma and Qwen3 set their own,
+    # so their query and attention-output widths (num_heads * head_dim) differ from hidden_size.
+    head_dim: int = 0
+    # Parameters one token multiplies: a mixture of experts counts only its top-k routed experts
+    # (shared experts, routers and everything else in full). 0: all of num_params. Memory counts
+    # num_params; the FLOP count (`time_breakdown`) reads `compute_params`.
+    active_params: int = 0
+    # (elements, count) of the model's real parameter tensors, when known (a module, or a
+    # transformers config instantiated on the meta device); (): `_parameter_sizes`' formula.
+    parameter_sizes: Tuple[Tuple[int, int], ...] = ()
+
+    @property
+    def compute_params(self) -> int:
+        return self.active_params or self.num_params
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the queries and of the attention output (num_heads * head_dim)."""
+        return self.num_heads * self.head_dim if self.head_dim and self.num_heads else self.hidden_size
 
     @classmethod
     def from_config(cls, config: Any) -> "ModelShape":
-        """From a transformers config (Llama, GPT-2 and lookalikes)."""
-        h = _config_int(config, ("hidden_size", "n_embd", "d_model"))
-        layers = _config_int(config, ("num_hidden_layers", "n_layer", "num_layers"))
-        heads = _config_int(config, ("num_attention_heads", "n_head"))
-        vocab = _config_int(config, ("vocab_size",))
-        ffn = _config_int(config, ("intermediate_size", "n_inner", "ffn_dim"), default=4 * h) or 4 * h
-        kv_heads = _config_int(config, ("num_key_value_heads",), default=heads) or heads
-        head_dim = h // heads
-        gated = hasattr(config, "intermediate_size")   # Llama-style SwiGLU has three MLP matrices
-        attn = h * h * 2 + 2 * h * kv_heads * head_dim
-        mlp = (3 if gated else 2) * h * ffn
-        layer = attn + mlp + 2 * h
-        final_norm = h
-        if not gated:   # GPT-2 style: every linear and LayerNorm has a bias
-            layer += (2 * h + 2 * kv_heads * head_dim) + (ffn + h) + 2 * h
-            final_norm += h
-        else:
-            if getattr(config, "attention_bias", False):
-                layer += 2 * h + 2 * kv_heads * head_dim
-            if getattr(config, "mlp_bias", False):
-                layer += 2 * ffn + h
-        positions = _config_int(config, ("n_positions",), default=0) * h
-        tied = bool(getattr(config, "tie_word_embeddings", False))
-        embedding = vocab * h * (1 if tied else 2) + positions
-        fused = getattr(config, "_attn_implementation", None) in ("sdpa", "flash_attention_2", "flash_attention_3",
-                                                                  "flex_attention")
-        return cls(layers * layer + embedding + final_norm, layers, h, ffn, heads, vocab, layer, embedding,
-                   kv_heads * head_dim, gated, fused, bool(getattr(config, "use_cache", False)))
+        """From a model config. A transformers config's parameter layout is read off its own model
+        class, instantiated on the meta device (`_meta_layout`, cached per config content); any
+        other config (or one that cannot be instantiated) is counted by Llama's and GPT-2's formula."""
+        shape = _formula_shape(config)
+        layout = _meta_layout(config, shape.num_layers)
+        return dataclasses.replace(shape, **layout) if layout else shape
 
     @classmethod
     def from_module(cls, model: nn.Module) -> "ModelShape":
         """From a module: its HF config when it has one (with exact parameter counts), else its layers."""
-        num_params = sum(p.numel() for p in model.parameters())
         config = getattr(model, "config", None)
         if config is not None and _config_int(config, ("hidden_size", "n_embd", "d_model"), default=0):
-            shape = cls.from_config(config)
-            embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
-            head = getattr(model, "lm_head", None)
-            if isinstance(head, nn.Linear) and not _shares_storage(head.weight, model):
-                embedding += head.weight.numel()
-            layer = (num_params - embedding) // max(1, shape.num_layers)
-            return cls(num_params, shape.num_layers, shape.hidden_size, shape.intermediate_size, shape.num_heads,
-                       shape.vocab_size, layer, embedding, shape.kv_dim, shape.gated, shape.fused_attention,
-                       shape.kv_cache)
+            shape = _formula_shape(config)
+            return dataclasses.replace(shape, **_module_layout(model, config, shape.num_layers))
         # A plain module: the largest ModuleList is the layer stack; the widest Linear input is the width.
+        num_params = sum(p.numel() for p in model.parameters())
         linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
         hidden = max((m.in_features for m in linears), default=1)
         ffn = max((m.out_features for m in linears), default=hidden)
@@ -131,6 +132,155 @@ class ModelShape:
         embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
         vocab = max((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=0)
         return cls(num_params, layers, hidden, ffn, 0, vocab, (num_params - embedding) // max(1, layers), embedding)
+
+
+_FFN_NAMES = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+
+
+def _formula_shape(config: Any) -> ModelShape:
+    """The shape by Llama's and GPT-2's formula, with the widths every family's config states.
+
+    The parameter counts are exact for Llama and GPT-2 lookalikes only; `ModelShape.from_config`
+    and `from_module` replace them by the real model's where there is one.
+    """
+    h = _config_int(config, ("hidden_size", "n_embd", "d_model"))
+    layers = _config_int(config, ("num_hidden_layers", "n_layer", "num_layers"))
+    heads = _config_int(config, ("num_attention_heads", "n_head"))
+    vocab = _config_int(config, ("vocab_size",))
+    ffn = _config_int(config, _FFN_NAMES, default=4 * h) or 4 * h
+    kv_heads = _config_int(config, ("num_key_value_heads", "num_kv_heads"), default=heads) or heads
+    if getattr(config, "multi_query", False) is True and not getattr(config, "new_decoder_architecture", False):
+        kv_heads = 1    # Falcon's and GPT-BigCode's multi-query attention: one key/value head
+    head_dim = _config_int(config, ("head_dim",), default=h // heads) or h // heads
+    q_dim = heads * head_dim
+    gated = hasattr(config, "intermediate_size")   # Llama-style SwiGLU has three MLP matrices
+    attn = h * q_dim * 2 + 2 * h * kv_heads * head_dim
+    mlp = (3 if gated else 2) * h * ffn
+    layer = attn + mlp + 2 * h
+    final_norm = h
+    if not gated:   # GPT-2 style: every linear and LayerNorm has a bias
+        layer += (q_dim + 2 * kv_heads * head_dim + h) + (ffn + h) + 2 * h
+        final_norm += h
+    else:
+        if getattr(config, "attention_bias", False):
+            layer += q_dim + 2 * kv_heads * head_dim + h
+        if getattr(config, "mlp_bias", False):
+            layer += 2 * ffn + h
+    positions = _config_int(config, ("n_positions",), default=0) * h
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    embedding = vocab * h * (1 if tied else 2) + positions
+    fused = getattr(config, "_attn_implementation", None) in ("sdpa", "flash_attention_2", "flash_attention_3",
+                                                              "flex_attention")
+    return ModelShape(layers * layer + embedding + final_norm, layers, h, _active_ffn(config, ffn), heads, vocab,
+                      layer, embedding, kv_heads * head_dim, gated, fused, bool(getattr(config, "use_cache", False)),
+                      head_dim=head_dim if head_dim * heads != h else 0)
+
+
+def _experts_per_token(config: Any) -> Tuple[int, int]:
+    """(routed experts, experts each token goes to) of a mixture-of-experts config; (0, 0) for a dense one."""
+    experts = _config_int(config, ("num_local_experts", "num_experts", "n_routed_experts"), default=0)
+    top_k = _config_int(config, ("num_experts_per_tok", "num_experts_per_token", "moe_topk"), default=0)
+    return (experts, min(top_k, experts)) if experts and top_k else (0, 0)
+
+
+def _active_ffn(config: Any, ffn: int) -> int:
+    """The MLP width one token goes through: top-k experts (Mixtral's `intermediate_size`, Qwen-MoE's
+    `moe_intermediate_size` each) plus the shared experts (Qwen2-MoE's `shared_expert_intermediate_size`,
+    DeepSeek's `n_shared_experts` x the expert width); the dense width without experts."""
+    _, top_k = _experts_per_token(config)
+    if not top_k:
+        return ffn
+    expert = _config_int(config, ("moe_intermediate_size",), default=ffn) or ffn
+    shared = _config_int(config, ("shared_expert_intermediate_size",), default=0) or \
+        _config_int(config, ("n_shared_experts",), default=0) * expert
+    return top_k * expert + shared
+
+
+# Leaf names Hugging Face gives the gate of a gated MLP (Llama's gate_proj, Phi-3's and the
+# fused experts' gate_up_proj, the original Mixtral's w1/w3 pair); non-gated MLPs name theirs
+# c_fc, fc1, dense_h_to_4h, up_proj (MPT), fc_in.
+_GATE_NAMES = frozenset({"gate_proj", "gate_up_proj", "w3"})
+
+
+def _module_layout(model: nn.Module, config: Any, num_layers: int) -> Dict[str, Any]:
+    """The `ModelShape` fields a Hugging Face model's own parameters determine.
+
+    Counts as `ModelShape.from_module` always has: embeddings are the `nn.Embedding` weights and an
+    untied `lm_head`; a layer is the rest over the layer count. Mixture of experts: every module
+    named `experts` holds its routed experts' parameters, of which a token multiplies top-k/E.
+    """
+    params = list(model.parameters())       # one entry per shared (tied) parameter
+    num_params = sum(p.numel() for p in params)
+    embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, nn.Linear) and not _shares_storage(head.weight, model):
+        embedding += head.weight.numel()
+    sizes: Dict[int, int] = {}
+    for p in params:
+        sizes[p.numel()] = sizes.get(p.numel(), 0) + 1
+    fields: Dict[str, Any] = dict(num_params=num_params, layer_params=(num_params - embedding) // max(1, num_layers),
+                                  embedding_params=embedding, parameter_sizes=tuple(sorted(sizes.items())))
+    experts, top_k = _experts_per_token(config)
+    routed = [module for name, module in model.named_modules() if name.rpartition(".")[2] == "experts"]
+    if top_k and routed:
+        inactive = sum(p.numel() for module in routed for p in module.parameters()) * (experts - top_k) / experts
+        fields["active_params"] = num_params - round(inactive)
+    elif top_k:     # the config names experts its model does not have: a dense MLP after all
+        _log_once(f"{type(model).__name__}: its config routes {top_k} of {experts} experts but no module is named "
+                  "'experts'; the FLOP count multiplies every parameter")
+        h = _config_int(config, ("hidden_size", "n_embd", "d_model"))
+        fields["intermediate_size"] = _config_int(config, _FFN_NAMES, default=4 * h) or 4 * h
+    stacks = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == num_layers]
+    if stacks:      # the layer stack's first block tells a gated MLP from a two-matrix one
+        names = {part for name, _ in stacks[0][0].named_parameters() for part in name.split(".")}
+        fields["gated"] = bool(names & _GATE_NAMES)
+    return fields
+
+
+# Config content (JSON) -> the fields `_module_layout` read off its meta-device model. Bounded:
+# a search asks for a handful of configs, but a long-lived process may see many.
+_LAYOUTS: "OrderedDict[str, Dict[str, Any]]" = OrderedDict()
+_LAYOUTS_MAX = 64
+_LOGGED_MESSAGES: Set[str] = set()
+
+
+def _meta_layout(config: Any, num_layers: int) -> Optional[Dict[str, Any]]:
+    """`_module_layout` of `AutoModelForCausalLM.from_config(config)` built on the meta device, cached
+    per config content. No memory; Llama-2-70B's config takes 0.03-0.09 s here (2 shared cores), plus
+    0.6-1.4 s the first time in a process that transformers imports that family's modeling module;
+    a cached config costs its `to_dict` and JSON, under 5 ms. None, with the reason logged once, for
+    a config transformers cannot instantiate as a causal LM (or not a transformers config at all):
+    the caller keeps the formula."""
+    transformers = sys.modules.get("transformers")     # a transformers config implies it is imported
+    if transformers is None or not isinstance(config, transformers.PretrainedConfig):
+        return None
+    try:
+        key = json.dumps(config.to_dict(), sort_keys=True, default=repr)
+    except (TypeError, ValueError) as error:
+        key = f"{type(config).__name__}:{id(config)}:{error}"   # unserializable: not cached across objects
+    if key in _LAYOUTS:
+        _LAYOUTS.move_to_end(key)
+        return _LAYOUTS[key]
+    try:
+        # A copy: from_config may write into the config; the attention implementation does not
+        # change the parameters, and eager needs no optional kernel package.
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager")
+    except Exception as error:  # noqa: BLE001 - any failure means "use the formula", said once
+        _log_once(f"counting {type(config).__name__}'s parameters by the Llama/GPT-2 formula (building its model "
+                  f"on the meta device failed: {type(error).__name__}: {error})")
+        return None
+    layout = _module_layout(model, config, num_layers)
+    _LAYOUTS[key] = layout
+    if len(_LAYOUTS) > _LAYOUTS_MAX:
+        _LAYOUTS.popitem(last=False)
+    return layout
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED_MESSAGES:
+        _LOGGED_MESSAGES.add(message)
+        logger.info("cost model: %s", message)
 
 
 def _shares_storage(weight: torch.Tensor, model: nn.Module) -> bool:
@@ -160,7 +310,10 @@ DS_STAGE3_PERSISTENCE_ELEMENTS = 100_000
 
 
 def _parameter_sizes(shape: ModelShape) -> Tuple[Tuple[int, int], ...]:
-    """(elements, count) of the model's parameter tensors, as Hugging Face's Llama and GPT-2 lay them out."""
+    """(elements, count) of the model's parameter tensors: the real ones where the shape knows them,
+    else as Hugging Face's Llama and GPT-2 lay them out."""
+    if shape.parameter_sizes:
+        return shape.parameter_sizes
     h, f, L = shape.hidden_size, shape.intermediate_size, shape.num_layers
     kv = shape.kv_dim or h
     matrices = shape.vocab_size * h
@@ -321,7 +474,7 @@ def lora_params(shape: ModelShape, traits: StrategyTraits) -> int:
     r, h = traits.lora_rank, shape.hidden_size
     kv = shape.kv_dim or h
     if traits.lora_targets is None:
-        per_layer = r * (2 * h + h + kv) if shape.gated else r * (h + 3 * h)
+        per_layer = r * (2 * h + shape.q_dim + kv) if shape.gated else r * (h + 3 * h)
     else:
         per_layer = r * 2 * h * len(traits.lora_targets)
     return shape.num_layers * per_layer
@@ -397,11 +550,11 @@ def _block_saved_bytes(shape: ModelShape, mode: str, seq_len: int, fused_attenti
     kv more; with separate projections (Llama) they replace tensors that are then freed (measured:
     the same bytes with and without the cache).
     """
-    h, f = shape.hidden_size, shape.intermediate_size
-    kv = (shape.kv_dim or h) if fused_attention else h
+    h, f, q = shape.hidden_size, shape.intermediate_size, shape.q_dim
+    kv = (shape.kv_dim or h) if fused_attention else q
     attn = 0 if fused_attention or shape.num_heads == 0 else shape.num_heads * seq_len
     if shape.gated:
-        qkvo = 2 * h + 2 * kv
+        qkvo = 2 * q + 2 * kv
         replicated = {"fp32": 4 * 6 * h, "autocast": 4 * 4 * h + 2 * 5 * h, "half": 4 * 2 * h + 2 * 4 * h}[mode]
         sharded = {"fp32": 4 * qkvo + 4 * 4 * f + 4 * attn, "autocast": 2 * qkvo + 2 * 4 * f + 6 * attn,
                    "half": 2 * qkvo + 2 * 4 * f + 6 * attn}[mode]
@@ -426,7 +579,7 @@ def _frozen_inputs_bytes(shape: ModelShape, mode: str) -> Tuple[float, float]:
     h, f = shape.hidden_size, shape.intermediate_size
     nbytes = 4 if mode == "fp32" else 2
     replicated = nbytes * h + (2 * 3 * h if mode == "autocast" and shape.gated else 0)
-    return float(replicated), float(nbytes * (h + f))
+    return float(replicated), float(nbytes * (shape.q_dim + f))
 
 
 def _final_norm_saved_bytes(shape: ModelShape, mode: str, frozen_head: bool = False,
@@ -850,12 +1003,15 @@ def time_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int, 
     """Per-step seconds by kind: compute, framework overhead and communication (not overlapped)."""
     tokens = micro_batch * seq_len
     L, h, t, d = shape.num_layers, shape.hidden_size, traits.tensor, traits.data
-    matmul_params = shape.num_params - shape.embedding_params / 2     # the LM head multiplies, lookups do not
-    # 2N forward + 2N backward (activations) + 2N backward (weights, trainable only), attention 12*L*s*h.
+    # The LM head multiplies, lookups do not; a mixture of experts multiplies its top-k experts only.
+    matmul_params = shape.compute_params - shape.embedding_params / 2
+    # 2N forward + 2N backward (activations) + 2N backward (weights, trainable only), attention
+    # 12*L*s*(heads x head_dim).
     weight_grad = 2 * matmul_params * traits.trainable_fraction
-    flops = tokens * ((4 * matmul_params + weight_grad) / t + 12 * L * seq_len * h / t)
+    q = shape.q_dim
+    flops = tokens * ((4 * matmul_params + weight_grad) / t + 12 * L * seq_len * q / t)
     if traits.checkpoint:
-        flops += tokens * (2 * (shape.num_params - shape.embedding_params) / t + 4 * L * seq_len * h / t)
+        flops += tokens * (2 * (shape.compute_params - shape.embedding_params) / t + 4 * L * seq_len * q / t)
     rate = rates["flops_bf16"] if traits.compute_dtype_bytes == 2 else rates["flops_fp32"]
     if traits.fp8:
         rate *= 1.6

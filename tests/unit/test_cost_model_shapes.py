@@ -1,0 +1,232 @@
+"""`ModelShape.from_config` against the real model of every architecture family atorch tests.
+
+A transformers config's parameter layout is read off its own model class built on the meta
+device, so the counts match the module exactly (every family of `atorch.testing.tp_families`);
+a mixture of experts multiplies only its top-k experts (counted here from the expert tensors);
+anything else keeps the Llama/GPT-2 formula.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from types import SimpleNamespace
+
+import pytest
+import transformers
+
+from atorch.auto import cost_model
+from atorch.auto.cost_model import (DEVICE_PROFILES, DS_STAGE3_PERSISTENCE_ELEMENTS, ModelShape, StrategyTraits,
+                                    _ds_persistent_elements, _largest_param_elements, _parameter_sizes,
+                                    time_breakdown)
+from atorch.testing.tp_families import FAMILIES, build_family
+
+# Two-matrix MLPs (GELU or ReLU between an up and a down projection); every other family is gated.
+NOT_GATED = {"gpt2", "gpt_neox", "opt", "falcon", "bloom"}
+MOE = ("mixtral", "qwen3_moe")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_from_config_counts_the_real_model(family):
+    model, config = build_family(family)
+    from_config, from_module = ModelShape.from_config(config), ModelShape.from_module(model)
+    assert from_config.num_params == sum(p.numel() for p in model.parameters())
+    for name in ("num_params", "embedding_params", "layer_params", "active_params", "parameter_sizes", "gated",
+                 "kv_dim", "head_dim", "intermediate_size"):
+        assert getattr(from_config, name) == getattr(from_module, name), name
+    sizes = {}
+    for p in model.parameters():
+        sizes[p.numel()] = sizes.get(p.numel(), 0) + 1
+    assert dict(from_config.parameter_sizes) == sizes
+    assert from_config.gated == (family not in NOT_GATED)
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_moe_active_params_are_the_top_k_experts(family):
+    model, config = build_family(family)
+    shape = ModelShape.from_config(config)
+    k = config.num_experts_per_tok
+    total = sum(p.numel() for p in model.parameters())
+    inactive = 0
+    moe_layers = 0
+    for layer in model.model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None:
+            continue        # a dense layer (Qwen3-MoE's mlp_only_layers): every parameter is active
+        moe_layers += 1
+        gate_up, down = experts.gate_up_proj, experts.down_proj   # (E, 2f, h) and (E, h, f)
+        count = gate_up.shape[0]
+        assert down.shape[0] == count
+        inactive += (count - k) * (gate_up[0].numel() + down[0].numel())
+    assert moe_layers == (1 if family == "qwen3_moe" else 2)
+    assert inactive > 0 and shape.active_params == total - inactive
+    assert shape.num_params == total     # memory counts every expert
+    # The activation formula's MLP width: the k routed experts a token goes through.
+    expert_width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    assert shape.intermediate_size == k * expert_width
+
+
+def test_moe_flops_count_the_active_parameters():
+    _, config = build_family("mixtral")
+    shape = ModelShape.from_config(config)
+    dense = dataclasses.replace(shape, active_params=0)     # every expert multiplied
+    traits = StrategyTraits.from_strategy([], 1, shape, "cpu")
+    rates = DEVICE_PROFILES["cpu"]
+    batch, seq = 2, 16
+    sparse_s = time_breakdown(shape, traits, batch, seq, rates)["compute"]
+    dense_s = time_breakdown(dense, traits, batch, seq, rates)["compute"]
+    attention = 12 * shape.num_layers * seq * shape.q_dim
+    expected = batch * seq * (6 * (shape.active_params - shape.embedding_params / 2) + attention)
+    assert sparse_s == pytest.approx(expected / rates["flops_fp32"] * traits.compute_time_factor)
+    assert dense_s > sparse_s
+
+
+def test_mixtral_8x7b_matches_its_published_sizes():
+    """46.7B parameters, 12.9B active per token (Mistral AI's Mixtral 8x7B announcement); meta device, no memory."""
+    config = transformers.MixtralConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                                        num_experts_per_tok=2, vocab_size=32000)
+    shape = ModelShape.from_config(config)
+    assert round(shape.num_params / 1e9, 1) == 46.7
+    assert round(shape.active_params / 1e9, 1) == 12.9
+    # One fused expert tensor (8 x 2 x 14336 x 4096) is the largest parameter, not a 4096 x 14336 matrix.
+    assert _largest_param_elements(shape) == 8 * 2 * 14336 * 4096
+
+
+@pytest.mark.parametrize("family", ["gemma", "qwen3"])
+def test_a_head_dim_other_than_hidden_over_heads(family):
+    """Gemma-7B (hidden 3072, 16 heads of 256) and Qwen3 (heads of 128 at every width): queries and the
+    attention output are num_heads x head_dim wide."""
+    model_cls = {"gemma": transformers.GemmaConfig, "qwen3": transformers.Qwen3Config}[family]
+    config = model_cls(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=32, vocab_size=1000, max_position_embeddings=128)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    shape = ModelShape.from_config(config)
+    attention = model.model.layers[0].self_attn
+    assert shape.q_dim == attention.q_proj.out_features == 128
+    assert shape.kv_dim == attention.k_proj.out_features == 64
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    # The formula (no transformers) agrees on the layout Llama-style families share.
+    formula = cost_model._formula_shape(config)
+    assert formula.q_dim == 128 and formula.kv_dim == 64
+
+
+# Layouts beyond the tensor-parallel families: OPT-350m's narrower word embeddings (project_in/out),
+# Falcon-7B's multi-query and Falcon-40B's grouped key/value heads in one fused qkv.
+OTHER_LAYOUTS = {
+    "opt_proj": lambda: transformers.OPTConfig(vocab_size=1000, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                               num_attention_heads=4, word_embed_proj_dim=32,
+                                               max_position_embeddings=128),
+    "falcon_multi_query": lambda: transformers.FalconConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2,
+                                                            num_attention_heads=4, multi_query=True),
+    "falcon_40b": lambda: transformers.FalconConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2,
+                                                    num_attention_heads=4, new_decoder_architecture=True,
+                                                    num_kv_heads=2),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(OTHER_LAYOUTS))
+def test_other_layouts_count_the_real_model(layout):
+    config = OTHER_LAYOUTS[layout]()
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    shape = ModelShape.from_config(config)
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    assert not shape.gated
+    if layout.startswith("falcon"):
+        qkv = model.transformer.h[0].self_attention.query_key_value.out_features
+        assert qkv == shape.q_dim + 2 * shape.kv_dim
+        assert shape.kv_dim == (16 if layout == "falcon_multi_query" else 32)
+
+
+def test_shared_experts_are_always_active():
+    """Qwen2-MoE: 4 routed experts of width 32 (top-2) and one shared expert of width 96 with its gate."""
+    config = transformers.Qwen2MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=96, num_experts=4, num_experts_per_tok=2,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         vocab_size=100)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    shape = ModelShape.from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    inactive = sum((e.gate_up_proj.shape[0] - 2) * (e.gate_up_proj[0].numel() + e.down_proj[0].numel())
+                   for e in (layer.mlp.experts for layer in model.model.layers))
+    assert shape.num_params == total and shape.active_params == total - inactive
+    assert shape.intermediate_size == 2 * 32 + 96
+
+
+def test_experts_a_config_names_but_its_model_lacks_are_not_counted(caplog):
+    """A dense Llama whose config carries Mixtral's expert fields (e.g. copied between configs)."""
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, vocab_size=100, num_local_experts=4,
+                                      num_experts_per_tok=2)
+    with caplog.at_level(logging.INFO, logger="atorch.auto.cost_model"):
+        shape = ModelShape.from_config(config)
+    assert shape.compute_params == shape.num_params and shape.intermediate_size == 128
+    assert any("no module is named 'experts'" in r.getMessage() for r in caplog.records)
+
+
+def test_largest_and_persistent_parameters_are_the_real_tensors():
+    model, config = build_family("qwen3_moe")
+    shape = ModelShape.from_config(config)
+    numels = [p.numel() for p in model.parameters()]
+    assert _largest_param_elements(shape) == max(numels)
+    assert _ds_persistent_elements(shape) == sum(n for n in numels if n < DS_STAGE3_PERSISTENCE_ELEMENTS)
+
+
+def test_a_config_that_is_not_transformers_keeps_the_formula():
+    h, f, layers, vocab = 64, 128, 2, 1000
+    config = SimpleNamespace(hidden_size=h, intermediate_size=f, num_hidden_layers=layers, num_attention_heads=4,
+                             vocab_size=vocab)
+    shape = ModelShape.from_config(config)
+    layer = 4 * h * h + 3 * h * f + 2 * h       # Llama: q, k, v, o, gate, up, down, two norms
+    assert shape.num_params == layers * layer + 2 * vocab * h + h
+    assert shape.layer_params == layer and shape.embedding_params == 2 * vocab * h
+    assert shape.parameter_sizes == () and shape.active_params == 0 and shape.compute_params == shape.num_params
+    assert sum(n * c for n, c in _parameter_sizes(shape)) == shape.num_params   # the formula's own tensors
+    assert _largest_param_elements(shape) == vocab * h
+
+
+class _UnknownConfig(transformers.PretrainedConfig):
+    model_type = "atorch_test_unknown"
+
+
+def test_a_transformers_config_without_a_causal_lm_falls_back_and_says_why_once(caplog):
+    config = _UnknownConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            vocab_size=1000)
+    with caplog.at_level(logging.INFO, logger="atorch.auto.cost_model"):
+        first = ModelShape.from_config(config)
+        second = ModelShape.from_config(config)
+    assert first == second and first.parameter_sizes == ()
+    assert first.num_params == ModelShape.from_config(SimpleNamespace(**config.to_dict())).num_params
+    messages = [r.getMessage() for r in caplog.records if "Llama/GPT-2 formula" in r.getMessage()]
+    assert len(messages) == 1 and "_UnknownConfig" in messages[0]
+
+
+def test_layouts_are_cached_by_content_and_bounded(monkeypatch):
+    real = sum(p.numel() for p in build_family("llama")[0].parameters())
+    monkeypatch.setattr(cost_model, "_LAYOUTS", type(cost_model._LAYOUTS)())
+    monkeypatch.setattr(cost_model, "_LAYOUTS_MAX", 2)
+    built = []
+    original = transformers.AutoModelForCausalLM.from_config
+
+    def counting(*args, **kwargs):
+        built.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", counting)
+    a, b = FAMILIES["llama"](), FAMILIES["llama"]()     # equal content, two objects
+    attention = a._attn_implementation
+    ModelShape.from_config(a)
+    ModelShape.from_config(b)
+    assert len(built) == 1 and a._attn_implementation == attention   # the user's config is left as it was
+    for layers in (3, 4, 5):
+        ModelShape.from_config(transformers.LlamaConfig(**{**a.to_dict(), "num_hidden_layers": layers}))
+    assert len(built) == 4 and len(cost_model._LAYOUTS) == 2
+    assert ModelShape.from_config(a).num_params == real
+    assert len(built) == 5      # evicted: built again
+
+
+def test_parameter_sizes_do_not_change_the_module_path():
+    """from_module records its own tensors, which the persistence threshold then reads."""
+    model, _ = build_family("gpt2")
+    shape = ModelShape.from_module(model)
+    assert sum(n * c for n, c in shape.parameter_sizes) == shape.num_params
