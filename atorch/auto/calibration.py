@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from atorch.auto.cost_model import Estimate, ModelShape, StrategyTraits, calibrated_shape, estimate
+from atorch.auto.cost_model import Estimate, ModelShape, StrategyTraits, estimate, shape_of
 from atorch.auto.devices import cpu_model_name
 from atorch.auto.strategy import Strategy, StrategyLike
 
@@ -580,10 +580,8 @@ def cost_model_predictor(model_or_shape: Any, batch_size: int, seq_len: int, wor
     gathers of FSDP2 k times. `profile`: rate overrides for every strategy, or `ShapedConstants`,
     from which each strategy gets the rates probed at its own tokens per rank and tensor split.
     """
-    # A module's block activations are measured on the module itself (`calibrated_shape`).
-    shape = model_or_shape if isinstance(model_or_shape, ModelShape) else (
-        calibrated_shape(model_or_shape, seq_len) if isinstance(model_or_shape, torch.nn.Module)
-        else ModelShape.from_config(model_or_shape))
+    # Block activations measured by the activation probe, as `estimate` does (`shape_of`).
+    shape = shape_of(model_or_shape, seq_len)
 
     def predict(strategy: StrategyLike) -> Estimate:
         s = Strategy.from_any(strategy)

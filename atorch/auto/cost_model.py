@@ -96,6 +96,11 @@ class ModelShape:
     # (elements, count) of the model's real parameter tensors, when known (a module, or a
     # transformers config instantiated on the meta device); (): `_parameter_sizes`' formula.
     parameter_sizes: Tuple[Tuple[int, int], ...] = ()
+    # A two-matrix MLP whose activation is Hugging Face's tanh GELU written in Python ops
+    # (GPT-2's NewGELUActivation: it keeps its input and three intermediates); False for a
+    # native one (GPT-NeoX's and Falcon's nn.GELU, OPT's ReLU, Bloom's custom-autograd GELU),
+    # which keeps what module_replace's fused GELU keeps. Read off the model where there is one.
+    python_gelu: bool = True
 
     @property
     def compute_params(self) -> int:
@@ -131,10 +136,19 @@ class ModelShape:
         layers = max((len(s) for s in stacks), default=max(1, len(linears)))
         embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
         vocab = max((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=0)
-        return cls(num_params, layers, hidden, ffn, 0, vocab, (num_params - embedding) // max(1, layers), embedding)
+        return cls(num_params, layers, hidden, ffn, 0, vocab, (num_params - embedding) // max(1, layers), embedding,
+                   python_gelu=_has_python_gelu(model))
 
 
 _FFN_NAMES = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+# transformers' activation names (`ACT2FN`) and classes of its tanh GELU in Python ops: what
+# module_replace's `activation` kind fuses.
+_PYTHON_GELU_NAMES = ("gelu_new", "gelu_fast")
+_PYTHON_GELU_CLASSES = ("NewGELUActivation", "FastGELUActivation")
+
+
+def _has_python_gelu(model: nn.Module) -> bool:
+    return any(type(m).__name__ in _PYTHON_GELU_CLASSES for m in model.modules())
 
 
 def _formula_shape(config: Any) -> ModelShape:
@@ -173,7 +187,9 @@ def _formula_shape(config: Any) -> ModelShape:
                                                               "flex_attention")
     return ModelShape(layers * layer + embedding + final_norm, layers, h, _active_ffn(config, ffn), heads, vocab,
                       layer, embedding, kv_heads * head_dim, gated, fused, bool(getattr(config, "use_cache", False)),
-                      head_dim=head_dim if head_dim * heads != h else 0)
+                      head_dim=head_dim if head_dim * heads != h else 0,
+                      python_gelu=getattr(config, "activation_function", getattr(config, "hidden_act", "gelu_new"))
+                      in _PYTHON_GELU_NAMES)
 
 
 def _experts_per_token(config: Any) -> Tuple[int, int]:
@@ -234,6 +250,7 @@ def _module_layout(model: nn.Module, config: Any, num_layers: int) -> Dict[str, 
     if stacks:      # the layer stack's first block tells a gated MLP from a two-matrix one
         names = {part for name, _ in stacks[0][0].named_parameters() for part in name.split(".")}
         fields["gated"] = bool(names & _GATE_NAMES)
+    fields["python_gelu"] = _has_python_gelu(model)
     return fields
 
 
@@ -244,6 +261,33 @@ _LAYOUTS_MAX = 64
 _LOGGED_MESSAGES: Set[str] = set()
 
 
+def _config_key(config: Any) -> Optional[str]:
+    """A transformers config's content as a cache key; None for anything else."""
+    transformers = sys.modules.get("transformers")     # a transformers config implies it is imported
+    if transformers is None or not isinstance(config, transformers.PretrainedConfig):
+        return None
+    try:
+        return json.dumps(config.to_dict(), sort_keys=True, default=repr)
+    except (TypeError, ValueError) as error:
+        return f"{type(config).__name__}:{id(config)}:{error}"   # unserializable: not cached across objects
+
+
+def _meta_model(config: Any, purpose: str) -> Optional[nn.Module]:
+    """`AutoModelForCausalLM.from_config(config)` on the meta device with eager attention (the
+    attention implementation does not change the parameters, and eager needs no optional kernel
+    package); None, with the reason logged once, when transformers cannot build it."""
+    import transformers
+
+    try:
+        # A copy: from_config may write into the config.
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager")
+    except Exception as error:  # noqa: BLE001 - any failure means "use the formula", said once
+        _log_once(f"{purpose} {type(config).__name__}'s by the Llama/GPT-2 formula (building its model on the meta "
+                  f"device failed: {type(error).__name__}: {error})")
+        return None
+
+
 def _meta_layout(config: Any, num_layers: int) -> Optional[Dict[str, Any]]:
     """`_module_layout` of `AutoModelForCausalLM.from_config(config)` built on the meta device, cached
     per config content. No memory; Llama-2-70B's config takes 0.03-0.09 s here (2 shared cores), plus
@@ -251,30 +295,58 @@ def _meta_layout(config: Any, num_layers: int) -> Optional[Dict[str, Any]]:
     a cached config costs its `to_dict` and JSON, under 5 ms. None, with the reason logged once, for
     a config transformers cannot instantiate as a causal LM (or not a transformers config at all):
     the caller keeps the formula."""
-    transformers = sys.modules.get("transformers")     # a transformers config implies it is imported
-    if transformers is None or not isinstance(config, transformers.PretrainedConfig):
+    key = _config_key(config)
+    if key is None:
         return None
-    try:
-        key = json.dumps(config.to_dict(), sort_keys=True, default=repr)
-    except (TypeError, ValueError) as error:
-        key = f"{type(config).__name__}:{id(config)}:{error}"   # unserializable: not cached across objects
     if key in _LAYOUTS:
         _LAYOUTS.move_to_end(key)
         return _LAYOUTS[key]
-    try:
-        # A copy: from_config may write into the config; the attention implementation does not
-        # change the parameters, and eager needs no optional kernel package.
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager")
-    except Exception as error:  # noqa: BLE001 - any failure means "use the formula", said once
-        _log_once(f"counting {type(config).__name__}'s parameters by the Llama/GPT-2 formula (building its model "
-                  f"on the meta device failed: {type(error).__name__}: {error})")
+    model = _meta_model(config, "counting the parameters of")
+    if model is None:
         return None
     layout = _module_layout(model, config, num_layers)
     _LAYOUTS[key] = layout
     if len(_LAYOUTS) > _LAYOUTS_MAX:
         _LAYOUTS.popitem(last=False)
     return layout
+
+
+# (config content, probe tokens) -> the activation probe's scale for that config's block.
+_CONFIG_SCALES: "OrderedDict[Tuple[str, int], float]" = OrderedDict()
+
+
+def _config_activation_scale(config: Any, shape: ModelShape, seq_len: int) -> float:
+    """The activation probe's measured / formula bytes for a transformers config's first block: its
+    model built on the meta device and run under fake tensors (`activation_probe`; no memory, no
+    compute), cached per config content and probe length; 1.0 for any other config.
+
+    The meta model runs eager attention, so the formula it is compared with counts the attention
+    matrix too; the scale then corrects the rest of the block (q/k norms, parallel attention,
+    non-gated MLPs, experts) for whichever attention the strategy uses.
+    """
+    from atorch.auto.activation_probe import FAKE_PROBE_TOKENS, block_activation_scale
+
+    key = _config_key(config)
+    if key is None:
+        return 1.0
+    cache_key = (key, max(1, min(int(seq_len), FAKE_PROBE_TOKENS)))
+    if cache_key in _CONFIG_SCALES:
+        _CONFIG_SCALES.move_to_end(cache_key)
+        return _CONFIG_SCALES[cache_key]
+    model = _meta_model(config, "counting the block activations of")
+    if model is None:
+        return 1.0
+    unfused = dataclasses.replace(shape, fused_attention=False)
+
+    def formula(tokens: int, mode: str) -> float:
+        replicated, sharded = _block_saved_bytes(unfused, mode, tokens, False)
+        return tokens * (replicated + sharded)
+
+    scale = block_activation_scale(model, cache_key[1], formula)
+    _CONFIG_SCALES[cache_key] = scale
+    if len(_CONFIG_SCALES) > _LAYOUTS_MAX:
+        _CONFIG_SCALES.popitem(last=False)
+    return scale
 
 
 def _log_once(message: str) -> None:
@@ -540,7 +612,8 @@ def _block_saved_bytes(shape: ModelShape, mode: str, seq_len: int, fused_attenti
     GPT-2 (LayerNorm, GELU MLP): x, the qkv input, q, k, v, the attention output, x2, the MLP
     input, and five b*s*ffn tensors (Hugging Face's tanh GELU in Python ops keeps its input and
     three intermediates; `fused_activation`, module_replace's `nn.GELU(approximate="tanh")`,
-    keeps only its input: two b*s*ffn tensors, 0.57x the block in half at GPT-2 XL's width).
+    keeps only its input: two b*s*ffn tensors, 0.57x the block in half at GPT-2 XL's width; a
+    model whose own activation is native, `ModelShape.python_gelu` False, keeps two as well).
     `fused_norm` (module_replace's `F.rms_norm`): in half, each norm keeps its normalized result
     in fp32 where Hugging Face's RMSNorm keeps it in half (+2 bytes a norm; same bytes in fp32
     and under autocast). Measured on CPU, where `F.rms_norm` runs as its composite.
@@ -561,7 +634,7 @@ def _block_saved_bytes(shape: ModelShape, mode: str, seq_len: int, fused_attenti
         if fused_norm and mode == "half":
             replicated += 2 * 2 * h
     else:
-        ffn = 2 if fused_activation else 5      # b*s*ffn tensors the MLP keeps
+        ffn = 5 if shape.python_gelu and not fused_activation else 2      # b*s*ffn tensors the MLP keeps
         replicated = {"fp32": 4 * 4 * h, "autocast": 4 * 2 * h + 2 * 2 * h, "half": 2 * 4 * h}[mode]
         sharded = {"fp32": 4 * 4 * h + 4 * ffn * f + 4 * attn, "autocast": 2 * 4 * h + 2 * ffn * f + 6 * attn,
                    "half": 2 * 4 * h + 2 * ffn * f + 2 * attn}[mode]
@@ -673,7 +746,7 @@ def estimate(model_or_config: Union[nn.Module, Any, ModelShape], strategy: Strat
     """
     if batch_size <= 0 or seq_len <= 0 or world_size <= 0:
         raise ValueError(f"batch_size={batch_size}, seq_len={seq_len}, world_size={world_size} must all be > 0")
-    shape = _shape_of(model_or_config, seq_len)
+    shape = shape_of(model_or_config, seq_len)
     device_type = torch.device(device).type
     traits = StrategyTraits.from_strategy(strategy, world_size, shape, device_type)
     rates = dict(DEVICE_PROFILES.get(device_type, DEVICE_PROFILES["cuda"]))
@@ -686,12 +759,18 @@ def estimate(model_or_config: Union[nn.Module, Any, ModelShape], strategy: Strat
                                                              **{f"time_{k}": v for k, v in time.items()}})
 
 
-def _shape_of(obj: Any, seq_len: Optional[int] = None) -> ModelShape:
+def shape_of(obj: Any, seq_len: Optional[int] = None) -> ModelShape:
+    """The `ModelShape` of a shape, a module or a config; with `seq_len`, its block activations
+    measured by the activation probe (a module on itself, a transformers config on its model
+    built on the meta device), as `estimate` uses it."""
     if isinstance(obj, ModelShape):
         return obj
     if isinstance(obj, nn.Module):
         return calibrated_shape(obj, seq_len) if seq_len else ModelShape.from_module(obj)
-    return ModelShape.from_config(obj)
+    shape = ModelShape.from_config(obj)
+    if not seq_len:
+        return shape
+    return dataclasses.replace(shape, activation_scale=_config_activation_scale(obj, shape, seq_len))
 
 
 # model -> {(seq_len, parameter count): scale}: one probe per model and sequence length.

@@ -55,7 +55,7 @@ def _saved_by_every_block(model: nn.Module, seq_len: int) -> int:
     return total[0]
 
 
-# Architectures whose blocks the Llama/GPT-2 formula gets wrong by 15-100% (non-gated MLPs,
+# Architectures whose blocks the Llama/GPT-2 formula gets wrong by 10-20% (non-gated MLPs,
 # parallel attention, mixture of experts).
 OFF_FORMULA = {
     "gpt_neox": lambda: tf.GPTNeoXConfig(**SMALL, intermediate_size=256),
@@ -75,7 +75,7 @@ def test_calibrated_blocks_match_what_the_model_saves(arch):
     calibrated = layers * block_activation_bytes(calibrated_shape(model, SEQ), traits, 1, SEQ)
     # The case the probe is for. Mixtral's formula counts its top-2 experts' MLP width (0.84 of the
     # measured bytes; 0.57 when it counted one expert); router logits and per-expert gathers remain.
-    assert abs(formula / measured - 1) > 0.15, (arch, formula / measured)
+    assert abs(formula / measured - 1) > 0.1, (arch, formula / measured)
     assert calibrated / measured == pytest.approx(1.0, abs=0.05), (arch, calibrated / measured)
 
 
