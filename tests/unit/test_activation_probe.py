@@ -203,3 +203,37 @@ def test_the_probe_leaves_running_statistics_as_they_were():
     assert measure_first_block(model, 16).saved_bytes > 0
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert not model.training
+
+
+def test_a_config_is_probed_on_its_own_model_built_on_meta():
+    """`estimate(config, ...)` (what `atorch plan` and a user without a model call) measures the
+    config's block on its model class under fake tensors, as `estimate(model, ...)` does."""
+    from types import SimpleNamespace
+
+    from atorch.auto.cost_model import shape_of
+
+    gemma2 = tf.Gemma2Config(**SMALL, intermediate_size=128, num_key_value_heads=2, head_dim=16)
+    model = _model(gemma2)
+    measured = _saved_by_every_block(model, SEQ)
+    traits = StrategyTraits.from_strategy([], 1, ModelShape.from_module(model), "cpu")
+    layers = len(find_blocks(model))
+    config_probed = layers * block_activation_bytes(shape_of(gemma2, SEQ), traits, 1, SEQ)
+    unprobed = layers * block_activation_bytes(ModelShape.from_config(gemma2), traits, 1, SEQ)
+    assert abs(unprobed / measured - 1) > 0.15, unprobed / measured     # Gemma-2's extra norms and softcapping
+    assert config_probed / measured == pytest.approx(1.0, abs=0.1), config_probed / measured
+    plain = SimpleNamespace(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=256,
+                            intermediate_size=128)
+    assert shape_of(plain, SEQ).activation_scale == 1.0                  # no model class to build
+
+
+def test_native_gelu_mlps_are_counted_like_the_fused_one():
+    """Only Hugging Face's Python tanh GELU (GPT-2) keeps five b*s*ffn tensors; GPT-NeoX's nn.GELU keeps
+    two, what module_replace's fused GELU keeps, so the formula, module_replace and the probe agree."""
+    neox = ModelShape.from_module(_model(OFF_FORMULA["gpt_neox"]()))
+    gpt2 = ModelShape.from_module(_model(tf.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4)))
+    assert not neox.python_gelu and gpt2.python_gelu
+    plain = StrategyTraits.from_strategy([], 1, neox, "cpu")
+    fused = StrategyTraits.from_strategy(["module_replace"], 1, neox, "cpu")
+    assert block_activation_bytes(neox, plain, 1, SEQ) == block_activation_bytes(neox, fused, 1, SEQ)
+    g_plain, g_fused = (StrategyTraits.from_strategy(s, 1, gpt2, "cpu") for s in ([], ["module_replace"]))
+    assert block_activation_bytes(gpt2, g_fused, 1, SEQ) < block_activation_bytes(gpt2, g_plain, 1, SEQ)
