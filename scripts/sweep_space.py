@@ -40,6 +40,11 @@ def _model(kind: str) -> torch.nn.Module:
     return build_family(kind, seed=0)[0]
 
 
+def _vocab(kind: str) -> int:
+    """Token ids the dataset may draw: within every family's vocabulary (Bloom's is 1001)."""
+    return min(int(_model(kind).config.vocab_size), 1000)
+
+
 def combination_class(strategy: Any) -> str:
     """`pm(<split dims>)+<optimization>[ds]+...` in application order."""
     parts = []
@@ -77,7 +82,8 @@ def _run(kind: str, batch_size: int, chosen: Dict[str, str], out_path: str) -> N
     from atorch.testing.parity import TokenDataset
 
     ctx = ModelContext(model=_model(kind), optim_func=torch.optim.AdamW, optim_args={"lr": 1e-3},
-                       dataset=TokenDataset(n=4 * batch_size, seq_len=64), model_input_format="unpack_dict",
+                       dataset=TokenDataset(n=4 * batch_size, seq_len=64, vocab_size=_vocab(kind)),
+                       model_input_format="unpack_dict",
                        dataloader_args={"batch_size": batch_size})
     config = DryRunConfig(warmup_steps=1, profile_steps=1, max_profile_steps=1, timeout_s=150)
     for name, text in chosen.items():

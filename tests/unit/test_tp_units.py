@@ -399,3 +399,16 @@ def test_presets_fit_base_models_without_a_head():
         plan = resolve_tp_plan(model, tpinfo_for_model(model), 2)
         assert plan.output_embedding is None and not plan.vocab_parallel_loss
         assert sum(a.kind == VOCAB for a in plan.actions.values()) == 1
+
+
+def test_vocab_parallel_embedding_refuses_ids_outside_the_vocabulary_like_nn_embedding():
+    """Split over 2 ranks, an id past the vocabulary (or in its padding) would look up a zero row on
+    every rank without a word; the unsharded nn.Embedding raises, and so does the split one."""
+    from atorch.testing.fake_distributed import fake_process_group
+
+    with fake_process_group(0, 2):
+        vocab = VocabParallelEmbedding(1001, 4, group=torch.distributed.group.WORLD)   # padded to 1002
+        assert vocab.tp_size == 2 and vocab(torch.tensor([[0, 1000]])).shape == (1, 2, 4)
+        for bad in (1001, 1023, -1):
+            with pytest.raises(RuntimeError, match=r"token id is outside the vocabulary \[0, 1001\)"):
+                vocab(torch.tensor([[0, bad]]))
