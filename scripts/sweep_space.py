@@ -1,6 +1,7 @@
 """Dry-run one candidate of every combination class of the default search space, in one process per rank.
 
-    python scripts/sweep_space.py [--model llama|gpt2|FAMILY] [--world 2] [--batch_size 16] [--limit N] [--out FILE]
+    python scripts/sweep_space.py [--model llama|gpt2|FAMILY] [--world 2] [--batch_size 16] [--limit N]
+        [--match SUBSTRING] [--out FILE]
 
 FAMILY: any tiny architecture of `atorch.testing.tp_families` (qwen2, gpt_neox, falcon, bloom, opt,
 mixtral, gemma2, phi3, ...), built from its config as the tensor-parallel tests build it.
@@ -102,9 +103,12 @@ def main() -> int:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--batch_size", type=int, default=16, help="global batch size (the demo's)")
     parser.add_argument("--limit", type=int, default=None, help="only the first N classes")
+    parser.add_argument("--match", default=None, help="only the classes whose name contains this, e.g. pipeline")
     parser.add_argument("--out", default="sweep_space.jsonl")
     args = parser.parse_args()
     chosen = representatives(args.model, args.world, args.batch_size)
+    if args.match is not None:
+        chosen = {name: text for name, text in chosen.items() if args.match in name}
     if args.limit is not None:
         chosen = dict(list(chosen.items())[:args.limit])
     open(args.out, "w").close()

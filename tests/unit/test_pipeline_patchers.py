@@ -114,6 +114,45 @@ def test_patcher_errors_name_the_problem():
     class Other(nn.Module):
         config = type("Cfg", (), {"model_type": "t5"})()
 
-    with pytest.raises(ValueError, match=r"no pipeline patcher preset for model_type 't5'; presets exist for \['gpt2', "
-                                         r"'llama'\]"):
+    with pytest.raises(ValueError, match=r"no pipeline patcher preset for model_type 't5'; presets exist for "
+                                         r"\['gemma', 'gemma2', 'gpt2', 'llama', 'mistral', .*'qwen3_moe'\]"):
         get_custom_patcher(Other())
+
+
+LLAMA_LAYOUT = ("mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma", "gemma2")
+# A window shorter than the 12-token batch, so the sliding-window blocks mask differently.
+SLIDING = {"mistral": dict(sliding_window=4), "gemma2": dict(sliding_window=4),
+           "qwen2": dict(sliding_window=4, use_sliding_window=True, max_window_layers=1)}
+
+
+def _family_model(name, **overrides):
+    import transformers
+
+    from atorch.testing.tp_families import FAMILIES
+
+    values = FAMILIES[name]().to_dict()
+    values.pop("layer_types", None)          # derived again from the overrides
+    values.update(overrides)
+    config = type(FAMILIES[name]()).from_dict(values)
+    torch.manual_seed(3)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("family", LLAMA_LAYOUT + tuple(f"{f}+sliding" for f in SLIDING))
+def test_llama_layout_families_pieces_equal_their_own_forward(family):
+    """Mistral, Qwen2/3, Phi-3, Mixtral, Qwen3-MoE, Gemma, Gemma-2: the pieces give the family's own
+    logits exactly, padded or not (Gemma's scaled embedding, Gemma-2's soft-capping and its
+    alternating sliding-window blocks, the fused experts)."""
+    name, _, sliding = family.partition("+")
+    model = _family_model(name, **(SLIDING[name] if sliding else {}))
+    pieces = expand_patcher(model, get_custom_patcher(model))
+    layers = [PatchedLayer(model.get_submodule(p.path), p.patch, p.path) for p in pieces]
+    for with_padding in (False, True):
+        batch = _batch(with_padding)
+        batch["input_ids"] = batch["input_ids"] % model.config.vocab_size
+        with torch.no_grad():
+            expected = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+            x = hf_inputs(batch)
+            for layer in layers:
+                x = layer(x)
+        torch.testing.assert_close(x, expected, atol=1e-6, rtol=0)

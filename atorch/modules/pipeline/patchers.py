@@ -279,12 +279,17 @@ def _split_first(inputs: Tensors) -> Tuple[torch.Tensor, torch.Tensor]:
     return input_ids, mask
 
 
-def _causal_mask(config: Any, hidden: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> Any:
+def _causal_mask(config: Any, hidden: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                 sliding: bool = False) -> Any:
+    """The 4-D mask (or None when the kernel masks causally itself) a Hugging Face block takes;
+    `sliding`: the sliding-window variant, for the blocks whose `attention_type` says so."""
     # Imported here: masking_utils pulls in much of transformers, and patchers are built once.
-    from transformers.masking_utils import create_causal_mask
+    from transformers import masking_utils
 
-    return create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=mask, past_key_values=None,
-                              position_ids=positions)
+    make = masking_utils.create_sliding_window_causal_mask if sliding else masking_utils.create_causal_mask
+    # No cache in training: transformers 5.24 names the argument `cache` (`past_key_values` before).
+    no_cache = {"cache": None} if "cache" in inspect.signature(make).parameters else {"past_key_values": None}
+    return make(config=config, inputs_embeds=hidden, attention_mask=mask, position_ids=positions, **no_cache)
 
 
 def _final_norm(norm: nn.Module, inputs: Tensors) -> torch.Tensor:
@@ -323,6 +328,72 @@ def get_llama_custom_patcher(config: Any) -> Dict[str, PatchFn]:
     return {"model.embed_tokens": embed, "model.layers": block, "model.norm": _final_norm, "lm_head": _head}
 
 
+def _family_rotary(config: Any) -> nn.Module:
+    """The model family's own rotary embedding, built from the config alone (its buffers are
+    computed from it): `<Family>RotaryEmbedding` of the family's transformers modeling module."""
+    import importlib
+
+    model_type = config.model_type
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    classes = [v for k, v in vars(module).items() if k.endswith("RotaryEmbedding") and isinstance(v, type)
+               and issubclass(v, nn.Module) and v.__module__ == module.__name__]
+    if len(classes) != 1:
+        raise ValueError(f"model_type {model_type!r}: expected one *RotaryEmbedding class in {module.__name__}, found "
+                         f"{sorted(c.__name__ for c in classes)}; pass custom_patcher={{module path: patch_fn}}")
+    return classes[0](config=config)
+
+
+# How each family's own forward picks the sliding-window mask (transformers 5.24): Mistral,
+# Phi-3, Mixtral and Qwen3-MoE use it for every block when `config.sliding_window` is set;
+# Qwen2, Qwen3 and Gemma-2 per block, by `config.layer_types`; Gemma never.
+_SLIDING_RULES = {"mistral": "every layer", "phi3": "every layer", "mixtral": "every layer",
+                  "qwen3_moe": "every layer", "qwen2": "per layer", "qwen3": "per layer", "gemma2": "per layer"}
+
+
+def get_llama_layout_patcher(config: Any) -> Dict[str, PatchFn]:
+    """Patcher for the decoders laid out as Llama (model.embed_tokens, model.layers, model.norm,
+    lm_head, a model-level rotary embedding): Mistral, Qwen2, Qwen3, Phi-3, Mixtral, Qwen3-MoE,
+    Gemma and Gemma-2 (whose embedding module scales by sqrt(hidden_size) itself). What they add to
+    Llama's forward is done here as their own forward does it: the sliding-window mask where the
+    family's own forward uses it (`_SLIDING_RULES`), Gemma-2's final logit soft-capping. Checked piece by piece against each family's own forward
+    (tests/unit/test_pipeline_patchers.py).
+    """
+    rotary = _family_rotary(config)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    sliding_rule = _SLIDING_RULES.get(config.model_type, "none")
+
+    def is_sliding(layer: nn.Module) -> bool:
+        if sliding_rule == "every layer":     # a sliding window set in the config applies to every block
+            return getattr(config, "sliding_window", None) is not None
+        if sliding_rule == "per layer":       # config.layer_types, read through the block's attention
+            attention = getattr(layer, "self_attn", None)
+            kind = getattr(attention, "layer_type", None)
+            index = getattr(attention, "layer_idx", None)
+            if kind is None and index is not None and getattr(config, "layer_types", None):
+                kind = config.layer_types[index]
+            return kind == "sliding_attention"
+        return False
+
+    def embed(embed_tokens: nn.Module, inputs: Tensors) -> Tensors:
+        input_ids, mask = _split_first(inputs)
+        return embed_tokens(input_ids), mask, _positions(input_ids)
+
+    def block(layer: nn.Module, inputs: Tensors) -> Tensors:
+        hidden, mask, positions = inputs
+        rotary.to(hidden.device)
+        hidden = layer(hidden, attention_mask=_causal_mask(config, hidden, mask, positions, is_sliding(layer)),
+                       position_ids=positions, position_embeddings=rotary(hidden, positions))
+        return hidden, mask, positions
+
+    def head(lm_head: nn.Module, inputs: Tensors) -> torch.Tensor:
+        logits = lm_head(inputs[0])
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        return logits
+
+    return {"model.embed_tokens": embed, "model.layers": block, "model.norm": _final_norm, "lm_head": head}
+
+
 # ---- GPT2 ----------------------------------------------------------------------------------
 
 def get_gpt2_custom_patcher(config: Any) -> Dict[str, PatchFn]:
@@ -357,6 +428,8 @@ def get_gpt2_custom_patcher(config: Any) -> Dict[str, PatchFn]:
 PATCHER_PRESETS: Dict[str, Callable[[Any], Dict[str, PatchFn]]] = {
     "llama": get_llama_custom_patcher,
     "gpt2": get_gpt2_custom_patcher,
+    **{model_type: get_llama_layout_patcher
+       for model_type in ("mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma", "gemma2")},
 }
 
 
