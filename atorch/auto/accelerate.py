@@ -81,7 +81,8 @@ def auto_accelerate(
     dataloader_args = compat.dataloader_args(dataloader_args)
     if model_input_format not in _INPUT_FORMATS:
         raise ValueError(f"model_input_format={model_input_format!r}; valid values are {list(_INPUT_FORMATS)}")
-    validate_arguments(model=model, optim_func=optim_func, dataset=dataset, loss_func=loss_func,
+    validate_arguments(model=model, optim_func=optim_func, dataset=dataset, model_input_format=model_input_format,
+                       loss_func=loss_func,
                        prepare_input=prepare_input, optim_args=optim_args, optim_param_func=optim_param_func,
                        dataloader_args=dataloader_args, lr_scheduler_cls=lr_scheduler_cls,
                        lr_scheduler_args=lr_scheduler_args, save_strategy_to_file=save_strategy_to_file,

@@ -19,9 +19,12 @@ import pytest
 import torch
 from torch import nn
 
-from atorch.auto.arguments import check_loss, validate_arguments, validate_batch_layout
+from atorch.auto.arguments import check_loss, check_optimizer, validate_arguments, validate_batch_layout
+from atorch.auto.dry_runner import DryRunConfig
 from atorch.auto.opt_lib.base import ValidationContext
 from atorch.auto.opt_lib.resolve import resolve_strategy
+from atorch.auto.search.auto_search import SearchSettings
+from atorch.auto.search.space import SearchSpace
 from atorch.auto.strategy import Strategy
 from atorch.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from atorch.distributed import process_group as ddist
@@ -121,6 +124,21 @@ def _example_args(**overrides) -> Callable[[Path], object]:
     return call
 
 
+def _no_optimizer(params, lr):
+    return None
+
+
+def _resolve(items) -> Callable[[Path], object]:
+    return lambda tmp: resolve_strategy(Strategy(items), ValidationContext(4, model=_LLAMA,
+                                                                           model_config=_LLAMA.config))
+
+
+def _a_file(tmp: Path) -> str:
+    path = tmp / "a_file"
+    path.write_text("x")
+    return str(path)
+
+
 CASES: List[Case] = [
     # auto_accelerate's arguments (atorch.auto.arguments.validate_arguments)
     Case("model_not_module", _args(model="llama"), TypeError, "model must be a torch.nn.Module"),
@@ -209,6 +227,68 @@ CASES: List[Case] = [
          ValueError, "keep_last=0"),
     Case("load_missing_dir", lambda tmp: load_checkpoint(nn.Linear(2, 2), str(tmp / "nothing")), CheckpointError,
          "no such checkpoint"),
+    # found by the bad-input sweep: silently accepted, or obscure, before
+    Case("optim_func_returns_none", lambda tmp: check_optimizer(None, _no_optimizer), TypeError,
+         "optim_func=_no_optimizer returned NoneType None"),
+    Case("optim_func_returns_module", lambda tmp: check_optimizer(nn.Linear(1, 1), _no_optimizer), TypeError,
+         "must return a torch.optim.Optimizer"),
+    Case("dataset_of_ints_for_unpack_dict", _args(dataset=list(range(16)), model_input_format="unpack_dict"),
+         TypeError, "dataset[0] is int 0"),
+    Case("dataset_of_dicts_for_unpack_sequence", _args(model_input_format="unpack_sequence"), TypeError,
+         "model_input_format='unpack_sequence'"),
+    Case("dataloader_shuffle_a_string", _args(dataloader_args={"batch_size": 4, "shuffle": "yes"}), TypeError,
+         "dataloader_args['shuffle']='yes'"),
+    Case("dataloader_seed_a_string", _args(dataloader_args={"batch_size": 4, "seed": "abc"}), TypeError,
+         "dataloader_args['seed']='abc'"),
+    Case("dataloader_num_workers_negative", _args(dataloader_args={"batch_size": 4, "num_workers": -1}), ValueError,
+         "dataloader_args['num_workers']=-1"),
+    Case("excluded_unknown_name", lambda tmp: SearchSpace.default_for(_LLAMA, 2).restricted(excluded=["fsdpx"]),
+         ValueError, "excluded=['fsdpx']: unknown optimization 'fsdpx'"),
+    Case("included_unknown_name", lambda tmp: SearchSpace.default_for(_LLAMA, 2).restricted(included=["ckpt"]),
+         ValueError, "included=['ckpt']: unknown optimization 'ckpt'"),
+    Case("parallel_mode_dim_typo", _resolve([("parallel_mode", ([("tensor", 2), ("dta", 2)], None))]), ValueError,
+         "[('dta', 2)] are not used by any optimization"),
+    Case("fsdp_wrap_cls_unknown", _resolve([("fsdp", {"wrap_cls": ["LlamaBlock"]})]), ValueError,
+         "fsdp: wrap_cls: class 'LlamaBlock' is not in the model"),
+    Case("zero2_wrap_cls_unknown", _resolve([("zero2", {"wrap_cls": ["LlamaBlock"]})]), ValueError,
+         "zero2: wrap_cls: class 'LlamaBlock'"),
+    Case("strategy_file_a_directory", lambda tmp: Strategy.from_any(str(tmp)), ValueError, "is a directory"),
+    Case("strategy_file_empty", _strategy_file(b"\n"), ValueError, "strategy.bin' is empty"),
+    Case("strategy_file_a_json_list", _strategy_file(b'["parallel_mode", "fsdp"]'), ValueError,
+         "is a JSON list; a strategy file is an object"),
+    Case("strategy_file_without_items", _strategy_file(b'{"format": "atorch.strategy/1"}'), ValueError,
+         "'items' must be a list"),
+    Case("strategy_file_items_of_strings", _strategy_file(b'{"format": "atorch.strategy/1", "items": ["fsdp"]}'),
+         ValueError, "items[0]='fsdp' must be an object with a string 'name'"),
+    Case("strategy_file_unknown_class", _strategy_file(
+        b'{"format": "atorch.strategy/1", "items": [{"name": "fsdp", "config": {"wrap_cls": '
+        b'[{"__class__": "transformers:NoSuchLayer"}]}}]}'), ValueError,
+         "items[0].config.wrap_cls[0]: class 'transformers:NoSuchLayer' cannot be imported"),
+    Case("strategy_file_class_not_a_class", _strategy_file(
+        b'{"format": "atorch.strategy/1", "items": [{"name": "fsdp", "config": {"wrap_cls": '
+        b'[{"__class__": "os:system"}]}}]}'), ValueError, "'os:system' is a builtin_function_or_method, not a class"),
+    Case("env_float_nan", _env({"ATORCH_DRYRUN_TIMEOUT": "nan"}, DryRunConfig.from_env), ValueError,
+         "ATORCH_DRYRUN_TIMEOUT='nan' must be a finite number"),
+    Case("env_timeout_inf", _env({"ATORCH_COLLECTIVE_TIMEOUT": "inf"}, lambda: timeouts.collective_timeout()),
+         ValueError, "ATORCH_COLLECTIVE_TIMEOUT='inf'"),
+    Case("env_search_time_limit_negative", _env({"ATORCH_SEARCH_TIME_LIMIT": "-5"}, SearchSettings.from_env),
+         ValueError, "ATORCH_SEARCH_TIME_LIMIT=-5.0"),
+    Case("env_device_memory_limit_negative", _env({"ATORCH_DEVICE_MEMORY_LIMIT": "-1"}, SearchSettings.from_env),
+         ValueError, "ATORCH_DEVICE_MEMORY_LIMIT=-1"),
+    Case("env_device_memory_limit_word", _env({"ATORCH_DEVICE_MEMORY_LIMIT": "abc"}, SearchSettings.from_env),
+         ValueError, "ATORCH_DEVICE_MEMORY_LIMIT='abc'"),
+    Case("env_search_cache_a_directory", lambda tmp: _env({"ATORCH_SEARCH_CACHE": str(tmp)},
+                                                          SearchSettings.from_env)(tmp), ValueError,
+         "ATORCH_SEARCH_CACHE="),
+    Case("env_search_cache_under_a_file", lambda tmp: _env({"ATORCH_SEARCH_CACHE": _a_file(tmp) + "/cache.json"},
+                                                           SearchSettings.from_env)(tmp), ValueError,
+         "is a file, so a file cannot be created under it"),
+    Case("env_search_report_dir_a_file", lambda tmp: _env({"ATORCH_SEARCH_REPORT_DIR": _a_file(tmp)},
+                                                          SearchSettings.from_env)(tmp), ValueError,
+         "ATORCH_SEARCH_REPORT_DIR="),
+    Case("env_scratch_dir_a_file", lambda tmp: _env({"ATORCH_DRYRUN_SCRATCH_DIR": _a_file(tmp)},
+                                                    DryRunConfig.from_env)(tmp), ValueError,
+         "ATORCH_DRYRUN_SCRATCH_DIR="),
     # the example scripts' arguments (their environment variables become these flags)
     Case("example_max_steps_zero", _example_args(max_steps=0), ValueError, "--max_steps=0"),
     Case("example_save_steps_negative", _example_args(save_steps=-1), ValueError, "--save_steps=-1"),
@@ -251,6 +331,19 @@ def test_valid_arguments_pass():
                        excluded=["fsdp"])
     validate_batch_layout({"batch_size": 8}, {"data": 2, "pipeline": 2}, pipeline_chunks=4)
     assert check_loss(torch.tensor(1.5), None).item() == 1.5
+    # What the sweep's checks must keep accepting: a real optimizer, the sample kind each input format unpacks
+    # (and anything when a collate_fn reshapes it), a size-1 dim of another name, a wrap_cls the model has,
+    # registered names and aliases in excluded/included.
+    optim = torch.optim.SGD(_LLAMA.parameters(), lr=0.1)
+    assert check_optimizer(optim, _no_optimizer) is optim
+    validate_arguments(model=_LLAMA, dataset=TokenDataset(), model_input_format="unpack_dict")
+    validate_arguments(model=_LLAMA, dataset=[(torch.zeros(4, dtype=torch.long),)] * 8,
+                       model_input_format="unpack_sequence")
+    validate_arguments(model=_LLAMA, dataset=list(range(8)), model_input_format="unpack_dict",
+                       dataloader_args={"batch_size": 4, "collate_fn": lambda xs: {"input_ids": torch.tensor([xs])}})
+    _resolve([("parallel_mode", ([("data", 4), ("expert", 1)], None)), ("fsdp", {"wrap_cls": ["LlamaDecoderLayer"]})]
+             )(Path("."))
+    SearchSpace.default_for(_LLAMA, 2).restricted(excluded=["fsdp"], included=["checkpoint"])
     # An optimizer factory taking **kwargs is not second-guessed.
     validate_arguments(model=_LLAMA, optim_func=lambda params, **kw: torch.optim.SGD(params, **kw),
                        optim_args={"lr": 0.1, "anything": 1})
