@@ -65,11 +65,22 @@ def parse_size(size: Union[int, str]) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
 
 
-def check_merge_options(lora: str, max_shard_size: Union[int, str]) -> None:
-    """Raise ValueError for a bad `lora` mode or shard size."""
+def check_merge_options(lora: str, max_shard_size: Union[int, str], dtype: Any = None, model_class: Any = None,
+                        out_dir: Any = None) -> None:
+    """Raise ValueError/TypeError for a bad `lora` mode, shard size, dtype, model class or output path."""
     if lora not in _LORA_MODES:
         raise ValueError(f"lora={lora!r}; valid values are {list(_LORA_MODES)}")
     parse_size(max_shard_size)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        # An integer dtype would truncate every weight to whole numbers without a word.
+        raise TypeError(f"dtype={dtype!r} must be a floating torch.dtype such as torch.bfloat16, or None to keep "
+                        "the saved dtypes")
+    if model_class is not None and not isinstance(model_class, type):
+        raise TypeError(f"model_class={model_class!r} must be a class (e.g. transformers.LlamaForCausalLM), "
+                        "or None for the class the checkpoint recorded")
+    if out_dir is not None and os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"out_dir={os.fspath(out_dir)!r} is an existing file; give a directory for the Hugging "
+                         "Face model")
 
 
 def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
@@ -86,7 +97,7 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
     `model_class` overrides the class recorded in the checkpoint (needed for custom classes).
     Returns `out_dir`.
     """
-    check_merge_options(lora, max_shard_size)
+    check_merge_options(lora, max_shard_size, dtype, model_class, out_dir)
     ckpt_dir = mf.resolve_checkpoint_dir(ckpt_dir)
     manifest = verify_checkpoint(ckpt_dir, collective=False)
     meta = _read_meta(ckpt_dir)

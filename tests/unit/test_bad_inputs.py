@@ -26,7 +26,7 @@ from atorch.auto.opt_lib.resolve import resolve_strategy
 from atorch.auto.search.auto_search import SearchSettings
 from atorch.auto.search.space import SearchSpace
 from atorch.auto.strategy import Strategy
-from atorch.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from atorch.checkpoint import CheckpointError, load_checkpoint, merge_checkpoint, save_checkpoint
 from atorch.distributed import process_group as ddist
 from atorch.distributed import run as launcher
 from atorch.distributed import timeouts
@@ -289,6 +289,21 @@ CASES: List[Case] = [
     Case("env_scratch_dir_a_file", lambda tmp: _env({"ATORCH_DRYRUN_SCRATCH_DIR": _a_file(tmp)},
                                                     DryRunConfig.from_env)(tmp), ValueError,
          "ATORCH_DRYRUN_SCRATCH_DIR="),
+    Case("save_keep_last_a_string", lambda tmp: save_checkpoint(nn.Linear(2, 2), str(tmp / "c"), keep_last="3"),
+         ValueError, "keep_last='3'"),
+    Case("save_optimizer_not_an_optimizer", lambda tmp: save_checkpoint(nn.Linear(2, 2), str(tmp / "c"),
+                                                                        optimizer="adam"), TypeError,
+         "optimizer='adam' must be the torch.optim.Optimizer"),
+    Case("load_path_none", lambda tmp: load_checkpoint(nn.Linear(2, 2), None), ValueError, "path=None"),
+    Case("merge_dtype_a_string", lambda tmp: merge_checkpoint(str(tmp / "ckpt"), str(tmp / "hf"), dtype="bf16"),
+         TypeError, "dtype='bf16' must be a floating torch.dtype"),
+    Case("merge_dtype_integer", lambda tmp: merge_checkpoint(str(tmp / "ckpt"), str(tmp / "hf"), dtype=torch.int8),
+         TypeError, "dtype=torch.int8"),
+    Case("merge_model_class_a_string", lambda tmp: merge_checkpoint(str(tmp / "ckpt"), str(tmp / "hf"),
+                                                                    model_class="LlamaForCausalLM"), TypeError,
+         "model_class='LlamaForCausalLM' must be a class"),
+    Case("merge_out_dir_a_file", lambda tmp: merge_checkpoint(str(tmp / "ckpt"), _a_file(tmp)), ValueError,
+         "is an existing file"),
     # the example scripts' arguments (their environment variables become these flags)
     Case("example_max_steps_zero", _example_args(max_steps=0), ValueError, "--max_steps=0"),
     Case("example_save_steps_negative", _example_args(save_steps=-1), ValueError, "--save_steps=-1"),
