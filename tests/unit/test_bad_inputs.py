@@ -27,10 +27,13 @@ from atorch.auto.search.auto_search import SearchSettings
 from atorch.auto.search.space import SearchSpace
 from atorch.auto.strategy import Strategy
 from atorch.checkpoint import CheckpointError, load_checkpoint, merge_checkpoint, save_checkpoint
+from atorch.data import DatasetForCausalLM
+from atorch.data.preprocess import DatasetPreprocessor
 from atorch.distributed import process_group as ddist
 from atorch.distributed import run as launcher
 from atorch.distributed import timeouts
 from atorch.testing import tiny_gpt2, tiny_llama
+from atorch.testing.assets import load_tokenizer
 from atorch.testing.parity import TokenDataset
 from atorch.utils.manual_tp_utils import TPInfo
 from atorch.utils.tp_checks import check_tp_suffixes
@@ -137,6 +140,20 @@ def _a_file(tmp: Path) -> str:
     path = tmp / "a_file"
     path.write_text("x")
     return str(path)
+
+
+def _corpus(tmp: Path) -> str:
+    """A tiny preprocessed corpus under tmp; returns its prefix."""
+    prefix = tmp / "corpus"
+    DatasetPreprocessor(load_tokenizer()).preprocess([f"document {i} " * 8 for i in range(20)], str(prefix),
+                                                    progress_enabled=False)
+    return str(prefix)
+
+
+def _truncated_index(tmp: Path, size: int) -> object:
+    prefix = _corpus(tmp)
+    os.truncate(prefix + ".idx", size)
+    return DatasetForCausalLM(prefix, 16)
 
 
 CASES: List[Case] = [
@@ -304,6 +321,23 @@ CASES: List[Case] = [
          "model_class='LlamaForCausalLM' must be a class"),
     Case("merge_out_dir_a_file", lambda tmp: merge_checkpoint(str(tmp / "ckpt"), _a_file(tmp)), ValueError,
          "is an existing file"),
+    # the data pipeline
+    Case("index_truncated_inside_header", lambda tmp: _truncated_index(tmp, 30), ValueError,
+         "is truncated: 30 bytes, shorter than its 34-byte header"),
+    Case("index_empty", lambda tmp: _truncated_index(tmp, 0), ValueError, "is empty (0 bytes)"),
+    Case("dataset_max_seq_length_float", lambda tmp: DatasetForCausalLM(_corpus(tmp), 16.5), ValueError,
+         "max_seq_length must be an int >= 1, got 16.5"),
+    Case("dataset_seed_a_string", lambda tmp: DatasetForCausalLM(_corpus(tmp), 16, seed="x"), ValueError,
+         "seed must be None (file order) or an int >= 0, got 'x'"),
+    Case("dataset_eod_negative", lambda tmp: DatasetForCausalLM(_corpus(tmp), 16, eod_token_id=-1), ValueError,
+         "eod_token_id must be None or a token id >= 0, got -1"),
+    Case("dataset_eod_beyond_token_dtype", lambda tmp: DatasetForCausalLM(_corpus(tmp), 16, eod_token_id=70000),
+         ValueError, "eod_token_id=70000 does not fit the uint16 tokens"),
+    Case("preprocessor_missing_tokenizer_dir", lambda tmp: DatasetPreprocessor(str(tmp / "no_tokenizer")),
+         FileNotFoundError, "no_tokenizer' is not a directory"),
+    Case("preprocessor_tokenizer_an_int", lambda tmp: DatasetPreprocessor(5), TypeError, "got int 5"),
+    Case("preprocessor_chunk_size_a_string", lambda tmp: DatasetPreprocessor(load_tokenizer(), chunk_size="5"),
+         ValueError, "chunk_size must be an int >= 1, got '5'"),
     # the example scripts' arguments (their environment variables become these flags)
     Case("example_max_steps_zero", _example_args(max_steps=0), ValueError, "--max_steps=0"),
     Case("example_save_steps_negative", _example_args(save_steps=-1), ValueError, "--save_steps=-1"),

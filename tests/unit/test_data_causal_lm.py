@@ -161,7 +161,7 @@ def test_bad_arguments(data, tmp_path):
     with pytest.raises(ValueError, match=rf"max_seq_length=100000 is larger than split 'test' of .*d', which holds "
                                          rf"{tokens} tokens \(documents \[45, 50\)\)"):
         DatasetForCausalLM(prefix, 100000, "test", 0.9, 1.0)
-    with pytest.raises(ValueError, match="max_seq_length must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="max_seq_length must be an int >= 1, got 0"):
         DatasetForCausalLM(prefix, 0)
     with pytest.raises(FileNotFoundError, match=r"index file '.*nothing\.idx' not found"):
         DatasetForCausalLM(tmp_path / "nothing", 4)
