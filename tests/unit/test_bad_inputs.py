@@ -22,10 +22,13 @@ from torch import nn
 from atorch.auto.arguments import check_loss, check_optimizer, validate_arguments, validate_batch_layout
 from atorch.auto.dry_runner import DryRunConfig
 from atorch.auto.opt_lib.base import ValidationContext
-from atorch.auto.opt_lib.resolve import resolve_strategy
+from atorch.auto.model_context import call_model
+from atorch.auto.opt_lib.resolve import plan, resolve_strategy
+from atorch.auto.result import AutoAccelerateResult
 from atorch.auto.search.auto_search import SearchSettings
 from atorch.auto.search.space import SearchSpace
 from atorch.auto.strategy import Strategy
+from atorch.auto.train_step import clip_grad_norm_, train_step
 from atorch.checkpoint import CheckpointError, load_checkpoint, merge_checkpoint, save_checkpoint
 from atorch.data import DatasetForCausalLM
 from atorch.data.preprocess import DatasetPreprocessor
@@ -36,6 +39,7 @@ from atorch.testing import tiny_gpt2, tiny_llama
 from atorch.testing.assets import load_tokenizer
 from atorch.testing.parity import TokenDataset
 from atorch.utils.manual_tp_utils import TPInfo
+from atorch.utils.trackers import MetricsLogger
 from atorch.utils.tp_checks import check_tp_suffixes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,6 +55,8 @@ class Case(NamedTuple):
 
 _LLAMA = tiny_llama()
 _GPT2 = tiny_gpt2()
+_RESULT = AutoAccelerateResult(model=nn.Linear(2, 2), optim=None, dataloader=None, loss_func=check_loss,
+                               prepare_input=lambda batch, device: batch)
 
 
 def _args(**overrides):
@@ -321,6 +327,19 @@ CASES: List[Case] = [
          "model_class='LlamaForCausalLM' must be a class"),
     Case("merge_out_dir_a_file", lambda tmp: merge_checkpoint(str(tmp / "ckpt"), _a_file(tmp)), ValueError,
          "is an existing file"),
+    # the training loop and tools
+    Case("train_step_without_a_result", lambda tmp: train_step(None, {"input_ids": torch.zeros(2, 4)}), TypeError,
+         "train_step: result must be the AutoAccelerateResult"),
+    Case("clip_grad_norm_negative", lambda tmp: clip_grad_norm_(_RESULT, -1.0), ValueError,
+         "clip_grad_norm_: max_norm=-1.0 must be a number > 0"),
+    Case("batch_not_a_dict_for_unpack_dict", lambda tmp: call_model(_LLAMA, None, "unpack_dict"), TypeError,
+         "model(**batch), but the batch is a NoneType"),
+    Case("batch_a_dict_for_unpack_sequence", lambda tmp: call_model(_LLAMA, {"input_ids": 1}, "unpack_sequence"),
+         TypeError, "model(*batch), but the batch is a dict"),
+    Case("plan_world_size_a_string", lambda tmp: plan(Strategy(["fsdp"]), world_size="2"), ValueError,
+         "plan: world_size='2' must be an int >= 1"),
+    Case("metrics_log_dir_a_file", lambda tmp: MetricsLogger(_a_file(tmp), enabled=True), ValueError,
+         "log_dir=", ),
     # the data pipeline
     Case("index_truncated_inside_header", lambda tmp: _truncated_index(tmp, 30), ValueError,
          "is truncated: 30 bytes, shorter than its 34-byte header"),
