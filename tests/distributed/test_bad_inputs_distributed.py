@@ -158,7 +158,7 @@ EXPECTED: Dict[str, Tuple[str, str]] = {
     "load_missing_dir": ("CheckpointError", "no such checkpoint"),
     "optim_func_returns_none": ("TypeError", "returned NoneType None; it must return a torch.optim.Optimizer"),
     "optim_func_returns_none_on_rank_1": ("TypeError", "failed on rank [1]: optim_func="),
-    "parallel_mode_dim_typo": ("ValueError", "[('dta', 2)] are not used by any optimization"),
+    "parallel_mode_dim_typo": ("ValueError", "dim 'dta' has size 2 but no optimization of the strategy splits"),
     "excluded_unknown_name": ("ValueError", "excluded=['fsdpx']: unknown optimization 'fsdpx'"),
     "dataset_of_ints": ("TypeError", "dataset[0] is int 0"),
 }

@@ -38,6 +38,7 @@ from atorch.distributed import timeouts
 from atorch.testing import tiny_gpt2, tiny_llama
 from atorch.testing.assets import load_tokenizer
 from atorch.testing.parity import TokenDataset
+from atorch.tensor_parallel.layers import TensorParallelModule
 from atorch.utils.manual_tp_utils import TPInfo
 from atorch.utils.trackers import MetricsLogger
 from atorch.utils.tp_checks import check_tp_suffixes
@@ -228,6 +229,8 @@ CASES: List[Case] = [
     Case("launcher_port_range", _launch("--master_port", "70000", "job.py"), ValueError, "--master_port=70000"),
     Case("launcher_max_restarts_negative", _launch("--max_restarts", "-1", "job.py"), ValueError,
          "--max_restarts=-1"),
+    Case("launcher_script_without_py", _launch("--nproc_per_node", "2", "train"), ValueError,
+         "no training script in ['--nproc_per_node', '2', 'train']: give the script (a file ending in .py"),
     Case("launcher_missing_script", _launch("--nproc_per_node", "2", "no_such_job.py"), ValueError,
          "'no_such_job.py'"),
     Case("launcher_bad_collective_timeout", _env({"ATORCH_COLLECTIVE_TIMEOUT": "ten"},
@@ -269,8 +272,14 @@ CASES: List[Case] = [
          ValueError, "excluded=['fsdpx']: unknown optimization 'fsdpx'"),
     Case("included_unknown_name", lambda tmp: SearchSpace.default_for(_LLAMA, 2).restricted(included=["ckpt"]),
          ValueError, "included=['ckpt']: unknown optimization 'ckpt'"),
-    Case("parallel_mode_dim_typo", _resolve([("parallel_mode", ([("tensor", 2), ("dta", 2)], None))]), ValueError,
-         "[('dta', 2)] are not used by any optimization"),
+    Case("parallel_mode_dim_typo", _resolve([("parallel_mode", ([("data", 2), ("dta", 2)], None))]), ValueError,
+         "dim 'dta' has size 2 but no optimization of the strategy splits over it"),
+    Case("tensor_dim_without_tensor_parallel", _resolve([("parallel_mode", ([("tensor", 2), ("data", 2)], None)),
+                                                         "fsdp"]), ValueError,
+         "its 2 ranks would repeat the same work: add deepspeed_3d_parallel or tensor_parallel"),
+    Case("pipeline_dim_without_pipeline_parallel", _resolve([("parallel_mode", ([("data", 2), ("pipeline", 2)],
+                                                                                None))]), ValueError,
+         "dim 'pipeline' has size 2"),
     Case("fsdp_wrap_cls_unknown", _resolve([("fsdp", {"wrap_cls": ["LlamaBlock"]})]), ValueError,
          "fsdp: wrap_cls: class 'LlamaBlock' is not in the model"),
     Case("zero2_wrap_cls_unknown", _resolve([("zero2", {"wrap_cls": ["LlamaBlock"]})]), ValueError,
@@ -412,6 +421,11 @@ def test_valid_arguments_pass():
     _resolve([("parallel_mode", ([("data", 4), ("expert", 1)], None)), ("fsdp", {"wrap_cls": ["LlamaDecoderLayer"]})]
              )(Path("."))
     SearchSpace.default_for(_LLAMA, 2).restricted(excluded=["fsdp"], included=["checkpoint"])
+    # A model the user sharded by hand (ATorch's flow) uses the "tensor" group itself: no tensor_parallel needed.
+    hand_sharded = TensorParallelModule.__new__(TensorParallelModule)   # no group needed to be recognised
+    nn.Module.__init__(hand_sharded)
+    resolve_strategy(Strategy([("parallel_mode", ([("tensor", 2), ("data", 2)], None)), "fsdp"]),
+                     ValidationContext(4, model=nn.Sequential(nn.Linear(2, 2), hand_sharded)))
     # An optimizer factory taking **kwargs is not second-guessed.
     validate_arguments(model=_LLAMA, optim_func=lambda params, **kw: torch.optim.SGD(params, **kw),
                        optim_args={"lr": 0.1, "anything": 1})

@@ -15,10 +15,6 @@ from atorch.distributed.mesh import ParallelMesh
 from atorch.distributed.parallel_layout import ParallelLayout
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
 
-# The dimensions atorch's optimizations split work over. Ranks along any other dimension of size > 1
-# would get the same batches and nothing would reduce their gradients: the same step computed twice.
-USED_DIMS = ("data", "tensor", "pipeline")
-
 
 @dataclass(frozen=True)
 class ParallelModeConfig:
@@ -71,11 +67,6 @@ class ParallelModeOptimization(Optimization):
     def validate(self, config: ParallelModeConfig, context: ValidationContext) -> None:
         dims = config.dims or (("data", context.world_size),)
         ParallelLayout.create(dims, context.world_size, config.rank_order)
-        unused = [(n, s) for n, s in dims if n not in USED_DIMS and s > 1]
-        if unused:
-            raise ValueError(f"parallel_mode: dim(s) {unused} are not used by any optimization, so their ranks would "
-                             f"repeat the same work; atorch splits ranks over {list(USED_DIMS)} (a typo? dims are "
-                             f"{[tuple(d) for d in dims]})")
 
     def apply(self, ctx: ModelContext, config: ParallelModeConfig) -> None:
         dims = list(config.dims or (("data", adist.world_size()),))

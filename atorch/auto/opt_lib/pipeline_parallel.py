@@ -50,6 +50,7 @@ class PipelineParallelConfig:
 @register
 class PipelineParallelOptimization(Optimization):
     name = "pipeline_parallel"
+    splits_over = frozenset({"pipeline"})
     order = Order.PIPELINE
     wrapper_order = WrapperOrder.ENGINE
     requires = frozenset({"parallel_mode"})

@@ -38,6 +38,7 @@ class TensorParallelConfig:
 @register
 class TensorParallelOptimization(Optimization):
     name = "tensor_parallel"
+    splits_over = frozenset({"tensor"})
     aliases = ("tp",)
     order = Order.TENSOR_PARALLEL
     requires = frozenset({"parallel_mode"})
