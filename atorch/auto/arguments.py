@@ -229,6 +229,9 @@ def _check_dataloader_keys(args: Dict[str, Any]) -> None:
     for key in ("shuffle", "drop_last"):
         if key in args and not isinstance(args[key], bool):
             raise TypeError(f"dataloader_args[{key!r}]={args[key]!r} must be True or False")
+    for key in ("collate_fn", "worker_init_fn"):
+        if args.get(key) is not None and not callable(args[key]):
+            raise TypeError(f"dataloader_args[{key!r}]={args[key]!r} must be callable or None")
     seed = args.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise TypeError(f"dataloader_args['seed']={seed!r} must be an int (the sampler's shuffling seed)")
