@@ -33,6 +33,7 @@ from atorch.checkpoint import CheckpointError, load_checkpoint, merge_checkpoint
 from atorch.data import DatasetForCausalLM
 from atorch.data.preprocess import DatasetPreprocessor
 from atorch.distributed import process_group as ddist
+from atorch.distributed import launch as old_launcher
 from atorch.distributed import run as launcher
 from atorch.distributed import timeouts
 from atorch.testing import tiny_gpt2, tiny_llama
@@ -233,6 +234,8 @@ CASES: List[Case] = [
          "no training script in ['--nproc_per_node', '2', 'train']: give the script (a file ending in .py"),
     Case("launcher_missing_script", _launch("--nproc_per_node", "2", "no_such_job.py"), ValueError,
          "'no_such_job.py'"),
+    Case("atorch_launcher_world_size_env", _env({"WORLD_SIZE": "two"}, lambda: old_launcher.to_run_args(
+        old_launcher.parse_args(["job.py"]))), ValueError, "WORLD_SIZE='two' (read because --nnodes was not given)"),
     Case("launcher_bad_collective_timeout", _env({"ATORCH_COLLECTIVE_TIMEOUT": "ten"},
                                                  lambda: timeouts.collective_timeout()),
          ValueError, "ATORCH_COLLECTIVE_TIMEOUT='ten'"),
