@@ -311,9 +311,17 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
 
 
 def _check_save_path(final_dir: str) -> None:
-    """Refuse (on every rank, before any collective) a path under a file or onto a file."""
+    """Refuse (on every rank, before any collective) a path under a file, onto a file, or onto a directory
+    that holds something other than a checkpoint (the commit replaces the whole directory)."""
     if os.path.exists(final_dir) and not os.path.isdir(final_dir):
         raise ValueError(f"path={final_dir!r} is an existing file; a checkpoint is a directory")
+    if os.path.isdir(final_dir) and not mf.is_checkpoint(final_dir):
+        contents = sorted(os.listdir(final_dir))
+        if contents:
+            raise ValueError(f"path={final_dir!r} is an existing directory that is not a checkpoint (it holds "
+                             f"{contents[:5]}{' ...' if len(contents) > 5 else ''}); saving would replace it and "
+                             "delete those files. Save into a new directory, e.g. "
+                             f"{os.path.join(final_dir, 'step_100')!r}")
     ancestor = os.path.dirname(os.path.abspath(final_dir))
     while ancestor and not os.path.exists(ancestor):
         ancestor = os.path.dirname(ancestor)

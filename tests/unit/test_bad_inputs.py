@@ -115,6 +115,15 @@ def _save_onto_file(tmp: Path) -> None:
     save_checkpoint(nn.Linear(2, 2), str(tmp / "step_1"))
 
 
+def _save_onto_user_files(tmp: Path) -> None:
+    (tmp / "out" / "sub").mkdir(parents=True)
+    (tmp / "out" / "notes.txt").write_text("precious")
+    try:
+        save_checkpoint(nn.Linear(2, 2), str(tmp / "out"))
+    finally:   # the check must have kept them (the commit used to replace the whole directory)
+        assert (tmp / "out" / "notes.txt").read_text() == "precious"
+
+
 def _gpt2_c_proj(tmp: Path) -> None:
     check_tp_suffixes(_GPT2, TPInfo().shard_col("c_fc").shard_row("c_proj"))
 
@@ -252,6 +261,8 @@ CASES: List[Case] = [
     # checkpoints
     Case("save_under_a_file", _save_under_file, ValueError, "a_file"),
     Case("save_onto_a_file", _save_onto_file, ValueError, "is an existing file"),
+    Case("save_onto_a_directory_of_other_files", _save_onto_user_files, ValueError,
+         "is an existing directory that is not a checkpoint (it holds ['notes.txt', 'sub'])"),
     Case("save_keep_last_zero", lambda tmp: save_checkpoint(nn.Linear(2, 2), str(tmp / "c"), keep_last=0),
          ValueError, "keep_last=0"),
     Case("load_missing_dir", lambda tmp: load_checkpoint(nn.Linear(2, 2), str(tmp / "nothing")), CheckpointError,
@@ -460,3 +471,13 @@ def test_launcher_usage_error_exits_2_naming_the_flag(capsys):
         launcher.main(["--nproc_per_node", "0", str(REPO / "benchmarks" / "exit_stress_job.py")])
     assert info.value.code == 2
     assert "--nproc_per_node='0' must be a number of processes >= 1" in capsys.readouterr().err
+
+
+def test_save_onto_an_empty_directory_or_an_old_checkpoint(tmp_path: Path):
+    # What the refusal of a directory of other files must keep: an empty directory made for the checkpoint,
+    # and a second save of the same step replacing the first.
+    (tmp_path / "empty").mkdir()
+    save_checkpoint(nn.Linear(2, 2), str(tmp_path / "empty"), step=1)
+    model = nn.Linear(2, 2)
+    assert save_checkpoint(model, str(tmp_path / "empty"), step=2) == str(tmp_path / "empty")
+    assert load_checkpoint(nn.Linear(2, 2), str(tmp_path / "empty")).step == 2
