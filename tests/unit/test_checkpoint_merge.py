@@ -222,3 +222,23 @@ def test_a_bad_tokenizer_is_refused_before_saving(tmp_path):
     # Without a recorded tokenizer the merged folder simply has none (as before).
     ckpt = save_checkpoint(model, str(tmp_path / "ckpt"))
     assert not os.path.exists(os.path.join(merge_checkpoint(ckpt, str(tmp_path / "hf")), "tokenizer.json"))
+
+
+def test_merging_into_a_directory_that_holds_an_earlier_model_replaces_its_weights(tmp_path):
+    """from_pretrained prefers model.safetensors over a sharded index: a stale single file used to survive a
+    sharded merge into the same directory, and the old weights were loaded without a word."""
+    a, b = tiny_llama(seed=1), tiny_llama(seed=2)
+    save_checkpoint(a, str(tmp_path / "a"))
+    save_checkpoint(b, str(tmp_path / "b"))
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "README.md").write_text("the user's own file")
+    merge_checkpoint(str(tmp_path / "a"), str(out), max_shard_size="1GB")          # one model.safetensors
+    merge_checkpoint(str(tmp_path / "b"), str(out), max_shard_size="100KB")        # shards + index
+    assert not (out / "model.safetensors").exists() and (out / "model.safetensors.index.json").exists()
+    assert torch.equal(_logits(_load_hf(str(out))), _logits(b.eval()))
+    merge_checkpoint(str(tmp_path / "a"), str(out), max_shard_size="1GB")          # and back
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "generation_config.json",
+                                                     "model.safetensors"]
+    assert torch.equal(_logits(_load_hf(str(out))), _logits(a.eval()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "hf", "latest"]   # no staging left behind
