@@ -133,6 +133,7 @@ class DatasetForCausalLM(Dataset):
         build_once_per_node(lambda: all(p.is_file() for p in self.index_files.values()), self._build_index,
                             f"the sample index {stem}_*.npy")
         self._load_index()
+        self._check_index_lengths()
 
     @property
     def num_documents(self) -> int:
@@ -167,6 +168,17 @@ class DatasetForCausalLM(Dataset):
                              "built for other data; delete its *.npy files and retry")
         self._doc_order, self._doc_offsets, self._samples = (arrays["doc_order"], arrays["doc_offsets"],
                                                              arrays["samples"])
+
+    def _check_index_lengths(self) -> None:
+        """The cached index fits these documents' lengths, not only their count and total (a corpus written
+        again under the same name); once, here, not in every DataLoader worker."""
+        lo, hi = self.document_range
+        order = self._doc_order
+        if order.size and (int(order.min()) < lo or int(order.max()) >= hi
+                           or not np.array_equal(np.diff(self._doc_offsets), self._lengths[order - lo])):
+            raise ValueError(f"cached index {str(self.index_files['doc_offsets'])!r} does not match the document "
+                             f"lengths of {self.data_name!r}: it was built for other data (the corpus was written "
+                             "again under this name?); delete its *.npy files and retry")
 
     def __getstate__(self) -> dict:
         # DataLoader workers reopen the memory maps instead of receiving copies of them.
