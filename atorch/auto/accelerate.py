@@ -20,7 +20,7 @@ from torch import nn
 
 from atorch import distributed as adist
 from atorch.auto.arguments import validate_arguments, validate_batch_layout
-from atorch.auto.compat import CompatArgs, finetune_strategy_items, translate_atorch_kwargs
+from atorch.auto.compat import CompatArgs, drop_atorch_only_names, finetune_strategy_items, translate_atorch_kwargs
 from atorch.auto.engine import apply_resolved, apply_strategy, build_dataloader, validation_context
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib.resolve import ResolvedOptimization, resolve_strategy
@@ -120,7 +120,8 @@ def _accelerate(ctx: ModelContext, load_strategy: Optional[StrategyLike], ignore
 
         try:
             with agree_on_error("auto_accelerate: the strategy search"):
-                search = search_for_context(dry_ctx, excluded=excluded, included=included, report_path=report_path)
+                search = search_for_context(dry_ctx, excluded=drop_atorch_only_names(excluded), included=included,
+                                            report_path=report_path)
         except SearchError:  # every candidate failed its dry run: the documented status=False path
             logger.exception("auto_accelerate: the strategy search found no strategy that runs")
             return False, None, None

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from atorch.auto.arguments import check_loss, check_optimizer, validate_arguments, validate_batch_layout
+from atorch.auto.compat import drop_atorch_only_names
 from atorch.auto.dry_runner import DryRunConfig
 from atorch.auto.opt_lib.base import ValidationContext
 from atorch.auto.model_context import call_model
@@ -445,6 +446,10 @@ def test_valid_arguments_pass():
     _resolve([("parallel_mode", ([("data", 4), ("expert", 1)], None)), ("fsdp", {"wrap_cls": ["LlamaDecoderLayer"]})]
              )(Path("."))
     SearchSpace.default_for(_LLAMA, 2).restricted(excluded=["fsdp"], included=["checkpoint"])
+    # ATorch scripts may exclude ATorch optimizations atorch does not have: nothing to exclude, not a typo.
+    excluded = drop_atorch_only_names(["native_dynamo", "amp_apex_o2", "fsdp"])
+    assert excluded == ["fsdp"]
+    SearchSpace.default_for(_LLAMA, 2).restricted(excluded=excluded)
     # A model the user sharded by hand (ATorch's flow) uses the "tensor" group itself: no tensor_parallel needed.
     hand_sharded = TensorParallelModule.__new__(TensorParallelModule)   # no group needed to be recognised
     nn.Module.__init__(hand_sharded)
