@@ -103,6 +103,8 @@ def _check_dims_are_split(resolved: List[ResolvedOptimization], context: Validat
         offered = sorted(n for n in registry.names() if dim in registry.get(n).splits_over)
         if offered:
             fix = f"add {' or '.join(offered)} to the strategy"
+            if dim == "tensor":
+                fix += " (a model sharded by hand is recognised by its atorch.tensor_parallel layers)"
         else:
             known = sorted({d for n in registry.names() for d in registry.get(n).splits_over} | {"data"})
             fix = f"no optimization splits over {dim!r}; atorch splits over {known} (a typo?)"
