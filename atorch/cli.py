@@ -60,6 +60,10 @@ def _plan(argv: List[str]) -> int:
     parser.add_argument("--seq", type=int, required=True, help="tokens per sample")
     parser.add_argument("--top", type=int, default=15, help="rows shown")
     args = parser.parse_args(argv)
+    for flag, value in (("--nproc", args.nproc), ("--nnodes", args.nnodes), ("--global-batch", args.global_batch),
+                        ("--seq", args.seq), ("--top", args.top)):
+        if value < 1:
+            parser.error(f"{flag}={value} must be >= 1")
     try:
         config = load_model_config(args.model)
         memory = int(args.device_memory_gb * 1e9) if args.device_memory_gb else None
@@ -82,8 +86,11 @@ def _merge(argv: List[str]) -> int:
     args = parser.parse_args(argv)
     from atorch.checkpoint import merge_checkpoint
 
-    out = merge_checkpoint(args.checkpoint, args.out, tokenizer=args.tokenizer, max_shard_size=args.max_shard_size,
-                           lora=args.lora)
+    try:
+        out = merge_checkpoint(args.checkpoint, args.out, tokenizer=args.tokenizer,
+                               max_shard_size=args.max_shard_size, lora=args.lora)
+    except (ValueError, TypeError, FileNotFoundError) as e:   # a bad path or option (CheckpointError included)
+        parser.error(str(e))
     print(f"merged {args.checkpoint} -> {out}")
     return 0
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from atorch import distributed as adist
 from atorch.auto.arguments import validate_arguments, validate_batch_layout
-from atorch.auto.compat import CompatArgs, finetune_strategy_items, translate_atorch_kwargs
+from atorch.auto.compat import CompatArgs, drop_atorch_only_names, finetune_strategy_items, translate_atorch_kwargs
 from atorch.auto.engine import apply_resolved, apply_strategy, build_dataloader, validation_context
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib.resolve import ResolvedOptimization, resolve_strategy
@@ -81,7 +81,8 @@ def auto_accelerate(
     dataloader_args = compat.dataloader_args(dataloader_args)
     if model_input_format not in _INPUT_FORMATS:
         raise ValueError(f"model_input_format={model_input_format!r}; valid values are {list(_INPUT_FORMATS)}")
-    validate_arguments(model=model, optim_func=optim_func, dataset=dataset, loss_func=loss_func,
+    validate_arguments(model=model, optim_func=optim_func, dataset=dataset, model_input_format=model_input_format,
+                       loss_func=loss_func,
                        prepare_input=prepare_input, optim_args=optim_args, optim_param_func=optim_param_func,
                        dataloader_args=dataloader_args, lr_scheduler_cls=lr_scheduler_cls,
                        lr_scheduler_args=lr_scheduler_args, save_strategy_to_file=save_strategy_to_file,
@@ -119,7 +120,8 @@ def _accelerate(ctx: ModelContext, load_strategy: Optional[StrategyLike], ignore
 
         try:
             with agree_on_error("auto_accelerate: the strategy search"):
-                search = search_for_context(dry_ctx, excluded=excluded, included=included, report_path=report_path)
+                search = search_for_context(dry_ctx, excluded=drop_atorch_only_names(excluded), included=included,
+                                            report_path=report_path)
         except SearchError:  # every candidate failed its dry run: the documented status=False path
             logger.exception("auto_accelerate: the strategy search found no strategy that runs")
             return False, None, None

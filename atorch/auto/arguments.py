@@ -10,7 +10,8 @@ queries, so every rank reaches the same verdict and none is left waiting in a co
 - `validate_arguments`: everything that does not depend on the strategy (called first).
 - `validate_batch_layout`: the global batch against the chosen data-parallel size and
   pipeline chunks (called once the strategy is resolved, still before it is applied).
-- `check_loss`: the loss function's result at use (a non-scalar loss named with its shape).
+- `check_loss`: the loss function's result at use (a non-scalar loss named with its shape);
+  `check_optimizer`: what `optim_func` returned (an optimizer, or a TypeError naming it).
 (TPInfo suffixes that match modules of different shapes: `atorch.utils.tp_checks`.)
 """
 
@@ -37,6 +38,7 @@ def validate_arguments(
     model: Any,
     optim_func: Any = None,
     dataset: Any = None,
+    model_input_format: Optional[str] = None,
     loss_func: Any = None,
     prepare_input: Any = None,
     optim_args: Any = None,
@@ -72,6 +74,7 @@ def validate_arguments(
     if dataset is not None:
         _check_dataset(dataset, global_batch, args.get("drop_last", True))
         check_sequence_length(model, dataset)
+        check_sample_format(dataset, model_input_format, args, prepare_input)
     _check_report_path(report_path)
     _check_output_path("save_strategy_to_file", save_strategy_to_file, created_dir=_report_directory(report_path))
     for name, value in (("excluded", excluded), ("included", included)):
@@ -106,6 +109,39 @@ def check_loss(loss: Any, func: Optional[Callable]) -> torch.Tensor:
         raise ValueError(f"{who} returned a loss of shape {tuple(loss.shape)}; it must return a scalar "
                          "(reduce it, e.g. with .mean())")
     return loss
+
+
+def check_optimizer(optim: Any, func: Any) -> Any:
+    """What `optim_func` returned, refused unless it is an optimizer (anything else fails at the first step)."""
+    is_optimizer = isinstance(optim, torch.optim.Optimizer) or (
+        callable(getattr(optim, "step", None)) and callable(getattr(optim, "zero_grad", None))
+        and isinstance(getattr(optim, "param_groups", None), list))
+    if not is_optimizer:
+        raise TypeError(f"optim_func={_name(func)} returned {_describe(optim)}; it must return a "
+                        "torch.optim.Optimizer over the parameters it is given (e.g. torch.optim.AdamW)")
+    return optim
+
+
+def check_sample_format(dataset: Any, model_input_format: Optional[str], dataloader_args: Mapping[str, Any],
+                        prepare_input: Any) -> None:
+    """dataset[0] has the shape `model_input_format` unpacks (a dict for 'unpack_dict', a sequence for
+    'unpack_sequence'); skipped when a collate_fn or prepare_input may reshape the batch."""
+    if model_input_format is None or dataset is None or prepare_input is not None \
+            or dataloader_args.get("collate_fn") is not None:
+        return
+    try:
+        sample = dataset[0]
+    except Exception:  # noqa: BLE001 - a dataset that cannot index 0 is checked by the dataloader instead
+        return
+    if model_input_format == "unpack_dict" and not isinstance(sample, Mapping):
+        raise TypeError(f"model_input_format='unpack_dict' calls model(**batch), but dataset[0] is "
+                        f"{_describe(sample)}; return a dict such as {{'input_ids': ..., 'labels': ...}} from the "
+                        "dataset, or pass collate_fn in dataloader_args or prepare_input")
+    if model_input_format == "unpack_sequence" and (not isinstance(sample, (tuple, list))
+                                                    or isinstance(sample, (str, bytes))):
+        raise TypeError(f"model_input_format='unpack_sequence' calls model(*batch), but dataset[0] is "
+                        f"{_describe(sample)}; return a tuple or list of model inputs from the dataset, or pass "
+                        "collate_fn in dataloader_args or prepare_input")
 
 
 def check_sequence_length(model: nn.Module, dataset: Any) -> None:
@@ -189,6 +225,19 @@ def _check_batch_size(global_batch: Any) -> None:
 
 def _check_dataloader_keys(args: Dict[str, Any]) -> None:
     from torch.utils.data import DataLoader
+
+    for key in ("shuffle", "drop_last"):
+        if key in args and not isinstance(args[key], bool):
+            raise TypeError(f"dataloader_args[{key!r}]={args[key]!r} must be True or False")
+    for key in ("collate_fn", "worker_init_fn"):
+        if args.get(key) is not None and not callable(args[key]):
+            raise TypeError(f"dataloader_args[{key!r}]={args[key]!r} must be callable or None")
+    seed = args.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise TypeError(f"dataloader_args['seed']={seed!r} must be an int (the sampler's shuffling seed)")
+    workers = args.get("num_workers", 0)
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
+        raise ValueError(f"dataloader_args['num_workers']={workers!r} must be an int >= 0 (0 loads in this process)")
 
     reserved = [k for k in args if k in _RESERVED_DATALOADER_KEYS]
     if reserved:

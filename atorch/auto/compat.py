@@ -32,12 +32,15 @@ before anything else, so a mistake raises on every rank before any collective):
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from atorch.auto.strategy import Strategy, StrategyItem
+
+logger = logging.getLogger(__name__)
 
 # ATorch's positional parameters after `model`, in order (`**kargs` follows them).
 ATORCH_POSITIONAL_ORDER: Tuple[str, ...] = (
@@ -49,6 +52,9 @@ ATORCH_POSITIONAL_ORDER: Tuple[str, ...] = (
 # kargs keys ATorch read; those without a meaning here are accepted and listed in `ignored`.
 _KNOWN_KARGS = ("sample_batch", "batch_size", "expand_sample_batch", "sampler_seed")
 _IGNORED_KARGS = ("meta_init_offload_name",)  # ATorch's disk-offload bookkeeping for its own FSDP path
+# ATorch optimizations with no counterpart here: excluding one excludes nothing, so ATorch scripts that do
+# keep running (any other unknown name in `excluded` is a typo, and raises).
+ATORCH_ONLY_OPTIMIZATIONS = ("amp_apex_o1", "amp_apex_o2", "native_dynamo", "mixed_parallel", "sequence_parallel")
 
 
 @dataclass
@@ -182,6 +188,17 @@ def _tensors(data: Any) -> list:
 
     apply_to_tensors(found.append, data)
     return found
+
+
+def drop_atorch_only_names(excluded: Optional[Sequence[str]]) -> Optional[List[str]]:
+    """`excluded` without the ATorch optimizations atorch does not have (logged once when there are some)."""
+    if excluded is None:
+        return None
+    dropped = [n for n in excluded if n in ATORCH_ONLY_OPTIMIZATIONS]
+    if dropped:
+        logger.info("excluded=%s: %s are ATorch optimizations atorch does not have; nothing to exclude for them",
+                    list(excluded), dropped)
+    return [n for n in excluded if n not in ATORCH_ONLY_OPTIMIZATIONS]
 
 
 def finetune_strategy_items(strategy: Strategy) -> Strategy:

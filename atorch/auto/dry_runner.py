@@ -48,7 +48,7 @@ from atorch.auto.model_source import ModelSource
 from atorch.auto.search.search import DryRunResult
 from atorch.auto.step_timing import is_precise_enough, steps_per_sample, summarize
 from atorch.auto.strategy import Strategy
-from atorch.utils.env import env_float, env_int, env_str
+from atorch.utils.env import check_output_location, env_float, env_int, env_str
 from atorch.utils.peak_memory import PeakMemoryTracker, is_out_of_memory
 from atorch.utils.quiet import candidate_logs_quieted
 
@@ -113,6 +113,8 @@ class DryRunConfig:
         if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
             raise ValueError(f"memory_limit_bytes={self.memory_limit_bytes} must be > 0 "
                              "(ATORCH_DEVICE_MEMORY_LIMIT, in bytes)")
+        if self.scratch_dir is not None:
+            check_output_location("ATORCH_DRYRUN_SCRATCH_DIR", self.scratch_dir, directory=True)
         return self
 
     @classmethod

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from atorch import distributed as adist
-from atorch.auto.arguments import check_loss
+from atorch.auto.arguments import check_loss, check_optimizer
 from atorch.auto.model_context import ModelContext, default_loss_func, default_prepare_input, first_loss
 from atorch.auto.opt_lib.base import ValidationContext
 from atorch.auto.opt_lib.resolve import ResolvedOptimization, plan_steps, resolve_strategy, wrapper_phase
@@ -60,7 +60,7 @@ def apply_resolved(ctx: ModelContext, resolved: List[ResolvedOptimization]) -> A
     with agree_on_error("auto_accelerate: placing the model and calling optim_func"):
         place_model(ctx)
         if ctx.optim is None and ctx.optim_func is not None:
-            ctx.optim = ctx.optim_func(ctx.optim_params(), **ctx.optim_args)
+            ctx.optim = check_optimizer(ctx.optim_func(ctx.optim_params(), **ctx.optim_args), ctx.optim_func)
     for r in wrapper_phase(resolved):
         r.optimization.apply_wrapper(ctx, r.config)
     with agree_on_error("auto_accelerate: calling lr_scheduler_cls and building the dataloader"):

@@ -45,8 +45,15 @@ def call_model(model: Callable, batch: Any, model_input_format: Optional[str]) -
     if model_input_format == "whole":
         return model(batch)
     if model_input_format == "unpack_sequence":
+        if batch is None or isinstance(batch, (Mapping, torch.Tensor, str, bytes)):
+            # Unpacking a dict passes its keys, a tensor its rows: wrong inputs without an error.
+            raise TypeError(f"model_input_format='unpack_sequence' calls model(*batch), but the batch is a "
+                            f"{type(batch).__name__}; batches must be tuples or lists of model inputs")
         return model(*batch)
     if model_input_format == "unpack_dict":
+        if not isinstance(batch, Mapping):
+            raise TypeError(f"model_input_format='unpack_dict' calls model(**batch), but the batch is a "
+                            f"{type(batch).__name__}; batches must be dicts of model inputs")
         return model(**batch)
     raise ValueError(f"model_input_format={model_input_format!r}; valid values are None, 'unpack_sequence', "
                      "'unpack_dict'")

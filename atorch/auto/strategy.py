@@ -153,8 +153,20 @@ class Strategy:
             raise ValueError(f"strategy is not valid JSON: {e}") from e
         if not isinstance(payload, dict) or payload.get("format") != "atorch.strategy/1":
             raise ValueError("strategy JSON must be an object with format 'atorch.strategy/1' and 'items'")
-        return cls(StrategyItem(d["name"], _decode(d.get("config")), bool(d.get("tunable", False)))
-                   for d in payload["items"])
+        items = payload.get("items")
+        if not isinstance(items, list):
+            raise ValueError(f"strategy JSON 'items' must be a list of {{'name': ..., 'config': ...}} objects, got "
+                             f"{items!r}")
+        out = []
+        for k, d in enumerate(items):
+            if not isinstance(d, dict) or not isinstance(d.get("name"), str):
+                raise ValueError(f"strategy JSON items[{k}]={d!r} must be an object with a string 'name' (and "
+                                 "optionally 'config' and 'tunable')")
+            tunable = d.get("tunable", False)
+            if not isinstance(tunable, bool):
+                raise ValueError(f"strategy JSON items[{k}] ({d['name']!r}): tunable={tunable!r} must be true or false")
+            out.append(StrategyItem(d["name"], _decode(d.get("config"), f"items[{k}].config"), tunable))
+        return cls(out)
 
     def save(self, path: Union[str, os.PathLike]) -> None:
         text = self.to_json(indent=2)
@@ -166,6 +178,9 @@ class Strategy:
     @classmethod
     def load(cls, path: Union[str, os.PathLike]) -> "Strategy":
         """Read a JSON strategy file, or an ATorch pickled one (read without executing anything)."""
+        if os.path.isdir(path):
+            raise ValueError(f"strategy file {os.fspath(path)!r} is a directory; give the path of a JSON strategy "
+                             "file inside it (auto_accelerate's save_strategy_to_file writes one)")
         if not os.path.isfile(path):
             raise ValueError(f"strategy file {os.fspath(path)!r} does not exist")
         with open(path, "rb") as f:
@@ -180,6 +195,13 @@ class Strategy:
             text = data.decode("utf-8")
         except UnicodeDecodeError:
             text = None
+        if not data.strip():
+            raise ValueError(f"strategy {source!r} is empty; a strategy file is the JSON that "
+                             "Strategy.save (or auto_accelerate's save_strategy_to_file) writes")
+        if text is not None and text.lstrip().startswith("["):
+            raise ValueError(f"strategy {source!r} is a JSON list; a strategy file is an object "
+                             "{\"format\": \"atorch.strategy/1\", \"items\": [{\"name\": \"fsdp\"}, ...]} "
+                             "(Strategy([...]).save(path) writes one), or pass the list in code as load_strategy=[...]")
         if text is None or not text.lstrip().startswith("{"):
             raise ValueError(f"strategy {source!r} is neither a JSON strategy (an object with format "
                              "'atorch.strategy/1') nor an ATorch strategy pickle; those are the accepted formats")
@@ -219,31 +241,48 @@ def _encode(value: Any, where: str) -> Any:
                      "pass it in code (load_strategy=[...]) instead of a file")
 
 
-def _import_by_path(path: str) -> Any:
+def _import_class(path: Any, where: str) -> type:
+    """The class named 'module:QualName' in strategy JSON, or a ValueError naming the entry."""
+    if not isinstance(path, str) or ":" not in path:
+        raise ValueError(f"strategy JSON {where}: {path!r} must name a class as 'module:QualName'")
     module, _, qualname = path.partition(":")
-    obj = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
+    try:
+        obj = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"strategy JSON {where}: class {path!r} cannot be imported here ({type(e).__name__}: "
+                         f"{e})") from None
+    if not isinstance(obj, type):
+        raise ValueError(f"strategy JSON {where}: {path!r} is a {type(obj).__name__}, not a class")
     return obj
 
 
-def _decode(value: Any) -> Any:
+def _decode(value: Any, where: str = "config") -> Any:
     if isinstance(value, list):
-        return [_decode(v) for v in value]
+        return [_decode(v, f"{where}[{k}]") for k, v in enumerate(value)]
     if isinstance(value, dict):
         if "__tuple__" in value and len(value) == 1:
-            return tuple(_decode(v) for v in value["__tuple__"])
+            if not isinstance(value["__tuple__"], list):
+                raise ValueError(f"strategy JSON {where}: __tuple__ must hold a list, got {value['__tuple__']!r}")
+            return tuple(_decode(v, f"{where}[{k}]") for k, v in enumerate(value["__tuple__"]))
         if "__dtype__" in value and len(value) == 1:
-            dtype = getattr(torch, value["__dtype__"], None)
+            dtype = getattr(torch, str(value["__dtype__"]), None)
             if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"unknown torch dtype {value['__dtype__']!r} in strategy JSON")
+                raise ValueError(f"unknown torch dtype {value['__dtype__']!r} in strategy JSON {where}")
             return dtype
         if "__class__" in value and len(value) == 1:
-            return _import_by_path(value["__class__"])
+            return _import_class(value["__class__"], where)
         if "__dataclass__" in value and set(value) == {"__dataclass__", "fields"}:
-            cls = _import_by_path(value["__dataclass__"])
-            if not dataclasses.is_dataclass(cls):
-                raise ValueError(f"{value['__dataclass__']} in strategy JSON is not a dataclass")
-            return cast(Any, cls)(**{k: _decode(v) for k, v in value["fields"].items()})  # a dataclass type
-        return {k: _decode(v) for k, v in value.items()}
+            cls = _import_class(value["__dataclass__"], where)
+            if not dataclasses.is_dataclass(cls) or not isinstance(value["fields"], dict):
+                raise ValueError(f"strategy JSON {where}: {value['__dataclass__']} is not a dataclass, or its "
+                                 "fields are not an object")
+            fields = {k: _decode(v, f"{where}.{k}") for k, v in value["fields"].items()}
+            try:
+                return cast(Any, cls)(**fields)  # a dataclass type
+            except TypeError as e:
+                raise ValueError(f"strategy JSON {where}: {value['__dataclass__']}{tuple(fields)} cannot be "
+                                 f"built: {e}") from None
+        return {k: _decode(v, f"{where}.{k}") for k, v in value.items()}
     return value

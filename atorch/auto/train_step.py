@@ -66,10 +66,10 @@ def train_step(result: AutoAccelerateResult, batch: Any, *, gradient_accumulatio
 def train_step_stats(result: AutoAccelerateResult, batch: Any, *, gradient_accumulation_steps: Optional[int] = None,
                      max_grad_norm: Optional[float] = None) -> StepStats:
     """`train_step`, also returning the gradient norm it clipped (see `StepStats`)."""
+    _check_result("train_step", result)
     steps = _accumulation_steps(result, gradient_accumulation_steps)
-    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
-                                      or not max_grad_norm > 0):
-        raise ValueError(f"train_step: max_grad_norm={max_grad_norm!r} must be a number > 0, or None for no clipping")
+    if max_grad_norm is not None:
+        _check_max_norm("train_step: max_grad_norm", max_grad_norm)
     if result.pipeline is not None:
         return _pipeline_step(result, result.pipeline, batch, steps, max_grad_norm)
     if result.custom_train_step is not None:  # engines with their own schedule (deepspeed_3d_parallel)
@@ -78,6 +78,18 @@ def train_step_stats(result: AutoAccelerateResult, batch: Any, *, gradient_accum
     if engine is not None:
         return _deepspeed_step(result, engine, batch, steps, max_grad_norm)
     return _plain_step(result, batch, steps, max_grad_norm)
+
+
+def _check_result(who: str, result: Any) -> None:
+    if not isinstance(result, AutoAccelerateResult):
+        raise TypeError(f"{who}: result must be the AutoAccelerateResult that auto_accelerate returned, got "
+                        f"{type(result).__name__}")
+
+
+def _check_max_norm(what: str, value: Any) -> None:
+    # A negative norm would scale every gradient by a negative factor: a silent step uphill.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{what}={value!r} must be a number > 0, or None for no clipping")
 
 
 # -- micro-batches ----------------------------------------------------------------------------
@@ -341,6 +353,8 @@ def clip_grad_norm_(result: AutoAccelerateResult, max_norm: float, norm_type: fl
     it). Equal to `torch.nn.utils.clip_grad_norm_` on the gradients of the unsharded model.
     For DeepSpeed engines, which clip inside `engine.step()`, use `train_step(max_grad_norm=)`.
     """
+    _check_result("clip_grad_norm_", result)
+    _check_max_norm("clip_grad_norm_: max_norm", max_norm)
     if result.engine is not None:
         raise ValueError("clip_grad_norm_: a DeepSpeed engine clips in engine.step(); pass max_grad_norm to "
                          "atorch.auto.train_step instead")

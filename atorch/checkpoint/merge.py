@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -34,6 +35,8 @@ from atorch.checkpoint.save_load import (
     raise_checkpoint_errors,
     verify_checkpoint,
 )
+
+logger = logging.getLogger(__name__)
 
 _LORA_MODES = ("merge", "adapters")
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -65,11 +68,22 @@ def parse_size(size: Union[int, str]) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
 
 
-def check_merge_options(lora: str, max_shard_size: Union[int, str]) -> None:
-    """Raise ValueError for a bad `lora` mode or shard size."""
+def check_merge_options(lora: str, max_shard_size: Union[int, str], dtype: Any = None, model_class: Any = None,
+                        out_dir: Any = None) -> None:
+    """Raise ValueError/TypeError for a bad `lora` mode, shard size, dtype, model class or output path."""
     if lora not in _LORA_MODES:
         raise ValueError(f"lora={lora!r}; valid values are {list(_LORA_MODES)}")
     parse_size(max_shard_size)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        # An integer dtype would truncate every weight to whole numbers without a word.
+        raise TypeError(f"dtype={dtype!r} must be a floating torch.dtype such as torch.bfloat16, or None to keep "
+                        "the saved dtypes")
+    if model_class is not None and not isinstance(model_class, type):
+        raise TypeError(f"model_class={model_class!r} must be a class (e.g. transformers.LlamaForCausalLM), "
+                        "or None for the class the checkpoint recorded")
+    if out_dir is not None and os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"out_dir={os.fspath(out_dir)!r} is an existing file; give a directory for the Hugging "
+                         "Face model")
 
 
 def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
@@ -86,7 +100,7 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
     `model_class` overrides the class recorded in the checkpoint (needed for custom classes).
     Returns `out_dir`.
     """
-    check_merge_options(lora, max_shard_size)
+    check_merge_options(lora, max_shard_size, dtype, model_class, out_dir)
     ckpt_dir = mf.resolve_checkpoint_dir(ckpt_dir)
     manifest = verify_checkpoint(ckpt_dir, collective=False)
     meta = _read_meta(ckpt_dir)
@@ -101,13 +115,12 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
     if state is not None and dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
 
-    staging = None
-    target = out_dir
-    if not os.path.exists(out_dir) or (os.path.isdir(out_dir) and not os.listdir(out_dir)):
-        # A fresh output directory appears only complete, like a checkpoint.
-        staging = f"{os.path.normpath(out_dir)}{mf.STAGING_MARK}{uuid.uuid4().hex[:8]}"
-        target = staging
-    os.makedirs(target, exist_ok=True)
+    # Written aside and moved in only when complete: a fresh output directory appears whole, like a
+    # checkpoint, and an existing one keeps its old model if the merge fails.
+    fresh = not os.path.exists(out_dir) or (os.path.isdir(out_dir) and not os.listdir(out_dir))
+    staging = f"{os.path.normpath(out_dir)}{mf.STAGING_MARK}{uuid.uuid4().hex[:8]}"
+    target = staging
+    os.makedirs(target)
     try:
         if is_hf and streams:
             _stream_hf(ckpt_dir, manifest, model_meta, target, max_shard_size, dtype, model_class)
@@ -122,15 +135,39 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
         if tokenizer is not None:
             save_tokenizer(tokenizer, target)
     except BaseException:
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
         raise
-    if staging is not None:
+    if fresh:
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)
         os.rename(staging, out_dir)
         mf.fsync_dir(os.path.dirname(os.path.abspath(out_dir)))
+    else:
+        _replace_model_files(staging, out_dir)
     return out_dir
+
+
+# Weight files of a Hugging Face directory: the ones a new model must replace as a set.
+_WEIGHT_FILE = re.compile(r"^(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
+
+
+def _replace_model_files(staging: str, out_dir: str) -> None:
+    """Move the merged files from `staging` into the existing `out_dir`, removing the weight files of an
+    earlier model there first (as `save_pretrained` does): from_pretrained prefers a single
+    model.safetensors over a sharded index, so a stale one would load the old weights."""
+    new = set(os.listdir(staging))
+    stale = sorted(n for n in os.listdir(out_dir) if _WEIGHT_FILE.match(n) and n not in new)
+    if stale:
+        logger.warning("merge_checkpoint: removing the earlier model's weight files %s from %s", stale, out_dir)
+    for name in stale:
+        os.remove(os.path.join(out_dir, name))
+    for name in sorted(new):
+        dst = os.path.join(out_dir, name)
+        if os.path.isdir(dst) and not os.path.islink(dst):
+            shutil.rmtree(dst)
+        os.replace(os.path.join(staging, name), dst)
+    os.rmdir(staging)
+    mf.fsync_dir(out_dir)
 
 
 def load_model_tensors(ckpt_dir: str, manifest: mf.Manifest) -> Dict[str, torch.Tensor]:

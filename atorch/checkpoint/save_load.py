@@ -98,6 +98,9 @@ class TrainingObjects:
                        global_batch_size=target.global_batch_size, strategy=list(target.applied) or None,
                        batches_per_step=per_step, parallel=target.parallel)
         if isinstance(target, nn.Module):
+            if optimizer is not None and not callable(getattr(optimizer, "state_dict", None)):
+                raise TypeError(f"optimizer={optimizer!r} must be the torch.optim.Optimizer training the model "
+                                "(or None)")
             engine = target if is_deepspeed_engine(target) else None
             return cls(model=target, optimizer=optimizer, engine=engine,
                        lr_scheduler=lr_scheduler or getattr(engine, "lr_scheduler", None))
@@ -206,8 +209,8 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
     # Input mistakes raise here, on every rank, before any collective.
     if not path:
         raise ValueError("path is empty; pass the checkpoint directory, e.g. 'ckpt/step_100'")
-    if keep_last is not None and keep_last < 1:
-        raise ValueError(f"keep_last={keep_last}; it must be >= 1, or None to keep every checkpoint")
+    if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
+        raise ValueError(f"keep_last={keep_last!r}; it must be an int >= 1, or None to keep every checkpoint")
     if step is not None and (not isinstance(step, int) or step < 0):
         raise ValueError(f"step={step!r} must be a non-negative int")
     if data_position is not None and not isinstance(data_position, DataPosition):
@@ -308,9 +311,17 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
 
 
 def _check_save_path(final_dir: str) -> None:
-    """Refuse (on every rank, before any collective) a path under a file or onto a file."""
+    """Refuse (on every rank, before any collective) a path under a file, onto a file, or onto a directory
+    that holds something other than a checkpoint (the commit replaces the whole directory)."""
     if os.path.exists(final_dir) and not os.path.isdir(final_dir):
         raise ValueError(f"path={final_dir!r} is an existing file; a checkpoint is a directory")
+    if os.path.isdir(final_dir) and not mf.is_checkpoint(final_dir):
+        contents = sorted(os.listdir(final_dir))
+        if contents:
+            raise ValueError(f"path={final_dir!r} is an existing directory that is not a checkpoint (it holds "
+                             f"{contents[:5]}{' ...' if len(contents) > 5 else ''}); saving would replace it and "
+                             "delete those files. Save into a new directory, e.g. "
+                             f"{os.path.join(final_dir, 'step_100')!r}")
     ancestor = os.path.dirname(os.path.abspath(final_dir))
     while ancestor and not os.path.exists(ancestor):
         ancestor = os.path.dirname(ancestor)
@@ -409,6 +420,8 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
     RNG states are restored when the world size is the one that saved.
     """
     objs = TrainingObjects.of(target, optimizer, lr_scheduler)
+    if not path or not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path={path!r}; pass the checkpoint directory (or its parent, whose 'latest' names it)")
     checkpointer().wait()  # an async save in flight may be the checkpoint asked for
     # Local steps end in a vote: a rank that cannot read a file makes every rank raise the same error.
     with agree_on_error(f"load_checkpoint({path!r}): locating the checkpoint"):

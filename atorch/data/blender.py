@@ -8,6 +8,7 @@ two of its share at every point of the stream.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -78,13 +79,16 @@ class DatasetBlender(Dataset):
         if len(weights) != len(self.datasets):
             raise ValueError(f"weights has {len(weights)} entries but {len(self.datasets)} datasets were given")
         for i, (weight, length) in enumerate(zip(weights, lengths)):
-            if not math.isfinite(weight) or weight < 0:
-                raise ValueError(f"weights[{i}]={weight}; every weight must be finite and >= 0")
+            if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight) \
+                    or weight < 0:
+                raise ValueError(f"weights[{i}]={weight!r}; every weight must be a finite number >= 0")
             if weight > 0 and length == 0:
                 raise ValueError(f"datasets[{i}] is empty but has weight {weight}")
         if sum(weights) <= 0:
             raise ValueError(f"weights sum to {sum(weights)}; at least one must be > 0")
         self.weights = [w / sum(weights) for w in weights]
+        if size is not None and (isinstance(size, bool) or not isinstance(size, numbers.Integral)):
+            raise ValueError(f"size={size!r} must be an int (the number of blended samples) or None")
         self.size = sum(lengths) if size is None else int(size)
         self.dataset_index, self.sample_index = blend_schedule(self.weights, self.size)
         self._lengths = lengths

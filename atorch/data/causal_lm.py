@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import uuid
 from pathlib import Path
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -59,6 +59,10 @@ def build_once_per_node(is_built: Callable[[], bool], build: Callable[[], None],
         raise RuntimeError(f"building {what} failed on the local rank 0 of some node; see its error")
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 class DatasetForCausalLM(Dataset):
     """Samples of `max_seq_length` tokens from documents `[start_weight * N, end_weight * N)`.
 
@@ -93,8 +97,12 @@ class DatasetForCausalLM(Dataset):
         if not 0.0 <= start_weight < end_weight <= 1.0:
             raise ValueError(f"need 0 <= start_weight < end_weight <= 1, got start_weight={start_weight}, "
                              f"end_weight={end_weight}")
-        if max_seq_length < 1:
-            raise ValueError(f"max_seq_length must be >= 1, got {max_seq_length}")
+        if not _is_int(max_seq_length) or max_seq_length < 1:
+            raise ValueError(f"max_seq_length must be an int >= 1, got {max_seq_length!r}")
+        if seed is not None and (not _is_int(seed) or seed < 0):
+            raise ValueError(f"seed must be None (file order) or an int >= 0, got {seed!r}")
+        if eod_token_id is not None and (not _is_int(eod_token_id) or eod_token_id < 0):
+            raise ValueError(f"eod_token_id must be None or a token id >= 0, got {eod_token_id!r}")
         self.data_name = strip_suffix(data_name)
         self.max_seq_length = int(max_seq_length)
         self.split_type = split_type
@@ -102,6 +110,9 @@ class DatasetForCausalLM(Dataset):
         self.seed = seed
         self.eod_token_id = eod_token_id
         self.tokens = open_indexed_dataset(self.data_name, binarization_impl)
+        if eod_token_id is not None and eod_token_id > np.iinfo(self.tokens.dtype).max:
+            raise ValueError(f"eod_token_id={eod_token_id} does not fit the {self.tokens.dtype} tokens of "
+                             f"{self.data_name!r} (at most {np.iinfo(self.tokens.dtype).max})")
         n = len(self.tokens)
         # The same rounding for both ends, so touching splits share their boundary exactly.
         self.document_range: Tuple[int, int] = (int(round(start_weight * n)), int(round(end_weight * n)))
@@ -122,6 +133,7 @@ class DatasetForCausalLM(Dataset):
         build_once_per_node(lambda: all(p.is_file() for p in self.index_files.values()), self._build_index,
                             f"the sample index {stem}_*.npy")
         self._load_index()
+        self._check_index_lengths()
 
     @property
     def num_documents(self) -> int:
@@ -156,6 +168,17 @@ class DatasetForCausalLM(Dataset):
                              "built for other data; delete its *.npy files and retry")
         self._doc_order, self._doc_offsets, self._samples = (arrays["doc_order"], arrays["doc_offsets"],
                                                              arrays["samples"])
+
+    def _check_index_lengths(self) -> None:
+        """The cached index fits these documents' lengths, not only their count and total (a corpus written
+        again under the same name); once, here, not in every DataLoader worker."""
+        lo, hi = self.document_range
+        order = self._doc_order
+        if order.size and (int(order.min()) < lo or int(order.max()) >= hi
+                           or not np.array_equal(np.diff(self._doc_offsets), self._lengths[order - lo])):
+            raise ValueError(f"cached index {str(self.index_files['doc_offsets'])!r} does not match the document "
+                             f"lengths of {self.data_name!r}: it was built for other data (the corpus was written "
+                             "again under this name?); delete its *.npy files and retry")
 
     def __getstate__(self) -> dict:
         # DataLoader workers reopen the memory maps instead of receiving copies of them.

@@ -265,6 +265,21 @@ def _check_data_size(prefix: str, expected_bytes: int) -> None:
                          "(truncated copy, or files from different runs)")
 
 
+def _check_index_start(idx: Path, magic: bytes, header: int, other_layout_hint: str) -> None:
+    """The index starts with `magic` and holds a whole header: a wrong layout and a truncated file
+    get different messages (a truncated index used to be reported as the wrong layout)."""
+    with open(idx, "rb") as f:
+        start = f.read(header)
+    if not start:
+        raise ValueError(f"index file {str(idx)!r} is empty (0 bytes); write it again with DatasetPreprocessor")
+    if start[:len(magic)] != magic[:len(start)]:
+        raise ValueError(f"index file {str(idx)!r} does not start with {magic!r} (found {start[:len(magic)]!r}); "
+                         f"{other_layout_hint}")
+    if len(start) < header:
+        raise ValueError(f"index file {str(idx)!r} is truncated: {len(start)} bytes, shorter than its {header}-byte "
+                         "header; copy it again or write it again with DatasetPreprocessor")
+
+
 def _dtype_of(code: int, idx: Path) -> np.dtype:
     if code not in DTYPE_CODES:
         raise ValueError(f"index file {str(idx)!r} has dtype code {code}; expected one of {sorted(DTYPE_CODES)}")
@@ -283,12 +298,10 @@ class MMapIndexedDataset(_IndexedTokens):
         self.prefix = strip_suffix(prefix)
         _check_files(self.prefix)
         idx = index_path(self.prefix)
-        buffer = np.memmap(idx, dtype=np.uint8, mode="r")
         header = 9 + 8 + 1 + 8 + 8
-        if buffer.size < header or bytes(buffer[:9]) != MMAP_MAGIC:
-            raise ValueError(f"index file {str(idx)!r} does not start with {MMAP_MAGIC!r} (found "
-                             f"{bytes(buffer[:9])!r}); is it a 'lazy'/'cached' index? pass binarization_impl "
-                             "accordingly")
+        _check_index_start(idx, MMAP_MAGIC, header, "is it a 'lazy'/'cached' index? pass binarization_impl "
+                                                    "accordingly")
+        buffer = np.memmap(idx, dtype=np.uint8, mode="r")
         version, code, n_seq, n_doc = struct.unpack("<QBQQ", bytes(buffer[9:header]))
         if version != FORMAT_VERSION:
             raise ValueError(f"index file {str(idx)!r} has version {version}; expected {FORMAT_VERSION}")
@@ -326,11 +339,9 @@ class _LegacyIndex(_IndexedTokens):
         self.prefix = strip_suffix(prefix)
         _check_files(self.prefix)
         idx = index_path(self.prefix)
-        raw = idx.read_bytes()
         header = 8 + 8 + 16 + 16 + 8
-        if len(raw) < header or raw[:8] != LEGACY_MAGIC:
-            raise ValueError(f"index file {str(idx)!r} does not start with {LEGACY_MAGIC!r} (found {raw[:9]!r}); "
-                             "is it an 'mmap' index? pass binarization_impl='mmap'")
+        _check_index_start(idx, LEGACY_MAGIC, header, "is it an 'mmap' index? pass binarization_impl='mmap'")
+        raw = idx.read_bytes()
         version, code, element_size, n_seq, n_sizes, n_doc = struct.unpack("<QQQQQQ", raw[8:header])
         if version != FORMAT_VERSION:
             raise ValueError(f"index file {str(idx)!r} has version {version}; expected {FORMAT_VERSION}")

@@ -129,6 +129,13 @@ def _encode_in_worker(texts: List[str]) -> Chunk:
     return _worker_encoder(texts)
 
 
+def _is_local_path(name: Union[str, os.PathLike]) -> bool:
+    """A filesystem path rather than a Hub id ('gpt2', 'org/model'): a PathLike, or absolute, or relative to
+    '.'/'~', or with more than one separator."""
+    text = os.fspath(name)
+    return not isinstance(name, str) or os.path.isabs(text) or text.startswith((".", "~")) or text.count("/") > 1
+
+
 def vocab_size_of(tokenizer: Any) -> int:
     """Number of token ids a tokenizer can produce, added tokens included."""
     if hasattr(tokenizer, "get_vocab_size"):  # tokenizers.Tokenizer
@@ -136,7 +143,12 @@ def vocab_size_of(tokenizer: Any) -> int:
     try:
         return len(tokenizer)
     except TypeError:
+        pass
+    try:
         return int(tokenizer.vocab_size)
+    except AttributeError:
+        raise TypeError(f"tokenizer must be a Hugging Face tokenizer, a tokenizers.Tokenizer or a directory, got "
+                        f"{type(tokenizer).__name__} {tokenizer!r:.80}") from None
 
 
 class DatasetPreprocessor:
@@ -161,14 +173,17 @@ class DatasetPreprocessor:
         if isinstance(tokenizer, (str, os.PathLike)):
             from transformers import AutoTokenizer
 
+            if _is_local_path(tokenizer) and not os.path.isdir(tokenizer):
+                # transformers would read it as a Hub repository id and fail with "Repo id must be in the form ...".
+                raise FileNotFoundError(f"tokenizer={os.fspath(tokenizer)!r} is not a directory; pass a tokenizer "
+                                        "object or a directory written by save_pretrained")
             tokenizer = AutoTokenizer.from_pretrained(os.fspath(tokenizer))
         if binarization_impl not in BINARIZATION_IMPLS:
             raise ValueError(f"binarization_impl={binarization_impl!r} is not supported; choose one of "
                              f"{list(BINARIZATION_IMPLS)}")
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        if workers < 1:
-            raise ValueError(f"workers must be >= 1, got {workers}")
+        for name, value in (("chunk_size", chunk_size), ("workers", workers)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.vocab_size = vocab_size_of(tokenizer)
         if append_eod:
             if eod_token_id is None:

@@ -57,11 +57,11 @@ def to_run_args(args: argparse.Namespace) -> List[str]:
         raise ValueError("--not_use_env is not supported: workers read LOCAL_RANK from the environment")
     if args.nproc_per_node < 1:
         raise ValueError(f"--nproc_per_node={args.nproc_per_node} must be >= 1")
-    nnodes = args.nnodes if args.nnodes > 0 else int(os.environ.get("WORLD_SIZE", "1"))
-    node_rank = args.node_rank if args.node_rank >= 0 else int(os.environ.get("RANK", "0"))
+    nnodes = args.nnodes if args.nnodes > 0 else _env_int("WORLD_SIZE", 1, 1, "--nnodes")
+    node_rank = args.node_rank if args.node_rank >= 0 else _env_int("RANK", 0, 0, "--node_rank")
     out = [f"--nnodes={nnodes}", f"--node_rank={node_rank}", f"--nproc_per_node={args.nproc_per_node}"]
     addr = args.master_addr or os.environ.get("MASTER_ADDR", "")
-    port = args.master_port or int(os.environ.get("MASTER_PORT", "0") or 0)
+    port = args.master_port or _env_int("MASTER_PORT", 0, 0, "--master_port")
     if nnodes > 1 or port:
         out += [f"--master_addr={addr or '127.0.0.1'}", f"--master_port={port or 29500}"]
     # One node and no port: the launcher's standalone rendezvous picks a free port.
@@ -73,6 +73,21 @@ def to_run_args(args: argparse.Namespace) -> List[str]:
     if args.module:
         out.append("--module")
     return out + [args.training_script, *args.training_script_args]
+
+
+def _env_int(name: str, default: int, minimum: int, flag: str) -> int:
+    """The scheduler's value of `name` for a launcher option that was not given (`default` when unset)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise ValueError(f"environment variable {name}={raw!r} (read because {flag} was not given) must be an "
+                         f"integer >= {minimum}")
+    return value
 
 
 def main(args: Union[argparse.Namespace, Sequence[str], None] = None) -> None:

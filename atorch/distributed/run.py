@@ -134,7 +134,8 @@ def check_environment(argv: List[str]) -> None:
     """What only the launching machine can check: the script exists, atorch's timeouts parse."""
     at = _split_at_script(argv)
     if at >= len(argv):
-        raise ValueError("no training script: give the script (or -m module) after the launcher flags")
+        raise ValueError(f"no training script in {argv}: give the script (a file ending in .py, or -m module) "
+                         "after the launcher flags")
     script = argv[at]
     if script not in ("-m", "--module") and not os.path.isfile(script):
         raise ValueError(f"training script {script!r} does not exist")

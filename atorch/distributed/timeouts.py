@@ -40,6 +40,10 @@ NODE_KEY = "atorch/node"
 _MAX_GRACE_S = 30.0
 
 
+# The longest timeout accepted: far beyond any job, well inside timedelta and the process groups' limits.
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
+
+
 class CollectiveTimeoutError(RuntimeError):
     """A collective did not complete within ATORCH_COLLECTIVE_TIMEOUT; names it and the ranks that did not arrive."""
 
@@ -57,8 +61,9 @@ def seconds_from_env(name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise ValueError(f"environment variable {name}={raw!r} must be a positive number of seconds")
+    if not 0 < value <= MAX_TIMEOUT_S:   # also refuses nan; inf and beyond overflow timedelta and torch's int timeouts
+        raise ValueError(f"environment variable {name}={raw!r} must be a positive number of seconds, at most "
+                         f"{MAX_TIMEOUT_S:.0f} (about a year)")
     return value
 
 

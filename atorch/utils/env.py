@@ -6,6 +6,7 @@ scripts) read the environment through these; optimizations never do.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Mapping, Optional, TypeVar, Union, overload
 
@@ -64,11 +65,12 @@ def env_float(name: str, default: Optional[float], environ: Optional[Mapping[str
     if raw is None:
         return default
     try:
-        return _at_least(name, float(raw), minimum)
-    except ValueError as e:
-        if "must be >=" in str(e):
-            raise
+        value = float(raw)
+    except ValueError:
         raise ValueError(f"environment variable {name}={raw!r} must be a number") from None
+    if not math.isfinite(value):   # nan passes every `<` check below, and inf overflows timedelta
+        raise ValueError(f"environment variable {name}={raw!r} must be a finite number")
+    return _at_least(name, value, minimum)
 
 
 @overload
@@ -99,3 +101,22 @@ def _at_least(name: str, value: Number, minimum: Optional[Union[int, float]]) ->
     if minimum is not None and value < minimum:
         raise ValueError(f"environment variable {name}={value!r} must be >= {minimum}")
     return value
+
+
+def check_output_location(name: str, path: str, *, directory: bool) -> None:
+    """`path` (from environment variable `name`) can be created or written: it is not an existing entry of
+    the other kind, and the deepest part of it that exists is a writable directory. ValueError otherwise,
+    raised where the variable is read rather than when the first file is written."""
+    kind = "a directory" if directory else "a file"
+    if os.path.exists(path) and os.path.isdir(path) != directory:
+        raise ValueError(f"environment variable {name}={path!r} is {'a file' if directory else 'a directory'}; "
+                         f"it must name {kind}" + ("" if directory else ", e.g. "
+                                                   f"{os.path.join(path, 'search_cache.json')!r}"))
+    existing = os.path.abspath(path if directory and os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"environment variable {name}={path!r}: {existing!r} is a file, so {kind} cannot be "
+                         "created under it")
+    if not os.access(existing, os.W_OK):
+        raise ValueError(f"environment variable {name}={path!r}: the directory {existing!r} is not writable")

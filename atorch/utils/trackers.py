@@ -50,6 +50,8 @@ class MetricsLogger:
         self._jsonl: Any = None
         if not self.enabled or not self.trackers:
             return
+        if os.path.exists(log_dir) and not os.path.isdir(log_dir):
+            raise ValueError(f"MetricsLogger: log_dir={log_dir!r} is an existing file; give a directory")
         os.makedirs(log_dir, exist_ok=True)
         if "tensorboard" in self.trackers:
             try:

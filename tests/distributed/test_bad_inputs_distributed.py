@@ -51,6 +51,15 @@ def _on_rank(rank: int, exc: BaseException) -> Callable:
     return factory
 
 
+def _returns_none_on(rank: Any) -> Callable:
+    """An optimizer factory that returns None on `rank` (None: on every rank) instead of an optimizer."""
+    def factory(params, lr):
+        import torch.distributed as dist
+
+        return None if rank is None or dist.get_rank() == rank else torch.optim.SGD(params, lr=lr)
+    return factory
+
+
 def _trained(root: str):
     status, result, _ = _accelerate()
     assert status
@@ -119,6 +128,12 @@ def _cases(root: str) -> List[Tuple[str, Callable[[], Any]]]:
         ("load_fails_on_rank_1_only", lambda: _patched(
             save_load, "set_rng_state", 1, KeyError("torch_cpu"), lambda: load_checkpoint(result, good))),
         ("load_missing_dir", lambda: load_checkpoint(result, os.path.join(root, "nothing"))),
+        # found by the bad-input sweep (status=True, or silently accepted, before)
+        ("optim_func_returns_none", lambda: _accelerate(optim_func=_returns_none_on(None))),
+        ("optim_func_returns_none_on_rank_1", lambda: _accelerate(optim_func=_returns_none_on(1))),
+        ("parallel_mode_dim_typo", lambda: _accelerate(load_strategy=[("parallel_mode", ([("dta", 2)], None))])),
+        ("excluded_unknown_name", lambda: _accelerate(load_strategy=None, excluded=["fsdpx"])),
+        ("dataset_of_ints", lambda: _accelerate(dataset=list(range(16)))),
     ]
 
 
@@ -141,6 +156,11 @@ EXPECTED: Dict[str, Tuple[str, str]] = {
     "commit_fails_on_rank_0_only": ("OSError", "committing failed on rank [0]: [Errno 28] No space left"),
     "load_fails_on_rank_1_only": ("KeyError", "failed on rank [1]"),
     "load_missing_dir": ("CheckpointError", "no such checkpoint"),
+    "optim_func_returns_none": ("TypeError", "returned NoneType None; it must return a torch.optim.Optimizer"),
+    "optim_func_returns_none_on_rank_1": ("TypeError", "failed on rank [1]: optim_func="),
+    "parallel_mode_dim_typo": ("ValueError", "dim 'dta' has size 2 but no optimization of the strategy splits"),
+    "excluded_unknown_name": ("ValueError", "excluded=['fsdpx']: unknown optimization 'fsdpx'"),
+    "dataset_of_ints": ("TypeError", "dataset[0] is int 0"),
 }
 
 
@@ -175,6 +195,7 @@ def test_every_rank_raises_the_same_error_naming_the_field(tmp_path):
         assert got[0]["message"] == got[1]["message"], f"{name}: ranks differ: {got}"
     # A strategy file into a missing directory is refused before anything is applied.
     assert not any(r["save_strategy_missing_dir"]["groups"] for r in results)
+    assert not any(r[name]["groups"] for r in results for name in ("parallel_mode_dim_typo", "dataset_of_ints"))
     # A save that failed anywhere published nothing; `latest` still names the good checkpoint.
     for failed in ("step_2", "step_3", "step_4"):
         assert not os.path.exists(tmp_path / failed)

@@ -16,10 +16,10 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from atorch.checkpoint import CheckpointError, attach_checkpoint_methods, merge_checkpoint, save_checkpoint
-from atorch.testing.tp_families import FAMILIES, build_family
 from atorch.checkpoint.merge import parse_size
 from atorch.testing import tiny_gpt2, tiny_llama
 from atorch.testing.assets import TOKENIZER_DIR
+from atorch.testing.tp_families import FAMILIES, build_family
 
 X = torch.randint(4, 1000, (2, 10), generator=torch.Generator().manual_seed(0))
 
@@ -234,3 +234,23 @@ def test_every_architecture_family_merges_to_a_model_transformers_loads(tmp_path
     model = _train_one_step(model).eval()
     out = merge_checkpoint(save_checkpoint(model, str(tmp_path / "ckpt")), str(tmp_path / "hf"))
     assert torch.equal(_logits(_load_hf(out)), _logits(model))
+
+
+def test_merging_into_a_directory_that_holds_an_earlier_model_replaces_its_weights(tmp_path):
+    """from_pretrained prefers model.safetensors over a sharded index: a stale single file used to survive a
+    sharded merge into the same directory, and the old weights were loaded without a word."""
+    a, b = tiny_llama(seed=1), tiny_llama(seed=2)
+    save_checkpoint(a, str(tmp_path / "a"))
+    save_checkpoint(b, str(tmp_path / "b"))
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "README.md").write_text("the user's own file")
+    merge_checkpoint(str(tmp_path / "a"), str(out), max_shard_size="1GB")          # one model.safetensors
+    merge_checkpoint(str(tmp_path / "b"), str(out), max_shard_size="100KB")        # shards + index
+    assert not (out / "model.safetensors").exists() and (out / "model.safetensors.index.json").exists()
+    assert torch.equal(_logits(_load_hf(str(out))), _logits(b.eval()))
+    merge_checkpoint(str(tmp_path / "a"), str(out), max_shard_size="1GB")          # and back
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "generation_config.json",
+                                                     "model.safetensors"]
+    assert torch.equal(_logits(_load_hf(str(out))), _logits(a.eval()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "hf", "latest"]   # no staging left behind

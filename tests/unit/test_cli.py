@@ -36,7 +36,7 @@ def test_plan_7b_on_64_h100_is_the_cost_model_ranked():
     assert "64 x NVIDIA H100" in text and "do not fit" in text
 
 
-def test_plan_command_and_bad_input(capsys):
+def test_plan_command_and_bad_input(capsys, tmp_path):
     assert main(["plan", "--model", "gpt2-xl", "--nproc", "8", "--device", "a100", "--global-batch", "64",
                  "--seq", "1024", "--top", "3"]) == 0
     out = capsys.readouterr().out
@@ -44,6 +44,17 @@ def test_plan_command_and_bad_input(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--model", "no-such-model", "--nproc", "8", "--global-batch", "8", "--seq", "8"])
     assert "neither a preset" in capsys.readouterr().err
+    # Usage mistakes are one line naming the flag or file and exit 2, not a traceback.
+    not_json = tmp_path / "config.json"
+    not_json.write_text("model_type: llama")
+    for argv, text in ((["plan", "--model", str(not_json), "--nproc", "8", "--global-batch", "8", "--seq", "8"],
+                        "is not a JSON model config"),
+                       (["plan", "--model", "gpt2-xl", "--nproc", "8", "--nnodes", "0", "--global-batch", "8",
+                         "--seq", "8"], "--nnodes=0 must be >= 1"),
+                       (["merge", str(tmp_path / "no_ckpt"), str(tmp_path / "hf")], "no such checkpoint directory")):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2 and text in capsys.readouterr().err, argv
 
 
 def test_env_run_help_and_unknown_command(capsys):

@@ -83,11 +83,12 @@ def test_explicit_weights_size_and_wrap_around():
 @pytest.mark.parametrize("datasets, weights, message", [
     ([], None, "datasets is empty"),
     ([Tagged("a", 3), Tagged("b", 3)], [1.0], r"weights has 1 entries but 2 datasets were given"),
-    ([Tagged("a", 3), Tagged("b", 3)], [0.5, -0.1], r"weights\[1\]=-0.1; every weight must be finite and >= 0"),
+    ([Tagged("a", 3), Tagged("b", 3)], [0.5, -0.1], r"weights\[1\]=-0.1; every weight must be a finite number >= 0"),
     ([Tagged("a", 3), Tagged("b", 3)], [0.5, float("nan")], r"weights\[1\]=nan"),
     ([Tagged("a", 3), Tagged("b", 3)], [0, 0], "weights sum to 0; at least one must be > 0"),
     ([Tagged("a", 3), Tagged("b", 0)], [1, 1], r"datasets\[1\] is empty but has weight 1"),
     ([Tagged("a", 0), Tagged("b", 0)], None, "all 2 datasets are empty"),
+    ([Tagged("a", 3), Tagged("b", 3)], ["1", "2"], r"weights\[0\]='1'; every weight must be a finite number"),
 ])
 def test_bad_weights_raise(datasets, weights, message):
     with pytest.raises(ValueError, match=message):
@@ -97,3 +98,6 @@ def test_bad_weights_raise(datasets, weights, message):
 def test_bad_size_raises():
     with pytest.raises(ValueError, match="size must be >= 1, got 0"):
         DatasetBlender([Tagged("a", 3)], size=0)
+    with pytest.raises(ValueError, match=r"size=5.5 must be an int"):   # was truncated to 5 without a word
+        DatasetBlender([Tagged("a", 3)], size=5.5)
+    assert len(DatasetBlender([Tagged("a", 3)], [np.float32(1.0)], size=np.int64(4))) == 4

@@ -145,6 +145,13 @@ def test_stale_cache_raises(tmp_path):
     write_docs(tmp_path / "d", numbered_docs(20, seed=1))  # same name, other data
     with pytest.raises(ValueError, match="built for other data; delete"):
         DatasetForCausalLM(prefix, 4, seed=0)
+    # As many documents and tokens as before, other lengths: the index used to load, then read past a
+    # document's end (IndexError) or cut samples at the old boundaries.
+    write_docs(tmp_path / "e", [list(range(1, 11)), list(range(11, 41))])
+    DatasetForCausalLM(tmp_path / "e", 8)
+    write_docs(tmp_path / "e", [list(range(1, 31)), list(range(31, 41))])
+    with pytest.raises(ValueError, match="does not match the document lengths"):
+        DatasetForCausalLM(tmp_path / "e", 8)
 
 
 def test_bad_arguments(data, tmp_path):
@@ -161,7 +168,7 @@ def test_bad_arguments(data, tmp_path):
     with pytest.raises(ValueError, match=rf"max_seq_length=100000 is larger than split 'test' of .*d', which holds "
                                          rf"{tokens} tokens \(documents \[45, 50\)\)"):
         DatasetForCausalLM(prefix, 100000, "test", 0.9, 1.0)
-    with pytest.raises(ValueError, match="max_seq_length must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="max_seq_length must be an int >= 1, got 0"):
         DatasetForCausalLM(prefix, 0)
     with pytest.raises(FileNotFoundError, match=r"index file '.*nothing\.idx' not found"):
         DatasetForCausalLM(tmp_path / "nothing", 4)

@@ -211,9 +211,9 @@ def test_progress_shows_rates(tmp_path, tokenizer, capsys, caplog):
 def test_bad_arguments(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="binarization_impl='npy' is not supported"):
         DatasetPreprocessor(tokenizer, binarization_impl="npy")
-    with pytest.raises(ValueError, match="workers must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="workers must be an int >= 1, got 0"):
         DatasetPreprocessor(tokenizer, workers=0)
-    with pytest.raises(ValueError, match="chunk_size must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="chunk_size must be an int >= 1, got 0"):
         DatasetPreprocessor(tokenizer, chunk_size=0)
 
     class NoEos:

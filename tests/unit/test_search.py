@@ -36,6 +36,7 @@ def dummy_opts():
         "t_ckpt": {},
         "t_replace": {},
         "t_ddp": {"conflicts": frozenset({"t_zero2", "t_zero3"})},
+        "t_tp": {"splits_over": frozenset({"tensor"})},
     }
     for name, attrs in specs.items():
         register(type(f"Dummy_{name}", (Optimization,), {"name": name, "order": 50, **attrs}))
@@ -126,8 +127,10 @@ def test_space_candidates_follow_registry_rules(dummy_opts):
 
 
 def test_space_issue_example_and_bundles(dummy_opts):
+    # A tensor split needs an optimization that splits over "tensor" (t_tp, always in).
     space = SearchSpace({"amp": [None, "t_amp"], "parallel_mode": [
-        ("parallel_mode", ([("data", 4)], None)), ("parallel_mode", ([("tensor", 2), ("data", 2)], None))]})
+        ("parallel_mode", ([("data", 4)], None)), ("parallel_mode", ([("tensor", 2), ("data", 2)], None))],
+        "tp": ["t_tp"]})
     assert space.world_size == 4
     assert len(space.candidates()) == 4
     labels = space.labels()["parallel_mode"]

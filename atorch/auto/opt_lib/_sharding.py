@@ -359,6 +359,9 @@ class Fsdp2ShardingOptimization(Optimization):
         if config.use_ds_zero:
             validate_deepspeed(self.name, context, self.deepspeed_stage, config.ds_config,
                                cpu_offload=config.cpu_offload, wrap_cls=config.wrap_cls)
+        elif config.wrap_cls is not None and context.model is not None:
+            # A class name the model lacks, named now rather than while applying (after the groups exist).
+            resolve_module_classes(context.model, config.wrap_cls, f"{self.name}: wrap_cls")
 
     def apply(self, ctx: ModelContext, config: Fsdp2ShardingConfig) -> None:
         if config.use_ds_zero:

@@ -139,6 +139,10 @@ class Optimization:
     allowed_partners: ClassVar[Optional[FrozenSet[str]]] = None
     """When set, the only optimizations this one may be combined with (new ones are refused by default)."""
     distributed_only: ClassVar[bool] = False
+    splits_over: ClassVar[FrozenSet[str]] = frozenset()
+    """The parallel_mode dims this optimization divides the model over ("data" needs none: the
+    dataloader always splits it). A dim of size > 1 that no optimization of a strategy splits over
+    is refused: its ranks would repeat the same work."""
     Config: ClassVar[type] = NoConfig
     # The search dimension this optimization offers choices in (several optimizations may share
     # one, e.g. "parallel"), or None when the automatic search never chooses it. Every

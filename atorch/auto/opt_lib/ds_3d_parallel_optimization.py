@@ -128,6 +128,7 @@ def _layout_sizes(context_sizes: Mapping[str, int], world_size: int) -> Tuple[in
 @register
 class DeepSpeed3DParallelOptimization(Optimization):
     name = "deepspeed_3d_parallel"
+    splits_over = frozenset({"tensor", "pipeline"})
     aliases = ("ds_3d_parallel",)
     order = Order.DEEPSPEED_3D
     wrapper_order = WrapperOrder.ENGINE

@@ -311,6 +311,10 @@ class ModuleReplaceOptimization(Optimization):
         return super().parse_config(raw)
 
     def validate(self, config: ModuleReplaceConfig, context: ValidationContext) -> None:
+        for kind in KINDS:
+            # A string such as "no" or "false" is truthy: it would enable the replacement it meant to turn off.
+            if not isinstance(getattr(config, kind), bool):
+                raise ValueError(f"module_replace: {kind}={getattr(config, kind)!r} must be True or False")
         if not config.enabled():
             raise ValueError(f"module_replace: config {config} enables no replacement; enable at least one of "
                              f"{list(KINDS)} or list classes, or drop module_replace from the strategy")

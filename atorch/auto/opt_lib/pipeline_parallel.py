@@ -50,6 +50,7 @@ class PipelineParallelConfig:
 @register
 class PipelineParallelOptimization(Optimization):
     name = "pipeline_parallel"
+    splits_over = frozenset({"pipeline"})
     order = Order.PIPELINE
     wrapper_order = WrapperOrder.ENGINE
     requires = frozenset({"parallel_mode"})
@@ -117,6 +118,8 @@ class PipelineParallelOptimization(Optimization):
                              f"{list(PARTITION_METHODS)}")
         if not isinstance(config.base_seed, int) or isinstance(config.base_seed, bool):
             raise ValueError(f"pipeline_parallel: base_seed={config.base_seed!r} must be an int")
+        if not isinstance(config.tie_first, bool):
+            raise ValueError(f"pipeline_parallel: tie_first={config.tie_first!r} must be True or False")
         amp = context.configs.get("amp_native")
         if amp is not None and getattr(amp, "dtype", None) is torch.float16:
             raise ValueError("pipeline_parallel with amp_native fp16 is not supported: the pipeline schedule runs "

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Type
 
 from atorch.auto.opt_lib.base import Optimization, Registry, ValidationContext, default_registry
 from atorch.auto.strategy import Strategy, StrategyItem
+from atorch.tensor_parallel.layers import TensorParallelModule
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,34 @@ def resolve_strategy(strategy: Strategy, context: ValidationContext, registry: O
             r.optimization.validate(r.config, context)
         else:
             validate(r.optimization, r.config, context)
+    # Last, so a strategy that cannot work at all is reported by the optimization that knows why.
+    _check_dims_are_split(resolved, context, registry)
     return sorted(resolved, key=lambda r: type(r.optimization).order)
+
+
+def _check_dims_are_split(resolved: List[ResolvedOptimization], context: ValidationContext,
+                          registry: Registry) -> None:
+    """Every parallel dim of size > 1 but "data" is split by an optimization of the strategy (`splits_over`).
+
+    Otherwise the ranks along it get the same batches and nothing reduces their gradients: the
+    same step computed size times (a forgotten tensor_parallel, or a typo such as 'dta').
+    """
+    for dim, size in context.parallel_sizes().items():
+        if dim == "data" or size == 1 or any(dim in type(r.optimization).splits_over for r in resolved):
+            continue
+        if dim == "tensor" and context.model is not None and \
+                any(isinstance(m, TensorParallelModule) for m in context.model.modules()):
+            continue   # a model sharded by hand (ATorch's tp_manual_shard_custom_fn) uses the group itself
+        offered = sorted(n for n in registry.names() if dim in registry.get(n).splits_over)
+        if offered:
+            fix = f"add {' or '.join(offered)} to the strategy"
+            if dim == "tensor":
+                fix += " (a model sharded by hand is recognised by its atorch.tensor_parallel layers)"
+        else:
+            known = sorted({d for n in registry.names() for d in registry.get(n).splits_over} | {"data"})
+            fix = f"no optimization splits over {dim!r}; atorch splits over {known} (a typo?)"
+        raise ValueError(f"parallel_mode: dim {dim!r} has size {size} but no optimization of the strategy splits "
+                         f"over it, so its {size} ranks would repeat the same work: {fix}")
 
 
 def _data_parallel_size(parallel_mode_config: Any, world_size: int) -> int:
@@ -160,6 +188,8 @@ def plan(strategy: Strategy, world_size: int = 1, model: Any = None, device_type
     'parallel_mode -> checkpoint -> amp_native(bfloat16) -> fsdp(torch FSDP2, reshard) -> optimizer ->
     fsdp(torch FSDP2, reshard) -> amp_native(bfloat16)'.
     """
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"plan: world_size={world_size!r} must be an int >= 1 (the number of ranks)")
     context = ValidationContext(world_size=world_size, model=model, model_config=getattr(model, "config", None),
                                 device_type=device_type)
     return " -> ".join(plan_steps(resolve_strategy(Strategy.from_any(strategy), context)))

@@ -38,6 +38,7 @@ class TensorParallelConfig:
 @register
 class TensorParallelOptimization(Optimization):
     name = "tensor_parallel"
+    splits_over = frozenset({"tensor"})
     aliases = ("tp",)
     order = Order.TENSOR_PARALLEL
     requires = frozenset({"parallel_mode"})
@@ -61,8 +62,9 @@ class TensorParallelOptimization(Optimization):
     def validate(self, config: TensorParallelConfig, context: ValidationContext) -> None:
         if not isinstance(config.base_seed, int) or isinstance(config.base_seed, bool):
             raise ValueError(f"tensor_parallel: base_seed={config.base_seed!r} must be an int")
-        if not isinstance(config.gather_logits, bool):
-            raise ValueError(f"tensor_parallel: gather_logits={config.gather_logits!r} must be True or False")
+        for key in ("gather_logits", "per_block_init"):
+            if not isinstance(getattr(config, key), bool):
+                raise ValueError(f"tensor_parallel: {key}={getattr(config, key)!r} must be True or False")
         if config.tpinfo is not None and not isinstance(config.tpinfo, TPInfo):
             raise ValueError(f"tensor_parallel: tpinfo must be a TPInfo or None, got {type(config.tpinfo).__name__}")
         sizes = context.parallel_sizes()

@@ -33,7 +33,7 @@ from atorch.auto.search.cache import CACHE_FILE_NAME, SearchCache, setup_key, sp
 from atorch.auto.search.search import DryRunResult, SearchResult, search_strategy
 from atorch.auto.search.space import SearchSpace
 from atorch.auto.strategy import Strategy
-from atorch.utils.env import env_float, env_int, env_str
+from atorch.utils.env import check_output_location, env_float, env_int, env_str
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,20 @@ class SearchSettings:
         if settings.max_trials < 1 or settings.random_samples < 0 or settings.patience < 1:
             raise ValueError(f"BO_SG_MAX_IETR={settings.max_trials} must be >= 1, RANDOM_SAMPLE="
                              f"{settings.random_samples} >= 0 and MAX_PATIENCE={settings.patience} >= 1")
+        if settings.time_limit_s is not None and settings.time_limit_s <= 0:
+            raise ValueError(f"environment variable ATORCH_SEARCH_TIME_LIMIT={settings.time_limit_s!r} must be a "
+                             "positive number of seconds (unset: no limit)")
+        if settings.memory_limit_bytes is not None and settings.memory_limit_bytes <= 0:
+            raise ValueError(f"environment variable ATORCH_DEVICE_MEMORY_LIMIT={settings.memory_limit_bytes!r} must "
+                             "be a positive number of bytes per rank (unset: the device's memory)")
+        # Paths are checked here, on every rank, not when rank 0 first writes (after a dry run has been spent).
+        if env_str("ATORCH_SEARCH_REPORT_DIR", None, env) is not None:
+            report = settings.report_dir
+            png = report.lower().endswith(".png")   # the plot's path, in the directory that holds the report
+            check_output_location("ATORCH_SEARCH_REPORT_DIR", os.path.dirname(os.path.abspath(report)) if png
+                                  else report, directory=True)
+        if settings.cache_path is not None:
+            check_output_location("ATORCH_SEARCH_CACHE", settings.cache_path, directory=False)
         return settings
 
 

@@ -48,9 +48,12 @@ def load_model_config(model: str) -> Any:
     if not os.path.isfile(path):
         raise ValueError(f"--model {model!r} is neither a preset ({sorted(MODEL_PRESETS)}) nor a config.json or a "
                          "model directory that has one")
-    with open(path, encoding="utf-8") as f:
-        values = json.load(f)
-    if "model_type" not in values:
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--model {model!r}: {path} is not a JSON model config ({e})") from None
+    if not isinstance(values, dict) or "model_type" not in values:
         raise ValueError(f"{path} has no model_type; it is not a Hugging Face model config")
     return AutoConfig.for_model(**values)
 

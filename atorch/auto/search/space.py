@@ -161,8 +161,8 @@ class SearchSpace:
 
         An included name no dimension offers becomes a dimension of its own with that single choice.
         """
-        excluded_set = set(excluded or ())
-        included_list = list(included or ())
+        excluded_set = set(self._known_names("excluded", excluded))
+        included_list = self._known_names("included", included)
         clash = excluded_set.intersection(included_list)
         if clash:
             raise ValueError(f"optimizations {sorted(clash)} are both excluded and included")
@@ -180,6 +180,17 @@ class SearchSpace:
         return SearchSpace(dims, world_size=self.world_size, model=self.model, model_config=self.model_config,
                            device_type=self.device_type, global_batch_size=self.global_batch_size,
                            registry=self.registry)
+
+    def _known_names(self, argument: str, names: Optional[Sequence[str]]) -> List[str]:
+        """`names` as registered names (aliases resolved); a name no optimization has raises, since a typo
+        in `excluded` would otherwise be ignored and one in `included` would leave no candidate."""
+        out = []
+        for name in names or ():
+            try:
+                out.append(self.registry.canonical_name(name))
+            except ValueError as e:
+                raise ValueError(f"{argument}={list(names or ())!r}: {e}") from None
+        return out
 
     @classmethod
     def default_for(cls, model: Any, world_size: int, device_type: str = "cpu", model_config: Any = None, *,
