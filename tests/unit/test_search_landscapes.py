@@ -3,11 +3,29 @@ families microbatch-3%, failing-3%, spikes-3%, flat-3%, needle-3%); each test in
 
 import math
 
-from atorch.auto.search import SearchSpace
-from atorch.auto.search.feasibility import Feasibility
+from atorch.auto.search import DryRunResult, SearchSpace, search_strategy
+from atorch.auto.search.bo import Suggestion
+from atorch.auto.search.feasibility import FailureModel, Feasibility
 from atorch.auto.search.space import memory_saving_ranks
 from atorch.auto.search.stats import log_throughput_of_steps, t_quantile
 from atorch.auto.step_timing import summarize
+
+
+def space16() -> SearchSpace:
+    return SearchSpace({"zero": [None, "zero1", "zero2", "fsdp"], "checkpoint": [None, "checkpoint"],
+                        "amp": [None, "amp_native"]}, world_size=2)
+
+
+class AmpFirstPlanner:
+    """Suggests the remaining candidate with the highest log P(measures) it is given, amp first on
+    ties: the acquisition's pull towards the region a failed run left unexplored."""
+
+    def __init__(self, labels, choices, prior, seed):
+        self.expected_seconds, self.choices = 0.0, choices
+
+    def suggest(self, observed, remaining, log_fit=None):
+        best = max(remaining, key=lambda i: ((log_fit or {}).get(i, 0.0), self.choices[i][2], -i))
+        return Suggestion(best, 0.0, "amp-first", len(remaining))
 
 
 def micro_space() -> SearchSpace:
@@ -28,6 +46,39 @@ def test_the_micro_batch_dimension_is_ordered_by_memory():
     feas.observe(index[(1, 1)], "ok", 90.0)            # ... and ran with checkpointing
     assert feas.probability(index[(0, 0)]).p == 0.0    # one micro-batch of 8 rows: no chance
     assert feas.probability(index[(2, 1)]).p == 1.0    # 4 micro-batches, checkpointed: fits
+
+
+def test_an_option_that_raises_is_learned_and_avoided():
+    """Every amp candidate raises (half the space): after two or three failures the search stops
+    trying amp, instead of running every candidate of the region the failures left unmeasured."""
+    space = space16()
+    cands = space.candidates()
+    amp = {c.strategy for c in cands if c.choices[2] == 1}
+    table = {c.strategy: 10.0 + c.choices[0] + 2 * c.choices[1] for c in cands}
+
+    def evaluator(s):
+        if s in amp:
+            raise RuntimeError("amp cannot run on this model")
+        return DryRunResult(table[s], 100)
+
+    result = search_strategy(space, evaluator, max_trials=10, patience=10, random_samples=0,
+                             planner_factory=AmpFirstPlanner, remeasure_rounds=0)
+    assert (result.trials["status"] == "exception").sum() <= 3
+    assert result.best == max((s for s in table if s not in amp), key=table.get)
+
+
+def test_failure_causes_are_ruled_out_by_a_run_and_confirmed_by_repeats():
+    model = FailureModel([(a, b) for a in range(2) for b in range(3)])    # 6 candidates: a x b
+    index = {(a, b): 3 * a + b for a in range(2) for b in range(3)}
+    model.observe(index[(1, 0)], "exception")
+    once = model.p_runs(index[(1, 2)])                  # shares a=1 only
+    assert 0.3 < once < 1.0 and model.p_runs(index[(0, 1)]) == 1.0    # shares nothing
+    model.observe(index[(1, 1)], "exception")
+    assert model.p_runs(index[(1, 2)]) < 0.2 < once     # a=1 is now the likely cause
+    model.observe(index[(0, 0)], "ok")                  # b=0 ran without a=1
+    assert model.posterior((1, 0)) == 0.0
+    model.observe(index[(1, 2)], "timeout")             # no evidence either way
+    assert model.posterior((0, 1)) > 0.5
 
 
 def test_a_load_spike_is_left_out_of_a_runs_variance_as_the_dry_runner_leaves_it_out_of_the_mean():

@@ -16,7 +16,11 @@ predictor (the cost model); it never imports training code. Order of work:
    (an optimistic log-throughput) plus log P(fit), i.e. an optimistic throughput that counts
    an out-of-memory run as 0. Failed trials are not throughput observations: an exception or
    timeout retires that one candidate, an out-of-memory trial teaches feasibility (step 1);
-   neither reaches the GP. A predictor that learns (`LearningPredictorLike`: it has
+   neither reaches the GP. An exception also makes the candidate's options and pairs of options
+   suspects of raising wherever they appear (`feasibility.FailureModel`: compile failing on the
+   model fails every compile candidate), and P(fit) is multiplied by P(does not raise): to the
+   GP a failed region looks unmeasured, and its expected improvement drew the search back there
+   (benchmarks/search.py, failing-3%: up to 11 of 20 dry runs raised). A predictor that learns (`LearningPredictorLike`: it has
    `observe(strategy, step_time_s)`) is told every successful dry run and every candidate is
    predicted again: the GP's feature and the memory model follow the refit.
 4. The search phase stops at its share of `max_trials`, after `patience` trials without
@@ -42,7 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Set,
 import numpy as np
 import pandas as pd
 
-from atorch.auto.search.feasibility import PRUNE_BELOW, Feasibility
+from atorch.auto.search.feasibility import PRUNE_BELOW, FailureModel, Feasibility
 from atorch.auto.search.space import Candidate, SearchSpace, memory_saving_ranks
 from atorch.auto.search.stats import LogEstimate, RatioCI, log_throughput_of_steps, pool_runs, ratio_ci
 from atorch.auto.strategy import Strategy
@@ -211,12 +215,14 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
     trials = _TrialLog(candidates, predictions, batch_size)
     feasibility = Feasibility([c.choices for c in candidates], memory_saving_ranks(space), memory_limit_bytes,
                               _peaks(predictions))
+    failures = FailureModel([c.choices for c in candidates])
     labels_of = [c.label() for c in candidates]
 
     def allowed(indices: Any) -> Dict[int, float]:
-        """Untried (or given) candidates that may run, with their probability of fitting."""
+        """Untried (or given) candidates that may run, with their probability of measuring a
+        throughput: of fitting in memory, times of not raising (an option that raised before)."""
         probs = feasibility.probabilities(list(indices))
-        return {i: f.p for i, f in probs.items() if f.p >= PRUNE_BELOW}
+        return {i: f.p * failures.p_runs(i) for i, f in probs.items() if f.p >= PRUNE_BELOW}
 
     def pruned_table() -> pd.DataFrame:
         rows = []
@@ -255,6 +261,7 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
         result, seconds = _evaluate(evaluator, candidates[index].strategy, clock)
         improved = trials.add(index, result, seconds, planner_s, source)
         feasibility.observe(index, result.status, _usable_peak(result.peak_memory_bytes))
+        failures.observe(index, result.status)
         bar.update(1)
         bar.set_postfix_str(f"best {trials.best_mean_throughput():.4g}/s")
         if learner is not None and result.ok:
