@@ -3,6 +3,8 @@ families microbatch-3%, failing-3%, spikes-3%, flat-3%, needle-3%); each test in
 
 import math
 
+import numpy as np
+
 from atorch.auto.search import DryRunResult, SearchSpace, search_strategy
 from atorch.auto.search.bo import Suggestion
 from atorch.auto.search.feasibility import FailureModel, Feasibility
@@ -91,3 +93,32 @@ def test_a_load_spike_is_left_out_of_a_runs_variance_as_the_dry_runner_leaves_it
     assert est is not None and math.isclose(est.mean, -math.log(dry_runner.mean_s))
     half = t_quantile(0.95, est.df) * math.sqrt(est.var)
     assert math.isclose(half, dry_runner.relative_half_width, rel_tol=0.05)
+
+
+class FirstPlanner:
+    def __init__(self, labels, choices, prior, seed):
+        self.expected_seconds = 0.0
+
+    def suggest(self, observed, remaining, log_fit=None):
+        return Suggestion(sorted(remaining)[0], 0.0, "first", len(remaining))
+
+
+def test_budget_kept_for_re_measuring_goes_back_to_the_search_once_the_leader_is_separated():
+    """20 dry runs keep 4 for re-measuring; the leader (5% ahead, 0.5% noise) is separated from
+    everyone after one round, and the 2 dry runs left search on instead of going unused."""
+    space = SearchSpace({"zero": [None, "zero1", "zero2", "fsdp"], "checkpoint": [None, "checkpoint"],
+                         "amp": [None, "amp_native"], "module_replace": [None, "module_replace"]}, world_size=2)
+    strategies = space.strategies()
+    table = {s: 105.0 if k == 5 else 100.0 for k, s in enumerate(strategies)}
+    rng = np.random.default_rng(0)
+
+    def evaluator(s):
+        steps = tuple(float(32.0 / table[s] * (1 + 0.005 * z)) for z in rng.normal(size=5))
+        return DryRunResult(32.0 / float(np.mean(steps)), 100, step_times_s=steps)
+
+    result = search_strategy(space, evaluator, max_trials=20, patience=20, random_samples=0,
+                             planner_factory=FirstPlanner)
+    sources = list(result.trials["source"])
+    assert sources.count("remeasure") == 2 and len(sources) == 20
+    assert sources[-2:] == ["hebo-first", "hebo-first"]
+    assert result.best == strategies[5] and result.comparison is not None and result.comparison.separated

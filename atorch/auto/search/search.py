@@ -31,7 +31,8 @@ predictor (the cost model); it never imports training code. Order of work:
    interval of their throughput ratio (`stats.py`) separates the leader from every other
    candidate or the rounds are spent; inside the noise, the one using at least 10% less memory
    wins, else the higher measured mean. A leader ahead of everyone by more than `CLEAR_LEAD`
-   (with 95% confidence) is not re-measured, and no budget is kept for it meanwhile. `SearchResult.comparison` holds the
+   (with 95% confidence) is not re-measured, and no budget is kept for it meanwhile; budget kept
+   for rounds that the separation made unnecessary goes back to the search (once). `SearchResult.comparison` holds the
    winner against the runner-up, `reason` says it in one line.
 """
 
@@ -276,54 +277,66 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
         return improved
 
     try:
-        while True:   # the search phase
-            remaining = allowed(i for i in range(len(candidates)) if i not in trials.tried)
-            # Once the evaluator has shown it reports noise, keep budget for the re-measurements.
-            # Not while the leader is ahead of everyone by more than load drift could explain:
-            # a re-measurement would only confirm it, a search trial may find a faster neighbour.
-            reserve = _remeasure_reserve(max_trials, remeasure_rounds) \
-                if trials.noise_reported and not trials.clearly_ahead() else 0
-            if not remaining:
-                stop_reason = "every candidate that fits evaluated"
-                break
-            if trials.count >= max_trials - reserve:
-                stop_reason = f"max_trials={max_trials} reached" + (
-                    f" ({reserve} kept for re-measuring the top candidates)" if reserve else "")
-                break
-            if since_improvement >= patience:
-                stop_reason = f"no improvement in {patience} trials (patience)"
-                break
-            pick = seeding.next(remaining, predictions, trials.tried, list(trials.runs))
-            if out_of_time(planner.expected_seconds if planner and pick is None else 0.0):
-                stop_reason = f"time_limit_s={time_limit_s:g} would be exceeded by another trial"
-                break
-            planner_s = float("nan")
-            if pick is not None:
-                index, source = pick
-            else:
-                if planner is None:   # candidates came back under a corrected memory prediction
-                    planner = make_planner(labels, choices, prior, seed)
-                    if prior is not None and hasattr(planner, "update_prior"):
-                        planner.update_prior(prior)
-                log_fit = {i: math.log(max(p, 1e-12)) for i, p in remaining.items()}
-                suggestion = planner.suggest(trials.observations(), sorted(remaining), log_fit=log_fit)
-                index, planner_s, source = suggestion.index, suggestion.seconds, f"hebo-{suggestion.how}"
-                if out_of_time():
+        held = 0            # dry runs the search phase kept for re-measuring when it stopped
+        released = False    # the re-measurement ended early and gave its spare dry runs back
+        while True:
+            while True:   # the search phase
+                remaining = allowed(i for i in range(len(candidates)) if i not in trials.tried)
+                # Once the evaluator has shown it reports noise, keep budget for the re-measurements.
+                # Not while the leader is ahead of everyone by more than load drift could explain:
+                # a re-measurement would only confirm it, a search trial may find a faster neighbour.
+                reserve = _remeasure_reserve(max_trials, remeasure_rounds) \
+                    if trials.noise_reported and not trials.clearly_ahead() and not released else 0
+                if not remaining:
+                    stop_reason = "every candidate that fits evaluated"
+                    break
+                if trials.count >= max_trials - reserve:
+                    stop_reason = f"max_trials={max_trials} reached" + (
+                        f" ({reserve} kept for re-measuring the top candidates)" if reserve else "")
+                    held = reserve
+                    break
+                if since_improvement >= patience:
+                    stop_reason = f"no improvement in {patience} trials (patience)"
+                    break
+                pick = seeding.next(remaining, predictions, trials.tried, list(trials.runs))
+                if out_of_time(planner.expected_seconds if planner and pick is None else 0.0):
                     stop_reason = f"time_limit_s={time_limit_s:g} would be exceeded by another trial"
                     break
-            improved = run(index, planner_s, source)
-            since_improvement = 0 if improved else since_improvement + 1
-        # The re-measurement phase: the leader against its likeliest challenger, interleaved,
-        # until the interval separates the leader from every other candidate or the budget is spent.
-        rounds = 0
-        while trials.noise_reported and rounds < remeasure_rounds:
-            pair = trials.challenge(first=rounds == 0 and not trials.clearly_ahead(),
-                                    posterior=_posterior(planner, trials))
-            if pair is None or trials.count + 2 > max_trials or out_of_time(trials.typical_seconds()):
+                planner_s = float("nan")
+                if pick is not None:
+                    index, source = pick
+                else:
+                    if planner is None:   # candidates came back under a corrected memory prediction
+                        planner = make_planner(labels, choices, prior, seed)
+                        if prior is not None and hasattr(planner, "update_prior"):
+                            planner.update_prior(prior)
+                    log_fit = {i: math.log(max(p, 1e-12)) for i, p in remaining.items()}
+                    suggestion = planner.suggest(trials.observations(), sorted(remaining), log_fit=log_fit)
+                    index, planner_s, source = suggestion.index, suggestion.seconds, f"hebo-{suggestion.how}"
+                    if out_of_time():
+                        stop_reason = f"time_limit_s={time_limit_s:g} would be exceeded by another trial"
+                        break
+                improved = run(index, planner_s, source)
+                since_improvement = 0 if improved else since_improvement + 1
+            # The re-measurement phase: the leader against its likeliest challenger, interleaved,
+            # until the interval separates the leader from every other candidate or the budget is spent.
+            rounds, separated = 0, False
+            while trials.noise_reported and rounds < remeasure_rounds:
+                pair = trials.challenge(first=rounds == 0 and not trials.clearly_ahead(),
+                                        posterior=_posterior(planner, trials))
+                separated = pair is None
+                if pair is None or trials.count + 2 > max_trials or out_of_time(trials.typical_seconds()):
+                    break
+                for index in pair:
+                    run(index, float("nan"), "remeasure")
+                rounds += 1
+            # The leader stood apart from every other candidate before the budget kept for it was
+            # spent: the rest goes back to the search, once (at 256 candidates / 20 dry runs, up to
+            # 2 of the 4 kept were left unused). A new leader found there is compared with the old
+            # on their measurements like any other pair.
+            if released or not (separated and held and trials.count < max_trials):
                 break
-            for index in pair:
-                run(index, float("nan"), "remeasure")
-            rounds += 1
+            released = True
     finally:
         bar.close()
     return trials.result(stop_reason, None, pruned_table(), len(candidates), memory_limit_bytes)
