@@ -48,7 +48,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, cast
 
 import numpy as np
 from transformers import LlamaConfig
@@ -71,6 +71,10 @@ class Family:
     sigma_int: float        # log-effect of each interacting option pair
     pair_p: float           # probability that a pair of dimensions interacts
     noise: float            # relative error of one dry run's mean
+    # The shapes below are off for the four original families (whose landscapes stay as they were).
+    shape: str = "base"     # "base", "microbatch", "flat" or "needle" (see `Landscape`)
+    failing: bool = False   # a whole option (or pair of options) raises: 10-25% of the candidates
+    spikes: float = 0.0     # probability that a timed step is a load spike (x U(2, 3))
 
 
 FAMILIES = {
@@ -78,7 +82,16 @@ FAMILIES = {
     "interact-0%": Family(0.25, 0.12, 0.5, 0.0),
     "interact-3%": Family(0.25, 0.12, 0.5, 0.03),
     "interact-10%": Family(0.25, 0.12, 0.5, 0.10),
+    # Shapes the search was not tuned on ("Search on other landscape families" in RESULTS.md).
+    "microbatch-3%": Family(0.25, 0.12, 0.5, 0.03, shape="microbatch"),
+    "failing-3%": Family(0.25, 0.12, 0.5, 0.03, failing=True),
+    "spikes-3%": Family(0.25, 0.12, 0.5, 0.03, spikes=0.1),
+    "flat-3%": Family(0.25, 0.12, 0.5, 0.03, shape="flat"),
+    "needle-3%": Family(0.10, 0.0, 0.0, 0.03, shape="needle"),
 }
+# The micro-batch family's global batch (the per-rank batch is this / the data-parallel size).
+MICRO_GLOBAL_BATCH = 64
+MICRO_STEPS = (2, 4, 8)
 PREDICTORS = ("none", "noisy", "anti")
 
 # The landscape's own physics of memory: which options save memory, in which order (its own
@@ -86,7 +99,12 @@ PREDICTORS = ("none", "noisy", "anti")
 _SAVES = {"zero": ["none", "zero1", "zero2", "fsdp"], "checkpoint": ["none", "checkpoint"]}
 
 
-def make_space(size: int) -> SearchSpace:
+def make_space(size: int, micro_batch: bool = False) -> SearchSpace:
+    """The 64 or 256 candidates; with `micro_batch`, an ordinal micro-batch dimension (no
+    accumulation, or 2/4/8 micro-batches per step at a global batch of 64) in place of
+    module_replace (and the benchmark knob, and amp at 64), keeping the size."""
+    if micro_batch:
+        return _make_micro_space(size)
     cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
                       num_attention_heads=16, num_key_value_heads=16)
     world, tensors = (4, (2,)) if size == 64 else (8, (2, 4, 8))
@@ -101,6 +119,22 @@ def make_space(size: int) -> SearchSpace:
     dims["parallel"] = parallel
     space = SearchSpace(dims, world_size=world, model_config=cfg, device_type="cuda")
     assert len(space.candidates()) == size, len(space.candidates())
+    return space
+
+
+def _make_micro_space(size: int) -> SearchSpace:
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                      num_attention_heads=16, num_key_value_heads=16)
+    world, tensors = (4, (2,)) if size == 64 else (8, (2, 4, 8))
+    parallel = [("parallel_mode", ([("data", world)], None))]
+    parallel += [[("parallel_mode", ([("tensor", t), ("data", world // t)], None)), "tensor_parallel"] for t in tensors]
+    dims: Dict[str, list] = {} if size == 64 else {"amp": [None, "amp_native"]}
+    dims.update({"zero": [None, "zero1", "zero2", "fsdp"], "checkpoint": [None, "checkpoint"],
+                 "micro_batch": [None, *(("gradient_accumulation", {"steps": k}) for k in MICRO_STEPS)],
+                 "parallel": parallel})
+    space = SearchSpace(dims, world_size=world, model_config=cfg, device_type="cuda",
+                        global_batch_size=MICRO_GLOBAL_BATCH)
+    assert len(space.candidates()) == size, (len(space.candidates()), list(space.rejected.items())[:2])
     return space
 
 
@@ -133,13 +167,25 @@ class Landscape:
             self.log_tp[c.strategy] = float(v) + math.log(100.0)
             self.mem[c.strategy] = 40e9 * float(np.prod([mem_factor[d][i] for d, i in enumerate(c.choices)]))
         frac = rng.uniform(0.0, 0.45)
+        # The other shapes draw from their own stream, so the original families' draws are unchanged.
+        shape_rng = np.random.default_rng([seed, 15485863])
+        if family.shape == "microbatch":
+            frac = self._microbatch(space, cands, main, inter, mem_factor, shape_rng)
+        elif family.shape == "flat":
+            self._flatten(shape_rng)
         mems = sorted(self.mem.values())
         self.limit = int(mems[min(len(mems) - 1, int(math.floor((1 - frac) * len(mems))))] * 1.0000001) \
             if frac * len(mems) >= 1 else int(max(mems) * 1.01)
         self.raising = self.strategies[int(rng.integers(len(self.strategies)))]
-        ok = [s for s in self.strategies if self.mem[s] <= self.limit and s != self.raising]
+        self.failing = {self.raising}
+        if family.failing:
+            self.failing |= self._failing_option(cands, sizes, shape_rng)
+        if family.shape == "needle":
+            self._needle(shape_rng)
+        ok = [s for s in self.strategies if self.mem[s] <= self.limit and s not in self.failing]
         self.best = max(math.exp(self.log_tp[s]) for s in ok)
-        self.oom_fraction = 1 - (len(ok) + (self.raising in ok)) / len(self.strategies)
+        self.oom_fraction = 1 - sum(self.mem[s] <= self.limit and s != self.raising for s in self.strategies) / len(cands)
+        self.leanest = min(self.mem[s] for s in ok)
         self.noise_rng = np.random.default_rng(seed + 7919)
         # Predictors, from their own random numbers.
         prng = np.random.default_rng(seed + 104729)
@@ -159,13 +205,90 @@ class Landscape:
         tag = sum(ord(ch) * 31 ** k for k, ch in enumerate(method)) % 2**32
         self.noise_rng = np.random.default_rng([self.seed, tag])
 
+    # -- the other shapes (RESULTS.md, "Search on other landscape families") ----------------------
+
+    def _microbatch(self, space: SearchSpace, cands: list, main: list, inter: dict, mem_factor: list,
+                    rng: np.random.Generator) -> float:
+        """Throughput rising then saturating with the micro-batch (m / (m + h): small micro-batches
+        leave the device idle), memory = static state (x the ZeRO and checkpoint-free savings, / the
+        tensor degree) + activations of one micro-batch (proportional to its rows, x a checkpoint
+        factor, / the tensor degree): monotone in every saving choice, the large micro-batches
+        running out of memory. Returns the fraction of candidates to run out of memory."""
+        names = list(space.labels())
+        mb, par, ck, zero = (names.index(n) for n in ("micro_batch", "parallel", "checkpoint", "zero"))
+        world = space.world_size
+        tensor = [1] + [int(dict(c[0][1][0])["tensor"]) for c in space.dimensions["parallel"][1:]]
+        steps = (1, *MICRO_STEPS)
+        half = rng.uniform(0.5, 4.0)                   # rows per micro-batch at half the peak rate
+        static, act = 30e9, rng.uniform(1.0, 3.0) * 1e9          # bytes; activation bytes per row
+        ckpt = rng.uniform(0.15, 0.4)
+        for c in cands:
+            ch = c.choices
+            v = sum(main[d][i] for d, i in enumerate(ch) if d != mb)
+            v += sum(m[ch[d], ch[e]] for (d, e), m in inter.items() if mb not in (d, e))
+            t = tensor[ch[par]]
+            rows = MICRO_GLOBAL_BATCH * t / world / steps[ch[mb]]
+            self.log_tp[c.strategy] = float(v + math.log(rows / (rows + half))) + math.log(100.0)
+            self.mem[c.strategy] = (static * mem_factor[zero][ch[zero]] + act * rows * (ckpt if ch[ck] else 1.0)) / t
+        return float(rng.uniform(0.15, 0.5))
+
+    def _flatten(self, rng: np.random.Generator) -> None:
+        """Every candidate within U(1, 3)% of the best (the shape of the original draw kept), and
+        memory spanning exactly 2x (monotone in the saving choices as before)."""
+        spread = rng.uniform(0.01, 0.03)
+        tp, mem = np.array(list(self.log_tp.values())), np.log(list(self.mem.values()))
+        for s in self.strategies:
+            self.log_tp[s] = math.log(100.0) + spread * (self.log_tp[s] - tp.max()) / np.ptp(tp)
+            self.mem[s] = 40e9 * math.exp(math.log(2.0) * (math.log(self.mem[s]) - mem.max()) / np.ptp(mem))
+
+    def _failing_option(self, cands: list, sizes: List[int], rng: np.random.Generator) -> set:
+        """Every candidate with one option (or one pair of options) raises, e.g. compile on a model
+        it cannot trace: a set of 10-25% of the candidates sharing a cause."""
+        options = [((d, i),) for d, k in enumerate(sizes) for i in range(k) if k > 1]
+        options += [(a, b) for a, b in itertools.combinations([o[0] for o in options], 2) if a[0] != b[0]]
+        share = [sum(all(c.choices[d] == i for d, i in o) for c in cands) / len(cands) for o in options]
+        causes = [o for o, f in zip(options, share) if 0.10 <= f <= 0.25]
+        cause = causes[int(rng.integers(len(causes)))]
+        self.failing_cause = cause
+        return {c.strategy for c in cands if all(c.choices[d] == i for d, i in cause)}
+
+    def _needle(self, rng: np.random.Generator) -> None:
+        """One candidate (that fits and runs) U(10, 25)% faster than every other; its neighbours
+        gain nothing."""
+        ok = [s for s in self.strategies if self.mem[s] <= self.limit and s not in self.failing]
+        needle = ok[int(rng.integers(len(ok)))]
+        self.log_tp[needle] = max(self.log_tp[s] for s in ok if s != needle) + rng.uniform(0.1, 0.25)
+
+    def _dry_runner_steps(self, step: float) -> DryRunResult:
+        """Steps timed as the dry runner times them (`dry_runner.time_steps`: until the 95% half-width
+        is <= 3% of the mean after at least 5, at most 40), each a load spike x U(2, 3) with
+        probability `spikes`, summarized by the dry runner's own statistic (`step_timing.summarize`)."""
+        from atorch.auto.step_timing import is_precise_enough, summarize
+
+        sigma = self.family.noise * math.sqrt(STEPS)
+        times: List[float] = []
+        while len(times) < 40 and not is_precise_enough(times, 0.03, STEPS):
+            t = step * math.exp(self.noise_rng.normal(0, sigma))
+            if self.noise_rng.random() < self.family.spikes:
+                t *= self.noise_rng.uniform(2.0, 3.0)
+            times.append(float(t))
+        summary = summarize(times)
+        return DryRunResult(summary.throughput(BATCH), None, None, summary.mean_s, tuple(times),
+                            summary.throughput_interval(BATCH))
+
     def evaluate(self, strategy: Strategy) -> DryRunResult:
         if strategy == self.raising:
             raise RuntimeError("synthetic failure of this candidate's dry run")
+        if strategy in self.failing:
+            raise RuntimeError("synthetic failure of an option on this model (e.g. compile cannot trace it)")
         mem = self.mem[strategy]
         if mem > self.limit:
             return DryRunResult(0.0, int(mem), "oom: synthetic out of memory")
         step = BATCH / math.exp(self.log_tp[strategy])
+        if self.family.spikes > 0:
+            r = self._dry_runner_steps(step)
+            r.peak_memory_bytes = int(mem * math.exp(self.noise_rng.normal(0, 0.01)))
+            return r
         sigma = self.family.noise * math.sqrt(STEPS)
         steps = tuple(float(step * math.exp(self.noise_rng.normal(0, sigma))) for _ in range(STEPS))
         mean = float(np.mean(steps))
@@ -178,8 +301,10 @@ class Landscape:
 
 def run_ours(space: SearchSpace, land: Landscape, predictor: str, budget: int, seed: int) -> Tuple[float, dict]:
     calls: List[DryRunResult] = []
+    tried: List[Strategy] = []
 
     def evaluator(s: Strategy) -> DryRunResult:
+        tried.append(s)
         try:
             r = land.evaluate(s)
         except RuntimeError:
@@ -193,12 +318,25 @@ def run_ours(space: SearchSpace, land: Landscape, predictor: str, budget: int, s
     # The device's memory is known to every real search (auto_search passes it), predictor or not.
     result = search_strategy(space, evaluator, max_trials=budget, patience=budget, seed=seed, predictor=pred,
                              memory_limit_bytes=land.limit)
+    failed = [s for s, r in zip(tried, calls) if r.status == "exception"]
+    cmp = result.comparison
+    covered = None
+    if cmp is not None and cmp.lo is not None:
+        truth = math.exp(land.log_tp[cmp.winner] - land.log_tp[cmp.runner_up])
+        covered = bool(cmp.lo <= truth <= cast(float, cmp.hi))
+    best = result.best
     info = {"runs": len(calls), "oom": sum(r.status == "oom" for r in calls),
-            "planner": result.planner_seconds, "separated": bool(result.comparison and result.comparison.separated)}
+            "planner": result.planner_seconds, "separated": bool(cmp and cmp.separated),
+            "failed": len(failed), "failed_twice": len(failed) - len(set(failed)),
+            "bad_winner": best is not None and (best in land.failing or land.mem[best] > land.limit),
+            "ci_covered": covered, "lean": land.mem[best] / land.leanest if best is not None else math.nan}
     return land.ratio(result.best), info
 
 
-def run_random(land: Landscape, budget: int, rng: np.random.Generator) -> List[float]:
+def run_random(land: Landscape, budget: int, rng: np.random.Generator, lean: Optional[List[float]] = None
+               ) -> List[float]:
+    """Ratios of `RANDOM_ORDERS` random searches; `lean` (if given) receives each winner's memory
+    over the leanest candidate's that runs."""
     out = []
     land.reset_noise("random")
     for _ in range(RANDOM_ORDERS):
@@ -212,6 +350,8 @@ def run_random(land: Landscape, budget: int, rng: np.random.Generator) -> List[f
             if r.ok and r.throughput > best_tp:
                 best, best_tp = s, r.throughput
         out.append(land.ratio(best))
+        if lean is not None and best is not None:
+            lean.append(land.mem[best] / land.leanest)
     return out
 
 
@@ -270,6 +410,10 @@ def planner_seconds_512(repeats: int = 10) -> List[float]:
     return out
 
 
+def _flag(value: Optional[bool]) -> str:
+    return "-" if value is None else str(int(value))
+
+
 def summarize(ratios: List[float]) -> str:
     r = np.asarray(ratios)
     return f"{np.mean(r >= TARGET) * 100:5.1f}% | {r.mean():.3f} | {r.min():.3f}"
@@ -319,9 +463,9 @@ def main() -> None:
         print(f"planner on 512 candidates, 25 observations: seconds per suggestion median {np.median(secs):.3f}, "
               f"max {max(secs):.3f} ({len(secs)} suggestions)")
         return
-    space = make_space(args.space)
     budget = BUDGET[args.space]
-    rows = []
+    rows, diagnostics = [], []
+    spaces: Dict[bool, SearchSpace] = {}
     planner: List[float] = []
     started = time.time()
     for fam_name in args.families:
@@ -329,18 +473,24 @@ def main() -> None:
         ours: Dict[str, List[float]] = {p: [] for p in args.predictors}
         infos: Dict[str, List[dict]] = {p: [] for p in args.predictors}
         rand: List[float] = []
+        rand_lean: List[float] = []
         hebo: List[float] = []
-        ooms, rhos = [], []
+        ooms, rhos, fail_share = [], [], []
         for k in range(args.landscapes):
             seed = 1000 * args.space + 100 * list(FAMILIES).index(fam_name) + k + args.seed_offset
+            micro = family.shape == "microbatch"
+            if micro not in spaces:
+                spaces[micro] = make_space(args.space, micro_batch=micro)
+            space = spaces[micro]
             land = Landscape(space, family, seed)
             ooms.append(land.oom_fraction)
+            fail_share.append(len(land.failing) / len(land.strategies))
             from scipy.stats import spearmanr
 
             truth = [land.log_tp[s] for s in land.strategies]
             rhos.append(spearmanr(truth, [-math.log(land.predicted["noisy"][s].step_time_s)
                                           for s in land.strategies])[0])
-            rand.extend(run_random(land, budget, np.random.default_rng(seed)))
+            rand.extend(run_random(land, budget, np.random.default_rng(seed), rand_lean))
             if not args.skip_ours:
                 for p in args.predictors:
                     ratio, info = run_ours(space, land, p, budget, seed)
@@ -354,13 +504,24 @@ def main() -> None:
                       f"{np.median(secs):.1f}, max {max(secs):.1f}", flush=True)
             print(f"{fam_name} #{k} ({time.time() - started:.0f} s): oom {land.oom_fraction:.2f} " +
                   " ".join(f"{p}={ours[p][-1]:.3f}/oom{infos[p][-1]['oom']}" for p in args.predictors if ours[p]) +
-                  f" random(mean)={np.mean(rand[-RANDOM_ORDERS:]):.3f}", flush=True)
+                  f" random(mean)={np.mean(rand[-RANDOM_ORDERS:]):.3f} | " +
+                  " ".join(f"{p}:failed{infos[p][-1]['failed']},twice{infos[p][-1]['failed_twice']},"
+                           f"bad{int(infos[p][-1]['bad_winner'])},ci{_flag(infos[p][-1]['ci_covered'])},"
+                           f"lean{infos[p][-1]['lean']:.2f}" for p in args.predictors if ours[p]), flush=True)
         for p in args.predictors:
             if ours[p]:
                 info = infos[p]
                 rows.append(f"| {args.space} | {fam_name} | ours, predictor {p} | {len(ours[p])} | "
                             f"{summarize(ours[p])} | {np.mean([i['runs'] for i in info]):.1f} | "
                             f"{np.mean([i['oom'] for i in info]):.2f} |")
+                covered = [i["ci_covered"] for i in info if i["ci_covered"] is not None]
+                diagnostics.append(
+                    f"| {args.space} | {fam_name} | ours, predictor {p} | "
+                    f"{np.mean([i['failed'] for i in info]):.2f} | {sum(i['failed_twice'] for i in info)} | "
+                    f"{sum(i['bad_winner'] for i in info)} | {np.mean([i['separated'] for i in info]) * 100:.0f}% | "
+                    f"{len(covered) - sum(covered)} of {len(covered)} | {np.mean([i['lean'] for i in info]):.2f} |")
+        diagnostics.append(f"| {args.space} | {fam_name} | random search | {budget * np.mean(fail_share):.2f}"
+                           f" (expected) | | | | | {np.mean(rand_lean):.2f} |")
         rows.append(f"| {args.space} | {fam_name} | random search ({RANDOM_ORDERS} orders each) | {args.landscapes} | "
                     f"{summarize(rand)} | {budget} | |")
         if hebo:
@@ -373,6 +534,13 @@ def main() -> None:
     print("| space | family | method | landscapes | P(>= 0.98) | mean ratio | worst | dry runs | OOM runs |")
     print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
+    print("\nfailed runs: dry runs that raised, mean per search; twice: a failed candidate run again; bad winner: "
+          "a declared winner that raises or runs out of memory; separated: the winner declared faster than the "
+          "runner-up (interval excludes 1); CI misses: the winner/runner-up interval not holding the true ratio; "
+          "lean: the winner's memory over the leanest candidate's that runs\n")
+    print("| space | family | method | failed runs | twice | bad winner | separated | CI misses | lean |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(diagnostics))
     if planner:
         p = np.asarray(planner)
         print(f"\nplanner seconds per suggestion over {len(p)} suggestions: median {np.median(p):.3f}, "

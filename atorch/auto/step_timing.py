@@ -70,7 +70,7 @@ def summarize(step_times_s: Sequence[float]) -> StepTimeSummary:
     times = [float(t) for t in step_times_s]
     if not times or any(not math.isfinite(t) or t <= 0 for t in times):
         raise ValueError(f"step times must be positive and finite, got {times}")
-    kept = _without_outliers(times)
+    kept = without_outliers(times)
     n = len(kept)
     mean = sum(kept) / n
     if n < MIN_SAMPLES_FOR_INTERVAL:
@@ -80,7 +80,9 @@ def summarize(step_times_s: Sequence[float]) -> StepTimeSummary:
     return StepTimeSummary(mean, half, n, len(times) - n)
 
 
-def _without_outliers(times: Sequence[float]) -> list:
+def without_outliers(times: Sequence[float]) -> list:
+    """The samples the mean is taken over: all but the rare high outliers (module docstring).
+    The search computes a dry run's variance from the same samples (`search/stats.py`)."""
     median = _median(times)
     mad = _median([abs(t - median) for t in times])
     # A floor of 1% of the median: with identical times (MAD 0) nothing is an outlier by a hair.

@@ -19,6 +19,8 @@ the throughput surrogate. It learns it here instead, from three sources:
 
 The search prunes a candidate only when P(fit) < `PRUNE_BELOW` and weights its acquisition
 by P(fit) otherwise (an expected throughput that counts an out-of-memory run as 0).
+`FailureModel` does the same for dry runs that raise: P(does not raise) from the options and
+pairs of options the candidates that raised share (never a reason to prune, only a weight).
 """
 
 from __future__ import annotations
@@ -226,3 +228,64 @@ def _fmt(n: Optional[float]) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{int(n)} B"
+
+
+# The rate at which a candidate raises for a reason of its own (no option it shares with others):
+# the weight of the "no shared cause" explanation of a failure. At 0.1, one failure makes each of
+# its options and pairs a suspect of about 15% (in a space of ~60 options and pairs), two failures
+# sharing one about 60%, three about 95%.
+ISOLATED_FAILURE_RATE = 0.1
+
+
+class FailureModel:
+    """P(a candidate's dry run does not raise), learned from the candidates that raised and ran.
+
+    A dry run that raises usually has a cause shared with other candidates: one option (compile
+    on a model it cannot trace) or a pair of options of two dimensions (an optimization with a
+    tensor split). Each option and each such pair is a possible cause (every candidate with it
+    raises), a priori one cause in the space (prior 1 / the number of options and pairs); a
+    failure can also be the candidate's own (`ISOLATED_FAILURE_RATE`). A possible cause seen in a
+    candidate that ran (or ran out of memory: it got past building and its first steps) is ruled
+    out; one seen only in f candidates that raised is a cause with posterior
+    prior / (prior + (1 - prior) rate^f). A candidate runs when none of its options and pairs is a
+    cause (taken as independent): P = prod(1 - posterior) over them, 1 for a candidate that
+    shares nothing with a failure. (1 - the largest posterior alone learned slower: failing-3% in
+    benchmarks/search.py, >= 0.98 of the best in 51 of 60 searches vs 57.) Timeouts teach nothing
+    here (load can cause them).
+    """
+
+    def __init__(self, choices: Sequence[Sequence[int]]) -> None:
+        self.keys = [self._keys(c) for c in choices]
+        every = {k for keys in self.keys for k in keys}
+        self.prior = 1.0 / max(len(every), 1)
+        self.failures: Dict[tuple, int] = {}
+        self.ruled_out: set = set()
+
+    @staticmethod
+    def _keys(choice: Sequence[int]) -> List[tuple]:
+        singles = [(d, int(v)) for d, v in enumerate(choice)]
+        return singles + [a + b for k, a in enumerate(singles) for b in singles[k + 1:]]
+
+    def observe(self, i: int, status: str) -> None:
+        """One dry run of candidate i: "exception" makes its options and pairs suspects; "ok" and
+        "oom" rule them out; anything else (a timeout) is ignored."""
+        if status == "exception":
+            for k in self.keys[i]:
+                self.failures[k] = self.failures.get(k, 0) + 1
+        elif status in ("ok", "oom"):
+            self.ruled_out.update(self.keys[i])
+
+    def posterior(self, key: tuple) -> float:
+        """Probability that an option (d, v) or a pair (d, v, e, w) makes every candidate with it raise."""
+        f = self.failures.get(key, 0)
+        if f == 0 or key in self.ruled_out:
+            return 0.0
+        evidence = (1.0 - self.prior) * ISOLATED_FAILURE_RATE ** f
+        return self.prior / (self.prior + evidence)
+
+    def p_runs(self, i: int) -> float:
+        p = 1.0
+        for k in self.keys[i]:
+            if k in self.failures:
+                p *= 1.0 - self.posterior(k)
+        return p

@@ -16,7 +16,11 @@ predictor (the cost model); it never imports training code. Order of work:
    (an optimistic log-throughput) plus log P(fit), i.e. an optimistic throughput that counts
    an out-of-memory run as 0. Failed trials are not throughput observations: an exception or
    timeout retires that one candidate, an out-of-memory trial teaches feasibility (step 1);
-   neither reaches the GP. A predictor that learns (`LearningPredictorLike`: it has
+   neither reaches the GP. An exception also makes the candidate's options and pairs of options
+   suspects of raising wherever they appear (`feasibility.FailureModel`: compile failing on the
+   model fails every compile candidate), and P(fit) is multiplied by P(does not raise): to the
+   GP a failed region looks unmeasured, and its expected improvement drew the search back there
+   (benchmarks/search.py, failing-3%: up to 11 of 20 dry runs raised). A predictor that learns (`LearningPredictorLike`: it has
    `observe(strategy, step_time_s)`) is told every successful dry run and every candidate is
    predicted again: the GP's feature and the memory model follow the refit.
 4. The search phase stops at its share of `max_trials`, after `patience` trials without
@@ -27,7 +31,8 @@ predictor (the cost model); it never imports training code. Order of work:
    interval of their throughput ratio (`stats.py`) separates the leader from every other
    candidate or the rounds are spent; inside the noise, the one using at least 10% less memory
    wins, else the higher measured mean. A leader ahead of everyone by more than `CLEAR_LEAD`
-   (with 95% confidence) is not re-measured, and no budget is kept for it meanwhile. `SearchResult.comparison` holds the
+   (with 95% confidence) is not re-measured, and no budget is kept for it meanwhile; budget kept
+   for rounds that the separation made unnecessary goes back to the search (once). `SearchResult.comparison` holds the
    winner against the runner-up, `reason` says it in one line.
 """
 
@@ -42,7 +47,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Set,
 import numpy as np
 import pandas as pd
 
-from atorch.auto.search.feasibility import PRUNE_BELOW, Feasibility
+from atorch.auto.search.feasibility import PRUNE_BELOW, FailureModel, Feasibility
 from atorch.auto.search.space import Candidate, SearchSpace, memory_saving_ranks
 from atorch.auto.search.stats import LogEstimate, RatioCI, log_throughput_of_steps, pool_runs, ratio_ci
 from atorch.auto.strategy import Strategy
@@ -211,12 +216,14 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
     trials = _TrialLog(candidates, predictions, batch_size)
     feasibility = Feasibility([c.choices for c in candidates], memory_saving_ranks(space), memory_limit_bytes,
                               _peaks(predictions))
+    failures = FailureModel([c.choices for c in candidates])
     labels_of = [c.label() for c in candidates]
 
     def allowed(indices: Any) -> Dict[int, float]:
-        """Untried (or given) candidates that may run, with their probability of fitting."""
+        """Untried (or given) candidates that may run, with their probability of measuring a
+        throughput: of fitting in memory, times of not raising (an option that raised before)."""
         probs = feasibility.probabilities(list(indices))
-        return {i: f.p for i, f in probs.items() if f.p >= PRUNE_BELOW}
+        return {i: f.p * failures.p_runs(i) for i, f in probs.items() if f.p >= PRUNE_BELOW}
 
     def pruned_table() -> pd.DataFrame:
         rows = []
@@ -255,6 +262,7 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
         result, seconds = _evaluate(evaluator, candidates[index].strategy, clock)
         improved = trials.add(index, result, seconds, planner_s, source)
         feasibility.observe(index, result.status, _usable_peak(result.peak_memory_bytes))
+        failures.observe(index, result.status)
         bar.update(1)
         bar.set_postfix_str(f"best {trials.best_mean_throughput():.4g}/s")
         if learner is not None and result.ok:
@@ -269,54 +277,66 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
         return improved
 
     try:
-        while True:   # the search phase
-            remaining = allowed(i for i in range(len(candidates)) if i not in trials.tried)
-            # Once the evaluator has shown it reports noise, keep budget for the re-measurements.
-            # Not while the leader is ahead of everyone by more than load drift could explain:
-            # a re-measurement would only confirm it, a search trial may find a faster neighbour.
-            reserve = _remeasure_reserve(max_trials, remeasure_rounds) \
-                if trials.noise_reported and not trials.clearly_ahead() else 0
-            if not remaining:
-                stop_reason = "every candidate that fits evaluated"
-                break
-            if trials.count >= max_trials - reserve:
-                stop_reason = f"max_trials={max_trials} reached" + (
-                    f" ({reserve} kept for re-measuring the top candidates)" if reserve else "")
-                break
-            if since_improvement >= patience:
-                stop_reason = f"no improvement in {patience} trials (patience)"
-                break
-            pick = seeding.next(remaining, predictions, trials.tried, list(trials.runs))
-            if out_of_time(planner.expected_seconds if planner and pick is None else 0.0):
-                stop_reason = f"time_limit_s={time_limit_s:g} would be exceeded by another trial"
-                break
-            planner_s = float("nan")
-            if pick is not None:
-                index, source = pick
-            else:
-                if planner is None:   # candidates came back under a corrected memory prediction
-                    planner = make_planner(labels, choices, prior, seed)
-                    if prior is not None and hasattr(planner, "update_prior"):
-                        planner.update_prior(prior)
-                log_fit = {i: math.log(max(p, 1e-12)) for i, p in remaining.items()}
-                suggestion = planner.suggest(trials.observations(), sorted(remaining), log_fit=log_fit)
-                index, planner_s, source = suggestion.index, suggestion.seconds, f"hebo-{suggestion.how}"
-                if out_of_time():
+        held = 0            # dry runs the search phase kept for re-measuring when it stopped
+        released = False    # the re-measurement ended early and gave its spare dry runs back
+        while True:
+            while True:   # the search phase
+                remaining = allowed(i for i in range(len(candidates)) if i not in trials.tried)
+                # Once the evaluator has shown it reports noise, keep budget for the re-measurements.
+                # Not while the leader is ahead of everyone by more than load drift could explain:
+                # a re-measurement would only confirm it, a search trial may find a faster neighbour.
+                reserve = _remeasure_reserve(max_trials, remeasure_rounds) \
+                    if trials.noise_reported and not trials.clearly_ahead() and not released else 0
+                if not remaining:
+                    stop_reason = "every candidate that fits evaluated"
+                    break
+                if trials.count >= max_trials - reserve:
+                    stop_reason = f"max_trials={max_trials} reached" + (
+                        f" ({reserve} kept for re-measuring the top candidates)" if reserve else "")
+                    held = reserve
+                    break
+                if since_improvement >= patience:
+                    stop_reason = f"no improvement in {patience} trials (patience)"
+                    break
+                pick = seeding.next(remaining, predictions, trials.tried, list(trials.runs))
+                if out_of_time(planner.expected_seconds if planner and pick is None else 0.0):
                     stop_reason = f"time_limit_s={time_limit_s:g} would be exceeded by another trial"
                     break
-            improved = run(index, planner_s, source)
-            since_improvement = 0 if improved else since_improvement + 1
-        # The re-measurement phase: the leader against its likeliest challenger, interleaved,
-        # until the interval separates the leader from every other candidate or the budget is spent.
-        rounds = 0
-        while trials.noise_reported and rounds < remeasure_rounds:
-            pair = trials.challenge(first=rounds == 0 and not trials.clearly_ahead(),
-                                    posterior=_posterior(planner, trials))
-            if pair is None or trials.count + 2 > max_trials or out_of_time(trials.typical_seconds()):
+                planner_s = float("nan")
+                if pick is not None:
+                    index, source = pick
+                else:
+                    if planner is None:   # candidates came back under a corrected memory prediction
+                        planner = make_planner(labels, choices, prior, seed)
+                        if prior is not None and hasattr(planner, "update_prior"):
+                            planner.update_prior(prior)
+                    log_fit = {i: math.log(max(p, 1e-12)) for i, p in remaining.items()}
+                    suggestion = planner.suggest(trials.observations(), sorted(remaining), log_fit=log_fit)
+                    index, planner_s, source = suggestion.index, suggestion.seconds, f"hebo-{suggestion.how}"
+                    if out_of_time():
+                        stop_reason = f"time_limit_s={time_limit_s:g} would be exceeded by another trial"
+                        break
+                improved = run(index, planner_s, source)
+                since_improvement = 0 if improved else since_improvement + 1
+            # The re-measurement phase: the leader against its likeliest challenger, interleaved,
+            # until the interval separates the leader from every other candidate or the budget is spent.
+            rounds, separated = 0, False
+            while trials.noise_reported and rounds < remeasure_rounds:
+                pair = trials.challenge(first=rounds == 0 and not trials.clearly_ahead(),
+                                        posterior=_posterior(planner, trials))
+                separated = pair is None
+                if pair is None or trials.count + 2 > max_trials or out_of_time(trials.typical_seconds()):
+                    break
+                for index in pair:
+                    run(index, float("nan"), "remeasure")
+                rounds += 1
+            # The leader stood apart from every other candidate before the budget kept for it was
+            # spent: the rest goes back to the search, once (at 256 candidates / 20 dry runs, up to
+            # 2 of the 4 kept were left unused). A new leader found there is compared with the old
+            # on their measurements like any other pair.
+            if released or not (separated and held and trials.count < max_trials):
                 break
-            for index in pair:
-                run(index, float("nan"), "remeasure")
-            rounds += 1
+            released = True
     finally:
         bar.close()
     return trials.result(stop_reason, None, pruned_table(), len(candidates), memory_limit_bytes)

@@ -382,6 +382,13 @@ def _memory_saving_score(choice: Choice) -> Optional[float]:
             sizes = item.config[0] if isinstance(item.config, (tuple, list)) and item.config else []
             # Model-parallel degrees (tensor, pipeline) split the model's state across devices.
             score += sum(math.log2(int(s)) for name, s in sizes if name != "data" and int(s) > 0)
+        elif item.name == "gradient_accumulation":
+            # The micro-batch dimension: at a fixed batch per step, `steps` micro-batches of 1/steps
+            # the rows each hold the activations of one micro-batch, so more steps never need more
+            # memory. Left unordered, a large micro-batch that ran out of memory taught the search
+            # nothing about the larger ones (benchmarks/search.py, family microbatch-3%).
+            steps = get_optimization(item.name).parse_config(item.config).steps
+            score += math.log2(max(int(steps), 1))
         elif item.name in _MEMORY_SAVING:
             score += _MEMORY_SAVING[item.name]
         else:

@@ -1,0 +1,124 @@
+"""Failure modes found on landscape shapes the search was not tuned on (benchmarks/search.py,
+families microbatch-3%, failing-3%, spikes-3%, flat-3%, needle-3%); each test in milliseconds."""
+
+import math
+
+import numpy as np
+
+from atorch.auto.search import DryRunResult, SearchSpace, search_strategy
+from atorch.auto.search.bo import Suggestion
+from atorch.auto.search.feasibility import FailureModel, Feasibility
+from atorch.auto.search.space import memory_saving_ranks
+from atorch.auto.search.stats import log_throughput_of_steps, t_quantile
+from atorch.auto.step_timing import summarize
+
+
+def space16() -> SearchSpace:
+    return SearchSpace({"zero": [None, "zero1", "zero2", "fsdp"], "checkpoint": [None, "checkpoint"],
+                        "amp": [None, "amp_native"]}, world_size=2)
+
+
+class AmpFirstPlanner:
+    """Suggests the remaining candidate with the highest log P(measures) it is given, amp first on
+    ties: the acquisition's pull towards the region a failed run left unexplored."""
+
+    def __init__(self, labels, choices, prior, seed):
+        self.expected_seconds, self.choices = 0.0, choices
+
+    def suggest(self, observed, remaining, log_fit=None):
+        best = max(remaining, key=lambda i: ((log_fit or {}).get(i, 0.0), self.choices[i][2], -i))
+        return Suggestion(best, 0.0, "amp-first", len(remaining))
+
+
+def micro_space() -> SearchSpace:
+    return SearchSpace({"micro_batch": [None, ("gradient_accumulation", {"steps": 2}),
+                                        ("gradient_accumulation", 4)],
+                        "checkpoint": [None, "checkpoint"]}, world_size=2, global_batch_size=8)
+
+
+def test_the_micro_batch_dimension_is_ordered_by_memory():
+    """More micro-batches per step (fewer rows each) never need more memory: an out-of-memory run
+    at a large micro-batch rules out the larger ones, and one that ran vouches for the smaller."""
+    space = micro_space()
+    assert memory_saving_ranks(space)[0] == [0.0, 1.0, 2.0]
+    cands = space.candidates()
+    index = {c.choices: i for i, c in enumerate(cands)}
+    feas = Feasibility([c.choices for c in cands], memory_saving_ranks(space), limit=100.0)
+    feas.observe(index[(1, 0)], "oom", None)           # 2 micro-batches of 4 rows ran out of memory
+    feas.observe(index[(1, 1)], "ok", 90.0)            # ... and ran with checkpointing
+    assert feas.probability(index[(0, 0)]).p == 0.0    # one micro-batch of 8 rows: no chance
+    assert feas.probability(index[(2, 1)]).p == 1.0    # 4 micro-batches, checkpointed: fits
+
+
+def test_an_option_that_raises_is_learned_and_avoided():
+    """Every amp candidate raises (half the space): after two or three failures the search stops
+    trying amp, instead of running every candidate of the region the failures left unmeasured."""
+    space = space16()
+    cands = space.candidates()
+    amp = {c.strategy for c in cands if c.choices[2] == 1}
+    table = {c.strategy: 10.0 + c.choices[0] + 2 * c.choices[1] for c in cands}
+
+    def evaluator(s):
+        if s in amp:
+            raise RuntimeError("amp cannot run on this model")
+        return DryRunResult(table[s], 100)
+
+    result = search_strategy(space, evaluator, max_trials=10, patience=10, random_samples=0,
+                             planner_factory=AmpFirstPlanner, remeasure_rounds=0)
+    assert (result.trials["status"] == "exception").sum() <= 3
+    assert result.best == max((s for s in table if s not in amp), key=table.get)
+
+
+def test_failure_causes_are_ruled_out_by_a_run_and_confirmed_by_repeats():
+    model = FailureModel([(a, b) for a in range(2) for b in range(3)])    # 6 candidates: a x b
+    index = {(a, b): 3 * a + b for a in range(2) for b in range(3)}
+    model.observe(index[(1, 0)], "exception")
+    once = model.p_runs(index[(1, 2)])                  # shares a=1 only
+    assert 0.3 < once < 1.0 and model.p_runs(index[(0, 1)]) == 1.0    # shares nothing
+    model.observe(index[(1, 1)], "exception")
+    assert model.p_runs(index[(1, 2)]) < 0.2 < once     # a=1 is now the likely cause
+    model.observe(index[(0, 0)], "ok")                  # b=0 ran without a=1
+    assert model.posterior((1, 0)) == 0.0
+    model.observe(index[(1, 2)], "timeout")             # no evidence either way
+    assert model.posterior((0, 1)) > 0.5
+
+
+def test_a_load_spike_is_left_out_of_a_runs_variance_as_the_dry_runner_leaves_it_out_of_the_mean():
+    """One step in ten at 2.5x: the dry runner's mean and interval leave it out; the search's
+    variance of that run must describe the same mean, not be 5x wider."""
+    steps = [1.0, 1.01, 0.99, 1.0, 2.5, 1.02, 0.98, 1.0, 1.01, 0.99]
+    est = log_throughput_of_steps(steps)
+    dry_runner = summarize(steps)
+    assert dry_runner.outliers == 1
+    assert est is not None and math.isclose(est.mean, -math.log(dry_runner.mean_s))
+    half = t_quantile(0.95, est.df) * math.sqrt(est.var)
+    assert math.isclose(half, dry_runner.relative_half_width, rel_tol=0.05)
+
+
+class FirstPlanner:
+    def __init__(self, labels, choices, prior, seed):
+        self.expected_seconds = 0.0
+
+    def suggest(self, observed, remaining, log_fit=None):
+        return Suggestion(sorted(remaining)[0], 0.0, "first", len(remaining))
+
+
+def test_budget_kept_for_re_measuring_goes_back_to_the_search_once_the_leader_is_separated():
+    """20 dry runs keep 4 for re-measuring; the leader (5% ahead, 0.5% noise) is separated from
+    everyone after one round, and the 2 dry runs left search on instead of going unused."""
+    space = SearchSpace({"zero": [None, "zero1", "zero2", "fsdp"], "checkpoint": [None, "checkpoint"],
+                         "amp": [None, "amp_native"], "module_replace": [None, "module_replace"]}, world_size=2)
+    strategies = space.strategies()
+    table = {s: 105.0 if k == 5 else 100.0 for k, s in enumerate(strategies)}
+    rng = np.random.default_rng(0)
+
+    def evaluator(s):
+        steps = tuple(float(32.0 / table[s] * (1 + 0.005 * z)) for z in rng.normal(size=5))
+        return DryRunResult(32.0 / float(np.mean(steps)), 100, step_times_s=steps)
+
+    result = search_strategy(space, evaluator, max_trials=20, patience=20, random_samples=0,
+                             planner_factory=FirstPlanner)
+    sources = list(result.trials["source"])
+    assert sources.count("remeasure") == 2 and len(sources) == 20
+    assert sources[-2:] == ["hebo-first", "hebo-first"]
+    assert result.best == strategies[5] and result.comparison is not None and result.comparison.separated
