@@ -26,6 +26,7 @@ from torch import nn
 
 from atorch.auto.activation_probe import find_blocks
 from atorch.auto.cost_model import ModelShape, StrategyTraits, block_activation_bytes, calibrated_shape, estimate
+from atorch.testing.activations import saved_by_every_block
 from atorch.testing.tp_families import FAMILIES, family_config
 from atorch.utils.peak_memory import PeakMemoryTracker
 
@@ -63,27 +64,6 @@ def widened(name: str) -> nn.Module:
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
 
-def saved_by_blocks(model: nn.Module, batch: int, seq: int) -> int:
-    params = {p.untyped_storage()._cdata for p in model.parameters()}
-    inside, seen, total, kept = [False], set(), [0], []
-
-    def pack(t: torch.Tensor) -> None:
-        key = t.untyped_storage()._cdata
-        if inside[0] and key not in params and key not in seen:
-            seen.add(key)
-            total[0] += t.untyped_storage().nbytes()
-            kept.append(t)
-
-    blocks = find_blocks(model) or []
-    hooks = [h for b in blocks for h in (b.register_forward_pre_hook(lambda *a: inside.__setitem__(0, True)),
-                                         b.register_forward_hook(lambda *a: inside.__setitem__(0, False)))]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
-        model(input_ids=torch.zeros(batch, seq, dtype=torch.long), use_cache=False)
-    for h in hooks:
-        h.remove()
-    return total[0]
-
-
 def measured_peak(model: nn.Module, batch: int, seq: int, vocab: int) -> int:
     opt = torch.optim.AdamW(model.parameters())
     x = torch.randint(0, vocab, (batch, seq))
@@ -104,7 +84,7 @@ def row(name: str, batch: int, seq: int) -> Dict[str, float]:
     start = time.perf_counter()
     calibrated = calibrated_shape(model, seq)
     probe_s = time.perf_counter() - start
-    saved = saved_by_blocks(model, batch, seq)
+    saved = saved_by_every_block(model, batch, seq)
     formula = layers * block_activation_bytes(shape, traits, batch, seq)
     probed = layers * block_activation_bytes(calibrated, traits, batch, seq)
     peak = measured_peak(model, batch, seq, vocab)

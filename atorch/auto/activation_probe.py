@@ -186,7 +186,7 @@ def measure_first_block(model: nn.Module, seq_len: int, batch: int = 1) -> Block
     try:
         with torch.random.fork_rng(devices=rng_devices), _train_mode(model), torch.enable_grad(), \
                 _quiet_fake_tensor_errors(), (fake if fake is not None else contextlib.nullcontext()), \
-                torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
+                torch.autograd.graph.saved_tensors_hooks(pack, never_unpacked):
             for kwargs in ({"use_cache": False}, {}):   # a non-Hugging Face forward may not take use_cache
                 try:
                     model(input_ids=tokens, **kwargs)
@@ -204,7 +204,7 @@ def measure_first_block(model: nn.Module, seq_len: int, batch: int = 1) -> Block
     return BlockActivations(int(state["bytes"]), seq_len, first_param.dtype)
 
 
-def _never_unpacked(_: None) -> torch.Tensor:
+def never_unpacked(_: None) -> torch.Tensor:
     raise RuntimeError("the activation probe's graph is not for backward")
 
 

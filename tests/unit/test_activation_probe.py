@@ -15,6 +15,7 @@ from atorch.auto.cost_model import (
     calibrated_shape,
     estimate,
 )
+from atorch.testing.activations import saved_by_every_block
 from atorch.utils.peak_memory import PeakMemoryTracker
 
 
@@ -35,24 +36,8 @@ def _model(config: tf.PretrainedConfig, meta: bool = False) -> nn.Module:
 
 
 def _saved_by_every_block(model: nn.Module, seq_len: int) -> int:
-    """Bytes all blocks save in a whole forward (each storage once, parameters excluded)."""
-    params = {p.untyped_storage()._cdata for p in model.parameters()}
-    blocks = find_blocks(model)
-    inside, seen, total, kept = [False], set(), [0], []
-
-    def pack(t: torch.Tensor) -> None:
-        key = t.untyped_storage()._cdata
-        if inside[0] and key not in params and key not in seen:
-            seen.add(key)
-            total[0] += t.untyped_storage().nbytes()
-            kept.append(t)   # alive until the count is done (no address reuse), not held by the graph
-
-    for block in blocks:
-        block.register_forward_pre_hook(lambda *a: inside.__setitem__(0, True))
-        block.register_forward_hook(lambda *a: inside.__setitem__(0, False))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
-        model(input_ids=torch.zeros(1, seq_len, dtype=torch.long), use_cache=False)
-    return total[0]
+    """Bytes all blocks save in a whole forward of one sequence (each storage once, parameters excluded)."""
+    return saved_by_every_block(model, 1, seq_len)
 
 
 # Architectures whose blocks the Llama/GPT-2 formula gets wrong by 10-20% (non-gated MLPs,

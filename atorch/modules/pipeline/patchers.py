@@ -307,25 +307,10 @@ def get_llama_custom_patcher(config: Any) -> Dict[str, PatchFn]:
 
     Each block recomputes the rotary cos/sin and the causal mask from the position ids and the
     2-D mask it receives: both are cheap next to a block, and only integer tensors then cross
-    stage boundaries (floating cos/sin would be treated as activations needing gradients).
+    stage boundaries (floating cos/sin would be treated as activations needing gradients). The
+    same pieces serve every family laid out as Llama (`get_llama_layout_patcher`).
     """
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    rotary = LlamaRotaryEmbedding(config=config)  # buffers computed from the config only
-
-    def embed(embed_tokens: nn.Module, inputs: Tensors) -> Tensors:
-        input_ids, mask = _split_first(inputs)
-        return embed_tokens(input_ids), mask, _positions(input_ids)
-
-    def block(layer: nn.Module, inputs: Tensors) -> Tensors:
-        hidden, mask, positions = inputs
-        rotary.to(hidden.device)
-        cos_sin = rotary(hidden, positions)
-        hidden = layer(hidden, attention_mask=_causal_mask(config, hidden, mask, positions), position_ids=positions,
-                       position_embeddings=cos_sin)
-        return hidden, mask, positions
-
-    return {"model.embed_tokens": embed, "model.layers": block, "model.norm": _final_norm, "lm_head": _head}
+    return get_llama_layout_patcher(config)
 
 
 def _family_rotary(config: Any) -> nn.Module:
