@@ -353,6 +353,12 @@ def test_stops_on_patience_and_max_trials(dummy_opts):
     assert len(capped.trials) == 2 and "max_trials=2" in capped.stop_reason
     with pytest.raises(ValueError, match="max_trials=0"):
         search_strategy(space, Recorder(table), max_trials=0)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"time_limit_s=.* must be > 0"):
+            search_strategy(space, Recorder(table), time_limit_s=bad)
+    for bad_memory in (0, -5, float("nan")):
+        with pytest.raises(ValueError, match=r"memory_limit_bytes=.* must be > 0"):
+            search_strategy(space, Recorder(table), memory_limit_bytes=bad_memory)
     with pytest.raises(ValueError, match="no valid candidate"):
         search_strategy(SearchSpace({"x": ["no_such_opt"]}), Recorder(table))
 

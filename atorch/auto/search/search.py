@@ -202,8 +202,11 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
         raise ValueError(f"max_trials={max_trials} must be >= 1")
     if random_samples < 0 or patience < 1:
         raise ValueError(f"random_samples={random_samples} must be >= 0 and patience={patience} >= 1")
-    if time_limit_s is not None and time_limit_s <= 0:
+    # `not x > 0` also refuses NaN, which every comparison lets through.
+    if time_limit_s is not None and not time_limit_s > 0:
         raise ValueError(f"time_limit_s={time_limit_s} must be > 0 (or None for no limit)")
+    if memory_limit_bytes is not None and (isinstance(memory_limit_bytes, bool) or not memory_limit_bytes > 0):
+        raise ValueError(f"memory_limit_bytes={memory_limit_bytes} must be > 0 (or None for no limit)")
     if remeasure_rounds < 0:
         raise ValueError(f"remeasure_rounds={remeasure_rounds} must be >= 0")
     start = clock()
