@@ -23,11 +23,13 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", ra
 case = sys.argv[2]
 if case == "all_reduce":
     t = torch.ones(3); dist.all_reduce(t); del t
-elif case == "reducer":
+elif case.startswith("reducer"):
     params = list(torch.nn.Linear(4, 4).parameters())
     r = dist.Reducer(params, [list(range(len(params)))], [1 << 20], dist.group.WORLD, [False] * len(params),
                      25 << 20, False, False, {}, False, None)
     logger = dist.Logger(r)
+    if case == "reducer+set_logger":
+        r.set_logger(logger)          # what DDP's constructor does
     del logger, r, params
 elif case == "ddp":
     m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
@@ -45,7 +47,7 @@ def _free_port() -> int:
 
 
 def main() -> None:
-    for case in ("nothing", "all_reduce", "reducer", "ddp"):
+    for case in ("nothing", "all_reduce", "reducer", "reducer+set_logger", "ddp"):
         out = subprocess.run([sys.executable, "-c", CASE, str(_free_port()), case], capture_output=True, text=True,
                              timeout=120)
         line = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else f"{case} failed: {out.stderr[-300:]}"
