@@ -7,7 +7,9 @@ thing with the default gloo group, drops every reference of its own, destroys th
 garbage, and lists the process's threads by name (/proc/self/task/*/comm). Threads left alive at
 this point are joined only in interpreter finalization, where a worker that needs the GIL aborts
 the process (benchmarks/RESULTS.md, "Clean exit"). Found in session 6: constructing a
-`DistributedDataParallel` is enough to keep them; its pieces constructed alone are not.
+`DistributedDataParallel` keeps them, because it imports `torch._dynamo`, and importing
+`torch._dynamo` after the group exists is enough; imported before, nothing is left
+(atorch.init_distributed now imports it first).
 """
 
 from __future__ import annotations
@@ -19,8 +21,12 @@ import sys
 CASE = r'''
 import gc, os, sys, torch
 import torch.distributed as dist
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1)
 case = sys.argv[2]
+if case.endswith("dynamo imported before init"):
+    import torch._dynamo
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1)
+if case == "dynamo imported after init":
+    import torch._dynamo
 if case == "all_reduce":
     t = torch.ones(3); dist.all_reduce(t); del t
 elif case.startswith("reducer"):
@@ -31,12 +37,12 @@ elif case.startswith("reducer"):
     if case == "reducer+set_logger":
         r.set_logger(logger)          # what DDP's constructor does
     del logger, r, params
-elif case == "ddp":
+elif case.startswith("ddp"):   # DDP's constructor imports torch._dynamo
     m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
     del m
 gc.collect(); dist.destroy_process_group(); gc.collect()
 names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
-print(case, len(names) - 1, [n for n in names if n != "python"])
+print(f"{case}: {len(names) - 1} threads left", [n for n in names if n != "python"])
 '''
 
 
@@ -47,7 +53,8 @@ def _free_port() -> int:
 
 
 def main() -> None:
-    for case in ("nothing", "all_reduce", "reducer", "reducer+set_logger", "ddp"):
+    for case in ("nothing", "all_reduce", "reducer", "reducer+set_logger", "ddp", "dynamo imported after init",
+                 "dynamo imported before init", "ddp, dynamo imported before init"):
         out = subprocess.run([sys.executable, "-c", CASE, str(_free_port()), case], capture_output=True, text=True,
                              timeout=120)
         line = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else f"{case} failed: {out.stderr[-300:]}"

@@ -112,11 +112,30 @@ def init_distributed(
     if backend == "nccl":
         torch.cuda.set_device(cuda_index())
     timeouts.enable_flight_recorder()
+    _import_dynamo_before_the_group_exists()
     store = _rendezvous_store(rank_, world, addr, port, join)
     dist.init_process_group(backend=backend, store=store, rank=rank_, world_size=world, timeout=collective)
     timeouts.install(store)
     _register_exit_teardown()
     return True
+
+
+def _import_dynamo_before_the_group_exists() -> None:
+    """Import `torch._dynamo` now, while no process group exists.
+
+    Imported after the default group exists (DDP's constructor imports it, and so does
+    torch.compile), it keeps a reference to that group that `destroy_process_group()` and
+    garbage collection cannot drop (torch 2.13, measured by thread names: gloo's `pt_gloo_runloop`
+    x2, `gloo_tcp_loop` and `pt_tcpstore_uv` stay alive after destroy when torch._dynamo was
+    imported after init, and are gone when it was imported before; `benchmarks/exit_ddp_threads.py`).
+    Those workers then live into interpreter finalization, where one that needs the GIL aborts the
+    process after training finished: the Slurm example's worker did, once in two fresh-clone CI
+    runs. Every DDP or compiled job imports it anyway, so importing it first costs them nothing.
+    """
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - a broken optional compiler stack must not stop training
+        logger.debug("torch._dynamo could not be imported before the process group (%s: %s)", type(e).__name__, e)
 
 
 _exit_teardown_registered = False

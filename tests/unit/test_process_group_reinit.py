@@ -28,3 +28,37 @@ def test_a_users_own_settings_are_left_alone(monkeypatch):
     atorch.init_distributed("gloo")
     atorch.reset_distributed()
     assert os.environ["MASTER_PORT"] == port and os.environ["MASTER_ADDR"] == "127.0.0.1"
+
+
+_DDP_JOB = r"""
+import gc, os, torch
+import atorch
+atorch.init_distributed("gloo")
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))   # imports torch._dynamo
+model(torch.randn(2, 4)).sum().backward()
+del model
+atorch.reset_distributed()
+gc.collect()
+print(sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")))
+"""
+
+
+def test_no_gloo_thread_outlives_the_reset_of_a_ddp_job():
+    """gloo's worker threads left alive at interpreter finalization abort the process when one needs
+    the GIL there (a finished Slurm job's worker did). DDP imports torch._dynamo, and imported after
+    the group exists it keeps the group alive through destroy and gc: atorch imports it first.
+    A fresh interpreter, since this pytest process may have imported torch._dynamo already."""
+    import subprocess
+    import sys
+
+    if not os.path.isdir("/proc/self/task"):
+        import pytest
+
+        pytest.skip("thread names are read from /proc (Linux)")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-c", _DDP_JOB], env=dict(env, OMP_NUM_THREADS="1"), capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    threads = out.stdout.strip().splitlines()[-1]
+    assert "gloo" not in threads and "tcpstore" not in threads, threads
