@@ -33,7 +33,7 @@ import sys
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Set, Tuple, Union
 
 import torch
 from torch import nn
@@ -336,12 +336,7 @@ def _config_activation_scale(config: Any, shape: ModelShape, seq_len: int) -> fl
     model = _meta_model(config, "counting the block activations of")
     if model is None:
         return 1.0
-    unfused = dataclasses.replace(shape, fused_attention=False)
-
-    def formula(tokens: int, mode: str) -> float:
-        replicated, sharded = _block_saved_bytes(unfused, mode, tokens, False)
-        return tokens * (replicated + sharded)
-
+    formula = _block_formula(dataclasses.replace(shape, fused_attention=False))
     scale = block_activation_scale(model, cache_key[1], formula)
     _CONFIG_SCALES[cache_key] = scale
     if len(_CONFIG_SCALES) > _LAYOUTS_MAX:
@@ -777,6 +772,15 @@ def shape_of(obj: Any, seq_len: Optional[int] = None) -> ModelShape:
 _SCALES: "weakref.WeakKeyDictionary[nn.Module, Dict[Tuple[int, int], float]]" = weakref.WeakKeyDictionary()
 
 
+def _block_formula(shape: ModelShape) -> Callable[[int, str], float]:
+    """What the activation probe compares its measurement with: the formula's bytes one block of
+    `shape` saves for `tokens` tokens in `mode` ("fp32" or "half"), with the shape's own attention."""
+    def formula(tokens: int, mode: str) -> float:
+        replicated, sharded = _block_saved_bytes(shape, mode, tokens, shape.fused_attention)
+        return tokens * (replicated + sharded)
+    return formula
+
+
 def calibrated_shape(model: nn.Module, seq_len: int) -> ModelShape:
     """`ModelShape.from_module(model)` with its block activations measured on the model itself
     (`activation_probe.block_activation_scale`, cached per model and sequence length)."""
@@ -786,11 +790,7 @@ def calibrated_shape(model: nn.Module, seq_len: int) -> ModelShape:
     key = (int(seq_len), shape.num_params)
     scales = _SCALES.setdefault(model, {})
     if key not in scales:
-        def formula(tokens: int, mode: str) -> float:
-            replicated, sharded = _block_saved_bytes(shape, mode, tokens, shape.fused_attention)
-            return tokens * (replicated + sharded)
-
-        scales[key] = block_activation_scale(model, key[0], formula)
+        scales[key] = block_activation_scale(model, key[0], _block_formula(shape))
     return dataclasses.replace(shape, activation_scale=scales[key])
 
 
