@@ -261,13 +261,13 @@ class Landscape:
 
     def _dry_runner_steps(self, step: float) -> DryRunResult:
         """Steps timed as the dry runner times them (`dry_runner.time_steps`: until the 95% half-width
-        is <= 3% of the mean after at least 5, at most 40), each a load spike x U(2, 3) with
-        probability `spikes`, summarized by the dry runner's own statistic (`step_timing.summarize`)."""
-        from atorch.auto.step_timing import is_precise_enough, summarize
+        is <= 3% of the mean after at least its default pilot, at most 40), each a load spike x U(2, 3)
+        with probability `spikes`, summarized by the dry runner's own statistic (`step_timing.summarize`)."""
+        from atorch.auto.step_timing import PILOT_SAMPLES, is_precise_enough, summarize
 
         sigma = self.family.noise * math.sqrt(STEPS)
         times: List[float] = []
-        while len(times) < 40 and not is_precise_enough(times, 0.03, STEPS):
+        while len(times) < 40 and not is_precise_enough(times, 0.03, PILOT_SAMPLES):
             t = step * math.exp(self.noise_rng.normal(0, sigma))
             if self.noise_rng.random() < self.family.spikes:
                 t *= self.noise_rng.uniform(2.0, 3.0)

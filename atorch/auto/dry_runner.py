@@ -46,7 +46,7 @@ from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
 from atorch.auto.model_source import ModelSource
 from atorch.auto.search.search import DryRunResult
-from atorch.auto.step_timing import is_precise_enough, steps_per_sample, summarize
+from atorch.auto.step_timing import PILOT_SAMPLES, is_precise_enough, steps_per_sample, summarize
 from atorch.auto.strategy import Strategy
 from atorch.utils.env import check_output_location, env_float, env_int, env_str
 from atorch.utils.peak_memory import PeakMemoryTracker, is_out_of_memory
@@ -77,8 +77,9 @@ class DryRunConfig:
 
     warmup_steps: int = 2
     """Untimed steps before timing, during which memory is measured (at least MIN_MEMORY_STEPS are run)."""
-    profile_steps: int = 5
-    """Timed samples at least, before the interval is checked (a sample is one step, or several if short)."""
+    profile_steps: int = PILOT_SAMPLES
+    """Timed samples at least, before the interval is checked (a sample is one step, or several if
+    short); their spread fixes the reported interval (Stein's pilot, `atorch.auto.step_timing`)."""
     max_profile_steps: int = 40
     """The step budget: timing stops after this many timed steps even if the interval is still wide."""
     max_profile_seconds: float = 60.0
@@ -167,7 +168,7 @@ def dry_run(ctx: ModelContext, strategy: Strategy, config: DryRunConfig = DryRun
     with candidate_logs_quieted():   # this dry run's one line is logged below
         outcome = _run_local(ctx, strategy, config, source)
     outcomes = _gather(outcome)
-    result = merge_outcomes(outcomes)
+    result = merge_outcomes(outcomes, pilot=config.profile_steps)
     _log_result(strategy, result)
     return result
 
@@ -416,8 +417,9 @@ def _gather(outcome: _LocalOutcome) -> List[_LocalOutcome]:
     return gathered
 
 
-def merge_outcomes(outcomes: List[_LocalOutcome]) -> DryRunResult:
-    """The one result every rank agrees on (pure, deterministic in the rank order)."""
+def merge_outcomes(outcomes: List[_LocalOutcome], pilot: int = PILOT_SAMPLES) -> DryRunResult:
+    """The one result every rank agrees on (pure, deterministic in the rank order); `pilot`: the
+    timed samples whose spread fixes the interval (the run's `profile_steps`)."""
     peaks = [o.peak_memory_bytes for o in outcomes if o.peak_memory_bytes is not None]
     peak = max(peaks) if peaks else None
     failed = [o for o in outcomes if o.error_kind is not None]
@@ -439,6 +441,6 @@ def merge_outcomes(outcomes: List[_LocalOutcome]) -> DryRunResult:
     times = [max(ts) for ts in zip(*(o.step_times_s for o in outcomes))]
     if not times or samples <= 0 or min(times) <= 0:
         return DryRunResult(0.0, peak, "exception: no samples were timed (global batch size unknown)")
-    summary = summarize(times)
+    summary = summarize(times, pilot=pilot)
     return DryRunResult(summary.throughput(samples), peak, None, summary.mean_s, tuple(times),
                         summary.throughput_interval(samples))

@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 from scipy import stats as _st
 
-from atorch.auto.step_timing import without_outliers
+from atorch.auto.step_timing import summarize
 
 
 def t_quantile(confidence: float, df: float) -> float:
@@ -49,18 +49,23 @@ def log_throughput_of_steps(step_times_s: Sequence[float]) -> Optional[LogEstima
     """One dry run's log-throughput (up to the constant log(batch)) and the variance of its mean step time.
 
     Throughput = batch / mean step time, so log-throughput = log(batch) - log(mean); the delta
-    method gives var(log mean) = s^2 / (k mean^2) for k steps. None below 2 positive steps.
-    The mean and the spread are those of the steps the dry runner's own mean keeps
-    (`step_timing.without_outliers`: a load spike is left out): with the spikes in, one step in
-    ten at 2-3x made this standard error 5x the dry runner's interval (median over 300 runs,
-    benchmarks/search.py family spikes-3%) while the mean it describes had left them out.
+    method gives var(log mean) = s0^2 / (n mean^2) for n kept steps. The statistic is the dry
+    runner's own (`step_timing.summarize`): a load spike is left out of the mean and the spread
+    (with the spikes in, one step in ten at 2-3x made this standard error 5x the dry runner's
+    interval: median over 300 runs, benchmarks/search.py family spikes-3%), and the spread is the
+    pilot's (never below that of all kept steps), with the pilot's degrees of freedom, so that it
+    is not biased low by where the runner chose to stop (Stein's rule, `step_timing`).
+    Steps timed by another evaluator (a fixed count) are all pilot up to PILOT_SAMPLES. None below
+    2 positive steps.
     """
-    t = np.asarray([s for s in step_times_s if s is not None and math.isfinite(s) and s > 0], dtype=float)
-    if t.size < 2:
+    t = [float(s) for s in step_times_s if s is not None and math.isfinite(s) and s > 0]
+    if len(t) < 2:
         return None
-    t = np.asarray(without_outliers(t.tolist()), dtype=float)
-    m = float(t.mean())
-    return LogEstimate(-math.log(m), float(t.var(ddof=1)) / (t.size * m * m), float(t.size - 1), 1)
+    summary = summarize(t)
+    if summary.df < 1:
+        return None
+    m = summary.mean_s
+    return LogEstimate(-math.log(m), summary.spread_s ** 2 / (summary.kept * m * m), float(summary.df), 1)
 
 
 def relative_half_width_to_log_var(rel_half_width: float, confidence: float = 0.95, df: float = math.inf) -> float:
