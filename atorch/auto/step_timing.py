@@ -98,16 +98,25 @@ def summarize(step_times_s: Sequence[float], pilot: int = PILOT_SAMPLES) -> Step
     k0 = len(first)
     if k0 < 2:
         return StepTimeSummary(mean, math.inf, n, len(times) - n)
-    mean0 = sum(first) / k0
-    spread = math.sqrt(sum((t - mean0) ** 2 for t in first) / (k0 - 1))
+    spread = _spread(first)
     if n > k0:
         # Never narrower than the spread of every kept sample: slow steps that stayed in (too
         # many to be outliers, or too mild to be called one) move the mean, and an interval from a
         # quiet pilot would not show it (10% of the steps 2-3x slower: coverage 0.90-0.91 with s0
         # alone). Only ever wider than Stein's interval, so its coverage holds.
-        spread = max(spread, math.sqrt(sum((t - mean) ** 2 for t in kept) / (n - 1)))
+        spread = max(spread, _spread(kept))
     half = t_quantile(k0 - 1) * spread / math.sqrt(n) if k0 >= MIN_SAMPLES_FOR_INTERVAL else math.inf
     return StepTimeSummary(mean, half, n, len(times) - n, spread, k0 - 1)
+
+
+def _spread(samples: Sequence[float]) -> float:
+    """Sample standard deviation (n - 1); inf when the squares overflow a float (times that differ
+    by more than ~1e154, which only a broken timer or evaluator reports: an unbounded interval)."""
+    mean = sum(samples) / len(samples)
+    try:
+        return math.sqrt(sum((t - mean) ** 2 for t in samples) / (len(samples) - 1))
+    except OverflowError:
+        return math.inf
 
 
 def without_outliers(times: Sequence[float]) -> list:

@@ -81,6 +81,13 @@ def test_log_throughput_of_steps_and_half_width():
     assert est.var == pytest.approx(2.0 / (2 * 4.0))          # s^2 / (k mean^2)
     assert log_throughput_of_steps([1.0]) is None
     assert log_throughput_of_steps([1.0, float("nan"), -2.0]) is None
+    # Steps 1e300 apart (a broken timer) overflow the squares: the noise is unknown, not an error.
+    assert log_throughput_of_steps([1.0, 1.0, 1.0, 1e300]) is None
+    assert log_throughput_of_steps([1e-300, 1e300, 1.0]) is None
+    # The spread of a long run is the pilot's (the first 8 steps), never below all the steps'.
+    pilot = [1.0, 1.2, 0.8, 1.1, 0.9, 1.0, 1.05, 0.95]
+    est = log_throughput_of_steps(pilot * 2 + [1.02, 0.98] * 2)
+    assert est.df == 7 and est.var == pytest.approx(np.var(pilot, ddof=1) / 20, rel=1e-9)
     # +-3% at 95% (normal) is a log standard error of log(1.03)/1.96.
     assert relative_half_width_to_log_var(0.03) == pytest.approx((math.log(1.03) / 1.959964) ** 2)
 

@@ -30,6 +30,9 @@ def test_too_few_samples_have_no_interval():
         summarize([0.1, 0.0])
     with pytest.raises(ValueError, match="positive and finite"):
         summarize([])
+    # Times 1e300 apart overflow the squares: an unbounded interval, not an OverflowError.
+    s = summarize([1.0, 1.0, 1.0, 1e300])
+    assert math.isinf(s.half_width_s) and s.throughput_interval(8) is None
 
 
 def test_stops_when_half_width_reaches_target():
