@@ -124,7 +124,7 @@ class ModelShape:
     def from_module(cls, model: nn.Module) -> "ModelShape":
         """From a module: its HF config when it has one (with exact parameter counts), else its layers."""
         config = getattr(model, "config", None)
-        if config is not None and _config_int(config, ("hidden_size", "n_embd", "d_model"), default=0):
+        if config is not None and _config_int(_text_config(config), ("hidden_size", "n_embd", "d_model"), default=0):
             shape = _formula_shape(config)
             return dataclasses.replace(shape, **_module_layout(model, config, shape.num_layers))
         # A plain module: the largest ModuleList is the layer stack; the widest Linear input is the width.
@@ -157,17 +157,19 @@ def _formula_shape(config: Any) -> ModelShape:
     The parameter counts are exact for Llama and GPT-2 lookalikes only; `ModelShape.from_config`
     and `from_module` replace them by the real model's where there is one.
     """
+    config = _text_config(config)
     h = _config_int(config, ("hidden_size", "n_embd", "d_model"))
     layers = _config_int(config, ("num_hidden_layers", "n_layer", "num_layers"))
     heads = _config_int(config, ("num_attention_heads", "n_head"))
     vocab = _config_int(config, ("vocab_size",))
     ffn = _config_int(config, _FFN_NAMES, default=4 * h) or 4 * h
     kv_heads = _config_int(config, ("num_key_value_heads", "num_kv_heads"), default=heads) or heads
-    if getattr(config, "multi_query", False) is True and not getattr(config, "new_decoder_architecture", False):
+    if _config_attr(config, "multi_query", False) is True and \
+            not _config_attr(config, "new_decoder_architecture", False):
         kv_heads = 1    # Falcon's and GPT-BigCode's multi-query attention: one key/value head
     head_dim = _config_int(config, ("head_dim",), default=h // heads) or h // heads
     q_dim = heads * head_dim
-    gated = hasattr(config, "intermediate_size")   # Llama-style SwiGLU has three MLP matrices
+    gated = _config_attr(config, "intermediate_size", _MISSING) is not _MISSING   # Llama's SwiGLU: three MLP matrices
     attn = h * q_dim * 2 + 2 * h * kv_heads * head_dim
     mlp = (3 if gated else 2) * h * ffn
     layer = attn + mlp + 2 * h
@@ -176,24 +178,26 @@ def _formula_shape(config: Any) -> ModelShape:
         layer += (q_dim + 2 * kv_heads * head_dim + h) + (ffn + h) + 2 * h
         final_norm += h
     else:
-        if getattr(config, "attention_bias", False):
+        if _config_attr(config, "attention_bias", False):
             layer += q_dim + 2 * kv_heads * head_dim + h
-        if getattr(config, "mlp_bias", False):
+        if _config_attr(config, "mlp_bias", False):
             layer += 2 * ffn + h
     positions = _config_int(config, ("n_positions",), default=0) * h
-    tied = bool(getattr(config, "tie_word_embeddings", False))
+    tied = bool(_config_attr(config, "tie_word_embeddings", False))
     embedding = vocab * h * (1 if tied else 2) + positions
-    fused = getattr(config, "_attn_implementation", None) in ("sdpa", "flash_attention_2", "flash_attention_3",
-                                                              "flex_attention")
+    fused = _config_attr(config, "_attn_implementation", None) in ("sdpa", "flash_attention_2", "flash_attention_3",
+                                                                   "flex_attention")
     return ModelShape(layers * layer + embedding + final_norm, layers, h, _active_ffn(config, ffn), heads, vocab,
-                      layer, embedding, kv_heads * head_dim, gated, fused, bool(getattr(config, "use_cache", False)),
+                      layer, embedding, kv_heads * head_dim, gated, fused,
+                      bool(_config_attr(config, "use_cache", False)),
                       head_dim=head_dim if head_dim * heads != h else 0,
-                      python_gelu=getattr(config, "activation_function", getattr(config, "hidden_act", "gelu_new"))
-                      in _PYTHON_GELU_NAMES)
+                      python_gelu=_config_attr(config, "activation_function",
+                                               _config_attr(config, "hidden_act", "gelu_new")) in _PYTHON_GELU_NAMES)
 
 
 def _experts_per_token(config: Any) -> Tuple[int, int]:
     """(routed experts, experts each token goes to) of a mixture-of-experts config; (0, 0) for a dense one."""
+    config = _text_config(config)
     experts = _config_int(config, ("num_local_experts", "num_experts", "n_routed_experts"), default=0)
     top_k = _config_int(config, ("num_experts_per_tok", "num_experts_per_token", "moe_topk"), default=0)
     return (experts, min(top_k, experts)) if experts and top_k else (0, 0)
@@ -206,6 +210,7 @@ def _active_ffn(config: Any, ffn: int) -> int:
     _, top_k = _experts_per_token(config)
     if not top_k:
         return ffn
+    config = _text_config(config)
     expert = _config_int(config, ("moe_intermediate_size",), default=ffn) or ffn
     shared = _config_int(config, ("shared_expert_intermediate_size",), default=0) or \
         _config_int(config, ("n_shared_experts",), default=0) * expert
@@ -244,8 +249,9 @@ def _module_layout(model: nn.Module, config: Any, num_layers: int) -> Dict[str, 
     elif top_k:     # the config names experts its model does not have: a dense MLP after all
         _log_once(f"{type(model).__name__}: its config routes {top_k} of {experts} experts but no module is named "
                   "'experts'; the FLOP count multiplies every parameter")
-        h = _config_int(config, ("hidden_size", "n_embd", "d_model"))
-        fields["intermediate_size"] = _config_int(config, _FFN_NAMES, default=4 * h) or 4 * h
+        text = _text_config(config)
+        h = _config_int(text, ("hidden_size", "n_embd", "d_model"))
+        fields["intermediate_size"] = _config_int(text, _FFN_NAMES, default=4 * h) or 4 * h
     stacks = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == num_layers]
     if stacks:      # the layer stack's first block tells a gated MLP from a two-matrix one
         names = {part for name, _ in stacks[0][0].named_parameters() for part in name.split(".")}
@@ -354,9 +360,43 @@ def _shares_storage(weight: torch.Tensor, model: nn.Module) -> bool:
     return any(m.weight is weight for m in model.modules() if isinstance(m, nn.Embedding))
 
 
+_MISSING = object()
+
+
+def _text_config(config: Any) -> Any:
+    """The language model's own config of a composite one (Gemma-3's, Llama-4's, Mllama's, Qwen3.5's:
+    `hidden_size` and the heads live in its `text_config`), the config itself otherwise."""
+    get = getattr(config, "get_text_config", None)
+    if get is None:
+        return config
+    try:
+        return get(decoder=True)
+    except Exception:  # noqa: BLE001 - a config that cannot say is read as it is
+        return config
+
+
+def _config_attr(config: Any, name: str, default: Any = None) -> Any:
+    """`getattr(config, name, default)`, also for transformers' heterogeneous configs, which refuse
+    a global read of an attribute that varies by layer (Gemma-4's head_dim, a per-layer number of
+    heads): then the largest of the layers' integer values (memory is planned for the widest
+    layer; the parameter counts come from the model built on the meta device anyway), or the first
+    layer's value when they are not integers."""
+    try:
+        return getattr(config, name, default)
+    except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError (a RuntimeError), or a broken property
+        try:
+            values = [getattr(layer, name, None) for layer in getattr(config, "per_layer_config", None) or ()]
+        except Exception:  # noqa: BLE001
+            return default
+        ints = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+        if ints:
+            return max(ints)
+        return next((v for v in values if v is not None), default)
+
+
 def _config_int(config: Any, names: Tuple[str, ...], default: Optional[int] = None) -> int:
     for name in names:
-        value = getattr(config, name, None)
+        value = _config_attr(config, name)
         if isinstance(value, int):
             return value
     if default is None:

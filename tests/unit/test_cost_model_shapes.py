@@ -13,12 +13,14 @@ import logging
 from types import SimpleNamespace
 
 import pytest
+import torch
 import transformers
 
 from atorch.auto import cost_model
 from atorch.auto.cost_model import (DEVICE_PROFILES, DS_STAGE3_PERSISTENCE_ELEMENTS, ModelShape, StrategyTraits,
                                     _ds_persistent_elements, _largest_param_elements, _parameter_sizes,
                                     time_breakdown)
+from atorch.auto.strategy import Strategy
 from atorch.testing.tp_families import FAMILIES, build_family
 
 # Two-matrix MLPs (GELU or ReLU between an up and a down projection); every other family is gated.
@@ -230,3 +232,52 @@ def test_parameter_sizes_do_not_change_the_module_path():
     model, _ = build_family("gpt2")
     shape = ModelShape.from_module(model)
     assert sum(n * c for n, c in shape.parameter_sizes) == shape.num_params
+
+
+def _tiny_gemma3():
+    return transformers.Gemma3Config(
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, vocab_size=256),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14), mm_tokens_per_image=4)
+
+
+def test_a_composite_config_is_read_through_its_text_config():
+    """Gemma-3, Llama-4, Mllama, Qwen3.5: the language model's widths live in `text_config`; the
+    top-level config has no hidden_size and the cost model refused it ("has none of ...")."""
+    config = _tiny_gemma3()
+    assert getattr(config, "hidden_size", None) is None
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    shape = ModelShape.from_config(config)
+    assert (shape.hidden_size, shape.num_layers, shape.num_heads, shape.head_dim) == (64, 2, 4, 32)
+    assert shape.num_params == sum(p.numel() for p in model.parameters())      # the vision tower too
+    assert ModelShape.from_module(model).num_params == shape.num_params
+    est = cost_model.estimate(config, Strategy(["parallel_mode", "amp_native", "fsdp"]), 8, 64, 2)
+    assert est.peak_memory_bytes > 0 and est.step_time_s > 0
+
+
+def test_a_heterogeneous_config_reads_per_layer_attributes_as_the_widest_layer():
+    """transformers' heterogeneous configs (Gemma-4: head_dim 256 on sliding layers, 512 on full
+    ones) raise on a global read of a per-layer attribute; the formula takes the widest layer, and
+    the parameter counts come from the model built on the meta device."""
+    config = transformers.AutoConfig.for_model(
+        "gemma4_text", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, hidden_size_per_layer_input=8, vocab_size_per_layer_input=256)
+    per_layer = [layer.head_dim for layer in config.per_layer_config]
+    assert len(set(per_layer)) == 2
+    with pytest.raises(RuntimeError, match="per-layer attribute"):
+        config.head_dim
+    shape = ModelShape.from_config(config)
+    assert shape.head_dim == max(per_layer) and shape.num_heads == 4
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    assert cost_model.estimate(config, Strategy(["parallel_mode", "checkpoint"]), 8, 64, 2).peak_memory_bytes > 0
+
+
+def test_a_model_without_attention_heads_is_refused_with_what_is_missing():
+    """Attention-free families (Mamba, RWKV, xLSTM) have no heads for the block formula: a
+    ValueError that names the fields (the search then runs without the cost model's prediction)."""
+    config = transformers.MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=64)
+    with pytest.raises(ValueError, match=r"MambaConfig has none of \['num_attention_heads', 'n_head'\]"):
+        ModelShape.from_config(config)
