@@ -52,14 +52,30 @@ def transformers_plan(model: nn.Module) -> Dict[str, str]:
     config = getattr(model, "config", None)
     base_plan = dict(getattr(config, "base_model_tp_plan", None) or {})
     prefix = ""
-    base_name = getattr(model, "base_model_prefix", "")
-    if base_name and isinstance(getattr(model, base_name, None), nn.Module) and getattr(model, base_name) is not model:
+    base_name = _base_model_name(model)
+    if base_name:
         prefix = base_name + "."
     plan = {prefix + key: style for key, style in base_plan.items()}
     head_plan = getattr(type(model), "_tp_plan", None) or {}
     for key, style in head_plan.items():
         plan.setdefault(key, style)
     return plan
+
+
+def _base_model_name(model: nn.Module) -> str:
+    """The attribute holding the base model the plan's keys are relative to: `base_model_prefix`
+    when the model has it, else the child sharing the model's config (Llama-4's causal LM declares
+    the prefix "language_model" of its multimodal sibling but keeps its base model in `model`: the
+    plan then matched no layer and tensor parallelism sharded the embedding and the head only)."""
+    base_name = getattr(model, "base_model_prefix", "")
+    child = getattr(model, base_name, None) if base_name else None
+    if isinstance(child, nn.Module) and child is not model:
+        return base_name
+    config = getattr(model, "config", None)
+    for name, module in model.named_children():
+        if config is not None and getattr(module, "config", None) is config:
+            return name
+    return ""
 
 
 def has_transformers_plan(model: nn.Module) -> bool:
@@ -168,6 +184,12 @@ def tpinfo_from_transformers_plan(model: nn.Module) -> TPInfo:
         if embedding_sharded or not tied:
             tpinfo.shard_col(_unique_suffix(head_name, modules))
 
+    head_suffix = _unique_suffix(head_name, modules) if head_name is not None else None
+    if not tpinfo.experts and not tpinfo.row and not [k for k in tpinfo.col if k != head_suffix]:
+        raise ValueError(f"tensor parallel: the transformers plan of {type(model).__name__} shards no layer of its "
+                         f"transformer blocks (plan: {sorted(plan)}), so every block would be replicated on every "
+                         "rank. Pass your own TPInfo ('tensor_parallel', {'tpinfo': ...}) or leave tensor "
+                         "parallelism out for this model")
     for attention in sorted(split_attention):
         tpinfo.parallel_drop(_suffix(attention))
         present = sorted(a for a in HEAD_ATTRS if _int_attr(modules[attention], a))

@@ -131,12 +131,26 @@ TP_PRESETS: Dict[str, Callable[[nn.Module], TPInfo]] = {
 }
 
 
+# Architectures whose transformers plan cannot be honoured by splitting weights (found by running
+# every family with a plan on 2 ranks against the unsharded model, tests/distributed/test_tp_families.py).
+PLANS_THAT_GIVE_WRONG_RESULTS: Dict[str, str] = {
+    "codegen": "CodeGen's fused qkv_proj output is split into 4 groups by a constant of its forward (mp_num=4), so "
+               "a column split of qkv_proj hands each rank pieces of every group instead of whole heads (the "
+               "plan's 'colwise' gave logits 62% off the unsharded model's on 2 ranks)",
+}
+
+
 def tpinfo_for_model(model: nn.Module) -> TPInfo:
     """The TPInfo for `model`: a hand preset for its `config.model_type`, else its transformers plan.
 
-    ValueError when there is neither, naming the presets and how to pass a TPInfo.
+    ValueError when there is neither, or when the plan is known to give wrong results
+    (PLANS_THAT_GIVE_WRONG_RESULTS), naming the presets and how to pass a TPInfo.
     """
     model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in PLANS_THAT_GIVE_WRONG_RESULTS:
+        raise ValueError(f"tensor parallel: no tensor-parallel plan for model_type={model_type!r} "
+                         f"({type(model).__name__}): {PLANS_THAT_GIVE_WRONG_RESULTS[model_type]}. Pass your own "
+                         "TPInfo ('tensor_parallel', {'tpinfo': ...}) or leave tensor parallelism out for this model")
     preset = TP_PRESETS.get(model_type) if model_type is not None else None
     if preset is not None:
         return preset(model)

@@ -111,3 +111,37 @@ def build_family(name: str, seed: int = 0) -> Tuple[nn.Module, Any]:
     config = family_config(name)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager"), config
+
+
+# More model types with a transformers plan, checked for logits only (tests/distributed/
+# test_tp_families.py): tiny configs through `AutoConfig.for_model`, with what each family needs
+# beyond COMMON (pad ids inside the vocabulary, a rotary width that fits head_dim 16).
+_SMALL: Dict[str, Any] = dict(COMMON, num_key_value_heads=2, vocab_size=1024, head_dim=16, pad_token_id=0)
+MORE_PLAN_FAMILIES: Dict[str, Dict[str, Any]] = {
+    "gemma3_text": {}, "olmo2": {}, "cohere": {}, "starcoder2": {}, "phi": {}, "granite": {}, "qwen2_moe": {},
+    "olmoe": {}, "glm4": {}, "smollm3": {}, "gptj": {"rotary_dim": 8}, "ernie4_5": {}, "exaone4": {},
+    "helium": {}, "seed_oss": {}, "nemotron": {}, "phimoe": {},
+}
+# Model types whose plan atorch refuses, and a phrase of the reason.
+REFUSED_PLAN_FAMILIES: Dict[str, Tuple[Dict[str, Any], str]] = {
+    "codegen": ({"rotary_dim": 8}, "mp_num=4"),
+    "gpt_oss": ({}, "shards no layer of its transformer blocks"),
+    "hunyuan_v1_dense": ({}, "shards no layer of its transformer blocks"),
+    "llama4_text": ({}, "cannot honour style 'packed_rowwise'"),
+    "stablelm": ({}, "no tensor-parallel preset"),
+}
+
+
+def more_family_config(model_type: str) -> Any:
+    """The tiny config of a MORE_PLAN_FAMILIES or REFUSED_PLAN_FAMILIES model type (dropout off)."""
+    from transformers import AutoConfig
+
+    extra = MORE_PLAN_FAMILIES.get(model_type)
+    if extra is None:
+        extra = REFUSED_PLAN_FAMILIES[model_type][0]
+    config = AutoConfig.for_model(model_type, **_SMALL, **extra)
+    for name in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout"):
+        if isinstance(getattr(config, name, None), float):
+            setattr(config, name, 0.0)
+    config._attn_implementation = "eager"
+    return config

@@ -18,6 +18,10 @@ With `gather_logits=False` (llama, and gemma whose vocabulary of 1001 is padded 
 model returns this rank's vocabulary slice and `vocab_parallel_cross_entropy` over the slices
 equals the unsharded loss (rel 1e-5).
 
+More model types with a transformers plan (`MORE_PLAN_FAMILIES`: gemma3_text, olmo2, cohere,
+starcoder2, phi, granite, qwen2_moe, olmoe, glm4, smollm3, gptj, ernie4_5, exaone4, helium, seed_oss,
+nemotron, phimoe): the logits only, same bound, and the blocks hold less than unsharded.
+
 Generation (llama, gpt2, mixtral): greedy, beam search (2 beams) and sampling with a seed,
 all with the KV cache, give the unsharded model's tokens on every rank.
 
@@ -32,7 +36,7 @@ import torch
 
 from atorch.testing import run_distributed
 from atorch.testing.parity import TokenDataset, assert_close_losses, global_batches
-from atorch.testing.tp_families import FAMILIES, build_family
+from atorch.testing.tp_families import FAMILIES, MORE_PLAN_FAMILIES, build_family, more_family_config
 
 LOGITS_REL, LOSS_REL, BLOCK_BYTES_SLACK = 1e-5, 1e-4, 1.1
 STEPS, BATCH, LR, TP = 3, 4, 1e-3, 2
@@ -137,6 +141,27 @@ def _slices(name: str, group: Any) -> Dict[str, Any]:
             "expected_loss": expected.loss.item(), "vocab": config.vocab_size}
 
 
+def _more(model_type: str, group: Any) -> Dict[str, Any]:
+    """Logits of one more family's plan (eval, fp32) against the unsharded model, and the block bytes."""
+    from transformers import AutoModelForCausalLM
+
+    from atorch.tensor_parallel import shard_model, tpinfo_for_model
+
+    config = more_family_config(model_type)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model = shard_model(model, tpinfo_for_model(model), group, randomizer=_randomizer(group))
+    ids = TokenDataset(n=2, seq_len=12, seed=5, vocab_size=1000).tokens
+    for m in (model, reference):
+        m.eval()
+    with torch.no_grad():
+        logits, expected = model(input_ids=ids).logits, reference(input_ids=ids).logits
+    return {"logits_err": _rel_err(logits, expected), "block_bytes": _block_bytes(model),
+            "full_block_bytes": _block_bytes(reference)}
+
+
 def _run() -> Dict[str, Any]:
     from atorch.distributed import create_parallel_group, parallel_group
 
@@ -144,7 +169,8 @@ def _run() -> Dict[str, Any]:
     group = parallel_group("tensor")
     return {"families": {name: _family(name, group) for name in FAMILIES},
             "generate": {name: _generate(name, group) for name in GENERATE_FAMILIES},
-            "slices": {name: _slices(name, group) for name in SLICE_FAMILIES}}
+            "slices": {name: _slices(name, group) for name in SLICE_FAMILIES},
+            "more": {name: _more(name, group) for name in MORE_PLAN_FAMILIES}}
 
 
 def test_every_family_matches_the_unsharded_model_and_generates_its_tokens():
@@ -168,5 +194,8 @@ def test_every_family_matches_the_unsharded_model_and_generates_its_tokens():
             assert r["shape"] == (2, 12, -(-r["vocab"] // TP)), (name, r)
             for loss in (r["loss"], r["model_loss"]):
                 assert abs(loss - r["expected_loss"]) <= LOGITS_REL * r["expected_loss"], (name, rank, r)
+        for name, r in result["more"].items():
+            # Every block holds less than the unsharded one (PhiMoE's plan splits only its experts).
+            assert r["logits_err"] <= LOGITS_REL and r["block_bytes"] < r["full_block_bytes"], (name, rank, r)
     # The ranks agree with each other too (they each matched the reference, but say it).
     assert results[0]["generate"] == results[1]["generate"]

@@ -2,6 +2,7 @@
 the errors for what cannot be honoured, and the LoRA / experts layers at a group of one."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ from atorch.auto.strategy import Strategy
 from atorch.tensor_parallel import ColumnParallelLinear, RowParallelLinear, resolve_tp_plan, tpinfo_for_model
 from atorch.tensor_parallel.hf_plan import tpinfo_from_transformers_plan
 from atorch.tensor_parallel.plan import COL, EXPERTS, GRAD_REDUCE, PARALLEL_DROP, ROW, VOCAB
-from atorch.testing.tp_families import FAMILIES, family_config
+from atorch.testing.tp_families import (FAMILIES, MORE_PLAN_FAMILIES, REFUSED_PLAN_FAMILIES, family_config,
+                                         more_family_config)
 from atorch.utils.meta_model_utils import record_module_init
 
 
@@ -48,6 +50,32 @@ def test_every_family_resolves_with_a_split_head_embedding_and_attention(name):
         assert counts[GRAD_REDUCE] == 4, counts                            # q_norm, k_norm of 2 layers
     if name == "bloom":
         assert set(plan.head_inputs) == {"transformer.h.0.self_attention", "transformer.h.1.self_attention"}
+
+
+@pytest.mark.parametrize("model_type", sorted(MORE_PLAN_FAMILIES))
+def test_more_families_shard_their_blocks(model_type):
+    """Every block has a split part (attention and MLP; PhiMoE's plan splits its experts only); the
+    logits are checked on 2 ranks in tests/distributed/test_tp_families.py."""
+    from transformers import AutoModelForCausalLM
+
+    with record_module_init():
+        model = AutoModelForCausalLM.from_config(more_family_config(model_type))
+    counts = _counts(resolve_tp_plan(model, tpinfo_for_model(model), 2, gather_logits=True))
+    assert counts.get(ROW, 0) + counts.get(EXPERTS, 0) >= model.config.num_hidden_layers, counts
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED_PLAN_FAMILIES))
+def test_plans_that_would_replicate_the_blocks_or_give_wrong_results_are_refused(model_type):
+    """gpt_oss and hunyuan_v1_dense ship a plan for the embedding only (tensor parallelism replicated
+    every block silently); Llama-4's causal LM declares the base-model prefix of its multimodal
+    sibling (the plan matched no layer, same result; now it matches and meets an expert style atorch
+    cannot split); CodeGen's plan gave logits 62% off; stablelm has no plan."""
+    from transformers import AutoModelForCausalLM
+
+    with record_module_init():
+        model = AutoModelForCausalLM.from_config(more_family_config(model_type))
+    with pytest.raises(ValueError, match=re.escape(REFUSED_PLAN_FAMILIES[model_type][1])):
+        tpinfo_for_model(model)
 
 
 def test_phi3_keeps_transformers_gather_and_split_input_variants():
