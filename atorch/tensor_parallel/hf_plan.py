@@ -27,6 +27,7 @@ module and the style.
 from __future__ import annotations
 
 import re
+import sys
 from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 from torch import nn
@@ -72,8 +73,12 @@ def _base_model_name(model: nn.Module) -> str:
     if isinstance(child, nn.Module) and child is not model:
         return base_name
     config = getattr(model, "config", None)
+    transformers = sys.modules.get("transformers")     # a transformers model implies it is imported
+    if config is None or transformers is None:
+        return ""
     for name, module in model.named_children():
-        if config is not None and getattr(module, "config", None) is config:
+        # A pretrained model of its own (not a rotary embedding, which holds the config too).
+        if isinstance(module, transformers.PreTrainedModel) and getattr(module, "config", None) is config:
             return name
     return ""
 
