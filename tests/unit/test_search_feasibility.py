@@ -338,3 +338,22 @@ def test_a_measured_peak_that_is_not_a_positive_number_teaches_the_memory_model_
 
     assert _usable_peak(1234) == 1234.0 and _usable_peak(2.5e9) == 2.5e9
     assert all(_usable_peak(v) is None for v in (None, float("nan"), float("inf"), 0, -5, "x"))
+
+
+@pytest.mark.parametrize("peak", ["lots", float("nan"), -5, None])
+def test_a_close_race_with_unusable_measured_peaks_is_still_decided(peak):
+    """The memory tie-break reads the winners' measured peaks: an evaluator reporting junk there
+    (a string crashed the search in numpy) leaves the choice to the measured throughput."""
+    space = space16()
+    strategies = space.strategies()
+    table = {s: 50.0 + i for i, s in enumerate(strategies)}
+    table[strategies[0]], table[strategies[5]] = 100.0, 100.0     # a tie: within noise, memory consulted
+
+    def evaluator(s):
+        step = 32.0 / table[s]
+        steps = tuple(step * (1 + 0.01 * z) for z in (-1.2, -0.4, 0.0, 0.4, 1.2))
+        return DryRunResult(table[s], peak, step_time_s=step, step_times_s=steps)
+
+    result = search_strategy(space, evaluator, max_trials=12, patience=12, planner_factory=FitRecordingPlanner)
+    assert result.best in (strategies[0], strategies[5]) and result.comparison is not None
+    assert not result.comparison.separated and result.comparison.chosen_by == "measured mean"

@@ -645,7 +645,8 @@ class _TrialLog:
         return float(np.median([r["seconds"] for r in self.rows]))
 
     def _peak(self, index: int) -> Optional[float]:
-        peaks = [r[0].peak_memory_bytes for r in self.runs[index] if r[0].peak_memory_bytes]
+        # Only peaks the memory model could use (an evaluator may report None, NaN or junk).
+        peaks = [p for p in (_usable_peak(r[0].peak_memory_bytes) for r in self.runs[index]) if p is not None]
         return float(np.mean(peaks)) if peaks else None
 
     def challenge(self, first: bool = False, posterior: Optional[Dict[int, Tuple[float, float]]] = None
