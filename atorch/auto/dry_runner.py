@@ -125,12 +125,14 @@ class DryRunConfig:
         ATORCH_DRYRUN_SCRATCH_DIR and ATORCH_DEVICE_MEMORY_LIMIT; for entry points only."""
         env = os.environ if environ is None else environ
         limit = env_int("ATORCH_DEVICE_MEMORY_LIMIT", None, env)
-        profile_steps = env_int("ATORCH_DRYRUN_PROFILE_STEP", cls.profile_steps, env)
+        budget = env_int("ATORCH_DRYRUN_MAX_STEPS", None, env)
+        # A budget below the default pilot (ATORCH_DRYRUN_MAX_STEPS=5 for quick runs) lowers the pilot;
+        # a minimum above the default budget raises the budget; both set and crossed still fail validation.
+        default_pilot = cls.profile_steps if budget is None else max(1, min(cls.profile_steps, budget))
+        profile_steps = env_int("ATORCH_DRYRUN_PROFILE_STEP", default_pilot, env)
         return cls(warmup_steps=env_int("ATORCH_DRYRUN_WARMUP_STEP", cls.warmup_steps, env),
                    profile_steps=profile_steps,
-                   # A minimum above the default budget raises the budget rather than failing validation.
-                   max_profile_steps=env_int("ATORCH_DRYRUN_MAX_STEPS", max(cls.max_profile_steps, profile_steps),
-                                             env),
+                   max_profile_steps=budget if budget is not None else max(cls.max_profile_steps, profile_steps),
                    max_profile_seconds=env_float("ATORCH_DRYRUN_MAX_SECONDS", cls.max_profile_seconds, env),
                    target_relative_ci=env_float("ATORCH_DRYRUN_TARGET_CI", cls.target_relative_ci, env),
                    timeout_s=env_float("ATORCH_DRYRUN_TIMEOUT", cls.timeout_s, env),

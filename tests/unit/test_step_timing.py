@@ -126,6 +126,11 @@ def test_dry_run_config_reads_the_budget_from_the_environment():
     assert DryRunConfig.from_env({}) == DryRunConfig()
     # A minimum above the default budget raises the budget instead of failing.
     assert DryRunConfig.from_env({"ATORCH_DRYRUN_PROFILE_STEP": "50"}).max_profile_steps == 50
+    # A budget below the default pilot (8) lowers the pilot instead of failing.
+    quick = DryRunConfig.from_env({"ATORCH_DRYRUN_MAX_STEPS": "5"})
+    assert (quick.profile_steps, quick.max_profile_steps) == (5, 5)
+    with pytest.raises(ValueError, match="max_profile_steps=5 must be >= profile_steps=6"):
+        DryRunConfig.from_env({"ATORCH_DRYRUN_MAX_STEPS": "5", "ATORCH_DRYRUN_PROFILE_STEP": "6"})
     with pytest.raises(ValueError, match="max_profile_steps=2 must be >= profile_steps=3"):
         DryRunConfig(profile_steps=3, max_profile_steps=2).validate()
     with pytest.raises(ValueError, match="ATORCH_DRYRUN_TARGET_CI"):
