@@ -2,7 +2,8 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/activation_probe.py [--families F ...] [--seq 256] [--batch 2]
 
-For each architecture family of `atorch.testing.tp_families`, widened to hidden 256 / 4 layers so
+For each architecture family of `atorch.testing.tp_families` (FAMILIES, or `--families more`: the
+MORE_PLAN_FAMILIES), widened to hidden 256 / 4 layers so
 that activations are most of a training step's memory (vocabulary 1024-1003 as the family
 defines it), on real CPU tensors in one process:
 
@@ -27,7 +28,7 @@ from torch import nn
 from atorch.auto.activation_probe import find_blocks
 from atorch.auto.cost_model import ModelShape, StrategyTraits, block_activation_bytes, calibrated_shape, estimate
 from atorch.testing.activations import saved_by_every_block
-from atorch.testing.tp_families import FAMILIES, family_config
+from atorch.testing.tp_families import FAMILIES, MORE_PLAN_FAMILIES, family_config, more_family_config
 from atorch.utils.peak_memory import PeakMemoryTracker
 
 WIDE = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8}
@@ -40,10 +41,11 @@ ALIASES = {"hidden_size": ("hidden_size", "n_embd"), "num_hidden_layers": ("num_
 def widened(name: str) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    small = family_config(name)
+    small = family_config(name) if name in FAMILIES else more_family_config(name)
     values = small.to_dict()
     values.pop("layer_types", None)      # per-layer lists follow the new layer count
     values.pop("mlp_only_layers", None)
+    values.pop("no_rope_layers", None)       # SmolLM3: one flag a layer
     for key in ("max_position_embeddings", "n_positions"):     # room for --seq
         if values.get(key):
             values[key] = max(values[key], 2048)
@@ -96,7 +98,8 @@ def row(name: str, batch: int, seq: int) -> Dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--families", nargs="*", default=list(FAMILIES))
+    parser.add_argument("--families", nargs="*", default=list(FAMILIES),
+                        help=f"of tp_families.FAMILIES (the default) or MORE_PLAN_FAMILIES ('more' for all of those)")
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=2)
     args = parser.parse_args()
@@ -104,7 +107,8 @@ def main() -> None:
     print("| family | params (M) | scale | saved: formula | saved: probe | peak: formula | peak: probe | probe s |")
     print("|---|---|---|---|---|---|---|---|")
     rows: List[Dict[str, float]] = []
-    for name in args.families:
+    families = [f for name in args.families for f in (MORE_PLAN_FAMILIES if name == "more" else [name])]
+    for name in families:
         try:
             r = row(name, args.batch, args.seq)
         except Exception as e:  # noqa: BLE001 - a family this widening does not fit is reported, not fatal
