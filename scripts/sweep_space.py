@@ -4,7 +4,8 @@
         [--match SUBSTRING] [--out FILE]
 
 FAMILY: any tiny architecture of `atorch.testing.tp_families` (qwen2, gpt_neox, falcon, bloom, opt,
-mixtral, gemma2, phi3, ...), built from its config as the tensor-parallel tests build it.
+mixtral, gemma2, phi3, ..., and the MORE_PLAN_FAMILIES: gemma3_text, olmo2, cohere, ...), built from
+its config as the tensor-parallel tests build it.
 
 A combination class is the set of optimizations a candidate combines, with the DeepSpeed
 variants of zero1/zero2/fsdp counted apart (e.g. `pm(data)+gradient_accumulation+checkpoint+
@@ -28,9 +29,9 @@ from typing import Any, Dict, List
 import torch
 
 from atorch.testing import run_distributed, tiny_gpt2, tiny_llama
-from atorch.testing.tp_families import FAMILIES, build_family
+from atorch.testing.tp_families import FAMILIES, MORE_PLAN_FAMILIES, build_family, more_family_config
 
-MODELS = ("llama", "gpt2") + tuple(f for f in FAMILIES if f not in ("llama", "gpt2"))
+MODELS = ("llama", "gpt2") + tuple(f for f in FAMILIES if f not in ("llama", "gpt2")) + tuple(MORE_PLAN_FAMILIES)
 
 
 def _model(kind: str) -> torch.nn.Module:
@@ -38,7 +39,12 @@ def _model(kind: str) -> torch.nn.Module:
         return tiny_llama(seed=0)
     if kind == "gpt2":
         return tiny_gpt2(seed=0)
-    return build_family(kind, seed=0)[0]
+    if kind in FAMILIES:
+        return build_family(kind, seed=0)[0]
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(more_family_config(kind))
 
 
 def _vocab(kind: str) -> int:

@@ -115,25 +115,36 @@ def test_patcher_errors_name_the_problem():
         config = type("Cfg", (), {"model_type": "t5"})()
 
     with pytest.raises(ValueError, match=r"no pipeline patcher preset for model_type 't5'; presets exist for "
-                                         r"\['gemma', 'gemma2', 'gpt2', 'llama', 'mistral', .*'qwen3_moe'\]"):
+                                         r"\[.*'gemma', 'gemma2', .*'gpt2', .*'llama', 'mistral', .*'qwen3_moe', .*\]"):
         get_custom_patcher(Other())
 
 
-LLAMA_LAYOUT = ("mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma", "gemma2")
+LLAMA_LAYOUT = ("mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma", "gemma2",
+                # tp_families.MORE_PLAN_FAMILIES laid out as Llama:
+                "olmo2", "olmoe", "glm4", "ernie4_5", "helium", "seed_oss", "nemotron", "granite", "qwen2_moe",
+                "smollm3", "exaone4", "phimoe")
 # A window shorter than the 12-token batch, so the sliding-window blocks mask differently.
 SLIDING = {"mistral": dict(sliding_window=4), "gemma2": dict(sliding_window=4),
-           "qwen2": dict(sliding_window=4, use_sliding_window=True, max_window_layers=1)}
+           "qwen2": dict(sliding_window=4, use_sliding_window=True, max_window_layers=1),
+           "qwen2_moe": dict(sliding_window=4, use_sliding_window=True, max_window_layers=1),
+           "smollm3": dict(sliding_window=4, use_sliding_window=True, layer_types=["sliding_attention", "full_attention"]),
+           "exaone4": dict(sliding_window=4, sliding_window_pattern=2),
+           "phimoe": dict(sliding_window=4),
+           # Not a window: Granite's scalars outside the blocks, away from their default of 1.
+           "granite": dict(embedding_multiplier=3.0, logits_scaling=4.0, residual_multiplier=0.5)}
 
 
 def _family_model(name, **overrides):
     import transformers
 
-    from atorch.testing.tp_families import FAMILIES
+    from atorch.testing.tp_families import FAMILIES, more_family_config
 
-    values = FAMILIES[name]().to_dict()
-    values.pop("layer_types", None)          # derived again from the overrides
+    config = FAMILIES[name]() if name in FAMILIES else more_family_config(name)
+    values = config.to_dict()
+    if "layer_types" not in overrides:
+        values.pop("layer_types", None)      # derived again from the overrides
     values.update(overrides)
-    config = type(FAMILIES[name]()).from_dict(values)
+    config = type(config).from_dict(values)
     torch.manual_seed(3)
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
 

@@ -332,20 +332,35 @@ def _family_rotary(config: Any) -> nn.Module:
 # Phi-3, Mixtral and Qwen3-MoE use it for every block when `config.sliding_window` is set;
 # Qwen2, Qwen3 and Gemma-2 per block, by `config.layer_types`; Gemma never.
 _SLIDING_RULES = {"mistral": "every layer", "phi3": "every layer", "mixtral": "every layer",
-                  "qwen3_moe": "every layer", "qwen2": "per layer", "qwen3": "per layer", "gemma2": "per layer"}
+                  "qwen3_moe": "every layer", "phimoe": "every layer", "qwen2": "per layer", "qwen3": "per layer",
+                  "gemma2": "per layer", "qwen2_moe": "per layer", "smollm3": "per layer", "exaone4": "per layer"}
+# Scalars a family's own forward applies outside the blocks: (the config attribute the embedding's
+# output is multiplied by, the one the logits are divided by). Granite: embedding_multiplier and
+# logits_scaling (its residual and attention multipliers act inside the blocks).
+_OUTER_SCALES = {"granite": ("embedding_multiplier", "logits_scaling")}
+# Families laid out as Llama whose forward adds nothing outside the blocks but what the tables say
+# (transformers 5.24, read one by one; checked piece by piece in tests/unit/test_pipeline_patchers.py).
+LLAMA_LAYOUT_FAMILIES = ("mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma", "gemma2",
+                         "olmo2", "olmoe", "glm4", "ernie4_5", "helium", "seed_oss", "nemotron", "granite",
+                         "qwen2_moe", "smollm3", "exaone4", "phimoe")
 
 
 def get_llama_layout_patcher(config: Any) -> Dict[str, PatchFn]:
     """Patcher for the decoders laid out as Llama (model.embed_tokens, model.layers, model.norm,
-    lm_head, a model-level rotary embedding): Mistral, Qwen2, Qwen3, Phi-3, Mixtral, Qwen3-MoE,
-    Gemma and Gemma-2 (whose embedding module scales by sqrt(hidden_size) itself). What they add to
-    Llama's forward is done here as their own forward does it: the sliding-window mask where the
-    family's own forward uses it (`_SLIDING_RULES`), Gemma-2's final logit soft-capping. Checked piece by piece against each family's own forward
-    (tests/unit/test_pipeline_patchers.py).
+    lm_head, a model-level rotary embedding): `LLAMA_LAYOUT_FAMILIES` (Mistral, Qwen2/3, Phi-3,
+    Mixtral, Qwen3-MoE, Gemma whose embedding module scales by sqrt(hidden_size) itself, Gemma-2,
+    OLMo-2, OLMoE, GLM-4, ERNIE-4.5, Helium, Seed-OSS, Nemotron, Granite, Qwen2-MoE, SmolLM3,
+    EXAONE-4, PhiMoE). What they add to Llama's forward is done here as their own forward does it:
+    the sliding-window mask where the family's own forward uses it (`_SLIDING_RULES`), Granite's
+    embedding multiplier and logits scaling (`_OUTER_SCALES`), Gemma-2's final logit soft-capping.
+    Checked piece by piece against each family's own forward (tests/unit/test_pipeline_patchers.py).
     """
     rotary = _family_rotary(config)
     softcap = getattr(config, "final_logit_softcapping", None)
     sliding_rule = _SLIDING_RULES.get(config.model_type, "none")
+    embedding_attr, logits_attr = _OUTER_SCALES.get(config.model_type, (None, None))
+    embedding_scale = getattr(config, embedding_attr) if embedding_attr else None
+    logits_divisor = getattr(config, logits_attr) if logits_attr else None
 
     def is_sliding(layer: nn.Module) -> bool:
         if sliding_rule == "every layer":     # a sliding window set in the config applies to every block
@@ -361,7 +376,10 @@ def get_llama_layout_patcher(config: Any) -> Dict[str, PatchFn]:
 
     def embed(embed_tokens: nn.Module, inputs: Tensors) -> Tensors:
         input_ids, mask = _split_first(inputs)
-        return embed_tokens(input_ids), mask, _positions(input_ids)
+        hidden = embed_tokens(input_ids)
+        if embedding_scale is not None:
+            hidden = hidden * embedding_scale
+        return hidden, mask, _positions(input_ids)
 
     def block(layer: nn.Module, inputs: Tensors) -> Tensors:
         hidden, mask, positions = inputs
@@ -372,6 +390,8 @@ def get_llama_layout_patcher(config: Any) -> Dict[str, PatchFn]:
 
     def head(lm_head: nn.Module, inputs: Tensors) -> torch.Tensor:
         logits = lm_head(inputs[0])
+        if logits_divisor is not None:
+            logits = logits / logits_divisor
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
         return logits
@@ -413,8 +433,7 @@ def get_gpt2_custom_patcher(config: Any) -> Dict[str, PatchFn]:
 PATCHER_PRESETS: Dict[str, Callable[[Any], Dict[str, PatchFn]]] = {
     "llama": get_llama_custom_patcher,
     "gpt2": get_gpt2_custom_patcher,
-    **{model_type: get_llama_layout_patcher
-       for model_type in ("mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma", "gemma2")},
+    **{model_type: get_llama_layout_patcher for model_type in LLAMA_LAYOUT_FAMILIES},
 }
 
 
