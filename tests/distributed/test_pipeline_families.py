@@ -1,7 +1,7 @@
 """Pipeline parallelism on the decoders laid out as Llama, against single-process training (2 gloo ranks).
 
 Mistral, Qwen2, Qwen3, Phi-3, Mixtral, Qwen3-MoE, Gemma, Gemma-2, Granite (its embedding multiplier
-and logits scaling set) and Qwen2-MoE (`get_llama_layout_patcher`), each built from its tiny config
+and logits scaling set), Qwen2-MoE and Gemma-3 text (`get_llama_layout_patcher`), each built from its tiny config
 (`atorch/testing/tp_families.py`, 4 layers): native
 `pipeline_parallel` with 2 stages and 2 micro-batches, and for Qwen2 and Mixtral also DeepSpeed's
 pipeline engine (`deepspeed_3d_parallel`, pipeline 2), through `auto_accelerate` + `train_step`, 4
@@ -22,7 +22,8 @@ from atorch.testing import run_distributed
 from atorch.testing.parity import TokenDataset, assert_close_losses, global_batches, reference_losses
 
 STEPS, GLOBAL_BATCH, LAYERS, SEED, LR, REL = 4, 4, 4, 1234, 1e-3, 1e-5
-NATIVE = ("mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma", "gemma2", "granite", "qwen2_moe")
+NATIVE = ("mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma", "gemma2", "granite", "qwen2_moe",
+          "gemma3_text")
 DEEPSPEED = ("qwen2", "mixtral")
 # Granite's scalars outside the blocks (the patcher applies them), away from their default of 1.
 OVERRIDES = {"granite": dict(embedding_multiplier=3.0, logits_scaling=4.0, residual_multiplier=0.5)}

@@ -122,7 +122,7 @@ def test_patcher_errors_name_the_problem():
 LLAMA_LAYOUT = ("mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma", "gemma2",
                 # tp_families.MORE_PLAN_FAMILIES laid out as Llama:
                 "olmo2", "olmoe", "glm4", "ernie4_5", "helium", "seed_oss", "nemotron", "granite", "qwen2_moe",
-                "smollm3", "exaone4", "phimoe")
+                "smollm3", "exaone4", "phimoe", "gemma3_text")
 # A window shorter than the 12-token batch, so the sliding-window blocks mask differently.
 SLIDING = {"mistral": dict(sliding_window=4), "gemma2": dict(sliding_window=4),
            "qwen2": dict(sliding_window=4, use_sliding_window=True, max_window_layers=1),
@@ -130,6 +130,7 @@ SLIDING = {"mistral": dict(sliding_window=4), "gemma2": dict(sliding_window=4),
            "smollm3": dict(sliding_window=4, use_sliding_window=True, layer_types=["sliding_attention", "full_attention"]),
            "exaone4": dict(sliding_window=4, sliding_window_pattern=2),
            "phimoe": dict(sliding_window=4),
+           "gemma3_text": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
            # Not a window: Granite's scalars outside the blocks, away from their default of 1.
            "granite": dict(embedding_multiplier=3.0, logits_scaling=4.0, residual_multiplier=0.5)}
 

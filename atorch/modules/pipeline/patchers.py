@@ -318,8 +318,11 @@ def _family_rotary(config: Any) -> nn.Module:
     computed from it): `<Family>RotaryEmbedding` of the family's transformers modeling module."""
     import importlib
 
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
     model_type = config.model_type
-    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    name = model_type_to_module_name(model_type)      # gemma3_text lives in transformers.models.gemma3
+    module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
     classes = [v for k, v in vars(module).items() if k.endswith("RotaryEmbedding") and isinstance(v, type)
                and issubclass(v, nn.Module) and v.__module__ == module.__name__]
     if len(classes) != 1:
@@ -333,7 +336,8 @@ def _family_rotary(config: Any) -> nn.Module:
 # Qwen2, Qwen3 and Gemma-2 per block, by `config.layer_types`; Gemma never.
 _SLIDING_RULES = {"mistral": "every layer", "phi3": "every layer", "mixtral": "every layer",
                   "qwen3_moe": "every layer", "phimoe": "every layer", "qwen2": "per layer", "qwen3": "per layer",
-                  "gemma2": "per layer", "qwen2_moe": "per layer", "smollm3": "per layer", "exaone4": "per layer"}
+                  "gemma2": "per layer", "qwen2_moe": "per layer", "smollm3": "per layer", "exaone4": "per layer",
+                  "gemma3_text": "per layer"}
 # Scalars a family's own forward applies outside the blocks: (the config attribute the embedding's
 # output is multiplied by, the one the logits are divided by). Granite: embedding_multiplier and
 # logits_scaling (its residual and attention multipliers act inside the blocks).
@@ -342,7 +346,7 @@ _OUTER_SCALES = {"granite": ("embedding_multiplier", "logits_scaling")}
 # (transformers 5.24, read one by one; checked piece by piece in tests/unit/test_pipeline_patchers.py).
 LLAMA_LAYOUT_FAMILIES = ("mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma", "gemma2",
                          "olmo2", "olmoe", "glm4", "ernie4_5", "helium", "seed_oss", "nemotron", "granite",
-                         "qwen2_moe", "smollm3", "exaone4", "phimoe")
+                         "qwen2_moe", "smollm3", "exaone4", "phimoe", "gemma3_text")
 
 
 def get_llama_layout_patcher(config: Any) -> Dict[str, PatchFn]:
@@ -350,28 +354,38 @@ def get_llama_layout_patcher(config: Any) -> Dict[str, PatchFn]:
     lm_head, a model-level rotary embedding): `LLAMA_LAYOUT_FAMILIES` (Mistral, Qwen2/3, Phi-3,
     Mixtral, Qwen3-MoE, Gemma whose embedding module scales by sqrt(hidden_size) itself, Gemma-2,
     OLMo-2, OLMoE, GLM-4, ERNIE-4.5, Helium, Seed-OSS, Nemotron, Granite, Qwen2-MoE, SmolLM3,
-    EXAONE-4, PhiMoE). What they add to Llama's forward is done here as their own forward does it:
+    EXAONE-4, PhiMoE, Gemma-3's text model). What they add to Llama's forward is done here as their own forward does it:
     the sliding-window mask where the family's own forward uses it (`_SLIDING_RULES`), Granite's
-    embedding multiplier and logits scaling (`_OUTER_SCALES`), Gemma-2's final logit soft-capping.
+    embedding multiplier and logits scaling (`_OUTER_SCALES`), Gemma-2's final logit soft-capping,
+    Gemma-3's rotary tables per layer type.
     Checked piece by piece against each family's own forward (tests/unit/test_pipeline_patchers.py).
     """
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError(f"{config.model_type} with use_bidirectional_attention=True: the pipeline pieces build "
+                         "causal masks only; pass custom_patcher={module path: patch_fn}")
     rotary = _family_rotary(config)
+    # Gemma-3's rotary embedding keeps one frequency table per layer type (local and global).
+    per_type_rotary = "layer_type" in inspect.signature(rotary.forward).parameters
     softcap = getattr(config, "final_logit_softcapping", None)
     sliding_rule = _SLIDING_RULES.get(config.model_type, "none")
     embedding_attr, logits_attr = _OUTER_SCALES.get(config.model_type, (None, None))
     embedding_scale = getattr(config, embedding_attr) if embedding_attr else None
     logits_divisor = getattr(config, logits_attr) if logits_attr else None
 
+    def layer_type(layer: nn.Module) -> Optional[str]:
+        """config.layer_types' entry of a block, read through its attention."""
+        attention = getattr(layer, "self_attn", None)
+        kind = getattr(attention, "layer_type", None)
+        index = getattr(attention, "layer_idx", None)
+        if kind is None and index is not None and getattr(config, "layer_types", None):
+            kind = config.layer_types[index]
+        return kind
+
     def is_sliding(layer: nn.Module) -> bool:
         if sliding_rule == "every layer":     # a sliding window set in the config applies to every block
             return getattr(config, "sliding_window", None) is not None
-        if sliding_rule == "per layer":       # config.layer_types, read through the block's attention
-            attention = getattr(layer, "self_attn", None)
-            kind = getattr(attention, "layer_type", None)
-            index = getattr(attention, "layer_idx", None)
-            if kind is None and index is not None and getattr(config, "layer_types", None):
-                kind = config.layer_types[index]
-            return kind == "sliding_attention"
+        if sliding_rule == "per layer":
+            return layer_type(layer) == "sliding_attention"
         return False
 
     def embed(embed_tokens: nn.Module, inputs: Tensors) -> Tensors:
@@ -384,8 +398,9 @@ def get_llama_layout_patcher(config: Any) -> Dict[str, PatchFn]:
     def block(layer: nn.Module, inputs: Tensors) -> Tensors:
         hidden, mask, positions = inputs
         rotary.to(hidden.device)
+        cos_sin = rotary(hidden, positions, layer_type(layer)) if per_type_rotary else rotary(hidden, positions)
         hidden = layer(hidden, attention_mask=_causal_mask(config, hidden, mask, positions, is_sliding(layer)),
-                       position_ids=positions, position_embeddings=rotary(hidden, positions))
+                       position_ids=positions, position_embeddings=cos_sin)
         return hidden, mask, positions
 
     def head(lm_head: nn.Module, inputs: Tensors) -> torch.Tensor:
