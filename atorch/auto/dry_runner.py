@@ -269,8 +269,21 @@ def release_engine(candidate: Optional[ModelContext]) -> None:
     if destroy is None:
         return
     try:
+        module = getattr(engine, "module", None)
         destroy()
         _clear_zero3_caches()
+        # ZeRO-3 still leaks after destroy(): hooks it leaves on the modules close over the engine
+        # from C++ (DeepSpeed 0.19). Whatever keeps the engine, its optimizer and the model's modules
+        # alive then holds no tensor: their attributes are dropped, and each ZeRO-3 parameter's
+        # partition and data (the candidate's own tensors: `ModelSource.build` made them).
+        optimizer = getattr(engine, "optimizer", None)
+        for owner in (getattr(optimizer, "optimizer", None), optimizer, engine):
+            if owner is not None and hasattr(owner, "__dict__"):
+                owner.__dict__.clear()
+        for parameter in module.parameters() if isinstance(module, torch.nn.Module) else ():
+            if hasattr(parameter, "ds_id"):       # a parameter ZeRO-3 converted
+                setattr(parameter, "ds_tensor", None)
+                parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
     except Exception as e:  # noqa: BLE001 - a teardown failure must not turn a measured trial into a failed one
         logger.warning("releasing the DeepSpeed engine of a dry run failed (%s: %s); its memory may stay allocated",
                        type(e).__name__, e)
