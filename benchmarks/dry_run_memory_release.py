@@ -30,14 +30,9 @@ def _rss_gb() -> float:
 
 
 def _live_tensor_gb() -> float:
-    seen, total = set(), 0
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-            storage = obj.untyped_storage()
-            if storage.data_ptr() and storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-    return total / 1e9
+    from atorch.testing.live_memory import live_tensor_bytes
+
+    return live_tensor_bytes() / 1e9
 
 
 def _rank(classes: List[Tuple[str, str]], kind: str) -> List[Tuple[Any, ...]]:

@@ -35,6 +35,7 @@ def _sequence():
     from deepspeed.utils import groups as ds_groups
 
     from atorch.auto.dry_runner import DryRunConfig, dry_run
+    from atorch.testing.live_memory import live_tensor_bytes
     from atorch.auto.model_context import ModelContext
     from atorch.auto.strategy import Strategy
     from atorch.testing.parity import TokenDataset
@@ -46,28 +47,13 @@ def _sequence():
     out = []
     for spec in SEQUENCE:
         strategy = Strategy(spec)
-        before = _live_tensor_bytes()
+        before = live_tensor_bytes()
         result = dry_run(ctx, strategy, config)
         cached = ds_groups._WORLD_GROUP
         out.append((strategy.describe(), result.ok, result.error,
                     cached is None or cached in dist.distributed_c10d._world.pg_map,
-                    _live_tensor_bytes() - before, sum(p.numel() * p.element_size() for p in ctx.model.parameters())))
+                    live_tensor_bytes() - before, sum(p.numel() * p.element_size() for p in ctx.model.parameters())))
     return out
-
-
-def _live_tensor_bytes() -> int:
-    """Bytes of the distinct storages of every tensor Python can still reach, after a gc."""
-    import gc
-
-    gc.collect()
-    seen, total = set(), 0
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-            storage = obj.untyped_storage()
-            if storage.data_ptr() and storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-    return total
 
 
 @pytest.mark.distributed
