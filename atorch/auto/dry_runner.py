@@ -307,8 +307,12 @@ def _clear_zero3_caches() -> None:
                 if callable(getattr(function, "cache_clear", None)):
                     function.cache_clear()
                     continue
-                inner += [getattr(function, "__wrapped__", None)]
-                inner += [cell.cell_contents for cell in getattr(function, "__closure__", None) or ()]
+                inner.append(getattr(function, "__wrapped__", None))
+                for cell in getattr(function, "__closure__", None) or ():
+                    try:
+                        inner.append(cell.cell_contents)
+                    except ValueError:      # an empty cell
+                        pass
             todo, depth = [f for f in inner if callable(f)], depth + 1
 
 
