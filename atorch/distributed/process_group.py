@@ -171,10 +171,13 @@ def _register_exit_teardown() -> None:
 
 
 def _teardown_at_exit() -> None:
-    if timeouts.failed_with_uncaught_exception() or not is_initialized():
+    if timeouts.failed_with_uncaught_exception():
         return
-    destroy_distributed()
-    gc.collect()   # groups held only by reference cycles (a model wrapped by DDP/FSDP) go now, not in finalization
+    if is_initialized():
+        destroy_distributed()
+    # Groups held only by reference cycles (a model wrapped by DDP/FSDP) go now, not in finalization:
+    # also after the script's own reset_distributed(), which may have run while they were alive.
+    gc.collect()
 
 
 def _env_int(name: str, minimum: int) -> int:
@@ -323,7 +326,13 @@ def on_destroy(callback: Callable[[], None]) -> None:
 
 
 def destroy_distributed() -> None:
-    """Tear down the parallel groups and the default group, if any."""
+    """Tear down the parallel groups and the default group, if any.
+
+    A collection first: a DDP/FSDP model held only by a reference cycle (a training result the
+    script deleted) still references its group, and `destroy_process_group` cannot stop gloo's
+    workers while it does; they then lived into interpreter finalization, where one aborted a
+    finished Slurm job (`_register_exit_teardown`)."""
+    gc.collect()
     for callback in _ON_DESTROY:     # the default parallel groups, the agreement group
         callback()
     if is_initialized():

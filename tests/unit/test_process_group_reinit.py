@@ -43,11 +43,21 @@ print(sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdi
 """
 
 
-def test_no_gloo_thread_outlives_the_reset_of_a_ddp_job():
-    """gloo's worker threads left alive at interpreter finalization abort the process when one needs
-    the GIL there (a finished Slurm job's worker did). DDP imports torch._dynamo, and imported after
-    the group exists it keeps the group alive through destroy and gc: atorch imports it first.
-    A fresh interpreter, since this pytest process may have imported torch._dynamo already."""
+_DDP_IN_A_CYCLE_JOB = r"""
+import os, torch
+import atorch
+atorch.init_distributed("gloo")
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+model(torch.randn(2, 4)).sum().backward()
+holder = {"model": model}
+holder["self"] = holder      # held only by a reference cycle, as a deleted training result often is
+del model, holder
+atorch.reset_distributed()   # no gc.collect() of the script's own
+print(sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")))
+"""
+
+
+def _threads_after(job: str) -> str:
     import subprocess
     import sys
 
@@ -57,8 +67,25 @@ def test_no_gloo_thread_outlives_the_reset_of_a_ddp_job():
         pytest.skip("thread names are read from /proc (Linux)")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
-    out = subprocess.run([sys.executable, "-c", _DDP_JOB], env=dict(env, OMP_NUM_THREADS="1"), capture_output=True,
+    out = subprocess.run([sys.executable, "-c", job], env=dict(env, OMP_NUM_THREADS="1"), capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    threads = out.stdout.strip().splitlines()[-1]
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_no_gloo_thread_outlives_the_reset_of_a_ddp_job_held_by_a_cycle():
+    """The Slurm example deletes its result and resets: a DDP model kept only by a reference cycle
+    still held the group through destroy_process_group, gloo's workers lived into finalization and
+    one aborted the finished job again ("terminate called without an active exception", a
+    fresh-clone CI run of session 7). reset_distributed collects cycles before destroying."""
+    threads = _threads_after(_DDP_IN_A_CYCLE_JOB)
+    assert "gloo" not in threads and "tcpstore" not in threads, threads
+
+
+def test_no_gloo_thread_outlives_the_reset_of_a_ddp_job():
+    """gloo's worker threads left alive at interpreter finalization abort the process when one needs
+    the GIL there (a finished Slurm job's worker did). DDP imports torch._dynamo, and imported after
+    the group exists it keeps the group alive through destroy and gc: atorch imports it first.
+    A fresh interpreter, since this pytest process may have imported torch._dynamo already."""
+    threads = _threads_after(_DDP_JOB)
     assert "gloo" not in threads and "tcpstore" not in threads, threads
