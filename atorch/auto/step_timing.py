@@ -56,8 +56,8 @@ class StepTimeSummary:
     half_width_s: float          # inf with fewer than MIN_SAMPLES_FOR_INTERVAL kept samples
     kept: int
     outliers: int
-    spread_s: float = math.nan   # the pilot's standard deviation of one sample (s0)
-    df: int = 0                  # its degrees of freedom (the half-width's t)
+    spread_s: float = math.nan   # one sample's standard deviation: the pilot's s0, or all kept samples' if larger
+    df: int = 0                  # the pilot's degrees of freedom (the half-width's t)
 
     @property
     def relative_half_width(self) -> float:
@@ -83,8 +83,9 @@ def t_quantile(degrees_of_freedom: int, confidence: float = CONFIDENCE) -> float
 
 
 def summarize(step_times_s: Sequence[float], pilot: int = PILOT_SAMPLES) -> StepTimeSummary:
-    """Mean of the kept samples and the 95% half-width t(k0 - 1) * s0 / sqrt(n) of Stein's rule,
-    s0 from the first `pilot` samples, rare high outliers left out (module docstring)."""
+    """Mean of the kept samples and the 95% half-width t(k0 - 1) * s / sqrt(n) of Stein's rule, s the
+    larger of the first `pilot` samples' spread and all kept samples', rare high outliers left out
+    (module docstring)."""
     times = [float(t) for t in step_times_s]
     if not times or any(not math.isfinite(t) or t <= 0 for t in times):
         raise ValueError(f"step times must be positive and finite, got {times}")

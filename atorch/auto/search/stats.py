@@ -65,8 +65,8 @@ def log_throughput_of_steps(step_times_s: Sequence[float]) -> Optional[LogEstima
     m = summary.mean_s
     if summary.df < 1 or not (math.isfinite(m) and math.isfinite(summary.spread_s)):
         return None         # no usable spread: the run's noise is unknown, not zero or infinite
-    var = (summary.spread_s / m) ** 2 / summary.kept
-    return LogEstimate(-math.log(m), var, float(summary.df), 1) if math.isfinite(var) else None
+    # Finite: a spread of positive times is at most sqrt(n) times their mean.
+    return LogEstimate(-math.log(m), (summary.spread_s / m) ** 2 / summary.kept, float(summary.df), 1)
 
 
 def relative_half_width_to_log_var(rel_half_width: float, confidence: float = 0.95, df: float = math.inf) -> float:
