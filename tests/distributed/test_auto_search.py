@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 import torch
 
+from atorch.auto.step_timing import summarize
 from atorch.testing import run_distributed, tiny_llama
 
 GLOBAL_BATCH, SEQ, STEPS = 8, 64, 6
@@ -139,8 +140,15 @@ def test_auto_accelerate_searches_trains_and_reports(tmp_path):
     assert len(cache["results"]) == len(distinct)           # the confirming run replaced its own entry
     for entry in cache["results"].values():
         if entry["error"] is None:
-            low, high = entry["throughput_ci"]
-            assert low <= entry["throughput"] <= high and len(entry["step_times_s"]) >= 2
+            assert len(entry["step_times_s"]) >= 2
+            if entry["throughput_ci"] is None:
+                # An unbounded interval (the half-width reached the mean step time: a burst of load
+                # on a shared machine) is reported as such; check that it was.
+                pilot = int(SEARCH_ENV["ATORCH_DRYRUN_PROFILE_STEP"])
+                assert summarize(entry["step_times_s"], pilot=pilot).throughput_interval(GLOBAL_BATCH) is None
+            else:
+                low, high = entry["throughput_ci"]
+                assert low <= entry["throughput"] <= high
     assert rank0["again_status"] and rank0["again"] == rank0["strategy"] == rank1["again"]
     again = rank0["again_trials"]
     assert len(again) == len(trials) + 1 and list(again["source"])[-1] == "cache-confirm"

@@ -155,8 +155,14 @@ def test_dry_runs_on_two_ranks():
         assert r.ok and r.throughput > 0 and r.step_time_s > 0, (name, r)
         # Timed until the interval is tight or the budget is spent; the interval holds the estimate.
         assert TIMING["profile_steps"] <= len(r.step_times_s) <= TIMING["max_profile_steps"], (name, r.step_times_s)
-        low, high = r.throughput_ci
-        assert low <= r.throughput <= high, (name, r)
+        if r.throughput_ci is None:
+            # Unbounded (the half-width reached the mean: a burst of load on the shared machine),
+            # and said so rather than hidden.
+            pilot = TIMING["profile_steps"]
+            assert summarize(r.step_times_s, pilot=pilot).throughput_interval(GLOBAL_BATCH) is None, (name, r)
+        else:
+            low, high = r.throughput_ci
+            assert low <= r.throughput <= high, (name, r)
         precise = summarize(r.step_times_s).relative_half_width <= TIMING["target_relative_ci"]
         assert precise or len(r.step_times_s) > TIMING["profile_steps"], (name, r.step_times_s)
         measured = r.peak_memory_bytes
