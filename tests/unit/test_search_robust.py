@@ -315,3 +315,51 @@ def test_hebo_planner_posterior_pools_measurements_and_refits_on_a_new_prior():
     planner.update_prior([-v for v in prior])
     planner.posterior(observed, seen)
     assert planner.fits == 2
+
+
+class PosteriorPlanner(RecordingPlanner):
+    """RecordingPlanner with a surrogate posterior: a measured candidate at its pooled
+    measurement; the untried candidate last in the enumeration at the leader's mean with a wide
+    variance when `PROMISING`, every other untried one far below."""
+
+    PROMISING = True
+
+    def posterior(self, observed, indices):
+        seen = {o.index: (o.log_throughput, o.noise_var or 1e-4) for o in observed}
+        top = max(m for m, _ in seen.values())
+        promising = max(i for i in indices if i not in seen)
+        return {i: seen[i] if i in seen else (top, 0.05) if i == promising and self.PROMISING else (top - 1, 1e-4)
+                for i in indices}
+
+
+def newcomer_search(promising: bool):
+    """16 candidates, 10 dry runs: 8 searched, then one round of re-measurement."""
+    strategies = space16().strategies()
+    table = {s: 50.0 + i for i, s in enumerate(strategies)}
+    PosteriorPlanner.PROMISING = promising
+    calls = []
+
+    def evaluator(s):
+        calls.append(s)
+        return DryRunResult(table[s], 1000, step_times_s=steps_for(table[s], 0.01, seed=len(calls)))
+
+    result = search_strategy(space16(), evaluator, max_trials=10, patience=99, random_samples=0,
+                             planner_factory=PosteriorPlanner)
+    searched = calls[:8]
+    leader = max(searched, key=table.get)
+    return result, calls, leader, sorted(searched, key=table.get)[-2]
+
+
+def test_the_leader_is_remeasured_against_an_untried_candidate_likelier_to_beat_it():
+    """An untried candidate that the surrogate gives a better chance of beating the leader than
+    the measured runner-up has (x its chance to run) is the round's challenger, measured right
+    after the leader's repeat; otherwise the round is the leader and the runner-up."""
+    result, calls, leader, runner_up = newcomer_search(promising=True)
+    assert len(calls) == len(result.trials) == 10
+    assert list(result.trials["source"])[-2:] == ["remeasure", "challenger"]
+    assert calls[8] == leader and calls[9] not in calls[:8]
+    assert calls[9] == max(set(space16().strategies()) - set(calls[:8]), key=space16().strategies().index)
+    assert result.best == max(calls, key=lambda s: 50.0 + space16().strategies().index(s))
+    # Nothing likelier than the runner-up: the usual round.
+    result, calls, leader, runner_up = newcomer_search(promising=False)
+    assert list(result.trials["source"])[-2:] == ["remeasure", "remeasure"] and calls[8:] == [leader, runner_up]
