@@ -375,10 +375,10 @@ def _likelier_newcomer(planner: Any, trials: "_TrialLog", pair: Tuple[int, int],
     leader's repeat does that whoever it is paired with; its partner is best spent on the
     candidate likeliest to overturn it. When the leader has a close measured rival, that is the
     rival; when it is well ahead of every measured candidate, it is an untried one the surrogate
-    is unsure of (an option whose effect was only seen in other combinations). On 1,100 paired
-    landscapes (`benchmarks/search.py`, 64 and 256 candidates, all families) this turned 5
-    searches that declared 0.66-0.88 of the best into 0.96-1.0 and cost 2 (1.0 -> 0.995,
-    0.872 -> 0.851)."""
+    is unsure of (an option whose effect was only seen in other combinations). In 1,380 paired
+    searches (`benchmarks/search.py`: 460 landscapes of 64 and 256 candidates, every family, 3
+    predictor settings) this turned 5 that declared 0.66-0.88 of the best into 0.96-1.0 and cost
+    2 (1.0 -> 0.995, 0.872 -> 0.851); the other 1,371 did not change."""
     if planner is None or not hasattr(planner, "posterior") or not untried:
         return None
     leader, challenger = pair
