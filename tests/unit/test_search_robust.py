@@ -332,8 +332,9 @@ class PosteriorPlanner(RecordingPlanner):
                 for i in indices}
 
 
-def newcomer_search(promising: bool):
-    """16 candidates, 10 dry runs: 8 searched, then one round of re-measurement."""
+def newcomer_search(promising: bool, newcomer_fails: bool = False):
+    """16 candidates, 10 dry runs: 8 searched, then one round of re-measurement (`newcomer_fails`:
+    the 10th dry run raises)."""
     strategies = space16().strategies()
     table = {s: 50.0 + i for i, s in enumerate(strategies)}
     PosteriorPlanner.PROMISING = promising
@@ -341,6 +342,8 @@ def newcomer_search(promising: bool):
 
     def evaluator(s):
         calls.append(s)
+        if newcomer_fails and len(calls) == 10:
+            raise RuntimeError("the newcomer cannot run")
         return DryRunResult(table[s], 1000, step_times_s=steps_for(table[s], 0.01, seed=len(calls)))
 
     result = search_strategy(space16(), evaluator, max_trials=10, patience=99, random_samples=0,
@@ -363,3 +366,9 @@ def test_the_leader_is_remeasured_against_an_untried_candidate_likelier_to_beat_
     # Nothing likelier than the runner-up: the usual round.
     result, calls, leader, runner_up = newcomer_search(promising=False)
     assert list(result.trials["source"])[-2:] == ["remeasure", "remeasure"] and calls[8:] == [leader, runner_up]
+    # A newcomer that fails costs its dry run only: the leader, re-measured, is compared with the
+    # measured runner-up as before.
+    result, calls, leader, runner_up = newcomer_search(promising=True, newcomer_fails=True)
+    assert list(result.trials["status"])[-1] == "exception" and list(result.trials["source"])[-1] == "challenger"
+    assert result.best == leader and result.comparison.runner_up == runner_up
+    assert result.comparison.runs == (2, 1)
