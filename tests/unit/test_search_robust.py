@@ -327,7 +327,7 @@ class PosteriorPlanner(RecordingPlanner):
     def posterior(self, observed, indices):
         seen = {o.index: (o.log_throughput, o.noise_var or 1e-4) for o in observed}
         top = max(m for m, _ in seen.values())
-        promising = max(i for i in indices if i not in seen)
+        promising = max((i for i in indices if i not in seen), default=None)
         return {i: seen[i] if i in seen else (top, 0.05) if i == promising and self.PROMISING else (top - 1, 1e-4)
                 for i in indices}
 

@@ -44,7 +44,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Set, Tuple, cast, runtime_checkable
+from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Set, Tuple, cast, runtime_checkable
 
 import numpy as np
 import pandas as pd
@@ -327,13 +327,13 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
             # until the interval separates the leader from every other candidate or the budget is spent.
             rounds, separated = 0, False
             while trials.noise_reported and rounds < remeasure_rounds:
-                pair = trials.challenge(first=rounds == 0 and not trials.clearly_ahead(),
-                                        posterior=_posterior(planner, trials))
+                untried = allowed(i for i in range(len(candidates)) if i not in trials.tried)
+                posterior = _posterior(planner, trials, untried)
+                pair = trials.challenge(first=rounds == 0 and not trials.clearly_ahead(), posterior=posterior)
                 separated = pair is None
                 if pair is None or trials.count + 2 > max_trials or out_of_time(trials.typical_seconds()):
                     break
-                newcomer = _likelier_newcomer(planner, trials, pair,
-                                              allowed(i for i in range(len(candidates)) if i not in trials.tried))
+                newcomer = _likelier_newcomer(posterior, pair, untried) if posterior else None
                 if newcomer is not None:
                     run(pair[0], float("nan"), "remeasure")
                     run(newcomer, float("nan"), "challenger")
@@ -353,19 +353,20 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
     return trials.result(stop_reason, None, pruned_table(), len(candidates), memory_limit_bytes)
 
 
-def _posterior(planner: Any, trials: "_TrialLog") -> Optional[Dict[int, Tuple[float, float]]]:
-    """The surrogate's (mean, variance) of log-throughput of every candidate that can win, or
-    None without a surrogate (a planner without `posterior`, or none built)."""
+def _posterior(planner: Any, trials: "_TrialLog", untried: Iterable[int] = ()
+               ) -> Optional[Dict[int, Tuple[float, float]]]:
+    """The surrogate's (mean, variance) of log-throughput of every candidate that can win and of
+    `untried`, or None without a surrogate (a planner without `posterior`, or none built)."""
     if planner is None or not hasattr(planner, "posterior"):
         return None
     try:
-        return planner.posterior(trials.observations(), trials.eligible()) or None
+        return planner.posterior(trials.observations(), sorted({*trials.eligible(), *untried})) or None
     except Exception as e:  # noqa: BLE001 - the measurements alone still choose the challenger
         logger.warning("the surrogate's posterior failed (%s); re-measuring by the measurements alone", e)
         return None
 
 
-def _likelier_newcomer(planner: Any, trials: "_TrialLog", pair: Tuple[int, int],
+def _likelier_newcomer(posterior: Dict[int, Tuple[float, float]], pair: Tuple[int, int],
                        untried: Dict[int, float]) -> Optional[int]:
     """An untried candidate likelier to beat the leader than the measured challenger is, or None.
 
@@ -379,27 +380,20 @@ def _likelier_newcomer(planner: Any, trials: "_TrialLog", pair: Tuple[int, int],
     searches (`benchmarks/search.py`: 460 landscapes of 64 and 256 candidates, every family, 3
     predictor settings) this turned 5 that declared 0.66-0.88 of the best into 0.96-1.0 and cost
     2 (1.0 -> 0.995, 0.872 -> 0.851); the other 1,371 did not change."""
-    if planner is None or not hasattr(planner, "posterior") or not untried:
-        return None
     leader, challenger = pair
-    try:
-        post = planner.posterior(trials.observations(), sorted({leader, challenger, *untried}))
-    except Exception as e:  # noqa: BLE001 - the measured challenger is still a challenger
-        logger.warning("the surrogate's posterior failed (%s); re-measuring the measured challenger", e)
+    if leader not in posterior or challenger not in posterior:
         return None
-    if not post or leader not in post or challenger not in post:
-        return None
-    mean_leader, var_leader = post[leader]
-
-    def p_faster(i: int) -> float:
-        mean, var = post[i]
-        return float(_normal_cdf((mean - mean_leader) / math.sqrt(max(var + var_leader, 1e-300))))
-
-    best, best_p = None, p_faster(challenger)
+    best, best_p = None, _p_faster(posterior[leader], posterior[challenger])
     for i, p_runs in sorted(untried.items()):
-        if i in post and p_faster(i) * p_runs > best_p:
-            best, best_p = i, p_faster(i) * p_runs
+        p = _p_faster(posterior[leader], posterior[i]) * p_runs if i in posterior else 0.0
+        if p > best_p:
+            best, best_p = i, p
     return best
+
+
+def _p_faster(a: Tuple[float, float], b: Tuple[float, float]) -> float:
+    """P(B's log-throughput > A's) for independent normal estimates (mean, variance) of each."""
+    return float(_normal_cdf((b[0] - a[0]) / math.sqrt(max(a[1] + b[1], 1e-300))))
 
 
 def _remeasure_reserve(max_trials: int, rounds: int) -> int:
@@ -722,12 +716,10 @@ class _TrialLog:
             if math.isnan(ea.var) or math.isnan(eb.var):
                 p, separated = 0.5, False
             else:
-                sd = math.sqrt(max(ea.var + eb.var, 1e-300))
-                p = float(_normal_cdf((eb.mean - ea.mean) / sd))
+                p = _p_faster((ea.mean, ea.var), (eb.mean, eb.var))
                 separated = ratio_ci(ea, eb).separated
             if posterior is not None and a in posterior and b in posterior:
-                (ma, va), (mb, vb) = posterior[a], posterior[b]
-                p = float(_normal_cdf((mb - ma) / math.sqrt(max(va + vb, 1e-300))))
+                p = _p_faster(posterior[a], posterior[b])
             if (first or not separated) and p > best_p:
                 best_p, challenger = p, b
         return None if challenger is None else (a, challenger)
