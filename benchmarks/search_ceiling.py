@@ -38,14 +38,14 @@ import math
 import os
 import sys
 import time
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import search as bench  # noqa: E402  (benchmarks/search.py: the landscapes)
 
-from atorch.auto.search import search_strategy  # noqa: E402
+from atorch.auto.search import SearchSpace, search_strategy  # noqa: E402
 from atorch.auto.search.bo import Observation, Suggestion, log_expected_improvement  # noqa: E402
 
 SPACE = 64
@@ -133,7 +133,8 @@ def averaged_grid(has_pred: bool) -> List[Hyper]:
     return [(m, m * r, q, e) for m in mains for r in (0.0, 0.1, 0.3, 1.0) for q in preds for e in (0.0, 0.0025)]
 
 
-def run_search(space, land: bench.Landscape, predictor: str, planner: str) -> float:
+def run_search(space: SearchSpace, land: bench.Landscape, predictor: str, planner: str) -> float:
+    """The declared winner's true throughput over the best, searching with `planner`'s surrogate."""
     land.reset_noise(f"ours-{predictor}")     # the same noise stream as benchmarks/search.py's own run
     pred = None if predictor == "none" else (lambda s, table=land.predicted[predictor]: table[s])
     factory = None
@@ -145,7 +146,9 @@ def run_search(space, land: bench.Landscape, predictor: str, planner: str) -> fl
     return land.ratio(result.best)
 
 
-def landscapes(space, family: str, offsets: Sequence[int], count: int):
+def landscapes(space: SearchSpace, family: str, offsets: Sequence[int], count: int
+               ) -> Iterator[Tuple[int, int, bench.Landscape]]:
+    """(seed offset, index, landscape), seeded as benchmarks/search.py seeds them."""
     for offset in offsets:
         for k in range(count):
             seed = 1000 * SPACE + 100 * list(bench.FAMILIES).index(family) + k + offset
@@ -158,6 +161,7 @@ def row(ratios: Sequence[float]) -> str:
 
 
 def bound(args: argparse.Namespace) -> None:
+    """The perfect-exploration table (see the module docstring)."""
     space = bench.make_space(SPACE)
     print("| family | true top k measured | rounds | dry runs | P(declared >= 0.98) |")
     print("|---|---|---|---|---|")
@@ -181,6 +185,7 @@ def bound(args: argparse.Namespace) -> None:
 
 
 def planners(args: argparse.Namespace) -> None:
+    """The committed surrogate against the oracle and averaged ones, paired."""
     logging.disable(logging.WARNING)      # the raising candidate's warning, once per search
     space = bench.make_space(SPACE)
     ratios: Dict[Tuple[str, str, str], List[float]] = {}
@@ -194,8 +199,8 @@ def planners(args: argparse.Namespace) -> None:
                                                                             zip(args.planners, got)), flush=True)
     print("\n| family | predictor | surrogate | landscapes | P(>= 0.98) | mean | worst | below 0.9 |")
     print("|---|---|---|---|---|---|---|---|")
-    for (family, predictor, p), r in ratios.items():
-        print(f"| {family} | {predictor} | {p} | {len(r)} | {row(r)} |")
+    for (family, predictor, p), values in ratios.items():
+        print(f"| {family} | {predictor} | {p} | {len(values)} | {row(values)} |")
 
 
 def main() -> None:
