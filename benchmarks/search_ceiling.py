@@ -3,6 +3,8 @@ r"""Where the strategy search's remaining misses come from: the noise, or the ex
     # 1. perfect exploration: how often the true top candidates, measured with the landscape's
     #    noise and re-measured R rounds, are declared right (seconds)
     OMP_NUM_THREADS=1 python benchmarks/search_ceiling.py bound --families additive-3% interact-3% spikes-3%
+    #    ... the same landscapes with dry runs twice as precise
+    OMP_NUM_THREADS=1 python benchmarks/search_ceiling.py bound --families additive-3% --noise 0.015
     # 2. the committed surrogate against two others on the same landscapes and noise streams
     #    (about 1 s per search for the committed one, 0.2 s for the others)
     OMP_NUM_THREADS=1 python benchmarks/search_ceiling.py planners --families interact-3% spikes-3% \
@@ -32,6 +34,7 @@ this comparison only.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import logging
 import math
@@ -169,6 +172,8 @@ def bound(args: argparse.Namespace) -> None:
         for rounds in args.rounds:
             hits = total = 0
             for _, _, land in landscapes(space, family, args.seed_offsets, args.landscapes):
+                if args.noise is not None:     # the same landscape, measured more or less precisely
+                    land.family = dataclasses.replace(land.family, noise=args.noise)
                 top = sorted((s for s in land.strategies if land.mem[s] <= land.limit and s not in land.failing),
                              key=lambda s: -land.log_tp[s])[:args.top]
                 land.reset_noise("bound")
@@ -215,6 +220,7 @@ def main() -> None:
     b.add_argument("--top", type=int, default=5)
     b.add_argument("--rounds", nargs="+", type=int, default=[0, 1, 2, 3, 5])
     b.add_argument("--repeats", type=int, default=20, help="noise draws per landscape")
+    b.add_argument("--noise", type=float, help="each dry run's relative error instead of the family's (e.g. 0.015)")
     p = sub.choices["planners"]
     p.add_argument("--predictors", nargs="+", default=["none"], choices=bench.PREDICTORS)
     p.add_argument("--planners", nargs="+", default=["committed", "oracle", "averaged"],
