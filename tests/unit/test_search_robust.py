@@ -4,6 +4,7 @@ bound on the planner's work. A recording planner stands in for HEBO (no GP fit) 
 one `heavy` test of the real planner's work bound.
 """
 
+import functools
 import math
 from typing import Dict, List
 
@@ -320,15 +321,17 @@ def test_hebo_planner_posterior_pools_measurements_and_refits_on_a_new_prior():
 class PosteriorPlanner(RecordingPlanner):
     """RecordingPlanner with a surrogate posterior: a measured candidate at its pooled
     measurement; the untried candidate last in the enumeration at the leader's mean with a wide
-    variance when `PROMISING`, every other untried one far below."""
+    variance when `promising`, every other untried one far below."""
 
-    PROMISING = True
+    def __init__(self, labels, choices, prior, seed, promising=True):
+        super().__init__(labels, choices, prior, seed)
+        self.promising = promising
 
     def posterior(self, observed, indices):
         seen = {o.index: (o.log_throughput, o.noise_var or 1e-4) for o in observed}
         top = max(m for m, _ in seen.values())
         promising = max((i for i in indices if i not in seen), default=None)
-        return {i: seen[i] if i in seen else (top, 0.05) if i == promising and self.PROMISING else (top - 1, 1e-4)
+        return {i: seen[i] if i in seen else (top, 0.05) if i == promising and self.promising else (top - 1, 1e-4)
                 for i in indices}
 
 
@@ -337,7 +340,6 @@ def newcomer_search(promising: bool, newcomer_fails: bool = False):
     the 10th dry run raises)."""
     strategies = space16().strategies()
     table = {s: 50.0 + i for i, s in enumerate(strategies)}
-    PosteriorPlanner.PROMISING = promising
     calls = []
 
     def evaluator(s):
@@ -347,7 +349,7 @@ def newcomer_search(promising: bool, newcomer_fails: bool = False):
         return DryRunResult(table[s], 1000, step_times_s=steps_for(table[s], 0.01, seed=len(calls)))
 
     result = search_strategy(space16(), evaluator, max_trials=10, patience=99, random_samples=0,
-                             planner_factory=PosteriorPlanner)
+                             planner_factory=functools.partial(PosteriorPlanner, promising=promising))
     searched = calls[:8]
     leader = max(searched, key=table.get)
     return result, calls, leader, sorted(searched, key=table.get)[-2]
