@@ -49,7 +49,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple, cast
+from typing import Callable, Dict, List, Optional, Tuple, cast
 
 import numpy as np
 from transformers import LlamaConfig
@@ -183,7 +183,7 @@ class Landscape:
             self.failing |= self._failing_option(cands, sizes, shape_rng)
         if family.shape == "needle":
             self._needle(shape_rng)
-        ok = [s for s in self.strategies if self.mem[s] <= self.limit and s not in self.failing]
+        ok = self.runnable()
         self.best = max(math.exp(self.log_tp[s]) for s in ok)
         self.oom_fraction = 1 - sum(self.mem[s] <= self.limit and s != self.raising for s in self.strategies) / len(cands)
         self.leanest = min(self.mem[s] for s in ok)
@@ -200,6 +200,10 @@ class Landscape:
             anti = -self.log_tp[s] + prng.normal(0, 0.1)
             self.predicted["noisy"][s] = Estimate(mem, BATCH / math.exp(noisy))
             self.predicted["anti"][s] = Estimate(mem, BATCH / math.exp(anti))
+
+    def runnable(self) -> List[Strategy]:
+        """The candidates that neither run out of memory nor raise (the best is one of them)."""
+        return [s for s in self.strategies if self.mem[s] <= self.limit and s not in self.failing]
 
     def reset_noise(self, method: str) -> None:
         """Each method gets its own stream of measurement noise (so results do not depend on run order)."""
@@ -256,7 +260,7 @@ class Landscape:
     def _needle(self, rng: np.random.Generator) -> None:
         """One candidate (that fits and runs) U(10, 25)% faster than every other; its neighbours
         gain nothing."""
-        ok = [s for s in self.strategies if self.mem[s] <= self.limit and s not in self.failing]
+        ok = self.runnable()
         needle = ok[int(rng.integers(len(ok)))]
         self.log_tp[needle] = max(self.log_tp[s] for s in ok if s != needle) + rng.uniform(0.1, 0.25)
 
@@ -300,7 +304,16 @@ class Landscape:
         return 0.0 if strategy is None else math.exp(self.log_tp[strategy]) / self.best
 
 
-def run_ours(space: SearchSpace, land: Landscape, predictor: str, budget: int, seed: int) -> Tuple[float, dict]:
+def landscape_seed(space_size: int, family: str, index: int, offset: int = 0) -> int:
+    """The seed of landscape `index` of `family` (offset 0: the seeds the search was developed on)."""
+    return 1000 * space_size + 100 * list(FAMILIES).index(family) + index + offset
+
+
+def run_ours(space: SearchSpace, land: Landscape, predictor: str, budget: int, seed: int,
+             planner_factory: Optional[Callable] = None) -> Tuple[float, dict]:
+    """Our search on `land` (its own noise stream per predictor setting; `planner_factory`
+    replaces the surrogate, for benchmarks/search_ceiling.py): the declared winner's ratio to the
+    best, and what the search did."""
     calls: List[DryRunResult] = []
     tried: List[Strategy] = []
 
@@ -318,7 +331,7 @@ def run_ours(space: SearchSpace, land: Landscape, predictor: str, budget: int, s
     pred = None if predictor == "none" else (lambda s, table=land.predicted[predictor]: table[s])
     # The device's memory is known to every real search (auto_search passes it), predictor or not.
     result = search_strategy(space, evaluator, max_trials=budget, patience=budget, seed=seed, predictor=pred,
-                             memory_limit_bytes=land.limit)
+                             memory_limit_bytes=land.limit, planner_factory=planner_factory)
     failed = [s for s, r in zip(tried, calls) if r.status == "exception"]
     cmp = result.comparison
     covered = None
@@ -480,7 +493,7 @@ def main() -> None:
         hebo: List[float] = []
         ooms, rhos, fail_share = [], [], []
         for k in range(args.landscapes):
-            seed = 1000 * args.space + 100 * list(FAMILIES).index(fam_name) + k + args.seed_offset
+            seed = landscape_seed(args.space, fam_name, k, args.seed_offset)
             micro = family.shape == "microbatch"
             if micro not in spaces:
                 spaces[micro] = make_space(args.space, micro_batch=micro)

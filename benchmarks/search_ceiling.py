@@ -48,7 +48,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import search as bench  # noqa: E402  (benchmarks/search.py: the landscapes)
 
-from atorch.auto.search import SearchSpace, search_strategy  # noqa: E402
+from atorch.auto.search import SearchSpace  # noqa: E402
 from atorch.auto.search.bo import Observation, Suggestion, log_expected_improvement  # noqa: E402
 
 SPACE = 64
@@ -137,16 +137,13 @@ def averaged_grid(has_pred: bool) -> List[Hyper]:
 
 
 def run_search(space: SearchSpace, land: bench.Landscape, predictor: str, planner: str) -> float:
-    """The declared winner's true throughput over the best, searching with `planner`'s surrogate."""
-    land.reset_noise(f"ours-{predictor}")     # the same noise stream as benchmarks/search.py's own run
-    pred = None if predictor == "none" else (lambda s, table=land.predicted[predictor]: table[s])
+    """The declared winner's true throughput over the best, searching with `planner`'s surrogate
+    (benchmarks/search.py's own run, the same noise stream)."""
     factory = None
     if planner != "committed":
         grid = oracle_grid(land.family) if planner == "oracle" else averaged_grid
         factory = lambda labels, choices, prior, seed: AnovaGP(choices, prior, grid)  # noqa: E731
-    result = search_strategy(space, land.evaluate, max_trials=bench.BUDGET[SPACE], patience=bench.BUDGET[SPACE],
-                             seed=land.seed, predictor=pred, memory_limit_bytes=land.limit, planner_factory=factory)
-    return land.ratio(result.best)
+    return bench.run_ours(space, land, predictor, bench.BUDGET[SPACE], land.seed, factory)[0]
 
 
 def landscapes(space: SearchSpace, family: str, offsets: Sequence[int], count: int
@@ -154,13 +151,12 @@ def landscapes(space: SearchSpace, family: str, offsets: Sequence[int], count: i
     """(seed offset, index, landscape), seeded as benchmarks/search.py seeds them."""
     for offset in offsets:
         for k in range(count):
-            seed = 1000 * SPACE + 100 * list(bench.FAMILIES).index(family) + k + offset
-            yield offset, k, bench.Landscape(space, bench.FAMILIES[family], seed)
+            yield offset, k, bench.Landscape(space, bench.FAMILIES[family], bench.landscape_seed(SPACE, family, k, offset))
 
 
 def row(ratios: Sequence[float]) -> str:
-    r = np.asarray(ratios)
-    return f"{np.mean(r >= bench.TARGET) * 100:5.1f}% | {r.mean():.4f} | {r.min():.3f} | {int((r < 0.9).sum())}"
+    """benchmarks/search.py's P(>= 0.98) | mean | worst, and the count below 0.9."""
+    return f"{bench.summarize(list(ratios))} | {int((np.asarray(ratios) < 0.9).sum())}"
 
 
 def bound(args: argparse.Namespace) -> None:
@@ -174,8 +170,7 @@ def bound(args: argparse.Namespace) -> None:
             for _, _, land in landscapes(space, family, args.seed_offsets, args.landscapes):
                 if args.noise is not None:     # the same landscape, measured more or less precisely
                     land.family = dataclasses.replace(land.family, noise=args.noise)
-                top = sorted((s for s in land.strategies if land.mem[s] <= land.limit and s not in land.failing),
-                             key=lambda s: -land.log_tp[s])[:args.top]
+                top = sorted(land.runnable(), key=lambda s: -land.log_tp[s])[:args.top]
                 land.reset_noise("bound")
                 for _ in range(args.repeats):
                     runs = {s: [math.log(land.evaluate(s).throughput)] for s in top}
