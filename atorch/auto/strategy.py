@@ -182,7 +182,11 @@ class Strategy:
             raise ValueError(f"strategy file {os.fspath(path)!r} is a directory; give the path of a JSON strategy "
                              "file inside it (auto_accelerate's save_strategy_to_file writes one)")
         if not os.path.isfile(path):
-            raise ValueError(f"strategy file {os.fspath(path)!r} does not exist")
+            name = os.fspath(path)
+            # A bare word is likelier an optimization's name given where a list was meant.
+            hint = (f"; to apply optimizations by name, pass a list, e.g. load_strategy=[{name!r}]"
+                    if isinstance(name, str) and name.isidentifier() else "")
+            raise ValueError(f"strategy file {name!r} does not exist{hint}")
         with open(path, "rb") as f:
             return cls.from_bytes(f.read(), source=os.fspath(path))
 

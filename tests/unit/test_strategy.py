@@ -37,6 +37,10 @@ def test_bad_items_and_files():
         Strategy([("fsdp", None, "yes")])
     with pytest.raises(ValueError, match="does not exist"):
         Strategy.load("/nonexistent/strategy.json")
+    # A bare optimization name where a list was meant: the message says how to name optimizations.
+    with pytest.raises(ValueError, match=r"does not exist; to apply optimizations by name, pass a list, "
+                                         r"e\.g\. load_strategy=\['fsdp'\]"):
+        Strategy.load("fsdp")
     with pytest.raises(ValueError, match="not valid JSON"):
         Strategy.from_json("{")
 
