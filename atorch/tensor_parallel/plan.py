@@ -390,9 +390,22 @@ def _check_config_divisibility(model: nn.Module, actions: Dict[str, TPAction], t
         if value % tp_size == 0:
             continue
         where = attention if "heads" in key else mlp if "intermediate_size" in key else sharded
+        # Name the projection whose heads are counted: the keys' for key/value heads, the queries' else.
+        hints = _KV_PROJECTIONS if key == "num_key_value_heads" else _Q_PROJECTIONS if "heads" in key else ()
+        module = next((n for n in where if any(h in n.rsplit(".", 1)[-1] for h in hints)), where[0])
+        sizes = [d for d in range(2, value + 1) if value % d == 0]
+        fix = (f"use a tensor size that divides {value} ({', '.join(map(str, sizes[:6]))}"
+               f"{', ...' if len(sizes) > 6 else ''})" if sizes else
+               f"{key}={value} cannot be split across ranks (atorch does not replicate heads), so tensor "
+               "parallelism does not apply to this model; use data parallelism, FSDP or pipeline stages instead")
         raise ValueError(f"tensor parallel size {tp_size} does not divide {key}={value} of "
-                         f"{type(config).__name__}: sharding {where[0]!r} would split it unevenly; use a tensor size "
-                         f"that divides {value}")
+                         f"{type(config).__name__}: sharding {module!r} would split it unevenly; {fix}")
+
+
+# Substrings of the projection names whose output counts the key/value heads, or the query heads
+# (fused projections count both): the module an indivisible head count is reported against.
+_KV_PROJECTIONS = ("k_proj", "key", "kv", "qkv", "c_attn", "query_key_value")
+_Q_PROJECTIONS = ("q_proj", "query", "qkv", "c_attn", "query_key_value")
 
 
 def _shrunk_values(name: str, module: nn.Module, attrs: Iterable[str], tp_size: int) -> Dict[str, int]:

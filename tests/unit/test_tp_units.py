@@ -116,10 +116,17 @@ def test_no_preset_for_unknown_model_type():
     (dict(num_attention_heads=4, num_key_value_heads=4), 8,
      r"tensor parallel size 8 does not divide num_attention_heads=4 of LlamaConfig: sharding "
      r"'model.layers.0.self_attn.q_proj'"),
-    (dict(num_attention_heads=4, num_key_value_heads=2), 4, r"does not divide num_key_value_heads=2"),
+    (dict(num_attention_heads=4, num_key_value_heads=2), 4,
+     r"does not divide num_key_value_heads=2 of LlamaConfig: sharding 'model.layers.0.self_attn.k_proj' would "
+     r"split it unevenly; use a tensor size that divides 2 \(2\)"),
+    # Multi-query attention: one key/value head, which no tensor size splits.
+    (dict(num_attention_heads=4, num_key_value_heads=1), 2,
+     r"num_key_value_heads=1 .*'model.layers.0.self_attn.k_proj'.*; num_key_value_heads=1 cannot be split across "
+     r"ranks \(atorch does not replicate heads\), so tensor parallelism does not apply to this model; use data "
+     r"parallelism, FSDP or pipeline stages instead"),
     (dict(intermediate_size=130), 4, r"does not divide intermediate_size=130 of LlamaConfig: sharding "
                                      r"'model.layers.0.mlp.gate_proj'"),
-], ids=["heads", "kv_heads", "intermediate"])
+], ids=["heads", "kv_heads", "one_kv_head", "intermediate"])
 def test_indivisible_sizes_name_the_module_and_numbers(overrides, tp, match):
     model = _meta(LlamaForCausalLM, tiny_llama_config(**overrides))
     with pytest.raises(ValueError, match=match):
