@@ -264,6 +264,27 @@ def test_no_remeasure_without_reported_noise_or_budget():
     assert len(tiny.trials) == 3
 
 
+def test_a_last_dry_run_no_round_fits_goes_to_the_search():
+    """The reserve for re-measuring is kept only while the leader is not clearly ahead; when a
+    close rival shows up with one dry run left, that run cannot hold a round (two runs), so it
+    goes to the search instead of being left unused."""
+    first_seen: Dict[Strategy, float] = {}
+    calls = []
+
+    def evaluator(s):
+        calls.append(s)
+        if s not in first_seen:   # the 1st candidate leads by 2x, the 9th comes within 3% of it
+            first_seen[s] = 200.0 if not first_seen else 195.0 if len(first_seen) == 8 else 100.0
+        tp = first_seen[s]
+        return DryRunResult(tp, 1000, step_times_s=steps_for(tp, 0.01, seed=len(calls)))
+
+    result = search_strategy(space16(), evaluator, max_trials=10, patience=99, random_samples=1,
+                             planner_factory=RecordingPlanner)
+    assert len(calls) == len(result.trials) == 10
+    assert result.trials["source"].tolist()[-1] == "hebo-first"     # a search trial, not half a round
+    assert result.stop_reason == "max_trials=10 reached"
+
+
 # -- the planner's work is bounded ----------------------------------------------------------------
 
 def test_planner_sees_only_feasible_untried_candidates():

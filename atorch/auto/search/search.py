@@ -343,9 +343,12 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
                 rounds += 1
             # The leader stood apart from every other candidate before the budget kept for it was
             # spent: the rest goes back to the search, once (at 256 candidates / 20 dry runs, up to
-            # 2 of the 4 kept were left unused). A new leader found there is compared with the old
-            # on their measurements like any other pair.
-            if released or not (separated and held and trials.count < max_trials):
+            # 2 of the 4 kept were left unused). So does a last dry run that no round (two runs)
+            # fits: the reserve is kept only once the leader stops being clearly ahead, which can
+            # happen with one dry run left. A new leader found there is compared with the old on
+            # their measurements like any other pair.
+            odd_one_left = trials.noise_reported and max_trials - trials.count == 1
+            if released or not ((separated and held or odd_one_left) and trials.count < max_trials):
                 break
             released = True
     finally:
