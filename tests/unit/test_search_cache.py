@@ -37,13 +37,39 @@ def test_round_trip(tmp_path):
     assert again.cached_best("another space") is None         # a cached winner stands only for its space
 
 
-@pytest.mark.parametrize("content", ["{not json", json.dumps([1, 2]), json.dumps({"format": "other"}),
-                                     json.dumps({"format": "atorch-search-cache", "version": 1, "setup": {}}),
-                                     json.dumps({"format": "atorch-search-cache", "version": 1,
-                                                 "setup": {**KEY.to_json()}, "results": {"x": {"bad": 1}}})])
+def _file(**fields) -> str:
+    """A cache file of KEY's setup with `fields` replacing its parts."""
+    return json.dumps({"format": "atorch-search-cache", "version": 1, "setup": KEY.to_json(), "results": {},
+                       "last_search": None, **fields})
+
+
+# Damage a search must survive: each is ignored with a warning, never raised into the search.
+CORRUPT = {
+    "not json": "{not json",
+    "a list": json.dumps([1, 2]),
+    "another format": json.dumps({"format": "other"}),
+    "empty setup": _file(setup={}),
+    "result without throughput": _file(results={"x": {"bad": 1}}),
+    "world size infinite": _file(setup={**KEY.to_json(), "world_size": float("inf")}),
+    "batch NaN": _file(setup={**KEY.to_json(), "global_batch": float("nan")}),
+    "versions a list": _file(setup={**KEY.to_json(), "versions": [1, 2]}),
+    "results a string": _file(results="abc"),
+    "throughput a string": _file(results={"x": {"throughput": "fast"}}),
+    "result a list": _file(results={"x": [1]}),
+    "interval of one bound": _file(results={"x": {"throughput": 1.0, "throughput_ci": [1]}}),
+    "negative peak": _file(results={"x": {"throughput": 1.0, "peak_memory_bytes": -5}}),
+    "winner not JSON": _file(last_search={"space": "s", "best": "garbage"}),
+    "winner a list": _file(last_search={"space": "s", "best": [1, 2]}),
+    "trials a string": _file(last_search={"space": "s", "best": None, "trials": "abc"}),
+    "nested 100000 deep": "[" * 100_000 + "]" * 100_000,
+    "not UTF-8": b"\xff\xfe{".decode("latin-1"),
+}
+
+
+@pytest.mark.parametrize("content", list(CORRUPT.values()), ids=list(CORRUPT))
 def test_corrupt_cache_is_ignored_with_a_warning_naming_the_file(tmp_path, caplog, content):
     path = tmp_path / "cache.json"
-    path.write_text(content)
+    path.write_bytes(content.encode("latin-1") if content.startswith("\xff") else content.encode())
     with caplog.at_level(logging.WARNING, logger="atorch.auto.search.cache"):
         cache = SearchCache.load(str(path), KEY)
     assert cache.results == {} and cache.last_search is None
@@ -51,6 +77,18 @@ def test_corrupt_cache_is_ignored_with_a_warning_naming_the_file(tmp_path, caplo
     cache.put(DDP, OK)
     cache.save()                                  # replaced by a good file
     assert SearchCache.load(str(path), KEY).get(DDP) == OK
+
+
+def test_a_remembered_winner_outside_the_space_is_not_confirmed(tmp_path, caplog):
+    path = str(tmp_path / "cache.json")
+    cache = SearchCache(path, KEY)
+    cache.record_search(DDP, "space", [], [], "why", "stopped", 2)
+    cache.save()
+    again = SearchCache.load(path, KEY)
+    assert again.cached_best("space", {DDP, FSDP}) == DDP
+    with caplog.at_level(logging.WARNING, logger="atorch.auto.search.cache"):
+        assert again.cached_best("space", {FSDP}) is None       # e.g. a hand-edited winner
+    assert path in caplog.text and "not a candidate" in caplog.text
 
 
 def test_mismatched_setup_is_ignored_with_the_differences(tmp_path, caplog):

@@ -172,7 +172,7 @@ def _search_or_confirm(space: SearchSpace, evaluate: Callable[[Strategy], DryRun
     """
     signature = space_signature([c.label() for c in space.candidates()], memory_limit)
     if cache is not None:
-        best = cache.cached_best(signature)
+        best = cache.cached_best(signature, {c.strategy for c in space.candidates()})
         if best is not None:
             remembered = cache.get(best)
             confirmed = evaluate(best)

@@ -15,12 +15,13 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import time
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Collection, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -54,10 +55,13 @@ class SetupKey:
         return out
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "SetupKey":
-        return cls(str(data["model_hash"]), int(data["world_size"]), str(data["device"]),
-                   tuple(sorted((str(k), str(v)) for k, v in dict(data["versions"]).items())),
-                   int(data["global_batch"]), int(data["seq_len"]))
+    def from_json(cls, data: Any) -> "SetupKey":
+        """The key stored in a cache file; ValueError when a field is missing or of the wrong type."""
+        if not isinstance(data, dict) or not isinstance(data.get("versions"), dict):
+            raise ValueError("'setup' must be an object with a 'versions' object")
+        return cls(_text(data, "model_hash"), _count(data, "world_size"), _text(data, "device"),
+                   tuple(sorted((str(k), str(v)) for k, v in data["versions"].items())),
+                   _count(data, "global_batch"), _count(data, "seq_len"))
 
     def differences(self, cached: "SetupKey") -> List[str]:
         """What differs from `cached`, e.g. "world_size: cached 2, now 4"."""
@@ -110,11 +114,71 @@ def result_to_json(result: DryRunResult) -> Dict[str, Any]:
 
 
 def result_from_json(data: Mapping[str, Any]) -> DryRunResult:
-    ci = data.get("throughput_ci")
+    """A remembered dry run; ValueError when the entry is not what `result_to_json` writes (a hand-edited
+    or damaged file must not reach the search as a measurement)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"a result must be an object, got {type(data).__name__}")
+    error = data.get("error")
+    if error is not None and not isinstance(error, str):
+        raise ValueError(f"error={error!r} must be a string or null")
     peak = data.get("peak_memory_bytes")
-    return DryRunResult(float(data["throughput"]), int(peak) if peak is not None else None, data.get("error"),
-                        data.get("step_time_s"), tuple(float(t) for t in data.get("step_times_s") or ()),
-                        (float(ci[0]), float(ci[1])) if ci else None)
+    steps = data.get("step_times_s") or []
+    ci = data.get("throughput_ci")
+    if not isinstance(steps, list) or (ci is not None and (not isinstance(ci, list) or len(ci) != 2)):
+        raise ValueError("step_times_s must be a list and throughput_ci null or a [low, high] pair")
+    step_time = data.get("step_time_s")
+    return DryRunResult(_number(data.get("throughput"), "throughput"),
+                        None if peak is None else _count({"peak_memory_bytes": peak}, "peak_memory_bytes", 0),
+                        error, None if step_time is None else _number(step_time, "step_time_s"),
+                        tuple(_number(t, "step_times_s") for t in steps),
+                        None if ci is None else (_number(ci[0], "throughput_ci"), _number(ci[1], "throughput_ci")))
+
+
+def _number(value: Any, name: str) -> float:
+    """A finite number >= 0 (bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+    return float(value)
+
+
+def _count(data: Mapping[str, Any], name: str, least: int = 1) -> int:
+    """data[name] as an integer >= `least` (a JSON float with an integral value is accepted)."""
+    value = data.get(name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value != int(value) or value < least:
+        raise ValueError(f"{name}={value!r} must be an integer >= {least}")
+    return int(value)
+
+
+def _text(data: Mapping[str, Any], name: str) -> str:
+    value = data.get(name)
+    if not isinstance(value, str):
+        raise ValueError(f"{name}={value!r} must be a string")
+    return value
+
+
+def _last_search(data: Any) -> Optional[Dict[str, Any]]:
+    """The remembered search, checked as far as `cached_best` and the confirmation read it; ValueError
+    when it is damaged (its winner must parse as a strategy, its tables be lists of rows)."""
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise ValueError(f"last_search must be an object, got {type(data).__name__}")
+    best = data.get("best")
+    if best is not None:
+        if not isinstance(best, str):
+            raise ValueError(f"last_search.best={best!r} must be a strategy's JSON text")
+        Strategy.from_json(best)
+    for name in ("trials", "pruned"):
+        rows = data.get(name) or []
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise ValueError(f"last_search.{name} must be a list of objects")
+    for name in ("space", "reason", "stop_reason"):
+        if not isinstance(data.get(name, ""), str):
+            raise ValueError(f"last_search.{name}={data[name]!r} must be a string")
+    if data.get("num_candidates") is not None:
+        _count(data, "num_candidates", 0)
+    return data
 
 
 class SearchCache:
@@ -136,12 +200,17 @@ class SearchCache:
                 data = json.load(f)
             if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != FORMAT_VERSION:
                 raise ValueError(f"not an {FORMAT} file of version {FORMAT_VERSION}")
-            stored = SetupKey.from_json(data["setup"])
-            results = {str(k): dict(v) for k, v in dict(data.get("results") or {}).items()}
-            for v in results.values():
+            stored = SetupKey.from_json(data.get("setup"))
+            raw = data.get("results") or {}
+            if not isinstance(raw, dict):
+                raise ValueError("'results' must be an object")
+            for k, v in raw.items():
                 result_from_json(v)          # every entry must parse, or none is trusted
-            last = data.get("last_search")
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            results = {str(k): dict(v) for k, v in raw.items()}
+            last = _last_search(data.get("last_search"))
+        # Whatever the file holds, reading it must not stop the search: RecursionError for absurdly
+        # nested JSON, ValueError for everything the checks above refuse (and for bad UTF-8).
+        except (OSError, ValueError, RecursionError) as e:
             logger.warning("ignoring the search cache %s: it could not be read (%s: %s); it will be replaced",
                            path, type(e).__name__, e)
             return cache
@@ -149,7 +218,7 @@ class SearchCache:
             logger.warning("ignoring the search cache %s: it was recorded for another setup (%s); it will be "
                            "replaced", path, "; ".join(key.differences(stored)))
             return cache
-        cache.results, cache.last_search = results, last if isinstance(last, dict) else None
+        cache.results, cache.last_search = results, last
         return cache
 
     def get(self, strategy: Strategy) -> Optional[DryRunResult]:
@@ -168,12 +237,20 @@ class SearchCache:
                             "trials": trials, "pruned": pruned, "reason": reason, "stop_reason": stop_reason,
                             "num_candidates": num_candidates, "finished_at": time.time()}
 
-    def cached_best(self, space_signature: str) -> Optional[Strategy]:
-        """The winner of the last completed search over the same space, if any."""
+    def cached_best(self, space_signature: str, candidates: Optional[Collection[Strategy]] = None
+                    ) -> Optional[Strategy]:
+        """The winner of the last completed search over the same space, if any (and, when
+        `candidates` is given, only if it is one of them: a hand-edited file cannot smuggle in a
+        strategy the space does not hold)."""
         last = self.last_search
         if not last or last.get("space") != space_signature or not last.get("best"):
             return None
-        return Strategy.from_json(last["best"])
+        best = Strategy.from_json(last["best"])
+        if candidates is not None and best not in candidates:
+            logger.warning("ignoring the winner remembered in %s: %s is not a candidate of this search's space",
+                           self.path, best.describe())
+            return None
+        return best
 
     def save(self) -> None:
         """Write atomically (a crash leaves the old file or the new one, never half of one)."""
