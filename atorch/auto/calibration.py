@@ -33,7 +33,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
 import torch
@@ -156,9 +156,24 @@ def load_cache(path: str) -> Dict[str, Any]:
                                                                                                dict):
             raise ValueError(f"expected {{'version': {CACHE_VERSION}, 'entries': {{...}}}}")
         return data["entries"]
-    except (OSError, ValueError) as e:
-        logger.warning("calibration cache %s is unusable (%s); measuring again", path, e)
+    except (OSError, ValueError, RecursionError) as e:     # RecursionError: absurdly nested JSON
+        logger.warning("calibration cache %s is unusable (%s: %s); measuring again", path, type(e).__name__, e)
         return {}
+
+
+def _cached_rates(path: str, value: Any, where: str, names: Sequence[str]) -> Optional[Dict[str, Any]]:
+    """A cached measurement holding every one of `names` as a finite number (> 0, a latency >= 0); None
+    (measure again) when absent, and with a warning naming the file when it is damaged."""
+    if value is None:
+        return None
+    if isinstance(value, dict) and all(
+            isinstance(value.get(n), (int, float)) and not isinstance(value.get(n), bool)
+            and math.isfinite(value[n]) and (value[n] >= 0 if n.endswith("latency_s") else value[n] > 0)
+            for n in names):
+        return value
+    logger.warning("calibration cache %s: entry %s is unusable (expected positive numbers %s); measuring again",
+                   path, where, ", ".join(names))
+    return None
 
 
 def _save_cache(path: str, entries: Mapping[str, Any]) -> None:
@@ -184,8 +199,12 @@ def calibrate_device(device: Optional[torch.device] = None, group: Any = None, *
     distributed = dist.is_available() and dist.is_initialized()
     comm_key = f"{dist.get_backend(group)}:{dist.get_world_size(group)}" if distributed else None
     entries = load_cache(path)
-    compute = entries.get(kind, {}).get("compute")
-    comm = entries.get(kind, {}).get("comm", {}).get(comm_key) if comm_key else None
+    cached = _mapping(entries.get(kind))
+    if kind in entries and not isinstance(entries[kind], dict):
+        logger.warning("calibration cache %s: entry %s is unusable (not an object); measuring again", path, kind)
+    compute = _cached_rates(path, cached.get("compute"), f"{kind}/compute", ("flops_fp32", "flops_bf16"))
+    comm = _cached_rates(path, _mapping(cached.get("comm")).get(comm_key), f"{kind}/comm/{comm_key}",
+                         ("comm_bytes_per_s", "comm_latency_s")) if comm_key else None
     # Every rank must agree on whether to probe (the probe is collective).
     need = [compute is None or refresh, comm_key is not None and int(dist.get_world_size(group)) > 1 and
             (comm is None or refresh)]
@@ -204,14 +223,15 @@ def calibrate_device(device: Optional[torch.device] = None, group: Any = None, *
         bandwidth, latency = probe_all_reduce(device if device.type == "cuda" else torch.device("cpu"), group)
         comm = {"comm_bytes_per_s": bandwidth, "comm_latency_s": latency, "measured": _now()}
     if any(need) and (not distributed or dist.get_rank() == 0):
-        entry = dict(entries.get(kind, {}))
+        entry = dict(cached)
         entry["compute"] = compute
         if comm_key is not None and comm is not None:
-            entry["comm"] = {**entry.get("comm", {}), comm_key: comm}
+            entry["comm"] = {**_mapping(entry.get("comm")), comm_key: comm}
         try:
             _save_cache(path, {**entries, kind: entry})
         except OSError as e:
             logger.warning("could not write the calibration cache %s: %s", path, e)
+    compute = cast(Dict[str, Any], compute)      # measured above whenever the cache had none
     return DeviceConstants(kind, compute["flops_fp32"], compute["flops_bf16"], comm_key if comm else None,
                            comm["comm_bytes_per_s"] if comm else None, comm["comm_latency_s"] if comm else None)
 
@@ -475,14 +495,16 @@ def _mapping(value: Any) -> Dict[str, Any]:
 
 
 def _cached_numbers(path: str, entry: Mapping[str, Any], section: str, key: str) -> Dict[str, float]:
-    """entry[section][key] as {name: number >= 0}; anything else is ignored with a warning naming the file."""
+    """entry[section][key] as {name: number > 0} (an overhead may be 0: rates and times are divided by);
+    anything else is ignored with a warning naming the file."""
     value = _mapping(entry.get(section)).get(key)
     if value is None:
         return {}
-    if isinstance(value, dict) and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
-                                       and math.isfinite(v) for v in value.values()):
+    if isinstance(value, dict) and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                                       and (v > 0 or (v == 0 and str(k).endswith(":overhead")))
+                                       for k, v in value.items()):
         return {str(k): float(v) for k, v in value.items()}
-    logger.warning("calibration cache %s: entry %s/%s is unusable (expected {name: number >= 0}); "
+    logger.warning("calibration cache %s: entry %s/%s is unusable (expected {name: number > 0}); "
                    "measuring again", path, section, key)
     return {}
 

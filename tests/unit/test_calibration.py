@@ -49,7 +49,12 @@ def test_calibrate_device_measures_once_and_caches_json(tmp_path, monkeypatch):
 def test_corrupt_or_foreign_cache_is_ignored_with_a_warning(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(calibration, "probe_matmul", lambda device, dtype, size=0, min_seconds=0.2: 3e9)
     path = tmp_path / "calibration.json"
-    for content in ("{not json", json.dumps({"version": 999, "entries": {}}), json.dumps([1, 2])):
+    kind = calibration.device_kind(torch.device("cpu"))
+    damaged = [{kind: 5}, {kind: {"compute": "fast"}}, {kind: {"compute": {"flops_fp32": 1e10}}},
+               {kind: {"compute": {"flops_fp32": -1.0, "flops_bf16": 1e10}}},
+               {kind: {"compute": {"flops_fp32": 1e10, "flops_bf16": True}}}]
+    for content in ("{not json", json.dumps({"version": 999, "entries": {}}), json.dumps([1, 2]), "[" * 100_000,
+                    *(json.dumps({"version": calibration.CACHE_VERSION, "entries": e}) for e in damaged)):
         path.write_text(content)
         caplog.clear()
         constants = calibrate_device(torch.device("cpu"), cache_path=str(path))
@@ -366,8 +371,10 @@ def test_calibrate_model_ignores_a_corrupt_cache_or_entry_with_a_warning(tmp_pat
     path = tmp_path / "calibration.json"
     kind = calibration.device_kind(torch.device("cpu"))
     key = calibration.shape_key(shape) + ",seq=8"
+    zero_rate = {"fp32:tokens=32:tensor=1": 0.0, "bf16:tokens=32:tensor=1": 2e10}
     for content in ("{truncated", json.dumps({"version": 1, "entries": {kind: {"block": {key: {"fp32": "fast"}}}}}),
-                    json.dumps({"version": 1, "entries": {kind: {"block": {key: [1, 2]}}}})):
+                    json.dumps({"version": 1, "entries": {kind: {"block": {key: [1, 2]}}}}),
+                    json.dumps({"version": 1, "entries": {kind: {"block": {key: zero_rate}}}})):
         path.write_text(content)
         caplog.clear()
         before = len(calls)
