@@ -330,6 +330,8 @@ CASES: List[Case] = [
          ValueError, "ATORCH_COLLECTIVE_TIMEOUT='inf'"),
     Case("env_search_time_limit_negative", _env({"ATORCH_SEARCH_TIME_LIMIT": "-5"}, SearchSettings.from_env),
          ValueError, "ATORCH_SEARCH_TIME_LIMIT=-5.0"),
+    Case("env_random_sample_negative", _env({"RANDOM_SAMPLE": "-1"}, SearchSettings.from_env), ValueError,
+         "RANDOM_SAMPLE=-1 must be >= 0 (spread-out candidates tried first)"),
     Case("env_device_memory_limit_negative", _env({"ATORCH_DEVICE_MEMORY_LIMIT": "-1"}, SearchSettings.from_env),
          ValueError, "ATORCH_DEVICE_MEMORY_LIMIT=-1"),
     Case("env_device_memory_limit_word", _env({"ATORCH_DEVICE_MEMORY_LIMIT": "abc"}, SearchSettings.from_env),

@@ -91,6 +91,19 @@ def test_a_remembered_winner_outside_the_space_is_not_confirmed(tmp_path, caplog
     assert path in caplog.text and "not a candidate" in caplog.text
 
 
+def test_a_cache_that_cannot_be_written_is_warned_about_once_and_the_search_goes_on(tmp_path, caplog):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    path = str(blocker / "cache.json")              # its directory is a file: every write fails
+    cache = SearchCache(path, KEY)
+    cache.put(DDP, OK)
+    with caplog.at_level(logging.WARNING, logger="atorch.auto.search.cache"):
+        cache.save()
+        cache.save()
+    assert caplog.text.count("could not write the search cache") == 1 and path in caplog.text
+    assert cache.write_failed and cache.get(DDP) == OK           # still serves what it holds
+
+
 def test_mismatched_setup_is_ignored_with_the_differences(tmp_path, caplog):
     path = str(tmp_path / "cache.json")
     cache = SearchCache(path, KEY)

@@ -82,9 +82,13 @@ class SearchSettings:
                        report_dir=env_str("ATORCH_SEARCH_REPORT_DIR", DEFAULT_REPORT_DIR, env) or DEFAULT_REPORT_DIR,
                        memory_limit_bytes=env_int("ATORCH_DEVICE_MEMORY_LIMIT", None, env),
                        cache_path=cache if cache_enabled else None, cache_enabled=cache_enabled)
-        if settings.max_trials < 1 or settings.random_samples < 0 or settings.patience < 1:
-            raise ValueError(f"BO_SG_MAX_IETR={settings.max_trials} must be >= 1, RANDOM_SAMPLE="
-                             f"{settings.random_samples} >= 0 and MAX_PATIENCE={settings.patience} >= 1")
+        bad = [f"{name}={value} must be >= {least} ({what})" for name, value, least, what in (
+            ("BO_SG_MAX_IETR", settings.max_trials, 1, "the search's dry runs"),
+            ("RANDOM_SAMPLE", settings.random_samples, 0, "spread-out candidates tried first"),
+            ("MAX_PATIENCE", settings.patience, 1, "trials without improvement before the search stops"))
+               if value < least]
+        if bad:
+            raise ValueError("environment variable " + "; ".join(bad))
         if settings.time_limit_s is not None and settings.time_limit_s <= 0:
             raise ValueError(f"environment variable ATORCH_SEARCH_TIME_LIMIT={settings.time_limit_s!r} must be a "
                              "positive number of seconds (unset: no limit)")

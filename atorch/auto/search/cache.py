@@ -11,6 +11,7 @@ when to read and write it (rank 0 only).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -188,6 +189,7 @@ class SearchCache:
         self.path, self.key = path, key
         self.results: Dict[str, Dict[str, Any]] = {}     # strategy JSON -> result_to_json + "measured_at"
         self.last_search: Optional[Dict[str, Any]] = None
+        self.write_failed = False                         # set by the first save that failed
 
     @classmethod
     def load(cls, path: str, key: SetupKey) -> "SearchCache":
@@ -253,15 +255,27 @@ class SearchCache:
         return best
 
     def save(self) -> None:
-        """Write atomically (a crash leaves the old file or the new one, never half of one)."""
-        directory = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(directory, exist_ok=True)
+        """Write atomically (a crash leaves the old file or the new one, never half of one).
+
+        A write that fails (disk full, the directory removed or made read-only meanwhile) is warned
+        about once and the search goes on without the cache: losing what it would remember must
+        not cost the search itself."""
+        if self.write_failed:
+            return
         data = {"format": FORMAT, "version": FORMAT_VERSION, "setup": self.key.to_json(), "results": self.results,
                 "last_search": self.last_search}
         tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, allow_nan=True, default=str)
-        os.replace(tmp, self.path)
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(data, f, indent=1, allow_nan=True, default=str)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            self.write_failed = True
+            logger.warning("could not write the search cache %s (%s: %s); the search goes on without remembering "
+                           "its results", self.path, type(e).__name__, e)
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
 
 
 def space_signature(labels: List[str], memory_limit_bytes: Optional[int]) -> str:
