@@ -3,6 +3,7 @@ them, the setup key, and the rank-0 flow of `auto_search` (one confirming dry ru
 
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -220,3 +221,31 @@ def test_a_re_measurement_is_a_new_dry_run_never_the_remembered_one(tmp_path):
     assert run(DDP) == fresh and calls == [DDP]           # second ask: measured again
     assert run(FSDP) == fresh and run(FSDP) == fresh and calls == [DDP, FSDP, FSDP]
     assert SearchCache.load(str(tmp_path / "cache.json"), KEY).get(DDP) == fresh   # the newest is remembered
+
+
+def test_a_report_that_cannot_be_written_is_a_warning_on_rank_0_not_an_error(tmp_path, caplog):
+    """The other ranks already left for training when rank 0 writes the report: raising there alone
+    would leave them waiting in a collective."""
+    from atorch.auto.search import auto_search
+    from atorch.auto.search.bo import Suggestion
+    from atorch.auto.search.search import search_strategy
+    from atorch.auto.search.space import SearchSpace
+
+    class First:                 # the first remaining candidate (this test is about the report)
+        expected_seconds = 0.0
+
+        def __init__(self, *args):
+            pass
+
+        def suggest(self, observed, remaining, log_fit=None):
+            return Suggestion(list(remaining)[0], 0.0, "first", len(remaining))
+
+    space = SearchSpace({"amp": [None, "amp_native"]}, world_size=1)
+    result = search_strategy(space, lambda s: OK, max_trials=2, random_samples=0, planner_factory=First)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with caplog.at_level(logging.WARNING, logger="atorch.auto.search.auto_search"):
+        assert auto_search._write_report_or_warn(result, str(blocker / "report"), "search.png") is None
+    assert "could not write the search report" in caplog.text and result.reason in caplog.text
+    paths = auto_search._write_report_or_warn(result, str(tmp_path / "report"), "search.png")
+    assert paths is not None and all(os.path.exists(p) for p in paths.values())

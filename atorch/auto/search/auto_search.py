@@ -149,10 +149,7 @@ def search_for_context(ctx: ModelContext, excluded: Optional[Sequence[str]] = No
         else:
             best, reason = _follow(evaluate)
     if adist.rank() == 0:
-        paths = write_search_report(result, directory, plot_name)
-        logger.info("chosen strategy: %s\n%s\ntrial table: %s, plot: %s", result.best.describe() if result.best
-                    else None, result.reason, paths["table"], paths["plot"])
-        found, report = result, paths
+        found, report = result, _write_report_or_warn(result, directory, plot_name)
     if best is None:
         raise SearchError(f"no strategy ran in the automatic search: {reason}")
     return SearchOutcome(best, reason, found, report)
@@ -164,6 +161,23 @@ def _open_cache(settings: SearchSettings, directory: str, ctx: ModelContext, wor
         return None
     path = settings.cache_path or os.path.join(directory, CACHE_FILE_NAME)
     return SearchCache.load(path, setup_key(ctx.model, world_size, ctx.device, batch_size, seq_len))
+
+
+def _write_report_or_warn(result: SearchResult, directory: str, plot_name: str) -> Optional[Dict[str, str]]:
+    """Rank 0: the report's paths, or None with a warning when it cannot be written.
+
+    The other ranks already have the winner and are on their way to training: a report that
+    cannot be written (disk full, a plotting failure) must not raise on rank 0 alone, where it
+    would leave them waiting in the first collective of training."""
+    try:
+        paths = write_search_report(result, directory, plot_name)
+    except Exception as e:      # noqa: BLE001  (any failure of an auxiliary output, see above)
+        logger.warning("could not write the search report to %s (%s: %s); the search result stands: %s",
+                       directory, type(e).__name__, e, result.reason)
+        return None
+    logger.info("chosen strategy: %s\n%s\ntrial table: %s, plot: %s", result.best.describe() if result.best
+                else None, result.reason, paths["table"], paths["plot"])
+    return paths
 
 
 def _search_or_confirm(space: SearchSpace, evaluate: Callable[[Strategy], DryRunResult],
