@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from test_opt_parity import (
     BF16_REL,
+    _global_loss,
     FP32_REL,
     GLOBAL_BATCH,
     STEPS,
@@ -53,9 +54,73 @@ def _scheduler_is_stepped_by_the_engine():
     return lrs
 
 
+class FeatureNet(torch.nn.Module):
+    """A model fed float features (not token ids): what DeepSpeed's bf16 module met as fp32 input."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+
+    def forward(self, x, y=None):
+        return self.net(x)
+
+
+class FeatureData(torch.utils.data.Dataset):
+    def __len__(self):
+        return GLOBAL_BATCH * STEPS
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(16, generator=g), torch.randint(0, 4, (), generator=g)
+
+
+def _feature_loss(batch, out):
+    return torch.nn.functional.cross_entropy(out.float(), batch[1])
+
+
+def feature_reference():
+    """Single process, fp32, the same global batches (samples [k*B, (k+1)*B) at step k, as a
+    non-shuffling DistributedSampler spreads them over the ranks)."""
+    model = FeatureNet()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = FeatureData()
+    losses = []
+    for step in range(STEPS):
+        x, y = zip(*(data[i] for i in range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)))
+        batch = (torch.stack(x), torch.stack(y))
+        loss = _feature_loss(batch, model(*batch))
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        losses.append(float(loss))
+    return losses
+
+
+def _float_inputs_in_bf16():
+    """amp bf16 + ZeRO-3 (DeepSpeed) on float features: the engine's bf16 module gets bf16 inputs."""
+    status, result, _ = auto_accelerate(
+        FeatureNet(), optim_func=torch.optim.AdamW, dataset=FeatureData(), loss_func=_feature_loss,
+        optim_args={"lr": 1e-2}, model_input_format="unpack_sequence",
+        dataloader_args={"batch_size": GLOBAL_BATCH},
+        load_strategy=[("amp_native", {"dtype": torch.bfloat16}), ("fsdp", {"use_ds_zero": True})])
+    assert status
+    losses = []
+    for _, batch in zip(range(STEPS), result.dataloader):
+        losses.append(_global_loss(train_step(result, batch)))
+    result.args["engine"].destroy()
+    del result
+    dist.barrier()
+    return losses
+
+
 def _train_deepspeed():
     out = train_all({**FP32, **BF16})
     out["scheduler_lrs"] = _scheduler_is_stepped_by_the_engine()
+    try:     # every rank raises the same dtype error without the cast: reported by its own test
+        out["float_inputs_bf16"] = _float_inputs_in_bf16()
+    except RuntimeError as e:
+        out["float_inputs_bf16"] = f"{type(e).__name__}: {e}"
     return out
 
 
@@ -81,3 +146,11 @@ def test_deepspeed_bf16_parity(name, ds_runs):
 def test_deepspeed_engine_steps_the_lr_scheduler(ds_runs):
     for runs in ds_runs:
         assert runs["scheduler_lrs"] == pytest.approx([1e-3 * GAMMA ** STEPS]), runs["scheduler_lrs"]
+
+
+def test_deepspeed_bf16_casts_float_inputs_to_the_module_dtype(ds_runs):
+    """A float input met DeepSpeed's bf16 weights as fp32 ("mat1 and mat2 must have the same dtype");
+    cast like FSDP2's mixed precision does, it trains like fp32 within the bf16 tolerance."""
+    expected = feature_reference()
+    for runs in ds_runs:
+        assert runs["float_inputs_bf16"] == pytest.approx(expected, rel=BF16_REL), (runs["float_inputs_bf16"], expected)

@@ -2,6 +2,7 @@
 transform, and GradScalingOptimizer (steps, skips on overflow, shares state, works with LR schedulers)."""
 
 import logging
+import pickle
 
 import pytest
 import torch
@@ -124,3 +125,39 @@ def test_apply_wrapper_builds_scaling_for_fp16_only_and_respects_wrappers(caplog
         amp.apply_wrapper(ctx, bf16)
     assert not has_autocast_forward(ctx.model)
     assert "already cast to bfloat16 by `half`" in caplog.text
+
+
+def test_a_half_model_gets_its_float_inputs_in_its_dtype():
+    """`half` (and DeepSpeed's half engines, tests/distributed/test_opt_parity_deepspeed.py) hold the
+    weights in bf16/fp16: fp32 inputs are cast, nested ones included; ids, float64 and bools are not."""
+    import collections
+
+    from atorch.auto.opt_lib._precision import cast_float_inputs
+
+    Pair = collections.namedtuple("Pair", "a b")
+    seen = {}
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(8, 1)
+
+        def forward(self, x, extra=None, ids=None):
+            seen.update(x=x.dtype, extra=extra, ids=ids.dtype)
+            return self.linear(x)
+
+    model = Probe().to(torch.bfloat16)
+    cast_float_inputs(model, torch.bfloat16)
+    extra = {"f": [torch.zeros(1)], "p": Pair(torch.zeros(1), torch.zeros(1, dtype=torch.float64))}
+    out = model(torch.randn(2, 8), extra=extra, ids=torch.ones(2, dtype=torch.long))
+    assert out.dtype is torch.bfloat16 and seen["x"] is torch.bfloat16 and seen["ids"] is torch.int64
+    assert seen["extra"]["f"][0].dtype is torch.bfloat16 and isinstance(seen["extra"]["p"], Pair)
+    assert seen["extra"]["p"].a.dtype is torch.bfloat16 and seen["extra"]["p"].b.dtype is torch.float64
+
+    # Through the optimization itself: before, this forward raised "mat1 and mat2 must have the same dtype".
+    half = get_optimization("half")()
+    ctx = ModelContext(model=_model())
+    half.apply(ctx, half.parse_config(torch.bfloat16))
+    assert ctx.model(torch.randn(2, 8)).dtype is torch.bfloat16
+    copied = pickle.loads(pickle.dumps(ctx.model))              # the hook does not stop a model from pickling
+    assert copied(torch.randn(2, 8)).dtype is torch.bfloat16

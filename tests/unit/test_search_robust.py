@@ -159,6 +159,36 @@ def test_failed_trials_never_reach_the_planner_and_are_not_retried():
     assert result.best == max(table, key=table.get)
 
 
+def test_out_of_memory_before_anything_ran_does_not_use_up_patience():
+    """A model that needs a leaner strategy than any tried first: the search goes on down to one
+    that fits (it stopped after `patience` out-of-memory runs, with nothing found)."""
+    space = space16()
+    lean = {c.strategy for c in space.candidates() if "fsdp" in c.label() and "checkpoint" in c.label()}
+
+    def evaluator(s):
+        if s in lean:
+            return DryRunResult(100.0, 10, None, 0.32, (0.32, 0.33, 0.31))
+        return DryRunResult(0.0, 10**9, "oom: rank 0: out of memory")
+
+    result = search_strategy(space, evaluator, max_trials=16, patience=2, random_samples=0,
+                             planner_factory=RecordingPlanner)
+    assert result.best in lean and (result.trials["status"] == "oom").sum() > 2
+
+
+def test_the_same_error_everywhere_stops_at_patience_and_is_in_the_reason():
+    """A loss or model that raises under every strategy: `patience` dry runs, and the one line the
+    user reads says what the error was."""
+    def evaluator(s):
+        raise TypeError("linear(): argument 'input' (position 1) must be Tensor, not list")
+
+    result = search_strategy(space16(), evaluator, max_trials=16, patience=3, random_samples=0,
+                             planner_factory=RecordingPlanner)
+    assert result.best is None and len(result.trials) == 3
+    assert "3x \"exception: TypeError: linear(): argument 'input' (position 1) must be Tensor, not list\"" \
+        in result.reason
+    assert "3 dry runs failed (not out of memory) before any ran" in result.reason
+
+
 def test_oom_is_learned_by_dominance_without_a_predictor():
     """OOM at (zero=none, checkpoint=none, amp=a) skips every candidate saving no more memory with the same amp."""
     space = space16()

@@ -75,3 +75,38 @@ class DescribedByDtype:
 def has_autocast_forward(module: nn.Module) -> bool:
     return _FORWARD_BEFORE_AUTOCAST in vars(module)
 
+
+
+def cast_float_inputs(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Make `module`'s forward receive its fp32 tensor inputs (positional and keyword, nested in
+    lists, tuples and dicts) as `dtype`, the dtype its weights are held in.
+
+    A model held in half precision (`half`, DeepSpeed's bf16/fp16 engines) fed float inputs
+    (pixels, features, inputs_embeds) raised "mat1 and mat2 must have the same dtype"; token ids,
+    the usual LLM input, are integers and were never affected. FSDP2's mixed precision casts
+    forward inputs the same way (`cast_forward_inputs`); DeepSpeed's own `fp16.auto_cast` covers
+    fp16 only. Other dtypes (float64, integers, bool) pass unchanged.
+    """
+    module.register_forward_pre_hook(_CastFloatInputs(dtype), with_kwargs=True)
+
+
+class _CastFloatInputs:
+    """The pre-hook of `cast_float_inputs`: a class, not a closure, so the model still pickles and deep-copies."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+        return _cast_fp32(args, self.dtype), _cast_fp32(kwargs, self.dtype)
+
+
+def _cast_fp32(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.dtype == torch.float32 else value
+    if isinstance(value, dict):
+        return {k: _cast_fp32(v, dtype) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):      # a namedtuple keeps its type
+        return type(value)(*(_cast_fp32(v, dtype) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_fp32(v, dtype) for v in value)
+    return value

@@ -28,7 +28,7 @@ from atorch.auto.opt_lib._ds_config import (
     user_stage3_elements,
     zero_ds_config,
 )
-from atorch.auto.opt_lib._precision import dtype_name
+from atorch.auto.opt_lib._precision import cast_float_inputs, dtype_name
 from atorch.distributed.mesh import ParallelMesh
 from atorch.auto.opt_lib.base import ConfigAlias, CostContext, Optimization, Order, ValidationContext, WrapperOrder, is_false, is_true, short_value, shown_fields
 from atorch.utils.module_utils import modules_of_classes, resolve_module_classes
@@ -255,6 +255,10 @@ def build_deepspeed_engine(ctx: ModelContext, who: str, stage: int, ds_config: D
     ctx.optim = optim
     ctx.lr_scheduler = scheduler
     ctx.deepspeed_config = config
+    half = torch.bfloat16 if (config.get("bf16") or {}).get("enabled") else \
+        torch.float16 if (config.get("fp16") or {}).get("enabled") else None
+    if half is not None:
+        cast_float_inputs(engine.module, half)   # DeepSpeed holds the module itself in `half`
     optimizer_device, param_device = offload_devices(config)
     return {"backend": "deepspeed", "zero_stage": stage,
             "mixed_precision": dtype_name(ctx.autocast_dtype) if ctx.autocast_dtype is not None else None,

@@ -1,7 +1,7 @@
 """`half`: cast the whole model (parameters and floating buffers) to bf16 or fp16.
 
 Unlike `amp_native` there is no fp32 copy of the weights: memory halves, and so does the
-precision of the updates. Combined with `amp_native` of the same dtype, autocast would
+precision of the updates. fp32 tensors given to the model's forward are cast to the dtype too. Combined with `amp_native` of the same dtype, autocast would
 change nothing and is skipped (logged); a different dtype is a contradiction and raises.
 """
 
@@ -13,7 +13,7 @@ from typing import Any, Dict
 import torch
 
 from atorch.auto.model_context import ModelContext
-from atorch.auto.opt_lib._precision import DescribedByDtype, dtype_name, parse_half_dtype
+from atorch.auto.opt_lib._precision import DescribedByDtype, cast_float_inputs, dtype_name, parse_half_dtype
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
 
 
@@ -58,4 +58,5 @@ class HalfOptimization(DescribedByDtype, Optimization):
     def apply(self, ctx: ModelContext, config: HalfConfig) -> None:
         # nn.Module.to(dtype) casts floating parameters and buffers only (token ids stay integer).
         ctx.model.to(config.dtype)
+        cast_float_inputs(ctx.model, config.dtype)     # float inputs (features, pixels) meet half weights
         ctx.half_dtype = config.dtype

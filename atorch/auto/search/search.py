@@ -24,7 +24,8 @@ predictor (the cost model); it never imports training code. Order of work:
    `observe(strategy, step_time_s)`) is told every successful dry run and every candidate is
    predicted again: the GP's feature and the memory model follow the refit.
 4. The search phase stops at its share of `max_trials`, after `patience` trials without
-   improvement, when the next trial would overrun `time_limit_s`, or when nothing is left.
+   improvement (an out-of-memory run before any candidate ran is not counted: it teaches
+   memory), when the next trial would overrun `time_limit_s`, or when nothing is left.
 5. When the evaluator reports per-step times (its noise), the leader is re-measured
    interleaved with the candidate likeliest to beat it (counted in `max_trials`; the surrogate's
    posterior, which pools similar candidates, says who that is: a measured rival, or an untried
@@ -301,7 +302,8 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
                     held = reserve
                     break
                 if since_improvement >= patience:
-                    stop_reason = f"no improvement in {patience} trials (patience)"
+                    stop_reason = f"no improvement in {patience} trials (patience)" if trials.runs else \
+                        f"{patience} dry runs failed (not out of memory) before any ran (patience)"
                     break
                 pick = seeding.next(remaining, predictions, trials.tried, list(trials.runs))
                 if out_of_time(planner.expected_seconds if planner and pick is None else 0.0):
@@ -322,7 +324,13 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
                         stop_reason = f"time_limit_s={time_limit_s:g} would be exceeded by another trial"
                         break
                 improved = run(index, planner_s, source)
-                since_improvement = 0 if improved else since_improvement + 1
+                # Out of memory before anything ran is how the search finds the memory boundary
+                # (each one rules out every candidate needing as much): it is not a trial without
+                # improvement, or a model that needs a leaner strategy than predicted would stop
+                # the search before it reached one. Exceptions do count: a model or loss that
+                # raises under every strategy should not cost max_trials dry runs.
+                learning_memory = trials.rows[-1]["status"] == "oom" and not trials.runs
+                since_improvement = 0 if improved else since_improvement + (0 if learning_memory else 1)
             # The re-measurement phase: the leader against its likeliest challenger, interleaved,
             # until the interval separates the leader from every other candidate or the budget is spent.
             rounds, separated = 0, False
