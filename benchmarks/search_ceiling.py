@@ -87,65 +87,10 @@ class AnovaGP:
         self.grid = grid(self.k_pred is not None)
         self.expected_seconds = 0.0
 
-    def _posteriors(self, observed: Sequence[Observation], idx: Sequence[int]
-                    ) -> Tuple[np.ndarray, List[Tuple[np.ndarray, np.ndarray]]]:
-        rows = [o.index for o in observed]
-        y = np.array([o.log_throughput for o in observed])
-        noise = np.array([max(o.noise_var or 0.0, 1e-5) for o in observed])
-        y0 = y - y.mean()
-        lml, post = [], []
-        for main, pair, pred, extra in self.grid:
-            k = main * self.k_main + pair * self.k_pair + 1.0          # 1.0: the constant's prior variance
-            if self.k_pred is not None:
-                k = k + pred * self.k_pred
-            chol = np.linalg.cholesky(k[np.ix_(rows, rows)] + np.diag(noise + extra) + 1e-9 * np.eye(len(rows)))
-            alpha = np.linalg.solve(chol.T, np.linalg.solve(chol, y0))
-            lml.append(-0.5 * y0 @ alpha - np.log(np.diag(chol)).sum())
-            cross = k[np.ix_(idx, rows)]
-            v = np.linalg.solve(chol, cross.T)
-            post.append((y.mean() + cross @ alpha, np.maximum(np.diag(k)[idx] - (v * v).sum(0), 1e-12)))
-        w = np.exp(np.array(lml) - max(lml))
-        return w / w.sum(), post
-
-    def posterior(self, observed: Sequence[Observation], indices: Sequence[int]) -> Dict[int, Tuple[float, float]]:
-        if len(observed) < 2 or not indices:
-            return {}
-        idx = list(indices)
-        w, post = self._posteriors(observed, idx)
-        mean = sum(wi * m for wi, (m, _) in zip(w, post))
-        var = sum(wi * (v + m * m) for wi, (m, v) in zip(w, post)) - mean * mean
-        return {i: (float(m), float(v)) for i, m, v in zip(idx, mean, var)}
-
-    def suggest(self, observed: Sequence[Observation], remaining: Sequence[int],
-                log_fit: Optional[Mapping[int, float]] = None) -> Suggestion:
-        start = time.perf_counter()
-        remaining = list(remaining)
-        fit = np.array([(log_fit or {}).get(i, 0.0) for i in remaining])
-        if len(observed) < 2:
-            return Suggestion(remaining[int(np.argmax(fit))], 0.0, "order")
-        seen = sorted({o.index for o in observed})
-        w, post = self._posteriors(observed, seen + remaining)
-        ei = np.zeros(len(remaining))
-        for wi, (mean, var) in zip(w, post):     # the integrated acquisition: EI averaged over the grid
-            incumbent = mean[:len(seen)].max()
-            ei += wi * np.exp(log_expected_improvement(-incumbent, -mean[len(seen):], var[len(seen):]))
-        best = int(np.argmax(np.log(np.maximum(ei, 1e-300)) + fit))
-        self.expected_seconds = time.perf_counter() - start
-        return Suggestion(remaining[best], self.expected_seconds, "acquisition", len(remaining))
-
-
-# Standard normal quadrature for the knowledge gradient's expectation (13 points, weights ~ the density).
-_KG_Z = np.array([-2.5, -1.8, -1.3, -0.9, -0.55, -0.25, 0.0, 0.25, 0.55, 0.9, 1.3, 1.8, 2.5])
-_KG_W = np.exp(-0.5 * _KG_Z ** 2) / np.exp(-0.5 * _KG_Z ** 2).sum()
-
-
-class KnowledgeGradientGP(AnovaGP):
-    """`AnovaGP` (averaged grid) suggesting by the knowledge gradient: for a candidate x, E[max over the
-    measured candidates and x of the posterior mean after measuring x] - the best posterior mean now,
-    averaged over the grid, times P(fit)."""
-
     def _joint(self, observed: Sequence[Observation], idx: Sequence[int]
                ) -> Tuple[np.ndarray, List[Tuple[np.ndarray, np.ndarray, float]]]:
+        """The grid's weights (marginal likelihood) and, per grid point, the posterior mean and
+        covariance at `idx` with the noise variance of one more measurement."""
         rows = [o.index for o in observed]
         y = np.array([o.log_throughput for o in observed])
         noise = np.array([max(o.noise_var or 0.0, 1e-5) for o in observed])
@@ -164,6 +109,21 @@ class KnowledgeGradientGP(AnovaGP):
         w = np.exp(np.array(lml) - max(lml))
         return w / w.sum(), post
 
+    def _posteriors(self, observed: Sequence[Observation], idx: Sequence[int]
+                    ) -> Tuple[np.ndarray, List[Tuple[np.ndarray, np.ndarray]]]:
+        """Per grid point: the posterior mean and variance at `idx`; and the grid's weights."""
+        w, joint = self._joint(observed, idx)
+        return w, [(mean, np.maximum(np.diag(cov), 1e-12)) for mean, cov, _ in joint]
+
+    def posterior(self, observed: Sequence[Observation], indices: Sequence[int]) -> Dict[int, Tuple[float, float]]:
+        if len(observed) < 2 or not indices:
+            return {}
+        idx = list(indices)
+        w, post = self._posteriors(observed, idx)
+        mean = sum(wi * m for wi, (m, _) in zip(w, post))
+        var = sum(wi * (v + m * m) for wi, (m, v) in zip(w, post)) - mean * mean
+        return {i: (float(m), float(v)) for i, m, v in zip(idx, mean, var)}
+
     def suggest(self, observed: Sequence[Observation], remaining: Sequence[int],
                 log_fit: Optional[Mapping[int, float]] = None) -> Suggestion:
         start = time.perf_counter()
@@ -171,16 +131,39 @@ class KnowledgeGradientGP(AnovaGP):
         fit = np.array([(log_fit or {}).get(i, 0.0) for i in remaining])
         if len(observed) < 2:
             return Suggestion(remaining[int(np.argmax(fit))], 0.0, "order")
-        seen = sorted({o.index for o in observed})
-        m = len(seen)
+        value = self._acquisition(observed, sorted({o.index for o in observed}), remaining)
+        best = int(np.argmax(np.log(np.maximum(value, 1e-300)) + fit))
+        self.expected_seconds = time.perf_counter() - start
+        return Suggestion(remaining[best], self.expected_seconds, "acquisition", len(remaining))
+
+    def _acquisition(self, observed: Sequence[Observation], seen: List[int], remaining: List[int]) -> np.ndarray:
+        """Expected improvement over the best measured posterior mean, averaged over the grid (the
+        integrated acquisition)."""
+        w, post = self._posteriors(observed, seen + remaining)
+        ei = np.zeros(len(remaining))
+        for wi, (mean, var) in zip(w, post):
+            incumbent = mean[:len(seen)].max()
+            ei += wi * np.exp(log_expected_improvement(-incumbent, -mean[len(seen):], var[len(seen):]))
+        return ei
+
+
+# Standard normal quadrature for the knowledge gradient's expectation (13 points, weights ~ the density).
+_KG_Z = np.array([-2.5, -1.8, -1.3, -0.9, -0.55, -0.25, 0.0, 0.25, 0.55, 0.9, 1.3, 1.8, 2.5])
+_KG_W = np.exp(-0.5 * _KG_Z ** 2) / np.exp(-0.5 * _KG_Z ** 2).sum()
+
+
+class KnowledgeGradientGP(AnovaGP):
+    """`AnovaGP` (averaged grid) suggesting by the knowledge gradient: for a candidate x, E[max over the
+    measured candidates and x of the posterior mean after measuring x] - the best posterior mean now,
+    averaged over the grid, times P(fit)."""
+
+    def _acquisition(self, observed: Sequence[Observation], seen: List[int], remaining: List[int]) -> np.ndarray:
         w, post = self._joint(observed, seen + remaining)
         kg = np.zeros(len(remaining))
         for wi, (mean, cov, noise) in zip(w, post):
             if wi >= 1e-4:
-                kg += wi * knowledge_gradient(mean, cov, noise, m)
-        best = int(np.argmax(np.log(np.maximum(kg, 1e-300)) + fit))
-        self.expected_seconds = time.perf_counter() - start
-        return Suggestion(remaining[best], self.expected_seconds, "acquisition", len(remaining))
+                kg += wi * knowledge_gradient(mean, cov, noise, len(seen))
+        return kg
 
 
 def knowledge_gradient(mean: np.ndarray, cov: np.ndarray, noise: float, num_measured: int) -> np.ndarray:
