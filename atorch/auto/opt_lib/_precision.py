@@ -76,7 +76,6 @@ def has_autocast_forward(module: nn.Module) -> bool:
     return _FORWARD_BEFORE_AUTOCAST in vars(module)
 
 
-
 def cast_float_inputs(module: torch.nn.Module, dtype: torch.dtype) -> None:
     """Make `module`'s forward receive its fp32 tensor inputs (positional and keyword, nested in
     lists, tuples and dicts) as `dtype`, the dtype its weights are held in.

@@ -1,8 +1,9 @@
 """`half`: cast the whole model (parameters and floating buffers) to bf16 or fp16.
 
 Unlike `amp_native` there is no fp32 copy of the weights: memory halves, and so does the
-precision of the updates. fp32 tensors given to the model's forward are cast to the dtype too. Combined with `amp_native` of the same dtype, autocast would
-change nothing and is skipped (logged); a different dtype is a contradiction and raises.
+precision of the updates. fp32 tensors given to the model's forward are cast to the dtype too.
+Combined with `amp_native` of the same dtype, autocast would change nothing and is skipped
+(logged); a different dtype is a contradiction and raises.
 """
 
 from __future__ import annotations

@@ -49,8 +49,9 @@ def explain(result: "SearchResult") -> str:
     if result.best is None:
         failed = trials["status"].value_counts().to_dict() if not trials.empty else {}
         parts.append("no strategy ran" + (f" ({_counts(failed)})" if failed else ""))
-        if not trials.empty:
-            parts.append(_common_errors(trials["reason"]))
+        errors = _common_errors(trials["reason"]) if not trials.empty else ""
+        if errors:
+            parts.append(errors)
     elif result.comparison is not None and result.comparison.lo is not None:
         # Re-measured: the winner against the runner-up with the interval of their ratio.
         parts.append(f"{result.comparison.line()} ({result.best_throughput:.4g} samples/s)")
@@ -86,12 +87,14 @@ def explain(result: "SearchResult") -> str:
 
 def _common_errors(reasons: "pd.Series", shown: int = 2, width: int = 300) -> str:
     """The most frequent failure messages with their counts, e.g. 'errors: 3x "exception: rank 0:
-    TypeError: ..."': when nothing ran, what went wrong belongs in the one line the user reads (a
+    TypeError: ..."' ("" when there is none): when nothing ran, what went wrong belongs in the one line the user reads (a
     model or loss that raises under every strategy shows the same message on every trial)."""
     reasons = reasons.fillna("").astype(str)
     counts = reasons[reasons != ""].value_counts()
     items = [f'{n}x "{r if len(r) <= width else r[:width - 3] + "..."}"' for r, n in counts.head(shown).items()]
     more = len(counts) - shown
+    if not items:
+        return ""
     return "errors: " + ", ".join(items) + (f" (+{more} other messages in the trial table)" if more > 0 else "")
 
 
