@@ -93,7 +93,7 @@ def feature_reference():
         optim.zero_grad()
         loss.backward()
         optim.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
