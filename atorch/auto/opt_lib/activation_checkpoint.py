@@ -73,12 +73,18 @@ class CheckpointConfig:
         object.__setattr__(self, "wrap_cls", tuple(spec))
 
 
-@functools.lru_cache(maxsize=None)
+# A plain dict, not functools.lru_cache: the lookup runs inside compiled blocks too, and Dynamo
+# warns on every lru_cache-wrapped call it traces (it traces the function, ignoring the cache).
+_FORWARD_SIGNATURES: Dict[type, Optional[inspect.Signature]] = {}
+
+
 def _class_forward_signature(cls: Type[nn.Module]) -> Optional[inspect.Signature]:
-    try:
-        return inspect.signature(cls.forward)
-    except (TypeError, ValueError):  # a forward without an introspectable signature
-        return None
+    if cls not in _FORWARD_SIGNATURES:
+        try:
+            _FORWARD_SIGNATURES[cls] = inspect.signature(cls.forward)
+        except (TypeError, ValueError):  # a forward without an introspectable signature
+            _FORWARD_SIGNATURES[cls] = None
+    return _FORWARD_SIGNATURES[cls]
 
 
 def _without_cache(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
