@@ -161,15 +161,18 @@ def load_cache(path: str) -> Dict[str, Any]:
         return {}
 
 
+def _is_real(value: Any) -> bool:
+    """A finite int or float (bool is not one)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _cached_rates(path: str, value: Any, where: str, names: Sequence[str]) -> Optional[Dict[str, Any]]:
     """A cached measurement holding every one of `names` as a finite number (> 0, a latency >= 0); None
     (measure again) when absent, and with a warning naming the file when it is damaged."""
     if value is None:
         return None
     if isinstance(value, dict) and all(
-            isinstance(value.get(n), (int, float)) and not isinstance(value.get(n), bool)
-            and math.isfinite(value[n]) and (value[n] >= 0 if n.endswith("latency_s") else value[n] > 0)
-            for n in names):
+            _is_real(value.get(n)) and (value[n] >= 0 if n.endswith("latency_s") else value[n] > 0) for n in names):
         return value
     logger.warning("calibration cache %s: entry %s is unusable (expected positive numbers %s); measuring again",
                    path, where, ", ".join(names))
@@ -500,8 +503,7 @@ def _cached_numbers(path: str, entry: Mapping[str, Any], section: str, key: str)
     value = _mapping(entry.get(section)).get(key)
     if value is None:
         return {}
-    if isinstance(value, dict) and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                                       and (v > 0 or (v == 0 and str(k).endswith(":overhead")))
+    if isinstance(value, dict) and all(_is_real(v) and (v > 0 or (v == 0 and str(k).endswith(":overhead")))
                                        for k, v in value.items()):
         return {str(k): float(v) for k, v in value.items()}
     logger.warning("calibration cache %s: entry %s/%s is unusable (expected {name: number > 0}); "

@@ -188,9 +188,10 @@ def _search_or_confirm(space: SearchSpace, evaluate: Callable[[Strategy], DryRun
     A confirmation that fails (the winner no longer runs) falls back to a full search, which
     still reuses the cached measurements of the other candidates.
     """
-    signature = space_signature([c.label() for c in space.candidates()], memory_limit)
+    candidates = space.candidates()
+    signature = space_signature([c.label() for c in candidates], memory_limit)
     if cache is not None:
-        best = cache.cached_best(signature, {c.strategy for c in space.candidates()})
+        best = cache.cached_best(signature, {c.strategy for c in candidates})
         if best is not None:
             remembered = cache.get(best)
             confirmed = evaluate(best)

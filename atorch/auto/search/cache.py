@@ -60,9 +60,9 @@ class SetupKey:
         """The key stored in a cache file; ValueError when a field is missing or of the wrong type."""
         if not isinstance(data, dict) or not isinstance(data.get("versions"), dict):
             raise ValueError("'setup' must be an object with a 'versions' object")
-        return cls(_text(data, "model_hash"), _count(data, "world_size"), _text(data, "device"),
+        return cls(_text(data, "model_hash"), _integer(data.get("world_size"), "world_size"), _text(data, "device"),
                    tuple(sorted((str(k), str(v)) for k, v in data["versions"].items())),
-                   _count(data, "global_batch"), _count(data, "seq_len"))
+                   _integer(data.get("global_batch"), "global_batch"), _integer(data.get("seq_len"), "seq_len"))
 
     def differences(self, cached: "SetupKey") -> List[str]:
         """What differs from `cached`, e.g. "world_size: cached 2, now 4"."""
@@ -129,24 +129,27 @@ def result_from_json(data: Mapping[str, Any]) -> DryRunResult:
         raise ValueError("step_times_s must be a list and throughput_ci null or a [low, high] pair")
     step_time = data.get("step_time_s")
     return DryRunResult(_number(data.get("throughput"), "throughput"),
-                        None if peak is None else _count({"peak_memory_bytes": peak}, "peak_memory_bytes", 0),
+                        None if peak is None else _integer(peak, "peak_memory_bytes", 0),
                         error, None if step_time is None else _number(step_time, "step_time_s"),
                         tuple(_number(t, "step_times_s") for t in steps),
                         None if ci is None else (_number(ci[0], "throughput_ci"), _number(ci[1], "throughput_ci")))
 
 
+def _is_real(value: Any) -> bool:
+    """A finite int or float (bool is not one)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _number(value: Any, name: str) -> float:
-    """A finite number >= 0 (bool is not one)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    """`value` as a finite number >= 0."""
+    if not _is_real(value) or value < 0:
         raise ValueError(f"{name}={value!r} must be a finite number >= 0")
     return float(value)
 
 
-def _count(data: Mapping[str, Any], name: str, least: int = 1) -> int:
-    """data[name] as an integer >= `least` (a JSON float with an integral value is accepted)."""
-    value = data.get(name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value != int(value) or value < least:
+def _integer(value: Any, name: str, least: int = 1) -> int:
+    """`value` as an integer >= `least` (a JSON float with an integral value is accepted)."""
+    if not _is_real(value) or value != int(value) or value < least:
         raise ValueError(f"{name}={value!r} must be an integer >= {least}")
     return int(value)
 
@@ -178,7 +181,7 @@ def _last_search(data: Any) -> Optional[Dict[str, Any]]:
         if not isinstance(data.get(name, ""), str):
             raise ValueError(f"last_search.{name}={data[name]!r} must be a string")
     if data.get("num_candidates") is not None:
-        _count(data, "num_candidates", 0)
+        _integer(data["num_candidates"], "num_candidates", 0)
     return data
 
 
