@@ -98,6 +98,53 @@ def test_default_space_dimensions_on_cpu(model):
                    dict(_config(s, "parallel_mode")[0]).get("data") == 2 for s in cands)
 
 
+@pytest.mark.parametrize("family", ["bloom", "gemma2"])
+def test_module_replace_is_not_searched_where_it_would_replace_nothing(family, caplog):
+    """BLOOM's and Gemma 2's attention cannot switch to sdpa and their norms are not Llama's RMSNorm:
+    module_replace would change nothing, so the space does not double with candidates alike."""
+    from atorch.testing.tp_families import build_family
+
+    other, _ = build_family(family)
+    with caplog.at_level("INFO", logger="atorch.auto.opt_lib.module_replace"):
+        space = SearchSpace.default_for(other, world_size=2, device_type="cpu", global_batch_size=8)
+    assert "module_replace" not in space.labels()
+    assert not any("module_replace" in s for s in space.strategies())
+    assert "module_replace: not searched, nothing to replace" in caplog.text
+    # Named by the user, it is still accepted (and reports what it left, see test_module_replace).
+    resolve_strategy(Strategy([("module_replace",)]), space.validation_context())
+
+
+def test_module_replace_is_searched_where_it_replaces_something(model):
+    from atorch.testing import tiny_gpt2
+
+    gpt2 = tiny_gpt2()
+    for m in (model, gpt2):
+        space = SearchSpace.default_for(m, world_size=2, device_type="cpu", global_batch_size=8)
+        assert space.labels()["module_replace"] == ["none", "module_replace"], type(m).__name__
+
+
+def test_torch_zero1_over_one_data_rank_is_not_a_second_candidate(model):
+    """ZeroRedundancyOptimizer over a data group of 1 rank is the plain optimizer: with tensor=2 on 2
+    ranks the candidate would measure the same as the one without zero1, so only that one is kept.
+    DeepSpeed's stage 1 stays (its engine also changes the precision regime)."""
+    space = SearchSpace.default_for(model, world_size=2, device_type="cpu", global_batch_size=8)
+
+    def data(s):
+        return dict(_config(s, "parallel_mode")[0]).get("data", 1)
+
+    cands = space.strategies()
+    assert not [s.describe() for s in cands if "zero1" in s and data(s) == 1
+                and not (_config(s, "zero1") or {}).get("use_ds_zero")]
+    assert any("zero1" in s and data(s) == 2 for s in cands)
+    assert any(data(s) == 1 and not _names(s) & {"zero1", "zero2", "fsdp"} for s in cands)
+    why = [v for k, v in space.rejected.items() if "zero1" in k and "tensor=2" in k]
+    assert why and all(v.startswith("the same as without it: zero1:") for v in why if "the same" in v)
+    # Asked for by the user (included: no "not chosen" to fall back on), it stays.
+    one = SearchSpace.default_for(model, world_size=1, device_type="cpu", global_batch_size=8)
+    assert not any("zero1" in s and not (_config(s, "zero1") or {}).get("use_ds_zero") for s in one.strategies())
+    assert one.restricted(included=["zero1"]).strategies()
+
+
 def test_default_space_on_gpu_offers_cpu_offload_and_no_micro_batch_without_batch(model):
     space = SearchSpace.default_for(model, world_size=4, device_type="cuda")
     labels = space.labels()

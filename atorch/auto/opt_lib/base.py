@@ -158,6 +158,13 @@ class Optimization:
         return [None, cls.name]
 
     @classmethod
+    def changes_nothing(cls, config: Any, context: "ValidationContext") -> Optional[str]:
+        """Why applying this optimization under `config` to the strategy of `context` (validated,
+        `context.configs` filled) would train exactly as the same strategy without it, else None.
+        The search then drops the candidate: the one without it measures the same."""
+        return None
+
+    @classmethod
     def config_conflicts(cls, config: Any) -> Dict[str, str]:
         """{optimization name: why} of partners that conflict with this one under `config` only."""
         return {}

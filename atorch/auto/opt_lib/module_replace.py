@@ -298,6 +298,17 @@ class ModuleReplaceOptimization(Optimization):
                 "fused_norm": bool(config.norm)}
 
     @classmethod
+    def search_choices(cls, context: ValidationContext) -> List[Any]:
+        # A model in which the default config would replace nothing (BLOOM, Gemma 2: attention
+        # that cannot switch to sdpa, norms that are not Llama's formula) gains nothing from it:
+        # offered anyway, it would double the space with candidates that measure the same.
+        if context.model is not None and plan_replacements(context.model, ModuleReplaceConfig()).is_empty():
+            logger.info("module_replace: not searched, nothing to replace in %s with the default config",
+                        type(context.model).__name__)
+            return [None]
+        return [None, cls.name]
+
+    @classmethod
     def parse_config(cls, raw: Any) -> ModuleReplaceConfig:
         """Also accept a list of kind names (and classes), e.g. ["attention", "norm"]: exactly those are replaced."""
         if isinstance(raw, (list, tuple)):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -66,6 +66,13 @@ class Zero1Optimization(Optimization):
     def search_choices(cls, context: ValidationContext) -> List[Any]:
         """torch's ZeroRedundancyOptimizer, and DeepSpeed's stage 1 where DeepSpeed is installed."""
         return [None, cls.name, *([(cls.name, {"use_ds_zero": True})] if deepspeed_installed() else [])]
+
+    @classmethod
+    def changes_nothing(cls, config: Zero1Config, context: ValidationContext) -> Optional[str]:
+        # Not DeepSpeed: its engine also changes the precision regime (bf16 module, fp32 master).
+        if not config.use_ds_zero and context.parallel_sizes().get("data", 1) == 1:
+            return "torch ZeRO-1 over a data-parallel group of 1 rank is the plain optimizer"
+        return None
 
     @classmethod
     def config_conflicts(cls, config: Zero1Config) -> Dict[str, str]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from atorch.auto.opt_lib.base import UNDECLARED, Registry, ValidationContext, default_registry, get_optimization
-from atorch.auto.opt_lib.resolve import resolve_strategy
+from atorch.auto.opt_lib.resolve import ResolvedOptimization, resolve_strategy
 from atorch.auto.strategy import Strategy, StrategyItem
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,11 @@ class SearchSpace:
 
     def __init__(self, dimensions: Mapping[str, Sequence[Choice]], *, world_size: Optional[int] = None,
                  model: Any = None, model_config: Any = None, device_type: str = "cpu",
-                 global_batch_size: Optional[int] = None, registry: Optional[Registry] = None) -> None:
+                 global_batch_size: Optional[int] = None, registry: Optional[Registry] = None,
+                 merge_idle: bool = True) -> None:
+        """`merge_idle=False` keeps candidates in which an optimization changes nothing
+        (`Optimization.changes_nothing`); benchmarks whose synthetic landscapes give them a
+        throughput of their own use it. Otherwise only the candidate without it is kept."""
         if not dimensions:
             raise ValueError("a search space needs at least one dimension, e.g. {'amp': [None, 'amp_native']}")
         self.dimensions: Dict[str, List[Choice]] = {}
@@ -104,6 +108,7 @@ class SearchSpace:
         self.device_type = device_type
         self.global_batch_size = global_batch_size
         self.registry = registry if registry is not None else default_registry()
+        self.merge_idle = merge_idle
         self._candidates: Optional[List[Candidate]] = None
         self.rejected: Dict[str, str] = {}     # strategy description -> why resolve_strategy refused it
 
@@ -140,10 +145,16 @@ class SearchSpace:
         for combo in itertools.product(*(range(len(choices)) for choices in items_of)):
             items = [item for dim, i in zip(items_of, combo) for item in dim[i]]
             raw = Strategy(items)
+            context = self.validation_context()
             try:
-                resolved = resolve_strategy(raw, self.validation_context(), self.registry, validate)
+                resolved = resolve_strategy(raw, context, self.registry, validate)
             except ValueError as e:
                 self.rejected[raw.describe()] = str(e)
+                continue
+            idle = None if not self.merge_idle else self._changes_nothing(resolved, context, [dim[i] for dim, i in zip(items_of, combo)],
+                                         [any(not items for items in dim) for dim in items_of])
+            if idle is not None:
+                self.rejected[raw.describe()] = f"the same as without it: {idle}"
                 continue
             strategy = Strategy(r.item for r in resolved)
             key = _strategy_key(strategy)
@@ -153,6 +164,20 @@ class SearchSpace:
             out.append(Candidate(strategy, tuple(combo)))
         logger.info("search space: %d combinations, %d valid candidates", self.size, len(out))
         return out
+
+    def _changes_nothing(self, resolved: List[ResolvedOptimization], context: ValidationContext, chosen: List[List[StrategyItem]],
+                         offers_none: List[bool]) -> Optional[str]:
+        """Why one optimization of a candidate changes nothing (`Optimization.changes_nothing`), when
+        the candidate without it is in the space too: its dimension's choice is that optimization
+        alone, and the dimension also offers "not chosen" (an `included` one does not)."""
+        for r in resolved:
+            why = type(r.optimization).changes_nothing(r.config, context)
+            if why is None:
+                continue
+            for items, none_too in zip(chosen, offers_none):
+                if none_too and items and {self.registry.canonical_name(i.name) for i in items} == {r.name}:
+                    return f"{r.name}: {why}"
+        return None
 
     # -- derived spaces -------------------------------------------------------------------------
     def restricted(self, excluded: Optional[Sequence[str]] = None,
@@ -179,7 +204,7 @@ class SearchSpace:
                 dims[f"included:{name}"] = [name]
         return SearchSpace(dims, world_size=self.world_size, model=self.model, model_config=self.model_config,
                            device_type=self.device_type, global_batch_size=self.global_batch_size,
-                           registry=self.registry)
+                           registry=self.registry, merge_idle=self.merge_idle)
 
     def _known_names(self, argument: str, names: Optional[Sequence[str]]) -> List[str]:
         """`names` as registered names (aliases resolved); a name no optimization has raises, since a typo
