@@ -119,8 +119,8 @@ def make_space(size: int, micro_batch: bool = False) -> SearchSpace:
             register(type("BenchKnob", (Optimization,), {"name": "bench_knob", "order": 50}))
         dims["knob"] = [None, "bench_knob"]
     dims["parallel"] = parallel
-    # merge_idle=False: at 256 the synthetic landscape gives ZeRO-1 over tensor=8 (one data rank) a
-    # throughput of its own, as before the space merged it with the candidate without it.
+    # merge_idle=False: at 256 the synthetic landscape gives torch ZeRO over tensor=8 (one data rank)
+    # throughputs of their own, as before the space merged them with the candidates without it.
     space = SearchSpace(dims, world_size=world, model_config=cfg, device_type="cuda", merge_idle=False)
     assert len(space.candidates()) == size, len(space.candidates())
     return space

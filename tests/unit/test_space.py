@@ -123,7 +123,7 @@ def test_module_replace_is_searched_where_it_replaces_something(model):
         assert space.labels()["module_replace"] == ["none", "module_replace"], type(m).__name__
 
 
-def test_torch_zero1_over_one_data_rank_is_not_a_second_candidate(model):
+def test_torch_sharding_over_one_data_rank_is_not_a_second_candidate(model):
     """ZeroRedundancyOptimizer over a data group of 1 rank is the plain optimizer: with tensor=2 on 2
     ranks the candidate would measure the same as the one without zero1, so only that one is kept.
     DeepSpeed's stage 1 stays (its engine also changes the precision regime)."""
@@ -139,6 +139,12 @@ def test_torch_zero1_over_one_data_rank_is_not_a_second_candidate(model):
     assert any(data(s) == 1 and not _names(s) & {"zero1", "zero2", "fsdp"} for s in cands)
     why = [v for k, v in space.rejected.items() if "zero1" in k and "tensor=2" in k]
     assert why and all(v.startswith("the same as without it: zero1:") for v in why if "the same" in v)
+    # torch FSDP2 over one data rank shards nothing either: without amp it trains as without it
+    # (and only adds all-gather copies); with amp its mixed precision replaces autocast, so it stays.
+    for name in ("zero2", "fsdp"):
+        torch_one = [s for s in cands if name in s and data(s) == 1 and not (_config(s, name) or {}).get("use_ds_zero")]
+        assert torch_one and all("amp_native" in s for s in torch_one), [s.describe() for s in torch_one]
+        assert any(name in s and data(s) == 2 and "amp_native" not in s for s in cands)
     # Asked for by the user (included: no "not chosen" to fall back on), it stays.
     one = SearchSpace.default_for(model, world_size=1, device_type="cpu", global_batch_size=8)
     assert not any("zero1" in s and not (_config(s, "zero1") or {}).get("use_ds_zero") for s in one.strategies())

@@ -322,6 +322,18 @@ class Fsdp2ShardingOptimization(Optimization):
         return dict(DEEPSPEED_CONFLICTS) if config.use_ds_zero else {}
 
     @classmethod
+    def changes_nothing(cls, config: Fsdp2ShardingConfig, context: ValidationContext) -> Optional[str]:
+        # Over one data rank FSDP2 shards nothing; it can only add its all-gather copies. Not with
+        # amp_native (FSDP2's mixed precision then replaces autocast: other numerics), CPU offload
+        # (memory moves to the host) or DeepSpeed (its engine changes the precision regime).
+        if config.use_ds_zero or config.cpu_offload or "amp_native" in context.configs:
+            return None
+        if context.parallel_sizes().get("data", 1) == 1:
+            return "torch FSDP2 over a data-parallel group of 1 rank, without mixed precision or offload, trains as " \
+                   "without it"
+        return None
+
+    @classmethod
     def wraps(cls, config: Fsdp2ShardingConfig) -> bool:
         return config.use_ds_zero
 

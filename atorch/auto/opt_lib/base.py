@@ -160,8 +160,8 @@ class Optimization:
     @classmethod
     def changes_nothing(cls, config: Any, context: "ValidationContext") -> Optional[str]:
         """Why applying this optimization under `config` to the strategy of `context` (validated,
-        `context.configs` filled) would train exactly as the same strategy without it, else None.
-        The search then drops the candidate: the one without it measures the same."""
+        `context.configs` filled) would train exactly as the same strategy without it, and be no
+        faster or leaner, else None. The search then keeps only the candidate without it."""
         return None
 
     @classmethod

@@ -151,8 +151,9 @@ class SearchSpace:
             except ValueError as e:
                 self.rejected[raw.describe()] = str(e)
                 continue
-            idle = None if not self.merge_idle else self._changes_nothing(resolved, context, [dim[i] for dim, i in zip(items_of, combo)],
-                                         [any(not items for items in dim) for dim in items_of])
+            chosen = [dim[i] for dim, i in zip(items_of, combo)]
+            idle = self._changes_nothing(resolved, context, chosen, [any(not c for c in dim) for dim in items_of]) \
+                if self.merge_idle else None
             if idle is not None:
                 self.rejected[raw.describe()] = f"the same as without it: {idle}"
                 continue
@@ -165,8 +166,8 @@ class SearchSpace:
         logger.info("search space: %d combinations, %d valid candidates", self.size, len(out))
         return out
 
-    def _changes_nothing(self, resolved: List[ResolvedOptimization], context: ValidationContext, chosen: List[List[StrategyItem]],
-                         offers_none: List[bool]) -> Optional[str]:
+    def _changes_nothing(self, resolved: List[ResolvedOptimization], context: ValidationContext,
+                         chosen: List[List[StrategyItem]], offers_none: List[bool]) -> Optional[str]:
         """Why one optimization of a candidate changes nothing (`Optimization.changes_nothing`), when
         the candidate without it is in the space too: its dimension's choice is that optimization
         alone, and the dimension also offers "not chosen" (an `included` one does not)."""
