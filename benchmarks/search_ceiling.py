@@ -310,7 +310,13 @@ def main() -> None:
     p.add_argument("--predictors", nargs="+", default=["none"], choices=bench.PREDICTORS)
     p.add_argument("--planners", nargs="+", default=["committed", "oracle", "averaged"],
                    choices=["committed", "oracle", "averaged", "kg", "committed-kg"])
+    p.add_argument("--spikes", type=float, help="every family's load-spike probability per timed step instead of "
+                   "its own (0: spikes-3%%'s landscapes timed without spikes)")
     args = parser.parse_args()
+    if getattr(args, "spikes", None) is not None:
+        # The same landscapes (seeds come from the family's name), timed otherwise.
+        for name in args.families:
+            bench.FAMILIES[name] = dataclasses.replace(bench.FAMILIES[name], spikes=args.spikes)
     bound(args) if args.command == "bound" else planners(args)
 
 
