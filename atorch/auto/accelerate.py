@@ -146,7 +146,7 @@ def _accelerate(ctx: ModelContext, load_strategy: Optional[StrategyLike], ignore
                 logger.exception("auto_accelerate: the loaded strategy failed its dry run")
                 return False, None, None
     # Validation raises ValueError on every rank before any collective.
-    resolved = _validate_layout(ctx, strategy)
+    resolved = _validate_layout(ctx, strategy, note_idle=True)
     try:
         # Every rank returns the same status. A rank failing inside an optimization, before one of
         # its collectives, leaves the others in that collective until ATORCH_COLLECTIVE_TIMEOUT.
@@ -169,10 +169,17 @@ def _accelerate(ctx: ModelContext, load_strategy: Optional[StrategyLike], ignore
     return True, result, result.strategy
 
 
-def _validate_layout(ctx: ModelContext, strategy: Strategy) -> List[ResolvedOptimization]:
-    """Resolve `strategy` for `ctx` and check that the global batch splits over its data ranks and chunks."""
+def _validate_layout(ctx: ModelContext, strategy: Strategy, note_idle: bool = False) -> List[ResolvedOptimization]:
+    """Resolve `strategy` for `ctx` and check that the global batch splits over its data ranks and chunks.
+
+    `note_idle`: warn about each optimization that changes nothing under this layout (the search
+    never proposes one; a user's strategy keeps it, e.g. FSDP on one GPU while debugging)."""
     vctx = validation_context(ctx)
     resolved = resolve_strategy(strategy, vctx)
+    for r in resolved if note_idle else ():
+        why = type(r.optimization).changes_nothing(r.config, vctx)
+        if why is not None:
+            logger.warning("%s changes nothing here, applied as asked: %s", r.name, why)
     pipeline = vctx.configs.get("pipeline_parallel")
     validate_batch_layout(ctx.dataloader_args, vctx.parallel_sizes(),
                           (pipeline.chunks or vctx.parallel_sizes().get("pipeline")) if pipeline else None)

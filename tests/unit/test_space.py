@@ -151,6 +151,25 @@ def test_torch_sharding_over_one_data_rank_is_not_a_second_candidate(model):
     assert one.restricted(included=["zero1"]).strategies()
 
 
+def test_a_users_sharding_that_changes_nothing_is_applied_with_a_warning(caplog):
+    """Named by the user on one process, zero1 is kept (e.g. a config shared with multi-GPU runs) and
+    the log says it does nothing here; fsdp with amp changes the numerics, so no warning for it."""
+    from atorch.auto import auto_accelerate, train_step
+    from atorch.testing.parity import TokenDataset
+
+    for strategy, idle in ((["zero1"], "zero1"), (["amp_native", "fsdp"], None)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="atorch.auto.accelerate"):
+            status, result, _ = auto_accelerate(tiny_llama(), torch.optim.AdamW, TokenDataset(n=8, seq_len=8),
+                                                dataloader_args={"batch_size": 4}, load_strategy=strategy)
+        assert status and torch.isfinite(train_step(result, next(iter(result.dataloader))))
+        warned = [r.getMessage() for r in caplog.records if "changes nothing here" in r.getMessage()]
+        if idle is None:
+            assert not warned, warned
+        else:
+            assert len(warned) == 1 and warned[0].startswith(f"{idle} changes nothing here, applied as asked: ")
+
+
 def test_default_space_on_gpu_offers_cpu_offload_and_no_micro_batch_without_batch(model):
     space = SearchSpace.default_for(model, world_size=4, device_type="cuda")
     labels = space.labels()
