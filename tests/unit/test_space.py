@@ -236,6 +236,36 @@ def test_space_with_its_own_registry():
         registry.with_optimizations(_Fast)
 
 
+class _Idle(Optimization):
+    name = "t_idle"
+    order = 50
+    search_dimension = "idle"
+
+    @classmethod
+    def changes_nothing(cls, config: Any, context: ValidationContext) -> Any:
+        return "it never does anything"
+
+
+class _NeedsIdle(Optimization):
+    name = "t_needs_idle"
+    order = 60
+    requires = frozenset({"t_idle"})
+    search_dimension = "other"
+
+
+def test_an_optimization_that_changes_nothing_is_dropped_only_where_the_space_has_the_one_without():
+    only = Registry.of(default_registry().get("parallel_mode"), _Idle, _NeedsIdle)
+    space = SearchSpace.default_for(None, world_size=1, registry=only)
+    names = sorted(sorted(c.strategy.names()) for c in space.candidates())
+    # t_idle alone measures as "none"; with t_needs_idle it is kept: nothing else reaches that one.
+    assert names == [["parallel_mode"], ["parallel_mode", "t_idle", "t_needs_idle"]]
+    assert "the same as without it: t_idle: it never does anything" in space.rejected.values()
+    assert len(SearchSpace.default_for(None, world_size=1, registry=only).restricted(
+        included=["t_idle"]).candidates()) == 2
+    kept = SearchSpace(space.dimensions, world_size=1, registry=only, merge_idle=False)
+    assert len(kept.candidates()) == 3
+
+
 # -- validation cache --------------------------------------------------------------------------
 
 def test_validation_cache_replays_outcomes_only_when_what_was_read_agrees():

@@ -151,8 +151,8 @@ class SearchSpace:
             except ValueError as e:
                 self.rejected[raw.describe()] = str(e)
                 continue
-            chosen = [dim[i] for dim, i in zip(items_of, combo)]
-            idle = self._changes_nothing(resolved, context, chosen, [any(not c for c in dim) for dim in items_of]) \
+            idle = self._changes_nothing(resolved, context, [dim[i] for dim, i in zip(items_of, combo)],
+                                         [any(not c for c in dim) for dim in items_of], validate) \
                 if self.merge_idle else None
             if idle is not None:
                 self.rejected[raw.describe()] = f"the same as without it: {idle}"
@@ -167,16 +167,23 @@ class SearchSpace:
         return out
 
     def _changes_nothing(self, resolved: List[ResolvedOptimization], context: ValidationContext,
-                         chosen: List[List[StrategyItem]], offers_none: List[bool]) -> Optional[str]:
+                         chosen: List[List[StrategyItem]], offers_none: List[bool], validate: "ValidationCache"
+                         ) -> Optional[str]:
         """Why one optimization of a candidate changes nothing (`Optimization.changes_nothing`), when
         the candidate without it is in the space too: its dimension's choice is that optimization
-        alone, and the dimension also offers "not chosen" (an `included` one does not)."""
+        alone, the dimension also offers "not chosen" (an `included` one does not), and the
+        strategy without it is valid."""
         for r in resolved:
             why = type(r.optimization).changes_nothing(r.config, context)
             if why is None:
                 continue
-            for items, none_too in zip(chosen, offers_none):
+            for d, (items, none_too) in enumerate(zip(chosen, offers_none)):
                 if none_too and items and {self.registry.canonical_name(i.name) for i in items} == {r.name}:
+                    without = Strategy(i for e, dim in enumerate(chosen) if e != d for i in dim)
+                    try:
+                        resolve_strategy(without, self.validation_context(), self.registry, validate)
+                    except ValueError:
+                        return None     # something else needs it: it is the only way to that candidate
                     return f"{r.name}: {why}"
         return None
 
