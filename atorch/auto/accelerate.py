@@ -176,10 +176,11 @@ def _validate_layout(ctx: ModelContext, strategy: Strategy, note_idle: bool = Fa
     never proposes one; a user's strategy keeps it, e.g. FSDP on one GPU while debugging)."""
     vctx = validation_context(ctx)
     resolved = resolve_strategy(strategy, vctx)
-    for r in resolved if note_idle else ():
-        why = type(r.optimization).changes_nothing(r.config, vctx)
-        if why is not None:
-            logger.warning("%s changes nothing here, applied as asked: %s", r.name, why)
+    if note_idle:
+        for r in resolved:
+            why = type(r.optimization).changes_nothing(r.config, vctx)
+            if why is not None:
+                logger.warning("%s changes nothing here, applied as asked: %s", r.name, why)
     pipeline = vctx.configs.get("pipeline_parallel")
     validate_batch_layout(ctx.dataloader_args, vctx.parallel_sizes(),
                           (pipeline.chunks or vctx.parallel_sizes().get("pipeline")) if pipeline else None)

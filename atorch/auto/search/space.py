@@ -142,18 +142,17 @@ class SearchSpace:
         seen = set()
         validate = ValidationCache()
         items_of = [[choice_items(c) for c in choices] for choices in self.dimensions.values()]
+        offers_none = [any(not c for c in dim) for dim in items_of]
         for combo in itertools.product(*(range(len(choices)) for choices in items_of)):
-            items = [item for dim, i in zip(items_of, combo) for item in dim[i]]
-            raw = Strategy(items)
+            chosen = [dim[i] for dim, i in zip(items_of, combo)]
+            raw = Strategy(item for c in chosen for item in c)
             context = self.validation_context()
             try:
                 resolved = resolve_strategy(raw, context, self.registry, validate)
             except ValueError as e:
                 self.rejected[raw.describe()] = str(e)
                 continue
-            idle = self._changes_nothing(resolved, context, [dim[i] for dim, i in zip(items_of, combo)],
-                                         [any(not c for c in dim) for dim in items_of], validate) \
-                if self.merge_idle else None
+            idle = self._changes_nothing(resolved, context, chosen, offers_none, validate) if self.merge_idle else None
             if idle is not None:
                 self.rejected[raw.describe()] = f"the same as without it: {idle}"
                 continue
