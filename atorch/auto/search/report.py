@@ -87,14 +87,15 @@ def explain(result: "SearchResult") -> str:
 
 def _common_errors(reasons: "pd.Series", shown: int = 2, width: int = 300) -> str:
     """The most frequent failure messages with their counts, e.g. 'errors: 3x "exception: rank 0:
-    TypeError: ..."' ("" when there is none): when nothing ran, what went wrong belongs in the one line the user reads (a
-    model or loss that raises under every strategy shows the same message on every trial)."""
+    TypeError: ..."' ("" when there is none): when nothing ran, what went wrong belongs in the one
+    line the user reads (a model or loss that raises under every strategy shows the same message
+    on every trial)."""
     reasons = reasons.fillna("").astype(str)
     counts = reasons[reasons != ""].value_counts()
+    if counts.empty:
+        return ""
     items = [f'{n}x "{r if len(r) <= width else r[:width - 3] + "..."}"' for r, n in counts.head(shown).items()]
     more = len(counts) - shown
-    if not items:
-        return ""
     return "errors: " + ", ".join(items) + (f" (+{more} other messages in the trial table)" if more > 0 else "")
 
 
