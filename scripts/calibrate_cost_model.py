@@ -1,4 +1,4 @@
-"""Fit the cost model's constants (atorch/auto/cost_model.py) to measured runs on this machine.
+"""Fit the cost model's constants (atorch/auto/cost_model/) to measured runs on this machine.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/calibrate_cost_model.py [--quick]
     OMP_NUM_THREADS=1 .venv/bin/python scripts/calibrate_cost_model.py --check   # predicted vs measured, 2 ranks
@@ -12,7 +12,7 @@ is shaped like `atorch.auto.train_step` (the model output stays referenced throu
 Time: the fastest of 5 steps of a second grid (tiny to hidden 512) fitted to
 FLOPs / rate + layers * overhead + constant; gloo all-reduce times on 2 processes fitted to
 latency + bytes / bandwidth. Prints the two dicts to paste into
-cost_model.py, and the relative error of the fitted memory model on every run.
+atorch/auto/cost_model/step_time.py, and the relative error of the fitted memory model on every run.
 """
 
 from __future__ import annotations

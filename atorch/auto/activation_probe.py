@@ -1,6 +1,6 @@
 """Measure what one decoder block of the user's own model saves for backward, to calibrate the cost model.
 
-The cost model's activation formulas (`cost_model._block_saved_bytes`) are counted on Hugging
+The cost model's activation formulas (`cost_model.activations._block_saved_bytes`) are counted on Hugging
 Face's Llama and GPT-2 blocks. Other architectures save other things: GPT-NeoX, OPT, Falcon
 and StarCoder2 blocks save 35-50% less than the Llama formula says (non-gated MLPs, parallel
 attention, fused biases), Mixtral-style mixture-of-experts blocks up to 1.8x more (router

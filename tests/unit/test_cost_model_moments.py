@@ -19,13 +19,13 @@ from torch import nn
 from atorch.auto.cost_model import (
     PHASES,
     ModelShape,
-    _block_saved_bytes,
     adam_step_bytes,
     estimate,
     peak_bytes,
     precision_mode,
     StrategyTraits,
 )
+from atorch.auto.cost_model.activations import _block_saved_bytes
 from atorch.auto.opt_lib.module_replace import fuse
 from atorch.testing import tiny_gpt2, tiny_llama
 from atorch.testing.fake_distributed import fake_process_group

@@ -18,8 +18,10 @@ import transformers
 
 from atorch.auto import cost_model
 from atorch.auto.cost_model import (DEVICE_PROFILES, DS_STAGE3_PERSISTENCE_ELEMENTS, ModelShape, StrategyTraits,
-                                    _ds_persistent_elements, _largest_param_elements, _parameter_sizes,
                                     time_breakdown)
+from atorch.auto.cost_model import shape as cost_shape
+from atorch.auto.cost_model.memory import _ds_persistent_elements
+from atorch.auto.cost_model.shape import _largest_param_elements, _parameter_sizes
 from atorch.auto.strategy import Strategy
 from atorch.testing.tp_families import FAMILIES, build_family
 
@@ -109,7 +111,7 @@ def test_a_head_dim_other_than_hidden_over_heads(family):
     assert shape.kv_dim == attention.k_proj.out_features == 64
     assert shape.num_params == sum(p.numel() for p in model.parameters())
     # The formula (no transformers) agrees on the layout Llama-style families share.
-    formula = cost_model._formula_shape(config)
+    formula = cost_shape._formula_shape(config)
     assert formula.q_dim == 128 and formula.kv_dim == 64
 
 
@@ -205,8 +207,8 @@ def test_a_transformers_config_without_a_causal_lm_falls_back_and_says_why_once(
 
 def test_layouts_are_cached_by_content_and_bounded(monkeypatch):
     real = sum(p.numel() for p in build_family("llama")[0].parameters())
-    monkeypatch.setattr(cost_model, "_LAYOUTS", type(cost_model._LAYOUTS)())
-    monkeypatch.setattr(cost_model, "_LAYOUTS_MAX", 2)
+    monkeypatch.setattr(cost_shape, "_LAYOUTS", type(cost_shape._LAYOUTS)())
+    monkeypatch.setattr(cost_shape, "_LAYOUTS_MAX", 2)
     built = []
     original = transformers.AutoModelForCausalLM.from_config
 
@@ -222,7 +224,7 @@ def test_layouts_are_cached_by_content_and_bounded(monkeypatch):
     assert len(built) == 1 and a._attn_implementation == attention   # the user's config is left as it was
     for layers in (3, 4, 5):
         ModelShape.from_config(transformers.LlamaConfig(**{**a.to_dict(), "num_hidden_layers": layers}))
-    assert len(built) == 4 and len(cost_model._LAYOUTS) == 2
+    assert len(built) == 4 and len(cost_shape._LAYOUTS) == 2
     assert ModelShape.from_config(a).num_params == real
     assert len(built) == 5      # evicted: built again
 

@@ -3,7 +3,7 @@
 "What should I use for this model on these devices?" answered before renting them: the
 model is built on the meta device (no weights, no GPU), the automatic search space is
 enumerated for the cluster's world size, and every candidate gets the cost model's memory per
-device and step time. Nothing runs; the figures are predictions (see `cost_model.py` for what
+device and step time. Nothing runs; the figures are predictions (see `atorch.auto.cost_model` for what
 they include), ranked by predicted throughput among the candidates that fit.
 """
 

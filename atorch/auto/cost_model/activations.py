@@ -1,0 +1,242 @@
+"""Bytes a training step saves for backward (a block, the final norm, the loss), per rank.
+
+Activations are counted, not fitted: the bytes per token that a Hugging Face decoder block
+saves for backward, tensor by tensor, in each precision mode (listed with
+torch.autograd.graph.saved_tensors_hooks on Llama and GPT-2 blocks, eager and sdpa attention;
+see `_block_saved_bytes`), and the loss's b*s*vocab buffers. Checked against measured peaks on
+2 CPU ranks (tests/distributed/test_dry_run.py) and torch's trackers at 1B-7B
+(benchmarks/memory_model.py).
+
+A module or a transformers config gets its block's bytes measured by the activation probe
+(`auto/activation_probe.py`) on its own first block; `shape_of` returns the shape with that scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import weakref
+from collections import OrderedDict
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from torch import nn
+
+from atorch.auto.cost_model.shape import ModelShape, _config_key, _meta_model
+from atorch.auto.cost_model.traits import StrategyTraits, precision_mode
+
+
+def _block_saved_bytes(shape: ModelShape, mode: str, seq_len: int, fused_attention: bool,
+                       fused_activation: bool = False, fused_norm: bool = False,
+                       kv_cache: bool = False) -> Tuple[float, float]:
+    """Bytes per token that one decoder block saves for backward: (replicated, tensor-sharded).
+
+    Counted on Hugging Face's Llama and GPT-2 blocks (saved_tensors_hooks, one storage counted
+    once). Replicated under Megatron tensor parallelism: the residual stream, the norms' inputs
+    and outputs, the column-parallel inputs (and their autocast copies). Sharded: q, k, v, the
+    attention output, the attention matrix and the MLP's intermediate tensors.
+
+    Llama (RMSNorm, SwiGLU): fp32 saves x, norm(x), the q/k/v input, q, k, v, the attention
+    output and the same three for the MLP half, plus gate, silu(gate), up and their product.
+    Under autocast the norms stay fp32 (x and x*rsqrt saved in fp32), while q, k and v each save
+    their own half copy of the shared input (activation casts are not cached; 5 copies a block).
+    In half the norms save an fp32 upcast of their input. Eager attention saves the softmax
+    output (fp32 under autocast and in half, plus its half copy) and k and v repeated to every
+    head; sdpa saves k and v at their grouped-query width and no b*heads*s^2 matrix.
+    GPT-2 (LayerNorm, GELU MLP): x, the qkv input, q, k, v, the attention output, x2, the MLP
+    input, and five b*s*ffn tensors (Hugging Face's tanh GELU in Python ops keeps its input and
+    three intermediates; `fused_activation`, module_replace's `nn.GELU(approximate="tanh")`,
+    keeps only its input: two b*s*ffn tensors, 0.57x the block in half at GPT-2 XL's width; a
+    model whose own activation is native, `ModelShape.python_gelu` False, keeps two as well).
+    `fused_norm` (module_replace's `F.rms_norm`): in half, each norm keeps its normalized result
+    in fp32 where Hugging Face's RMSNorm keeps it in half (+2 bytes a norm; same bytes in fp32
+    and under autocast). Measured on CPU, where `F.rms_norm` runs as its composite.
+    `kv_cache` (a training forward with Hugging Face's cache, no checkpointing): the cache's
+    `torch.cat` copies k and v and attention saves the copies. Where q, k and v are views of one
+    fused projection (GPT-2's c_attn) the projection stays saved through q, so the copies are 2 x
+    kv more; with separate projections (Llama) they replace tensors that are then freed (measured:
+    the same bytes with and without the cache).
+    """
+    h, f, q = shape.hidden_size, shape.intermediate_size, shape.q_dim
+    kv = (shape.kv_dim or h) if fused_attention else q
+    attn = 0 if fused_attention or shape.num_heads == 0 else shape.num_heads * seq_len
+    if shape.gated:
+        qkvo = 2 * q + 2 * kv
+        replicated = {"fp32": 4 * 6 * h, "autocast": 4 * 4 * h + 2 * 5 * h, "half": 4 * 2 * h + 2 * 4 * h}[mode]
+        sharded = {"fp32": 4 * qkvo + 4 * 4 * f + 4 * attn, "autocast": 2 * qkvo + 2 * 4 * f + 6 * attn,
+                   "half": 2 * qkvo + 2 * 4 * f + 6 * attn}[mode]
+        if fused_norm and mode == "half":
+            replicated += 2 * 2 * h
+    else:
+        ffn = 5 if shape.python_gelu and not fused_activation else 2      # b*s*ffn tensors the MLP keeps
+        replicated = {"fp32": 4 * 4 * h, "autocast": 4 * 2 * h + 2 * 2 * h, "half": 2 * 4 * h}[mode]
+        sharded = {"fp32": 4 * 4 * h + 4 * ffn * f + 4 * attn, "autocast": 2 * 4 * h + 2 * ffn * f + 6 * attn,
+                   "half": 2 * 4 * h + 2 * ffn * f + 2 * attn}[mode]
+        if kv_cache:
+            sharded += (4 if mode == "fp32" else 2) * 2 * (shape.kv_dim or h)
+    return float(replicated), float(sharded)
+
+
+def _frozen_inputs_bytes(shape: ModelShape, mode: str) -> Tuple[float, float]:
+    """Bytes per token a block does *not* save when its base linears are frozen (LoRA): a frozen
+    linear needs no input for a weight gradient. The q/k/v input stays (peft's default adapters
+    on q and v, or GPT-2's c_attn, read it); the MLP input, the attention output and the MLP
+    product are saved only for the frozen o/gate/up/down weights. Under autocast the three
+    frozen q/k/v casts go too (the two adapters cast their own copies)."""
+    h, f = shape.hidden_size, shape.intermediate_size
+    nbytes = 4 if mode == "fp32" else 2
+    replicated = nbytes * h + (2 * 3 * h if mode == "autocast" and shape.gated else 0)
+    return float(replicated), float(nbytes * (shape.q_dim + f))
+
+
+def _final_norm_saved_bytes(shape: ModelShape, mode: str, frozen_head: bool = False,
+                            fused_norm: bool = False) -> float:
+    """Bytes per token the final norm and the LM head's input save (replicated under tensor parallelism)."""
+    h = shape.hidden_size
+    if shape.gated:
+        saved = {"fp32": 4 * 3 * h, "autocast": 4 * 2 * h + 2 * h, "half": 4 * h + 2 * 2 * h}[mode]
+        if fused_norm and mode == "half":     # F.rms_norm keeps its normalized result in fp32
+            saved += 2 * h
+    else:
+        saved = {"fp32": 4 * 2 * h, "autocast": 4 * h + 2 * h, "half": 2 * 2 * h}[mode]
+    # A frozen head (LoRA) keeps no input for its weight gradient.
+    return float(saved - ((4 if mode == "fp32" else 2) * h if frozen_head else 0))
+
+
+def block_activation_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int,
+                           kv_cache: bool = False) -> float:
+    """Bytes one decoder block saves for backward on one rank (what a checkpointed block rebuilds,
+    without a cache: checkpointed blocks run with use_cache=False)."""
+    mode = precision_mode(traits)
+    replicated, sharded = _block_saved_bytes(shape, mode, seq_len, traits.fused_attention or shape.fused_attention,
+                                             traits.fused_activation, traits.fused_norm, kv_cache)
+    if traits.lora_rank:
+        frozen_replicated, frozen_sharded = _frozen_inputs_bytes(shape, mode)
+        replicated, sharded = replicated - frozen_replicated, sharded - frozen_sharded
+    return micro_batch * seq_len * (replicated + sharded / traits.tensor) * shape.activation_scale
+
+
+def activation_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int) -> float:
+    """Bytes one rank's forward saves for backward: its blocks, the final norm and the loss's softmax.
+
+    With activation checkpointing a block keeps only its input (the residual stream: fp32 unless
+    the module computes in half). A pipeline stage runs its share of the blocks (the final norm
+    and the loss are counted: the last stage has them).
+    """
+    mode = precision_mode(traits)
+    tokens = micro_batch * seq_len
+    blocks = math.ceil(shape.num_layers / traits.pipeline)
+    if traits.checkpoint:
+        per_block = 1.0 * tokens * (2 if mode == "half" else 4) * shape.hidden_size
+    else:
+        per_block = block_activation_bytes(shape, traits, micro_batch, seq_len,
+                                           kv_cache=shape.kv_cache and not traits.kv_cache_off)
+    softmax = loss_softmax_bytes(shape, traits, micro_batch, seq_len)
+    final = tokens * _final_norm_saved_bytes(shape, mode, frozen_head=bool(traits.lora_rank),
+                                             fused_norm=traits.fused_norm)
+    if traits.pipeline_engine is not None:
+        # The schedule keeps each in-flight micro-batch's stage output for its backward: on the
+        # last stage, the logits (b*s*vocab in the compute dtype).
+        final += tokens * shape.vocab_size / traits.tensor * traits.compute_dtype_bytes
+    return blocks * per_block + final + softmax
+
+
+def loss_softmax_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int) -> float:
+    """The loss's saved fp32 softmax (log-softmax, or the vocabulary-parallel softmax slice)."""
+    return micro_batch * seq_len * 4.0 * shape.vocab_size / traits.tensor
+
+
+def loss_buffer_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int,
+                      head_grad: float) -> float:
+    """The b*s*vocab buffers on top of the saved activations at the activation phase's peak.
+
+    Hugging Face's loss (`ForCausalLMLoss`, as `atorch.auto.train_step` runs it: the model's
+    output is dropped before backward): the log-softmax backward holds its saved output, the
+    incoming gradient and its result, 2 x 4 bytes a logit beyond the saved softmax; then the LM
+    head's backward holds the logits' gradient and the head's weight gradient (`head_grad`).
+    atorch's tensor parallel: the vocabulary-parallel loss's forward holds the local logits, an
+    fp32 copy and the shifted logits; with `gather_logits` (the default) the output hook then
+    holds the local slice, the gathered list and the concatenated full logits (b*s*vocab in the
+    compute dtype, twice). Its backward reuses the saved softmax as the gradient.
+    """
+    tokens = micro_batch * seq_len
+    v, t, cb = shape.vocab_size, traits.tensor, traits.compute_dtype_bytes
+    if traits.tensor_parallel and t > 1:
+        upcast = 4 if cb < 4 else 0
+        forward = tokens * v / t * (cb + upcast + 4)
+        gather = tokens * v * cb * (2 + 1 / t) if traits.gather_logits else 0.0
+        return max(forward, gather, head_grad)
+    return max(tokens * v * 8.0, head_grad + tokens * v * (cb - 4))
+
+
+# (config content, probe tokens) -> the activation probe's scale for that config's block.
+_CONFIG_SCALES: "OrderedDict[Tuple[str, int], float]" = OrderedDict()
+_CONFIG_SCALES_MAX = 64
+
+
+def _config_activation_scale(config: Any, shape: ModelShape, seq_len: int) -> float:
+    """The activation probe's measured / formula bytes for a transformers config's first block: its
+    model built on the meta device and run under fake tensors (`activation_probe`; no memory, no
+    compute), cached per config content and probe length; 1.0 for any other config.
+
+    The meta model runs eager attention, so the formula it is compared with counts the attention
+    matrix too; the scale then corrects the rest of the block (q/k norms, parallel attention,
+    non-gated MLPs, experts) for whichever attention the strategy uses.
+    """
+    from atorch.auto.activation_probe import FAKE_PROBE_TOKENS, block_activation_scale
+
+    key = _config_key(config)
+    if key is None:
+        return 1.0
+    cache_key = (key, max(1, min(int(seq_len), FAKE_PROBE_TOKENS)))
+    if cache_key in _CONFIG_SCALES:
+        _CONFIG_SCALES.move_to_end(cache_key)
+        return _CONFIG_SCALES[cache_key]
+    model = _meta_model(config, "counting the block activations of")
+    if model is None:
+        return 1.0
+    formula = _block_formula(dataclasses.replace(shape, fused_attention=False))
+    scale = block_activation_scale(model, cache_key[1], formula)
+    _CONFIG_SCALES[cache_key] = scale
+    if len(_CONFIG_SCALES) > _CONFIG_SCALES_MAX:
+        _CONFIG_SCALES.popitem(last=False)
+    return scale
+
+
+def shape_of(obj: Any, seq_len: Optional[int] = None) -> ModelShape:
+    """The `ModelShape` of a shape, a module or a config; with `seq_len`, its block activations
+    measured by the activation probe (a module on itself, a transformers config on its model
+    built on the meta device), as `estimate` uses it."""
+    if isinstance(obj, ModelShape):
+        return obj
+    if isinstance(obj, nn.Module):
+        return calibrated_shape(obj, seq_len) if seq_len else ModelShape.from_module(obj)
+    shape = ModelShape.from_config(obj)
+    if not seq_len:
+        return shape
+    return dataclasses.replace(shape, activation_scale=_config_activation_scale(obj, shape, seq_len))
+
+
+# model -> {(seq_len, parameter count): scale}: one probe per model and sequence length.
+_SCALES: "weakref.WeakKeyDictionary[nn.Module, Dict[Tuple[int, int], float]]" = weakref.WeakKeyDictionary()
+
+
+def _block_formula(shape: ModelShape) -> Callable[[int, str], float]:
+    """What the activation probe compares its measurement with: the formula's bytes one block of
+    `shape` saves for `tokens` tokens in `mode` ("fp32" or "half"), with the shape's own attention."""
+    def formula(tokens: int, mode: str) -> float:
+        replicated, sharded = _block_saved_bytes(shape, mode, tokens, shape.fused_attention)
+        return tokens * (replicated + sharded)
+    return formula
+
+
+def calibrated_shape(model: nn.Module, seq_len: int) -> ModelShape:
+    """`ModelShape.from_module(model)` with its block activations measured on the model itself
+    (`activation_probe.block_activation_scale`, cached per model and sequence length)."""
+    from atorch.auto.activation_probe import block_activation_scale
+
+    shape = ModelShape.from_module(model)
+    key = (int(seq_len), shape.num_params)
+    scales = _SCALES.setdefault(model, {})
+    if key not in scales:
+        scales[key] = block_activation_scale(model, key[0], _block_formula(shape))
+    return dataclasses.replace(shape, activation_scale=scales[key])

@@ -1,0 +1,305 @@
+"""Per-rank memory of one training step, by backend: model states, buffers, activations, the peak.
+
+Replicated (DDP, torch ZeRO-1, tensor/pipeline stages), torch FSDP2, or DeepSpeed ZeRO (a
+half-precision module with fp32 master partitions); CPU offload moves states to `host_*`
+entries. The peak (`peak_bytes`) is what is always held plus the largest of the step's moments.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Mapping, Optional, Tuple
+
+from atorch.auto.cost_model.activations import (activation_bytes, block_activation_bytes, loss_buffer_bytes,
+                                                loss_softmax_bytes)
+from atorch.auto.cost_model.shape import ModelShape, _largest_param_elements, _parameter_sizes
+from atorch.auto.cost_model.traits import StrategyTraits, lora_params, precision_mode
+
+ADAM_STATE_BYTES_PER_PARAM = 8       # exp_avg + exp_avg_sq in fp32
+
+# What DeepSpeed allocates with atorch's engine configs (checked against DeepSpeed 0.19 in
+# tests/distributed/test_memory_model.py): the ZeRO-1/2 reduce bucket and ZeRO-3's contiguous
+# reduce buffer, both `reduce_bucket_size` elements in the module's dtype (atorch derives it from
+# the model: `_ds_config.bucket_elements`; DeepSpeed's own default is 5e8); ZeRO-3's prefetch.
+DS_REDUCE_BUCKET_ELEMENTS = 500_000_000
+DS_STAGE3_PREFETCH_ELEMENTS = 50_000_000
+# ZeRO-3 keeps every parameter smaller than this whole on every rank (DeepSpeed's default
+# `stage3_param_persistence_threshold`): norms and biases, and every parameter of a tiny model.
+DS_STAGE3_PERSISTENCE_ELEMENTS = 100_000
+
+
+def _ds_persistent_elements(shape: ModelShape, threshold: int = DS_STAGE3_PERSISTENCE_ELEMENTS) -> int:
+    """Elements ZeRO-3 keeps whole on every rank: the parameters below the persistence threshold."""
+    return sum(elements * count for elements, count in _parameter_sizes(shape) if elements < threshold)
+
+
+# has finished and its activations are freed); the others exist only during part of a step.
+MODEL_STATE_KEYS = ("params", "grads", "master", "optimizer")
+RESIDENT_KEYS = MODEL_STATE_KEYS + ("ddp_buckets", "ds_reduce_buffer", "grad_fp32", "ds_persistent_params",
+                                    "ds_offload_buffers", "ds_offload_host_buffers")
+
+
+# The moments of a step, each a set of breakdown entries alive together; everything in no
+# phase is held all the time. Gradients are set to None by zero_grad, so none exist during the
+# next forward. Backward frees activations as it creates gradients, block by block: with a
+# stack of similar blocks their sum is largest at one end, so backward is checked at its start
+# (all activations, the loss freed) and at its end (all gradients).
+FORWARD_END_KEYS = ("activations", "loss_softmax", "loss_buffers", "weight_casts", "gathered_params",
+                    "ds_reduce_bucket")
+# A block's backward: its unsharded gradients and their reduce-scatter copy (`unit_grads`), the
+# next block prefetched, a checkpointed block rebuilt, FSDP2's root unit holding the LM head's
+# unsharded gradient until the root reduces last.
+BACKWARD_KEYS = ("weight_casts", "gathered_params", "prefetch", "ds_reduce_bucket", "unit_grads", "recompute",
+                 "held_root_grads")
+BACKWARD_START_KEYS = ("activations",) + BACKWARD_KEYS
+BACKWARD_END_KEYS = ("grads",) + BACKWARD_KEYS
+# After backward: the root unit's reduce-scatter; DeepSpeed's fp32 gradient copy for the step.
+GRADIENT_PHASE_KEYS = ("grads", "reduce_scatter", "step_grad_fp32")
+# The optimizer step: the gradients and the step's own temporaries (`optimizer_step`).
+STEP_PHASE_KEYS = ("grads", "step_grad_fp32", "optimizer_step")
+PHASES = (FORWARD_END_KEYS, BACKWARD_START_KEYS, BACKWARD_END_KEYS, GRADIENT_PHASE_KEYS, STEP_PHASE_KEYS)
+# Entries of the activation phases (forward and backward), for callers that want them summed.
+ACTIVATION_PHASE_KEYS = tuple(dict.fromkeys(FORWARD_END_KEYS + BACKWARD_KEYS))
+
+
+def peak_bytes(breakdown: Mapping[str, float], phases: Optional[Tuple[Tuple[str, ...], ...]] = None) -> int:
+    """Per-rank device peak: what is always held + the largest of the step's moments (`PHASES`).
+
+    Checked against torch's FSDPMemTracker at 1B-7B (benchmarks/memory_model.py) and measured
+    bytes on 2 ranks. `host_*` entries (CPU offload) are not device memory. `phases` restricts
+    the moments considered (e.g. `PHASES[:-1]`: forward and backward only).
+    """
+    device = {k: v for k, v in breakdown.items() if not k.startswith("host_")}
+    in_a_phase = {k for keys in PHASES for k in keys}
+    always = sum(v for k, v in device.items() if k not in in_a_phase)
+    return int(always + max(sum(device.get(k, 0.0) for k in keys) for keys in (phases or PHASES)))
+
+
+def model_state_bytes(breakdown: Mapping[str, float]) -> float:
+    """Parameters, gradients, fp32 master weights and optimizer state on the device (the paper's model states)."""
+    return sum(breakdown.get(k, 0.0) for k in MODEL_STATE_KEYS)
+
+
+def resident_bytes(breakdown: Mapping[str, float]) -> float:
+    """Device bytes held right after a backward pass: model states and the buffers that outlive a step."""
+    return sum(breakdown.get(k, 0.0) for k in RESIDENT_KEYS)
+
+
+def stage_params(shape: ModelShape, traits: StrategyTraits) -> float:
+    """Parameters of the heaviest pipeline stage (the whole model without a pipeline), before tensor sharding.
+
+    Stages are balanced by parameter count, but a stage cannot be lighter than its largest
+    indivisible piece: one block plus the embedding (first stage) or the head (last).
+    """
+    p = traits.pipeline
+    if p <= 1:
+        return float(shape.num_params)
+    return max(shape.num_params / p, shape.layer_params + shape.embedding_params / 2)
+
+
+def memory_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int,
+                     device_type: str = "cpu") -> Dict[str, float]:
+    """Per-rank bytes by kind, for the backend the traits describe.
+
+    - replicated (DDP, torch ZeRO-1, tensor/pipeline stages): parameters, gradients and Adam
+      state in the parameter dtype (`half`: 2 bytes, else fp32); torch ZeRO-1 splits the Adam
+      state; DDP adds its flat gradient buckets; autocast adds half copies of the weights.
+    - torch FSDP2: sharded fp32 parameters, gradients (reduced in fp32) and Adam state; the
+      gathered units (in the mixed-precision dtype) and one reduce-scatter buffer on top.
+    - DeepSpeed ZeRO: the module itself in the half dtype under bf16/fp16 (sharded at stage 3),
+      fp32 master partitions and Adam state / data ranks, the partition's gradients in the module
+      dtype and their fp32 copy for the step, DeepSpeed's reduce bucket (500M elements by default).
+    - LoRA: frozen base weights have no gradients or optimizer state; adapters do.
+    - CPU offload (on a GPU): the offloaded states move to `host_*` entries, outside the peak.
+    """
+    t = traits.tensor
+    # atorch's tensor_parallel shards the embeddings and the LM head too (norms are negligible).
+    base = stage_params(shape, traits) / t
+    adapters = lora_params(shape, traits) / t / traits.pipeline
+    params_per_rank = base + adapters
+    trainable = adapters if traits.lora_rank else params_per_rank
+    if traits.sharding == "deepspeed":
+        out = _deepspeed_states(shape, traits, params_per_rank, trainable)
+    elif traits.sharding == "fsdp2":
+        out = _fsdp2_states(shape, traits, params_per_rank, trainable)
+    else:
+        out = _replicated_states(shape, traits, params_per_rank, trainable)
+    if traits.sharding != "deepspeed":     # DeepSpeed's step: its fp32 gradient copy (step_grad_fp32)
+        out["optimizer_step"] = _torch_adam_step_bytes(shape, traits, trainable, device_type)
+    out["activations"] = activation_bytes(shape, traits, micro_batch, seq_len) * _in_flight_micro_batches(traits)
+    if traits.pipeline_engine is None:
+        # The loss's saved softmax is freed by the loss's backward, before any block's backward.
+        out["loss_softmax"] = loss_softmax_bytes(shape, traits, micro_batch, seq_len)
+        out["activations"] -= out["loss_softmax"]
+    head_grad = 0.0
+    if not traits.lora_rank:
+        # The LM head's whole (unsharded) weight gradient, in the dtype backward produces it
+        # (the compute dtype under FSDP2/DeepSpeed mixed precision); under autocast the half
+        # gradient of the cast weight is accumulated into the fp32 one.
+        head = shape.vocab_size * shape.hidden_size / t
+        gbytes = traits.storage_bytes if traits.sharding != "fsdp2" else min(traits.compute_dtype_bytes,
+                                                                           traits.param_dtype_bytes)
+        head_grad = head * (gbytes + (2 if precision_mode(traits) == "autocast" else 0))
+    out["loss_buffers"] = loss_buffer_bytes(shape, traits, micro_batch, seq_len, head_grad)
+    if precision_mode(traits) == "autocast":
+        # Autocast caches a half copy of every matmul weight (the head's included) for the
+        # forward, and each linear saves it for backward: 2 bytes a matmul parameter.
+        lookups = (shape.embedding_params - shape.vocab_size * shape.hidden_size) / t
+        out["weight_casts"] = 2.0 * max(0.0, params_per_rank - lookups)
+    if traits.checkpoint:
+        # Backward rebuilds one block at a time, while the gradients are being produced.
+        out["recompute"] = block_activation_bytes(shape, traits, micro_batch, seq_len)
+    if device_type != "cpu":
+        for key in _host_keys(traits):
+            if key in out:
+                out[f"host_{key}"] = out.pop(key)
+    return out
+
+
+def _host_keys(traits: StrategyTraits) -> Tuple[str, ...]:
+    """Breakdown entries CPU offload keeps in host memory instead of the device's.
+
+    - torch FSDP2 `CPUOffloadPolicy`: the sharded parameters, gradients and optimizer state (the
+      optimizer steps on the host, its temporaries too); units are gathered onto the device.
+    - DeepSpeed `offload_optimizer`: the fp32 master partition, Adam state and the fp32 gradient
+      partition DeepSpeed reduces into; the half module (stages 1-2) or its partitions (stage 3)
+      and the reduce bucket stay on the device. `offload_param` (stage 3) moves the partitions too.
+    """
+    if traits.sharding == "deepspeed":
+        if not traits.ds_offload_optimizer and not traits.ds_offload_params:
+            return ()
+        moved = ("master", "optimizer", "grad_fp32", "ds_offload_host_buffers") if traits.ds_offload_optimizer else ()
+        return moved + (("params",) if traits.ds_offload_params else ())
+    if traits.cpu_offload:
+        return ("params", "grads", "master", "optimizer", "grad_fp32", "step_grad_fp32", "optimizer_step")
+    return ()
+
+
+# Temporaries of torch's Adam/AdamW step, in copies of the parameters' local tensors (measured
+# with PeakMemoryTracker on real tensors: tests/unit/test_cost_model_moments.py). The foreach
+# implementation (torch's default on CUDA) builds one list the size of every parameter (sqrt of
+# the second moment). The per-tensor one (the default on CPU) holds 2 temporaries of the
+# parameter it updates; on FSDP2's DTensor shards it also keeps 3 copies of every shard it has
+# updated until the step returns.
+ADAM_FOREACH_COPIES = 1
+ADAM_PER_TENSOR_COPIES = 2
+ADAM_PER_TENSOR_DTENSOR_KEPT_COPIES = 3
+
+
+def adam_step_bytes(trainable_elements: float, largest_elements: float, state_bytes: int, foreach: bool,
+                    dtensor: bool) -> float:
+    """Bytes torch's Adam/AdamW step allocates beyond the parameters, gradients and its state.
+
+    `trainable_elements`: the rank's trainable parameter elements; `largest_elements`: its largest
+    single parameter tensor (the local shard under FSDP2); `state_bytes`: the moments' dtype size.
+    """
+    if foreach:
+        return ADAM_FOREACH_COPIES * trainable_elements * state_bytes
+    largest = min(largest_elements, trainable_elements)
+    kept = ADAM_PER_TENSOR_DTENSOR_KEPT_COPIES * trainable_elements if dtensor else 0.0
+    return (kept + ADAM_PER_TENSOR_COPIES * largest) * state_bytes
+
+
+def _torch_adam_step_bytes(shape: ModelShape, traits: StrategyTraits, trainable: float, device_type: str) -> float:
+    """`adam_step_bytes` for the rank's local optimizer (torch's default implementation on `device_type`)."""
+    shard = traits.optimizer_shard
+    widest = _largest_param_elements(shape)
+    if traits.lora_rank:
+        widest = shape.hidden_size * traits.lora_rank
+    largest = widest / traits.tensor / (traits.data if traits.sharding == "fsdp2" else 1)
+    # CPU offload steps on host tensors: torch picks the per-tensor implementation there.
+    on_host = device_type == "cpu" or traits.cpu_offload
+    return adam_step_bytes(trainable / shard, largest, traits.param_dtype_bytes, foreach=not on_host,
+                           dtensor=traits.sharding == "fsdp2")
+
+
+def _replicated_states(shape: ModelShape, traits: StrategyTraits, params: float, trainable: float) -> Dict[str, float]:
+    pbytes = traits.param_dtype_bytes
+    # torch's Adam keeps its two moments in the parameter dtype.
+    out = {"params": params * pbytes, "grads": trainable * pbytes,
+           "optimizer": trainable * ADAM_STATE_BYTES_PER_PARAM * pbytes / 4 / traits.optimizer_shard}
+    if traits.ddp_buckets:
+        out["ddp_buckets"] = trainable * pbytes
+    return out
+
+
+def _fsdp2_states(shape: ModelShape, traits: StrategyTraits, params: float, trainable: float) -> Dict[str, float]:
+    d, t, pbytes = traits.data, traits.tensor, traits.param_dtype_bytes
+    # MixedPrecisionPolicy(reduce_dtype=fp32) under amp: sharded gradients in fp32 next to fp32 shards.
+    gbytes = 4 if traits.autocast else pbytes
+    out = {"params": params * pbytes / d, "grads": trainable * gbytes / d,
+           "optimizer": trainable * ADAM_STATE_BYTES_PER_PARAM * pbytes / 4 / d}
+    gathered_bytes = traits.compute_dtype_bytes if traits.compute_dtype_bytes < pbytes else pbytes
+    root = shape.embedding_params / t
+    block = shape.layer_params / t
+    if not traits.reshard_after_forward:   # every unit stays gathered from its forward to its backward
+        out["gathered_params"] = params * gathered_bytes
+    else:
+        # The root unit stays gathered, and the current block; in backward, the next one prefetched.
+        out["gathered_params"] = (root + block) * gathered_bytes
+        out["prefetch"] = block * gathered_bytes
+    if not traits.lora_rank:
+        # The root unit reduces last: the LM head's unsharded gradient lives through the blocks' backward.
+        out["held_root_grads"] = shape.vocab_size * shape.hidden_size / t * gathered_bytes
+    # A unit's backward leaves its unsharded gradients (in the compute dtype) and copies them into
+    # the flat fp32 reduce-scatter input. The largest unit (the root: embeddings and head) reduces
+    # last, when the activations are gone; a block reduces while most activations are still alive
+    # (checked against FSDPMemTracker at 1B-7B, benchmarks/memory_model.py).
+    per_param = gathered_bytes + 4
+    out["reduce_scatter"] = max(root, block) * per_param
+    out["unit_grads"] = block * per_param
+    return out
+
+
+def _deepspeed_states(shape: ModelShape, traits: StrategyTraits, params: float, trainable: float) -> Dict[str, float]:
+    from atorch.auto.opt_lib._ds_config import bucket_elements
+
+    d, stage = traits.data, traits.zero_stage
+    hbytes = traits.storage_bytes           # bf16/fp16 enabled: the module is half; else fp32
+    # The user's reduce_bucket_size, else the one atorch derives from the trainable elements.
+    bucket = traits.ds_bucket_elements or bucket_elements(int(trainable))
+    shard = d if stage >= 1 else 1
+    out = {"params": params * hbytes / (d if stage >= 3 else 1),
+           # the partition's reduced gradients, in the module dtype (stage 0: every gradient)
+           "grads": trainable * hbytes / shard,
+           # DeepSpeed clones its partition into fp32 master weights even when the module is fp32
+           "master": trainable * 4 / shard,
+           "optimizer": trainable * ADAM_STATE_BYTES_PER_PARAM / shard}
+    largest = _largest_param_elements(shape) / traits.tensor
+    if traits.ds_offload_optimizer:
+        # The CPU Adam steps on a persistent fp32 gradient partition in host memory (measured on
+        # 2 ranks, DeepSpeed 0.19). Stages 1-2 reduce straight into it (no half partition) and keep
+        # a half copy of the partition on the host plus a gradient staging buffer of the largest
+        # parameter on each side; stage 3 keeps its half gradient partition on the device.
+        out["grad_fp32"] = trainable * 4 / shard
+        if stage < 3:
+            del out["grads"]
+            out["ds_offload_host_buffers"] = (trainable / shard + largest) * hbytes
+            out["ds_offload_buffers"] = largest * hbytes
+    elif hbytes < 4:
+        # The step upcasts the partition's gradients to fp32 and frees the copy afterwards (ZeRO-3
+        # too: measured after the second backward, no fp32 gradient partition is alive).
+        out["step_grad_fp32"] = trainable * 4 / shard
+    if stage >= 3:
+        # Parameters below the persistence threshold stay whole on every rank, next to the partitions.
+        threshold = DS_STAGE3_PERSISTENCE_ELEMENTS if traits.ds_persistence_elements is None \
+            else traits.ds_persistence_elements
+        out["ds_persistent_params"] = min(_ds_persistent_elements(shape, threshold), params) * hbytes
+        # The contiguous reduce buffer, allocated at start-up, and the layers gathered for compute.
+        out["ds_reduce_buffer"] = bucket * hbytes
+        unit = max(shape.embedding_params / 2, shape.layer_params) / traits.tensor
+        prefetch = DS_STAGE3_PREFETCH_ELEMENTS if traits.ds_prefetch_elements is None else traits.ds_prefetch_elements
+        out["gathered_params"] = min(params, unit + prefetch) * hbytes
+    elif stage >= 1:
+        # The reduce bucket of the backward pass (`reduce_bucket_size` elements), freed once the
+        # gradients are reduced.
+        out["ds_reduce_bucket"] = bucket * hbytes
+    return out
+
+
+def _in_flight_micro_batches(traits: StrategyTraits) -> int:
+    """Micro-batches whose activations a pipeline stage holds at once (1 without a pipeline)."""
+    if traits.pipeline_engine is None:
+        return 1
+    if traits.pipeline_schedule == "gpipe":
+        return traits.pipeline_chunks
+    return min(traits.pipeline, traits.pipeline_chunks)

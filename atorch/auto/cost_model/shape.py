@@ -1,0 +1,352 @@
+"""What the cost model knows of a model: `ModelShape`, read off a config or a module.
+
+A transformers config's parameter layout (counts, tensor sizes, experts) is read off its own
+model class built on the meta device (cached per config content); other configs are counted by
+Llama's and GPT-2's formula. Config reading tolerates composite configs (a `text_config`) and
+heterogeneous ones (values that vary by layer).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Set, Tuple
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("atorch.auto.cost_model")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cost model needs to know about a model; built from a HF config or a module."""
+
+    num_params: int
+    num_layers: int
+    hidden_size: int
+    # The MLP width one token goes through: the dense MLP's, or for a mixture of experts the
+    # top-k experts' together plus the shared experts' (what the activation formula reads).
+    intermediate_size: int
+    num_heads: int
+    vocab_size: int
+    layer_params: int           # parameters of one transformer block (the non-embedding parameters / layers)
+    embedding_params: int       # token/position embeddings + LM head (not tensor-sharded)
+    kv_dim: int = 0             # key/value projection width (grouped-query attention); 0: hidden_size
+    gated: bool = True          # Llama-style gated MLP (three matrices) rather than GPT-2's two
+    fused_attention: bool = False   # the model's own attention never materializes b*heads*s^2 (sdpa, flash)
+    kv_cache: bool = False          # a training forward fills Hugging Face's key/value cache (config.use_cache)
+    # Measured / formula bytes a block saves for backward (`activation_probe`): the formula is
+    # Llama's and GPT-2's; other architectures are measured on their own first block.
+    activation_scale: float = 1.0
+    # Width of one attention head; 0: hidden_size // num_heads. Gemma and Qwen3 set their own,
+    # so their query and attention-output widths (num_heads * head_dim) differ from hidden_size.
+    head_dim: int = 0
+    # Parameters one token multiplies: a mixture of experts counts only its top-k routed experts
+    # (shared experts, routers and everything else in full). 0: all of num_params. Memory counts
+    # num_params; the FLOP count (`time_breakdown`) reads `compute_params`.
+    active_params: int = 0
+    # (elements, count) of the model's real parameter tensors, when known (a module, or a
+    # transformers config instantiated on the meta device); (): `_parameter_sizes`' formula.
+    parameter_sizes: Tuple[Tuple[int, int], ...] = ()
+    # A two-matrix MLP whose activation is Hugging Face's tanh GELU written in Python ops
+    # (GPT-2's NewGELUActivation: it keeps its input and three intermediates); False for a
+    # native one (GPT-NeoX's and Falcon's nn.GELU, OPT's ReLU, Bloom's custom-autograd GELU),
+    # which keeps what module_replace's fused GELU keeps. Read off the model where there is one.
+    python_gelu: bool = True
+
+    @property
+    def compute_params(self) -> int:
+        return self.active_params or self.num_params
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the queries and of the attention output (num_heads * head_dim)."""
+        return self.num_heads * self.head_dim if self.head_dim and self.num_heads else self.hidden_size
+
+    @classmethod
+    def from_config(cls, config: Any) -> "ModelShape":
+        """From a model config. A transformers config's parameter layout is read off its own model
+        class, instantiated on the meta device (`_meta_layout`, cached per config content); any
+        other config (or one that cannot be instantiated) is counted by Llama's and GPT-2's formula."""
+        shape = _formula_shape(config)
+        layout = _meta_layout(config, shape.num_layers)
+        return dataclasses.replace(shape, **layout) if layout else shape
+
+    @classmethod
+    def from_module(cls, model: nn.Module) -> "ModelShape":
+        """From a module: its HF config when it has one (with exact parameter counts), else its layers."""
+        config = getattr(model, "config", None)
+        if config is not None and _config_int(_text_config(config), ("hidden_size", "n_embd", "d_model"), default=0):
+            shape = _formula_shape(config)
+            return dataclasses.replace(shape, **_module_layout(model, config, shape.num_layers))
+        # A plain module: the largest ModuleList is the layer stack; the widest Linear input is the width.
+        num_params = sum(p.numel() for p in model.parameters())
+        linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        hidden = max((m.in_features for m in linears), default=1)
+        ffn = max((m.out_features for m in linears), default=hidden)
+        stacks = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+        layers = max((len(s) for s in stacks), default=max(1, len(linears)))
+        embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+        vocab = max((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=0)
+        return cls(num_params, layers, hidden, ffn, 0, vocab, (num_params - embedding) // max(1, layers), embedding,
+                   python_gelu=_has_python_gelu(model))
+
+
+_FFN_NAMES = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+# transformers' activation names (`ACT2FN`) and classes of its tanh GELU in Python ops: what
+# module_replace's `activation` kind fuses.
+_PYTHON_GELU_NAMES = ("gelu_new", "gelu_fast")
+_PYTHON_GELU_CLASSES = ("NewGELUActivation", "FastGELUActivation")
+
+
+def _has_python_gelu(model: nn.Module) -> bool:
+    return any(type(m).__name__ in _PYTHON_GELU_CLASSES for m in model.modules())
+
+
+def _formula_shape(config: Any) -> ModelShape:
+    """The shape by Llama's and GPT-2's formula, with the widths every family's config states.
+
+    The parameter counts are exact for Llama and GPT-2 lookalikes only; `ModelShape.from_config`
+    and `from_module` replace them by the real model's where there is one.
+    """
+    config = _text_config(config)
+    h = _config_int(config, ("hidden_size", "n_embd", "d_model"))
+    layers = _config_int(config, ("num_hidden_layers", "n_layer", "num_layers"))
+    heads = _config_int(config, ("num_attention_heads", "n_head"))
+    vocab = _config_int(config, ("vocab_size",))
+    ffn = _config_int(config, _FFN_NAMES, default=4 * h) or 4 * h
+    kv_heads = _config_int(config, ("num_key_value_heads", "num_kv_heads"), default=heads) or heads
+    if _config_attr(config, "multi_query", False) is True and \
+            not _config_attr(config, "new_decoder_architecture", False):
+        kv_heads = 1    # Falcon's and GPT-BigCode's multi-query attention: one key/value head
+    head_dim = _config_int(config, ("head_dim",), default=h // heads) or h // heads
+    q_dim = heads * head_dim
+    gated = _config_attr(config, "intermediate_size", _MISSING) is not _MISSING   # Llama's SwiGLU: three MLP matrices
+    attn = h * q_dim * 2 + 2 * h * kv_heads * head_dim
+    mlp = (3 if gated else 2) * h * ffn
+    layer = attn + mlp + 2 * h
+    final_norm = h
+    if not gated:   # GPT-2 style: every linear and LayerNorm has a bias
+        layer += (q_dim + 2 * kv_heads * head_dim + h) + (ffn + h) + 2 * h
+        final_norm += h
+    else:
+        if _config_attr(config, "attention_bias", False):
+            layer += q_dim + 2 * kv_heads * head_dim + h
+        if _config_attr(config, "mlp_bias", False):
+            layer += 2 * ffn + h
+    positions = _config_int(config, ("n_positions",), default=0) * h
+    tied = bool(_config_attr(config, "tie_word_embeddings", False))
+    embedding = vocab * h * (1 if tied else 2) + positions
+    fused = _config_attr(config, "_attn_implementation", None) in ("sdpa", "flash_attention_2", "flash_attention_3",
+                                                                   "flex_attention")
+    return ModelShape(layers * layer + embedding + final_norm, layers, h, _active_ffn(config, ffn), heads, vocab,
+                      layer, embedding, kv_heads * head_dim, gated, fused,
+                      bool(_config_attr(config, "use_cache", False)),
+                      head_dim=head_dim if head_dim * heads != h else 0,
+                      python_gelu=_config_attr(config, "activation_function",
+                                               _config_attr(config, "hidden_act", "gelu_new")) in _PYTHON_GELU_NAMES)
+
+
+def _experts_per_token(config: Any) -> Tuple[int, int]:
+    """(routed experts, experts each token goes to) of a mixture-of-experts config; (0, 0) for a dense one."""
+    config = _text_config(config)
+    experts = _config_int(config, ("num_local_experts", "num_experts", "n_routed_experts"), default=0)
+    top_k = _config_int(config, ("num_experts_per_tok", "num_experts_per_token", "moe_topk"), default=0)
+    return (experts, min(top_k, experts)) if experts and top_k else (0, 0)
+
+
+def _active_ffn(config: Any, ffn: int) -> int:
+    """The MLP width one token goes through: top-k experts (Mixtral's `intermediate_size`, Qwen-MoE's
+    `moe_intermediate_size` each) plus the shared experts (Qwen2-MoE's `shared_expert_intermediate_size`,
+    DeepSeek's `n_shared_experts` x the expert width); the dense width without experts."""
+    _, top_k = _experts_per_token(config)
+    if not top_k:
+        return ffn
+    config = _text_config(config)
+    expert = _config_int(config, ("moe_intermediate_size",), default=ffn) or ffn
+    shared = _config_int(config, ("shared_expert_intermediate_size",), default=0) or \
+        _config_int(config, ("n_shared_experts",), default=0) * expert
+    return top_k * expert + shared
+
+
+# Leaf names Hugging Face gives the gate of a gated MLP (Llama's gate_proj, Phi-3's and the
+# fused experts' gate_up_proj, the original Mixtral's w1/w3 pair); non-gated MLPs name theirs
+# c_fc, fc1, dense_h_to_4h, up_proj (MPT), fc_in.
+_GATE_NAMES = frozenset({"gate_proj", "gate_up_proj", "w3"})
+
+
+def _module_layout(model: nn.Module, config: Any, num_layers: int) -> Dict[str, Any]:
+    """The `ModelShape` fields a Hugging Face model's own parameters determine.
+
+    Counts as `ModelShape.from_module` always has: embeddings are the `nn.Embedding` weights and an
+    untied `lm_head`; a layer is the rest over the layer count. Mixture of experts: every module
+    named `experts` holds its routed experts' parameters, of which a token multiplies top-k/E.
+    """
+    params = list(model.parameters())       # one entry per shared (tied) parameter
+    num_params = sum(p.numel() for p in params)
+    embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, nn.Linear) and not _shares_storage(head.weight, model):
+        embedding += head.weight.numel()
+    sizes: Dict[int, int] = {}
+    for p in params:
+        sizes[p.numel()] = sizes.get(p.numel(), 0) + 1
+    fields: Dict[str, Any] = dict(num_params=num_params, layer_params=(num_params - embedding) // max(1, num_layers),
+                                  embedding_params=embedding, parameter_sizes=tuple(sorted(sizes.items())))
+    experts, top_k = _experts_per_token(config)
+    routed = [module for name, module in model.named_modules() if name.rpartition(".")[2] == "experts"]
+    if top_k and routed:
+        inactive = sum(p.numel() for module in routed for p in module.parameters()) * (experts - top_k) / experts
+        fields["active_params"] = num_params - round(inactive)
+    elif top_k:     # the config names experts its model does not have: a dense MLP after all
+        _log_once(f"{type(model).__name__}: its config routes {top_k} of {experts} experts but no module is named "
+                  "'experts'; the FLOP count multiplies every parameter")
+        text = _text_config(config)
+        h = _config_int(text, ("hidden_size", "n_embd", "d_model"))
+        fields["intermediate_size"] = _config_int(text, _FFN_NAMES, default=4 * h) or 4 * h
+    stacks = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == num_layers]
+    if stacks:      # the layer stack's first block tells a gated MLP from a two-matrix one
+        names = {part for name, _ in stacks[0][0].named_parameters() for part in name.split(".")}
+        fields["gated"] = bool(names & _GATE_NAMES)
+    fields["python_gelu"] = _has_python_gelu(model)
+    return fields
+
+
+# Config content (JSON) -> the fields `_module_layout` read off its meta-device model. Bounded:
+# a search asks for a handful of configs, but a long-lived process may see many.
+_LAYOUTS: "OrderedDict[str, Dict[str, Any]]" = OrderedDict()
+_LAYOUTS_MAX = 64
+_LOGGED_MESSAGES: Set[str] = set()
+
+
+def _config_key(config: Any) -> Optional[str]:
+    """A transformers config's content as a cache key; None for anything else."""
+    transformers = sys.modules.get("transformers")     # a transformers config implies it is imported
+    if transformers is None or not isinstance(config, transformers.PretrainedConfig):
+        return None
+    try:
+        return json.dumps(config.to_dict(), sort_keys=True, default=repr)
+    except (TypeError, ValueError) as error:
+        return f"{type(config).__name__}:{id(config)}:{error}"   # unserializable: not cached across objects
+
+
+def _meta_model(config: Any, purpose: str) -> Optional[nn.Module]:
+    """`AutoModelForCausalLM.from_config(config)` on the meta device with eager attention (the
+    attention implementation does not change the parameters, and eager needs no optional kernel
+    package); None, with the reason logged once, when transformers cannot build it."""
+    import transformers
+
+    try:
+        # A copy: from_config may write into the config.
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager")
+    except Exception as error:  # noqa: BLE001 - any failure means "use the formula", said once
+        _log_once(f"{purpose} {type(config).__name__}'s by the Llama/GPT-2 formula (building its model on the meta "
+                  f"device failed: {type(error).__name__}: {error})")
+        return None
+
+
+def _meta_layout(config: Any, num_layers: int) -> Optional[Dict[str, Any]]:
+    """`_module_layout` of `AutoModelForCausalLM.from_config(config)` built on the meta device, cached
+    per config content. No memory; Llama-2-70B's config takes 0.03-0.09 s here (2 shared cores), plus
+    0.6-1.4 s the first time in a process that transformers imports that family's modeling module;
+    a cached config costs its `to_dict` and JSON, under 5 ms. None, with the reason logged once, for
+    a config transformers cannot instantiate as a causal LM (or not a transformers config at all):
+    the caller keeps the formula."""
+    key = _config_key(config)
+    if key is None:
+        return None
+    if key in _LAYOUTS:
+        _LAYOUTS.move_to_end(key)
+        return _LAYOUTS[key]
+    model = _meta_model(config, "counting the parameters of")
+    if model is None:
+        return None
+    layout = _module_layout(model, config, num_layers)
+    _LAYOUTS[key] = layout
+    if len(_LAYOUTS) > _LAYOUTS_MAX:
+        _LAYOUTS.popitem(last=False)
+    return layout
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED_MESSAGES:
+        _LOGGED_MESSAGES.add(message)
+        logger.info("cost model: %s", message)
+
+
+def _shares_storage(weight: torch.Tensor, model: nn.Module) -> bool:
+    return any(m.weight is weight for m in model.modules() if isinstance(m, nn.Embedding))
+
+
+_MISSING = object()
+
+
+def _text_config(config: Any) -> Any:
+    """The language model's own config of a composite one (Gemma-3's, Llama-4's, Mllama's, Qwen3.5's:
+    `hidden_size` and the heads live in its `text_config`), the config itself otherwise."""
+    get = getattr(config, "get_text_config", None)
+    if get is None:
+        return config
+    try:
+        return get(decoder=True)
+    except Exception:  # noqa: BLE001 - a config that cannot say is read as it is
+        return config
+
+
+def _config_attr(config: Any, name: str, default: Any = None) -> Any:
+    """`getattr(config, name, default)`, also for transformers' heterogeneous configs, which refuse
+    a global read of an attribute that varies by layer (Gemma-4's head_dim, a per-layer number of
+    heads): then the largest of the layers' integer values (memory is planned for the widest
+    layer; the parameter counts come from the model built on the meta device anyway), or the first
+    layer's value when they are not integers."""
+    try:
+        return getattr(config, name, default)
+    except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError (a RuntimeError), or a broken property
+        try:
+            values = [getattr(layer, name, None) for layer in getattr(config, "per_layer_config", None) or ()]
+        except Exception:  # noqa: BLE001
+            return default
+        ints = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+        if ints:
+            return max(ints)
+        return next((v for v in values if v is not None), default)
+
+
+def _config_int(config: Any, names: Tuple[str, ...], default: Optional[int] = None) -> int:
+    for name in names:
+        value = _config_attr(config, name)
+        if isinstance(value, int):
+            return value
+    if default is None:
+        raise ValueError(f"model config {type(config).__name__} has none of {list(names)}; the cost model needs "
+                         "them (pass a ModelShape instead)")
+    return default
+
+
+def _parameter_sizes(shape: ModelShape) -> Tuple[Tuple[int, int], ...]:
+    """(elements, count) of the model's parameter tensors: the real ones where the shape knows them,
+    else as Hugging Face's Llama and GPT-2 lay them out."""
+    if shape.parameter_sizes:
+        return shape.parameter_sizes
+    h, f, L = shape.hidden_size, shape.intermediate_size, shape.num_layers
+    kv = shape.kv_dim or h
+    matrices = shape.vocab_size * h
+    embeddings = ((matrices, max(1, shape.embedding_params // max(1, matrices))),
+                  (shape.embedding_params % max(1, matrices), 1))
+    block: Tuple[Tuple[int, int], ...]
+    if shape.gated:
+        block = ((h * h, 2 * L), (h * kv, 2 * L), (h * f, 3 * L), (h, 2 * L + 1))
+    else:   # GPT-2: fused qkv, LayerNorm weights and biases, a bias on every linear
+        block = ((h * (h + 2 * kv), L), (h * h, L), (h * f, 2 * L), (h + 2 * kv, L), (f, L), (h, 6 * L + 2))
+    return tuple(size for size in embeddings + block if size[0] > 0)
+
+
+def _largest_param_elements(shape: ModelShape) -> int:
+    return max(elements for elements, _ in _parameter_sizes(shape))

@@ -1,0 +1,195 @@
+"""`StrategyTraits`: what a strategy does to memory and time, as the optimizations declare it.
+
+The memory and time formulas read only these fields, never optimization names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+from atorch.auto.cost_model.shape import ModelShape
+from atorch.auto.strategy import Strategy, StrategyLike
+
+
+@dataclass(frozen=True)
+class StrategyTraits:
+    """What a strategy does to memory and time: the combined `cost_traits` declarations of its items.
+
+    Each optimization class declares its own effect (`Optimization.cost_traits`, e.g. amp_native:
+    half compute and autocast; zero1: a sharder and its ZeRO stage); `from_strategy` applies
+    them in the strategy's order, later items overriding earlier ones field by field. The
+    memory formulas then read only these fields, never optimization names.
+    """
+
+    # layout (parallel_mode); tensor/pipeline count only when an optimization shards that way
+    data: int = 1
+    tensor: int = 1
+    pipeline: int = 1
+    tensor_parallel: bool = False
+    gather_logits: bool = True          # tensor_parallel: the model returns the full logits (gathered)
+    # precision
+    compute_dtype_bytes: int = 4        # activations and matmuls (amp/half/DeepSpeed bf16: 2)
+    param_dtype_bytes: int = 4          # parameters as the user's optimizer sees them (half: 2)
+    autocast: bool = False              # amp_native: torch.autocast unless a sharding wrapper computes in half
+    fp8: bool = False
+    # sharding: None (replicated), "torch_zero1" (ZeroRedundancyOptimizer), "fsdp2", "deepspeed"
+    sharding: Optional[str] = None
+    zero_stage: int = 0
+    reshard_after_forward: bool = True  # fsdp2 only
+    cpu_offload: bool = False           # torch FSDP2 CPUOffloadPolicy: sharded params, grads, optimizer on the host
+    ds_offload_optimizer: bool = False  # DeepSpeed offload_optimizer: fp32 master, Adam state, fp32 grads on the host
+    ds_offload_params: bool = False     # DeepSpeed offload_param (ZeRO-3): the half parameter partitions too
+    ds_bucket_elements: int = 0         # DeepSpeed's reduce bucket (user's ds_config); 0: atorch derives it
+    # ZeRO-3's stage3_param_persistence_threshold and stage3_prefetch_bucket_size from the user's
+    # ds_config (elements; 0 is a setting); None: DeepSpeed's defaults.
+    ds_persistence_elements: Optional[int] = None
+    ds_prefetch_elements: Optional[int] = None
+    ddp_wrap: bool = False              # a DDP wrapper when data > 1 and nothing else reduces gradients
+    # pipelines and accumulation
+    pipeline_engine: Optional[str] = None   # "native" (torch pipelining) or "deepspeed"
+    pipeline_chunks: int = 1            # micro-batches per step per data rank
+    pipeline_schedule: str = "gpipe"    # "gpipe" keeps every micro-batch's activations, "1f1b" at most `pipeline`
+    accumulation_steps: int = 1         # the micro-batch is global batch / data / accumulation_steps
+    # what the model computes
+    checkpoint: bool = False
+    fused_attention: bool = False       # module_replace: sdpa, no b*heads*s^2 matrix
+    fused_activation: bool = False      # module_replace: GPT-2's Python tanh GELU as one op (saves its input only)
+    fused_norm: bool = False            # module_replace: RMSNorm as F.rms_norm (saves fp32 upcast and result in half)
+    kv_cache_off: bool = False          # compile: sets the model's use_cache to False
+    lora_rank: int = 0                  # lora: adapters of this rank, base weights frozen
+    lora_targets: Optional[Tuple[str, ...]] = None
+    trainable_fraction: float = 1.0     # derived: trainable / total parameters (lora)
+    # how fast it computes
+    compute_time_factor: float = 1.0    # multiplies compute + per-layer overhead seconds (compile: < 1)
+
+    @classmethod
+    def from_strategy(cls, strategy: StrategyLike, world_size: int, shape: ModelShape,
+                      device_type: str = "cpu") -> "StrategyTraits":
+        """Combine the `cost_traits` of every item of `strategy` (items of unknown names are ignored)."""
+        from atorch.auto.opt_lib.base import CostContext, get_optimization
+
+        s = Strategy.from_any(strategy)
+        dims = _parallel_dims(s, world_size)
+        items = []
+        for item in s:
+            try:
+                opt = get_optimization(item.name)
+            except ValueError:      # not registered here: it declares nothing to the cost model
+                continue
+            items.append((opt.order, opt, opt.parse_config(item.config)))
+        items.sort(key=lambda entry: entry[0])
+        configs = {opt.name: config for _, opt, config in items}
+        context = CostContext(world_size=world_size, dims=dims, device_type=device_type, configs=configs)
+        valid = {f.name for f in dataclasses.fields(cls)} - {"trainable_fraction"}
+        updates: Dict[str, Any] = {}
+        for _, opt, config in items:
+            declared = opt.cost_traits(config, context)
+            unknown = sorted(set(declared) - valid)
+            if unknown:
+                raise ValueError(f"{opt.name}.cost_traits declares unknown trait(s) {unknown}; valid traits are "
+                                 f"{sorted(valid)}")
+            updates.update(declared)
+        if "parallel_mode" not in configs:      # no layout declared: every rank data-parallel
+            updates["data"] = world_size
+        traits = cls(**updates)
+        if not traits.tensor_parallel:
+            traits = dataclasses.replace(traits, tensor=1)
+        if traits.pipeline_engine is None:
+            traits = dataclasses.replace(traits, pipeline=1)
+        trainable = lora_params(shape, traits) / max(1, shape.num_params + lora_params(shape, traits)) \
+            if traits.lora_rank else 1.0
+        return dataclasses.replace(traits, trainable_fraction=trainable)
+
+    # -- derived views, in ZeRO's terms ---------------------------------------------------------
+    @property
+    def optimizer_shard(self) -> int:
+        """Ranks the optimizer state is split over."""
+        sharded = self.sharding in ("torch_zero1", "fsdp2") or (self.sharding == "deepspeed" and self.zero_stage >= 1)
+        return self.data if sharded else 1
+
+    @property
+    def grad_shard(self) -> int:
+        """Ranks the gradients are split over. DeepSpeed's stage-1 optimizer keeps only its partition's
+        gradients too (it copies each reduced bucket's slice into one partition buffer; measured)."""
+        sharded = self.sharding == "fsdp2" or (self.sharding == "deepspeed" and self.zero_stage >= 1)
+        return self.data if sharded else 1
+
+    @property
+    def param_shard(self) -> int:
+        """Ranks the stored parameters are split over."""
+        sharded = self.sharding == "fsdp2" or (self.sharding == "deepspeed" and self.zero_stage >= 3)
+        return self.data if sharded else 1
+
+    @property
+    def fsdp2(self) -> Optional[str]:
+        """"zero2" (parameters kept gathered after forward) or "fsdp" (resharded) on torch FSDP2, else None."""
+        if self.sharding != "fsdp2":
+            return None
+        return "fsdp" if self.reshard_after_forward else "zero2"
+
+    @property
+    def ddp_buckets(self) -> bool:
+        """DDP keeps a flat copy of the gradients in its all-reduce buckets."""
+        return self.ddp_wrap and self.data > 1 and self.sharding in (None, "torch_zero1") \
+            and self.pipeline_engine is None
+
+    @property
+    def storage_bytes(self) -> int:
+        """Bytes per element of the module's parameters: DeepSpeed holds them in its half dtype."""
+        if self.sharding == "deepspeed" and self.compute_dtype_bytes == 2:
+            return 2
+        return self.param_dtype_bytes
+
+
+def lora_params(shape: ModelShape, traits: StrategyTraits) -> int:
+    """Adapter parameters: rank x (in + out) per adapted linear (peft's default targets: q and v for a
+    Llama-style model, c_attn for GPT-2; any other target list counts one hidden x hidden linear each)."""
+    if not traits.lora_rank:
+        return 0
+    r, h = traits.lora_rank, shape.hidden_size
+    kv = shape.kv_dim or h
+    if traits.lora_targets is None:
+        per_layer = r * (2 * h + shape.q_dim + kv) if shape.gated else r * (h + 3 * h)
+    else:
+        per_layer = r * 2 * h * len(traits.lora_targets)
+    return shape.num_layers * per_layer
+
+
+def _parallel_dims(strategy: Strategy, world_size: int) -> Dict[str, int]:
+    item = strategy.get("parallel_mode")
+    if item is None or item.config is None:
+        return {"data": world_size}
+    config = item.config
+    dims = getattr(config, "dims", None)
+    if dims is None and isinstance(config, (tuple, list)) and config:
+        dims = config[0]
+    if not dims:
+        return {"data": world_size}
+    return {str(name): int(size) for name, size in dims}
+
+
+def precision_mode(traits: StrategyTraits) -> str:
+    """How the blocks compute, which decides the dtype of every saved activation.
+
+    "fp32"; "autocast" (fp32 weights under `torch.autocast`: the residual stream and the norms
+    stay fp32, each matmul saves a half copy of its input and of its weight); "half" (the module
+    itself computes in half: the `half` optimization, FSDP2 mixed precision, DeepSpeed bf16/fp16).
+    """
+    if traits.compute_dtype_bytes == 4:
+        return "fp32"
+    if traits.autocast and traits.sharding not in ("fsdp2", "deepspeed") and traits.param_dtype_bytes == 4:
+        return "autocast"
+    return "half"
+
+
+def micro_batch_size(traits: StrategyTraits, global_batch: int) -> int:
+    """Rows of one forward/backward on one rank: the global batch over the data ranks, then over the
+    gradient-accumulation steps or the pipeline's micro-batches."""
+    per_rank = max(1, global_batch // traits.data)
+    split = traits.pipeline_chunks if traits.pipeline_engine is not None else traits.accumulation_steps
+    return max(1, per_rank // max(1, split))
+
+
+# Entries of `memory_breakdown` that are model states (the ZeRO paper's "model states"), and
