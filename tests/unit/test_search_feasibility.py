@@ -11,7 +11,8 @@ from atorch.auto.cost_model import Estimate
 from atorch.auto.search import DryRunResult, SearchSpace, search_strategy
 from atorch.auto.search.bo import Suggestion
 from atorch.auto.search.feasibility import PRUNE_BELOW, Feasibility
-from atorch.auto.search.search import LearningPredictorLike, _TrialLog
+from atorch.auto.search.search import LearningPredictorLike
+from atorch.auto.search.trials import TrialLog
 from atorch.auto.search.space import Candidate, memory_saving_ranks
 from atorch.auto.strategy import Strategy
 
@@ -207,7 +208,7 @@ def test_the_calibration_learning_predictor_satisfies_the_protocol():
 
 def _log(space, runs):
     cands = space.candidates()
-    log = _TrialLog(cands, [None] * len(cands), None)
+    log = TrialLog(cands, [None] * len(cands), None)
     for index, throughput, rel in runs:
         step = 32.0 / throughput
         steps = tuple(step * (1 + rel * z) for z in (-1.2, -0.4, 0.0, 0.4, 1.2))
@@ -322,7 +323,7 @@ def test_an_unusable_prediction_is_searched_without_one_and_warned_once(bad, cap
     def predictor(s):
         return bad if s in half else Estimate(100, 1.0 / table[s])
 
-    with caplog.at_level("WARNING", logger="atorch.auto.search.search"):
+    with caplog.at_level("WARNING", logger="atorch.auto.search.predictions"):
         result = search_strategy(space, lambda s: DryRunResult(table[s], 50, step_time_s=1.0 / table[s]),
                                  max_trials=6, predictor=predictor, memory_limit_bytes=1000,
                                  planner_factory=FitRecordingPlanner)
@@ -334,10 +335,10 @@ def test_an_unusable_prediction_is_searched_without_one_and_warned_once(bad, cap
 
 
 def test_a_measured_peak_that_is_not_a_positive_number_teaches_the_memory_model_nothing():
-    from atorch.auto.search.search import _usable_peak
+    from atorch.auto.search.results import usable_peak
 
-    assert _usable_peak(1234) == 1234.0 and _usable_peak(2.5e9) == 2.5e9
-    assert all(_usable_peak(v) is None for v in (None, float("nan"), float("inf"), 0, -5, "x"))
+    assert usable_peak(1234) == 1234.0 and usable_peak(2.5e9) == 2.5e9
+    assert all(usable_peak(v) is None for v in (None, float("nan"), float("inf"), 0, -5, "x"))
 
 
 @pytest.mark.parametrize("peak", ["lots", float("nan"), -5, None])

@@ -44,145 +44,26 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Set, Tuple, cast, runtime_checkable
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import numpy as np
 import pandas as pd
 
 from atorch.auto.search.feasibility import PRUNE_BELOW, FailureModel, Feasibility
-from atorch.auto.search.space import Candidate, SearchSpace, memory_saving_ranks
-from atorch.auto.search.stats import LogEstimate, RatioCI, log_throughput_of_steps, pool_runs, ratio_ci
-from atorch.auto.strategy import Strategy
+from atorch.auto.search.predictions import observe, predict_all, predicted_peaks, predicted_prior
+from atorch.auto.search.results import (TRIAL_COLUMNS, Comparison, DryRunResult, Evaluator, LearningPredictorLike,
+                                        Predictor, SearchResult, usable_peak)
+from atorch.auto.search.seeding import Seeding
+from atorch.auto.search.space import SearchSpace, memory_saving_ranks
+from atorch.auto.search.trials import TrialLog, evaluate, p_faster
+
+__all__ = ["Comparison", "DryRunResult", "Evaluator", "LearningPredictorLike", "Predictor", "SearchResult",
+           "TRIAL_COLUMNS", "search_strategy"]
 
 logger = logging.getLogger(__name__)
 
-# Candidates the predictor ranks first are tried before any random sample: when the cost model
-# is right the search is over after one confirming trial, and when it is wrong it costs two.
-PREDICTED_SEEDS = 2
 # Most rounds of interleaved re-measurement (each: one dry run of the leader, one of its challenger).
 REMEASURE_ROUNDS = 3
-# A leader whose throughput ratio to every other candidate has a 95% interval above this is
-# not re-measured (its reserve goes to the search): repeated dry runs of one candidate on an
-# idle machine differed by up to 1.12x (benchmarks/real_landscape.json, median 1.05x), i.e. a
-# change of load between runs, which one run's own interval cannot see, moves a ratio by
-# about this much; a lead beyond it is not undone by re-measuring.
-CLEAR_LEAD = 1.10
-# Inside the noise, a candidate wins on memory when it needs at least this much less.
-MEMORY_TIE_BREAK = 0.10
-# ... and when its measured throughput is at most this much lower: an interval that includes 1
-# can still hold point estimates several % apart (a few noisy runs), and on benchmark landscapes
-# with 3% noise per run a 3% allowance declared candidates truly 7% slower (benchmarks/search.py).
-TIE_MAX_LOSS = 0.01
-# ... and, when the leaner one is the one measured slower, when choosing it gives up less than
-# this much log-throughput in expectation (the measured difference's normal approximation): the
-# tie-break then needs measurements precise enough to say the cost is small, not just close means.
-TIE_MAX_EXPECTED_LOSS = 0.01
-
-# The variance of a run's log-throughput below which its steps count as identical (no noise).
-NO_NOISE_VAR = 1e-12
-
-TRIAL_COLUMNS = ["trial", "strategy", "status", "throughput", "throughput_lo", "throughput_hi",
-                 "predicted_throughput", "predicted_memory", "measured_memory", "reason", "seconds",
-                 "planner_seconds", "source"]
-
-
-@dataclass
-class DryRunResult:
-    """What one dry run of a strategy measured. `error` is None on success, else "oom",
-    "timeout" or "exception: <message>"; a failed run has throughput 0."""
-
-    throughput: float                          # samples/s over the profiled steps
-    peak_memory_bytes: Optional[int] = None    # largest per-rank peak
-    error: Optional[str] = None
-    step_time_s: Optional[float] = None        # mean of step_times_s
-    # Per timed step, the slowest rank's seconds (what the confidence interval is computed from).
-    step_times_s: Tuple[float, ...] = ()
-    # 95% confidence interval of `throughput` (samples/s), from `step_times_s`; None when unknown.
-    throughput_ci: Optional[Tuple[float, float]] = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    @property
-    def status(self) -> str:
-        if self.error is None:
-            return "ok"
-        head = self.error.split(":", 1)[0].strip()
-        return head if head in ("oom", "timeout", "exception") else "failed"
-
-
-Predictor = Callable[[Strategy], Any]          # -> an object with peak_memory_bytes and step_time_s
-Evaluator = Callable[[Strategy], DryRunResult]
-
-
-@dataclass
-class Comparison:
-    """The winner against the runner-up after re-measurement: throughput ratio winner/runner-up
-    (pooled over every dry run of each) with its 95% interval, and on what the winner was chosen."""
-
-    winner: Strategy
-    runner_up: Strategy
-    ratio: float
-    lo: Optional[float]                # None: the evaluator reported no noise, no interval
-    hi: Optional[float]
-    chosen_by: str                     # "throughput", "memory" or "measured mean"
-    memory_saving: Optional[float] = None    # fraction less peak memory than the runner-up
-    runs: Tuple[int, int] = (1, 1)     # dry runs pooled for the winner and the runner-up
-
-    @property
-    def separated(self) -> bool:
-        return self.lo is not None and (self.lo > 1.0 or cast(float, self.hi) < 1.0)  # both set or neither
-
-    def line(self) -> str:
-        a, b = self.winner.describe(), self.runner_up.describe()
-        if self.lo is None:
-            return f"{a}: {self.ratio:.3g}x the runner-up {b} (no interval: the evaluator reported no step times)"
-        ci = f"95% CI {self.lo:.3g}-{self.hi:.3g}"
-        if self.separated:
-            return f"{a}: {self.ratio:.3g}x {b} ({ci})"
-        saving = f"{self.memory_saving * 100:.0f}% less memory" if self.memory_saving is not None else "less memory"
-        why = {"memory": saving, "measured mean": "higher measured mean"}[self.chosen_by]
-        return f"{a} and {b} within noise ({self.ratio:.3g}x, {ci}); chose {a}: {why}"
-
-
-@dataclass
-class SearchResult:
-    """The winner and every trial. `trials` has one row per dry run (TRIAL_COLUMNS; a strategy
-    re-measured has several); `pruned` one row per candidate never run because it was predicted
-    over the memory limit or needs at least the memory of one that ran out."""
-
-    best: Optional[Strategy]
-    best_throughput: float
-    trials: pd.DataFrame
-    pruned: pd.DataFrame
-    evaluated: List[Strategy] = field(default_factory=list)    # aligned with trials rows
-    stop_reason: str = ""
-    num_candidates: int = 0
-    memory_limit_bytes: Optional[int] = None
-    reason: str = ""                                            # one line: why the winner won
-    comparison: Optional[Comparison] = None                     # winner vs runner-up, when two ran
-
-    @property
-    def planner_seconds(self) -> List[float]:
-        return [s for s in self.trials["planner_seconds"].tolist() if s == s]  # drop NaN
-
-    def explain(self) -> str:
-        return self.reason
-
-
-@runtime_checkable
-class LearningPredictorLike(Protocol):
-    """A predictor that learns from measurements (e.g. `atorch.auto.calibration.LearningPredictor`).
-
-    The search calls `observe(strategy, measured_step_time_s)` after every successful dry run
-    (seconds per optimizer step) and then predicts every candidate again, so the surrogate's
-    predictor feature and the memory model follow the refit."""
-
-    def __call__(self, strategy: Strategy) -> Any: ...
-
-    def observe(self, strategy: Strategy, measured_step_time_s: float) -> None: ...
 
 
 def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int = 30, random_samples: int = 3,
@@ -218,10 +99,10 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
         raise ValueError(f"the search space has no valid candidate ({space.size} combinations were all refused; "
                          f"e.g. {next(iter(space.rejected.items()), None)})")
     warned: Set[str] = set()         # predictor problems already logged (once per search)
-    predictions = _predict_all(predictor, candidates, warned)
-    trials = _TrialLog(candidates, predictions, batch_size)
+    predictions = predict_all(predictor, candidates, warned)
+    trials = TrialLog(candidates, predictions, batch_size)
     feasibility = Feasibility([c.choices for c in candidates], memory_saving_ranks(space), memory_limit_bytes,
-                              _peaks(predictions))
+                              predicted_peaks(predictions))
     failures = FailureModel([c.choices for c in candidates])
     labels_of = [c.label() for c in candidates]
 
@@ -246,9 +127,9 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
                              len(candidates), memory_limit_bytes)
 
     rng = np.random.default_rng(seed)
-    seeding = _Seeding(candidates, random_samples, rng)
+    seeding = Seeding(candidates, random_samples, rng)
     make_planner = planner_factory or _hebo_planner
-    prior = _prior(predictions)
+    prior = predicted_prior(predictions)
     labels = list(space.labels().values())
     choices = [c.choices for c in candidates]
     learner = predictor if isinstance(predictor, LearningPredictorLike) else None
@@ -265,19 +146,19 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
 
     def run(index: int, planner_s: float, source: str) -> bool:
         nonlocal predictions, prior
-        result, seconds = _evaluate(evaluator, candidates[index].strategy, clock)
+        result, seconds = evaluate(evaluator, candidates[index].strategy, clock)
         improved = trials.add(index, result, seconds, planner_s, source)
-        feasibility.observe(index, result.status, _usable_peak(result.peak_memory_bytes))
+        feasibility.observe(index, result.status, usable_peak(result.peak_memory_bytes))
         failures.observe(index, result.status)
         bar.update(1)
         bar.set_postfix_str(f"best {trials.best_mean_throughput():.4g}/s")
         if learner is not None and result.ok:
             step = result.step_time_s or (batch_size / result.throughput if batch_size else None)
-            if step and _observe(learner, candidates[index].strategy, float(step)):
-                predictions = _predict_all(predictor, candidates, warned)
+            if step and observe(learner, candidates[index].strategy, float(step)):
+                predictions = predict_all(predictor, candidates, warned)
                 trials.predictions = predictions
-                feasibility.set_predictions(_peaks(predictions))
-                prior = _prior(predictions)
+                feasibility.set_predictions(predicted_peaks(predictions))
+                prior = predicted_prior(predictions)
                 if planner is not None and prior is not None and hasattr(planner, "update_prior"):
                     planner.update_prior(prior)
         return improved
@@ -364,7 +245,7 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
     return trials.result(stop_reason, None, pruned_table(), len(candidates), memory_limit_bytes)
 
 
-def _posterior(planner: Any, trials: "_TrialLog", untried: Iterable[int] = ()
+def _posterior(planner: Any, trials: "TrialLog", untried: Iterable[int] = ()
                ) -> Optional[Dict[int, Tuple[float, float]]]:
     """The surrogate's (mean, variance) of log-throughput of every candidate that can win and of
     `untried`, or None without a surrogate (a planner without `posterior`, or none built)."""
@@ -394,17 +275,12 @@ def _likelier_newcomer(posterior: Dict[int, Tuple[float, float]], pair: Tuple[in
     leader, challenger = pair
     if leader not in posterior or challenger not in posterior:
         return None
-    best, best_p = None, _p_faster(posterior[leader], posterior[challenger])
+    best, best_p = None, p_faster(posterior[leader], posterior[challenger])
     for i, p_runs in sorted(untried.items()):
-        p = _p_faster(posterior[leader], posterior[i]) * p_runs if i in posterior else 0.0
+        p = p_faster(posterior[leader], posterior[i]) * p_runs if i in posterior else 0.0
         if p > best_p:
             best, best_p = i, p
     return best
-
-
-def _p_faster(a: Tuple[float, float], b: Tuple[float, float]) -> float:
-    """P(B's log-throughput > A's) for independent normal estimates (mean, variance) of each."""
-    return float(_normal_cdf((b[0] - a[0]) / math.sqrt(max(a[1] + b[1], 1e-300))))
 
 
 def _remeasure_reserve(max_trials: int, rounds: int) -> int:
@@ -414,390 +290,10 @@ def _remeasure_reserve(max_trials: int, rounds: int) -> int:
     return min(2 * rounds, 2 * (max_trials // 10))
 
 
-def _peaks(predictions: List[Any]) -> Optional[List[Optional[float]]]:
-    if not predictions or any(p is None for p in predictions):
-        return None
-    return [float(p.peak_memory_bytes) for p in predictions]
-
-
-def _observe(learner: LearningPredictorLike, strategy: Strategy, step_time_s: float) -> bool:
-    try:
-        learner.observe(strategy, step_time_s)
-        return True
-    except Exception as e:  # noqa: BLE001 - a predictor that cannot learn is still a predictor
-        logger.warning("the predictor could not learn from %s (%s); its predictions stay as they were",
-                       strategy.describe(), e)
-        return False
-
-
-def _predict_all(predictor: Optional[Predictor], candidates: List[Candidate], warned: Set[str]) -> List[Any]:
-    """Every candidate's prediction; None where the predictor raised or answered something
-    unusable (one warning per kind of problem and search, naming the first candidate and the count)."""
-    if predictor is None:
-        return [None] * len(candidates)
-    out: List[Any] = []
-    problems: Dict[str, Tuple[str, int]] = {}
-    for c in candidates:
-        prediction, problem = _predict(predictor, c.strategy)
-        out.append(prediction)
-        if problem is not None:
-            kind, detail = problem
-            first, count = problems.get(kind, (f"{c.strategy.describe()}: {detail}", 0))
-            problems[kind] = (first, count + 1)
-    for kind, (first, count) in problems.items():
-        if kind not in warned:
-            warned.add(kind)
-            logger.warning("the predictor gave no usable prediction for %d of %d candidates (e.g. %s); they are "
-                           "searched without one", count, len(candidates), first)
-    return out
-
-
-def _predict(predictor: Predictor, strategy: Strategy) -> Tuple[Any, Optional[Tuple[str, str]]]:
-    """(prediction, None) or (None, (kind of problem, what was wrong))."""
-    try:
-        prediction = predictor(strategy)
-    except Exception as e:  # noqa: BLE001 - an unpredictable candidate is still searchable
-        return None, ("raised", f"raised {type(e).__name__} ({e})")
-    problem = _invalid_prediction(prediction)
-    return (None, problem) if problem is not None else (prediction, None)
-
-
-def _usable_peak(peak: Any) -> Optional[float]:
-    """A measured peak the memory model can learn from: finite and positive, else unknown."""
-    try:
-        value = float(peak)
-    except (TypeError, ValueError):
-        return None
-    return value if math.isfinite(value) and value > 0 else None
-
-
-def _invalid_prediction(prediction: Any) -> Optional[Tuple[str, str]]:
-    """(kind, what) when a predictor's answer cannot be used, None when it can: it needs a
-    finite positive step time and a finite non-negative peak memory."""
-    try:
-        step, peak = float(prediction.step_time_s), float(prediction.peak_memory_bytes)
-    except (AttributeError, TypeError, ValueError) as e:
-        return "type", f"an object without numeric step_time_s / peak_memory_bytes ({type(prediction).__name__}: {e})"
-    if not (math.isfinite(step) and step > 0):
-        return "step_time_s", f"step_time_s={step!r}"
-    if not (math.isfinite(peak) and peak >= 0):
-        return "peak_memory_bytes", f"peak_memory_bytes={peak!r}"
-    return None
-
-
-def _prior(predictions: List[Any]) -> Optional[List[float]]:
-    """Predicted log-throughput of every candidate (up to a constant), or None unless all are predicted."""
-    if not predictions or any(p is None for p in predictions):
-        return None
-    return [-math.log(max(float(p.step_time_s), 1e-12)) for p in predictions]
-
-
-class _Seeding:
-    """The first trials, before the surrogate has data: the predictor's fastest candidates
-    (weighted by their probability of fitting), then spread-out ones.
-
-    The spread-out part has at least as many points as the largest dimension has options, and
-    each is drawn among the candidates showing the most options not yet covered (weighted by
-    the probability of fitting), then the farthest, in changed dimensions, from those already
-    tried: after it every option of every dimension has been measured once where memory allows,
-    so the surrogate's main effects all start from data rather than from its prior. Picks are
-    made one at a time, so each sees what the trials so far taught about memory.
-    """
-
-    def __init__(self, candidates: List[Candidate], random_samples: int, rng: np.random.Generator) -> None:
-        self.candidates, self.rng = candidates, rng
-        dims = len(candidates[0].choices) if candidates else 0
-        widest = max((len({c.choices[d] for c in candidates}) for d in range(dims)), default=1)
-        self.cover = 0 if random_samples == 0 else max(random_samples, widest)
-        self.predicted_left = PREDICTED_SEEDS
-
-    def planned(self, predictions: List[Any]) -> int:
-        return self.cover + (PREDICTED_SEEDS if any(p is not None for p in predictions) else 0)
-
-    def next(self, remaining: Dict[int, float], predictions: List[Any], tried: Set[int],
-             measured: Sequence[int]) -> Optional[Tuple[int, str]]:
-        """The next seed (index, source), or None once seeding is over."""
-        if self.predicted_left > 0:
-            pool = [i for i in remaining if predictions[i] is not None]
-            if pool:
-                self.predicted_left -= 1
-                best = max(pool, key=lambda i: (math.log(remaining[i]) - math.log(
-                    max(float(predictions[i].step_time_s), 1e-12)), -i))
-                return best, "predicted-top"
-            self.predicted_left = 0
-        if self.cover <= 0:
-            return None
-        self.cover -= 1
-        choices = [c.choices for c in self.candidates]
-        # Only a run that measured a throughput covers its options (an out-of-memory one did not).
-        covered = {(d, v) for j in measured for d, v in enumerate(choices[j])}
-        pool = sorted(remaining)
-        key = [(round(remaining[i] * sum((d, v) not in covered for d, v in enumerate(choices[i])), 1),
-                min((_hamming(choices[i], choices[j]) for j in tried), default=0)) for i in pool]
-        top = max(key)
-        tied = [i for i, k in zip(pool, key) if k == top]
-        return int(tied[int(self.rng.integers(len(tied)))]), "random"
-
-
-def _expected_loss(mean: float, sd: float) -> float:
-    """E[max(0, -d)] for d ~ N(mean, sd^2): the log-throughput expected to be given up by
-    choosing a candidate whose advantage over the other is d."""
-    if sd <= 0:
-        return max(0.0, -mean)
-    z = mean / sd
-    return sd * math.exp(-0.5 * z * z) / math.sqrt(2 * math.pi) - mean * _normal_cdf(-z)
-
-
-def _normal_cdf(z: float) -> float:
-    return 0.5 * math.erfc(-z / math.sqrt(2.0))
-
-
-def _hamming(a: Sequence[int], b: Sequence[int]) -> int:
-    return sum(x != y for x, y in zip(a, b))
-
-
 def _hebo_planner(labels: List[List[str]], choices: List[Tuple[int, ...]], prior: Optional[List[float]], seed: int):
     from atorch.auto.search.bo import CandidatePlanner
 
     return CandidatePlanner(labels, choices, prior=prior, seed=seed)
-
-
-def _evaluate(evaluator: Evaluator, strategy: Strategy, clock: Callable[[], float]) -> tuple:
-    start = clock()
-    try:
-        result = evaluator(strategy)
-        if not isinstance(result, DryRunResult):
-            raise TypeError(f"the evaluator returned {type(result).__name__}, expected DryRunResult")
-        if result.ok and not (isinstance(result.throughput, (int, float)) and math.isfinite(result.throughput)
-                              and result.throughput > 0):
-            result = DryRunResult(0.0, result.peak_memory_bytes,
-                                  f"exception: evaluator reported throughput {result.throughput!r}")
-    except Exception as e:  # noqa: BLE001 - an evaluator that raises is one failed trial
-        logger.warning("evaluating %s raised %s: %s", strategy.describe(), type(e).__name__, e)
-        result = DryRunResult(0.0, None, f"exception: {type(e).__name__}: {e}")
-    return result, clock() - start
-
-
-def _run_estimate(result: DryRunResult) -> Tuple[float, Optional[float], float]:
-    """(log-throughput, variance of it or None, its degrees of freedom) of one successful dry run."""
-    log_tp = math.log(result.throughput)
-    steps = log_throughput_of_steps(result.step_times_s) if result.step_times_s else None
-    if steps is not None:
-        return log_tp, steps.var, steps.df
-    if result.throughput_ci is not None:
-        lo, hi = result.throughput_ci
-        if 0 < lo <= hi:
-            # Half the log-width of a 95% interval is 1.96 standard errors (normal approximation).
-            return log_tp, ((math.log(hi) - math.log(lo)) / (2 * 1.96)) ** 2, math.inf
-    return log_tp, None, math.inf
-
-
-def _interval(result: DryRunResult) -> Tuple[float, float]:
-    """The trial table's (throughput_lo, throughput_hi): the evaluator's interval, else one from its steps."""
-    if not result.ok:
-        return float("nan"), float("nan")
-    if result.throughput_ci is not None:
-        return float(result.throughput_ci[0]), float(result.throughput_ci[1])
-    log_tp, var, df = _run_estimate(result)
-    if var is None:
-        return float("nan"), float("nan")
-    from atorch.auto.search.stats import t_quantile
-
-    half = (t_quantile(0.95, df) if math.isfinite(df) else 1.96) * math.sqrt(var)
-    return math.exp(log_tp - half), math.exp(log_tp + half)
-
-
-class _TrialLog:
-    """Every dry run, and each candidate's pooled measurement."""
-
-    def __init__(self, candidates: List[Candidate], predictions: List[Any], batch_size: Optional[int]) -> None:
-        self.candidates = candidates
-        self.predictions = predictions
-        self.batch_size = batch_size
-        self.rows: List[Dict[str, Any]] = []
-        self.runs: Dict[int, List[Tuple[DryRunResult, float, Optional[float], float]]] = {}   # ok runs only
-        self.failed: Dict[int, DryRunResult] = {}
-        self.tried: Set[int] = set()
-        self.order: List[int] = []                 # aligned with rows
-        self.noise_reported = False
-        self._best_mean = -math.inf
-
-    @property
-    def count(self) -> int:
-        return len(self.rows)
-
-    def add(self, index: int, result: DryRunResult, seconds: float, planner_s: float, source: str) -> bool:
-        """Record one dry run; True when it raised the best pooled mean."""
-        if index in self.tried and source != "remeasure":
-            raise AssertionError(f"candidate {index} suggested twice")   # the search's own invariant
-        self.tried.add(index)
-        self.order.append(index)
-        if result.ok:
-            est = _run_estimate(result)
-            self.runs.setdefault(index, []).append((result, *est))
-            # Identical step times (a deterministic evaluator: a table, a simulator) show no noise,
-            # and re-measuring them would repeat the same number: only a variance above rounding
-            # (a relative standard error of 1e-6; real timings are >= 1e-3) counts.
-            self.noise_reported = self.noise_reported or (est[1] is not None and est[1] > NO_NOISE_VAR)
-        else:
-            self.failed[index] = result
-        pred = self.predictions[index]
-        lo, hi = _interval(result)
-        self.rows.append({
-            "trial": len(self.rows) + 1, "strategy": self.candidates[index].label(), "status": result.status,
-            "throughput": result.throughput, "throughput_lo": lo, "throughput_hi": hi,
-            "predicted_throughput": pred.throughput(self.batch_size) if pred is not None and self.batch_size
-            else float("nan"),
-            "predicted_memory": pred.peak_memory_bytes if pred is not None else None,
-            "measured_memory": result.peak_memory_bytes, "reason": result.error or "",
-            "seconds": seconds, "planner_seconds": planner_s, "source": source})
-        ranked = self.ranked()
-        best = self.pooled(ranked[0]).mean if ranked else -math.inf
-        improved = best > self._best_mean + 1e-12 and result.ok
-        self._best_mean = max(self._best_mean, best)
-        return improved
-
-    def pooled(self, index: int) -> LogEstimate:
-        runs = self.runs[index]
-        est = pool_runs([r[1] for r in runs], [r[2] for r in runs], [r[3] for r in runs if r[2] is not None])
-        if est is None:     # no noise reported: the mean with an unknown variance
-            est = LogEstimate(float(np.mean([r[1] for r in runs])), math.nan, math.inf, len(runs))
-        return est
-
-    def eligible(self) -> List[int]:
-        """Candidates that can win: ran fine, and never failed on a re-measurement."""
-        return [i for i in self.runs if i not in self.failed]
-
-    def ranked(self) -> List[int]:
-        """Eligible candidates by pooled mean log-throughput, best first."""
-        return sorted(self.eligible(), key=lambda i: (-self.pooled(i).mean, i))
-
-    def best_mean_throughput(self) -> float:
-        ranked = self.ranked()
-        return self.mean_throughput(ranked[0]) if ranked else 0.0
-
-    def mean_throughput(self, index: int) -> float:
-        return float(np.mean([r[0].throughput for r in self.runs[index]]))
-
-    def observations(self) -> List[Any]:
-        from atorch.auto.search.bo import Observation
-
-        out = []
-        for i in self.runs:           # re-measured or not, one pooled observation per candidate
-            est = self.pooled(i)
-            out.append(Observation(i, est.mean, None if math.isnan(est.var) else est.var))
-        return out
-
-    def typical_seconds(self) -> float:
-        """Median duration of a trial so far (0 before the first): what the next one will probably cost."""
-        if not self.rows:
-            return 0.0
-        return float(np.median([r["seconds"] for r in self.rows]))
-
-    def _peak(self, index: int) -> Optional[float]:
-        # Only peaks the memory model could use (an evaluator may report None, NaN or junk).
-        peaks = [p for p in (_usable_peak(r[0].peak_memory_bytes) for r in self.runs[index]) if p is not None]
-        return float(np.mean(peaks)) if peaks else None
-
-    def challenge(self, first: bool = False, posterior: Optional[Dict[int, Tuple[float, float]]] = None
-                  ) -> Optional[Tuple[int, int]]:
-        """(leader, challenger) to re-measure, or None when the leader is separated from every
-        other candidate (`first`: never None with two candidates: one dry run's interval, from
-        its own steps, does not see load changing between runs, so the first round happens
-        unless the lead is beyond `CLEAR_LEAD`, which the search decides). The challenger is the candidate likeliest to be faster than the leader
-        (normal approximation of the difference of their log-throughputs); re-measuring both is
-        what most reduces the chance of declaring the slower one.
-
-        `posterior` (the surrogate's mean and variance per candidate) replaces each one's own
-        pooled measurement in that probability: the leader by measured mean is often the one
-        whose single run was lucky, and a truly faster candidate measured a few % low is then
-        not the likeliest challenger by the raw means; pooled with what similar candidates
-        showed, it can be. (benchmarks/search.py: 7 of 22 misses on 270 development landscapes
-        had the best candidate measured but not declared; this choice of challenger did not
-        turn any of those 7 into a hit -- the best there was measured low in both of its runs.)
-        Separation stays a matter of the measurements alone."""
-        ranked = self.ranked()
-        if len(ranked) < 2:
-            return None
-        a = ranked[0]
-        ea = self.pooled(a)
-        best_p, challenger = -1.0, None
-        for b in ranked[1:]:
-            eb = self.pooled(b)
-            if math.isnan(ea.var) or math.isnan(eb.var):
-                p, separated = 0.5, False
-            else:
-                p = _p_faster((ea.mean, ea.var), (eb.mean, eb.var))
-                separated = ratio_ci(ea, eb).separated
-            if posterior is not None and a in posterior and b in posterior:
-                p = _p_faster(posterior[a], posterior[b])
-            if (first or not separated) and p > best_p:
-                best_p, challenger = p, b
-        return None if challenger is None else (a, challenger)
-
-    def clearly_ahead(self, margin: float = CLEAR_LEAD) -> bool:
-        """The leader's throughput over every other eligible candidate is above `margin` with
-        95% confidence (by the measurements; False before two candidates ran, or without noise)."""
-        ranked = self.ranked()
-        if len(ranked) < 2:
-            return False
-        ea = self.pooled(ranked[0])
-        if math.isnan(ea.var):
-            return False
-        for b in ranked[1:]:
-            eb = self.pooled(b)
-            if math.isnan(eb.var) or ratio_ci(ea, eb).lo <= margin:
-                return False
-        return True
-
-    def compare(self, a: int, b: int) -> Optional[Comparison]:
-        """A (the higher pooled mean) against B: separated by the interval, or a tie broken by
-        memory (at least MEMORY_TIE_BREAK less: A when it is the leaner one and the means are
-        within TIE_MAX_LOSS; B only when the throughput expected to be given up by choosing it is
-        below TIE_MAX_EXPECTED_LOSS), else by the measured mean."""
-        ea, eb = self.pooled(a), self.pooled(b)
-        sa, sb = self.candidates[a].strategy, self.candidates[b].strategy
-        if math.isnan(ea.var) or math.isnan(eb.var):
-            return Comparison(sa, sb, math.exp(ea.mean - eb.mean), None, None, "measured mean", runs=(ea.n, eb.n))
-        ci: RatioCI = ratio_ci(ea, eb)
-        if ci.separated:
-            return Comparison(sa, sb, ci.ratio, ci.lo, ci.hi, "throughput", runs=(ea.n, eb.n))
-        pa, pb = self._peak(a), self._peak(b)
-        winner, chosen_by, saving = a, "measured mean", None
-        close = abs(ea.mean - eb.mean) <= -math.log1p(-TIE_MAX_LOSS)
-        if pa and pb and abs(pa - pb) >= MEMORY_TIE_BREAK * max(pa, pb):
-            # B is leaner but measured slower: worth it only if little throughput is expected to
-            # be lost (a 1% rule alone chose candidates truly 3-4% slower after two runs each at
-            # 3% noise: benchmarks/search.py, 2 of 17 misses on 270 development landscapes).
-            cheap = _expected_loss(eb.mean - ea.mean, math.sqrt(max(ea.var + eb.var, 0.0))) < TIE_MAX_EXPECTED_LOSS
-            if (pa < pb and close) or (pb < pa and close and cheap):
-                winner, chosen_by = (a, "memory") if pa < pb else (b, "memory")
-                saving = 1.0 - min(pa, pb) / max(pa, pb)
-        # Otherwise the higher measured mean, still the best estimate: preferring the simpler
-        # strategy here chose a 7% slower one on a benchmark landscape (3% noise per dry run).
-        if winner == a:
-            return Comparison(sa, sb, ci.ratio, ci.lo, ci.hi, chosen_by, saving, (ea.n, eb.n))
-        inv = ratio_ci(eb, ea)
-        return Comparison(sb, sa, inv.ratio, inv.lo, inv.hi, chosen_by, saving, (eb.n, ea.n))
-
-    def result(self, stop_reason: Optional[str], failure: Optional[str], pruned: pd.DataFrame, num_candidates: int,
-               memory_limit_bytes: Optional[int]) -> SearchResult:
-        from atorch.auto.search.report import explain
-
-        trials = pd.DataFrame(self.rows, columns=TRIAL_COLUMNS)
-        ranked = self.ranked()
-        comparison = self.compare(ranked[0], ranked[1]) if len(ranked) >= 2 else None
-        best_index: Optional[int]
-        if comparison is not None:
-            best_index = next(i for i in ranked[:2] if self.candidates[i].strategy == comparison.winner)
-        else:
-            best_index = ranked[0] if ranked else None
-        best = self.candidates[best_index].strategy if best_index is not None else None
-        best_tp = self.mean_throughput(best_index) if best_index is not None else 0.0
-        out = SearchResult(best, best_tp, trials, pruned, [self.candidates[i].strategy for i in self.order],
-                           stop_reason or failure or "", num_candidates, memory_limit_bytes, comparison=comparison)
-        out.reason = explain(out)
-        return out
 
 
 class _NoBar:

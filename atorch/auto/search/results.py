@@ -1,0 +1,125 @@
+"""What a strategy search takes and gives: a dry run's result, the evaluator and predictor
+types, the winner-vs-runner-up comparison and the search's result (with its trial table)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Protocol, Tuple, cast, runtime_checkable
+
+import pandas as pd
+
+from atorch.auto.strategy import Strategy
+
+TRIAL_COLUMNS = ["trial", "strategy", "status", "throughput", "throughput_lo", "throughput_hi",
+                 "predicted_throughput", "predicted_memory", "measured_memory", "reason", "seconds",
+                 "planner_seconds", "source"]
+
+
+@dataclass
+class DryRunResult:
+    """What one dry run of a strategy measured. `error` is None on success, else "oom",
+    "timeout" or "exception: <message>"; a failed run has throughput 0."""
+
+    throughput: float                          # samples/s over the profiled steps
+    peak_memory_bytes: Optional[int] = None    # largest per-rank peak
+    error: Optional[str] = None
+    step_time_s: Optional[float] = None        # mean of step_times_s
+    # Per timed step, the slowest rank's seconds (what the confidence interval is computed from).
+    step_times_s: Tuple[float, ...] = ()
+    # 95% confidence interval of `throughput` (samples/s), from `step_times_s`; None when unknown.
+    throughput_ci: Optional[Tuple[float, float]] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def status(self) -> str:
+        if self.error is None:
+            return "ok"
+        head = self.error.split(":", 1)[0].strip()
+        return head if head in ("oom", "timeout", "exception") else "failed"
+
+
+Predictor = Callable[[Strategy], Any]          # -> an object with peak_memory_bytes and step_time_s
+
+
+Evaluator = Callable[[Strategy], DryRunResult]
+
+
+@dataclass
+class Comparison:
+    """The winner against the runner-up after re-measurement: throughput ratio winner/runner-up
+    (pooled over every dry run of each) with its 95% interval, and on what the winner was chosen."""
+
+    winner: Strategy
+    runner_up: Strategy
+    ratio: float
+    lo: Optional[float]                # None: the evaluator reported no noise, no interval
+    hi: Optional[float]
+    chosen_by: str                     # "throughput", "memory" or "measured mean"
+    memory_saving: Optional[float] = None    # fraction less peak memory than the runner-up
+    runs: Tuple[int, int] = (1, 1)     # dry runs pooled for the winner and the runner-up
+
+    @property
+    def separated(self) -> bool:
+        return self.lo is not None and (self.lo > 1.0 or cast(float, self.hi) < 1.0)  # both set or neither
+
+    def line(self) -> str:
+        a, b = self.winner.describe(), self.runner_up.describe()
+        if self.lo is None:
+            return f"{a}: {self.ratio:.3g}x the runner-up {b} (no interval: the evaluator reported no step times)"
+        ci = f"95% CI {self.lo:.3g}-{self.hi:.3g}"
+        if self.separated:
+            return f"{a}: {self.ratio:.3g}x {b} ({ci})"
+        saving = f"{self.memory_saving * 100:.0f}% less memory" if self.memory_saving is not None else "less memory"
+        why = {"memory": saving, "measured mean": "higher measured mean"}[self.chosen_by]
+        return f"{a} and {b} within noise ({self.ratio:.3g}x, {ci}); chose {a}: {why}"
+
+
+@dataclass
+class SearchResult:
+    """The winner and every trial. `trials` has one row per dry run (TRIAL_COLUMNS; a strategy
+    re-measured has several); `pruned` one row per candidate never run because it was predicted
+    over the memory limit or needs at least the memory of one that ran out."""
+
+    best: Optional[Strategy]
+    best_throughput: float
+    trials: pd.DataFrame
+    pruned: pd.DataFrame
+    evaluated: List[Strategy] = field(default_factory=list)    # aligned with trials rows
+    stop_reason: str = ""
+    num_candidates: int = 0
+    memory_limit_bytes: Optional[int] = None
+    reason: str = ""                                            # one line: why the winner won
+    comparison: Optional[Comparison] = None                     # winner vs runner-up, when two ran
+
+    @property
+    def planner_seconds(self) -> List[float]:
+        return [s for s in self.trials["planner_seconds"].tolist() if s == s]  # drop NaN
+
+    def explain(self) -> str:
+        return self.reason
+
+
+@runtime_checkable
+class LearningPredictorLike(Protocol):
+    """A predictor that learns from measurements (e.g. `atorch.auto.calibration.LearningPredictor`).
+
+    The search calls `observe(strategy, measured_step_time_s)` after every successful dry run
+    (seconds per optimizer step) and then predicts every candidate again, so the surrogate's
+    predictor feature and the memory model follow the refit."""
+
+    def __call__(self, strategy: Strategy) -> Any: ...
+
+    def observe(self, strategy: Strategy, measured_step_time_s: float) -> None: ...
+
+
+def usable_peak(peak: Any) -> Optional[float]:
+    """A measured peak the memory model can learn from: finite and positive, else unknown."""
+    try:
+        value = float(peak)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) and value > 0 else None
