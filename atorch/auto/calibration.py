@@ -42,6 +42,7 @@ import torch.distributed as dist
 from atorch.auto.cost_model import Estimate, ModelShape, StrategyTraits, estimate, shape_of
 from atorch.auto.devices import cpu_model_name
 from atorch.auto.strategy import Strategy, StrategyLike
+from atorch.utils.json_numbers import is_finite_number
 
 logger = logging.getLogger(__name__)
 
@@ -161,18 +162,13 @@ def load_cache(path: str) -> Dict[str, Any]:
         return {}
 
 
-def _is_real(value: Any) -> bool:
-    """A finite int or float (bool is not one)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _cached_rates(path: str, value: Any, where: str, names: Sequence[str]) -> Optional[Dict[str, Any]]:
     """A cached measurement holding every one of `names` as a finite number (> 0, a latency >= 0); None
     (measure again) when absent, and with a warning naming the file when it is damaged."""
     if value is None:
         return None
     if isinstance(value, dict) and all(
-            _is_real(value.get(n)) and (value[n] >= 0 if n.endswith("latency_s") else value[n] > 0) for n in names):
+            is_finite_number(value.get(n)) and (value[n] >= 0 if n.endswith("latency_s") else value[n] > 0) for n in names):
         return value
     logger.warning("calibration cache %s: entry %s is unusable (expected positive numbers %s); measuring again",
                    path, where, ", ".join(names))
@@ -503,7 +499,7 @@ def _cached_numbers(path: str, entry: Mapping[str, Any], section: str, key: str)
     value = _mapping(entry.get(section)).get(key)
     if value is None:
         return {}
-    if isinstance(value, dict) and all(_is_real(v) and (v > 0 or (v == 0 and str(k).endswith(":overhead")))
+    if isinstance(value, dict) and all(is_finite_number(v) and (v > 0 or (v == 0 and str(k).endswith(":overhead")))
                                        for k, v in value.items()):
         return {str(k): float(v) for k, v in value.items()}
     logger.warning("calibration cache %s: entry %s/%s is unusable (expected {name: number > 0}); "

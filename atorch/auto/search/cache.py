@@ -16,7 +16,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import os
 import platform
 import time
@@ -29,6 +28,7 @@ import torch
 from atorch.auto.devices import cpu_model_name
 from atorch.auto.search.search import DryRunResult
 from atorch.auto.strategy import Strategy
+from atorch.utils.json_numbers import is_finite_number
 
 logger = logging.getLogger(__name__)
 
@@ -135,21 +135,16 @@ def result_from_json(data: Mapping[str, Any]) -> DryRunResult:
                         None if ci is None else (_number(ci[0], "throughput_ci"), _number(ci[1], "throughput_ci")))
 
 
-def _is_real(value: Any) -> bool:
-    """A finite int or float (bool is not one)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _number(value: Any, name: str) -> float:
     """`value` as a finite number >= 0."""
-    if not _is_real(value) or value < 0:
+    if not is_finite_number(value) or value < 0:
         raise ValueError(f"{name}={value!r} must be a finite number >= 0")
     return float(value)
 
 
 def _integer(value: Any, name: str, least: int = 1) -> int:
     """`value` as an integer >= `least` (a JSON float with an integral value is accepted)."""
-    if not _is_real(value) or value != int(value) or value < least:
+    if not is_finite_number(value) or value != int(value) or value < least:
         raise ValueError(f"{name}={value!r} must be an integer >= {least}")
     return int(value)
 
