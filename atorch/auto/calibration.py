@@ -168,7 +168,8 @@ def _cached_rates(path: str, value: Any, where: str, names: Sequence[str]) -> Op
     if value is None:
         return None
     if isinstance(value, dict) and all(
-            is_finite_number(value.get(n)) and (value[n] >= 0 if n.endswith("latency_s") else value[n] > 0) for n in names):
+            is_finite_number(value.get(n)) and (value[n] >= 0 if n.endswith("latency_s") else value[n] > 0)
+            for n in names):
         return value
     logger.warning("calibration cache %s: entry %s is unusable (expected positive numbers %s); measuring again",
                    path, where, ", ".join(names))

@@ -218,7 +218,8 @@ def _deepspeed_norm(engine: Any) -> Optional[torch.Tensor]:
     return norm.detach().float() if isinstance(norm, torch.Tensor) else torch.tensor(float(norm))
 
 
-def _deepspeed_step(result: AutoAccelerateResult, engine: Any, batch: Any, steps: int, max_grad_norm: Optional[float]) -> StepStats:
+def _deepspeed_step(result: AutoAccelerateResult, engine: Any, batch: Any, steps: int,
+                    max_grad_norm: Optional[float]) -> StepStats:
     fmt = result.model_input_format
     set_deepspeed_clipping(engine, max_grad_norm)
     losses: List[torch.Tensor] = []
@@ -255,7 +256,8 @@ def _custom_step(result: AutoAccelerateResult, custom_step: Callable, batch: Any
 
 # -- the native pipeline ----------------------------------------------------------------------
 
-def _pipeline_step(result: AutoAccelerateResult, pipeline: Any, batch: Any, steps: int, max_grad_norm: Optional[float]) -> StepStats:
+def _pipeline_step(result: AutoAccelerateResult, pipeline: Any, batch: Any, steps: int,
+                   max_grad_norm: Optional[float]) -> StepStats:
     """`k` schedule steps on micro-batches, their gradients summed and divided by `k`.
 
     The schedule divides the gradients present after it by its chunk count (torch's

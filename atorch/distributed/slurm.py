@@ -169,6 +169,7 @@ def launcher_cpu_note(env: Mapping[str, str], nproc_per_node: int, cpus: int) ->
     """
     if not env.get("SLURM_JOB_ID") or "RANK" in env or nproc_per_node <= cpus:
         return None
-    return (f"this process of Slurm job {env['SLURM_JOB_ID']} may use {cpus} CPU(s) but the launcher starts {nproc_per_node} workers, which will "
-            f"share them; give the task a CPU per worker (srun --cpus-per-task={nproc_per_node} ...) or, without "
-            f"the launcher, one task per worker (srun -n N python train.py)")
+    return (f"this process of Slurm job {env['SLURM_JOB_ID']} may use {cpus} CPU(s) but the launcher starts "
+            f"{nproc_per_node} workers, which will share them; give the task a CPU per worker "
+            f"(srun --cpus-per-task={nproc_per_node} ...) or, without the launcher, one task per worker "
+            "(srun -n N python train.py)")

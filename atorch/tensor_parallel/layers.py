@@ -393,7 +393,8 @@ class VocabParallelEmbedding(TensorParallelModule):
             # assert on CUDA (no host sync, as nn.Embedding's own), raised at once on CPU; every
             # rank of the group holds the same ids, so every rank raises before the all-reduce.
             torch._assert_async(((ids >= 0) & (ids < self.num_embeddings)).all(),
-                                f"VocabParallelEmbedding: a token id is outside the vocabulary [0, {self.num_embeddings})")
+                                "VocabParallelEmbedding: a token id is outside the vocabulary "
+                                f"[0, {self.num_embeddings})")
             outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
             local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
             out = F.embedding(local_ids, self.weight, self.local_padding_idx)

@@ -305,8 +305,8 @@ def resolve_tp_plan(model: nn.Module, tpinfo: TPInfo, tp_size: int, world_size: 
                              f"{_name_hint(modules)}")
         heads = _config_sizes(getattr(model, "config", None)).get("num_attention_heads")
         if heads is None or heads % tp_size != 0:
-            raise ValueError(f"TPInfo split_head_inputs {suffix!r}: the model config's num_attention_heads={heads} must "
-                             f"be known and divisible by tensor size {tp_size}")
+            raise ValueError(f"TPInfo split_head_inputs {suffix!r}: the model config's num_attention_heads={heads} "
+                             f"must be known and divisible by tensor size {tp_size}")
         head_inputs.update({name: (tuple(names), heads) for name in matched})
     vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
     return TPPlan(tp_size, actions, shrink, head_name, vocab_parallel_loss, vocab_size, gathered, head_inputs)
@@ -348,8 +348,8 @@ def _check_module_sizes(name: str, module: nn.Module, action: TPAction, tp_size:
         gate_up_proj = cast(torch.Tensor, module.gate_up_proj)
         intermediate = down_proj.shape[2]
         if intermediate % tp_size != 0 or gate_up_proj.shape[1] != 2 * intermediate:
-            raise ValueError(f"experts {name!r} ({type(module).__name__}): intermediate size {intermediate} (gate_up_proj "
-                             f"{tuple(gate_up_proj.shape)}) must be divisible by tensor size {tp_size}")
+            raise ValueError(f"experts {name!r} ({type(module).__name__}): intermediate size {intermediate} "
+                             f"(gate_up_proj {tuple(gate_up_proj.shape)}) must be divisible by tensor size {tp_size}")
         return
     if action.kind not in (COL, ROW):
         return  # embeddings and the LM head are padded to a multiple of the tensor size

@@ -325,7 +325,8 @@ def _full_over_data(tensor: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def load_tp_state_dict(model: nn.Module, full_state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-    """Load a full (unsharded, e.g. Hugging Face) state dict into a tensor-parallel model: each rank copies its slices."""
+    """Load a full (unsharded, e.g. Hugging Face) state dict into a tensor-parallel model: each rank
+    copies its slices."""
     model = unwrap_data_parallel(model)
     local: Dict[str, torch.Tensor] = dict(full_state)
     for mod_name, module in model.named_modules(remove_duplicate=False):

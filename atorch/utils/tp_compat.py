@@ -215,7 +215,8 @@ class ParallelEmbedding(TensorParallelModule):
 
 # -- randomizer ---------------------------------------------------------------------------------
 
-def init_randomizer(base_seed: int = 1234, coords: Optional[Mapping[str, int]] = None) -> _randomizer.MultiDimParallelRandomizer:
+def init_randomizer(base_seed: int = 1234, coords: Optional[Mapping[str, int]] = None
+                    ) -> _randomizer.MultiDimParallelRandomizer:
     """ATorch's `init_randomizer`: the process randomizer, seeded from `base_seed` and this rank's coordinates.
 
     `coords` (atorch's argument) overrides the coordinates read from the parallel groups.

@@ -19,5 +19,5 @@ from atorch.auto.opt_lib.base import (
 from atorch.auto.opt_lib.resolve import ResolvedOptimization, is_valid_strategy, resolve_strategy
 
 __all__ = ["NoConfig", "Optimization", "Order", "Registry", "ResolvedOptimization", "ValidationContext",
-           "canonical_name", "default_registry", "get_optimization", "is_valid_strategy", "register", "registered_names",
-           "resolve_strategy"]
+           "canonical_name", "default_registry", "get_optimization", "is_valid_strategy", "register",
+           "registered_names", "resolve_strategy"]

@@ -30,7 +30,8 @@ from atorch.auto.opt_lib._ds_config import (
 )
 from atorch.auto.opt_lib._precision import cast_float_inputs, dtype_name
 from atorch.distributed.mesh import ParallelMesh
-from atorch.auto.opt_lib.base import ConfigAlias, CostContext, Optimization, Order, ValidationContext, WrapperOrder, is_false, is_true, short_value, shown_fields
+from atorch.auto.opt_lib.base import (ConfigAlias, CostContext, Optimization, Order, ValidationContext, WrapperOrder,
+                                      is_false, is_true, short_value, shown_fields)
 from atorch.utils.module_utils import modules_of_classes, resolve_module_classes
 
 logger = logging.getLogger(__name__)

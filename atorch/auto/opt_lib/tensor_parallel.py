@@ -24,7 +24,8 @@ class TensorParallelConfig:
     ships with the model (`config.base_model_tp_plan`: llama, mistral, qwen2/3, gemma, phi3, gpt_neox, mixtral, ...)."""
 
     base_seed: int = 0
-    """Seeds the dropout streams and, for a meta model, the weights (equal to `torch.manual_seed(base_seed); Model()`)."""
+    """Seeds the dropout streams and, for a meta model, the weights (equal to
+    `torch.manual_seed(base_seed); Model()`)."""
 
     per_block_init: bool = False
     """Meta models only: build one block at a time (bounded memory) with per-block seeds instead of the whole model."""

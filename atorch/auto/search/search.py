@@ -20,9 +20,10 @@ predictor (the cost model); it never imports training code. Order of work:
    suspects of raising wherever they appear (`feasibility.FailureModel`: compile failing on the
    model fails every compile candidate), and P(fit) is multiplied by P(does not raise): to the
    GP a failed region looks unmeasured, and its expected improvement drew the search back there
-   (benchmarks/search.py, failing-3%: up to 11 of 20 dry runs raised). A predictor that learns (`LearningPredictorLike`: it has
-   `observe(strategy, step_time_s)`) is told every successful dry run and every candidate is
-   predicted again: the GP's feature and the memory model follow the refit.
+   (benchmarks/search.py, failing-3%: up to 11 of 20 dry runs raised). A predictor that
+   learns (`LearningPredictorLike`: it has `observe(strategy, step_time_s)`) is told every
+   successful dry run and every candidate is predicted again: the GP's feature and the memory
+   model follow the refit.
 4. The search phase stops at its share of `max_trials`, after `patience` trials without
    improvement (an out-of-memory run before any candidate ran is not counted: it teaches
    memory), when the next trial would overrun `time_limit_s`, or when nothing is left.

@@ -189,9 +189,10 @@ class TrialLog:
         """(leader, challenger) to re-measure, or None when the leader is separated from every
         other candidate (`first`: never None with two candidates: one dry run's interval, from
         its own steps, does not see load changing between runs, so the first round happens
-        unless the lead is beyond `CLEAR_LEAD`, which the search decides). The challenger is the candidate likeliest to be faster than the leader
-        (normal approximation of the difference of their log-throughputs); re-measuring both is
-        what most reduces the chance of declaring the slower one.
+        unless the lead is beyond `CLEAR_LEAD`, which the search decides). The challenger is the
+        candidate likeliest to be faster than the leader (normal approximation of the difference
+        of their log-throughputs); re-measuring both is what most reduces the chance of
+        declaring the slower one.
 
         `posterior` (the surrogate's mean and variance per candidate) replaces each one's own
         pooled measurement in that probability: the leader by measured mean is often the one

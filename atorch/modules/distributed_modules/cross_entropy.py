@@ -1,7 +1,8 @@
 """Moved to `atorch.tensor_parallel.cross_entropy`; this old import path is the same module object.
 
 The star import lets type checkers see the names; the alias in sys.modules makes
-`import atorch.modules.distributed_modules.cross_entropy` return the moved module itself (its module-level state included).
+`import atorch.modules.distributed_modules.cross_entropy` return the moved module itself (its
+module-level state included).
 """
 
 import sys

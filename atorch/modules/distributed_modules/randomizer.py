@@ -1,7 +1,8 @@
 """Old import path of `atorch.tensor_parallel.randomizer`, with ATorch's randomizer API.
 
 Every name of `atorch.tensor_parallel.randomizer` is the same object here (imported, or read
-through the module `__getattr__`), except the three functions ATorch scripts call at this path, which take ATorch's arguments (`atorch.utils.tp_compat`):
+through the module `__getattr__`), except the three functions ATorch scripts call at this path,
+which take ATorch's arguments (`atorch.utils.tp_compat`):
 `init_randomizer(base_seed=1234)`, `get_randomizer(*same_groups)` (none: the process
 randomizer, whose `fork()` is a stream different on every rank) and `get_MDPRInstance()`.
 """
