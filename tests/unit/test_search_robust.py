@@ -425,3 +425,62 @@ def test_the_leader_is_remeasured_against_an_untried_candidate_likelier_to_beat_
     assert list(result.trials["status"])[-1] == "exception" and list(result.trials["source"])[-1] == "challenger"
     assert result.best == leader and result.comparison.runner_up == runner_up
     assert result.comparison.runs == (2, 1)
+
+
+# -- what an evaluator reports, read leniently -----------------------------------------------------
+
+def _table_search(report, max_trials=8, memory_limit_bytes=None):
+    """A search on space16 whose evaluator answers `report(strategy, throughput)` from a fixed table."""
+    space = space16()
+    table = {s: 100.0 + 10 * i for i, s in enumerate(space.strategies())}
+    result = search_strategy(space, lambda s: report(s, table[s]), max_trials=max_trials,
+                             planner_factory=RecordingPlanner, memory_limit_bytes=memory_limit_bytes)
+    return result, table
+
+
+@pytest.mark.parametrize("kind", [np.float32, np.float64, np.int64])
+def test_a_numpy_throughput_is_a_throughput(kind):
+    result, table = _table_search(lambda s, tp: DryRunResult(kind(tp), 100))
+    assert (result.trials["status"] == "ok").all() and result.best is not None
+    assert result.best_throughput == pytest.approx(max(table[s] for s in result.evaluated), rel=1e-6)
+
+
+def test_a_bool_throughput_is_a_failed_trial_naming_its_type():
+    result, _ = _table_search(lambda s, tp: DryRunResult(True, 100))
+    assert result.best is None and (result.trials["status"] == "exception").all()
+    assert "throughput True (bool" in result.trials["reason"].iloc[0]
+
+
+def test_step_times_as_a_numpy_array_are_read_and_junk_ones_are_dropped(caplog):
+    ok, _ = _table_search(lambda s, tp: DryRunResult(tp, 100, step_times_s=np.array(steps_for(tp, 0.02))))
+    assert (ok.trials["status"] == "ok").all() and ok.trials["throughput_lo"].notna().all()
+    with caplog.at_level("WARNING", logger="atorch.auto.search.trials"):
+        junk, _ = _table_search(lambda s, tp: DryRunResult(tp, 100, step_times_s=[1.0, "x"]))
+    assert (junk.trials["status"] == "ok").all() and junk.best is not None
+    assert sum("step_times_s" in r.getMessage() for r in caplog.records) == 1     # once per search
+
+
+@pytest.mark.parametrize("ci", [(120.0, 80.0), (1.0, 2.0, 3.0), (1e6, 2e6), (float("nan"), 1e9), "wide"])
+def test_an_interval_that_does_not_hold_its_throughput_is_dropped_and_the_report_still_plots(ci, tmp_path):
+    from atorch.auto.search.report import write_report
+
+    result, _ = _table_search(lambda s, tp: DryRunResult(tp, 100, throughput_ci=ci))
+    assert (result.trials["status"] == "ok").all() and result.best is not None
+    assert result.trials["throughput_lo"].isna().all() and result.trials["throughput_hi"].isna().all()
+    write_report(result, str(tmp_path))
+    assert (tmp_path / "best_strategy.json").exists()
+
+
+@pytest.mark.parametrize("error", ["OOM", "CUDA out of memory. Tried to allocate 2 GiB", "RuntimeError: out of memory",
+                                   "oom: simulated"])
+def test_an_out_of_memory_error_is_recognised_however_it_is_worded(error):
+    assert DryRunResult(0.0, None, error).status == "oom"
+    assert DryRunResult(0.0, None, "Timeout: 600 s").status == "timeout"
+    assert DryRunResult(0.0, None, "segfault").status == "failed"
+
+
+def test_a_run_over_the_memory_limit_is_kept_with_one_warning(caplog):
+    with caplog.at_level("WARNING", logger="atorch.auto.search.trials"):
+        result, _ = _table_search(lambda s, tp: DryRunResult(tp, 5000), memory_limit_bytes=1000)
+    assert (result.trials["status"] == "ok").all() and result.best is not None
+    assert sum("over the memory limit" in r.getMessage() for r in caplog.records) == 1

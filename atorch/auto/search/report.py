@@ -132,7 +132,9 @@ def plot_trials(result: "SearchResult", path: str) -> str:
             if "throughput_lo" in trials and trials["throughput_lo"].notna().any():
                 lo = [float(v) for v in trials["throughput_lo"]]
                 hi = [float(v) for v in trials["throughput_hi"]]
-                keep = [i for i in range(len(x)) if lo[i] == lo[i] and hi[i] == hi[i]]
+                # Only intervals around their point (NaN compares False): a table from elsewhere
+                # (a cache, a user's evaluator) must not break the plot.
+                keep = [i for i in range(len(x)) if lo[i] <= y[i] <= hi[i]]
                 ax.errorbar([x[i] for i in keep], [y[i] for i in keep],
                             yerr=[[y[i] - lo[i] for i in keep], [hi[i] - y[i] for i in keep]],
                             fmt="none", ecolor="tab:blue", alpha=0.6, capsize=2, label="95% CI", zorder=2)

@@ -36,10 +36,20 @@ class DryRunResult:
 
     @property
     def status(self) -> str:
+        """"ok", "oom", "timeout", "exception" or "failed": the error's head ("oom: ..."), in any
+        case, or an out-of-memory message however an evaluator words it ("CUDA out of memory")."""
         if self.error is None:
             return "ok"
-        head = self.error.split(":", 1)[0].strip()
-        return head if head in ("oom", "timeout", "exception") else "failed"
+        text = str(self.error)
+        head = text.split(":", 1)[0].strip().lower()
+        if head in ("oom", "timeout", "exception"):
+            return head
+        lowered = text.lower()
+        if "out of memory" in lowered or "outofmemory" in lowered:
+            return "oom"
+        if head in ("timed out", "time out"):
+            return "timeout"
+        return "failed"
 
 
 Predictor = Callable[[Strategy], Any]          # -> an object with peak_memory_bytes and step_time_s

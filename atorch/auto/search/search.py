@@ -147,7 +147,7 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
 
     def run(index: int, planner_s: float, source: str) -> bool:
         nonlocal predictions, prior
-        result, seconds = evaluate(evaluator, candidates[index].strategy, clock)
+        result, seconds = evaluate(evaluator, candidates[index].strategy, clock, memory_limit_bytes, warned)
         improved = trials.add(index, result, seconds, planner_s, source)
         feasibility.observe(index, result.status, usable_peak(result.peak_memory_bytes))
         failures.observe(index, result.status)

@@ -4,8 +4,10 @@ then a memory tie-break inside the noise), and the final `SearchResult`."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import numbers
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
@@ -47,20 +49,95 @@ TIE_MAX_EXPECTED_LOSS = 0.01
 NO_NOISE_VAR = 1e-12
 
 
-def evaluate(evaluator: Evaluator, strategy: Strategy, clock: Callable[[], float]) -> tuple:
+def evaluate(evaluator: Evaluator, strategy: Strategy, clock: Callable[[], float],
+             memory_limit_bytes: Optional[int] = None, warned: Optional[Set[str]] = None
+             ) -> Tuple[DryRunResult, float]:
+    """One dry run through the user's evaluator: (its result, checked, and the seconds it took).
+
+    An evaluator that raises, or returns something that is not a `DryRunResult` or no usable
+    throughput, is one failed trial; what it reports beside the throughput is read leniently
+    (`checked_result`), so a malformed interval or step list costs its information, not the search.
+    """
     start = clock()
     try:
         result = evaluator(strategy)
         if not isinstance(result, DryRunResult):
             raise TypeError(f"the evaluator returned {type(result).__name__}, expected DryRunResult")
-        if result.ok and not (isinstance(result.throughput, (int, float)) and math.isfinite(result.throughput)
-                              and result.throughput > 0):
-            result = DryRunResult(0.0, result.peak_memory_bytes,
-                                  f"exception: evaluator reported throughput {result.throughput!r}")
+        result = checked_result(result, memory_limit_bytes, strategy, warned if warned is not None else set())
     except Exception as e:  # noqa: BLE001 - an evaluator that raises is one failed trial
         logger.warning("evaluating %s raised %s: %s", strategy.describe(), type(e).__name__, e)
         result = DryRunResult(0.0, None, f"exception: {type(e).__name__}: {e}")
     return result, clock() - start
+
+
+def _real(value: Any) -> Optional[float]:
+    """`value` as a finite float when it is a real number (numpy's included; a bool is not one), else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def checked_result(result: DryRunResult, memory_limit_bytes: Optional[int], strategy: Strategy,
+                   warned: Set[str]) -> DryRunResult:
+    """`result` with every field the search reads in the type it expects.
+
+    - A successful run needs a finite positive throughput (a numpy scalar is one), else it is a
+      failed trial naming what was reported.
+    - Step times that are not a sequence of numbers, and an interval that is not (lo, hi) with
+      0 < lo <= throughput <= hi, are dropped with a warning (once per kind and search): the run
+      then counts as one without noise information rather than crashing the search or the report.
+    - A successful run whose measured peak is above `memory_limit_bytes` is kept (it ran) with a
+      warning, once per search.
+    """
+    if result.error is not None:
+        error = result.error if isinstance(result.error, str) else \
+            f"exception: evaluator reported error {result.error!r}"
+        return dataclasses.replace(result, throughput=0.0, error=error)
+    throughput = _real(result.throughput)
+    if throughput is None or throughput <= 0:
+        return DryRunResult(0.0, result.peak_memory_bytes,
+                            f"exception: evaluator reported throughput {result.throughput!r} "
+                            f"({type(result.throughput).__name__}; expected a finite number > 0)")
+
+    def drop(kind: str, what: str) -> None:
+        if kind not in warned:
+            warned.add(kind)
+            logger.warning("the evaluator's %s for %s is unusable (%s); ignored: the run counts as one without %s",
+                           kind, strategy.describe(), what,
+                           "noise information" if kind != "step_time_s" else "a step time")
+
+    steps: Tuple[float, ...] = ()
+    if result.step_times_s is not None and not isinstance(result.step_times_s, (str, bytes)):
+        try:
+            steps = tuple(float(s) for s in result.step_times_s)
+        except (TypeError, ValueError) as e:
+            drop("step_times_s", f"{type(e).__name__}: {e}")
+    elif result.step_times_s is not None:
+        drop("step_times_s", f"a {type(result.step_times_s).__name__}, expected a sequence of seconds")
+    ci = result.throughput_ci
+    if ci is not None:
+        bounds = tuple(ci) if isinstance(ci, (tuple, list)) else ()
+        lo, hi = (_real(bounds[0]), _real(bounds[1])) if len(bounds) == 2 else (None, None)
+        if lo is None or hi is None or not 0 < lo <= throughput <= hi:
+            drop("throughput_ci", f"{ci!r} is not (lo, hi) with 0 < lo <= throughput {throughput:.4g} <= hi")
+            ci = None
+        else:
+            ci = (lo, hi)
+    step_time = _real(result.step_time_s) if result.step_time_s is not None else None
+    if result.step_time_s is not None and (step_time is None or step_time <= 0):
+        drop("step_time_s", f"{result.step_time_s!r}")
+        step_time = None
+    peak = usable_peak(result.peak_memory_bytes)
+    if memory_limit_bytes is not None and peak is not None and peak > memory_limit_bytes and "over_limit" not in warned:
+        # It ran, so it fits the device; the limit (the device's memory less a margin, or the user's)
+        # was below it. Kept as measured: a peak a few % over is within the tracker's noise.
+        warned.add("over_limit")
+        logger.warning("%s ran with a measured peak of %.3g GB, over the memory limit of %.3g GB: kept (it ran), "
+                       "but it leaves less headroom than the limit asks", strategy.describe(), peak / 1e9,
+                       memory_limit_bytes / 1e9)
+    return dataclasses.replace(result, throughput=throughput, step_times_s=steps, throughput_ci=ci,
+                               step_time_s=step_time)
 
 
 def run_estimate(result: DryRunResult) -> Tuple[float, Optional[float], float]:
