@@ -484,3 +484,21 @@ def test_a_run_over_the_memory_limit_is_kept_with_one_warning(caplog):
         result, _ = _table_search(lambda s, tp: DryRunResult(tp, 5000), memory_limit_bytes=1000)
     assert (result.trials["status"] == "ok").all() and result.best is not None
     assert sum("over the memory limit" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_leader_that_fails_its_remeasurement_is_named_in_the_reason():
+    strategies = space16().strategies()
+    table = {s: 50.0 + i for i, s in enumerate(strategies)}
+    calls = []
+
+    def evaluator(s):
+        calls.append(s)
+        if calls.count(s) == 2 and table[s] == max(table[c] for c in calls):
+            return DryRunResult(0.0, None, "oom: flaky")
+        return DryRunResult(table[s], 1000, step_times_s=steps_for(table[s], 0.01, seed=len(calls)))
+
+    result = search_strategy(space16(), evaluator, max_trials=10, patience=99, random_samples=0,
+                             planner_factory=RecordingPlanner)
+    flaky = max(calls, key=table.get)
+    assert calls.count(flaky) == 2 and result.best != flaky
+    assert f"{flaky.describe()} measured {table[flaky]:.4g} samples/s but failed when run again (oom)" in result.reason

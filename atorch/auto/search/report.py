@@ -77,12 +77,29 @@ def explain(result: "SearchResult") -> str:
     failed = trials[trials["status"] != "ok"] if not trials.empty else trials
     if result.best is not None and not failed.empty:
         parts.append(f"{len(failed)} trial(s) failed ({_counts(failed['status'].value_counts().to_dict())})")
+        dropped = _failed_after_running(trials)
+        if dropped:
+            parts.append(dropped)
     runs = len(trials)
     distinct = int(trials["strategy"].nunique()) if runs else 0
     parts.append(f"{distinct}/{result.num_candidates} candidates run"
                  + (f" ({runs} dry runs with re-measurements)" if runs != distinct else "")
                  + (f", stopped: {result.stop_reason}" if result.stop_reason else ""))
     return "; ".join(parts)
+
+
+def _failed_after_running(trials: "pd.DataFrame") -> str:
+    """The fastest candidate that ran and then failed a re-measurement, which makes it ineligible
+    ("" when none did): otherwise the fastest row of the table vanishes from the verdict unexplained."""
+    ok = trials[trials["status"] == "ok"]
+    failed = trials[trials["status"] != "ok"]
+    both = ok[ok["strategy"].isin(set(failed["strategy"]))]
+    if both.empty:
+        return ""
+    best = both.sort_values("throughput", ascending=False).iloc[0]
+    status = failed[failed["strategy"] == best["strategy"]].iloc[0]["status"]
+    return (f"{best['strategy']} measured {float(best['throughput']):.4g} samples/s but failed when run again "
+            f"({status}), so it is not eligible")
 
 
 def _common_errors(reasons: "pd.Series", shown: int = 2, width: int = 300) -> str:
