@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from atorch import distributed as adist
-from atorch.auto.arguments import validate_arguments, validate_batch_layout
+from atorch.auto.arguments import validate_arguments, validate_resolved_layout
 from atorch.auto.compat import CompatArgs, drop_atorch_only_names, finetune_strategy_items, translate_atorch_kwargs
 from atorch.auto.engine import apply_resolved, apply_strategy, build_dataloader, validation_context
 from atorch.auto.model_context import ModelContext
@@ -181,7 +181,5 @@ def _validate_layout(ctx: ModelContext, strategy: Strategy, note_idle: bool = Fa
             why = type(r.optimization).changes_nothing(r.config, vctx)
             if why is not None:
                 logger.warning("%s changes nothing here, applied as asked: %s", r.name, why)
-    pipeline = vctx.configs.get("pipeline_parallel")
-    validate_batch_layout(ctx.dataloader_args, vctx.parallel_sizes(),
-                          (pipeline.chunks or vctx.parallel_sizes().get("pipeline")) if pipeline else None)
+    validate_resolved_layout(ctx.dataloader_args, vctx)
     return resolved

@@ -20,10 +20,13 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Optional
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from atorch.auto.opt_lib.base import ValidationContext
 
 # Keys of `dataloader_args` that `build_dataloader` handles itself (the rest go to DataLoader).
 _OWN_DATALOADER_KEYS = ("batch_size", "shuffle", "seed", "drop_last")
@@ -83,6 +86,18 @@ def validate_arguments(
             raise TypeError(f"{name}={value!r} must be a list of optimization names, e.g. ['fsdp', 'amp_native']")
 
 
+class BatchLayoutError(ValueError):
+    """The global batch does not split over a strategy's data ranks or pipeline chunks."""
+
+
+def validate_resolved_layout(dataloader_args: Optional[Mapping], context: "ValidationContext") -> None:
+    """`validate_batch_layout` for a strategy just resolved against `context` (its parallel sizes,
+    and the chunks of its pipeline: its own setting, else one per stage)."""
+    sizes = context.parallel_sizes()
+    pipeline = context.configs.get("pipeline_parallel")
+    validate_batch_layout(dataloader_args, sizes, (pipeline.chunks or sizes.get("pipeline")) if pipeline else None)
+
+
 def validate_batch_layout(dataloader_args: Optional[Mapping], parallel_sizes: Mapping[str, int],
                           pipeline_chunks: Optional[int] = None) -> None:
     """The global batch size splits evenly over the data-parallel ranks (and into pipeline chunks)."""
@@ -91,12 +106,14 @@ def validate_batch_layout(dataloader_args: Optional[Mapping], parallel_sizes: Ma
         return
     dp = int(parallel_sizes.get("data", 1))
     if global_batch % dp != 0:
-        raise ValueError(f"dataloader_args['batch_size']={global_batch} (the global batch size) is not divisible by "
-                         f"the data-parallel size {dp} (parallel dims {dict(parallel_sizes)}); use a multiple of {dp}")
+        raise BatchLayoutError(f"dataloader_args['batch_size']={global_batch} (the global batch size) is not "
+                               f"divisible by the data-parallel size {dp} (parallel dims {dict(parallel_sizes)}); "
+                               f"use a multiple of {dp}")
     if pipeline_chunks is not None and (global_batch // dp) % pipeline_chunks != 0:
-        raise ValueError(f"pipeline_parallel chunks={pipeline_chunks} does not divide the {global_batch // dp} rows "
-                         f"per data-parallel rank (dataloader_args['batch_size']={global_batch} over data size {dp}); "
-                         f"use a global batch size that is a multiple of {pipeline_chunks * dp}")
+        raise BatchLayoutError(f"pipeline_parallel chunks={pipeline_chunks} does not divide the "
+                               f"{global_batch // dp} rows per data-parallel rank (dataloader_args['batch_size']="
+                               f"{global_batch} over data size {dp}); use a global batch size that is a multiple of "
+                               f"{pipeline_chunks * dp}")
 
 
 def check_loss(loss: Any, func: Optional[Callable]) -> torch.Tensor:

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from atorch.auto.cost_model import ModelShape, estimate
+from atorch.auto.cost_model import calibrated_shape, estimate
 from atorch.auto.devices import device_spec
 from atorch.auto.search.cluster_plan import load_model_config, meta_model, plan_cluster
 from atorch.cli import main
@@ -23,8 +23,10 @@ def test_plan_7b_on_64_h100_is_the_cost_model_ranked():
     # The figures are the cost model's own for that strategy, cluster and device profile.
     from atorch.auto.search.space import SearchSpace
 
-    shape = ModelShape.from_module(meta_model(config))
-    by_label = {c.label(): c.strategy for c in SearchSpace.default_for(meta_model(config), 64, "cuda").candidates()}
+    model = meta_model(config)
+    shape = calibrated_shape(model, 4096)
+    by_label = {c.label(): c.strategy for c in SearchSpace.default_for(model, 64, "cuda",
+                                                                        global_batch_size=512).candidates()}
     top = result.table.iloc[0]
     est = estimate(shape, by_label[top["strategy"]], 512, 4096, 64, "cuda",
                    profile=device_spec("h100").profile(multi_node=True))
@@ -34,6 +36,34 @@ def test_plan_7b_on_64_h100_is_the_cost_model_ranked():
     assert "parallel_mode(data=64)+ddp" in set(result.too_big["strategy"])
     text = result.format(5)
     assert "64 x NVIDIA H100" in text and "do not fit" in text
+
+
+def test_plan_refuses_layouts_the_global_batch_does_not_split_over(capsys):
+    # auto_accelerate refuses a global batch of 4 over data=8 (validate_batch_layout): the plan ranks none of them,
+    # and lists them as refused with the reason.
+    config = load_model_config("llama2-7b")
+    result = plan_cluster(config, 8, "h100", global_batch=4, seq_len=512)
+    ranked = list(result.table["strategy"]) + list(result.too_big["strategy"])
+    assert ranked and not [s for s in ranked if "data=8" in s]
+    assert not result.refused.empty and all("data=8" in s for s in result.refused["strategy"])
+    assert "parallel_mode(data=8)" in set(result.refused["strategy"])
+    assert (result.refused["reason"].str.contains("batch_size']=4 .* not divisible by the data-parallel size 8")).all()
+    text = result.format(3)
+    assert "refused: the global batch does not split" in text and "data-parallel size 8" in text
+    # 7 rows on 8 ranks: data must divide 7, and only data=1 does (tensor x pipeline x data = 8).
+    result = plan_cluster(config, 8, "h100", global_batch=7, seq_len=512)
+    ranked = list(result.table["strategy"]) + list(result.too_big["strategy"])
+    assert ranked and all(s.startswith("parallel_mode(tensor=8,data=1)") for s in ranked)
+    assert {s.split("+")[0] for s in result.refused["strategy"]} == {
+        "parallel_mode(data=8)", "parallel_mode(tensor=2,data=4)", "parallel_mode(tensor=4,data=2)"}
+    # Pipelines are offered only where the rows per data rank split into their chunks.
+    result = plan_cluster(config, 8, "h100", global_batch=16, seq_len=512)
+    assert any("pipeline=" in s for s in result.table["strategy"]) and result.refused.empty
+    # Every candidate refused (gpt2-xl's 25 heads allow no tensor split, 7 rows no pipeline): one line, exit 2.
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--model", "gpt2-xl", "--nproc", "8", "--global-batch", "7", "--seq", "512"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "auto_accelerate would refuse every one" in err and "size 8" in err
 
 
 def test_plan_command_and_bad_input(capsys, tmp_path):

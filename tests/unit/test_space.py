@@ -190,6 +190,18 @@ def test_pipeline_choices_respect_the_batch(model):
     assert len(PipelineParallelOptimization.search_choices(ctx)) == 1
 
 
+def test_the_space_holds_only_layouts_the_global_batch_splits_over(model):
+    """auto_accelerate refuses a global batch that does not split over the data ranks; the search
+    must not offer such a layout (it would win a dry run and then be refused)."""
+    space = SearchSpace.default_for(model, world_size=4, device_type="cpu", global_batch_size=6)
+    layouts = {c.strategy.describe().split("+")[0] for c in space.candidates()}
+    assert layouts and not [s for s in layouts if "data=4" in s]
+    assert space.batch_refused and all("data=4" in s for s in space.batch_refused)
+    assert all("not divisible by the data-parallel size 4" in why for why in space.batch_refused.values())
+    assert set(space.batch_refused) <= set(space.rejected)
+    assert not SearchSpace.default_for(model, world_size=4, device_type="cpu", global_batch_size=8).batch_refused
+
+
 # -- registry parameter ------------------------------------------------------------------------
 
 @dataclass(frozen=True)

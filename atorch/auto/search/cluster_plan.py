@@ -2,9 +2,12 @@
 
 "What should I use for this model on these devices?" answered before renting them: the
 model is built on the meta device (no weights, no GPU), the automatic search space is
-enumerated for the cluster's world size, and every candidate gets the cost model's memory per
-device and step time. Nothing runs; the figures are predictions (see `atorch.auto.cost_model` for what
-they include), ranked by predicted throughput among the candidates that fit.
+enumerated for the cluster's world size and global batch (as `auto_accelerate`'s search does),
+candidates whose layout the global batch does not split over are refused with
+`validate_batch_layout` (`auto_accelerate` would refuse them), and every other candidate gets
+the cost model's memory per device and step time. Nothing runs; the figures are predictions (see
+`atorch.auto.cost_model` for what they include), ranked by predicted throughput among the
+candidates that fit.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import pandas as pd
 import torch
 
 from atorch.auto.devices import DeviceSpec, device_spec
+from atorch.auto.search.space import SearchSpace
 
 # Configs of well-known models, for planning without a config file (numbers from their papers
 # and model cards; no weights are involved).
@@ -65,9 +69,13 @@ def meta_model(config: Any) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(config)
 
 
+_REFUSED_COLUMNS = ["strategy", "reason"]
+
+
 @dataclass
 class ClusterPlan:
-    """The ranked candidates (`table`), what does not fit (`too_big`), and the inputs."""
+    """The ranked candidates (`table`), what does not fit (`too_big`), what `auto_accelerate` would
+    refuse because the global batch does not split over its layout (`refused`), and the inputs."""
 
     table: pd.DataFrame
     too_big: pd.DataFrame
@@ -75,6 +83,7 @@ class ClusterPlan:
     world_size: int
     num_params: int
     rejected: List[str] = field(default_factory=list)
+    refused: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=_REFUSED_COLUMNS))
 
     def format(self, top: int = 15) -> str:
         lines = [f"{self.num_params / 1e9:.2f}B parameters on {self.world_size} x {self.device.name} "
@@ -92,6 +101,12 @@ class ClusterPlan:
             lines += ["", f"{len(self.too_big)} candidate(s) do not fit, e.g.:"]
             for row in self.too_big.head(5).itertuples():
                 lines.append(f"  {row.strategy}: {row.reason}")
+        if not self.refused.empty:
+            lines += ["", f"{len(self.refused)} candidate(s) refused: the global batch does not split over their "
+                          "layout (auto_accelerate would refuse them):"]
+            for reason, group in self.refused.groupby("reason", sort=False):
+                more = f" (and {len(group) - 1} more like it)" if len(group) > 1 else ""
+                lines.append(f"  {group['strategy'].iloc[0]}{more}: {reason}")
         return "\n".join(lines)
 
 
@@ -99,7 +114,6 @@ def plan_cluster(model_config: Any, world_size: int, device: str, global_batch: 
                  nnodes: int = 1, device_memory_bytes: Optional[int] = None) -> ClusterPlan:
     """Rank the automatic space's candidates for `model_config` on `world_size` devices of kind `device`."""
     from atorch.auto.cost_model import calibrated_shape, estimate
-    from atorch.auto.search.space import SearchSpace
 
     if world_size < 1 or global_batch < 1 or seq_len < 1 or nnodes < 1:
         raise ValueError(f"world_size={world_size}, global_batch={global_batch}, seq_len={seq_len} and "
@@ -109,10 +123,13 @@ def plan_cluster(model_config: Any, world_size: int, device: str, global_batch: 
     model = meta_model(model_config)
     shape = calibrated_shape(model, seq_len)
     device_type = "cpu" if device == "cpu" else "cuda"
-    space = SearchSpace.default_for(model, world_size, device_type)
+    space = SearchSpace.default_for(model, world_size, device_type, global_batch_size=global_batch)
     profile = spec.profile(multi_node=nnodes > 1)
     rows, too_big = [], []
-    for candidate in space.candidates():
+    candidates = space.candidates()
+    # Enumeration refuses the layouts the global batch does not split over (as auto_accelerate would).
+    refused = [{"strategy": s, "reason": why} for s, why in space.batch_refused.items()]
+    for candidate in candidates:
         est = estimate(shape, candidate.strategy, global_batch, seq_len, world_size, device_type, profile=profile)
         row = {"strategy": candidate.label(), "memory_gb": est.peak_memory_bytes / 1e9,
                "step_time_s": est.step_time_s, "samples_per_s": est.throughput(global_batch)}
@@ -126,4 +143,10 @@ def plan_cluster(model_config: Any, world_size: int, device: str, global_batch: 
     table.insert(0, "rank", range(1, len(table) + 1))
     big = pd.DataFrame(too_big, columns=["strategy", "memory_gb", "step_time_s", "samples_per_s", "reason"])
     big = big.sort_values("memory_gb").reset_index(drop=True)
-    return ClusterPlan(table, big, spec, world_size, shape.num_params, sorted(space.rejected)[:20])
+    if refused and not rows and not too_big:
+        reasons = list(dict.fromkeys(r["reason"] for r in refused))
+        raise ValueError(f"the global batch {global_batch} splits over the layout of none of the {len(refused)} "
+                         f"candidate strategies for {world_size} device(s), so auto_accelerate would refuse every one: "
+                         + "; ".join(reasons[:3]) + ("; ..." if len(reasons) > 3 else ""))
+    return ClusterPlan(table, big, spec, world_size, shape.num_params, sorted(space.rejected)[:20],
+                       pd.DataFrame(refused, columns=_REFUSED_COLUMNS))

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from atorch.auto.arguments import BatchLayoutError, validate_resolved_layout
 from atorch.auto.opt_lib.base import UNDECLARED, Registry, ValidationContext, default_registry, get_optimization
 from atorch.auto.opt_lib.resolve import ResolvedOptimization, resolve_strategy
 from atorch.auto.strategy import Strategy, StrategyItem
@@ -111,6 +112,8 @@ class SearchSpace:
         self.merge_idle = merge_idle
         self._candidates: Optional[List[Candidate]] = None
         self.rejected: Dict[str, str] = {}     # strategy description -> why resolve_strategy refused it
+        # ... of which those the global batch does not split over (`global_batch_size`)
+        self.batch_refused: Dict[str, str] = {}
 
     def __repr__(self) -> str:
         sizes = {name: len(c) for name, c in self.dimensions.items()}
@@ -149,8 +152,14 @@ class SearchSpace:
             context = self.validation_context()
             try:
                 resolved = resolve_strategy(raw, context, self.registry, validate)
+                if self.global_batch_size is not None:
+                    # What auto_accelerate checks last (`_validate_layout`): the global batch splits
+                    # over the data ranks and into the pipeline's chunks.
+                    validate_resolved_layout({"batch_size": self.global_batch_size}, context)
             except ValueError as e:
                 self.rejected[raw.describe()] = str(e)
+                if isinstance(e, BatchLayoutError):
+                    self.batch_refused[raw.describe()] = str(e)
                 continue
             idle = self._changes_nothing(resolved, context, chosen, offers_none, validate) if self.merge_idle else None
             if idle is not None:
