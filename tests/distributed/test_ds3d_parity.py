@@ -185,3 +185,42 @@ def test_ds3d_zero1_sizes_its_bucket_from_the_stage_and_matches_single_process()
         assert r["stage"] == 1, r
         assert r["bucket"] == r["trainable"], r
         assert_close_losses(r["losses"], _reference("llama", 2), rel=REL, what="ds3d zero1 data 2")
+
+
+def _train_without_ds_config(global_batch):
+    """No ds_config: the dataloader's global batch is DeepSpeed's, one micro-batch per stage; a ds_config
+    whose batch keys contradict it raises ValueError on every rank before any collective."""
+    from atorch.auto import auto_accelerate, train_step
+
+    dims = [("pipeline", dist.get_world_size())]
+    error = ""
+    try:
+        auto_accelerate(_meta_model("llama"), optim_func=torch.optim.AdamW, optim_args={"lr": LR},
+                        dataset=TokenDataset(), dataloader_args={"batch_size": global_batch},
+                        load_strategy=_strategy(dims, ds_config={"train_batch_size": 2 * global_batch}))
+    except ValueError as e:
+        error = str(e)
+    status, result, _ = auto_accelerate(
+        _meta_model("llama"), optim_func=torch.optim.AdamW, optim_args={"lr": LR}, dataset=TokenDataset(),
+        dataloader_args={"batch_size": global_batch}, load_strategy=_strategy(dims, ds_config=None))
+    assert status
+    data_iter = iter(result.dataloader)
+    gas = result.gradient_accumulation_steps
+    losses = [train_step(result, [next(data_iter) for _ in range(gas)]).item() for _ in range(3)]
+    out = {"error": error, "losses": losses, "gas": gas, "micro": result.micro_batch_size,
+           "global_batch": result.args["global_batch_size"]}
+    del result, data_iter
+    dist.barrier()
+    return out
+
+
+@pytest.mark.heavy
+def test_ds3d_without_ds_config_takes_the_dataloader_batch():
+    """The repro of a default ds_config overriding dataloader_args batch_size=4 with train_batch_size=1."""
+    batch = 4
+    for r in run_distributed(_train_without_ds_config, 2, batch, timeout=300):
+        assert "dataloader_args batch_size=4 (global) differs from ds_config train_batch_size=8" in r["error"], r
+        assert (r["global_batch"], r["gas"], r["micro"]) == (batch, 2, 2), r
+        reference = reference_losses(tiny_llama(seed=SEED, num_hidden_layers=LAYERS),
+                                     global_batches(TokenDataset(), batch, 3), lr=LR)
+        assert_close_losses(r["losses"], reference, rel=REL, what="ds3d pipeline 2 without ds_config")

@@ -7,6 +7,7 @@ import torch
 from transformers import GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaForCausalLM
 
 from atorch.auto.opt_lib import ValidationContext, get_optimization, resolve_strategy
+from atorch.auto.opt_lib.base import CostContext
 from atorch.auto.opt_lib.ds_3d_parallel_optimization import (
     DeepSpeed3DParallelConfig,
     get_custom_patcher,
@@ -14,8 +15,10 @@ from atorch.auto.opt_lib.ds_3d_parallel_optimization import (
     get_llama_custom_patcher,
     get_llama_tpinfo,
     get_tpinfo,
+    default_accumulation_steps,
     resolve_ds_config,
 )
+from atorch.auto.opt_lib.resolve import plan
 from atorch.auto.strategy import Strategy
 from atorch.testing import tiny_gpt2_config, tiny_llama_config
 from atorch.utils.manual_tp_utils import TPInfo
@@ -28,17 +31,17 @@ def _meta(kind="llama", layers=4, **overrides):
         return GPT2LMHeadModel(tiny_gpt2_config(n_layer=layers, **overrides))
 
 
-def _resolve(dims, config=None, world=8, model=None, name="deepspeed_3d_parallel", extra=()):
+def _resolve(dims, config=None, world=8, model=None, name="deepspeed_3d_parallel", extra=(), global_batch=None):
     strategy = Strategy([("parallel_mode", (dims, None) if dims is not None else None), (name, config), *extra])
     return resolve_strategy(strategy, ValidationContext(world_size=world, model=model if model is not None else
-                                                        _meta()))
+                                                        _meta(), global_batch_size=global_batch))
 
 
 T2D2P2 = [("tensor", 2), ("data", 2), ("pipeline", 2)]
 
 
 def test_resolve_ds_config_completes_batch_sizes_like_deepspeed():
-    assert resolve_ds_config(None, 2, 2)["train_batch_size"] == 2  # micro 1, gas 1
+    assert resolve_ds_config(None, 2, 2)["train_batch_size"] == 2  # no batch anywhere: one row per data rank
     cfg = resolve_ds_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, 4, 2)
     assert (cfg["train_batch_size"], cfg["gradient_clipping"]) == (24, 0.0)
     cfg = resolve_ds_config({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}, 2, 2)
@@ -153,3 +156,72 @@ def test_deepspeed_topology_is_atorch_layout():
     permuted = ParallelLayout.create([("tensor", 2), ("data", 2), ("pipeline", 2)], 8, [1, 0, 2, 3, 4, 5, 6, 7])
     with pytest.raises(ValueError, match="rank 0: DeepSpeed topology coordinates"):
         check_topology_matches_atorch(build_topology(2, 2, 2), permuted)
+
+
+def _batch(cfg):
+    return cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
+
+
+@pytest.mark.parametrize("data, pipeline, global_batch, expected", [
+    (1, 2, 4, (4, 2, 2)),    # the repro: pipeline 2, dataloader batch 4, no ds_config
+    (2, 2, 8, (8, 2, 2)),    # one micro-batch per stage on each data rank
+    (1, 4, 6, (6, 2, 3)),    # 6 rows do not split into 4: the largest divisor below 4
+    (1, 2, 5, (5, 5, 1)),
+    (1, 4, 2, (2, 1, 2)),    # fewer rows than stages
+    (4, 1, 8, (8, 2, 1)),    # no pipeline: no accumulation
+])
+def test_without_batch_keys_the_dataloader_batch_is_deepspeeds(data, pipeline, global_batch, expected):
+    for raw in (None, {}, {"train_batch_size": "auto", "gradient_accumulation_steps": "auto", "bf16": {}}):
+        assert _batch(resolve_ds_config(raw, data, pipeline, global_batch)) == expected
+    assert default_accumulation_steps(global_batch // data, pipeline) == expected[2]
+
+
+@pytest.mark.parametrize("raw, data, global_batch, expected", [
+    ({"train_batch_size": 8}, 2, 8, (8, 4, 1)),                              # agrees: DeepSpeed's rule
+    ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}, 2, 8, (8, 2, 2)),
+    ({"train_micro_batch_size_per_gpu": 1}, 2, 8, (8, 1, 4)),                # the dataloader completes it
+    ({"gradient_accumulation_steps": 4}, 2, 8, (8, 1, 4)),
+])
+def test_user_batch_keys_are_completed_by_the_dataloader_batch(raw, data, global_batch, expected):
+    assert _batch(resolve_ds_config(raw, data, 2, global_batch)) == expected
+
+
+@pytest.mark.parametrize("raw, data, global_batch, match", [
+    ({"train_batch_size": 8}, 1, 4, r"dataloader_args batch_size=4 \(global\) differs from ds_config "
+                                    r"train_batch_size=8"),
+    ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}, 2, 4,
+     r"batch_size=4 \(global\) differs from ds_config train_micro_batch_size_per_gpu=2 x "
+     r"gradient_accumulation_steps=2 x data size 2 = 8"),
+    ({"train_micro_batch_size_per_gpu": 3}, 2, 8, r"batch_size=8 \(global\) is not divisible by ds_config "
+                                                  r"train_micro_batch_size_per_gpu=3 x data size 2"),
+    ({"gradient_accumulation_steps": 3}, 1, 4,
+     "batch_size=4 .* not divisible by ds_config gradient_accumulation_steps=3"),
+    ({"train_micro_batch_size_per_gpu": 0}, 1, 4, "train_micro_batch_size_per_gpu=0 must be a positive integer"),
+    (None, 2, 5, r"batch_size=5 \(global\) is not divisible by the data size 2"),
+])
+def test_batch_keys_contradicting_the_dataloader_raise(raw, data, global_batch, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_ds_config(raw, data, 2, global_batch)
+
+
+def test_validation_checks_the_dataloader_batch_against_ds_config():
+    """Raised by validate (every rank, before any collective), not by apply after the groups exist."""
+    dims = [("tensor", 2), ("data", 2), ("pipeline", 2)]
+    _resolve(dims, global_batch=8)                                                   # no ds_config: fine
+    _resolve(dims, DeepSpeed3DParallelConfig(ds_config={"train_batch_size": 8}), global_batch=8)
+    with pytest.raises(ValueError, match=r"batch_size=4 \(global\) differs from ds_config train_batch_size=8"):
+        _resolve(dims, DeepSpeed3DParallelConfig(ds_config={"train_batch_size": 8}), global_batch=4)
+    with pytest.raises(ValueError, match=r"batch_size=5 \(global\) is not divisible by the data size 2"):
+        _resolve(dims, global_batch=5)
+    # Without any batch size the strategy is still valid (plan() knows no batch): one row per data rank.
+    assert plan(Strategy([("parallel_mode", (dims, None)), "deepspeed_3d_parallel"]), world_size=8) == \
+        "parallel_mode(tensor=2,data=2,pipeline=2) -> deepspeed_3d_parallel -> optimizer -> deepspeed_3d_parallel"
+
+
+def test_cost_traits_accumulate_one_micro_batch_per_stage_without_batch_keys():
+    cls = get_optimization("deepspeed_3d_parallel")
+    context = CostContext(world_size=8, dims={"tensor": 2, "data": 2, "pipeline": 2})
+    assert cls.cost_traits(DeepSpeed3DParallelConfig(), context)["accumulation_steps"] == 2
+    config = DeepSpeed3DParallelConfig(ds_config={"train_micro_batch_size_per_gpu": 2,
+                                                  "gradient_accumulation_steps": 3})
+    assert cls.cost_traits(config, context)["accumulation_steps"] == 3

@@ -18,6 +18,7 @@ DeepSpeed is imported only when the optimization is applied.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
@@ -27,6 +28,7 @@ from torch import nn
 
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._ds_config import (
+    BATCH_KEYS,
     complete_batch_sizes,
     load_ds_config,
     merge_ds_config,
@@ -53,6 +55,8 @@ __all__ = ["DeepSpeed3DParallelConfig", "DeepSpeed3DParallelOptimization", "get_
            "get_gpt2_custom_patcher", "get_gpt2_tpinfo", "get_llama_custom_patcher", "get_llama_tpinfo",
            "get_tpinfo", "resolve_ds_config"]
 
+logger = logging.getLogger(__name__)
+
 # atorch's dims for DeepSpeed 3D, fastest first: DeepSpeed's (model, data, pipe) order.
 SUPPORTED_ORDER = ("tensor", "data", "pipeline")
 
@@ -78,8 +82,11 @@ class DeepSpeed3DParallelConfig:
     """`fn(logits) -> logits` on the last stage, before the loss (e.g. gather or scale logits)."""
 
     ds_config: Union[None, str, os.PathLike, Dict[str, Any]] = None
-    """DeepSpeed config dict or JSON path. Batch keys may be partial (DeepSpeed's rule fills the rest);
-    `gradient_clipping` defaults to 0 (no clipping, as in plain training) when absent, unlike DeepSpeed's 1.0."""
+    """DeepSpeed config dict or JSON path. Its batch keys may be left out: the global batch is then
+    `dataloader_args["batch_size"]`, split into micro-batches as `resolve_ds_config` says; given, they may
+    be partial (DeepSpeed's rule fills the rest, the dataloader's batch size standing for train_batch_size)
+    but must agree with the dataloader's batch size. `gradient_clipping` defaults to 0 (no clipping, as in
+    plain training) when absent, unlike DeepSpeed's 1.0."""
 
     batch_fn: Optional[Callable[[Any], Any]] = None
     """Turns a dataloader item into `((inputs...), labels)`; None: Hugging Face dicts (input_ids, labels,
@@ -89,10 +96,14 @@ class DeepSpeed3DParallelConfig:
 WHO = "deepspeed_3d_parallel"
 
 
-def resolve_ds_config(raw: Any, data_size: int, pipeline_size: int) -> Dict[str, Any]:
+def resolve_ds_config(raw: Any, data_size: int, pipeline_size: int,
+                      global_batch: Optional[int] = None) -> Dict[str, Any]:
     """The DeepSpeed config to run with: batch sizes completed and checked, strategy contradictions refused.
 
-    Pure. Raises ValueError naming the values when the config contradicts the parallel layout.
+    `global_batch` is the dataloader's global batch (`dataloader_args["batch_size"]`), None when not given;
+    the batch keys are completed from it and the user's ones as `_complete_batch` says.
+    Pure. Raises ValueError naming the values when the config contradicts the parallel layout or the
+    dataloader's batch size.
     Reading, batch completion and merging are shared with the ZeRO engines (`_ds_config`).
     """
     cfg = load_ds_config(WHO, raw)
@@ -104,10 +115,91 @@ def resolve_ds_config(raw: Any, data_size: int, pipeline_size: int) -> Dict[str,
     if stages not in ("auto", pipeline_size):
         raise ValueError(f"{WHO}: ds_config pipeline.stages={stages!r} but parallel_mode has "
                          f"pipeline={pipeline_size}")
-    complete_batch_sizes(WHO, cfg, data_size)
+    _complete_batch(cfg, data_size, pipeline_size, global_batch)
     user_bucket_elements(cfg)     # a bucket size that is not a count of elements raises here
     # DeepSpeed clips at 1.0 by default; atorch's contract is the training of the plain loop.
     return merge_ds_config({"gradient_clipping": 0.0}, cfg)
+
+
+# The batch when neither the dataloader (dataloader_args["batch_size"]) nor ds_config's batch keys give one:
+# one row per data rank, in one micro-batch. DeepSpeed itself refuses a config without batch keys, but this
+# is not refused: validation cannot tell a run from `atorch.auto.plan(strategy)`, which validates a strategy
+# knowing no batch, and the rest of atorch takes the dataloader's default too (torch's DataLoader: batch_size
+# 1) for a missing batch size. It is the smallest batch every layout can run (what DeepSpeed's rule gives
+# for train_micro_batch_size_per_gpu=1) and what this optimization always did; `apply` logs a warning.
+DEFAULT_ROWS_PER_DATA_RANK = 1
+
+
+def _user_batch_keys(cfg: Mapping[str, Any]) -> Dict[str, Any]:
+    """The batch keys the user's (loaded) ds_config sets."""
+    return {k: cfg[k] for k in BATCH_KEYS if cfg.get(k) is not None}
+
+
+def default_accumulation_steps(rows_per_data_rank: int, pipeline_size: int) -> int:
+    """Micro-batches per step when the user's ds_config has no batch keys: the largest number, at most
+    the pipeline size, that divides this data rank's share of the global batch.
+
+    DeepSpeed's own rule (no gradient_accumulation_steps: 1) would run a pipeline of p stages on one
+    micro-batch, each stage idle while the others work: no faster than one device. One micro-batch per
+    stage is the least that keeps every stage busy at once (and `pipeline_parallel`'s `chunks` default);
+    more would shrink the pipeline bubble further but also each stage's matmuls. Taking the largest
+    divisor rather than refusing a batch that does not split into p keeps every valid batch size
+    trainable; a step is the same mean over the global batch either way.
+    """
+    return max(k for k in range(1, min(pipeline_size, rows_per_data_rank) + 1) if rows_per_data_rank % k == 0)
+
+
+def _complete_batch(cfg: Dict[str, Any], data_size: int, pipeline_size: int, global_batch: Optional[int]) -> None:
+    """Set the three batch keys of `cfg` from the user's batch keys and the dataloader's global batch.
+
+    - Only the dataloader gives it: train_batch_size = global_batch, split over the data ranks into
+      `default_accumulation_steps` micro-batches.
+    - Only ds_config gives it: DeepSpeed's rule (`complete_batch_sizes`).
+    - Both: the dataloader's batch stands for a missing train_batch_size; a contradiction raises.
+    - Neither: `DEFAULT_ROWS_PER_DATA_RANK` (see there; `apply` warns that it is used).
+    """
+    given = _user_batch_keys(cfg)
+    if global_batch is None:
+        if given:
+            complete_batch_sizes(WHO, cfg, data_size)
+            return
+        global_batch = DEFAULT_ROWS_PER_DATA_RANK * data_size
+    if global_batch % data_size != 0:
+        raise ValueError(f"{WHO}: dataloader_args batch_size={global_batch} (global) is not divisible by the data "
+                         f"size {data_size}")
+    if not given:
+        rows = global_batch // data_size
+        gas = default_accumulation_steps(rows, pipeline_size)
+        cfg.update(train_batch_size=global_batch, train_micro_batch_size_per_gpu=rows // gas,
+                   gradient_accumulation_steps=gas)
+        return
+    # The user's keys alone: their types and, when they fix the global batch, their consistency.
+    total, micro, gas = complete_batch_sizes(WHO, dict(given), data_size)
+    if "train_batch_size" in given or len(given) == 2:
+        if total != global_batch:
+            said = (f"ds_config train_batch_size={total}" if "train_batch_size" in given else
+                    f"ds_config train_micro_batch_size_per_gpu={micro} x gradient_accumulation_steps={gas} x data "
+                    f"size {data_size} = {total} (global)")
+            raise ValueError(f"{WHO}: dataloader_args batch_size={global_batch} (global) differs from {said}; drop "
+                             "the batch keys from ds_config (the dataloader's batch size is then split into "
+                             "micro-batches) or make them agree")
+        cfg.update(train_batch_size=total, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas)
+        return
+    (key, value), = given.items()   # one of micro / accumulation: the dataloader's batch completes it
+    if global_batch % (value * data_size) != 0:
+        raise ValueError(f"{WHO}: dataloader_args batch_size={global_batch} (global) is not divisible by ds_config "
+                         f"{key}={value} x data size {data_size}")
+    cfg["train_batch_size"] = global_batch
+    complete_batch_sizes(WHO, cfg, data_size)
+
+
+def _batch_for_cost(raw: Any, data_size: int, pipeline_size: int) -> Optional[int]:
+    """The global batch the cost model assumes, as it does not know the dataloader's: None when the user's
+    ds_config has batch keys (DeepSpeed's rule completes them), else one that splits into one micro-batch of
+    one row per stage on each data rank (what `default_accumulation_steps` chooses for batches that split)."""
+    if _user_batch_keys(load_ds_config(WHO, raw)):
+        return None
+    return data_size * pipeline_size
 
 
 def _layout_sizes(context_sizes: Mapping[str, int], world_size: int) -> Tuple[int, int, int]:
@@ -152,7 +244,7 @@ class DeepSpeed3DParallelOptimization(Optimization):
         # DeepSpeed's pipeline engine (ZeRO 0 or 1 over "data"), tensor parallel inside each stage,
         # the micro-batch and accumulation steps of the resolved ds_config.
         d, p = context.dims.get("data", 1), context.dims.get("pipeline", 1)
-        ds = resolve_ds_config(config.ds_config, d, p)
+        ds = resolve_ds_config(config.ds_config, d, p, _batch_for_cost(config.ds_config, d, p))
         half = bool((ds.get("bf16") or {}).get("enabled")) or bool((ds.get("fp16") or {}).get("enabled"))
         gas = ds["gradient_accumulation_steps"]
         stage = (ds.get("zero_optimization") or {}).get("stage", 0)
@@ -171,7 +263,7 @@ class DeepSpeed3DParallelOptimization(Optimization):
             raise ValueError(f"deepspeed_3d_parallel needs rank_order None (DeepSpeed derives ranks from the layout), "
                              f"got {list(pm.rank_order)}")
         t, d, p = _layout_sizes(context.parallel_sizes(), context.world_size)
-        resolve_ds_config(config.ds_config, d, p)
+        resolve_ds_config(config.ds_config, d, p, context.global_batch_size)
         if context.model is None:
             return
         pieces = expand_patcher(context.model, resolve_patcher(context.model, config.custom_patcher))
@@ -189,11 +281,14 @@ class DeepSpeed3DParallelOptimization(Optimization):
 
         parallel = ctx.require_parallel(self.name)
         t, d, p = (parallel.size_or_one(n) for n in SUPPORTED_ORDER)
-        ds_config = resolve_ds_config(config.ds_config, d, p)
+        # Validation checked the same values (the dataloader's batch against ds_config's batch keys).
         global_batch = ctx.dataloader_args.get("batch_size")
-        if global_batch is not None and global_batch != ds_config["train_batch_size"]:
-            raise ValueError(f"deepspeed_3d_parallel: dataloader_args batch_size={global_batch} (global) differs from "
-                             f"ds_config train_batch_size={ds_config['train_batch_size']}; give one of them")
+        ds_config = resolve_ds_config(config.ds_config, d, p, global_batch)
+        if global_batch is None and not _user_batch_keys(load_ds_config(WHO, config.ds_config)):
+            logger.warning("%s: neither dataloader_args['batch_size'] nor ds_config's batch keys give a batch size; "
+                           "training on the default global batch of %d (%d row(s) per data rank); pass "
+                           "dataloader_args={'batch_size': ...} to choose it", WHO, ds_config["train_batch_size"],
+                           DEFAULT_ROWS_PER_DATA_RANK)
         if ctx.optim_func is not None and "optimizer" in ds_config:
             raise ValueError("deepspeed_3d_parallel: both optim_func and ds_config['optimizer'] are given; pass one")
         topology = build_topology(p, t, d)
