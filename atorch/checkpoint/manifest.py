@@ -276,6 +276,43 @@ def is_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MANIFEST_NAME))
 
 
+def check_dir_arg(func: str, name: str, value: Any) -> None:
+    """Raise TypeError, naming `func`, the argument and the value's type, unless `value` can be a path.
+
+    Pure and cheap: entry points call it on every rank before any collective.
+    """
+    if not isinstance(value, (str, os.PathLike)):
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise TypeError(f"{func}: {name}={shown} ({type(value).__name__}) must be a str or os.PathLike")
+
+
+def checkpoint_use(path: str) -> Optional[str]:
+    """Why files written into the directory `path` would land in checkpoints' space, or None.
+
+    Recognizes what save and rotation treat as theirs: a checkpoint (a directory holding
+    `manifest.json`) or a directory inside one, and a checkpoint root (a directory holding the
+    `latest` pointer or complete checkpoints). Symlinks and relative paths are resolved first.
+    """
+    real = os.path.realpath(path)
+    ancestor = real
+    while True:
+        if is_checkpoint(ancestor):
+            if ancestor == real:
+                return f"is a checkpoint (it holds {MANIFEST_NAME})"
+            return f"is inside the checkpoint {ancestor} (it holds {MANIFEST_NAME})"
+        parent = os.path.dirname(ancestor)
+        if parent == ancestor:
+            break
+        ancestor = parent
+    if os.path.isfile(os.path.join(real, LATEST_NAME)):
+        return f"is a checkpoint root (it holds the {LATEST_NAME!r} pointer)"
+    held = sorted(os.path.basename(p) for p, _ in list_checkpoints(real))
+    if held:
+        return f"is a checkpoint root (it holds the checkpoints {held[:3]}{' ...' if len(held) > 3 else ''})"
+    return None
+
+
 def resolve_checkpoint_dir(path: str) -> str:
     """`path` itself when it is a checkpoint, else the checkpoint its `latest` pointer names."""
     path = os.path.normpath(path)

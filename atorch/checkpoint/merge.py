@@ -69,8 +69,14 @@ def parse_size(size: Union[int, str]) -> int:
 
 
 def check_merge_options(lora: str, max_shard_size: Union[int, str], dtype: Any = None, model_class: Any = None,
-                        out_dir: Any = None) -> None:
-    """Raise ValueError/TypeError for a bad `lora` mode, shard size, dtype, model class or output path."""
+                        out_dir: Any = None, ckpt_dir: Any = None, func: str = "merge_checkpoint") -> None:
+    """Raise ValueError/TypeError for a bad `lora` mode, shard size, dtype, model class or output path.
+
+    `ckpt_dir`: the checkpoint to merge (named in the error when `out_dir` is that checkpoint).
+    `func`: the entry point named in a type error.
+    """
+    if out_dir is not None:
+        check_merge_output(out_dir, ckpt_dir, func)
     if lora not in _LORA_MODES:
         raise ValueError(f"lora={lora!r}; valid values are {list(_LORA_MODES)}")
     parse_size(max_shard_size)
@@ -81,9 +87,29 @@ def check_merge_options(lora: str, max_shard_size: Union[int, str], dtype: Any =
     if model_class is not None and not isinstance(model_class, type):
         raise TypeError(f"model_class={model_class!r} must be a class (e.g. transformers.LlamaForCausalLM), "
                         "or None for the class the checkpoint recorded")
-    if out_dir is not None and os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise ValueError(f"out_dir={os.fspath(out_dir)!r} is an existing file; give a directory for the Hugging "
-                         "Face model")
+
+
+def check_merge_output(out_dir: Any, ckpt_dir: Any = None, func: str = "merge_checkpoint") -> None:
+    """Refuse, before anything is written, an `out_dir` that is a file, or where the Hugging Face files
+    would land among checkpoint files: the checkpoint being merged (`ckpt_dir`), another checkpoint, a
+    directory inside one, or a checkpoint root. Any of these would make the checkpoint fail verification
+    (or, for a root, mix a model into the directory that save and rotation own)."""
+    mf.check_dir_arg(func, "out_dir", out_dir)
+    out = os.fspath(out_dir)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"out_dir={out!r} is an existing file; give a directory for the Hugging Face model")
+    why = mf.checkpoint_use(out)
+    if why is None:
+        return
+    if ckpt_dir is not None and isinstance(ckpt_dir, (str, os.PathLike)):
+        try:
+            merged: Optional[str] = mf.resolve_checkpoint_dir(os.fspath(ckpt_dir))
+        except CheckpointError:
+            merged = None  # reported as such by the merge itself
+        if merged is not None and os.path.realpath(merged) == os.path.realpath(out):
+            why = f"is the checkpoint being merged (it holds {mf.MANIFEST_NAME})"
+    raise ValueError(f"out_dir={out!r} {why}; merging would write config.json and the weights among checkpoint "
+                     "files. Merge into a new or empty directory (or one holding an earlier merged model)")
 
 
 def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
@@ -98,10 +124,14 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
     `merge_and_unload`) and writes a plain model; "adapters" writes only the adapters
     (adapter_model.safetensors + adapter_config.json). `dtype` casts floating weights.
     `model_class` overrides the class recorded in the checkpoint (needed for custom classes).
-    Returns `out_dir`.
+    `out_dir` may be new, empty, or hold an earlier merged model (its weight files are replaced);
+    a checkpoint, a directory inside one, or a checkpoint root (holding `latest` or checkpoints)
+    is refused with ValueError before anything is written. Returns `out_dir`.
     """
-    check_merge_options(lora, max_shard_size, dtype, model_class, out_dir)
-    ckpt_dir = mf.resolve_checkpoint_dir(ckpt_dir)
+    mf.check_dir_arg("merge_checkpoint", "ckpt_dir", ckpt_dir)
+    mf.check_dir_arg("merge_checkpoint", "out_dir", out_dir)
+    check_merge_options(lora, max_shard_size, dtype, model_class, out_dir, ckpt_dir)
+    ckpt_dir = mf.resolve_checkpoint_dir(os.fspath(ckpt_dir))
     manifest = verify_checkpoint(ckpt_dir, collective=False)
     meta = _read_meta(ckpt_dir)
     model_meta = meta.get("model") or {}

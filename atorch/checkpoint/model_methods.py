@@ -38,13 +38,15 @@ def save_parallelized(model: nn.Module, save_dir: str, merge_checkpoints: bool =
     `from_pretrained`; rank 0 merges a temporary sharded checkpoint. `merge_kwargs` go to
     `merge_checkpoint` (tokenizer, max_shard_size, lora, dtype).
     """
+    mf.check_dir_arg("save_parallelized", "save_dir", save_dir)
     if not merge_checkpoints:
         return save_checkpoint(model, save_dir, save_optimizer=False, update_latest=False)
     from atorch.checkpoint.merge import check_merge_options, merge_checkpoint
 
     # Bad options raise on every rank, before the collective save.
     check_merge_options(merge_kwargs.get("lora", "merge"), merge_kwargs.get("max_shard_size", "2GB"),
-                        merge_kwargs.get("dtype"), merge_kwargs.get("model_class"), save_dir)
+                        merge_kwargs.get("dtype"), merge_kwargs.get("model_class"), save_dir,
+                        func="save_parallelized")
     token = _broadcast(uuid.uuid4().hex[:8] if _rank() == 0 else None)
     sharded = f"{os.path.normpath(save_dir)}{mf.STAGING_MARK}sharded-{token}"
     save_checkpoint(model, sharded, save_optimizer=False, update_latest=False)
@@ -71,6 +73,7 @@ def from_parallelized(model: nn.Module, load_dir: str, strict: bool = True) -> O
     DCP's safetensors reader, so each rank reads only its shards. Returns the checkpoint
     state, or None for a Hugging Face directory.
     """
+    mf.check_dir_arg("from_parallelized", "load_dir", load_dir)
     if mf.is_checkpoint(load_dir) or os.path.isfile(os.path.join(load_dir, mf.LATEST_NAME)):
         return load_checkpoint(model, load_dir, load_optimizer=False, load_rng=False, strict=strict)
     if os.path.isdir(load_dir) and any(n.endswith(".safetensors") for n in os.listdir(load_dir)):
@@ -87,6 +90,7 @@ def load_hf_weights(model: nn.Module, hf_dir: str, strict: bool = True) -> None:
     directory leaves out because it is tied to another (save_pretrained drops an LM head tied
     to the embedding) is filled through the tie.
     """
+    mf.check_dir_arg("load_hf_weights", "hf_dir", hf_dir)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 

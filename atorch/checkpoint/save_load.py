@@ -207,6 +207,7 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
     """
     objs = TrainingObjects.of(target, optimizer, lr_scheduler)
     # Input mistakes raise here, on every rank, before any collective.
+    mf.check_dir_arg("save_checkpoint", "path", path)
     if not path:
         raise ValueError("path is empty; pass the checkpoint directory, e.g. 'ckpt/step_100'")
     if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
@@ -420,7 +421,8 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
     RNG states are restored when the world size is the one that saved.
     """
     objs = TrainingObjects.of(target, optimizer, lr_scheduler)
-    if not path or not isinstance(path, (str, os.PathLike)):
+    mf.check_dir_arg("load_checkpoint", "path", path)
+    if not path:
         raise ValueError(f"path={path!r}; pass the checkpoint directory (or its parent, whose 'latest' names it)")
     checkpointer().wait()  # an async save in flight may be the checkpoint asked for
     # Local steps end in a vote: a rank that cannot read a file makes every rank raise the same error.
@@ -490,6 +492,7 @@ def verify_checkpoint(ckpt_dir: str, manifest: Optional[mf.Manifest] = None, col
     With `collective` (and a process group) the ranks share the hashing; otherwise this
     process checks every file.
     """
+    mf.check_dir_arg("verify_checkpoint", "ckpt_dir", ckpt_dir)
     manifest = manifest or mf.Manifest.read(ckpt_dir)
     names = sorted(manifest.files)
     for required in (META_NAME, f"{DCP_DIR}/.metadata"):

@@ -353,7 +353,7 @@ CASES: List[Case] = [
     Case("save_optimizer_not_an_optimizer", lambda tmp: save_checkpoint(nn.Linear(2, 2), str(tmp / "c"),
                                                                         optimizer="adam"), TypeError,
          "optimizer='adam' must be the torch.optim.Optimizer"),
-    Case("load_path_none", lambda tmp: load_checkpoint(nn.Linear(2, 2), None), ValueError, "path=None"),
+    Case("load_path_none", lambda tmp: load_checkpoint(nn.Linear(2, 2), None), TypeError, "path=None"),
     Case("merge_dtype_a_string", lambda tmp: merge_checkpoint(str(tmp / "ckpt"), str(tmp / "hf"), dtype="bf16"),
          TypeError, "dtype='bf16' must be a floating torch.dtype"),
     Case("merge_dtype_integer", lambda tmp: merge_checkpoint(str(tmp / "ckpt"), str(tmp / "hf"), dtype=torch.int8),

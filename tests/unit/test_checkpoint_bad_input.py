@@ -11,7 +11,8 @@ import warnings
 import pytest
 import torch
 
-from atorch.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from atorch.checkpoint import (CheckpointError, attach_checkpoint_methods, load_checkpoint, merge_checkpoint,
+                              save_checkpoint, verify_checkpoint)
 from atorch.checkpoint import manifest as mf
 from atorch.checkpoint.safe_load import load_dcp_metadata, safe_torch_load
 from atorch.testing import tiny_gpt2, tiny_llama
@@ -207,3 +208,98 @@ def test_tampered_json_state_is_refused(saved, tmp_path):
     json.dump(meta, open(meta_path, "w"))
     with pytest.raises(CheckpointError, match="meta.json: checksum mismatch|meta.json: (truncated|larger)"):
         load_checkpoint(tiny_llama(), ckpt)
+
+
+def _files(path):
+    return {n: os.path.getsize(os.path.join(path, n)) for n in mf.list_files(path)}
+
+
+def _still_loads(ckpt):
+    verify_checkpoint(ckpt, collective=False)
+    model, _ = _fresh()
+    assert load_checkpoint(model, ckpt, load_optimizer=False).step == 1
+
+
+def test_merge_refuses_to_write_into_a_checkpoint_or_a_checkpoint_root(saved, tmp_path):
+    """A merge into a checkpoint used to add config.json and model.safetensors to it: verification then failed."""
+    root = tmp_path / "root"
+    root.mkdir()
+    ckpt = shutil.copytree(saved, str(root / "step_1"))
+    other = shutil.copytree(saved, str(root / "step_2"))
+    (root / "link").symlink_to(root / "step_2")
+    before = {p: _files(p) for p in (ckpt, other)}
+    root_before = sorted(os.listdir(root))
+    cases = [(ckpt, "is the checkpoint being merged"),
+             (os.path.relpath(ckpt), "is the checkpoint being merged"),
+             (other, "is a checkpoint \\(it holds manifest.json\\)"),
+             (str(root / "link"), "is a checkpoint \\(it holds manifest.json\\)"),
+             (os.path.join(ckpt, "hf"), "is inside the checkpoint .*step_1"),
+             (os.path.join(other, "dcp"), "is inside the checkpoint .*step_2"),
+             (str(root), "is a checkpoint root \\(it holds the checkpoints \\['link', 'step_1', 'step_2'\\]"),
+             (str(tmp_path / "sharded"), None)]
+    (tmp_path / "sharded").mkdir()
+    (tmp_path / "sharded" / "latest").write_text("step_9\n")   # a root whose checkpoints are all gone
+    for out, why in cases:
+        why = why or "is a checkpoint root \\(it holds the 'latest' pointer\\)"
+        with pytest.raises(ValueError, match=rf"out_dir=.* {why}.*; merging would write .* new or empty directory"):
+            merge_checkpoint(ckpt, out)
+    with pytest.raises(ValueError, match="is a checkpoint root"):
+        merge_checkpoint(str(root), str(root))          # the root, resolved through its latest pointer
+    for p, files in before.items():
+        assert _files(p) == files
+    assert sorted(os.listdir(root)) == root_before      # no staging directory either
+    assert not os.path.exists(os.path.join(ckpt, "hf"))
+    _still_loads(ckpt)
+    _still_loads(other)
+    # The refusal comes before the collective save of save_parallelized(merge_checkpoints=True) too.
+    with pytest.raises(ValueError, match="is a checkpoint"):
+        attach_checkpoint_methods(tiny_llama()).save_parallelized(other, merge_checkpoints=True)
+    assert _files(other) == before[other]
+    # A new directory next to the checkpoints is fine.
+    merge_checkpoint(ckpt, str(root / "hf"))
+    assert os.path.isfile(root / "hf" / "model.safetensors")
+    _still_loads(ckpt)
+
+
+def test_cli_merge_into_a_checkpoint_exits_2_and_writes_nothing(saved, tmp_path):
+    import subprocess
+    import sys
+
+    ckpt = _copy(saved, tmp_path)
+    before = _files(ckpt)
+    r = subprocess.run([sys.executable, "-m", "atorch.cli", "merge", saved, ckpt], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert f"out_dir={ckpt!r} is a checkpoint (it holds manifest.json)" in r.stderr
+    assert _files(ckpt) == before
+    _still_loads(ckpt)
+
+
+@pytest.mark.parametrize("bad", [5, None, b"ckpt", ["ckpt"]])
+def test_a_non_path_directory_argument_is_a_type_error_naming_it(saved, tmp_path, bad):
+    kind = type(bad).__name__
+    model = tiny_llama(seed=0)
+    out = str(tmp_path / "out")
+    calls = [("save_checkpoint", "path", lambda: save_checkpoint(model, bad)),
+             ("load_checkpoint", "path", lambda: load_checkpoint(model, bad)),
+             ("verify_checkpoint", "ckpt_dir", lambda: verify_checkpoint(bad)),
+             ("merge_checkpoint", "ckpt_dir", lambda: merge_checkpoint(bad, out)),
+             ("merge_checkpoint", "out_dir", lambda: merge_checkpoint(saved, bad))]
+    attach_checkpoint_methods(model)
+    calls += [("save_parallelized", "save_dir", lambda: model.save_parallelized(bad)),
+              ("save_parallelized", "save_dir", lambda: model.save_parallelized(bad, merge_checkpoints=True)),
+              ("from_parallelized", "load_dir", lambda: model.from_parallelized(bad))]
+    for func, name, call in calls:
+        with pytest.raises(TypeError, match=rf"^{func}: {name}=.* \({kind}\) must be a str or os.PathLike$"):
+            call()
+    assert not os.path.exists(out) and os.listdir(tmp_path) == []
+
+
+def test_a_path_like_directory_argument_works(saved, tmp_path):
+    import pathlib
+
+    model, _ = _fresh()
+    assert load_checkpoint(model, pathlib.Path(saved), load_optimizer=False).step == 1
+    verify_checkpoint(pathlib.Path(saved), collective=False)
+    out = merge_checkpoint(pathlib.Path(saved), tmp_path / "hf")
+    assert os.path.isfile(os.path.join(out, "model.safetensors"))
