@@ -27,7 +27,7 @@ from atorch.auto.opt_lib.resolve import ResolvedOptimization, resolve_strategy
 from atorch.auto.result import AutoAccelerateResult
 from atorch.auto.strategy import Strategy, StrategyLike
 from atorch.auto.train_step import train_step
-from atorch.distributed.agreement import agree_on_error
+from atorch.distributed.agreement import agree, agree_on_error, agree_on_values
 from atorch.utils.quiet import configure_logging, third_party_warnings_filtered
 
 logger = logging.getLogger(__name__)
@@ -75,20 +75,33 @@ def auto_accelerate(
     `finetune_strategy=True` resets the configs of the loaded items but `parallel_mode` to
     their defaults.
     """
-    compat = translate_atorch_kwargs(dataset=dataset, load_strategy=load_strategy,
-                                     distributed_sampler_cls=distributed_sampler_cls,
-                                     finetune_strategy=finetune_strategy, **kargs)
-    dataloader_args = compat.dataloader_args(dataloader_args)
-    if model_input_format not in _INPUT_FORMATS:
-        raise ValueError(f"model_input_format={model_input_format!r}; valid values are {list(_INPUT_FORMATS)}")
-    validate_arguments(model=model, optim_func=optim_func, dataset=dataset, model_input_format=model_input_format,
-                       loss_func=loss_func,
-                       prepare_input=prepare_input, optim_args=optim_args, optim_param_func=optim_param_func,
-                       dataloader_args=dataloader_args, lr_scheduler_cls=lr_scheduler_cls,
-                       lr_scheduler_args=lr_scheduler_args, save_strategy_to_file=save_strategy_to_file,
-                       report_path=report_path, excluded=excluded, included=included)
+    try:
+        compat = translate_atorch_kwargs(dataset=dataset, load_strategy=load_strategy,
+                                         distributed_sampler_cls=distributed_sampler_cls,
+                                         finetune_strategy=finetune_strategy, **kargs)
+        dataloader_args = compat.dataloader_args(dataloader_args)
+        if model_input_format not in _INPUT_FORMATS:
+            raise ValueError(f"model_input_format={model_input_format!r}; valid values are {list(_INPUT_FORMATS)}")
+        validate_arguments(model=model, optim_func=optim_func, dataset=dataset, model_input_format=model_input_format,
+                           loss_func=loss_func,
+                           prepare_input=prepare_input, optim_args=optim_args, optim_param_func=optim_param_func,
+                           dataloader_args=dataloader_args, lr_scheduler_cls=lr_scheduler_cls,
+                           lr_scheduler_args=lr_scheduler_args, save_strategy_to_file=save_strategy_to_file,
+                           report_path=report_path, excluded=excluded, included=included)
+    except Exception as error:  # noqa: BLE001 - agreed across ranks below, then raised on each
+        if not _several_ranks():
+            raise
+        # A mistake only some ranks see (a per-rank dataset, a path on one node): every rank raises
+        # it, rather than the others waiting in the first collective until the timeout.
+        adist.init_distributed()
+        agree("auto_accelerate: checking the arguments", error)
+        raise
     adist.init_distributed()
+    agree("auto_accelerate: checking the arguments", None)
     configure_logging()
+    if load_strategy is not None and (excluded or included):
+        logger.warning("auto_accelerate: excluded=%s and included=%s only restrict the automatic search; with "
+                       "load_strategy they are not used", excluded, included)
     ctx = ModelContext(
         model=model, optim_func=optim_func, optim_args=dict(optim_args or {}), optim_param_func=optim_param_func,
         dataset=dataset, loss_func=loss_func, prepare_input=prepare_input, model_input_format=model_input_format,
@@ -115,7 +128,15 @@ def _accelerate(ctx: ModelContext, load_strategy: Optional[StrategyLike], ignore
                 ) -> Tuple[bool, Optional[AutoAccelerateResult], Optional[Strategy]]:
     search = None
     dry_ctx = _dry_run_context(ctx, compat)
-    if load_strategy is None:
+    strategy: Optional[Strategy] = None
+    if load_strategy is not None:
+        # Read on every rank; a file may fail to read on one rank only: every rank raises the same error.
+        with agree_on_error("auto_accelerate: reading load_strategy"):
+            strategy = Strategy.from_any(load_strategy)
+            if compat.finetune_strategy:
+                strategy = finetune_strategy_items(strategy)
+    _agree_between_ranks(ctx, strategy)
+    if strategy is None:
         from atorch.auto.search.auto_search import SearchError, search_for_context  # planner: only when searching
 
         try:
@@ -127,14 +148,6 @@ def _accelerate(ctx: ModelContext, load_strategy: Optional[StrategyLike], ignore
             return False, None, None
         strategy = search.strategy
     else:
-        if isinstance(load_strategy, (str, os.PathLike, bytes, bytearray)):
-            # A file (or its bytes) may fail to read on one rank only: every rank raises the same error.
-            with agree_on_error("auto_accelerate: reading load_strategy"):
-                strategy = Strategy.from_any(load_strategy)
-        else:   # in memory: nothing can differ between ranks, and validation must come before any collective
-            strategy = Strategy.from_any(load_strategy)
-        if compat.finetune_strategy:
-            strategy = finetune_strategy_items(strategy)
         if not ignore_dryrun_on_load_strategy:
             from atorch.auto.dry_runner import DryRunError, check_strategy_runs
 
@@ -146,7 +159,13 @@ def _accelerate(ctx: ModelContext, load_strategy: Optional[StrategyLike], ignore
                 logger.exception("auto_accelerate: the loaded strategy failed its dry run")
                 return False, None, None
     # Validation raises ValueError on every rank before any collective.
-    resolved = _validate_layout(ctx, strategy, note_idle=True)
+    try:
+        resolved = _validate_layout(ctx, strategy, note_idle=True)
+    except ValueError as e:
+        if compat.finetune_strategy:
+            raise ValueError(f"{e} (finetune_strategy=True reset the configs of the loaded strategy, all but "
+                             "parallel_mode's, to their defaults; pass finetune_strategy=False to keep them)") from e
+        raise
     try:
         # Every rank returns the same status. A rank failing inside an optimization, before one of
         # its collectives, leaves the others in that collective until ATORCH_COLLECTIVE_TIMEOUT.
@@ -167,6 +186,29 @@ def _accelerate(ctx: ModelContext, load_strategy: Optional[StrategyLike], ignore
             os.makedirs(os.path.dirname(os.path.abspath(save_strategy_to_file)), exist_ok=True)
             result.strategy.save(save_strategy_to_file)
     return True, result, result.strategy
+
+
+def _several_ranks() -> bool:
+    """This process is one of several ranks (a process group of more than one, or a launcher's WORLD_SIZE)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size() > 1
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False        # a malformed WORLD_SIZE: init_distributed names it
+
+
+def _agree_between_ranks(ctx: ModelContext, strategy: Optional[Strategy]) -> None:
+    """The inputs every rank must share, compared across ranks (one small all-gather): different
+    strategies or batch sizes make ranks run different collectives, and a dataset of a different
+    length on each rank makes them run a different number of steps; either leaves ranks waiting
+    for each other, and nothing inside the backend's error would name the cause."""
+    values = {"dataloader_args['batch_size']": repr(ctx.dataloader_args.get("batch_size"))}
+    if ctx.dataset is not None and hasattr(ctx.dataset, "__len__"):
+        values["len(dataset)"] = str(len(ctx.dataset))
+    if strategy is not None:
+        values["load_strategy"] = strategy.describe()
+    agree_on_values("auto_accelerate", values)
 
 
 def _validate_layout(ctx: ModelContext, strategy: Strategy, note_idle: bool = False) -> List[ResolvedOptimization]:

@@ -117,6 +117,8 @@ def translate_atorch_kwargs(dataset: Any = None, load_strategy: Any = None, dist
         SampleBatchDataset(sample_batch, batch_size, is_one_sample=expand)   # its structure checks
     if distributed_sampler_cls is not None:
         check_sampler_cls(distributed_sampler_cls)
+    if not isinstance(finetune_strategy, bool):
+        raise TypeError(f"auto_accelerate: finetune_strategy={finetune_strategy!r} must be True or False")
     if finetune_strategy and load_strategy is None:
         raise ValueError("auto_accelerate: finetune_strategy=True tunes a loaded strategy; pass load_strategy too")
     seed = kargs.get("sampler_seed")

@@ -12,6 +12,7 @@ Every function here raises; only the entry point turns a failure into `status=Fa
 from __future__ import annotations
 
 import inspect
+import logging
 import sys
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -26,6 +27,8 @@ from atorch.auto.opt_lib.resolve import ResolvedOptimization, plan_steps, resolv
 from atorch.auto.result import AutoAccelerateResult
 from atorch.auto.strategy import Strategy, StrategyItem
 from atorch.distributed.agreement import agree_on_error
+
+logger = logging.getLogger(__name__)
 
 
 def validation_context(ctx: ModelContext) -> ValidationContext:
@@ -114,6 +117,13 @@ def build_dataloader(ctx: ModelContext, global_batch: Optional[int] = None) -> T
     drop_last = args.pop("drop_last", True)
     sampler = _make_sampler(ctx, dp, shuffle=shuffle, seed=seed, drop_last=drop_last)
     loader = DataLoader(ctx.dataset, batch_size=global_batch // dp, sampler=sampler, drop_last=drop_last, **args)
+    size = len(ctx.dataset) if hasattr(ctx.dataset, "__len__") else None
+    if size is not None and size % global_batch and adist.rank() == 0:
+        what = (f"the last {size % global_batch} are left out" if drop_last else
+                "the last global batch is smaller (the sampler repeats a few samples so that every data rank gets "
+                "the same number)")
+        logger.info("dataloader: %d samples in global batches of %d: %s in each epoch (dataloader_args['drop_last']="
+                    "%s)", size, global_batch, what, drop_last)
     return loader, sampler
 
 

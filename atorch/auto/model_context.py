@@ -218,4 +218,11 @@ class ModelContext:
         """Parameter groups for the optimizer: the user's function, else trainable parameters."""
         if self.optim_param_func is not None:
             return self.optim_param_func(self.model)
-        return [p for p in self.model.parameters() if p.requires_grad]
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        if not trainable:
+            total = sum(1 for _ in self.model.parameters())
+            raise ValueError(f"model {type(self.model).__name__} has no trainable parameter (all {total} parameter "
+                             "tensors have requires_grad=False after the strategy applied), so there is nothing for "
+                             "optim_func to train: unfreeze some, add adapters (the 'lora' optimization), or pass "
+                             "optim_param_func")
+        return trainable

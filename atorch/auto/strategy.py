@@ -10,6 +10,7 @@ object) is refused with the key that holds it. ATorch's pickled strategy files a
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import json
 import os
@@ -21,6 +22,10 @@ import torch
 from atorch.auto.strategy_pickle import is_pickle, read_pickled_strategy
 
 StrategyLike = Union["Strategy", Sequence[Any], str, os.PathLike]
+
+
+# The keys of one item of a JSON strategy (`Strategy.to_json`).
+_ITEM_KEYS = ("name", "config", "tunable")
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,10 @@ class Strategy:
     """An ordered list of optimizations, as given by the user or chosen by the search."""
 
     def __init__(self, items: Iterable[Any] = ()):
+        if isinstance(items, (str, bytes)):
+            # A string is iterable, and its characters would each become an "optimization".
+            raise TypeError(f"Strategy({items!r}): items must be a list of optimizations, e.g. "
+                            f"Strategy([{items!r}]) (Strategy.load(path) reads a file)")
         self._items: List[StrategyItem] = [_to_item(i) for i in items]
 
     @classmethod
@@ -162,6 +171,13 @@ class Strategy:
             if not isinstance(d, dict) or not isinstance(d.get("name"), str):
                 raise ValueError(f"strategy JSON items[{k}]={d!r} must be an object with a string 'name' (and "
                                  "optionally 'config' and 'tunable')")
+            unknown = sorted(set(d) - set(_ITEM_KEYS))
+            if unknown:
+                hints = [f"{k!r} (did you mean {close[0]!r}?)" if close else repr(k)
+                         for k, close in ((k, difflib.get_close_matches(k, _ITEM_KEYS, n=1, cutoff=0.5))
+                                          for k in unknown)]
+                raise ValueError(f"strategy JSON items[{k}] ({d['name']!r}): unknown key(s) {', '.join(hints)}; an "
+                                 f"item has {list(_ITEM_KEYS)}")
             tunable = d.get("tunable", False)
             if not isinstance(tunable, bool):
                 raise ValueError(f"strategy JSON items[{k}] ({d['name']!r}): tunable={tunable!r} must be true or false")
@@ -196,7 +212,7 @@ class Strategy:
         if is_pickle(data):
             return cls(read_pickled_strategy(data, source))
         try:
-            text = data.decode("utf-8")
+            text = data.decode("utf-8-sig")    # a byte-order mark (some Windows editors write one) is not content
         except UnicodeDecodeError:
             text = None
         if not data.strip():

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-from typing import Iterator, List, Optional, Tuple, cast
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -142,3 +142,36 @@ def agree_on_error(what: str, group: Optional[dist.ProcessGroup] = None) -> Iter
     except Exception as e:  # noqa: BLE001 - every failure is voted on and re-raised below
         error = e
     agree(what, error, group)
+
+
+def agree_on_values(what: str, values: Mapping[str, str], group: Optional[dist.ProcessGroup] = None) -> None:
+    """Every rank calls this with its own `values` (a name -> a short text of what this rank was
+    given); when any name's text differs between ranks, every rank raises the same ValueError naming
+    it and what each rank had.
+
+    For inputs that must be the same everywhere and that a rank cannot check alone: given different
+    strategies or batch sizes, ranks run different collectives and wait for each other until the
+    collective timeout, or fail inside the backend with a message about sizes ("Received data size
+    doesn't match expected size") that names neither input. One `all_gather_object` of the texts.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    group = group if group is not None else _group()
+    gathered: List[Optional[Dict[str, str]]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, {str(k): str(v) for k, v in values.items()}, group=group)
+    tables = [g or {} for g in gathered]
+    names = list(dict.fromkeys(k for table in tables for k in table))
+    differences, differing = [], []
+    for name in names:
+        by_text: Dict[str, List[int]] = {}
+        for rank, table in enumerate(tables):
+            by_text.setdefault(table.get(name, "(not given)"), []).append(rank)
+        if len(by_text) > 1:
+            differing.append(name)
+            differences.append(f"{name}: " + "; ".join(f"{text} on rank{'s' if len(ranks) > 1 else ''} {ranks}"
+                                                      for text, ranks in by_text.items()))
+    if differences:
+        error = ValueError(f"{what}: the ranks were given different {', '.join(differing)}, so they would run "
+                           "different collectives; give every rank the same. " + " | ".join(differences))
+        setattr(error, _AGREED, True)
+        raise error

@@ -134,14 +134,25 @@ def _cases(root: str) -> List[Tuple[str, Callable[[], Any]]]:
         ("parallel_mode_dim_typo", lambda: _accelerate(load_strategy=[("parallel_mode", ([("dta", 2)], None))])),
         ("excluded_unknown_name", lambda: _accelerate(load_strategy=None, excluded=["fsdpx"])),
         ("dataset_of_ints", lambda: _accelerate(dataset=list(range(16)))),
+        # what only one rank gets wrong, or what differs between ranks (the backend's error named neither)
+        ("dataset_short_on_rank_1", lambda: _accelerate(dataset=TokenDataset(n=2 if _rank() == 1 else 16))),
+        ("strategies_differ", lambda: _accelerate(
+            load_strategy=["amp_native", "fsdp"] if _rank() == 0 else ["fsdp"])),
+        ("batch_sizes_differ", lambda: _accelerate(dataloader_args={"batch_size": 4 if _rank() == 0 else 8})),
     ]
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
 
 
 # name -> (exception type name or "status=False", text the message must contain)
 EXPECTED: Dict[str, Tuple[str, str]] = {
-    "batch_not_divisible_by_data": ("ValueError", "batch_size']=3"),
+    "batch_not_divisible_by_data": ("BatchLayoutError", "batch_size']=3"),
     "batch_zero": ("ValueError", "batch_size']=0"),
-    "chunks_not_dividing_batch": ("ValueError", "chunks=3"),
+    "chunks_not_dividing_batch": ("BatchLayoutError", "chunks=3"),
     "optim_args_unknown_key": ("ValueError", "'momentum'"),
     "dataset_shorter_than_batch": ("ValueError", "dataset has 2 samples"),
     "model_not_module": ("TypeError", "model must be a torch.nn.Module"),
@@ -161,6 +172,11 @@ EXPECTED: Dict[str, Tuple[str, str]] = {
     "parallel_mode_dim_typo": ("ValueError", "dim 'dta' has size 2 but no optimization of the strategy splits"),
     "excluded_unknown_name": ("ValueError", "excluded=['fsdpx']: unknown optimization 'fsdpx'"),
     "dataset_of_ints": ("TypeError", "dataset[0] is int 0"),
+    "dataset_short_on_rank_1": ("ValueError", "checking the arguments failed on rank [1]: dataset has 2 samples"),
+    "strategies_differ": ("ValueError", "given different load_strategy, so they would run different collectives; "
+                                        "give every rank the same. load_strategy: amp_native(bfloat16)+fsdp on rank "
+                                        "[0]; fsdp on rank [1]"),
+    "batch_sizes_differ": ("ValueError", "dataloader_args['batch_size']: 4 on rank [0]; 8 on rank [1]"),
 }
 
 

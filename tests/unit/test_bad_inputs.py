@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from atorch.auto.arguments import check_loss, check_optimizer, validate_arguments, validate_batch_layout
-from atorch.auto.compat import drop_atorch_only_names
+from atorch.auto.compat import drop_atorch_only_names, translate_atorch_kwargs
 from atorch.auto.dry_runner import DryRunConfig
 from atorch.auto.opt_lib.base import ValidationContext
-from atorch.auto.model_context import call_model
+from atorch.auto.model_context import ModelContext, call_model
 from atorch.auto.opt_lib.resolve import plan, resolve_strategy
 from atorch.auto.result import AutoAccelerateResult
 from atorch.auto.search.auto_search import SearchSettings
@@ -68,6 +68,12 @@ def _args(**overrides):
                   dataloader_args={"batch_size": 4})
     kwargs.update(overrides)
     return lambda tmp: validate_arguments(**kwargs)
+
+
+def _frozen(model: nn.Module) -> nn.Module:
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
 
 
 class _Iterable(torch.utils.data.IterableDataset):
@@ -225,6 +231,20 @@ CASES: List[Case] = [
          "missing.json"),
     Case("strategy_file_not_json", _strategy_file(b"parallel_mode, fsdp"), ValueError, "JSON"),
     Case("strategy_file_a_pickle", _strategy_file(pickle.dumps({"evil": print})), ValueError, "strategy.bin"),
+    Case("strategy_json_item_key_typo", lambda tmp: Strategy.from_json(
+        '{"format": "atorch.strategy/1", "items": [{"name": "amp_native", "cfg": {"dtype": "fp16"}}]}'),
+        ValueError, "unknown key(s) 'cfg' (did you mean 'config'?)"),
+    Case("strategy_of_a_string", lambda tmp: Strategy("fsdp"), TypeError, "Strategy(['fsdp'])"),
+    Case("parallel_size_a_string", lambda tmp: resolve_strategy(
+        Strategy([("parallel_mode", ([("data", "1")], None))]), ValidationContext(1)), ValueError,
+        "the size of 'data' is '1' (str)"),
+    Case("ddp_bucket_nan", lambda tmp: resolve_strategy(Strategy([("ddp", {"bucket_cap_mb": float("nan")})]),
+                                                        ValidationContext(2)), ValueError, "bucket_cap_mb=nan"),
+    Case("finetune_strategy_not_a_bool", lambda tmp: translate_atorch_kwargs(load_strategy=["fsdp"],
+                                                                             finetune_strategy="no"),
+         TypeError, "finetune_strategy='no'"),
+    Case("every_parameter_frozen", lambda tmp: ModelContext(model=_frozen(nn.Linear(2, 2))).optim_params(),
+         ValueError, "Linear has no trainable parameter (all 2 parameter tensors have requires_grad=False"),
     # the loss and tensor parallelism
     Case("loss_not_scalar", lambda tmp: check_loss(torch.ones(4, 16), lambda b, o: None), ValueError,
          "shape (4, 16)"),

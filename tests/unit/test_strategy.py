@@ -70,3 +70,29 @@ def test_parallel_mode_config_checks():
     # The same item twice is harmless and applied once.
     resolved = resolve_strategy(Strategy(["parallel_mode", "parallel_mode"]), ctx)
     assert [r.name for r in resolved] == ["parallel_mode", "ddp"]
+
+
+def test_a_strategy_file_with_a_byte_order_mark_loads(tmp_path):
+    path = tmp_path / "strategy.json"
+    path.write_bytes(b"\xef\xbb\xbf" + Strategy(["amp_native", ("fsdp", {"sync_module_states": True})]).to_json()
+                     .encode("utf-8"))
+    assert Strategy.load(path) == Strategy(["amp_native", ("fsdp", {"sync_module_states": True})])
+
+
+def test_auto_accelerate_logs_what_it_does_not_use_and_what_it_leaves_out(caplog):
+    """excluded/included restrict the search only; with load_strategy a warning says so. A dataset that
+    does not fill its last global batch is trimmed each epoch (drop_last, the default), logged once."""
+    import torch
+
+    from atorch.auto import auto_accelerate
+    from atorch.testing import tiny_llama
+    from atorch.testing.parity import TokenDataset
+
+    with caplog.at_level("INFO"):
+        status, result, _ = auto_accelerate(tiny_llama(), torch.optim.AdamW, TokenDataset(n=10, seq_len=8),
+                                            dataloader_args={"batch_size": 4}, load_strategy=["parallel_mode"],
+                                            excluded=["fsdp"])
+    assert status and len(result.dataloader) == 2
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("excluded=['fsdp'] and included=None only restrict the automatic search" in m for m in messages)
+    assert any("10 samples in global batches of 4: the last 2 are left out in each epoch" in m for m in messages)

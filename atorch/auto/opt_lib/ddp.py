@@ -8,6 +8,7 @@ and no other optimization reduces gradients; naming it lets its options be set, 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
@@ -30,7 +31,8 @@ class DdpConfig:
     def __post_init__(self) -> None:
         check_bool("ddp", "find_unused_parameters", self.find_unused_parameters)
         cap = self.bucket_cap_mb
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap)
+                                or cap <= 0):
             raise ValueError(f"ddp: bucket_cap_mb={cap!r} must be a positive number or None")
 
 

@@ -60,6 +60,10 @@ class ParallelModeOptimization(Optimization):
                 dims_t = tuple((str(n), s) for n, s in dims)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"parallel_mode: dims {dims!r} must be a list of (name, size) pairs") from e
+            for name, size in dims_t:
+                if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                    raise ValueError(f"parallel_mode: the size of {name!r} is {size!r} ({type(size).__name__}); "
+                                     "sizes are integers >= 1, e.g. [('tensor', 2), ('data', 2)]")
             return ParallelModeConfig(dims_t, tuple(order) if order is not None else None)
         raise ValueError(f"parallel_mode: config {raw!r} must be ([(name, size), ...], rank_order or None), "
                          "e.g. ([('tensor', 2), ('data', 2)], None)")
