@@ -5,6 +5,7 @@ Pure: no process group, no DeepSpeed import.
 """
 
 import json
+import re
 
 import pytest
 import torch
@@ -294,3 +295,21 @@ def test_3d_buckets_follow_the_stage_only_with_a_zero_optimizer():
     assert with_derived_buckets({"zero_optimization": {"stage": 0}}, 4096) == {"zero_optimization": {"stage": 0}}
     assert with_derived_buckets({}, 4096) == {}
     assert cfg == {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}     # not edited
+
+
+@pytest.mark.parametrize("cfg, key, meant", [
+    ({"zero_optimisation": {"stage": 2}}, "'zero_optimisation'", "'zero_optimization'"),
+    ({"bf_16": {"enabled": True}}, "'bf_16'", "'bf16'"),
+    ({"gradient_acumulation_steps": 2}, "'gradient_acumulation_steps'", "'gradient_accumulation_steps'"),
+    ({"zero_optimization": {"reduce_bucket_szie": 5}}, "'zero_optimization.reduce_bucket_szie'",
+     "'zero_optimization.reduce_bucket_size'"),
+])
+def test_a_misspelled_deepspeed_key_is_refused_naming_the_one_meant(cfg, key, meant):
+    """DeepSpeed ignores keys it does not know: a typo would train without the user's settings."""
+    from atorch.auto.opt_lib._ds_config import load_ds_config
+
+    with pytest.raises(ValueError, match=f"ds_config key {re.escape(key)} is not a DeepSpeed setting.*did you mean "
+                                         f"{re.escape(meant)}"):
+        load_ds_config("fsdp", cfg)
+    # A key unlike any DeepSpeed setting (a newer DeepSpeed's, a comment) passes: the list is not exhaustive.
+    assert load_ds_config("fsdp", {"my_notes": "x", "zero_optimization": {"stage": 2}})["my_notes"] == "x"

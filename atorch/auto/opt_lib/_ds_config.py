@@ -8,6 +8,7 @@ identically on every rank during validation. Registers nothing.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
@@ -120,8 +121,64 @@ def _read_ds_config(who: str, raw: Any) -> Dict[str, Any]:
             raise ValueError(f"{who}: ds_config {spec!r} is not a readable JSON file: {e}") from e
         if not isinstance(loaded, dict):
             raise ValueError(f"{who}: ds_config {spec!r} must hold a JSON object, got {type(loaded).__name__}")
-        return loaded
-    return spec   # normalize_ds_config already copied it
+        spec = loaded
+    check_misspelled_keys(who, spec)
+    return spec   # normalize_ds_config already copied a dict
+
+
+# DeepSpeed's top-level config sections and settings (0.19), and the keys of its `zero_optimization`
+# section (`DeepSpeedZeroConfig`'s fields and aliases). DeepSpeed ignores a key it does not know, so
+# a misspelled one (`zero_optimisation`) silently trains without the user's settings. The lists are
+# not exhaustive (new DeepSpeed versions add keys, and importing DeepSpeed to ask is too slow for a
+# validation): only a key that is not listed and is *close* to a listed one is refused.
+DS_TOP_LEVEL_KEYS = (
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer", "scheduler",
+    "fp16", "bf16", "amp", "torch_autocast", "zero_optimization", "gradient_clipping", "prescale_gradients",
+    "gradient_predivide_factor", "sparse_gradients", "steps_per_print", "wall_clock_breakdown", "dump_state",
+    "memory_breakdown", "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet",
+    "comms_logger", "aio", "elasticity", "autotuning", "checkpoint", "data_types", "communication_data_type",
+    "seq_parallel_communication_data_type", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+    "disable_allgather", "dataloader_drop_last", "pipeline", "compression_training", "data_efficiency",
+    "curriculum_learning", "sparse_attention", "quantize_training", "eigenvalue", "progressive_layer_drop",
+    "nebula", "weight_quantization", "hybrid_engine", "timers", "compile", "tensor_parallel",
+    "use_data_before_expert_parallelism", "graph_harvesting", "gradient_accumulation_dtype",
+)
+DS_ZERO_KEYS = (
+    "stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "use_multi_rank_bucket_allreduce",
+    "allgather_partitions", "allgather_bucket_size", "overlap_comm", "load_from_fp32_weights", "elastic_checkpoint",
+    "offload_param", "offload_optimizer", "sub_group_size", "cpu_offload_param", "cpu_offload_use_pin_memory",
+    "cpu_offload", "prefetch_bucket_size", "stage3_prefetch_bucket_size", "param_persistence_threshold",
+    "stage3_param_persistence_threshold", "model_persistence_threshold", "stage3_model_persistence_threshold",
+    "max_live_parameters", "stage3_max_live_parameters", "max_reuse_distance", "stage3_max_reuse_distance",
+    "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save", "module_granularity_threshold",
+    "stage3_module_granularity_threshold", "use_all_reduce_for_fetch_params",
+    "stage3_use_all_reduce_for_fetch_params", "allgather_sequential", "stage3_allgather_sequential",
+    "ignore_unused_parameters", "legacy_stage1", "round_robin_gradients", "zero_hpz_partition_size",
+    "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
+    "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings",
+    "enable_sanity_checks", "mics_shard_size", "mics_hierarchical_params_gather", "leaf_module", "compute_grad_norm",
+    "parameter_alignment", "zenflow",
+)
+# How alike (difflib's ratio) an unknown key must be to a known one to be taken for its misspelling.
+MISSPELLING_RATIO = 0.85
+
+
+def check_misspelled_keys(who: str, cfg: Mapping[str, Any]) -> None:
+    """ValueError for a key of `cfg` (or of its `zero_optimization`) that DeepSpeed does not know and
+    that is a near miss of one it does, e.g. `zero_optimisation` or `reduce_bucket_szie`."""
+    sections = [("", cfg, DS_TOP_LEVEL_KEYS)]
+    zero = cfg.get("zero_optimization")
+    if isinstance(zero, Mapping):
+        sections.append(("zero_optimization.", zero, DS_ZERO_KEYS))
+    for prefix, section, known in sections:
+        for key in section:
+            if not isinstance(key, str) or key in known:
+                continue
+            close = difflib.get_close_matches(key, known, n=1, cutoff=MISSPELLING_RATIO)
+            if close:
+                raise ValueError(f"{who}: ds_config key {prefix + key!r} is not a DeepSpeed setting (DeepSpeed would "
+                                 f"ignore it); did you mean {prefix + close[0]!r}?")
 
 
 def merge_ds_config(derived: Mapping[str, Any], user: Mapping[str, Any]) -> Dict[str, Any]:
