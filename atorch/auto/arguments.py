@@ -60,6 +60,10 @@ def validate_arguments(
     for name, value in (("loss_func", loss_func), ("prepare_input", prepare_input),
                         ("optim_param_func", optim_param_func)):
         _check_callable(name, value)
+    # How atorch calls them (train_step): loss_func(batch, model_output), prepare_input(batch, device).
+    _check_takes("loss_func", loss_func, "(batch, model_output)", 2)
+    _check_takes("prepare_input", prepare_input, "(batch, device)", 2)
+    _check_takes("optim_param_func", optim_param_func, "(model)", 1)
     _check_factory("optim_func", optim_func, "optim_args", optim_args, skip_first=1)
     if optim_args and optim_func is None:
         raise ValueError(f"optim_args={dict(optim_args)!r} were given without optim_func; pass optim_func (e.g. "
@@ -213,6 +217,21 @@ def _check_mapping(name: str, value: Any) -> Dict[str, Any]:
     return dict(value)
 
 
+def _check_takes(name: str, func: Any, how: str, positional: int) -> None:
+    """`func` can be called with `positional` positional arguments (as atorch calls it: `how`)."""
+    if func is None:
+        return
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check against
+        return
+    try:
+        signature.bind(*range(positional))
+    except TypeError as e:
+        raise TypeError(f"{name}={_name(func)}{signature} cannot be called as {name}{how}, which is how atorch "
+                        f"calls it: {e}") from e
+
+
 def _check_factory(name: str, factory: Any, args_name: str, args: Any, skip_first: int) -> None:
     """`factory(first, **args)` can be called: factory is callable and takes every key of `args`."""
     _check_callable(name, factory)
@@ -230,6 +249,13 @@ def _check_factory(name: str, factory: Any, args_name: str, args: Any, skip_firs
     if unknown:
         raise ValueError(f"{args_name}={kwargs!r} has key(s) {unknown} that {name}={_name(factory)} does not take; "
                          f"it takes {accepted}")
+    for p in params[skip_first:]:
+        default = p.default
+        number = isinstance(default, (int, float)) and not isinstance(default, bool)
+        if p.name in kwargs and number and isinstance(kwargs[p.name], (str, bytes)):
+            # A number read from a config file as text ('1e-3'): the callee would fail on a comparison.
+            raise TypeError(f"{args_name}[{p.name!r}]={kwargs[p.name]!r} is a string; {name}={_name(factory)} takes "
+                            f"a number there (its default is {default!r})")
 
 
 def _check_batch_size(global_batch: Any) -> None:
