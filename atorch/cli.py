@@ -49,7 +49,8 @@ def _plan(argv: List[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="atorch plan", description=(
         "Rank candidate strategies for a model on a cluster with the cost model: memory per device and predicted "
-        "step time, and what does not fit. Builds the model on the meta device; needs no GPU."))
+        "step time, and what does not fit. Builds the model on the meta device; needs no GPU. Exits 1 when no "
+        "candidate fits in device memory."))
     parser.add_argument("--model", required=True,
                         help=f"a config.json, a model directory, or a preset: {', '.join(sorted(MODEL_PRESETS))}")
     parser.add_argument("--nproc", type=int, required=True, help="devices per node")
@@ -72,7 +73,8 @@ def _plan(argv: List[str]) -> int:
     except ValueError as e:
         parser.error(str(e))
     print(result.format(args.top))
-    return 0
+    # Nothing fits: the answer is no, and a script calling this should see it in the exit code.
+    return 1 if result.table.empty else 0
 
 
 def _merge(argv: List[str]) -> int:

@@ -100,3 +100,9 @@ def test_env_run_help_and_unknown_command(capsys):
 def test_console_script_entry_point():
     out = subprocess.run([sys.executable, "-m", "atorch.cli", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "atorch plan" in out.stdout
+
+
+def test_plan_exits_1_when_nothing_fits(capsys):
+    code = main(["plan", "--model", "llama2-7b", "--nproc", "1", "--device", "a100", "--device-memory-gb", "1",
+                 "--global-batch", "4", "--seq", "512", "--top", "1"])
+    assert code == 1 and "no candidate strategy fits in device memory" in capsys.readouterr().out
