@@ -2,8 +2,9 @@
 
 Mistakes in the arguments (see `atorch.auto.arguments`) and in the strategy (an unknown
 optimization, a bad config, a conflicting pair) raise ValueError/TypeError on every rank before
-any collective, as do atorch's own checks that can only run while applying (all ranks agree
-on them). `status=False` means a valid strategy failed while it was applied (any other
+anything is applied, as do atorch's own checks that can only run while applying. The checks are
+local; on several ranks a small vote follows each (`atorch.distributed.agreement`), so a mistake
+that only some ranks see, or inputs that differ between ranks, raise on every rank too. `status=False` means a valid strategy failed while it was applied (any other
 exception, logged with its traceback) or no searched strategy ran; every rank returns the same.
 The work itself is in `atorch.auto.engine` (apply) and `atorch.auto.search` (the automatic mode).
 """
@@ -158,14 +159,17 @@ def _accelerate(ctx: ModelContext, load_strategy: Optional[StrategyLike], ignore
             except DryRunError:
                 logger.exception("auto_accelerate: the loaded strategy failed its dry run")
                 return False, None, None
-    # Validation raises ValueError on every rank before any collective.
-    try:
-        resolved = _validate_layout(ctx, strategy, note_idle=True)
-    except ValueError as e:
-        if compat.finetune_strategy:
-            raise ValueError(f"{e} (finetune_strategy=True reset the configs of the loaded strategy, all but "
-                             "parallel_mode's, to their defaults; pass finetune_strategy=False to keep them)") from e
-        raise
+    # Validation is local and the same on every rank (same strategy, same arguments); the vote after
+    # it covers what only one rank's objects can show (a model that differs), before anything is applied.
+    with agree_on_error("auto_accelerate: validating the strategy"):
+        try:
+            resolved = _validate_layout(ctx, strategy, note_idle=True)
+        except ValueError as e:
+            if compat.finetune_strategy:
+                raise ValueError(f"{e} (finetune_strategy=True reset the configs of the loaded strategy, all but "
+                                 "parallel_mode's, to their defaults; pass finetune_strategy=False to keep them)"
+                                 ) from e
+            raise
     try:
         # Every rank returns the same status. A rank failing inside an optimization, before one of
         # its collectives, leaves the others in that collective until ATORCH_COLLECTIVE_TIMEOUT.

@@ -1,8 +1,8 @@
 """The auto_accelerate contract around the optimizations, on 2 gloo ranks, one spawn:
 
 - bad strategies (conflicts, unknown names and keys, malformed configs) raise the same
-  ValueError on every rank, and also on one rank alone while the other does nothing, which
-  proves no collective runs before validation (one would hang until the spawn timeout);
+  ValueError on every rank before anything is applied (no parallel group exists after), and a
+  bad strategy given to one rank only raises on both, naming the difference (the ranks vote);
 - the three model_input_format values and a loss_func returning a sequence train exactly like
   the single-process reference (fp32, rel 1e-5), as does a call without a dataset where the
   user feeds each rank its share of the global batch;
@@ -126,15 +126,12 @@ def _error_messages() -> Dict[str, Any]:
             return str(e)
         return "no error"
 
-    out: Dict[str, Any] = {"all_ranks": {}, "alone": {}}
+    out: Dict[str, Any] = {"all_ranks": {}}
     for name, (strategy, _) in BAD_STRATEGIES.items():
         out["all_ranks"][name] = message(strategy)
-    # Each rank in turn validates alone while the other waits at the barrier: any collective
-    # inside auto_accelerate before the error would never complete.
-    for lone in range(dist.get_world_size()):
-        if dist.get_rank() == lone:
-            out["alone"] = {name: message(strategy) for name, (strategy, _) in BAD_STRATEGIES.items()}
-        dist.barrier()
+    # A bad strategy on rank 1 only, a valid one on rank 0: both raise the same error (rank 0 would
+    # otherwise apply its strategy and wait in its first collective until the timeout).
+    out["one_rank"] = message(["zero1"] if dist.get_rank() == 0 else ["zero1", "zero2"])
     out["groups_created"] = adist.is_parallel_group_created()
     return out
 
@@ -171,13 +168,19 @@ def api_runs():
 
 
 @pytest.mark.parametrize("name", list(BAD_STRATEGIES))
-def test_bad_strategies_raise_on_every_rank_before_any_collective(name, api_runs):
+def test_bad_strategies_raise_on_every_rank_before_anything_is_applied(name, api_runs):
     pattern = BAD_STRATEGIES[name][1]
-    messages = [runs["errors"][kind][name] for runs in api_runs for kind in ("all_ranks", "alone")]
+    messages = [runs["errors"]["all_ranks"][name] for runs in api_runs]
     for m in messages:
         assert re.search(pattern, m), f"{name}: {m!r} does not match {pattern!r}"
     assert len(set(messages)) == 1, messages
     assert not any(runs["errors"]["groups_created"] for runs in api_runs)
+
+
+def test_a_bad_strategy_on_one_rank_only_raises_on_both(api_runs):
+    messages = [runs["errors"]["one_rank"] for runs in api_runs]
+    assert len(set(messages)) == 1, messages
+    assert "given different load_strategy" in messages[0] and "zero1+zero2 on rank [1]" in messages[0]
 
 
 @pytest.mark.parametrize("name", ["format None", "format unpack_sequence + sequence loss",
