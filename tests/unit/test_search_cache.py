@@ -216,7 +216,7 @@ def test_a_re_measurement_is_a_new_dry_run_never_the_remembered_one(tmp_path):
         calls.append(strategy)
         return fresh
 
-    run = _cached_evaluator(evaluate, cache)
+    run = _cached_evaluator(evaluate, cache, [])
     assert run(DDP) == OK and calls == []                 # first ask in this search: remembered, no dry run
     assert run(DDP) == fresh and calls == [DDP]           # second ask: measured again
     assert run(FSDP) == fresh and run(FSDP) == fresh and calls == [DDP, FSDP, FSDP]
@@ -249,3 +249,24 @@ def test_a_report_that_cannot_be_written_is_a_warning_on_rank_0_not_an_error(tmp
     assert "could not write the search report" in caplog.text and result.reason in caplog.text
     paths = auto_search._write_report_or_warn(result, str(tmp_path / "report"), "search.png")
     assert paths is not None and all(os.path.exists(p) for p in paths.values())
+
+
+def test_a_remembered_failure_is_measured_again_and_served_trials_are_named(tmp_path):
+    """A failure's cause (a loss function that raised, a memory limit) is not in the cache's key: a
+    second search runs it again. Trials the cache answered say so, in the table and the reason."""
+    from atorch.auto.search.auto_search import _cached_evaluator, _mark_served
+    from atorch.auto.search.search import SearchResult
+
+    import pandas as pd
+
+    cache = SearchCache.load(str(tmp_path / "cache.json"), KEY)
+    cache.put(DDP, OK)
+    cache.put(FSDP, OOM)
+    served, calls = [], []
+    run = _cached_evaluator(lambda s: calls.append(s) or OK, cache, served)
+    assert run(DDP) == OK and run(FSDP) == OK and calls == [FSDP] and served == [True, False]
+    result = SearchResult(DDP, 123.5, pd.DataFrame({"source": ["random", "ei"]}), pd.DataFrame(), [DDP, FSDP],
+                          reason="parallel_mode: fastest")
+    _mark_served(result, served, cache.path)
+    assert list(result.trials["source"]) == ["random (cached)", "ei"]
+    assert result.reason.endswith(f"1 of 2 trial(s) served from the results cache {cache.path}")

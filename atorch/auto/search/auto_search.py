@@ -21,7 +21,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, cast
 
 import pandas as pd
 import torch
@@ -190,6 +190,7 @@ def _search_or_confirm(space: SearchSpace, evaluate: Callable[[Strategy], DryRun
     """
     candidates = space.candidates()
     signature = space_signature([c.label() for c in candidates], memory_limit)
+    just_measured: Dict[str, DryRunResult] = {}     # the failed confirmation, if any: measured now
     if cache is not None:
         best = cache.cached_best(signature, {c.strategy for c in candidates})
         if best is not None:
@@ -201,25 +202,34 @@ def _search_or_confirm(space: SearchSpace, evaluate: Callable[[Strategy], DryRun
                 return _confirmed_result(cache, best, confirmed, remembered, memory_limit)
             logger.warning("the cached winner %s failed its confirming dry run (%s): searching again", best.describe(),
                            confirmed.error)
-        evaluate = _cached_evaluator(evaluate, cache)
+            just_measured[best.to_json()] = confirmed
+        served: List[bool] = []
+        evaluate = _cached_evaluator(evaluate, cache, served, just_measured)
     result = search_strategy(
         space, evaluate, max_trials=settings.max_trials, random_samples=settings.random_samples,
         patience=settings.patience, predictor=predictor, memory_limit_bytes=memory_limit,
         time_limit_s=settings.time_limit_s, batch_size=batch_size, progress=True)
     if cache is not None:
+        _mark_served(result, served, cache.path)
         cache.record_search(result.best, signature, _records(result.trials), _records(result.pruned), result.reason,
                             result.stop_reason, result.num_candidates)
         cache.save()
     return result
 
 
-def _cached_evaluator(evaluate: Callable[[Strategy], DryRunResult],
-                      cache: SearchCache) -> Callable[[Strategy], DryRunResult]:
-    """Serves remembered results without a dry run; remembers (and saves) every new one.
+def _cached_evaluator(evaluate: Callable[[Strategy], DryRunResult], cache: SearchCache, served: List[bool],
+                      just_measured: Optional[Dict[str, DryRunResult]] = None) -> Callable[[Strategy], DryRunResult]:
+    """Serves remembered successful results without a dry run; remembers (and saves) every new one.
+    `served` gets one flag per call: whether the cache answered it. `just_measured` (strategy JSON ->
+    result) holds dry runs of this process served as they are, failures included (a confirmation
+    that just failed).
 
     Only a strategy's first evaluation in this search may come from the cache: the search asks
     again for a strategy only to re-measure it (the interleaved top-two comparison), and serving
-    the remembered numbers a second time would count one measurement twice.
+    the remembered numbers a second time would count one measurement twice. A remembered failure
+    is run again: the code that raised (a loss function, a model) is not part of the cache's key
+    and may have been fixed since, and an out-of-memory run depends on the memory limit of its
+    search (`ATORCH_DEVICE_MEMORY_LIMIT`), which the per-strategy results do not record.
     """
     asked: set = set()
 
@@ -228,14 +238,30 @@ def _cached_evaluator(evaluate: Callable[[Strategy], DryRunResult],
         first_time = key not in asked
         asked.add(key)
         cached = cache.get(strategy) if first_time else None
-        if cached is not None:
+        if first_time and just_measured and key in just_measured:
+            cached = just_measured[key]
+            served.append(True)
             return cached
+        served.append(cached is not None and cached.ok)
+        if served[-1]:
+            return cast(DryRunResult, cached)
         result = evaluate(strategy)
         cache.put(strategy, result)
         cache.save()      # after every trial: an interrupted search resumes from here
         return result
 
     return run
+
+
+def _mark_served(result: SearchResult, served: List[bool], path: str) -> None:
+    """Say which trials the results cache answered: their `source` gains " (cached)", and the reason
+    line counts them (a search that ran few or no dry runs would otherwise look like one that did)."""
+    count = sum(served)
+    if not count or len(served) != len(result.trials):
+        return
+    sources = result.trials["source"] if "source" in result.trials else [""] * len(served)
+    result.trials["source"] = [f"{s} (cached)".strip() if hit else s for s, hit in zip(sources, served)]
+    result.reason += f"; {count} of {len(served)} trial(s) served from the results cache {path}"
 
 
 def _confirmed_result(cache: SearchCache, best: Strategy, confirmed: DryRunResult, remembered: Optional[DryRunResult],
