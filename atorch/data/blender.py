@@ -35,9 +35,11 @@ def blend_schedule(weights: Sequence[float], size: int) -> Tuple[np.ndarray, np.
     w = np.asarray(weights, dtype=np.float64)
     if size < 1:
         raise ValueError(f"size must be >= 1, got {size}")
-    if not (np.all(np.isfinite(w)) and np.all(w >= 0) and w.sum() > 0):
+    if not (w.ndim == 1 and w.size and np.all(np.isfinite(w)) and np.all(w >= 0) and w.max() > 0):
         raise ValueError(f"weights must be finite, >= 0 and not all 0, got {list(weights)}")
-    w = w / w.sum()
+    with np.errstate(over="ignore"):
+        total = w.sum()
+    w = w / total if np.isfinite(total) else np.asarray(_normalized(w.tolist()))
     times, datasets, samples = [], [], []
     for d, weight in enumerate(w):
         if weight == 0:
@@ -52,13 +54,30 @@ def blend_schedule(weights: Sequence[float], size: int) -> Tuple[np.ndarray, np.
     return dataset[order], sample[order]
 
 
+def _normalized(weights: Sequence[float]) -> List[float]:
+    """Finite weights >= 0, not all 0, scaled to sum to 1. When their sum overflows ([1e308, 1e308] sums
+    to inf, which made every share 0), they are divided by their maximum first."""
+    total = sum(weights)
+    if not math.isfinite(total):
+        weights = [w / max(weights) for w in weights]
+        total = sum(weights)
+    return [w / total for w in weights]
+
+
+def _as_number(weight: Any) -> Any:
+    """A 0-d tensor or array (`torch.tensor([.25, .75])[0]`, `np.array(.5)`) as the Python number it holds."""
+    if getattr(weight, "ndim", None) == 0 and hasattr(weight, "item"):
+        return weight.item()
+    return weight
+
+
 class DatasetBlender(Dataset):
     """A dataset whose items come from `datasets` in the proportions `weights`.
 
     Args:
         datasets: map-style datasets (with `len`).
-        weights: one non-negative weight per dataset, normalized to sum to 1. Default: each
-            dataset's length, so every sample appears once.
+        weights: one non-negative weight per dataset (numbers, or a 1-d tensor or array of them),
+            normalized to sum to 1. Default: each dataset's length, so every sample appears once.
         size: number of blended samples; default the sum of the dataset lengths. A dataset
             asked for more samples than it has wraps around (starts its next epoch).
 
@@ -75,18 +94,23 @@ class DatasetBlender(Dataset):
             weights = [float(n) for n in lengths]
             if sum(weights) == 0:
                 raise ValueError(f"all {len(lengths)} datasets are empty")
-        weights = list(weights)
+        # A tensor or array of weights, or 0-d tensors in a list, count as the numbers they hold.
+        weights = [_as_number(w) for w in weights]
         if len(weights) != len(self.datasets):
             raise ValueError(f"weights has {len(weights)} entries but {len(self.datasets)} datasets were given")
         for i, (weight, length) in enumerate(zip(weights, lengths)):
-            if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight) \
-                    or weight < 0:
+            if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+                raise ValueError(f"weights[{i}]={weight!r}; every weight must be a finite number >= 0, not a "
+                                 f"{type(weight).__name__}")
+            if not math.isfinite(weight) or weight < 0:
                 raise ValueError(f"weights[{i}]={weight!r}; every weight must be a finite number >= 0")
             if weight > 0 and length == 0:
                 raise ValueError(f"datasets[{i}] is empty but has weight {weight}")
-        if sum(weights) <= 0:
-            raise ValueError(f"weights sum to {sum(weights)}; at least one must be > 0")
-        self.weights = [w / sum(weights) for w in weights]
+        if max(weights) <= 0:
+            raise ValueError("weights sum to 0; at least one must be > 0")
+        self.weights = _normalized([float(w) for w in weights])
+        if not (all(map(math.isfinite, self.weights)) and sum(self.weights) > 0):  # not expected: say which input
+            raise ValueError(f"weights {weights} cannot be normalized to sum to 1 (got {self.weights})")
         if size is not None and (isinstance(size, bool) or not isinstance(size, numbers.Integral)):
             raise ValueError(f"size={size!r} must be an int (the number of blended samples) or None")
         self.size = sum(lengths) if size is None else int(size)

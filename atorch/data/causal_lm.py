@@ -7,6 +7,7 @@ cached next to the data, and memory-mapped by every rank and DataLoader worker.
 
 from __future__ import annotations
 
+import numbers
 import os
 import uuid
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from atorch.data.indexed_dataset import PathLike, open_indexed_dataset, strip_suffix
+from atorch.data.indexed_dataset import PathLike, check_token_id, is_int, open_indexed_dataset, strip_suffix
 from atorch.distributed import local_rank
 
 
@@ -59,8 +60,15 @@ def build_once_per_node(is_built: Callable[[], bool], build: Callable[[], None],
         raise RuntimeError(f"building {what} failed on the local rank 0 of some node; see its error")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+_PATH_SEPARATORS = tuple({"/", "\\", os.sep} | ({os.altsep} if os.altsep else set()))
+
+
+def _weight_name(weight: float) -> str:
+    """A split boundary in a cache file name: `%g` as before for round values (0, 0.5, 0.99, 1: the names
+    already on disk stay valid), else the shortest exact repr, so 0.5000001 and 0.5000002 get distinct
+    names instead of sharing "0.5" (and one split reading the other's index)."""
+    short = f"{weight:g}"
+    return short if float(short) == weight else repr(float(weight))
 
 
 class DatasetForCausalLM(Dataset):
@@ -70,7 +78,8 @@ class DatasetForCausalLM(Dataset):
         data_name: path prefix of `<data_name>.bin` and `<data_name>.idx`.
         max_seq_length: tokens per sample. The last `total % max_seq_length` tokens of the split
             are dropped.
-        split_type: a name for the split ("train", "valid", ...); part of the cache file names.
+        split_type: a name for the split ("train", "valid", ...); part of the cache file names, so
+            without path separators.
         start_weight, end_weight: the split as fractions of the N documents (sequences) in the
             file. Splits with touching weights (0-0.9, 0.9-1) are disjoint and together complete.
         binarization_impl: "mmap", "lazy" or "cached", as the files were written.
@@ -86,7 +95,8 @@ class DatasetForCausalLM(Dataset):
     not trained on.
 
     The index (document order, document offsets, sample order) is written once, atomically, as
-    `<data_name>_<split>_<seq>sl_<start>_<end>_<seed>s_{doc_order,doc_offsets,samples}.npy`;
+    `<data_name>_<split>_<seq>sl_<start>_<end>_<seed>s_{doc_order,doc_offsets,samples}.npy` (the weights
+    as `%g` when that is exact, else as their repr);
     under torch.distributed the local rank 0 of each node builds it and the other ranks wait, so
     every rank must construct the dataset (the constructor holds a collective).
     """
@@ -94,15 +104,21 @@ class DatasetForCausalLM(Dataset):
     def __init__(self, data_name: PathLike, max_seq_length: int, split_type: str = "train",
                  start_weight: float = 0.0, end_weight: float = 1.0, binarization_impl: str = "mmap",
                  seed: Optional[int] = None, eod_token_id: Optional[int] = None) -> None:
+        for name, weight in (("start_weight", start_weight), ("end_weight", end_weight)):
+            if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+                raise ValueError(f"{name} must be a number in [0, 1], got {type(weight).__name__} {weight!r}")
+        if not isinstance(split_type, str) or any(sep in split_type for sep in _PATH_SEPARATORS):
+            raise ValueError(f"split_type={split_type!r} must be a str without path separators: it is part of the "
+                             "cache file names next to the data")
         if not 0.0 <= start_weight < end_weight <= 1.0:
             raise ValueError(f"need 0 <= start_weight < end_weight <= 1, got start_weight={start_weight}, "
                              f"end_weight={end_weight}")
-        if not _is_int(max_seq_length) or max_seq_length < 1:
+        if not is_int(max_seq_length) or max_seq_length < 1:
             raise ValueError(f"max_seq_length must be an int >= 1, got {max_seq_length!r}")
-        if seed is not None and (not _is_int(seed) or seed < 0):
+        if seed is not None and (not is_int(seed) or seed < 0):
             raise ValueError(f"seed must be None (file order) or an int >= 0, got {seed!r}")
-        if eod_token_id is not None and (not _is_int(eod_token_id) or eod_token_id < 0):
-            raise ValueError(f"eod_token_id must be None or a token id >= 0, got {eod_token_id!r}")
+        if eod_token_id is not None:
+            eod_token_id = check_token_id("eod_token_id", eod_token_id)
         self.data_name = strip_suffix(data_name)
         self.max_seq_length = int(max_seq_length)
         self.split_type = split_type
@@ -126,8 +142,8 @@ class DatasetForCausalLM(Dataset):
             raise ValueError(f"max_seq_length={self.max_seq_length} is larger than split {split_type!r} of "
                              f"{self.data_name!r}, which holds {self.num_tokens} tokens (documents [{lo}, {hi}))")
         eod = "" if eod_token_id is None else f"_eod{eod_token_id}"
-        stem = (f"{self.data_name}_{split_type}_{self.max_seq_length}sl_{start_weight:g}_{end_weight:g}_"
-                f"{seed}s{eod}")
+        stem = (f"{self.data_name}_{split_type}_{self.max_seq_length}sl_{_weight_name(start_weight)}_"
+                f"{_weight_name(end_weight)}_{seed}s{eod}")
         self.index_files: Dict[str, Path] = {k: Path(f"{stem}_{k}.npy") for k in ("doc_order", "doc_offsets",
                                                                                   "samples")}
         build_once_per_node(lambda: all(p.is_file() for p in self.index_files.values()), self._build_index,

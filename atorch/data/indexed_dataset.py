@@ -19,7 +19,7 @@ import os
 import struct
 import uuid
 from pathlib import Path
-from typing import BinaryIO, Dict, Iterator, Optional, Union
+from typing import Any, BinaryIO, Dict, Iterator, Optional, Union
 
 import numpy as np
 
@@ -39,6 +39,20 @@ _CODE_OF_DTYPE = {dtype: code for code, dtype in DTYPE_CODES.items()}
 _BLOCK = 1 << 20
 
 PathLike = Union[str, os.PathLike]
+
+
+def is_int(value: Any) -> bool:
+    """An integer (Python or NumPy), not a bool and not a float that happens to be whole."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def check_token_id(name: str, value: Any) -> int:
+    """`value` as a token id (an int >= 0, not a bool or float); else ValueError naming `name` and the value.
+
+    Callers check the upper bound they know (the vocabulary, the token dtype)."""
+    if not is_int(value) or value < 0:
+        raise ValueError(f"{name} must be None or a token id >= 0, got {value!r}")
+    return int(value)
 
 
 def best_fitting_dtype(vocab_size: int) -> np.dtype:

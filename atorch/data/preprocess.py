@@ -29,6 +29,7 @@ from atorch.data.indexed_dataset import (
     BINARIZATION_IMPLS,
     IndexedDatasetWriter,
     best_fitting_dtype,
+    check_token_id,
     data_path,
     index_path,
     strip_suffix,
@@ -191,7 +192,9 @@ class DatasetPreprocessor:
             if eod_token_id is None:
                 raise ValueError("append_eod=True but eod_token_id is None and the tokenizer has no eos_token_id; "
                                  "pass eod_token_id or append_eod=False")
-            if not 0 <= eod_token_id < self.vocab_size:
+            # A float or bool would be written as int(value): 1.5 -> 1, 844.9 -> another real token.
+            eod_token_id = check_token_id("eod_token_id", eod_token_id)
+            if not eod_token_id < self.vocab_size:
                 raise ValueError(f"eod_token_id={eod_token_id} is outside the vocabulary [0, {self.vocab_size})")
         self.tokenizer = tokenizer
         self.chunk_size = chunk_size
@@ -231,14 +234,19 @@ class DatasetPreprocessor:
 
         `documents` is any iterable of str (one document each) or a path given to `open`.
         Nothing appears under the final names unless the whole corpus succeeds. Raises
-        ValueError for a corpus without any non-empty document.
+        ValueError for a corpus without any non-empty document. A document that cannot be
+        encoded as UTF-8 (a lone surrogate) is skipped and counted like a bad input line, or
+        raises with `strict=True`.
         """
         if isinstance(documents, (str, os.PathLike)):
             documents = self.open(documents)
+        elif not isinstance(documents, DocumentSource):
+            # Checks each document (a str, encodable as UTF-8) and counts the unusable ones like a file's lines.
+            documents = sources.open_documents(documents, self.strict)
         if log_interval < 1:
             raise ValueError(f"log_interval must be >= 1, got {log_interval}")
         prefix = strip_suffix(save_file_name)
-        name = documents.name if isinstance(documents, DocumentSource) else type(documents).__name__
+        name = documents.name
         writer = IndexedDatasetWriter(prefix, self.dtype, self.binarization_impl)
         encoder = _ChunkEncoder(self.tokenizer, self.dtype, self.vocab_size, self.eod_token_id)
         progress = _Progress(log_interval, progress_enabled, desc=Path(prefix).name)
@@ -251,8 +259,7 @@ class DatasetPreprocessor:
                 empty += n_empty
                 progress.update(sizes.size + n_empty, flat.size)
             if writer.num_sequences == 0:
-                problems = documents.problems if isinstance(documents, DocumentSource) else []
-                skipped = documents.problem_count if isinstance(documents, DocumentSource) else 0
+                problems, skipped = documents.problems, documents.problem_count
                 first = f", first: {'; '.join(map(str, problems[:3]))}" if problems else ""
                 raise ValueError(f"corpus {name!r} has no non-empty document ({empty} empty documents, "
                                  f"{skipped} unusable lines{first}); nothing written to {prefix}.bin/.idx")
@@ -265,11 +272,10 @@ class DatasetPreprocessor:
             progress.close()
         stats = PreprocessStats(str(data_path(prefix)), str(index_path(prefix)), writer.num_sequences,
                                 writer.num_tokens, empty, 0, seconds=time.perf_counter() - start)
-        if isinstance(documents, DocumentSource):
-            stats.skipped_lines, stats.problems = documents.problem_count, list(documents.problems)
-            if stats.skipped_lines:
-                shown = "; ".join(map(str, stats.problems[:10]))
-                logger.warning("%s: skipped %d unusable lines (first: %s)", name, stats.skipped_lines, shown)
+        stats.skipped_lines, stats.problems = documents.problem_count, list(documents.problems)
+        if stats.skipped_lines:
+            shown = "; ".join(map(str, stats.problems[:10]))
+            logger.warning("%s: skipped %d unusable lines (first: %s)", name, stats.skipped_lines, shown)
         logger.info("wrote %d documents, %d tokens to %s in %.1f s (%.0f docs/s, %.0f tokens/s)", stats.documents,
                     stats.tokens, stats.data_file, stats.seconds, stats.documents_per_second,
                     stats.tokens_per_second)
@@ -310,7 +316,7 @@ def _encode_in_pool(encoder: _ChunkEncoder, chunks: Iterator[List[str]], workers
 def _chunks(documents: Iterable[str], chunk_size: int) -> Iterator[List[str]]:
     chunk: List[str] = []
     for position, text in enumerate(documents):
-        if not isinstance(text, str):
+        if not isinstance(text, str):  # a DocumentSource built by hand: its reader may yield anything
             raise TypeError(f"document {position} is {type(text).__name__}, expected str")
         chunk.append(text)
         if len(chunk) == chunk_size:

@@ -7,12 +7,14 @@ output of an arbitrary sampler (weighted, grouped by length, ...) the same way.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Iterator, List, Optional
 
 import torch
 from torch.utils.data import DataLoader, Sampler
 
 from atorch import distributed as adist
+from atorch.data.indexed_dataset import is_int
 
 
 class DistributedProxySampler(Sampler):
@@ -32,17 +34,35 @@ class DistributedProxySampler(Sampler):
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
         num_replicas = adist.world_size() if num_replicas is None else num_replicas
         rank = adist.rank() if rank is None else rank
+        # Checked here, not at the first epoch: a float rank or count used to fail only inside __iter__
+        # ("slice indices must be integers"), a str with a bare TypeError.
+        for name, value in (("num_replicas", num_replicas), ("rank", rank), ("seed", seed)):
+            if not is_int(value):
+                raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank={rank} is outside [0, num_replicas={num_replicas})")
         self.sampler = sampler
-        self.num_replicas = num_replicas
-        self.rank = rank
+        self.num_replicas = int(num_replicas)
+        self.rank = int(rank)
         self.shuffle = shuffle
-        self.seed = seed
+        self.seed = int(seed)
         self.drop_last = drop_last
         self.epoch = 0
+        self._warn_if_every_rank_is_empty()
+
+    def _warn_if_every_rank_is_empty(self) -> None:
+        # As torch's DistributedSampler, an empty epoch is not an error (the wrapped sampler may grow, and
+        # InfiniteDataLoader refuses a loader without batches); but say so where it is set up.
+        try:
+            n = len(self.sampler)
+        except TypeError:  # no len() yet: checked at iteration
+            return
+        if self.drop_last and 0 < n < self.num_replicas:
+            warnings.warn(f"DistributedProxySampler: drop_last=True with {n} samples over num_replicas="
+                          f"{self.num_replicas} ranks drops them all; every rank gets 0 samples per epoch "
+                          "(pass drop_last=False to pad instead)", stacklevel=3)
 
     @property
     def num_samples(self) -> int:

@@ -77,6 +77,19 @@ def _decode(source: DocumentSource, path: Path, number: int, raw: bytes) -> Unio
         return None
 
 
+def utf8_problem(text: str) -> Union[str, None]:
+    """Why `text` cannot be encoded as UTF-8 (a lone surrogate, from a JSON escape like "\\ud800" or a
+    `surrogateescape` decode), or None. The tokenizer would refuse the whole chunk holding it with a bare
+    TypeError, so it is found here, where the file and line are known."""
+    if text.isascii():  # O(1) in CPython: the common case costs nothing
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"text not encodable as UTF-8 ({e.reason} {text[e.start]!r} at character {e.start})"
+    return None
+
+
 def _strip_newline(raw: bytes) -> bytes:
     if raw.endswith(b"\r\n"):
         return raw[:-2]
@@ -92,7 +105,18 @@ def _read_text(path: Path, source: DocumentSource) -> Iterator[str]:
                 yield text
 
 
+def _json_array_error(path: Path, line: str) -> ValueError:
+    return ValueError(f"corpus file {str(path)!r} holds a JSON array (its first line is {line.strip()[:40]!r}); "
+                      "preprocessing reads JSON Lines, one object per line: convert it first, e.g. with "
+                      "`jq -c '.[]' in.json > out.jsonl`")
+
+
 def _read_jsonl(path: Path, json_key: str, source: DocumentSource) -> Iterator[str]:
+    # A .json file holding one JSON array (pretty-printed or on one line) is refused rather than read: its
+    # lines are not documents (each was skipped as "not JSON", losing the whole file but a warning), and
+    # reading it as an array needs the whole file in memory (json.load) or a streaming parser this package
+    # does not depend on, while preprocessing promises memory bounded by the chunks, not the corpus.
+    first = True
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             line = _decode(source, path, number, _strip_newline(raw))
@@ -104,8 +128,14 @@ def _read_jsonl(path: Path, json_key: str, source: DocumentSource) -> Iterator[s
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
+                if first and line.lstrip().startswith("["):
+                    raise _json_array_error(path, line) from None
                 source.report(str(path), number, f"not JSON ({e.msg} at column {e.colno})")
+                first = False
                 continue
+            if first and isinstance(record, list) and record and all(isinstance(r, dict) for r in record):
+                raise _json_array_error(path, line)
+            first = False
             text = _field(record, json_key, source, str(path), number)
             if text is not None:
                 yield text
@@ -118,9 +148,16 @@ def _field(record: Any, key: str, source: DocumentSource, name: str, number: int
     if key not in record:
         source.report(name, number, f"missing key {key!r} (keys: {sorted(record)[:10]})")
         return None
-    value = record[key]
+    return _text(record[key], key, source, name, number)
+
+
+def _text(value: Any, key: str, source: DocumentSource, name: str, number: int) -> Union[str, None]:
     if not isinstance(value, str):
         source.report(name, number, f"value of {key!r} is {type(value).__name__}, expected str")
+        return None
+    problem = utf8_problem(value)
+    if problem is not None:
+        source.report(name, number, problem)
         return None
     return value
 
@@ -182,15 +219,32 @@ def open_hf_dataset(dataset: Iterable[Any], text_key: str = "text", strict: bool
             for batch in dataset.iter(batch_size=batch_size):
                 for value in batch[text_key]:
                     row += 1
-                    if isinstance(value, str):
-                        yield value
-                    else:
-                        source.report(name, row, f"value of {text_key!r} is {type(value).__name__}, expected str")
+                    text = _text(value, text_key, source, name, row)
+                    if text is not None:
+                        yield text
             return
         for row, record in enumerate(dataset, start=1):
             text = _field(record, text_key, source, name, row)
             if text is not None:
                 yield text
+
+    return DocumentSource(name, read, strict)
+
+
+def open_documents(documents: Iterable[Any], strict: bool = False) -> DocumentSource:
+    """Any iterable of str, one document each. A str that cannot be encoded as UTF-8 is an unusable row
+    (line = position + 1, as for a dataset); anything but a str is a TypeError (a bug, not bad data)."""
+    name = type(documents).__name__
+
+    def read(source: DocumentSource) -> Iterator[str]:
+        for position, text in enumerate(documents):
+            if not isinstance(text, str):
+                raise TypeError(f"document {position} is {type(text).__name__}, expected str")
+            problem = utf8_problem(text)
+            if problem is None:
+                yield text
+            else:
+                source.report(name, position + 1, f"document {position}: {problem}")
 
     return DocumentSource(name, read, strict)
 

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import torch
 
 from atorch.data import DatasetBlender, blend_schedule
 
@@ -93,6 +94,34 @@ def test_explicit_weights_size_and_wrap_around():
 def test_bad_weights_raise(datasets, weights, message):
     with pytest.raises(ValueError, match=message):
         DatasetBlender(datasets, weights)
+
+
+def test_tensor_and_numpy_scalar_weights_count_as_numbers():
+    datasets = [Tagged("a", 10), Tagged("b", 10)]
+    expected = DatasetBlender(datasets, [0.25, 0.75], size=40)
+    for weights in (torch.tensor([0.25, 0.75]), np.array([0.25, 0.75]), [torch.tensor(0.25), np.array(0.75)],
+                    torch.tensor([1, 3]), [np.float32(0.25), np.float64(0.75)]):
+        blend = DatasetBlender(datasets, weights, size=40)
+        assert blend.weights == pytest.approx([0.25, 0.75]) and all(type(w) is float for w in blend.weights)
+        assert np.array_equal(blend.dataset_index, expected.dataset_index)
+    # Not a number: the message names the type (it said "every weight must be a finite number" of tensor(0.25)).
+    with pytest.raises(ValueError, match=r"weights\[1\]=tensor\(\[0.5000, 0.5000\]\); .* not a Tensor"):
+        DatasetBlender(datasets, [torch.tensor(1.0), torch.tensor([0.5, 0.5])])
+    with pytest.raises(ValueError, match=r"weights\[0\]=\(1\+0j\); .* not a complex"):
+        DatasetBlender(datasets, torch.tensor([1 + 0j, 1 + 0j]))
+
+
+def test_huge_weights_do_not_overflow_the_normalization():
+    # Their sum overflowed to inf and every share became 0; the error then showed [0.0, 0.0], not the input.
+    datasets = [Tagged("a", 10), Tagged("b", 10)]
+    blend = DatasetBlender(datasets, [1e308, 1e308], size=40)
+    assert blend.weights == [0.5, 0.5]
+    assert np.array_equal(blend.dataset_index, DatasetBlender(datasets, [1, 1], size=40).dataset_index)
+    assert DatasetBlender(datasets, [1e308, 3e307], size=40).weights == pytest.approx([1 / 1.3, 0.3 / 1.3])
+    dataset_index, _ = blend_schedule([1e308, 1e308], 40)
+    assert np.array_equal(dataset_index, blend.dataset_index)
+    with pytest.raises(ValueError, match=r"got \[1e\+308, -1.0\]"):
+        blend_schedule([1e308, -1.0], 4)
 
 
 def test_bad_size_raises():

@@ -172,3 +172,33 @@ def test_bad_arguments(data, tmp_path):
         DatasetForCausalLM(prefix, 0)
     with pytest.raises(FileNotFoundError, match=r"index file '.*nothing\.idx' not found"):
         DatasetForCausalLM(tmp_path / "nothing", 4)
+
+
+def test_split_type_and_weight_types_are_checked(data, tmp_path):
+    prefix, _ = data
+    # A path separator in the split name made the cache path point into a missing directory.
+    for split in ("tr/ain", "../train", "a\\b"):
+        with pytest.raises(ValueError, match=r"split_type=.* must be a str without path separators"):
+            DatasetForCausalLM(prefix, 4, split)
+    with pytest.raises(ValueError, match="split_type=3 must be a str"):
+        DatasetForCausalLM(prefix, 4, 3)
+    with pytest.raises(ValueError, match="start_weight must be a number in \\[0, 1\\], got str '0'"):
+        DatasetForCausalLM(prefix, 4, start_weight="0")
+    with pytest.raises(ValueError, match="end_weight must be a number in \\[0, 1\\], got bool True"):
+        DatasetForCausalLM(prefix, 4, end_weight=True)
+    assert not list(tmp_path.glob("*.npy"))
+    assert len(DatasetForCausalLM(prefix, 4, "train", np.float32(0.0), np.float64(0.5))) > 0
+
+
+def test_close_split_boundaries_get_distinct_cache_files(data):
+    prefix, _ = data
+    # %g printed both as 0.5, so the two splits shared one cache name.
+    a = DatasetForCausalLM(prefix, 4, "s", 0.0, 0.5000001)
+    b = DatasetForCausalLM(prefix, 4, "s", 0.0, 0.5000002)
+    assert a.index_files["samples"].name == "d_s_4sl_0_0.5000001_Nones_samples.npy"
+    assert b.index_files["samples"].name == "d_s_4sl_0_0.5000002_Nones_samples.npy"
+    # Round values keep the names already on disk (%g).
+    names = [DatasetForCausalLM(prefix, 4, "r", lo, hi).index_files["samples"].name
+             for lo, hi in ((0, 0.9), (0.9, 1.0), (0.25, 0.75), (1 / 3, 1))]
+    assert names == ["d_r_4sl_0_0.9_Nones_samples.npy", "d_r_4sl_0.9_1_Nones_samples.npy",
+                     "d_r_4sl_0.25_0.75_Nones_samples.npy", "d_r_4sl_0.3333333333333333_1_Nones_samples.npy"]

@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import re
 from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
@@ -291,3 +292,62 @@ def test_dead_worker_raises_instead_of_hanging(tmp_path):
         DatasetPreprocessor(_DiesInWorker(os.getpid()), chunk_size=2, workers=2).preprocess(
             [f"doc {i}" for i in range(40)], tmp_path / "dead", progress_enabled=False)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_text_not_encodable_as_utf8_is_a_counted_bad_line(tmp_path, tokenizer, workers):
+    # A lone surrogate is valid JSON ("\ud800") but no UTF-8: the tokenizer refused the whole chunk with a bare
+    # TypeError, naming neither file nor line, and nothing was written.
+    path = tmp_path / "s.jsonl"
+    # JSON's escaped surrogate pair (line 3) is one real character and fine.
+    path.write_text('{"text": "good one"}\n{"text": "abc \\ud800 def"}\n{"text": "good \\ud83d\\ude00"}\n')
+    p = DatasetPreprocessor(tokenizer, workers=workers, chunk_size=2)
+    stats = p.preprocess(path, tmp_path / "out", progress_enabled=False)
+    assert (stats.documents, stats.skipped_lines) == (2, 1)
+    assert str(stats.problems[0]) == f"{path}:2: text not encodable as UTF-8 (surrogates not allowed '\\ud800' at " \
+                                     "character 4)"
+    assert read_all(tmp_path / "out") == [encode(tokenizer, d) + [1] for d in ("good one", "good \U0001F600")]
+    with pytest.raises(ValueError, match=rf"{path}:2: text not encodable as UTF-8 .*strict=True"):
+        DatasetPreprocessor(tokenizer, workers=workers, strict=True).preprocess(path, tmp_path / "strict",
+                                                                               progress_enabled=False)
+    assert not list(tmp_path.glob("strict*"))
+    # A plain list of str: the position is the line.
+    stats = p.preprocess(["ok", "x\ud800y", "\U0001F600"], tmp_path / "list", progress_enabled=False)
+    assert (stats.documents, stats.skipped_lines) == (2, 1)
+    assert str(stats.problems[0]).startswith("list:2: document 1: text not encodable as UTF-8")
+    with pytest.raises(ValueError, match=r"list:2: document 1: text not encodable as UTF-8 .*strict=True"):
+        DatasetPreprocessor(tokenizer, workers=workers, strict=True).preprocess(["ok", "x\udfffy"], tmp_path / "s2",
+                                                                               progress_enabled=False)
+    # Dataset rows (dicts) too.
+    rows = [{"text": "fine"}, {"text": "bad \udc80"}]
+    stats = p.preprocess(p.open_hf_dataset(rows), tmp_path / "rows", progress_enabled=False)
+    assert (stats.documents, stats.skipped_lines, stats.problems[0].line) == (1, 1, 2)
+
+
+@pytest.mark.parametrize("eod, kind", [(1.5, "1.5"), (844.9, "844.9"), (1.0, "1.0"), (True, "True"), ("1", "'1'"),
+                                       (-1, "-1")])
+def test_eod_token_id_must_be_an_int(tokenizer, eod, kind):
+    # 1.5 was written as EOD 1, 844.9 as token 844 (a real token), True as 1; "1" gave a bare TypeError.
+    with pytest.raises(ValueError, match=rf"eod_token_id must be None or a token id >= 0, got {re.escape(kind)}$"):
+        DatasetPreprocessor(tokenizer, eod_token_id=eod)
+    assert DatasetPreprocessor(tokenizer, eod_token_id=np.int64(2)).eod_token_id == 2
+
+
+@pytest.mark.parametrize("content", ['[\n{"text": "a"},\n{"text": "b"}\n]\n', '[{"text": "a"}, {"text": "b"}]\n',
+                                     '\n  [\n  {"text": "a"}\n]'])
+def test_json_array_file_is_refused_naming_it(tmp_path, tokenizer, content):
+    # It was read as JSON Lines: "a" lost, the other lines skipped as "not JSON", only a log warning.
+    path = tmp_path / "arr.json"
+    path.write_text(content)
+    message = rf"corpus file '{re.escape(str(path))}' holds a JSON array .* reads JSON Lines, one object per line"
+    with pytest.raises(ValueError, match=message):
+        DatasetPreprocessor(tokenizer).preprocess(path, tmp_path / "out", progress_enabled=False)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "arr.json").write_text(content)
+    with pytest.raises(ValueError, match="holds a JSON array"):
+        DatasetPreprocessor(tokenizer, workers=2).preprocess(tmp_path / "dir", tmp_path / "out", progress_enabled=False)
+    assert not list(tmp_path.glob("out*"))
+    # A JSON Lines file whose first line is a list of strings is still a bad line, not an array file.
+    path.write_text('["a", "list"]\n{"text": "doc"}\n')
+    stats = DatasetPreprocessor(tokenizer).preprocess(path, tmp_path / "ok", progress_enabled=False)
+    assert (stats.documents, stats.skipped_lines) == (1, 1)

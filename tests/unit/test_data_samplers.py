@@ -1,7 +1,9 @@
 """DistributedProxySampler coverage (no index twice, none missing) and InfiniteDataLoader, in one process."""
 
+import warnings
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler, WeightedRandomSampler
@@ -13,6 +15,7 @@ def shards(sampler_factory, n_replicas, **kwargs):
     return [list(DistributedProxySampler(sampler_factory(), n_replicas, r, **kwargs)) for r in range(n_replicas)]
 
 
+@pytest.mark.filterwarnings("ignore:DistributedProxySampler.*drops them all")  # n < replicas with drop_last
 @pytest.mark.parametrize("n", [0, 1, 7, 12, 100])
 @pytest.mark.parametrize("replicas", [1, 2, 3, 4])
 @pytest.mark.parametrize("shuffle", [True, False])
@@ -103,3 +106,30 @@ def test_infinite_dataloader_repeats_and_advances_epochs():
 def test_infinite_dataloader_refuses_an_empty_loader():
     with pytest.raises(ValueError, match="yielded no batch in epoch 0"):
         next(InfiniteDataLoader(DataLoader([], batch_size=2)))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"num_replicas": 2.5}, "num_replicas must be an int, got float 2.5"),
+    ({"num_replicas": "2"}, "num_replicas must be an int, got str '2'"),
+    ({"num_replicas": True}, "num_replicas must be an int, got bool True"),
+    ({"rank": 1.0}, "rank must be an int, got float 1.0"),
+    ({"seed": "1"}, "seed must be an int, got str '1'"),
+    ({"seed": 1.5}, "seed must be an int, got float 1.5"),
+])
+def test_argument_types_are_checked_at_construction(kwargs, message):
+    # They failed only at the first epoch ("slice indices must be integers") or with a bare TypeError.
+    args = {"num_replicas": 2, "rank": 0, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        DistributedProxySampler(SequentialSampler(range(10)), **args)
+    sampler = DistributedProxySampler(SequentialSampler(range(10)), np.int64(2), np.int64(1), seed=np.int32(3))
+    assert type(sampler.num_replicas) is int and type(sampler.rank) is int and len(list(sampler)) == 5
+
+
+def test_drop_last_that_empties_every_rank_warns():
+    with pytest.warns(UserWarning, match="drop_last=True with 3 samples over num_replicas=5 ranks drops them all"):
+        parts = shards(lambda: SequentialSampler(range(3)), 5, shuffle=False, drop_last=True)
+    assert parts == [[]] * 5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DistributedProxySampler(SequentialSampler(range(3)), 5, 0, drop_last=False)  # padded: no warning
+        DistributedProxySampler(SequentialSampler(range(5)), 5, 0, drop_last=True)
