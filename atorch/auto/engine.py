@@ -35,7 +35,8 @@ def validation_context(ctx: ModelContext) -> ValidationContext:
     """What validation may see of `ctx`: plain values, the same on every rank."""
     return ValidationContext(world_size=adist.world_size(), model=ctx.model,
                              model_config=getattr(ctx.model, "config", None), device_type=ctx.device.type,
-                             global_batch_size=ctx.dataloader_args.get("batch_size"))
+                             global_batch_size=ctx.dataloader_args.get("batch_size"),
+                             loss_func_given=ctx.loss_func is not None)
 
 
 def resolve(ctx: ModelContext, strategy: Strategy) -> List[ResolvedOptimization]:

@@ -156,6 +156,13 @@ class ModelContext:
     lr_scheduler_cls: Optional[Callable[..., Any]] = None
     lr_scheduler_args: Dict[str, Any] = field(default_factory=dict)
     device: torch.device = torch.device("cpu")
+    model_config: Any = None
+    """The user's model's config (e.g. transformers'; default: `model.config`), kept when an
+    optimization replaces `model` by a part of it: a pipeline stage has no config of its own."""
+
+    def __post_init__(self) -> None:
+        if self.model_config is None:
+            self.model_config = getattr(self.model, "config", None)
 
     # -- Set by optimizations (the writer in brackets) ---------------------------------------
     parallel: Optional[ParallelMesh] = None

@@ -202,6 +202,30 @@ def test_the_space_holds_only_layouts_the_global_batch_splits_over(model):
     assert not SearchSpace.default_for(model, world_size=4, device_type="cpu", global_batch_size=8).batch_refused
 
 
+def test_a_users_loss_func_keeps_pipelines_out_of_the_space_and_is_refused_by_pipeline_parallel(model):
+    """A pipeline computes the causal-LM loss from logits on its last stage: a loss_func(batch, output)
+    would be silently ignored, so no pipeline candidate is offered and a named one is refused."""
+    with_pipeline = SearchSpace.default_for(model, world_size=2, device_type="cpu", global_batch_size=8)
+    assert any("pipeline_parallel" in s.names() for s in with_pipeline.strategies())
+    space = SearchSpace.default_for(model, world_size=2, device_type="cpu", global_batch_size=8, loss_func_given=True)
+    assert space.strategies() and not any("pipeline_parallel" in s.names() for s in space.strategies())
+    assert not any("pipeline_parallel" in s.names() for s in space.restricted(excluded=["fsdp"]).strategies())
+    context = ValidationContext(world_size=2, model=model, model_config=model.config, global_batch_size=8,
+                                loss_func_given=True)
+    with pytest.raises(ValueError, match="auto_accelerate's loss_func cannot be applied"):
+        resolve_strategy(Strategy([("parallel_mode", ([("pipeline", 2)], None)), "pipeline_parallel"]), context)
+
+
+def test_excluding_ddp_keeps_only_candidates_where_something_else_reduces_gradients(model):
+    space = SearchSpace.default_for(model, world_size=2, device_type="cpu", global_batch_size=8)
+    assert any("ddp" in s.names() for s in space.strategies())
+    no_ddp = space.restricted(excluded=["ddp"])
+    assert no_ddp.strategies() and not any("ddp" in s.names() for s in no_ddp.strategies())
+    assert any("resolution adds it" in why for why in no_ddp.rejected.values())
+    with pytest.raises(ValueError, match="parallel_mode cannot be excluded"):
+        space.restricted(excluded=["parallel_mode"])
+
+
 # -- registry parameter ------------------------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -79,6 +79,7 @@ class ValidationContext:
     model_config: Any = None             # e.g. a transformers PretrainedConfig
     device_type: str = "cpu"
     global_batch_size: Optional[int] = None   # dataloader_args["batch_size"], when known
+    loss_func_given: bool = False        # the user passed auto_accelerate a loss_func of their own
     strategy: Optional["Strategy"] = None
     configs: Dict[str, Any] = field(default_factory=dict)   # parsed configs by optimization name
 

@@ -12,7 +12,9 @@ layer, same math and initialization scheme), and the model keeps its class.
 from __future__ import annotations
 
 import logging
+import math
 import sys
+import zlib
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, cast
 
@@ -138,7 +140,34 @@ def add_lora_adapters(model: nn.Module, config: LoraConfig, model_config: Any = 
     # A private random stream: the adapters do not depend on (or disturb) the caller's RNG state.
     with torch.random.fork_rng(devices=cuda_devices):
         torch.manual_seed(config.seed)
-        return peft.get_peft_model(model, peft_config)
+        peft_model = peft.get_peft_model(model, peft_config)
+    _seed_adapters_by_path(peft_model, config.seed)
+    return peft_model
+
+
+def _seed_adapters_by_path(peft_model: nn.Module, seed: int) -> None:
+    """Draw each adapter's A from its own stream, seeded by `seed` and the layer's path in the model.
+
+    peft draws every A from one stream in module order, so an adapter's values depend on which
+    layers come before it: on a pipeline stage holding layers 2-3 they would be layer 0's and 1's
+    of the whole model. Seeded by path, each layer's adapter is the same whatever part of the model
+    this process holds. Same distribution as peft's (Kaiming uniform, a=sqrt(5)); B stays zero.
+    """
+    prefix = "base_model.model."
+    for name, module in peft_model.named_modules():
+        lora_a = getattr(module, "lora_A", None)
+        if not isinstance(lora_a, nn.ModuleDict):
+            continue
+        path = name[len(prefix):] if name.startswith(prefix) else name
+        for adapter in lora_a.values():
+            weight = getattr(adapter, "weight", None)
+            if weight is None:
+                continue
+            generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{path}".encode()))
+            fresh = torch.empty(weight.shape, dtype=torch.float32)
+            nn.init.kaiming_uniform_(fresh, a=math.sqrt(5), generator=generator)
+            with torch.no_grad():
+                weight.copy_(fresh)
 
 
 @register
@@ -181,14 +210,15 @@ class LoraOptimization(Optimization):
         if any(isinstance(m, TensorParallelModule) for m in ctx.model.modules()):
             from atorch.tensor_parallel.lora import add_tp_lora_adapters
 
-            targets = config.target_modules or default_target_modules(ctx.model)
+            targets = config.target_modules or default_target_modules(ctx.model, ctx.model_config)
             if not targets:
                 raise ValueError(f"lora: peft has no default target modules for {type(ctx.model).__name__}; pass "
                                  "target_modules")
             add_tp_lora_adapters(ctx.model, targets, config.r, config.alpha, config.dropout, config.seed)
             adapted = sorted(targets)
         else:
-            ctx.model = add_lora_adapters(ctx.model, config, getattr(ctx.model, "config", None))
+            # A pipeline stage has no config of its own: the user's model's tells peft the model type.
+            ctx.model = add_lora_adapters(ctx.model, config, getattr(ctx.model, "config", None) or ctx.model_config)
             adapted = sorted(cast(Any, ctx.model).peft_config["default"].target_modules)  # a peft PeftModel now
         trainable = sum(p.numel() for p in ctx.model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in ctx.model.parameters())

@@ -120,6 +120,13 @@ class PipelineParallelOptimization(Optimization):
             raise ValueError(f"pipeline_parallel: base_seed={config.base_seed!r} must be an int")
         if not isinstance(config.tie_first, bool):
             raise ValueError(f"pipeline_parallel: tie_first={config.tie_first!r} must be True or False")
+        if context.loss_func_given:
+            # The user's loss_func(batch, model_output) needs the model's whole output on one rank;
+            # a pipeline never has it (the last stage sees logits and labels only).
+            raise ValueError("pipeline_parallel computes the causal-LM loss from the logits on its last stage, so "
+                             "auto_accelerate's loss_func cannot be applied (it takes the model's whole output); drop "
+                             "loss_func to train on the model's own causal-LM loss, or use deepspeed_3d_parallel, "
+                             "which calls loss_func(logits, labels) on the last stage")
         amp = context.configs.get("amp_native")
         if amp is not None and getattr(amp, "dtype", None) is torch.float16:
             raise ValueError("pipeline_parallel with amp_native fp16 is not supported: the pipeline schedule runs "

@@ -121,8 +121,8 @@ def search_for_context(ctx: ModelContext, excluded: Optional[Sequence[str]] = No
     dry_config = DryRunConfig.from_env()
     world_size = adist.world_size()
     batch_size = int(ctx.dataloader_args.get("batch_size", 1))
-    space = SearchSpace.default_for(ctx.model, world_size, ctx.device.type, global_batch_size=batch_size
-                                    ).restricted(excluded, included)
+    space = SearchSpace.default_for(ctx.model, world_size, ctx.device.type, global_batch_size=batch_size,
+                                    loss_func_given=ctx.loss_func is not None).restricted(excluded, included)
     space.candidates()   # validated against the real model, before its weights are offloaded
     seq_len = infer_seq_len(ctx.dataset)
     memory_limit = settings.memory_limit_bytes or device_memory_bytes(ctx.device)

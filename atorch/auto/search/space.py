@@ -88,10 +88,13 @@ class SearchSpace:
     def __init__(self, dimensions: Mapping[str, Sequence[Choice]], *, world_size: Optional[int] = None,
                  model: Any = None, model_config: Any = None, device_type: str = "cpu",
                  global_batch_size: Optional[int] = None, registry: Optional[Registry] = None,
-                 merge_idle: bool = True) -> None:
+                 merge_idle: bool = True, loss_func_given: bool = False,
+                 excluded: Optional[Sequence[str]] = None) -> None:
         """`merge_idle=False` keeps candidates in which an optimization changes nothing
         (`Optimization.changes_nothing`); benchmarks whose synthetic landscapes give them a
-        throughput of their own use it. Otherwise only the candidate without it is kept."""
+        throughput of their own use it. Otherwise only the candidate without it is kept.
+        `loss_func_given`: the user trains with a loss_func of their own (what validation sees).
+        `excluded`: names no candidate may hold, also when resolution would add them (`ddp`)."""
         if not dimensions:
             raise ValueError("a search space needs at least one dimension, e.g. {'amp': [None, 'amp_native']}")
         self.dimensions: Dict[str, List[Choice]] = {}
@@ -110,6 +113,8 @@ class SearchSpace:
         self.global_batch_size = global_batch_size
         self.registry = registry if registry is not None else default_registry()
         self.merge_idle = merge_idle
+        self.loss_func_given = loss_func_given
+        self.excluded = frozenset(excluded or ())
         self._candidates: Optional[List[Candidate]] = None
         self.rejected: Dict[str, str] = {}     # strategy description -> why resolve_strategy refused it
         # ... of which those the global batch does not split over (`global_batch_size`)
@@ -129,7 +134,8 @@ class SearchSpace:
 
     def validation_context(self) -> ValidationContext:
         return ValidationContext(world_size=self.world_size, model=self.model, model_config=self.model_config,
-                                 device_type=self.device_type, global_batch_size=self.global_batch_size)
+                                 device_type=self.device_type, global_batch_size=self.global_batch_size,
+                                 loss_func_given=self.loss_func_given)
 
     def candidates(self) -> List[Candidate]:
         """Every valid combination once (combinations that resolve to the same strategy are merged)."""
@@ -152,6 +158,10 @@ class SearchSpace:
             context = self.validation_context()
             try:
                 resolved = resolve_strategy(raw, context, self.registry, validate)
+                added = sorted(self.excluded.intersection(r.name for r in resolved))
+                if added:   # resolution adds ddp when nothing else reduces the gradients
+                    raise ValueError(f"{added[0]} is excluded, and resolution adds it to this combination (nothing "
+                                     "else of it reduces the gradients)")
                 if self.global_batch_size is not None:
                     # What auto_accelerate checks last (`_validate_layout`): the global batch splits
                     # over the data ranks and into the pipeline's chunks.
@@ -203,6 +213,10 @@ class SearchSpace:
         An included name no dimension offers becomes a dimension of its own with that single choice.
         """
         excluded_set = set(self._known_names("excluded", excluded))
+        if "parallel_mode" in excluded_set:
+            raise ValueError("excluded=[..., 'parallel_mode']: every strategy has a parallel layout (by default all "
+                             "ranks data-parallel), so parallel_mode cannot be excluded; to keep every rank "
+                             "data-parallel, exclude tensor_parallel and pipeline_parallel")
         included_list = self._known_names("included", included)
         clash = excluded_set.intersection(included_list)
         if clash:
@@ -220,7 +234,8 @@ class SearchSpace:
                 dims[f"included:{name}"] = [name]
         return SearchSpace(dims, world_size=self.world_size, model=self.model, model_config=self.model_config,
                            device_type=self.device_type, global_batch_size=self.global_batch_size,
-                           registry=self.registry, merge_idle=self.merge_idle)
+                           registry=self.registry, merge_idle=self.merge_idle, loss_func_given=self.loss_func_given,
+                           excluded=sorted(self.excluded | excluded_set))
 
     def _known_names(self, argument: str, names: Optional[Sequence[str]]) -> List[str]:
         """`names` as registered names (aliases resolved); a name no optimization has raises, since a typo
@@ -235,7 +250,8 @@ class SearchSpace:
 
     @classmethod
     def default_for(cls, model: Any, world_size: int, device_type: str = "cpu", model_config: Any = None, *,
-                    global_batch_size: Optional[int] = None, registry: Optional[Registry] = None) -> "SearchSpace":
+                    global_batch_size: Optional[int] = None, registry: Optional[Registry] = None,
+                    loss_func_given: bool = False) -> "SearchSpace":
         """The automatic space: every dimension the registered optimizations declare.
 
         Today: the layout (data, tensor and pipeline splits of `world_size`), micro-batches per
@@ -248,10 +264,11 @@ class SearchSpace:
         context = ValidationContext(world_size=world_size, model=model,
                                     model_config=model_config if model_config is not None
                                     else getattr(model, "config", None),
-                                    device_type=device_type, global_batch_size=global_batch_size)
+                                    device_type=device_type, global_batch_size=global_batch_size,
+                                    loss_func_given=loss_func_given)
         return cls(declared_dimensions(registry, context), world_size=world_size, model=model,
                    model_config=model_config, device_type=device_type, global_batch_size=global_batch_size,
-                   registry=registry)
+                   registry=registry, loss_func_given=loss_func_given)
 
 
 def declared_dimensions(registry: Registry, context: ValidationContext) -> Dict[str, List[Choice]]:
