@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from atorch.auto.search.cache import (SearchCache, SetupKey, library_versions, model_config_hash, setup_key,
-                                      space_signature)
+from atorch.auto.search.cache import (SearchCache, SetupKey, library_versions, model_config_hash,
+                                      optimizer_description, setup_key, space_signature)
 from atorch.auto.search.search import DryRunResult
 from atorch.auto.strategy import Strategy
 
@@ -130,6 +130,12 @@ def test_setup_key_follows_what_changes_the_cost():
     assert key.device.startswith("cpu: ") and dict(key.versions)["torch"] == torch.__version__
     assert key == SetupKey.from_json(json.loads(json.dumps(key.to_json())))
     assert setup_key(b, 2, torch.device("cpu"), 16, 64) != key
+    # The optimizer: its state is memory, its step time.
+    adamw = setup_key(b, 2, torch.device("cpu"), 8, 64, optimizer_description(torch.optim.AdamW, {"lr": 1e-3}))
+    assert adamw != key and adamw == SetupKey.from_json(json.loads(json.dumps(adamw.to_json())))
+    assert adamw != setup_key(b, 2, torch.device("cpu"), 8, 64, optimizer_description(torch.optim.SGD, {"lr": 1e-3}))
+    assert "torch.optim.adamw.AdamW" in adamw.optimizer and "AdamW" in "; ".join(
+        setup_key(b, 2, torch.device("cpu"), 8, 64, optimizer_description(torch.optim.SGD, {})).differences(adamw))
     assert "python" in dict(library_versions())
     assert space_signature(["a", "b"], 10) == space_signature(["b", "a"], 10) != space_signature(["a", "b"], 11)
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
-from atorch.auto.search.cache import CACHE_FILE_NAME, SearchCache, setup_key, space_signature
+from atorch.auto.search.cache import CACHE_FILE_NAME, SearchCache, optimizer_description, setup_key, space_signature
 from atorch.auto.search.search import DryRunResult, SearchResult, search_strategy
 from atorch.auto.search.space import SearchSpace
 from atorch.auto.strategy import Strategy
@@ -160,7 +160,8 @@ def _open_cache(settings: SearchSettings, directory: str, ctx: ModelContext, wor
     if not settings.cache_enabled:
         return None
     path = settings.cache_path or os.path.join(directory, CACHE_FILE_NAME)
-    return SearchCache.load(path, setup_key(ctx.model, world_size, ctx.device, batch_size, seq_len))
+    return SearchCache.load(path, setup_key(ctx.model, world_size, ctx.device, batch_size, seq_len,
+                                            optimizer_description(ctx.optim_func, ctx.optim_args)))
 
 
 def _write_report_or_warn(result: SearchResult, directory: str, plot_name: str) -> Optional[Dict[str, str]]:

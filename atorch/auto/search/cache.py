@@ -49,6 +49,9 @@ class SetupKey:
     versions: Tuple[Tuple[str, str], ...]
     global_batch: int
     seq_len: int
+    # The optimizer factory and its arguments (e.g. "torch.optim.adamw.AdamW {'lr': 0.001}"): its
+    # state is part of the memory, its step part of the time. "" in caches written before it was kept.
+    optimizer: str = ""
 
     def to_json(self) -> Dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -62,7 +65,8 @@ class SetupKey:
             raise ValueError("'setup' must be an object with a 'versions' object")
         return cls(_text(data, "model_hash"), _integer(data.get("world_size"), "world_size"), _text(data, "device"),
                    tuple(sorted((str(k), str(v)) for k, v in data["versions"].items())),
-                   _integer(data.get("global_batch"), "global_batch"), _integer(data.get("seq_len"), "seq_len"))
+                   _integer(data.get("global_batch"), "global_batch"), _integer(data.get("seq_len"), "seq_len"),
+                   str(data.get("optimizer", "")))
 
     def differences(self, cached: "SetupKey") -> List[str]:
         """What differs from `cached`, e.g. "world_size: cached 2, now 4"."""
@@ -71,9 +75,17 @@ class SetupKey:
 
 
 def setup_key(model: torch.nn.Module, world_size: int, device: torch.device, global_batch: int,
-              seq_len: int) -> SetupKey:
+              seq_len: int, optimizer: str = "") -> SetupKey:
     return SetupKey(model_config_hash(model), int(world_size), device_description(device), library_versions(),
-                    int(global_batch), int(seq_len))
+                    int(global_batch), int(seq_len), optimizer)
+
+
+def optimizer_description(optim_func: Any, optim_args: Mapping[str, Any]) -> str:
+    """The optimizer part of the setup key: the factory's qualified name and its arguments."""
+    if optim_func is None:
+        return ""
+    name = f"{getattr(optim_func, '__module__', '')}.{getattr(optim_func, '__qualname__', repr(optim_func))}"
+    return f"{name} {json.dumps(dict(optim_args), sort_keys=True, default=repr)}"
 
 
 def model_config_hash(model: torch.nn.Module) -> str:
