@@ -276,3 +276,20 @@ def test_a_remembered_failure_is_measured_again_and_served_trials_are_named(tmp_
     _mark_served(result, served, cache.path)
     assert list(result.trials["source"]) == ["random (cached)", "ei"]
     assert result.reason.endswith(f"1 of 2 trial(s) served from the results cache {cache.path}")
+
+
+def test_an_inverted_interval_in_the_cache_is_refused_and_a_short_table_still_reports(tmp_path):
+    from atorch.auto.search.auto_search import _confirmed_result
+    from atorch.auto.search.cache import result_from_json, result_to_json
+    from atorch.auto.search.report import write_report
+
+    entry = result_to_json(OK)
+    entry["throughput_ci"] = [130.0, 110.0]
+    with pytest.raises(ValueError, match="not a \\[low, high\\] pair"):
+        result_from_json(entry)
+    cache = SearchCache.load(str(tmp_path / "cache.json"), KEY)
+    cache.put(DDP, OK)
+    cache.record_search(DDP, "sig", [{"trial": 1, "strategy": DDP.describe()}], [], "fastest", "done", 2)
+    result = _confirmed_result(cache, DDP, OK, OK, 10**9)
+    write_report(result, str(tmp_path / "report"))      # a table missing columns does not break the report
+    assert (tmp_path / "report" / "best_strategy.json").exists()

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from atorch import distributed as adist
 from atorch.auto.model_context import ModelContext
 from atorch.auto.search.cache import CACHE_FILE_NAME, SearchCache, optimizer_description, setup_key, space_signature
-from atorch.auto.search.search import DryRunResult, SearchResult, search_strategy
+from atorch.auto.search.search import TRIAL_COLUMNS, DryRunResult, SearchResult, search_strategy
 from atorch.auto.search.space import SearchSpace
 from atorch.auto.strategy import Strategy
 from atorch.utils.env import check_output_location, env_float, env_int, env_str
@@ -277,6 +277,8 @@ def _confirmed_result(cache: SearchCache, best: Strategy, confirmed: DryRunResul
            "throughput": confirmed.throughput, "measured_memory": confirmed.peak_memory_bytes,
            "reason": confirmed.error or "", "source": "cache-confirm"}
     trials = pd.concat([trials, pd.DataFrame([row])], ignore_index=True) if len(trials) else pd.DataFrame([row])
+    # Every column of a search's table, whatever the cache held (a hand-edited file may lack some).
+    trials = trials.reindex(columns=list(dict.fromkeys(TRIAL_COLUMNS + list(trials.columns))))
     ci = confirmed.throughput_ci
     interval = f" (95% CI {ci[0]:.4g}-{ci[1]:.4g})" if ci else ""
     drift = ""

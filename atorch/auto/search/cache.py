@@ -140,6 +140,8 @@ def result_from_json(data: Mapping[str, Any]) -> DryRunResult:
     if not isinstance(steps, list) or (ci is not None and (not isinstance(ci, list) or len(ci) != 2)):
         raise ValueError("step_times_s must be a list and throughput_ci null or a [low, high] pair")
     step_time = data.get("step_time_s")
+    if ci is not None and _number(ci[0], "throughput_ci") > _number(ci[1], "throughput_ci"):
+        raise ValueError(f"throughput_ci={ci!r} is not a [low, high] pair")
     return DryRunResult(_number(data.get("throughput"), "throughput"),
                         None if peak is None else _integer(peak, "peak_memory_bytes", 0),
                         error, None if step_time is None else _number(step_time, "step_time_s"),

@@ -33,7 +33,7 @@ def trials_table(result: "SearchResult") -> str:
         df[col] = pd.to_numeric(df[col], errors="coerce") / 1e6
     df = df.rename(columns={"predicted_memory": "pred_mem_MB", "measured_memory": "mem_MB",
                             "predicted_throughput": "pred_throughput", "planner_seconds": "planner_s"})
-    df["reason"] = df["reason"].map(lambda r: r if len(r) <= 60 else r[:57] + "...")
+    df["reason"] = df["reason"].fillna("").astype(str).map(lambda r: r if len(r) <= 60 else r[:57] + "...")
     with pd.option_context("display.max_rows", None, "display.max_columns", None, "display.width", 250,
                            "display.float_format", "{:.4g}".format):
         return df.to_string(index=False)
