@@ -4,8 +4,9 @@ Mistakes in the arguments (see `atorch.auto.arguments`) and in the strategy (an 
 optimization, a bad config, a conflicting pair) raise ValueError/TypeError on every rank before
 anything is applied, as do atorch's own checks that can only run while applying. The checks are
 local; on several ranks a small vote follows each (`atorch.distributed.agreement`), so a mistake
-that only some ranks see, or inputs that differ between ranks, raise on every rank too. `status=False` means a valid strategy failed while it was applied (any other
-exception, logged with its traceback) or no searched strategy ran; every rank returns the same.
+that only some ranks see, or inputs that differ between ranks, raise on every rank too.
+`status=False` means a valid strategy failed while it was applied (any other exception, logged
+with its traceback) or no searched strategy ran; every rank returns the same.
 The work itself is in `atorch.auto.engine` (apply) and `atorch.auto.search` (the automatic mode).
 """
 

@@ -9,6 +9,9 @@ one node without a port picks a free one.
 Options without an equivalent here raise ValueError: `--coworker_size` > 0 (CPU coworker
 pods), `--nsys_profiling_rank`, `--not_use_env` (the script always gets LOCAL_RANK in its
 environment); `--master_port2` is ignored (it served the coworker data service).
+From the command line, a usage mistake (also in a value read from WORLD_SIZE, RANK or MASTER_PORT,
+which the message names) exits with status 2 and one line, as `atorch.distributed.run`; a failed
+worker's exit code is the launcher's.
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ from typing import Any, List, Optional, Sequence, Union
 
 from atorch.distributed.run import main as run_main
 
+PROG = "atorch.distributed.launch"
+
 __all__ = ["check_process_loop", "main", "parse_args", "to_run_args"]
 
 
 def parse_args(args: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """ATorch's launcher command line (`args` None: sys.argv[1:])."""
-    parser = argparse.ArgumentParser(description="atorch static launcher (ATorch's atorch.distributed.launch)")
+    parser = argparse.ArgumentParser(prog=PROG,
+                                     description="atorch static launcher (ATorch's atorch.distributed.launch)")
     parser.add_argument("--nsys_profiling_rank", type=int, default=-1)
     parser.add_argument("--nsys_command", type=str, default="nsys")
     parser.add_argument("--nnodes", type=int, default=0, help="number of nodes; 0: $WORLD_SIZE or 1")
@@ -57,11 +63,30 @@ def to_run_args(args: argparse.Namespace) -> List[str]:
         raise ValueError("--not_use_env is not supported: workers read LOCAL_RANK from the environment")
     if args.nproc_per_node < 1:
         raise ValueError(f"--nproc_per_node={args.nproc_per_node} must be >= 1")
+    if not (args.no_python or args.module or args.training_script.endswith(".py")):
+        raise ValueError(f"training script {args.training_script!r} must be a file ending in .py (or give -m for a "
+                         "module, --no_python for an executable)")
     nnodes = args.nnodes if args.nnodes > 0 else _env_int("WORLD_SIZE", 1, 1, "--nnodes")
     node_rank = args.node_rank if args.node_rank >= 0 else _env_int("RANK", 0, 0, "--node_rank")
+    if node_rank >= nnodes:
+        rank_from = f"--node_rank={node_rank}" if args.node_rank >= 0 else \
+            f"environment variable RANK={node_rank} (read because --node_rank was not given)"
+        if args.nnodes > 0:
+            nodes_from = f"--nnodes={nnodes}"
+        elif os.environ.get("WORLD_SIZE", "").strip():
+            nodes_from = f"WORLD_SIZE={nnodes}, read because --nnodes was not given"
+        else:
+            nodes_from = "one node: neither --nnodes nor WORLD_SIZE was given"
+        raise ValueError(f"{rank_from} must be below the number of nodes ({nodes_from})")
     out = [f"--nnodes={nnodes}", f"--node_rank={node_rank}", f"--nproc_per_node={args.nproc_per_node}"]
     addr = args.master_addr or os.environ.get("MASTER_ADDR", "")
+    if args.master_port and not 1 <= args.master_port <= 65535:
+        raise ValueError(f"--master_port={args.master_port} must be a TCP port, 1..65535 (0: MASTER_PORT or a free "
+                         "port)")
     port = args.master_port or _env_int("MASTER_PORT", 0, 0, "--master_port")
+    if port > 65535:
+        raise ValueError(f"environment variable MASTER_PORT={port} (read because --master_port was not given) must "
+                         "be a TCP port, 1..65535")
     if nnodes > 1 or port:
         out += [f"--master_addr={addr or '127.0.0.1'}", f"--master_port={port or 29500}"]
     # One node and no port: the launcher's standalone rendezvous picks a free port.
@@ -94,7 +119,12 @@ def main(args: Union[argparse.Namespace, Sequence[str], None] = None) -> None:
     """Run the job described by ATorch launcher `args` (a parsed Namespace, an argument list, or sys.argv)."""
     if not isinstance(args, argparse.Namespace):
         args = parse_args(args)
-    run_main(to_run_args(args))
+    try:
+        run_args = to_run_args(args)
+    except ValueError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    run_main(run_args, prog=PROG)
 
 
 if __name__ == "__main__":

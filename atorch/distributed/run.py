@@ -14,29 +14,92 @@ A thin front end over torch elastic (`torch.distributed.run`), not a process man
 - Usage mistakes (`--nproc_per_node 0`, `--nnodes 0`, a `--node_rank` outside `--nnodes`, a port
   outside 1..65535, a missing script, a malformed ATORCH_*_TIMEOUT) exit with status 2 and one
   line naming the flag, before any process or socket is started.
+- The node that hosts the rendezvous store checks its port first: a port in use fails at once
+  with one line (exit 1) instead of joining whatever listens there (see `prepare_rendezvous`).
+- Nodes wait `ATORCH_INIT_TIMEOUT` seconds (torch's 600 when unset) for each other; a multi-node
+  launcher says so in one line, and a rendezvous that does not fill in time fails naming both.
+- A failed worker's exit code (128 + N for signal N; the first failure's) is the launcher's.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import functools
+import math
 import os
+import shutil
+import socket
 import sys
-from typing import List, Mapping, Optional, Tuple
+import uuid
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from atorch.distributed import slurm
 
 DEFAULT_FAULT_TOLERANT_RESTARTS = 3
 DEFAULT_MASTER_PORT = 29500
+# How long nodes wait for each other when ATORCH_INIT_TIMEOUT is unset: torch's own default. Longer than
+# init_distributed's 60 s on purpose: the nodes of a cluster job may start minutes apart (image pulls, queues).
+DEFAULT_LAUNCHER_JOIN_TIMEOUT_S = 600.0
+PROG = "atorch.distributed.run"
+_NO_PYTHON_FLAGS = ("--no_python", "--no-python")
+_MODULE_FLAGS = ("-m", "--module")
+# atorch's own launcher flags that take no value (the others, and torch's, are looked up in torch's parser).
+_ATORCH_SWITCHES = ("--fault_tolerant", "--fault-tolerant")
+_ATORCH_VALUE_FLAGS = ("--max_restarts", "--max-restarts", "--master_addr", "--master-addr", "--master_port",
+                       "--master-port", "--nnodes", "--rdzv_backend", "--rdzv-backend")
+
+
+class LaunchError(RuntimeError):
+    """A launch that cannot go on for a reason outside the command line (exit status 1, one line)."""
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_flag_arity() -> Dict[str, bool]:
+    """torchrun's option strings -> whether the option takes a value."""
+    from torch.distributed.run import get_args_parser
+
+    arity: Dict[str, bool] = {}
+    for action in get_args_parser()._actions:
+        for option in action.option_strings:
+            arity[option] = action.nargs != 0
+    return arity
+
+
+def _takes_value(flag: str) -> bool:
+    if flag in _ATORCH_SWITCHES:
+        return False
+    if flag in _ATORCH_VALUE_FLAGS:
+        return True
+    arity = _torch_flag_arity()
+    if flag in arity:
+        return arity[flag]
+    prefixed = {arity[option] for option in arity if option.startswith(flag)}   # argparse's abbreviations
+    return prefixed == {True}
 
 
 def _split_at_script(argv: List[str]) -> int:
-    """Index of the training script (first argument ending in .py, or the module after -m)."""
-    for i, arg in enumerate(argv):
-        if arg in ("-m", "--module"):
+    """Index of the training script: the first argument ending in .py, `-m` (the module follows), or after
+    `--no_python` the first argument that is not a launcher flag or its value (any executable, as torchrun)."""
+    no_python = False
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in _MODULE_FLAGS:
             return i
-        if not arg.startswith("-") and arg.endswith(".py"):
+        if arg.startswith("-") and len(arg) > 1:
+            no_python = no_python or arg in _NO_PYTHON_FLAGS
+            if "=" not in arg and _takes_value(arg):
+                i += 1                                  # the flag's value is not the script
+        elif no_python or arg.endswith(".py"):
             return i
+        i += 1
     return len(argv)
+
+
+def _no_python(launcher_args: List[str]) -> bool:
+    return any(arg in _NO_PYTHON_FLAGS for arg in launcher_args)
 
 
 def translate_args(argv: List[str], env: Optional[Mapping[str, str]] = None) -> List[str]:
@@ -134,10 +197,16 @@ def check_environment(argv: List[str]) -> None:
     """What only the launching machine can check: the script exists, atorch's timeouts parse."""
     at = _split_at_script(argv)
     if at >= len(argv):
-        raise ValueError(f"no training script in {argv}: give the script (a file ending in .py, or -m module) "
-                         "after the launcher flags")
+        raise ValueError(f"no training script in {argv}: give the script (a file ending in .py, or -m module; "
+                         "any executable after --no_python) after the launcher flags")
     script = argv[at]
-    if script not in ("-m", "--module") and not os.path.isfile(script):
+    if _no_python(argv[:at]):
+        if script in _MODULE_FLAGS:
+            raise ValueError("--no_python runs an executable, -m runs a Python module: give one of them")
+        if shutil.which(script) is None:
+            raise ValueError(f"executable {script!r} (after --no_python) is not an executable file nor a command "
+                             "on PATH")
+    elif script not in _MODULE_FLAGS and not os.path.isfile(script):
         raise ValueError(f"training script {script!r} does not exist")
     from atorch.distributed import timeouts
 
@@ -167,17 +236,248 @@ def _master_args(ours: argparse.Namespace) -> List[str]:
     return out
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    from torch.distributed.run import main as torch_run_main
+@dataclass
+class Rendezvous:
+    """Where and how long this node waits for the others (what `prepare_rendezvous` decided)."""
+
+    endpoint: str           # host:port the nodes meet at ("" for a single node's own free port)
+    min_nodes: int
+    max_nodes: int
+    timeout_s: int          # how long a node waits for the others
+    timeout_source: str     # where timeout_s came from, for messages
+    hosts_store: Optional[bool]   # this node hosts the store (None: torch decides, trying to host first)
+
+
+def _config(text: Optional[str]) -> Dict[str, str]:
+    """--rdzv_conf's `key=value,...` (torch's format)."""
+    out: Dict[str, str] = {}
+    for item in (text or "").split(","):
+        if item.strip():
+            key, _, value = item.partition("=")
+            out[key.strip()] = value.strip()
+    return out
+
+
+def _given(flags: Tuple[str, ...], launcher_args: List[str]) -> bool:
+    return any(arg.split("=")[0] in flags for arg in launcher_args)
+
+
+def _is_this_machine(host: str) -> bool:
+    """Whether `host` names this machine (torch's test, the one its c10d rendezvous uses to pick the store's host)."""
+    try:
+        from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+    except ImportError:   # pragma: no cover - older or newer torch
+        return host in ("localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn())
+    return bool(_matches_machine_hostname(host))
+
+
+def port_in_use(port: int) -> bool:
+    """Whether `port` is taken on this machine: a listening socket cannot be bound to it as the store's server
+    binds it (every address, SO_REUSEADDR, so that an earlier job's connections in TIME_WAIT do not count)."""
+    for family, address in ((socket.AF_INET6, "::"), (socket.AF_INET, "")):   # IPv6 "::" covers IPv4 (dual stack)
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((address, port))
+                sock.listen(1)
+                return False
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return True
+            # this family is not available here (no IPv6): try the next one
+    return False
+
+
+def _port_message(endpoint: str, port: int) -> str:
+    return (f"port {port} of the rendezvous at {endpoint} is already in use on this host, which hosts the "
+            "rendezvous store (another job or process listens there); choose a free --master_port, or leave "
+            "--master_port out on a single node (the launcher then picks a free one)")
+
+
+def prepare_rendezvous(args: argparse.Namespace, launcher_args: List[str],
+                       env: Optional[Mapping[str, str]] = None) -> Rendezvous:
+    """Adjust torchrun's parsed `args` (from `translate_args`) to this machine and job, in place.
+
+    `launcher_args`: the user's launcher flags (before the script). Raises LaunchError when this node
+    hosts the store and its port is taken, ValueError for a malformed ATORCH_INIT_TIMEOUT.
+
+    - Timeout: nodes wait ATORCH_INIT_TIMEOUT for each other (c10d's `join_timeout`, the static
+      rendezvous' `timeout`) unless --rdzv_conf sets them.
+    - The store's host: a node that will host the store binds its port itself (static: node rank 0;
+      c10d: the endpoint names this machine and this is the only node, or --node_rank 0). Torch's c10d
+      rendezvous would otherwise fall back to connecting to whatever listens on a taken port: a plain
+      socket hangs it for good, another job's store makes it join that job's rendezvous. It is told so
+      (`is_host`), so that a port taken between our check and torch's bind fails too. A node that knows it
+      does not host (--node_rank > 0) is told too. Several nodes on one machine without --node_rank keep
+      torch's guess (try to host, else connect): only one of them can host, and we cannot tell which.
+    - The c10d rendezvous id (`atorch-<port>` from translate_args) names the job where that is possible,
+      so that a node never joins another job's rendezvous on the same port: one node needs nobody to agree,
+      so it gets a random id; the nodes of a Slurm step share the job and step ids. Other multi-node jobs
+      keep `atorch-<port>`: an id must be the same on every node without the nodes talking, and a random or
+      per-node value would split a job whose nodes all run the same command. Their protection is the
+      host's port check (the store's host never serves a second job) and the join timeout. `--rdzv_id` (or
+      torchrun's PET_RDZV_ID) given by the user is kept.
+    """
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+    from torch.distributed.run import parse_min_max_nnodes
+
+    from atorch.distributed import timeouts
+
+    environ = os.environ if env is None else env
+    min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+    seconds = timeouts.seconds_from_env(timeouts.INIT_TIMEOUT_ENV, DEFAULT_LAUNCHER_JOIN_TIMEOUT_S)
+    source = timeouts.INIT_TIMEOUT_ENV if os.environ.get(timeouts.INIT_TIMEOUT_ENV, "").strip() else \
+        f"{timeouts.INIT_TIMEOUT_ENV} unset: torch's default"
+    user_conf = _config(args.rdzv_conf)
+    conf = dict(user_conf)
+    timeout_s = max(1, math.ceil(seconds))
+    for key in ("join_timeout", "timeout"):   # c10d's and the static rendezvous' names
+        conf.setdefault(key, str(timeout_s))
+    key = "timeout" if args.rdzv_backend == "static" and not args.standalone else "join_timeout"
+    if key in user_conf:
+        timeout_s, source = max(1, math.ceil(float(user_conf[key]))), f"--rdzv_conf {key}"
+    node_rank_given = _given(("--node_rank", "--node-rank"), launcher_args) or bool(environ.get("PET_NODE_RANK"))
+    hosts: Optional[bool] = None
+    endpoint, port = "", 0
+    if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None
+                           and max_nodes == 1):
+        pass   # torch's standalone rendezvous: a free port of its own, nothing to check
+    elif args.rdzv_backend == "static":
+        if args.rdzv_endpoint:
+            host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=-1)
+        else:
+            host, port = args.master_addr, args.master_port if args.master_port is not None else DEFAULT_MASTER_PORT
+        endpoint = f"{host}:{port}"
+        hosts = int(args.node_rank) == 0   # the static rendezvous' store lives on node rank 0
+    elif args.rdzv_backend == "c10d" and args.rdzv_endpoint:
+        host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
+        endpoint = f"{host}:{port}"
+        if "is_host" in conf:
+            hosts = conf["is_host"].lower() in ("1", "true", "yes", "on")
+        elif not _is_this_machine(host):
+            hosts = False
+        elif max_nodes == 1 or node_rank_given:
+            hosts = max_nodes == 1 or int(args.node_rank) == 0
+            conf["is_host"] = "true" if hosts else "false"
+        user_id = _given(("--rdzv_id", "--rdzv-id"), launcher_args) or bool(environ.get("PET_RDZV_ID"))
+        if not user_id and args.rdzv_id == f"atorch-{port}":
+            args.rdzv_id = _job_rendezvous_id(port, max_nodes, environ)
+    if hosts and port > 0 and port_in_use(port):
+        raise LaunchError(_port_message(endpoint, port))
+    args.rdzv_conf = ",".join(f"{key}={value}" for key, value in conf.items())
+    return Rendezvous(endpoint, min_nodes, max_nodes, timeout_s, source, hosts)
+
+
+def _job_rendezvous_id(port: int, max_nodes: int, env: Mapping[str, str]) -> str:
+    if max_nodes == 1:
+        return f"atorch-{port}-{uuid.uuid4().hex[:12]}"
+    job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")
+    if job and step:
+        return f"atorch-{port}-slurm-{job}.{step}"
+    return f"atorch-{port}"
+
+
+def waiting_line(rdzv: Rendezvous, prog: str = PROG) -> Optional[str]:
+    """What a multi-node launcher waits for (None for one node, which waits for nobody)."""
+    if rdzv.max_nodes <= 1:
+        return None
+    nodes = f"{rdzv.max_nodes}" if rdzv.min_nodes == rdzv.max_nodes else f"{rdzv.min_nodes} to {rdzv.max_nodes}"
+    where = rdzv.endpoint or "the rendezvous"
+    return f"{prog}: waiting up to {rdzv.timeout_s} s ({rdzv.timeout_source}) for {nodes} nodes at {where}"
+
+
+def _timeout_message(rdzv: Rendezvous) -> str:
+    nodes = f"{rdzv.max_nodes}" if rdzv.min_nodes == rdzv.max_nodes else f"at least {rdzv.min_nodes}"
+    return (f"the rendezvous at {rdzv.endpoint or 'this node'} did not gather {nodes} nodes within "
+            f"{rdzv.timeout_s} s ({rdzv.timeout_source}); start every node with the same --nnodes, "
+            f"--master_addr and --master_port, or set ATORCH_INIT_TIMEOUT (seconds) to wait longer")
+
+
+def _chain(exc: BaseException) -> List[BaseException]:
+    out: List[BaseException] = []
+    current: Optional[BaseException] = exc
+    while current is not None and len(out) < 10:
+        out.append(current)
+        current = current.__cause__ or current.__context__
+    return out
+
+
+def _rendezvous_failure(exc: BaseException, rdzv: Rendezvous) -> Optional[str]:
+    """One line for a rendezvous that timed out or could not host its store; None for anything else."""
+    from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+
+    texts = " ".join(str(e) for e in _chain(exc))
+    if "EADDRINUSE" in texts or "address already in use" in texts.lower():
+        port = int(rdzv.endpoint.rsplit(":", 1)[1]) if ":" in rdzv.endpoint else 0
+        return _port_message(rdzv.endpoint, port)
+    if isinstance(exc, RendezvousTimeoutError):
+        return _timeout_message(rdzv)
+    # The static rendezvous: the store's server gave up waiting for the other nodes, or a node its server.
+    if isinstance(exc, RuntimeError) and rdzv.max_nodes > 1 and any(
+            marker in texts for marker in ("waiting for clients", "Timed out", "timed out")):
+        return _timeout_message(rdzv)
+    return None
+
+
+def _exit_code(exitcode: int) -> int:
+    """A failed worker's exit status as a shell reports it: 128 + N for signal N."""
+    code = 128 - exitcode if exitcode < 0 else exitcode
+    return code if 0 < code < 256 else 1
+
+
+def run_job(args: argparse.Namespace, rdzv: Rendezvous, prog: str = PROG) -> int:
+    """Run torchrun's parsed `args`; the exit status (0, the first failed worker's, or 1 for the launch)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+    from torch.distributed.run import run as torch_run
+
+    line = waiting_line(rdzv, prog)
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
+    try:
+        record(torch_run)(args)   # record: the root cause's error file, as torchrun's main
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = _exit_code(failure.exitcode)
+        how = f"signal {-failure.exitcode} ({failure.signal_name()})" if failure.exitcode < 0 else \
+            f"exit code {failure.exitcode}"
+        restarts = args.max_restarts
+        gave_up = f"; gave up after {restarts} restart{'s' if restarts > 1 else ''} (--max_restarts {restarts})" \
+            if restarts > 0 else ""
+        print(e.format_msg(), file=sys.stderr)
+        print(f"{prog}: error: worker rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) failed "
+              f"with {how}{gave_up}; the launcher exits with {code}", file=sys.stderr, flush=True)
+        return code
+    except Exception as e:   # noqa: BLE001 - only rendezvous failures are turned into one line
+        message = _rendezvous_failure(e, rdzv)
+        if message is None:
+            raise
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def main(argv: Optional[List[str]] = None, prog: str = PROG) -> None:
+    """The launcher's command line (`argv` None: sys.argv[1:]); exits with the job's status.
+
+    `prog` names the launcher in messages (atorch.distributed.launch forwards its jobs here)."""
+    from torch.distributed.run import parse_args as torch_parse_args
 
     try:
         args = list(sys.argv[1:] if argv is None else argv)
         translated = translate_args(args)
         check_environment(args)
+        torch_args = torch_parse_args(translated)
+        rdzv = prepare_rendezvous(torch_args, args[:_split_at_script(args)])
     except ValueError as e:
-        print(f"atorch.distributed.run: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    torch_run_main(translated)
+    except LaunchError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    code = run_job(torch_args, rdzv, prog)
+    if code:
+        raise SystemExit(code)
 
 
 # -- ATorch's entry points (scripts and tests call these) ----------------------------------------
@@ -196,13 +496,19 @@ def parse_fault_tolerant_or_elastic_args(args: Optional[List[str]] = None, mode:
         argv = ["--fault_tolerant", *argv]
     from torch.distributed.run import parse_args as torch_parse_args
 
-    return torch_parse_args(translate_args(argv))
+    parsed = torch_parse_args(translate_args(argv))
+    parsed.atorch_rendezvous = prepare_rendezvous(parsed, argv[:_split_at_script(argv)])
+    return parsed
 
 
 def elastic_run(args: argparse.Namespace) -> None:
     """Run a job parsed by `parse_fault_tolerant_or_elastic_args`; raises torch's ChildFailedError on failure."""
     from torch.distributed.run import run as torch_run
 
+    rdzv = getattr(args, "atorch_rendezvous", None)
+    line = waiting_line(rdzv) if isinstance(rdzv, Rendezvous) else None
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
     torch_run(args)
 
 

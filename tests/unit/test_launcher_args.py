@@ -1,0 +1,211 @@
+"""The launchers' argument handling, rendezvous preparation and messages, without starting a job."""
+
+import socket
+import sys
+
+import pytest
+
+from atorch.distributed import launch, run
+from atorch.distributed.run import (
+    LaunchError,
+    _exit_code,
+    _rendezvous_failure,
+    _split_at_script,
+    check_environment,
+    prepare_rendezvous,
+    translate_args,
+    waiting_line,
+)
+
+SCHEDULER_ENV = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "ATORCH_INIT_TIMEOUT",
+                 "PET_RDZV_ID", "PET_NODE_RANK", "SLURM_JOB_ID", "SLURM_JOBID", "SLURM_STEP_ID", "SLURM_STEPID",
+                 "TORCHELASTIC_RUN_ID")
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for key in SCHEDULER_ENV:
+        monkeypatch.delenv(key, raising=False)
+
+
+@pytest.fixture
+def taken_port():
+    """A port held by a plain listening socket (something that is not a rendezvous store)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+    yield sock.getsockname()[1]
+    sock.close()
+
+
+def _prepared(argv, env=None):
+    """torchrun's parsed arguments after `prepare_rendezvous`, and what it decided."""
+    from torch.distributed.run import parse_args
+
+    args = parse_args(translate_args(argv, env={}))
+    rdzv = prepare_rendezvous(args, argv[:_split_at_script(argv)], env)
+    return args, rdzv
+
+
+def _conf(args):
+    return dict(item.split("=", 1) for item in args.rdzv_conf.split(",") if item)
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# -- defect 3: --no_python runs any executable --------------------------------------------------------------
+
+def test_no_python_takes_any_executable_as_the_script(tmp_path):
+    argv = ["--nproc_per_node", "1", "--no_python", "/bin/echo", "hi", "there"]
+    assert _split_at_script(argv) == 3
+    assert translate_args(argv, env={})[-4:] == ["--no_python", "/bin/echo", "hi", "there"]
+    check_environment(argv)                                   # was: "no training script ..."
+    check_environment(["--no-python", "echo", "x.py"])        # a command on PATH
+    with pytest.raises(ValueError, match="executable 'no_such_command_xyz' \\(after --no_python\\)"):
+        check_environment(["--no_python", "no_such_command_xyz"])
+    with pytest.raises(ValueError, match="--no_python runs an executable, -m runs a Python module"):
+        check_environment(["--no_python", "-m", "json.tool"])
+    # Without --no_python the script is still the first .py, and a flag's value is never the script.
+    assert _split_at_script(["--nproc_per_node", "2", "train", "a.py"]) == 3
+    assert _split_at_script(["--log_dir", "logs.py", "--nproc_per_node=2", "t.py", "--no_python"]) == 3
+    with pytest.raises(ValueError, match=r"no training script in \['--nproc_per_node', '2', 'train'\]"):
+        check_environment(["--nproc_per_node", "2", "train"])
+
+
+def test_old_launcher_no_python_executable():
+    args = launch.parse_args(["--nproc_per_node", "1", "--no_python", "/bin/echo", "hi", "there"])
+    run_args = launch.to_run_args(args)
+    assert run_args[-4:] == ["--no_python", "/bin/echo", "hi", "there"]
+    check_environment(run_args)
+    with pytest.raises(ValueError, match="training script 'train' must be a file ending in .py"):
+        launch.to_run_args(launch.parse_args(["train", "a.py"]))
+
+
+# -- defect 4: the old launcher's usage errors --------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, env, expected", [
+    (["--nproc_per_node", "0", "x.py"], {}, "--nproc_per_node=0 must be >= 1"),
+    (["--coworker_size", "1", "x.py"], {}, "--coworker_size=1 is not supported"),
+    (["--not_use_env", "x.py"], {}, "--not_use_env is not supported"),
+    (["x.py"], {"WORLD_SIZE": "two"}, "WORLD_SIZE='two' (read because --nnodes was not given)"),
+    (["--nproc_per_node", "2", "x.py"], {"RANK": "5", "WORLD_SIZE": "2"},
+     "environment variable RANK=5 (read because --node_rank was not given) must be below the number of nodes "
+     "(WORLD_SIZE=2, read because --nnodes was not given)"),
+    (["--nnodes", "2", "x.py"], {"RANK": "2"}, "RANK=2 (read because --node_rank was not given) must be below "
+                                              "the number of nodes (--nnodes=2)"),
+    (["x.py"], {"MASTER_PORT": "70000"}, "MASTER_PORT=70000 (read because --master_port was not given)"),
+    (["--master_port", "-3", "x.py"], {}, "--master_port=-3 must be a TCP port"),
+    (["no_such_script.py"], {}, "training script 'no_such_script.py' does not exist"),   # forwarded by run
+])
+def test_old_launcher_usage_errors_are_one_line_and_exit_2(monkeypatch, capsys, argv, env, expected):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as exit_info:
+        launch.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("atorch.distributed.launch: error: ") and err.count("\n") == 1, err
+    assert expected in err, err
+    assert "--node_rank='" not in err and "atorch.distributed.run" not in err
+
+
+# -- defect 1: the store's host checks its port; the rendezvous id names the job ----------------------------
+
+def test_fault_tolerant_single_node_refuses_a_taken_port(taken_port):
+    with pytest.raises(LaunchError, match=f"port {taken_port} of the rendezvous at 127.0.0.1:{taken_port} is "
+                                          "already in use on this host"):
+        _prepared(["--fault_tolerant", "--master_port", str(taken_port), "--nproc_per_node", "1", "t.py"])
+    # node rank 0 hosts the store of a multi-node job, with or without --fault_tolerant
+    for extra in (["--fault_tolerant"], []):
+        with pytest.raises(LaunchError, match="already in use"):
+            _prepared([*extra, "--nnodes", "2", "--node_rank", "0", "--master_port", str(taken_port), "t.py"])
+    # another node does not host it: no check, and c10d is told so (it would otherwise try to host)
+    args, rdzv = _prepared(["--fault_tolerant", "--nnodes", "2", "--node_rank", "1", "--master_port",
+                            str(taken_port), "t.py"])
+    assert rdzv.hosts_store is False and _conf(args)["is_host"] == "false"
+
+
+def test_main_port_in_use_is_one_line_exit_1(taken_port, capsys, tmp_path):
+    script = tmp_path / "t.py"
+    script.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        run.main(["--fault_tolerant", "--master_port", str(taken_port), "--nproc_per_node", "1", str(script)])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"atorch.distributed.run: error: port {taken_port} " in err, err
+
+
+def test_store_host_is_told_to_host(monkeypatch):
+    port = _free_port()
+    args, rdzv = _prepared(["--fault_tolerant", "--master_port", str(port), "t.py"])
+    assert rdzv.hosts_store is True and _conf(args)["is_host"] == "true"
+    # several nodes on this machine without --node_rank: torch's guess (host if it can, else connect)
+    args, rdzv = _prepared(["--fault_tolerant", "--nnodes", "2", "--master_port", str(port), "t.py"])
+    assert rdzv.hosts_store is None and "is_host" not in _conf(args)
+    # a store on another machine is not ours to check
+    args, rdzv = _prepared(["--fault_tolerant", "--nnodes", "2", "--master_addr", "192.0.2.1", "--master_port",
+                            str(port), "t.py"])
+    assert rdzv.hosts_store is False
+
+
+def test_rendezvous_id_is_unique_to_the_job():
+    port = _free_port()
+    single = ["--fault_tolerant", "--master_port", str(port), "t.py"]
+    first, second = _prepared(single)[0].rdzv_id, _prepared(single)[0].rdzv_id
+    assert first.startswith(f"atorch-{port}-") and first != second        # was atorch-<port> for every job
+    multi = ["--fault_tolerant", "--nnodes", "2", "--master_addr", "192.0.2.1", "--master_port", str(port), "t.py"]
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "1"}
+    assert _prepared(multi, env=slurm)[0].rdzv_id == f"atorch-{port}-slurm-4242.1"    # the same on every node
+    assert _prepared(multi, env={})[0].rdzv_id == f"atorch-{port}"                  # nothing shared to name it
+    assert _prepared(["--rdzv_id", "mine", *single])[0].rdzv_id == "mine"
+
+
+# -- defect 2: ATORCH_INIT_TIMEOUT bounds the wait for the other nodes --------------------------------------
+
+def test_join_timeout_from_atorch_init_timeout(monkeypatch):
+    port = _free_port()
+    monkeypatch.setenv("ATORCH_INIT_TIMEOUT", "5")
+    for extra in ([], ["--fault_tolerant"]):
+        args, rdzv = _prepared([*extra, "--nnodes", "2", "--node_rank", "1", "--master_port", str(port), "t.py"])
+        assert _conf(args)["join_timeout"] == "5" and _conf(args)["timeout"] == "5"
+        assert waiting_line(rdzv) == (f"atorch.distributed.run: waiting up to 5 s (ATORCH_INIT_TIMEOUT) for 2 "
+                                      f"nodes at 127.0.0.1:{port}")
+    monkeypatch.setenv("ATORCH_INIT_TIMEOUT", "2.5")
+    assert _prepared(["--nnodes", "1:3", "--master_port", str(port), "--node_rank", "1", "t.py"])[1].timeout_s == 3
+    assert "for 1 to 3 nodes" in waiting_line(_prepared(["--nnodes", "1:3", "--node_rank", "1", "t.py"])[1])
+    # one node waits for nobody: no line; the user's --rdzv_conf wins
+    assert waiting_line(_prepared(["t.py"])[1]) is None
+    args, rdzv = _prepared(["--fault_tolerant", "--nnodes", "2", "--rdzv_conf", "join_timeout=30", "t.py"])
+    assert _conf(args)["join_timeout"] == "30" and rdzv.timeout_s == 30 and rdzv.timeout_source.startswith("--rdzv")
+    monkeypatch.delenv("ATORCH_INIT_TIMEOUT")
+    assert _prepared(["--nnodes", "2", "--node_rank", "1", "t.py"])[1].timeout_s == 600
+    monkeypatch.setenv("ATORCH_INIT_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="ATORCH_INIT_TIMEOUT='soon'"):
+        _prepared(["t.py"])
+
+
+def test_rendezvous_timeout_message(monkeypatch):
+    from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+
+    monkeypatch.setenv("ATORCH_INIT_TIMEOUT", "5")
+    _, rdzv = _prepared(["--nnodes", "2", "--node_rank", "1", "--master_port", "29999", "t.py"])
+    message = _rendezvous_failure(RendezvousTimeoutError(), rdzv)
+    assert message is not None and ("the rendezvous at 127.0.0.1:29999 did not gather 2 nodes within 5 s "
+                                    "(ATORCH_INIT_TIMEOUT)") in message
+    store_timeout = RuntimeError("Timed out after 6 seconds waiting for clients. 1/2 clients joined.")
+    assert "within 5 s (ATORCH_INIT_TIMEOUT)" in _rendezvous_failure(store_timeout, rdzv)
+    assert _rendezvous_failure(RuntimeError("something else"), rdzv) is None
+
+
+# -- defect 5: the failed worker's exit code ----------------------------------------------------------------
+
+def test_exit_code_as_a_shell_reports_it():
+    assert _exit_code(3) == 3 and _exit_code(-9) == 137 and _exit_code(-15) == 143 and _exit_code(0) == 1
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
