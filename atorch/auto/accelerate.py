@@ -209,8 +209,11 @@ def _agree_between_ranks(ctx: ModelContext, strategy: Optional[Strategy]) -> Non
     length on each rank makes them run a different number of steps; either leaves ranks waiting
     for each other, and nothing inside the backend's error would name the cause."""
     values = {"dataloader_args['batch_size']": repr(ctx.dataloader_args.get("batch_size"))}
-    if ctx.dataset is not None and hasattr(ctx.dataset, "__len__"):
-        values["len(dataset)"] = str(len(ctx.dataset))
+    try:
+        if ctx.dataset is not None and hasattr(ctx.dataset, "__len__"):
+            values["len(dataset)"] = str(len(ctx.dataset))
+    except (TypeError, NotImplementedError):   # a __len__ that refuses: nothing to compare
+        pass
     if strategy is not None:
         values["load_strategy"] = strategy.describe()
     agree_on_values("auto_accelerate", values)
