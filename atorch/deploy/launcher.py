@@ -80,6 +80,25 @@ def _config_of(model_or_path: Union[nn.Module, str, os.PathLike], source: Dict[s
     return AutoConfig.from_pretrained(path)
 
 
+def _generation_config_of(model_or_path: Union[nn.Module, str, os.PathLike], source: Dict[str, Any],
+                          config: Any) -> Any:
+    """The generation defaults the workers' models have: the model object's, or the folder's
+    generation_config.json (what from_pretrained reads), else derived from the model config."""
+    from transformers import GenerationConfig
+
+    if source["source"] == "module":
+        own = getattr(model_or_path, "generation_config", None)
+        return copy.deepcopy(own) if own is not None else GenerationConfig.from_model_config(config)
+    path = source["path"]
+    if source["source"] == "atorch_checkpoint":
+        from atorch.checkpoint import manifest as mf
+
+        path = mf.resolve_checkpoint_dir(path)
+    if os.path.isfile(os.path.join(path, "generation_config.json")):
+        return GenerationConfig.from_pretrained(path)
+    return GenerationConfig.from_model_config(config)
+
+
 def deploy(model_or_path: Union[nn.Module, str, os.PathLike], tensor_parallel_size: int = 1, *,
            device: str = "cpu", dtype: Optional[torch.dtype] = None, fuse: Optional[Sequence[Any]] = None,
            start_timeout_s: float = 300.0, collective_timeout_s: float = 600.0) -> DeployedModel:
@@ -140,7 +159,7 @@ def deploy(model_or_path: Union[nn.Module, str, os.PathLike], tensor_parallel_si
         for p in procs:
             p.wait()
         raise
-    proxy = DeployedModel(workers, config, tensor_parallel_size)
+    proxy = DeployedModel(workers, config, tensor_parallel_size, _generation_config_of(model_or_path, source, config))
     _LIVE.add(proxy)
     return proxy
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from multiprocessing.connection import Connection
-from typing import Any, Dict, List, Optional, Tuple, cast
+from typing import Any, Dict, List, Optional, Tuple, Union, cast
 
 import torch
 
@@ -95,13 +95,23 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")  # type: ignore[arg-type]
 
 
-def send(conn: Connection, header: Dict[str, Any], payload: Any = None) -> None:
-    """Send `header` (plain JSON data) and `payload` (any value the module docstring allows)."""
+def encode(header: Dict[str, Any], payload: Any = None) -> List[Union[bytes, memoryview]]:
+    """The frames of one message: `header` (plain JSON data) with `payload` (any value the module
+    docstring allows), then one frame per tensor. Raises TypeError for a payload it cannot carry."""
     tensors: List[torch.Tensor] = []
     body = _encode(payload, tensors, "the payload")
-    conn.send_bytes(json.dumps({**header, "payload": body, "n_tensors": len(tensors)}).encode())
-    for t in tensors:
-        conn.send_bytes(_tensor_bytes(t))
+    return [json.dumps({**header, "payload": body, "n_tensors": len(tensors)}).encode()] + \
+        [_tensor_bytes(t) for t in tensors]
+
+
+def send_frames(conn: Connection, frames: List[Union[bytes, memoryview]]) -> None:
+    for frame in frames:
+        conn.send_bytes(frame)
+
+
+def send(conn: Connection, header: Dict[str, Any], payload: Any = None) -> None:
+    """Send `header` (plain JSON data) and `payload` (any value the module docstring allows)."""
+    send_frames(conn, encode(header, payload))
 
 
 def recv(conn: Connection, device: Optional[torch.device] = None) -> Tuple[Dict[str, Any], Any]:

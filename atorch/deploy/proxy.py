@@ -7,7 +7,7 @@ import subprocess
 import threading
 import time
 from multiprocessing.connection import Connection, wait
-from typing import Any, Dict, List, Optional, cast
+from typing import Any, Dict, List, Optional, Set, Union, cast
 
 import torch
 
@@ -30,6 +30,11 @@ class WorkerGroup:
         self._lock = threading.Lock()
         self._broken: Optional[str] = None
         self._closed = False
+        # Ranks that still owe a reply to a call the caller abandoned (an exception such as
+        # KeyboardInterrupt while waiting): their replies must be read and dropped before the next
+        # call, or each later call would be answered with its predecessor's result.
+        self._owed: Set[int] = set()
+        self._sending = False       # a call was interrupted while being sent: the ranks are out of step
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, setup: Dict[str, Any], state: Optional[Dict[str, torch.Tensor]], timeout_s: float) -> None:
@@ -76,9 +81,28 @@ class WorkerGroup:
         """Run `op` on every rank with the same inputs; rank 0's result, on `device`."""
         with self._lock:
             self._check_usable()
+            self._finish_abandoned()
+            frames = protocol.encode({"op": op, "seed": seed}, payload)   # a payload it cannot carry raises here
+            self._sending = True
             for rank, conn in enumerate(self.conns):
-                self._send(rank, conn, {"op": op, "seed": seed}, payload)
+                self._send_frames(rank, conn, frames)
+                self._owed.add(rank)
+            self._sending = False
             return self._collect(None, op, device)[0]
+
+    def _finish_abandoned(self) -> None:
+        """Read and drop the replies of a call the caller abandoned (they arrive once the ranks finish it)."""
+        if self._sending:
+            self._fail("deployed model: a call was interrupted while it was being sent to the workers, so some "
+                       "ranks run it and wait for the others; the deployment is unusable, deploy again")
+        if not self._owed:
+            return
+        try:
+            self._collect(None, "finishing a call that was interrupted", ranks=sorted(self._owed))
+        except WorkerError:
+            raise
+        except Exception:  # noqa: BLE001 - the abandoned call's own error belongs to nobody now
+            pass
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -102,16 +126,20 @@ class WorkerGroup:
         raise WorkerError(message)
 
     def _send(self, rank: int, conn: Connection, header: Dict[str, Any], payload: Any) -> None:
+        self._send_frames(rank, conn, protocol.encode(header, payload))
+
+    def _send_frames(self, rank: int, conn: Connection, frames: List[Union[bytes, memoryview]]) -> None:
         try:
-            protocol.send(conn, header, payload)
+            protocol.send_frames(conn, frames)
         except OSError:
             self._check_processes()
             self._fail(f"deployed model: cannot reach worker rank {rank} (pid {self.procs[rank].pid})")
 
-    def _collect(self, timeout_s: Optional[float], what: str, device: Optional[torch.device] = None) -> List[Any]:
-        """Every rank's reply; raises the first error a rank reported, or WorkerError when one died."""
+    def _collect(self, timeout_s: Optional[float], what: str, device: Optional[torch.device] = None,
+                 ranks: Optional[List[int]] = None) -> List[Any]:
+        """Every rank's (or `ranks`') reply; raises the first error a rank reported, or WorkerError when one died."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        pending = dict(enumerate(self.conns))
+        pending = {r: c for r, c in enumerate(self.conns) if ranks is None or r in ranks}
         replies: Dict[int, Any] = {}
         errors: Dict[int, Dict[str, Any]] = {}
         while pending:
@@ -125,6 +153,7 @@ class WorkerGroup:
                     self._fail(f"deployed model: worker rank {rank} (pid {self.procs[rank].pid}) closed its socket "
                                f"while {what}")
                 del pending[rank]
+                self._owed.discard(rank)
                 if header.get("ok"):
                     replies[rank] = payload
                 else:
@@ -171,11 +200,13 @@ class DeployedModel:
     rank samples the same tokens and `torch.manual_seed` in the caller makes it repeatable.
     """
 
-    def __init__(self, workers: WorkerGroup, config: Any, tensor_parallel_size: int) -> None:
+    def __init__(self, workers: WorkerGroup, config: Any, tensor_parallel_size: int,
+                 generation_config: Any = None) -> None:
         self._workers = workers
         self.config = config
         self.tensor_parallel_size = tensor_parallel_size
-        self._generation_config: Any = None   # a transformers GenerationConfig, built on first use
+        # The workers' models' defaults (a folder's generation_config.json); None: from `config`, on first use.
+        self._generation_config: Any = generation_config
 
     @property
     def generation_config(self) -> Any:

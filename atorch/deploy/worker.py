@@ -161,6 +161,10 @@ def run(model: nn.Module, op: Optional[str], header: Dict[str, Any], payload: Di
         torch.manual_seed(header["seed"])
     with torch.inference_mode():
         if op == "generate":
+            if isinstance(kwargs.get("generation_config"), dict):   # sent as its dict (plain data on the wire)
+                from transformers import GenerationConfig
+
+                kwargs = {**kwargs, "generation_config": GenerationConfig.from_dict(kwargs["generation_config"])}
             return cast(Any, model).generate(*args, **kwargs)  # a transformers model
         if op == "forward":
             return model(*args, **{"use_cache": False, **kwargs})

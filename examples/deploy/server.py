@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 import atorch
+from atorch.deploy import WorkerError
 
 ALLOWED_OPTIONS = {"max_new_tokens": int, "min_new_tokens": int, "num_beams": int, "do_sample": bool,
                    "temperature": float, "top_k": int, "top_p": float, "no_repeat_ngram_size": int,
@@ -54,6 +55,9 @@ class GenerateHandler(BaseHTTPRequestHandler):
     model: Any = None
     tokenizer: Any = None
     pad_token_id: int = 0
+    # Seconds a connection may stay silent (a client that announces more body than it sends) before
+    # its handler thread gives up; generation itself is not bounded by it.
+    timeout = 60
 
     def log_message(self, fmt: str, *args: Any) -> None:  # quieter than the default stderr line per request
         pass
@@ -79,8 +83,8 @@ class GenerateHandler(BaseHTTPRequestHandler):
             return
         try:
             length = int(self.headers.get("Content-Length", 0))
-            if length > MAX_BODY_BYTES:
-                raise ValueError(f"request body of {length} bytes is over {MAX_BODY_BYTES}")
+            if not 0 <= length <= MAX_BODY_BYTES:    # rfile.read(-1) would wait for the client to hang up
+                raise ValueError(f"Content-Length {length} must be between 0 and {MAX_BODY_BYTES} bytes")
             request = json.loads(self.rfile.read(length) or b"{}")
             input_ids, options = self._parse(request)
         except (ValueError, TypeError) as e:
@@ -90,11 +94,13 @@ class GenerateHandler(BaseHTTPRequestHandler):
             with torch.no_grad():
                 output = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                                              pad_token_id=self.pad_token_id, **options)
-        except ValueError as e:
-            self._reply(400, {"error": str(e).split(" (raised by deployed rank")[0]})
-            return
-        except Exception as e:  # noqa: BLE001 - a dead worker etc.: the server stays up and says so
+        except WorkerError as e:  # a dead worker: the server stays up and says so
             self._reply(503, {"error": f"{type(e).__name__}: {e}"})
+            return
+        except Exception as e:  # noqa: BLE001 - the workers are fine: what the request asked cannot run
+            # The workers' traceback stays in the server's log, not in the answer to a client.
+            print(f"request failed: {type(e).__name__}: {e}", file=sys.stderr)
+            self._reply(400, {"error": f"{type(e).__name__}: {str(e).split(' (raised by deployed rank')[0]}"})
             return
         body: Dict[str, Any] = {"output_ids": output.tolist()}
         if self.tokenizer is not None:
@@ -120,11 +126,16 @@ class GenerateHandler(BaseHTTPRequestHandler):
             if not (isinstance(ids, list) and ids and all(isinstance(r, list) and r for r in ids)
                     and len({len(r) for r in ids}) == 1 and all(isinstance(t, int) for r in ids for t in r)):
                 raise ValueError("input_ids must be a non-empty list of equally long, non-empty lists of ints")
+            vocab = getattr(self.model.config, "vocab_size", None)
+            if vocab is not None and not all(0 <= t < vocab for r in ids for t in r):
+                raise ValueError(f"input_ids must be token ids in [0, {vocab})")
             return torch.tensor(ids, dtype=torch.long), options
         if "text" in request:
             if self.tokenizer is None:
                 raise ValueError("this server has no tokenizer: send input_ids")
             texts: List[str] = [request["text"]] if isinstance(request["text"], str) else request["text"]
+            if not isinstance(texts, list) or not texts or not all(isinstance(x, str) and x for x in texts):
+                raise ValueError("text must be a non-empty string or a non-empty list of them")
             encoded = [self.tokenizer(t)["input_ids"] for t in texts]
             if len({len(e) for e in encoded}) != 1:
                 raise ValueError("texts of different token lengths: send one text per request, or input_ids")

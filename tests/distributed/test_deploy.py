@@ -109,6 +109,31 @@ def test_deployed_model_object_matches_unsharded_model_and_reports_a_dead_worker
             t.join()
         assert all(torch.equal(r, w) for r, w in zip(results, wanted))
 
+        # A GenerationConfig object (it travels as a dict; the workers rebuild it).
+        from transformers import GenerationConfig
+
+        got = deployed.generate(ids, attention_mask=mask, generation_config=GenerationConfig(**GEN))
+        assert torch.equal(got, expected["greedy"])
+
+        # A call the caller abandons (Ctrl-C, a request timeout): its reply is dropped before the next
+        # call, which gets its own answer (it got the abandoned call's before).
+        class Abandoned(Exception):
+            pass
+
+        def interrupt(signum, frame):
+            raise Abandoned()
+
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            with pytest.raises(Abandoned):
+                deployed.generate(ids, attention_mask=mask, **{**GEN, "max_new_tokens": 2000})
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        assert torch.equal(deployed.generate(ids, attention_mask=mask, **GEN), expected["greedy"])
+        torch.testing.assert_close(deployed(ids, attention_mask=mask).logits, logits, rtol=1e-5, atol=1e-5)
+
         # A dead worker: the next call raises a WorkerError naming it, instead of hanging.
         os.kill(pids[1], signal.SIGKILL)
         errors = []
@@ -178,3 +203,18 @@ def test_bad_arguments_are_value_errors_before_any_process_starts(tmp_path):
         atorch.deploy(str(tmp_path))
     with pytest.raises(ValueError, match="neither a model object nor a directory"):
         atorch.deploy(str(tmp_path / "missing"))
+
+
+def test_the_proxy_has_the_folders_generation_defaults(tmp_path):
+    """A folder's generation_config.json (do_sample=True) is what its workers' models use: the proxy reads
+    it too, so it draws the per-call seed that makes sampling repeatable (it read config.json only)."""
+    from transformers import GenerationConfig
+
+    from atorch.deploy.launcher import _config_of, _generation_config_of, _source
+
+    model = tiny_llama(seed=1)
+    model.generation_config = GenerationConfig(do_sample=True, top_k=5)
+    model.save_pretrained(tmp_path / "hf")
+    source = _source(tmp_path / "hf")
+    assert _generation_config_of(tmp_path / "hf", source, _config_of(tmp_path / "hf", source)).do_sample is True
+    assert _generation_config_of(model, _source(model), model.config).top_k == 5

@@ -62,6 +62,13 @@ def test_server_generates_the_unsharded_tokens_and_leaves_no_worker():
         assert status == 400 and "max_new_tokens must be a int" in answer["error"]
         status, answer = _post(port, {"prompt": "x"})
         assert status == 400 and "unknown field(s) ['prompt']" in answer["error"]
+        # What the request asks cannot run, the workers are fine: 400 without the workers' traceback
+        # (503 is for a dead worker).
+        for bad, says in (({"input_ids": prompt, "num_beams": 0}, "ZeroDivisionError"),
+                          ({"input_ids": [[5, 5000]]}, "token ids in [0, 1024)"),
+                          ({"text": ""}, "non-empty string")):
+            status, answer = _post(port, bad)
+            assert status == 400 and says in answer["error"] and "Traceback" not in answer["error"], answer
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         assert "stopped" in proc.stdout.read()
