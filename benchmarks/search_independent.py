@@ -81,20 +81,11 @@ class Land:
             eff = rng.normal(0, 0.2, size=self.sizes[d0])
             logtp = eff[ch[:, d0]]
             oom_frac = 0.0
-        elif family == "memslow":
-            self.noise = 0.03
-            logtp = np.zeros(n)
-            for d, name in enumerate(self.names):
-                if d in save_steps:
-                    cost = np.concatenate([[0.0], np.cumsum(rng.uniform(0.05, 0.2, size=self.sizes[d] - 1))])
-                    logtp -= cost[ch[:, d]]
-                else:
-                    logtp += rng.normal(0, 0.1, size=self.sizes[d])[ch[:, d]]
-            oom_frac = 0.4
-        elif family == "flakyoom":
-            # memslow, but a candidate within 8% under the limit runs out of memory on half its dry runs
-            # (fragmentation, allocator variance): one flaky OOM rules out, by dominance, every candidate
-            # needing at least its memory
+        elif family in ("memslow", "flakyoom"):
+            # memslow: the memory-saving options are slower, 40% of the candidates run out of memory.
+            # flakyoom: the same, and a candidate within 8% under the limit runs out of memory on half its
+            # dry runs (fragmentation, allocator variance): one flaky OOM rules out, by dominance, every
+            # candidate needing at least its memory
             self.noise = 0.03
             logtp = np.zeros(n)
             for d, name in enumerate(self.names):
