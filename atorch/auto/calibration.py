@@ -42,7 +42,7 @@ import torch.distributed as dist
 from atorch.auto.cost_model import Estimate, ModelShape, StrategyTraits, estimate, shape_of
 from atorch.auto.devices import cpu_model_name
 from atorch.auto.strategy import Strategy, StrategyLike
-from atorch.utils.json_numbers import is_finite_number
+from atorch.utils.finite_numbers import is_finite_number
 
 logger = logging.getLogger(__name__)
 

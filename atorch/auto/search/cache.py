@@ -28,7 +28,7 @@ import torch
 from atorch.auto.devices import cpu_model_name
 from atorch.auto.search.search import DryRunResult
 from atorch.auto.strategy import Strategy
-from atorch.utils.json_numbers import is_finite_number
+from atorch.utils.finite_numbers import is_finite_number
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import numbers
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
@@ -18,6 +17,7 @@ from atorch.auto.search.results import (TRIAL_COLUMNS, Comparison, DryRunResult,
 from atorch.auto.search.space import Candidate
 from atorch.auto.search.stats import LogEstimate, RatioCI, log_throughput_of_steps, pool_runs, ratio_ci
 from atorch.auto.strategy import Strategy
+from atorch.utils.finite_numbers import finite_float
 
 logger = logging.getLogger(__name__)
 
@@ -70,14 +70,6 @@ def evaluate(evaluator: Evaluator, strategy: Strategy, clock: Callable[[], float
     return result, clock() - start
 
 
-def _real(value: Any) -> Optional[float]:
-    """`value` as a finite float when it is a real number (numpy's included; a bool is not one), else None."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return None
-    value = float(value)
-    return value if math.isfinite(value) else None
-
-
 def checked_result(result: DryRunResult, memory_limit_bytes: Optional[int], strategy: Strategy,
                    warned: Set[str]) -> DryRunResult:
     """`result` with every field the search reads in the type it expects.
@@ -94,7 +86,7 @@ def checked_result(result: DryRunResult, memory_limit_bytes: Optional[int], stra
         error = result.error if isinstance(result.error, str) else \
             f"exception: evaluator reported error {result.error!r}"
         return dataclasses.replace(result, throughput=0.0, error=error)
-    throughput = _real(result.throughput)
+    throughput = finite_float(result.throughput)
     if throughput is None or throughput <= 0:
         return DryRunResult(0.0, result.peak_memory_bytes,
                             f"exception: evaluator reported throughput {result.throughput!r} "
@@ -118,13 +110,13 @@ def checked_result(result: DryRunResult, memory_limit_bytes: Optional[int], stra
     ci = result.throughput_ci
     if ci is not None:
         bounds = tuple(ci) if isinstance(ci, (tuple, list)) else ()
-        lo, hi = (_real(bounds[0]), _real(bounds[1])) if len(bounds) == 2 else (None, None)
+        lo, hi = (finite_float(bounds[0]), finite_float(bounds[1])) if len(bounds) == 2 else (None, None)
         if lo is None or hi is None or not 0 < lo <= throughput <= hi:
             drop("throughput_ci", f"{ci!r} is not (lo, hi) with 0 < lo <= throughput {throughput:.4g} <= hi")
             ci = None
         else:
             ci = (lo, hi)
-    step_time = _real(result.step_time_s) if result.step_time_s is not None else None
+    step_time = finite_float(result.step_time_s) if result.step_time_s is not None else None
     if result.step_time_s is not None and (step_time is None or step_time <= 0):
         drop("step_time_s", f"{result.step_time_s!r}")
         step_time = None
