@@ -77,6 +77,7 @@ def auto_accelerate(
     `finetune_strategy=True` resets the configs of the loaded items but `parallel_mode` to
     their defaults.
     """
+    error: Optional[Exception] = None
     try:
         compat = translate_atorch_kwargs(dataset=dataset, load_strategy=load_strategy,
                                          distributed_sampler_cls=distributed_sampler_cls,
@@ -90,16 +91,14 @@ def auto_accelerate(
                            dataloader_args=dataloader_args, lr_scheduler_cls=lr_scheduler_cls,
                            lr_scheduler_args=lr_scheduler_args, save_strategy_to_file=save_strategy_to_file,
                            report_path=report_path, excluded=excluded, included=included)
-    except Exception as error:  # noqa: BLE001 - agreed across ranks below, then raised on each
+    except Exception as e:  # noqa: BLE001 - agreed across ranks below, then raised on each
         if not _several_ranks():
             raise
-        # A mistake only some ranks see (a per-rank dataset, a path on one node): every rank raises
-        # it, rather than the others waiting in the first collective until the timeout.
-        adist.init_distributed()
-        agree("auto_accelerate: checking the arguments", error)
-        raise
+        error = e
+    # A mistake only some ranks see (a per-rank dataset, a path on one node): every rank raises it,
+    # rather than the others waiting in the first collective until the timeout.
     adist.init_distributed()
-    agree("auto_accelerate: checking the arguments", None)
+    agree("auto_accelerate: checking the arguments", error)
     configure_logging()
     if load_strategy is not None and (excluded or included):
         logger.warning("auto_accelerate: excluded=%s and included=%s only restrict the automatic search; with "
@@ -195,10 +194,8 @@ def _accelerate(ctx: ModelContext, load_strategy: Optional[StrategyLike], ignore
 
 def _several_ranks() -> bool:
     """This process is one of several ranks (a process group of more than one, or a launcher's WORLD_SIZE)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size() > 1
     try:
-        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+        return adist.world_size() > 1
     except ValueError:
         return False        # a malformed WORLD_SIZE: init_distributed names it
 
