@@ -20,8 +20,7 @@ full state dicts (`gather_tp_state_dict`) and checkpoints see them with their fu
 
 from __future__ import annotations
 
-import math
-from typing import Any, Dict, Iterable, List, Tuple
+from typing import Any, Dict, Iterable, List
 
 import torch
 import torch.nn.functional as F
@@ -29,16 +28,7 @@ from torch import nn
 
 from atorch.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, ShardSpec, shard_tensor
 from atorch.tensor_parallel.mappings import copy_to_group, reduce_from_group
-
-
-def _init_full(r: int, in_features: int, out_features: int, generator: torch.Generator,
-               like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    a = torch.empty(r, in_features, dtype=torch.float32)
-    # nn.init.kaiming_uniform_(a, a=sqrt(5)) with an explicit generator: bound = 1 / sqrt(fan_in).
-    bound = 1.0 / math.sqrt(in_features)
-    a.uniform_(-bound, bound, generator=generator)
-    b = torch.zeros(out_features, r, dtype=torch.float32)
-    return a.to(like.device, like.dtype), b.to(like.device, like.dtype)
+from atorch.utils.lora_init import lora_a_init
 
 
 class LoraColumnParallelLinear(ColumnParallelLinear):
@@ -75,12 +65,17 @@ class LoraRowParallelLinear(RowParallelLinear):
         return super().reduced_output(x) + self.lora_scaling * F.linear(h, self.lora_B)
 
 
-def add_lora(layer: Any, r: int, alpha: float, generator: torch.Generator) -> nn.Module:
-    """Re-class a Column/RowParallelLinear into its LoRA variant with fresh adapters (full A drawn from `generator`)."""
+def add_lora(layer: Any, r: int, alpha: float, a_full: torch.Tensor) -> nn.Module:
+    """Re-class a Column/RowParallelLinear into its LoRA variant; `a_full` is the full fp32 A [r, in_features]
+    (each rank keeps its slice), B starts at zero."""
     if layer.weight_layout != "linear":
         raise ValueError(f"lora with tensor_parallel supports nn.Linear layouts; {layer} stores a Conv1D weight "
                          "(GPT-2): target another model or drop tensor_parallel")
-    a_full, b_full = _init_full(r, layer.in_features, layer.out_features, generator, layer.weight)
+    if tuple(a_full.shape) != (r, layer.in_features):
+        raise ValueError(f"lora: A has shape {tuple(a_full.shape)}; {layer} needs ({r}, {layer.in_features})")
+    like = layer.weight
+    a_full = a_full.to(like.device, like.dtype)
+    b_full = torch.zeros(layer.out_features, r, dtype=like.dtype, device=like.device)
     if isinstance(layer, ColumnParallelLinear):
         layer.__class__ = LoraColumnParallelLinear
         spec = ShardSpec(0, layer.out_features, layer.tp_size, layer.stride, layer.out_spec.padded_size)
@@ -99,8 +94,9 @@ def add_lora(layer: Any, r: int, alpha: float, generator: torch.Generator) -> nn
 def add_tp_lora_adapters(model: nn.Module, targets: Iterable[str], r: int, alpha: float, dropout: float,
                          seed: int) -> List[str]:
     """Freeze `model` and add adapters to every tensor-parallel linear whose name matches a target (peft's rule:
-    the name or its last dotted components); returns the adapted names. Every rank draws the same full A from
-    `seed` and keeps its slice."""
+    the name or its last dotted components); returns the adapted names. Every rank draws the same full A,
+    seeded by `seed` and the layer's path (`lora_a_init`: the adapters single-process LoRA on the same model
+    starts from), and keeps its slice."""
     if dropout != 0.0:
         raise ValueError(f"lora: dropout={dropout} with tensor_parallel is not supported (the adapter input is "
                          "replicated or split depending on the layer); use dropout=0.0")
@@ -117,7 +113,6 @@ def add_tp_lora_adapters(model: nn.Module, targets: Iterable[str], r: int, alpha
                          f"{type(model).__name__}")
     for p in model.parameters():
         p.requires_grad_(False)
-    generator = torch.Generator().manual_seed(seed)
-    for _, module in matched:
-        add_lora(module, r, alpha, generator)
+    for name, module in matched:
+        add_lora(module, r, alpha, lora_a_init(seed, name, r, module.in_features))
     return [name for name, _ in matched]

@@ -114,12 +114,13 @@ def test_gather_logits_is_validated_and_lora_dropout_refused():
 
 def test_lora_layers_at_a_group_of_one_compute_base_plus_scaled_adapter():
     from atorch.tensor_parallel.lora import add_lora
+    from atorch.utils.lora_init import lora_a_init
 
     torch.manual_seed(0)
     x = torch.randn(3, 8)
     for cls in (ColumnParallelLinear, RowParallelLinear):
         full = nn.Linear(8, 6)
-        layer = add_lora(cls.from_full(full, None), r=2, alpha=4, generator=torch.Generator().manual_seed(1))
+        layer = add_lora(cls.from_full(full, None), r=2, alpha=4, a_full=lora_a_init(1, "fc", 2, 8))
         assert torch.equal(layer.lora_B, torch.zeros(6, 2))                     # starts at the base model
         assert layer.lora_A.abs().max() <= 1 / math.sqrt(8)                     # kaiming-uniform(a=sqrt(5)) bound
         with torch.no_grad():

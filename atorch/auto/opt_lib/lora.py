@@ -12,9 +12,7 @@ layer, same math and initialization scheme), and the model keeps its class.
 from __future__ import annotations
 
 import logging
-import math
 import sys
-import zlib
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, cast
 
@@ -23,6 +21,7 @@ from torch import nn
 
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
+from atorch.utils.lora_init import lora_a_init
 
 logger = logging.getLogger(__name__)
 
@@ -146,13 +145,8 @@ def add_lora_adapters(model: nn.Module, config: LoraConfig, model_config: Any = 
 
 
 def _seed_adapters_by_path(peft_model: nn.Module, seed: int) -> None:
-    """Draw each adapter's A from its own stream, seeded by `seed` and the layer's path in the model.
-
-    peft draws every A from one stream in module order, so an adapter's values depend on which
-    layers come before it: on a pipeline stage holding layers 2-3 they would be layer 0's and 1's
-    of the whole model. Seeded by path, each layer's adapter is the same whatever part of the model
-    this process holds. Same distribution as peft's (Kaiming uniform, a=sqrt(5)); B stays zero.
-    """
+    """Set each adapter's A to `lora_a_init(seed, layer path)`: the same adapters whatever part of
+    the model this process holds (a pipeline stage, a tensor-parallel slice); B stays zero."""
     prefix = "base_model.model."
     for name, module in peft_model.named_modules():
         lora_a = getattr(module, "lora_A", None)
@@ -163,11 +157,9 @@ def _seed_adapters_by_path(peft_model: nn.Module, seed: int) -> None:
             weight = getattr(adapter, "weight", None)
             if weight is None:
                 continue
-            generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{path}".encode()))
-            fresh = torch.empty(weight.shape, dtype=torch.float32)
-            nn.init.kaiming_uniform_(fresh, a=math.sqrt(5), generator=generator)
+            r, in_features = weight.shape
             with torch.no_grad():
-                weight.copy_(fresh)
+                weight.copy_(lora_a_init(seed, path, r, in_features))
 
 
 @register
