@@ -69,14 +69,15 @@ def parse_size(size: Union[int, str]) -> int:
 
 
 def check_merge_options(lora: str, max_shard_size: Union[int, str], dtype: Any = None, model_class: Any = None,
-                        out_dir: Any = None, ckpt_dir: Any = None, func: str = "merge_checkpoint") -> None:
+                        out_dir: Any = None, ckpt_dir: Any = None, func: str = "merge_checkpoint",
+                        out_arg: str = "out_dir") -> None:
     """Raise ValueError/TypeError for a bad `lora` mode, shard size, dtype, model class or output path.
 
     `ckpt_dir`: the checkpoint to merge (named in the error when `out_dir` is that checkpoint).
-    `func`: the entry point named in a type error.
+    `func`: the entry point named in a type error; `out_arg`: the name its caller gave `out_dir`.
     """
     if out_dir is not None:
-        check_merge_output(out_dir, ckpt_dir, func)
+        check_merge_output(out_dir, ckpt_dir, func, out_arg)
     if lora not in _LORA_MODES:
         raise ValueError(f"lora={lora!r}; valid values are {list(_LORA_MODES)}")
     parse_size(max_shard_size)
@@ -89,15 +90,16 @@ def check_merge_options(lora: str, max_shard_size: Union[int, str], dtype: Any =
                         "or None for the class the checkpoint recorded")
 
 
-def check_merge_output(out_dir: Any, ckpt_dir: Any = None, func: str = "merge_checkpoint") -> None:
+def check_merge_output(out_dir: Any, ckpt_dir: Any = None, func: str = "merge_checkpoint",
+                       out_arg: str = "out_dir") -> None:
     """Refuse, before anything is written, an `out_dir` that is a file, or where the Hugging Face files
     would land among checkpoint files: the checkpoint being merged (`ckpt_dir`), another checkpoint, a
     directory inside one, or a checkpoint root. Any of these would make the checkpoint fail verification
     (or, for a root, mix a model into the directory that save and rotation own)."""
-    mf.check_dir_arg(func, "out_dir", out_dir)
+    mf.check_dir_arg(func, out_arg, out_dir)
     out = os.fspath(out_dir)
     if os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"out_dir={out!r} is an existing file; give a directory for the Hugging Face model")
+        raise ValueError(f"{out_arg}={out!r} is an existing file; give a directory for the Hugging Face model")
     why = mf.checkpoint_use(out)
     if why is None:
         return
@@ -108,7 +110,7 @@ def check_merge_output(out_dir: Any, ckpt_dir: Any = None, func: str = "merge_ch
             merged = None  # reported as such by the merge itself
         if merged is not None and os.path.realpath(merged) == os.path.realpath(out):
             why = f"is the checkpoint being merged (it holds {mf.MANIFEST_NAME})"
-    raise ValueError(f"out_dir={out!r} {why}; merging would write config.json and the weights among checkpoint "
+    raise ValueError(f"{out_arg}={out!r} {why}; merging would write config.json and the weights among checkpoint "
                      "files. Merge into a new or empty directory (or one holding an earlier merged model)")
 
 

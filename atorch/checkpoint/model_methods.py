@@ -46,7 +46,7 @@ def save_parallelized(model: nn.Module, save_dir: str, merge_checkpoints: bool =
     # Bad options raise on every rank, before the collective save.
     check_merge_options(merge_kwargs.get("lora", "merge"), merge_kwargs.get("max_shard_size", "2GB"),
                         merge_kwargs.get("dtype"), merge_kwargs.get("model_class"), save_dir,
-                        func="save_parallelized")
+                        func="save_parallelized", out_arg="save_dir")
     token = _broadcast(uuid.uuid4().hex[:8] if _rank() == 0 else None)
     sharded = f"{os.path.normpath(save_dir)}{mf.STAGING_MARK}sharded-{token}"
     save_checkpoint(model, sharded, save_optimizer=False, update_latest=False)
