@@ -15,7 +15,9 @@ A thin front end over torch elastic (`torch.distributed.run`), not a process man
   outside 1..65535, a missing script, a malformed ATORCH_*_TIMEOUT) exit with status 2 and one
   line naming the flag, before any process or socket is started.
 - The node that hosts the rendezvous store checks its port first: a port in use fails at once
-  with one line (exit 1) instead of joining whatever listens there (see `prepare_rendezvous`).
+  with one line (exit 1) instead of joining whatever listens there (see `prepare_rendezvous`). A
+  node that does not host it checks that a torch store answers at the endpoint (`store_probe`):
+  torch's client hangs for good where something else listens.
 - Nodes wait `ATORCH_INIT_TIMEOUT` seconds (torch's 600 when unset) for each other; a multi-node
   launcher says so in one line, and a rendezvous that does not fill in time fails naming both.
 - A failed worker's exit code (128 + N for signal N; the first failure's) is the launcher's.
@@ -394,6 +396,28 @@ def _timeout_message(rdzv: Rendezvous) -> str:
             f"--master_addr and --master_port, or set ATORCH_INIT_TIMEOUT (seconds) to wait longer")
 
 
+def store_problem(rdzv: Rendezvous) -> Optional[str]:
+    """On a node known not to host the store: None when a torch store answers at the endpoint within the
+    join timeout, else one line saying what is there instead (`store_probe`: torch's client would hang for
+    good on a port where something else listens)."""
+    if rdzv.hosts_store is not False or not rdzv.endpoint or ":" not in rdzv.endpoint:
+        return None
+    from atorch.distributed.store_probe import STORE_ANSWER_S, StoreProbeError, check_store_endpoint
+
+    host, _, port = rdzv.endpoint.rpartition(":")
+    host = host.strip("[]")
+    try:
+        check_store_endpoint(host, int(port), wait_s=rdzv.timeout_s, answer_s=min(STORE_ANSWER_S, rdzv.timeout_s))
+    except StoreProbeError as e:
+        if str(e).startswith("nothing accepted"):
+            return (f"{e} ({rdzv.timeout_source}): the node hosting the rendezvous store (node rank 0) never "
+                    f"started or listens elsewhere; start every node with the same --master_addr and "
+                    f"--master_port, or set ATORCH_INIT_TIMEOUT (seconds) to wait longer")
+        return (f"{e}; another program listens on port {port} there. Start every node with the port the store's "
+                "node (node rank 0) uses, and make it one that nothing else holds")
+    return None
+
+
 def _chain(exc: BaseException) -> List[BaseException]:
     out: List[BaseException] = []
     current: Optional[BaseException] = exc
@@ -434,6 +458,10 @@ def run_job(args: argparse.Namespace, rdzv: Rendezvous, prog: str = PROG) -> int
     line = waiting_line(rdzv, prog)
     if line is not None:
         print(line, file=sys.stderr, flush=True)
+    problem = store_problem(rdzv)
+    if problem is not None:
+        print(f"{prog}: error: {problem}", file=sys.stderr, flush=True)
+        return 1
     try:
         record(torch_run)(args)   # record: the root cause's error file, as torchrun's main
     except ChildFailedError as e:
@@ -509,6 +537,9 @@ def elastic_run(args: argparse.Namespace) -> None:
     line = waiting_line(rdzv) if isinstance(rdzv, Rendezvous) else None
     if line is not None:
         print(line, file=sys.stderr, flush=True)
+    problem = store_problem(rdzv) if isinstance(rdzv, Rendezvous) else None
+    if problem is not None:
+        raise LaunchError(problem)
     torch_run(args)
 
 

@@ -159,6 +159,57 @@ def test_a_node_that_never_arrives_fails_after_atorch_init_timeout(tmp_path, mod
     assert "ran" not in out.stdout and took < 35          # was torch's 600 s
 
 
+@pytest.mark.parametrize("mode", [[], ["--fault_tolerant"]], ids=["static", "fault_tolerant"])
+def test_a_node_pointed_at_a_port_that_is_not_a_store_fails_instead_of_hanging(tmp_path, listening_port, mode):
+    """Node rank 1 with a --master_port where something else listens: torch's store client waits for the
+    store's answer with no deadline (it hung for good); the launcher checks and names the port."""
+    script = _write(tmp_path, "ok.py", "print('ran')\n")
+    out, took = _run([*mode, "--nnodes", "2", "--node_rank", "1", "--master_addr", "127.0.0.1", "--master_port",
+                      str(listening_port), "--nproc_per_node", "1", script], timeout=40,
+                     env=_env(ATORCH_INIT_TIMEOUT="3"))
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert (f"atorch.distributed.run: error: 127.0.0.1:{listening_port} is not a torch rendezvous store: it "
+            "accepted a connection but did not answer as a torch store within 3 s") in out.stderr, out.stderr[-3000:]
+    assert "ran" not in out.stdout and "Traceback" not in out.stderr and took < 35
+
+
+def test_a_node_whose_store_never_comes_up_fails_after_atorch_init_timeout(tmp_path):
+    script = _write(tmp_path, "ok.py", "print('ran')\n")
+    port = find_free_port()
+    out, took = _run(["--nnodes", "2", "--node_rank", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
+                      "--nproc_per_node", "1", script], timeout=40, env=_env(ATORCH_INIT_TIMEOUT="3"))
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert (f"atorch.distributed.run: error: nothing accepted connections at 127.0.0.1:{port} within 3 s "
+            "(ATORCH_INIT_TIMEOUT): the node hosting the rendezvous store (node rank 0) never started") in out.stderr
+    assert "ran" not in out.stdout and took < 35
+
+
+@pytest.mark.parametrize("mode", [[], ["--fault_tolerant"]], ids=["static", "fault_tolerant"])
+def test_two_nodes_on_one_machine_the_second_node_started_first(tmp_path, mode):
+    """The store check on node rank 1 waits for node rank 0's store and does not disturb the rendezvous."""
+    port = str(find_free_port())
+    marker = tmp_path / "done"
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    common = [sys.executable, "-m", "atorch.distributed.run", *mode, "--nnodes", "2", "--nproc_per_node", "1",
+              "--master_addr", "127.0.0.1", "--master_port", port]
+    env = _env(ATORCH_INIT_TIMEOUT="60")
+    second = subprocess.Popen([*common, "--node_rank", "1", str(script), str(marker)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        time.sleep(3)
+        first = subprocess.run([*common, "--node_rank", "0", str(script), str(marker)], capture_output=True,
+                               text=True, timeout=120, env=env)
+        log, _ = second.communicate(timeout=120)
+    finally:
+        if second.poll() is None:
+            second.kill()
+            second.wait()
+    assert first.returncode == 0 and second.returncode == 0, (first.stderr[-2000:], log[-2000:])
+    assert "sum 3.0" in first.stdout + log
+    assert (tmp_path / "done.0").exists() and (tmp_path / "done.1").exists()
+
+
 @pytest.mark.parametrize("module", ["atorch.distributed.run", "atorch.distributed.launch"])
 def test_no_python_runs_an_executable(module):
     out, _ = _run(["--nproc_per_node", "1", "--no_python", "/bin/echo", "hi", "there"], timeout=60, module=module)

@@ -209,3 +209,30 @@ def test_exit_code_as_a_shell_reports_it():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_store_probe_accepts_a_store_and_names_a_port_where_something_else_listens():
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    from atorch.distributed.store_probe import StoreProbeError, check_store_endpoint
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10),
+                          wait_for_workers=False)
+    check_store_endpoint("127.0.0.1", store.port, wait_s=5, answer_s=5)      # a store answers at once
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen(4)
+        port = other.getsockname()[1]
+        with pytest.raises(StoreProbeError, match=f"127.0.0.1:{port} is not a torch rendezvous store: it accepted "
+                                                  "a connection but did not answer as a torch store within 0.5 s"):
+            check_store_endpoint("127.0.0.1", port, wait_s=5, answer_s=0.5)
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]      # bound, not listening: connections are refused
+        with pytest.raises(StoreProbeError, match=f"nothing accepted connections at 127.0.0.1:{port} within 0.3 s"):
+            check_store_endpoint("127.0.0.1", port, wait_s=0.3, poll_s=0.1)
+    with pytest.raises(StoreProbeError, match="cannot resolve the rendezvous host"):
+        check_store_endpoint("no-such-host.invalid", 1234, wait_s=1)
