@@ -17,7 +17,8 @@ What is guaranteed, and how:
   the per-step times and the throughput interval.
 - Ranks stay in step when only some fail (e.g. OOM on rank 0 while rank 1 waits in an
   all-reduce): on gloo each candidate runs in a fresh world process group, installed as the
-  default group for the duration, and every group it creates gets `timeout_s`; a rank left
+  default group for the duration, and every group it creates gets `timeout_s` (in a search,
+  after its first clean dry run, about 3 clean dry runs' time: `make_evaluator`); a rank left
   waiting in a collective gets gloo's timeout error instead of hanging, and the possibly
   broken groups are never used again. Results are agreed on the untouched original group.
 - A candidate stuck in Python code (a loop, a sleep) is interrupted by SIGALRM after
@@ -28,6 +29,7 @@ What is guaranteed, and how:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import gc
 import logging
@@ -94,6 +96,11 @@ class DryRunConfig:
     ALARM_GRACE_S later."""
     memory_limit_bytes: Optional[int] = None
     """Simulated per-rank device memory; crossing it is an out-of-memory error at that allocation."""
+    peer_wait_s: Optional[float] = None
+    """How long a collective of the candidate waits for a peer (gloo); None: `timeout_s`. The search's
+    evaluator shortens it after its first clean dry run (`make_evaluator`)."""
+    peer_wait_floor_s: float = 60.0
+    """The shortest peer wait the search's evaluator sets."""
 
     def validate(self) -> "DryRunConfig":
         if self.warmup_steps < 1:
@@ -112,6 +119,10 @@ class DryRunConfig:
                              "(ATORCH_DRYRUN_TARGET_CI; 0 times every step of the budget)")
         if self.timeout_s <= 0:
             raise ValueError(f"dry run timeout_s={self.timeout_s} must be > 0 (ATORCH_DRYRUN_TIMEOUT)")
+        if self.peer_wait_s is not None and not 0 < self.peer_wait_s <= self.timeout_s:
+            raise ValueError(f"dry run peer_wait_s={self.peer_wait_s} must be > 0 and <= timeout_s={self.timeout_s}")
+        if self.peer_wait_floor_s <= 0:
+            raise ValueError(f"dry run peer_wait_floor_s={self.peer_wait_floor_s} must be > 0")
         if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
             raise ValueError(f"memory_limit_bytes={self.memory_limit_bytes} must be > 0 "
                              "(ATORCH_DEVICE_MEMORY_LIMIT, in bytes)")
@@ -186,10 +197,37 @@ def _log_result(strategy: Strategy, result: DryRunResult) -> None:
         logger.info("dry run of %s failed: %s", strategy.describe(), reason)
 
 
+# A clean dry run's longest collective wait is the ranks' imbalance within it, a fraction of its
+# wall time; a peer still silent after 3 whole dry runs' time has failed.
+PEER_WAIT_FACTOR = 3.0
+
+
 def make_evaluator(ctx: ModelContext, config: DryRunConfig,
                    source: Optional[ModelSource] = None) -> Callable[[Strategy], DryRunResult]:
-    """The search's evaluator: one collective dry run per call, candidates built from `source`."""
-    return lambda strategy: dry_run(ctx, strategy, config, source)
+    """The search's evaluator: one collective dry run per call, candidates built from `source`.
+
+    After the first clean dry run, a candidate's collectives wait for a peer at most
+    PEER_WAIT_FACTOR x the longest clean dry run so far (at least `peer_wait_floor_s`, at most
+    `timeout_s`): a candidate that fails on one rank only (out of memory on the first pipeline
+    stage) left the others waiting the whole `timeout_s` (300 s by default) in a collective, per
+    candidate. gloo offers no way to wake them sooner (destroying or aborting the failed rank's
+    group does not: measured with torch 2.13, the peer still waits for its timeout).
+    """
+    longest = 0.0
+
+    def evaluate(strategy: Strategy) -> DryRunResult:
+        nonlocal longest
+        run_config = config
+        if longest > 0 and config.peer_wait_s is None:
+            wait = min(config.timeout_s, max(config.peer_wait_floor_s, PEER_WAIT_FACTOR * longest))
+            run_config = dataclasses.replace(config, peer_wait_s=wait)
+        start = time.monotonic()
+        result = dry_run(ctx, strategy, run_config, source)
+        if result.ok:
+            longest = max(longest, time.monotonic() - start)
+        return result
+
+    return evaluate
 
 
 def check_strategy_runs(ctx: ModelContext, strategy: Strategy, config: Optional[DryRunConfig] = None) -> DryRunResult:
@@ -225,7 +263,8 @@ def _run_local(ctx: ModelContext, strategy: Strategy, config: DryRunConfig, sour
     try:
         # Collectives time out first, so a rank waiting on a failed peer reports a collective
         # timeout rather than its own alarm; the alarm is for Python-level hangs.
-        with _preserved_rng(ctx.device), _candidate_world(config.timeout_s) as world, \
+        peer_wait = config.peer_wait_s if config.peer_wait_s is not None else config.timeout_s
+        with _preserved_rng(ctx.device), _candidate_world(peer_wait) as world, \
                 _alarm(config.timeout_s + ALARM_GRACE_S):
             try:
                 with tracker:

@@ -5,7 +5,8 @@ ranks return the same result (per-step times and the throughput interval include
 measured per-rank peak is within 15% of the cost model; while a candidate runs the user's model
 holds no weights, and afterwards it has its own Parameters back, bit for bit; then a failure on
 one rank only, a hang on one rank, and the simulated memory limit each become a failed trial,
-and the ranks are still in step afterwards (a plain run succeeds).
+and the ranks are still in step afterwards (a plain run succeeds); the search's evaluator makes a
+rank wait for a failed peer about 3 clean dry runs' time, not the whole timeout.
 """
 
 import os
@@ -25,6 +26,7 @@ TOLERANCE = 0.15
 TIMING = dict(profile_steps=3, max_profile_steps=8, target_relative_ci=0.03)
 USER_MODEL_PROBES = []                # filled inside the ranks by t_probe_user_model
 CANDIDATE_TIMEOUT_S = 6.0             # per-candidate budget in the failure cases
+PEER_TEST_TIMEOUT_S = 150.0           # the search evaluator's candidate budget: a peer must not wait for it
 GLOBAL_BATCH, SEQ = 8, 64
 
 
@@ -93,7 +95,7 @@ def _dry_runs():
 
     from atorch import distributed as adist
     from atorch.auto.cost_model import estimate
-    from atorch.auto.dry_runner import DryRunConfig, DryRunError, check_strategy_runs, dry_run
+    from atorch.auto.dry_runner import DryRunConfig, DryRunError, check_strategy_runs, dry_run, make_evaluator
     from atorch.auto.strategy import Strategy
 
     _register_test_optimizations()
@@ -137,6 +139,17 @@ def _dry_runs():
     except DryRunError as e:
         out["failing"] = str(e)
     out["good"] = check_strategy_runs(ctx, Strategy(["parallel_mode"]), short).ok
+    # The search's evaluator: after a clean dry run, a rank waits for a failed peer about 3 clean
+    # dry runs' time (floor 2 s here), not the whole timeout_s (PEER_TEST_TIMEOUT_S).
+    evaluate = make_evaluator(ctx, DryRunConfig(warmup_steps=1, profile_steps=1, timeout_s=PEER_TEST_TIMEOUT_S,
+                                                peer_wait_floor_s=2.0))
+    start = time.monotonic()
+    out["evaluator_clean"] = evaluate(Strategy(["parallel_mode"])).ok
+    out["clean_seconds"] = time.monotonic() - start
+    start = time.monotonic()
+    out["evaluator_fail"] = evaluate(Strategy(["parallel_mode", "t_fail_on_rank1"]))
+    out["evaluator_fail_seconds"] = time.monotonic() - start
+    out["evaluator_after"] = evaluate(Strategy(["parallel_mode"])).ok
     dist.barrier()
     return out
 
@@ -186,3 +199,8 @@ def test_dry_runs_on_two_ranks():
     assert "unknown optimization 'no_such_opt'" in rank0["invalid"]
     assert "failed its dry run" in rank0["failing"] and "injected failure" in rank0["failing"]
     assert rank0["good"] and rank1["good"]
+    for r in (rank0, rank1):
+        fail = r["evaluator_fail"]
+        assert r["evaluator_clean"] and r["evaluator_after"] and fail.status == "exception" and "rank 1" in fail.error
+        # Waited about 3x the clean dry run (>= 2 s), far less than the 150 s timeout.
+        assert r["evaluator_fail_seconds"] < min(PEER_TEST_TIMEOUT_S / 2, 3 * r["clean_seconds"] + 30), r
