@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from atorch.auto import calibration
+from atorch.auto.calibration import device_probe, shape_probe
 from atorch.auto.calibration import (
     COMPONENTS,
     DeviceConstants,
@@ -33,7 +34,7 @@ def test_calibrate_device_measures_once_and_caches_json(tmp_path, monkeypatch):
         calls.append(dtype)
         return 1e10 if dtype is torch.float32 else 2e10
 
-    monkeypatch.setattr(calibration, "probe_matmul", fake_probe)
+    monkeypatch.setattr(device_probe, "probe_matmul", fake_probe)
     path = str(tmp_path / "sub" / "calibration.json")
     first = calibrate_device(torch.device("cpu"), cache_path=path)
     assert (first.flops_fp32, first.flops_bf16) == (1e10, 2e10) and len(calls) == 2
@@ -47,7 +48,7 @@ def test_calibrate_device_measures_once_and_caches_json(tmp_path, monkeypatch):
 
 
 def test_corrupt_or_foreign_cache_is_ignored_with_a_warning(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(calibration, "probe_matmul", lambda device, dtype, size=0, min_seconds=0.2: 3e9)
+    monkeypatch.setattr(device_probe, "probe_matmul", lambda device, dtype, size=0, min_seconds=0.2: 3e9)
     path = tmp_path / "calibration.json"
     kind = calibration.device_kind(torch.device("cpu"))
     damaged = [{kind: 5}, {kind: {"compute": "fast"}}, {kind: {"compute": {"flops_fp32": 1e10}}},
@@ -339,8 +340,8 @@ def _fake_probes(monkeypatch):
         calls.append(("gemm", tokens, tensor, dtype))
         return 5e10
 
-    monkeypatch.setattr(calibration, "probe_block", block)
-    monkeypatch.setattr(calibration, "probe_model_gemms", gemms)
+    monkeypatch.setattr(shape_probe, "probe_block", block)
+    monkeypatch.setattr(shape_probe, "probe_model_gemms", gemms)
     return calls
 
 
