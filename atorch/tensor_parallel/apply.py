@@ -7,12 +7,12 @@ coordinates), so callers decide where the groups come from.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Mapping, Optional
+from typing import Mapping, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from atorch.distributed.replicas import check_replicas_agree
 from atorch.tensor_parallel.mappings import Group, group_size
 from atorch.tensor_parallel.plan import TPInfo, TPPlan, resolve_tp_plan
 from atorch.tensor_parallel.presets import tpinfo_for_model
@@ -59,29 +59,10 @@ def apply_tensor_parallel(model: nn.Module, group: Group, *, tpinfo: Optional[TP
         marked = shard_model(model, tpinfo, group, randomizer=randomizer, gather_logits=gather_logits)
         model = materialize_tp_module(marked, base_seed, per_block=per_block_init, group=group, randomizer=randomizer)
     else:
-        check_replicas_agree(model, group, device or torch.device("cpu"))
+        check_replicas_agree(model, group, device or torch.device("cpu"), "tensor_parallel",
+                             "construct it under the same seed on every rank, or build it under record_module_init() "
+                             "so tensor_parallel materializes it from base_seed")
         model = shard_model(model, tpinfo, group, randomizer=randomizer, gather_logits=gather_logits)
     plan = tp_plan_of(model)
     assert plan is not None
     return TensorParallelModel(model, plan, randomizer, group_size(group))
-
-
-@torch.no_grad()
-def check_replicas_agree(model: nn.Module, group: Group, device: torch.device) -> None:
-    """Raise on every rank when the full model differs across the tensor group (slices would not fit together).
-
-    One float64 checksum per rank: ranks built under the same seed agree bit for bit.
-    """
-    if group_size(group) == 1:
-        return
-    total = torch.zeros((), dtype=torch.float64)
-    for p in model.parameters():
-        total += p.detach().double().sum().cpu()
-    local = total.reshape(1).to(device)
-    sums: List[torch.Tensor] = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sums, local, group=group)
-    values = [float(s.item()) for s in sums]
-    if any(v != values[0] for v in values):
-        raise ValueError(f"tensor_parallel: the model's weights differ across the tensor group (parameter checksums "
-                         f"{values}); construct it under the same seed on every rank, or build it under "
-                         "record_module_init() so tensor_parallel materializes it from base_seed")

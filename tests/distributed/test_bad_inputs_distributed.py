@@ -83,10 +83,14 @@ def _patched(module: Any, name: str, rank: int, exc: BaseException, fn: Callable
         setattr(module, name, original)
 
 
+PIPELINE_2 = [("parallel_mode", ([("pipeline", 2)], None)), ("pipeline_parallel", {"chunks": 2})]
+
+
 def _cases(root: str) -> List[Tuple[str, Callable[[], Any]]]:
     from atorch.checkpoint import load_checkpoint, save_checkpoint
     from atorch.checkpoint import manifest as mf
     from atorch.checkpoint import save_load
+    from atorch.testing import tiny_llama
     from atorch.testing.parity import TokenDataset
 
     result = _trained(root)
@@ -139,6 +143,15 @@ def _cases(root: str) -> List[Tuple[str, Callable[[], Any]]]:
         ("strategies_differ", lambda: _accelerate(
             load_strategy=["amp_native", "fsdp"] if _rank() == 0 else ["fsdp"])),
         ("batch_sizes_differ", lambda: _accelerate(dataloader_args={"batch_size": 4 if _rank() == 0 else 8})),
+        # stages and slices are cut from each rank's own model: models built without a common seed
+        # trained on silently (a stage's data replicas never agreed); found by the combination sweep
+        ("pipeline_models_differ", lambda: _accelerate(model=tiny_llama(seed=_rank()), load_strategy=PIPELINE_2)),
+        ("tensor_models_differ", lambda: _accelerate(model=tiny_llama(seed=_rank()), load_strategy=[
+            ("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"])),
+        # the epoch's last batch with drop_last=False: 9 rows on the one data rank, 1 in the last batch
+        ("pipeline_last_batch_does_not_split", lambda: _accelerate(
+            dataset=TokenDataset(n=9), dataloader_args={"batch_size": 4, "drop_last": False},
+            load_strategy=PIPELINE_2)),
     ]
 
 
@@ -177,6 +190,12 @@ EXPECTED: Dict[str, Tuple[str, str]] = {
                                         "give every rank the same. load_strategy: amp_native(bfloat16)+fsdp on rank "
                                         "[0]; fsdp on rank [1]"),
     "batch_sizes_differ": ("ValueError", "dataloader_args['batch_size']: 4 on rank [0]; 8 on rank [1]"),
+    "pipeline_models_differ": ("ValueError", "pipeline_parallel: the model's weights differ across ranks: "
+                                             "model.embed_tokens.weight and "),
+    "tensor_models_differ": ("ValueError", "tensor_parallel: the model's weights differ across ranks: "
+                                           "model.embed_tokens.weight and "),
+    "pipeline_last_batch_does_not_split": ("ValueError", "with dataloader_args['drop_last']=False the last batch of "
+                                                         "each epoch has 1 rows per data-parallel rank (9 samples"),
 }
 
 

@@ -17,10 +17,12 @@ import torch.distributed as dist
 
 from atorch.auto.model_context import ModelContext
 from atorch.distributed.parallel_layout import ParallelLayout
+from atorch.distributed.replicas import check_replicas_agree
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, WrapperOrder, register
 from atorch.modules.pipeline.native import SCHEDULES, NativePipeline, build_stage_module, pipeline_train_step
 from atorch.modules.pipeline.partition import PARTITION_METHODS, plan_stages
 from atorch.modules.pipeline.patchers import CustomPatcher, expand_patcher, resolve_patcher
+from atorch.utils.meta_model_utils import is_meta_module
 
 # What a native pipeline combines with: everything in the layout must be one of these.
 _SUPPORTED_DIMS = ("data", "pipeline")
@@ -143,6 +145,14 @@ class PipelineParallelOptimization(Optimization):
         stage_index = parallel.rank("pipeline")
         chunks = config.chunks or num_stages
         _check_batch_divides(ctx, chunks)
+        _check_last_batch_divides(ctx, chunks)
+        if not is_meta_module(ctx.model):
+            # Stages are cut from each rank's own model and a stage's data replicas are never
+            # broadcast: ranks that built different models would train replicas that never agree.
+            check_replicas_agree(ctx.model, None, None, "pipeline_parallel",
+                                 "each stage is cut from its own rank's model, so every rank must build the same one: "
+                                 "set the same seed before building it on every rank, or build it under "
+                                 "record_module_init() so the stages are materialized from base_seed")
         build = build_stage_module(ctx.model, stage_index, num_stages, config.custom_patcher,
                                    config.partition_method, config.base_seed, config.tie_first)
         ctx.model = build.module.to(ctx.device)
@@ -160,6 +170,24 @@ class PipelineParallelOptimization(Optimization):
                                       tied_group=tied_group, tied_param=tied_param)
         ctx.custom_train_step = pipeline_train_step
         ctx.pipeline_stage = build.stage_index
+
+
+def _check_last_batch_divides(ctx: ModelContext, chunks: int) -> None:
+    """With dataloader_args['drop_last']=False the epoch's last, smaller batch must split into the chunks too
+    (the schedule's micro-batch count is fixed); refused here rather than at the end of the first epoch."""
+    args = ctx.dataloader_args
+    global_batch = args.get("batch_size")
+    if global_batch is None or args.get("drop_last", True) or ctx.distributed_sampler_cls is not None \
+            or not hasattr(ctx.dataset, "__len__"):
+        return
+    dp = ctx.data_parallel_size()
+    per_rank = -(-len(ctx.dataset) // dp)        # DistributedSampler(drop_last=False) pads every rank to this
+    last = per_rank % (global_batch // dp)
+    if last and last % chunks:
+        raise ValueError(f"pipeline_parallel: with dataloader_args['drop_last']=False the last batch of each epoch "
+                         f"has {last} rows per data-parallel rank ({len(ctx.dataset)} samples in global batches of "
+                         f"{global_batch}), which does not split into chunks={chunks} micro-batches; set drop_last="
+                         f"True, or use a dataset length whose remainder splits")
 
 
 def _check_batch_divides(ctx: ModelContext, chunks: int) -> None:

@@ -1,0 +1,52 @@
+"""Is a model the same on every rank of a group? One float64 checksum per parameter, all-gathered.
+
+Strategies that cut one model into pieces held by different ranks (tensor slices, pipeline
+stages) or keep replicas that are never broadcast (a pipeline stage's data replicas) need every
+rank to have built the same model. Ranks that built it under the same seed agree bit for bit; a
+model built without a common seed trained on silently with replicas that never converge. Cheap:
+one small all-gather (a float per parameter) before anything is cut.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@torch.no_grad()
+def first_difference(model: nn.Module, group: Optional[dist.ProcessGroup],
+                     device: Optional[torch.device] = None) -> Optional[str]:
+    """None when every rank of `group` holds the same parameters (checksums equal); else which parameter
+    differs first and its checksum on each rank of the group. Collective over `group`; `device`: where the
+    checksums travel (None: the current CUDA device on nccl, else the CPU)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return None
+    if device is None:
+        nccl = dist.get_backend(group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    names = [name for name, _ in model.named_parameters()]
+    sums = torch.tensor([float(p.detach().double().sum().cpu()) for _, p in model.named_parameters()] or [0.0],
+                        dtype=torch.float64)
+    local = sums.to(device)
+    gathered: List[torch.Tensor] = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    table = torch.stack([g.cpu() for g in gathered])          # [ranks, parameters]
+    differs = (table != table[0]).any(dim=0).nonzero().flatten().tolist()
+    if not differs:
+        return None
+    i = differs[0]
+    name = names[i] if i < len(names) else "(parameters)"
+    values = ", ".join(f"{v:.6g}" for v in table[:, i].tolist())
+    more = f" and {len(differs) - 1} more" if len(differs) > 1 else ""
+    return f"{name}{more} (checksums by rank of the group: {values})"
+
+
+def check_replicas_agree(model: nn.Module, group: Optional[dist.ProcessGroup], device: Optional[torch.device],
+                         who: str, remedy: str) -> None:
+    """Raise ValueError on every rank of `group` when the model's parameters differ across it. Collective."""
+    where = first_difference(model, group, device)
+    if where is not None:
+        raise ValueError(f"{who}: the model's weights differ across ranks: {where}; {remedy}")
