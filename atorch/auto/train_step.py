@@ -7,7 +7,9 @@ micro-batch size (activation memory) against steps without changing the training
 dry runner's throughput (global batch x steps / seconds) means the same for every `k`.
 Each micro-batch loss is divided by `k`, so the accumulated gradient is the mean of the
 micro-batch means, which is the full-batch mean when the loss is a mean over equally many
-rows or tokens per micro-batch (the same convention as DeepSpeed and accelerate).
+rows or tokens per micro-batch (the same convention as DeepSpeed and accelerate). The epoch's
+last, smaller batch (dataloader_args['drop_last']=False) is split as evenly as it goes, each
+micro-batch loss weighted by its share of the rows (`micro_batches`).
 
 Gradient sync is skipped on the non-final micro-steps where the wrapper allows it: DDP
 `no_sync()`, FSDP2 `set_requires_gradient_sync(False)`; DeepSpeed engines get their
@@ -134,6 +136,36 @@ def split_batch(batch: Any, num: int) -> List[Any]:
     return [_slice(batch, rows, i * size, (i + 1) * size) for i in range(num)]
 
 
+def micro_batches(result: AutoAccelerateResult, batch: Any, steps: int) -> Tuple[List[Any], Optional[List[float]]]:
+    """The micro-batches of one step, and each one's weight when they are not all the same size (else None).
+
+    A per-rank batch smaller than the dataloader's (the last batch of an epoch with
+    dataloader_args['drop_last']=False) need not split into `steps` equal parts: it is split as
+    evenly as it goes (into fewer micro-batches when it has fewer rows than `steps`) and each
+    micro-batch's loss is weighted by its share of the rows, so the accumulated gradient is still
+    the batch mean. Every data rank gets the same number of rows (the sampler pads), so all ranks
+    run the same micro-steps. Any other batch must split evenly (`split_batch`).
+    """
+    rows = batch_rows(batch) if steps > 1 else None
+    full = (result.global_batch_size // result.data_parallel_size
+            if result.global_batch_size and result.data_parallel_size else None)
+    if rows is None or rows % steps == 0 or full is None or rows >= full:
+        return split_batch(batch, steps), None
+    parts = min(steps, rows)
+    sizes = [rows // parts + (1 if i < rows % parts else 0) for i in range(parts)]
+    bounds = [sum(sizes[:i]) for i in range(parts + 1)]
+    return ([_slice(batch, rows, bounds[i], bounds[i + 1]) for i in range(parts)],
+            [size / rows for size in sizes])
+
+
+def _scaled(loss: torch.Tensor, steps: int, weights: Optional[List[float]], i: int) -> torch.Tensor:
+    """The micro-batch loss to backpropagate: divided by the number of equal micro-batches, or weighted
+    by its share of the rows."""
+    if weights is not None:
+        return loss * weights[i]
+    return loss / steps if steps > 1 else loss
+
+
 def _slice(batch: Any, rows: int, start: int, stop: int) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch[start:stop] if batch.dim() >= 1 and batch.shape[0] == rows else batch
@@ -165,11 +197,12 @@ def _plain_step(result: AutoAccelerateResult, batch: Any, steps: int, max_grad_n
     model = result.model
     fmt = result.model_input_format
     losses: List[torch.Tensor] = []
-    for i, micro in enumerate(split_batch(batch, steps)):
+    micros, weights = micro_batches(result, batch, steps)
+    for i, micro in enumerate(micros):
         micro = result.prepare_input(micro)
-        with _no_sync(model, final=i == steps - 1):
+        with _no_sync(model, final=i == len(micros) - 1):
             loss = result.loss_func(micro, call_model(model, micro, fmt))
-            (loss / steps if steps > 1 else loss).backward()
+            _scaled(loss, steps, weights, i).backward()
         losses.append(loss.detach())
     # A training step needs the optimizer auto_accelerate built (without one this fails here, as it always did).
     optim = cast(torch.optim.Optimizer, result.optim)
@@ -181,7 +214,7 @@ def _plain_step(result: AutoAccelerateResult, batch: Any, steps: int, max_grad_n
     optim.zero_grad(set_to_none=True)
     if result.lr_scheduler is not None:
         result.lr_scheduler.step()
-    return StepStats(_mean(losses), norm, steps)
+    return StepStats(_mean(losses, weights), norm, len(micros))
 
 
 def _unscale_for_clipping(optim: Any) -> None:
@@ -192,8 +225,11 @@ def _unscale_for_clipping(optim: Any) -> None:
         scaler.unscale_(inner)   # the scaler remembers it, so its step() does not unscale twice
 
 
-def _mean(losses: Sequence[torch.Tensor]) -> torch.Tensor:
-    return losses[0] if len(losses) == 1 else torch.stack([l.float() for l in losses]).mean()
+def _mean(losses: Sequence[torch.Tensor], weights: Optional[Sequence[float]] = None) -> torch.Tensor:
+    if len(losses) == 1:
+        return losses[0]
+    stacked = torch.stack([l.float() for l in losses])
+    return stacked.mean() if weights is None else (stacked * torch.tensor(weights, device=stacked.device)).sum()
 
 
 # -- DeepSpeed engines (use_ds_zero) ----------------------------------------------------------
@@ -224,18 +260,20 @@ def _deepspeed_step(result: AutoAccelerateResult, engine: Any, batch: Any, steps
     set_deepspeed_clipping(engine, max_grad_norm)
     losses: List[torch.Tensor] = []
     try:
-        for i, micro in enumerate(split_batch(batch, steps)):
+        micros, weights = micro_batches(result, batch, steps)
+        for i, micro in enumerate(micros):
             # The boundary is set explicitly, so a step is one optimizer update whatever the engine's
             # configured gradient_accumulation_steps and its micro-step counter say.
-            engine.set_gradient_accumulation_boundary(i == steps - 1)
+            engine.set_gradient_accumulation_boundary(i == len(micros) - 1)
             micro = result.prepare_input(micro)
             loss = result.loss_func(micro, call_model(engine, micro, fmt))
-            engine.backward(loss / steps if steps > 1 else loss, scale_wrt_gas=False)
+            engine.backward(_scaled(loss, steps, weights, i), scale_wrt_gas=False)
             engine.step()          # a no-op update off the boundary (DeepSpeed's own accumulation)
             losses.append(loss.detach())
     finally:
         engine.set_gradient_accumulation_boundary(None)   # back to DeepSpeed's counter
-    return StepStats(_mean(losses), _deepspeed_norm(engine) if max_grad_norm is not None else None, steps)
+    return StepStats(_mean(losses, weights), _deepspeed_norm(engine) if max_grad_norm is not None else None,
+                     len(losses))
 
 
 def _custom_step(result: AutoAccelerateResult, custom_step: Callable, batch: Any, steps: int,

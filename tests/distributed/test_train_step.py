@@ -12,7 +12,8 @@ Tolerance rel 1e-5, fp32: the micro-batch losses are means over equal row counts
 accumulated gradient is the full-batch mean gradient up to the summation order (observed
 differences ~1e-7, as in test_opt_parity.py); the norm is the same sum of squares over
 shards, reduced in another order. One spawn of 2 ranks runs every strategy; a second of 4 ranks
-(marked heavy) runs the 2D layouts, tensor parallel x FSDP2 and x DDP.
+(marked heavy) runs the 2D layouts, tensor parallel x FSDP2 and x DDP. With drop_last=False the
+epoch's last, smaller batch (2 rows per rank at 4 micro-batches) trains like plain training on it.
 """
 
 from __future__ import annotations
@@ -120,8 +121,59 @@ STRATEGIES_2D: Dict[str, List[Any]] = {
 }
 
 
+# The epoch's last, smaller batch with drop_last=False: 20 samples in global batches of 8 (8, 8, then 4:
+# 2 rows per rank, which do not split into 4 micro-batches); each micro-batch's loss is weighted by its
+# share of the rows. Found by the combination sweep: it raised at the end of every epoch.
+LAST_SAMPLES, LAST_ACCUMULATION = 20, 4
+LAST_BATCH_STRATEGIES: Dict[str, List[Any]] = {
+    "last batch ddp": [("gradient_accumulation", {"steps": LAST_ACCUMULATION})],
+    "last batch fsdp": [("gradient_accumulation", {"steps": LAST_ACCUMULATION}), "fsdp"],
+    "last batch zero2(deepspeed)": [("gradient_accumulation", {"steps": LAST_ACCUMULATION}),
+                                    ("zero2", {"use_ds_zero": True})],
+}
+
+
+@functools.lru_cache(maxsize=None)
+def reference_last_batch() -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
+    model = tiny_llama(seed=0)
+    optim = torch.optim.SGD(model.parameters(), lr=LR)
+    data = TokenDataset(n=LAST_SAMPLES, vocab_size=LEARNABLE_VOCAB)
+    losses, norms = [], []
+    for start in range(0, LAST_SAMPLES, GLOBAL_BATCH):
+        items = [data[i] for i in range(start, min(start + GLOBAL_BATCH, LAST_SAMPLES))]
+        loss = model(**{key: torch.stack([it[key] for it in items]) for key in items[0]}).loss
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return tuple(losses), tuple(norms)
+
+
+def _train_last_batch(strategy: List[Any]) -> Dict[str, Any]:
+    status, result, _ = auto_accelerate(
+        tiny_llama(seed=0), optim_func=torch.optim.SGD, optim_args={"lr": LR}, model_input_format="unpack_dict",
+        dataset=TokenDataset(n=LAST_SAMPLES, vocab_size=LEARNABLE_VOCAB),
+        dataloader_args={"batch_size": GLOBAL_BATCH, "drop_last": False}, load_strategy=strategy)
+    assert status, f"auto_accelerate returned status=False for {strategy}"
+    losses, norms, micro = [], [], []
+    for batch in result.dataloader:
+        stats = train_step_stats(result, batch, max_grad_norm=MAX_NORM)
+        losses.append(_global_loss(stats.loss, result))
+        norms.append(float(stats.grad_norm))
+        micro.append(stats.micro_batches)
+    engine = result.args.get("engine")
+    if engine is not None and hasattr(engine, "destroy"):
+        engine.destroy()
+    del result, engine
+    dist.barrier()
+    return {"losses": losses, "norms": norms, "micro_batches": micro}
+
+
 def _train_all() -> Dict[str, Dict[str, Any]]:
-    return {name: _train(strategy) for name, strategy in STRATEGIES.items()}
+    out = {name: _train(strategy) for name, strategy in STRATEGIES.items()}
+    out.update({name: _train_last_batch(strategy) for name, strategy in LAST_BATCH_STRATEGIES.items()})
+    return out
 
 
 def _train_all_2d() -> Dict[str, Dict[str, Any]]:
@@ -162,6 +214,17 @@ def _check(name: str, runs: List[Dict[str, Dict[str, Any]]]) -> None:
             assert run["norms"][step] == pytest.approx(norms[step], rel=REL), (name, rank, step, run["norms"], norms)
             assert run["losses"][step] == pytest.approx(losses[step], rel=REL), (name, rank, step, run["losses"],
                                                                                  losses)
+
+
+@pytest.mark.parametrize("name", list(LAST_BATCH_STRATEGIES))
+def test_the_epochs_smaller_last_batch_accumulates_weighted_micro_batches(name, runs):
+    losses, norms = reference_last_batch()
+    assert len(losses) == 3
+    for rank, per_rank in enumerate(runs):
+        run = per_rank[name]
+        assert run["micro_batches"] == [LAST_ACCUMULATION, LAST_ACCUMULATION, 2], (name, rank, run)
+        assert run["losses"] == pytest.approx(list(losses), rel=REL), (name, rank, run["losses"], losses)
+        assert run["norms"] == pytest.approx(list(norms), rel=REL), (name, rank, run["norms"], norms)
 
 
 def test_ddp_skips_the_gradient_sync_of_non_final_micro_steps(runs):

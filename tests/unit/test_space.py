@@ -387,3 +387,22 @@ def test_split_batch_shapes():
         split_batch(ids, 4)
     with pytest.raises(ValueError, match="needs a batch of tensors"):
         split_batch({"tag": "x"}, 2)
+
+
+def test_a_smaller_last_batch_splits_into_row_weighted_micro_batches():
+    from atorch.auto.result import AutoAccelerateResult
+    from atorch.auto.train_step import micro_batches
+
+    result = AutoAccelerateResult(model=torch.nn.Linear(1, 1), optim=None, dataloader=None, loss_func=None,
+                                  prepare_input=None, global_batch_size=16, data_parallel_size=2)   # 8 rows a rank
+    ids = torch.arange(14).reshape(7, 2)
+    parts, weights = micro_batches(result, {"input_ids": ids}, 4)             # 7 rows: 2 + 2 + 2 + 1
+    assert [p["input_ids"].shape[0] for p in parts] == [2, 2, 2, 1] and weights == [2 / 7, 2 / 7, 2 / 7, 1 / 7]
+    assert torch.equal(torch.cat([p["input_ids"] for p in parts]), ids)
+    parts, weights = micro_batches(result, ids[:3], 4)                        # fewer rows than micro-batches
+    assert len(parts) == 3 and weights == [1 / 3] * 3
+    parts, weights = micro_batches(result, ids[:4], 4)                        # splits evenly: no weights
+    assert len(parts) == 4 and weights is None
+    with pytest.raises(ValueError, match="10 rows does not split into gradient_accumulation_steps=4"):
+        micro_batches(result, torch.zeros(10, 2), 4)                          # not a smaller last batch
+    assert micro_batches(result, ids, 1) == ([ids], None)
