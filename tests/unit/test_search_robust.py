@@ -502,3 +502,32 @@ def test_a_leader_that_fails_its_remeasurement_is_named_in_the_reason():
     flaky = max(calls, key=table.get)
     assert calls.count(flaky) == 2 and result.best != flaky
     assert f"{flaky.describe()} measured {table[flaky]:.4g} samples/s but failed when run again (oom)" in result.reason
+
+
+def test_a_separated_claim_on_a_single_run_says_what_its_interval_leaves_out():
+    a, b = Strategy(["amp_native"]), Strategy(["fsdp"])
+    once = Comparison(a, b, 1.2, 1.1, 1.3, "throughput", runs=(1, 2)).line()
+    assert once.endswith("; one dry run of the winner: the interval holds the noise within a run, not load changes "
+                         "between runs")
+    assert "one dry run of each" in Comparison(a, b, 1.2, 1.1, 1.3, "throughput", runs=(1, 1)).line()
+    assert "one dry run" not in Comparison(a, b, 1.2, 1.1, 1.3, "throughput", runs=(2, 3)).line()
+    assert "one dry run" not in Comparison(a, b, 1.01, 0.95, 1.07, "measured mean", runs=(1, 1)).line()
+
+
+def test_a_plain_mean_throughput_is_rederived_from_the_outlier_free_steps():
+    """An evaluator reporting batch / plain mean: one 8x spike made the point estimate 13 samples/s next to an
+    interval (from the spike-free steps) around it, excluding the true 32."""
+    from atorch.auto.search.trials import checked_result
+
+    steps = (1.0, 1.01, 0.99, 1.0, 8.0)
+    mean = sum(steps) / len(steps)
+    spiky = DryRunResult(32 / mean, 10, None, mean, steps)
+    checked = checked_result(spiky, None, Strategy(["fsdp"]), set())
+    assert checked.throughput == pytest.approx(32.0, rel=0.01) and checked.step_time_s == pytest.approx(1.0, rel=0.01)
+    without_mean = checked_result(DryRunResult(32 / mean, 10, None, None, steps), None, Strategy(["fsdp"]), set())
+    assert without_mean.throughput == pytest.approx(32.0, rel=0.01)
+    # The evaluator's own interval means its own statistic: kept as reported.
+    own = checked_result(DryRunResult(32 / mean, 10, None, mean, steps, (5.0, 20.0)), None, Strategy(["fsdp"]), set())
+    assert own.throughput == 32 / mean
+    quiet = DryRunResult(32.0, 10, None, 1.0, (1.0, 1.02, 0.98, 1.0))      # nothing left out: unchanged
+    assert checked_result(quiet, None, Strategy(["fsdp"]), set()).throughput == 32.0

@@ -21,7 +21,9 @@ class DryRunResult:
     """What one dry run of a strategy measured. `error` is None on success, else "oom",
     "timeout" or "exception: <message>"; a failed run has throughput 0."""
 
-    throughput: float                          # samples/s over the profiled steps
+    # samples/s over the profiled steps. Given step_times_s and no throughput_ci, the search re-derives it
+    # from their outlier-free mean (the statistic of its intervals; the dry runner reports that already).
+    throughput: float
     peak_memory_bytes: Optional[int] = None    # largest per-rank peak
     error: Optional[str] = None
     step_time_s: Optional[float] = None        # mean of step_times_s
@@ -82,10 +84,21 @@ class Comparison:
             return f"{a}: {self.ratio:.3g}x the runner-up {b} (no interval: the evaluator reported no step times)"
         ci = f"95% CI {self.lo:.3g}-{self.hi:.3g}"
         if self.separated:
-            return f"{a}: {self.ratio:.3g}x {b} ({ci})"
+            return f"{a}: {self.ratio:.3g}x {b} ({ci}){self._single_run_note()}"
         saving = f"{self.memory_saving * 100:.0f}% less memory" if self.memory_saving is not None else "less memory"
         why = {"memory": saving, "measured mean": "higher measured mean"}[self.chosen_by]
         return f"{a} and {b} within noise ({self.ratio:.3g}x, {ci}); chose {a}: {why}"
+
+
+    def _single_run_note(self) -> str:
+        """A candidate measured once has an interval from the noise within its run only: a change of the
+        machine's load between two runs (another job, thermal throttling) is not in it, and the
+        re-measured candidates pool their runs precisely to see that (`stats.pool_runs`)."""
+        single = [who for who, n in zip(("the winner", "the runner-up"), self.runs) if n < 2]
+        if not single:
+            return ""
+        who = "each" if len(single) == 2 else single[0]
+        return f"; one dry run of {who}: the interval holds the noise within a run, not load changes between runs"
 
 
 @dataclass
