@@ -418,7 +418,7 @@ def test_tp2_parity_errors_and_per_block_materialization():
         assert "'mlp.no_such_proj' matches no module of LlamaForCausalLM" in errors["suffix"], errors
         assert "'model.embed_tokens'" in errors["type"] and "Embedding" in errors["type"], errors
         assert "needs a 'tensor' dimension" in errors["tensor_dim"], errors
-        assert r["mismatch_error"] and "weights differ across the tensor group" in r["mismatch_error"]
+        assert r["mismatch_error"] and "tensor_parallel: the model's weights differ across ranks: model." in r["mismatch_error"]
         assert r["per_block_tied"]
         assert r["atorch_flow_equal"]
         shapes = r["atorch_flow_shapes"]   # the fused q|k|v projection split over 2 ranks
