@@ -13,7 +13,6 @@ is not runnable, or no winner). Random = `budget` distinct uniform candidates, d
 measured one (30 orders per landscape), same evaluator (same noise, drift, spikes, failures).
 """
 import argparse
-import importlib.util
 import itertools
 import json
 import logging
@@ -27,17 +26,27 @@ import numpy as np
 
 from atorch.auto.search import DryRunResult, SearchSpace, search_strategy
 
-BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "search.py")
-spec = importlib.util.spec_from_file_location("bench_search", BENCH)
-bench = importlib.util.module_from_spec(spec)
-sys.modules["bench_search"] = bench
-spec.loader.exec_module(bench)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from search_independent import bench  # noqa: E402 - benchmarks/search.py, loaded once
 
 RANDOM_ORDERS = 30
 TARGET = 0.98
 STEPS = 5
 BATCH = 32.0
 SAVING = {"zero", "checkpoint", "parallel"}
+
+
+def pair_masks(ch, sizes, lo, hi, keep=lambda a, x, b, y: True):
+    """Masks of the candidates holding option x of dimension a and y of b, for every pair of dimensions,
+    that cover a share of the space in [lo, hi] (and that `keep` accepts), in a fixed order."""
+    out = []
+    for a, b in itertools.combinations(range(ch.shape[1]), 2):
+        for x in range(sizes[a]):
+            for y in range(sizes[b]):
+                m = (ch[:, a] == x) & (ch[:, b] == y)
+                if lo <= m.mean() <= hi and keep(a, x, b, y):
+                    out.append(m)
+    return out
 
 
 class WarnCounter(logging.Handler):
@@ -150,14 +159,8 @@ class Land:
             # raisesbest: the pair is one of the unconstrained-fastest candidate's own pairs
             logtp = additive()
             top = int(np.argmax(logtp))
-            pairs = list(itertools.combinations(range(D), 2))
-            opts = []
-            for a, b in pairs:
-                for x in range(self.sizes[a]):
-                    for y in range(self.sizes[b]):
-                        m = (ch[:, a] == x) & (ch[:, b] == y)
-                        if 0.05 <= m.mean() <= 0.20 and (family == "raises" or (ch[top, a] == x and ch[top, b] == y)):
-                            opts.append(m)
+            opts = pair_masks(ch, self.sizes, 0.05, 0.20,
+                              lambda a, x, b, y: family == "raises" or (ch[top, a] == x and ch[top, b] == y))
             if not opts:     # fall back to single options in the size band
                 for a in range(D):
                     for x in range(self.sizes[a]):
@@ -193,14 +196,7 @@ class Land:
         elif family == "timeouts":
             # a hanging option pair (NCCL deadlock with one combination: 5-15%) + any run times out w.p. 8%
             logtp = additive()
-            pairs = list(itertools.combinations(range(D), 2))
-            opts = []
-            for a, b in pairs:
-                for x in range(self.sizes[a]):
-                    for y in range(self.sizes[b]):
-                        m = (ch[:, a] == x) & (ch[:, b] == y)
-                        if 0.05 <= m.mean() <= 0.15:
-                            opts.append(m)
+            opts = pair_masks(ch, self.sizes, 0.05, 0.15)
             self.hangs = opts[int(rng.integers(len(opts)))].copy()
             self.transient_timeout = 0.08
         elif family == "hetnoise":

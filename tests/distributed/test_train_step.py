@@ -54,11 +54,15 @@ def dataset() -> TokenDataset:
 
 @functools.lru_cache(maxsize=None)
 def reference() -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
+    return _plain_training(global_batches(dataset(), GLOBAL_BATCH, STEPS))
+
+
+def _plain_training(batches: List[Dict[str, torch.Tensor]]) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
     """(losses, gradient norms before clipping) of plain training on whole global batches."""
     model = tiny_llama(seed=0)
     optim = torch.optim.SGD(model.parameters(), lr=LR)
     losses, norms = [], []
-    for batch in global_batches(dataset(), GLOBAL_BATCH, STEPS):
+    for batch in batches:
         loss = model(**batch).loss
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
@@ -135,19 +139,12 @@ LAST_BATCH_STRATEGIES: Dict[str, List[Any]] = {
 
 @functools.lru_cache(maxsize=None)
 def reference_last_batch() -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
-    model = tiny_llama(seed=0)
-    optim = torch.optim.SGD(model.parameters(), lr=LR)
     data = TokenDataset(n=LAST_SAMPLES, vocab_size=LEARNABLE_VOCAB)
-    losses, norms = [], []
+    batches = []
     for start in range(0, LAST_SAMPLES, GLOBAL_BATCH):
         items = [data[i] for i in range(start, min(start + GLOBAL_BATCH, LAST_SAMPLES))]
-        loss = model(**{key: torch.stack([it[key] for it in items]) for key in items[0]}).loss
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return tuple(losses), tuple(norms)
+        batches.append({key: torch.stack([it[key] for it in items]) for key in items[0]})
+    return _plain_training(batches)
 
 
 def _train_last_batch(strategy: List[Any]) -> Dict[str, Any]:
