@@ -196,12 +196,22 @@ class PeakMemoryTracker:
         return self.peak_bytes
 
 
+# How an allocation failure reads when it does not come as torch.OutOfMemoryError: the CPU
+# allocator's RuntimeError, CUDA's own wording re-wrapped by DeepSpeed or NCCL, and the CUDA
+# libraries' status codes (a cuBLAS/cuDNN handle or workspace that cannot be allocated on a full
+# device fails with *_ALLOC_FAILED, the usual first symptom of a device out of memory).
+_OOM_MARKERS = ("out of memory", "outofmemory", "defaultcpuallocator: can't allocate memory", "alloc_failed",
+                "cudaerrormemoryallocation")
+
+
+def mentions_out_of_memory(text: str) -> bool:
+    """Whether an error message says an allocation failed (see _OOM_MARKERS)."""
+    lowered = text.lower()
+    return any(marker in lowered for marker in _OOM_MARKERS)
+
+
 def is_out_of_memory(error: BaseException) -> bool:
     """True for a device or host out-of-memory error, simulated or real."""
-    if isinstance(error, torch.OutOfMemoryError):
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
         return True
-    text = str(error)
-    # The CPU allocator raises a plain RuntimeError; DeepSpeed and others re-wrap CUDA OOMs.
-    return isinstance(error, (RuntimeError, MemoryError)) and (
-        "out of memory" in text.lower() or "DefaultCPUAllocator: can't allocate memory" in text
-        or isinstance(error, MemoryError))
+    return isinstance(error, RuntimeError) and mentions_out_of_memory(str(error))

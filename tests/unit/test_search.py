@@ -417,6 +417,22 @@ def test_dry_run_result_status():
     assert DryRunResult(0.0, None, "timeout").status == "timeout"
     assert DryRunResult(0.0, None, "exception: ValueError: x").status == "exception"
     assert DryRunResult(0.0, None, "weird").status == "failed"
+    # An allocation failure however worded is learned as memory, not as a candidate that raises.
+    assert DryRunResult(0.0, None, "exception: RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling "
+                                   "`cublasCreate(handle)`").status == "oom"
+    assert DryRunResult(0.0, None, "exception: rank 1: RuntimeError: CUDA out of memory. Tried to allocate 2.00 "
+                                   "GiB").status == "oom"
+    assert DryRunResult(0.0, None, "timeout: rank 0: out of memory while waiting").status == "timeout"
+
+
+def test_allocation_failures_are_out_of_memory_errors():
+    from atorch.utils.peak_memory import is_out_of_memory
+
+    assert is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    assert is_out_of_memory(RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"))
+    assert is_out_of_memory(MemoryError())
+    assert not is_out_of_memory(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not is_out_of_memory(ValueError("out of memory"))          # an argument check, not an allocation
 
 
 def test_auto_search_predicts_with_a_cost_model_that_learns_from_its_dry_runs():

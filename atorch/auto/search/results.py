@@ -10,6 +10,7 @@ from typing import Any, Callable, List, Optional, Protocol, Tuple, cast, runtime
 import pandas as pd
 
 from atorch.auto.strategy import Strategy
+from atorch.utils.peak_memory import mentions_out_of_memory
 
 TRIAL_COLUMNS = ["trial", "strategy", "status", "throughput", "throughput_lo", "throughput_hi",
                  "predicted_throughput", "predicted_memory", "measured_memory", "reason", "seconds",
@@ -39,16 +40,19 @@ class DryRunResult:
     @property
     def status(self) -> str:
         """"ok", "oom", "timeout", "exception" or "failed": the error's head ("oom: ..."), in any
-        case, or an out-of-memory message however an evaluator words it ("CUDA out of memory")."""
+        case, or an out-of-memory message however an evaluator words it ("CUDA out of memory",
+        "exception: ... CUBLAS_STATUS_ALLOC_FAILED": an allocation failure is learned as memory,
+        not as a candidate that raises)."""
         if self.error is None:
             return "ok"
         text = str(self.error)
         head = text.split(":", 1)[0].strip().lower()
-        if head in ("oom", "timeout", "exception"):
+        if head in ("oom", "timeout"):
             return head
-        lowered = text.lower()
-        if "out of memory" in lowered or "outofmemory" in lowered:
+        if mentions_out_of_memory(text):
             return "oom"
+        if head == "exception":
+            return head
         if head in ("timed out", "time out"):
             return "timeout"
         return "failed"
