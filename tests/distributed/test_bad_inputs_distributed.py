@@ -152,6 +152,9 @@ def _cases(root: str) -> List[Tuple[str, Callable[[], Any]]]:
         ("pipeline_last_batch_does_not_split", lambda: _accelerate(
             dataset=TokenDataset(n=9), dataloader_args={"batch_size": 4, "drop_last": False},
             load_strategy=PIPELINE_2)),
+        ("pipeline_last_batch_does_not_split_with_accumulation", lambda: _accelerate(
+            dataset=TokenDataset(n=10), dataloader_args={"batch_size": 4, "drop_last": False},
+            load_strategy=[("gradient_accumulation", 2), *PIPELINE_2])),
     ]
 
 
@@ -196,6 +199,9 @@ EXPECTED: Dict[str, Tuple[str, str]] = {
                                            "model.embed_tokens.weight and "),
     "pipeline_last_batch_does_not_split": ("ValueError", "with dataloader_args['drop_last']=False the last batch of "
                                                          "each epoch has 1 rows per data-parallel rank (9 samples"),
+    "pipeline_last_batch_does_not_split_with_accumulation": (
+        "ValueError", "has 2 rows per data-parallel rank (10 samples in global batches of 4), which does not split "
+                      "into chunks=2 x gradient_accumulation steps=2 micro-batches"),
 }
 
 

@@ -183,11 +183,13 @@ def _check_last_batch_divides(ctx: ModelContext, chunks: int) -> None:
     dp = ctx.data_parallel_size()
     per_rank = -(-len(ctx.dataset) // dp)        # DistributedSampler(drop_last=False) pads every rank to this
     last = per_rank % (global_batch // dp)
-    if last and last % chunks:
+    steps = max(1, ctx.gradient_accumulation_steps)      # set before: gradient_accumulation applies first
+    if last and last % (chunks * steps):
+        into = f"chunks={chunks}" + (f" x gradient_accumulation steps={steps}" if steps > 1 else "")
         raise ValueError(f"pipeline_parallel: with dataloader_args['drop_last']=False the last batch of each epoch "
                          f"has {last} rows per data-parallel rank ({len(ctx.dataset)} samples in global batches of "
-                         f"{global_batch}), which does not split into chunks={chunks} micro-batches; set drop_last="
-                         f"True, or use a dataset length whose remainder splits")
+                         f"{global_batch}), which does not split into {into} micro-batches; set drop_last=True, or "
+                         "use a dataset length whose remainder splits")
 
 
 def _check_batch_divides(ctx: ModelContext, chunks: int) -> None:
