@@ -1,10 +1,10 @@
-"""Is a model the same on every rank of a group? One float64 checksum per parameter, all-gathered.
+"""Is a model the same on every rank of a group? Two float64 checksums per parameter, all-gathered.
 
 Strategies that cut one model into pieces held by different ranks (tensor slices, pipeline
 stages) or keep replicas that are never broadcast (a pipeline stage's data replicas) need every
 rank to have built the same model. Ranks that built it under the same seed agree bit for bit; a
 model built without a common seed trained on silently with replicas that never converge. Cheap:
-one small all-gather (a float per parameter) before anything is cut.
+one small all-gather (two floats per parameter) before anything is cut.
 """
 
 from __future__ import annotations
@@ -14,6 +14,10 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+
+
+RELATIVE_TOLERANCE = 1e-7
+"""Checksums closer than this fraction of the parameter's magnitude sum count as equal."""
 
 
 @torch.no_grad()
@@ -28,18 +32,23 @@ def first_difference(model: nn.Module, group: Optional[dist.ProcessGroup],
         nccl = dist.get_backend(group) == "nccl"
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     names = [name for name, _ in model.named_parameters()]
-    sums = torch.tensor([float(p.detach().double().sum().cpu()) for _, p in model.named_parameters()] or [0.0],
-                        dtype=torch.float64)
-    local = sums.to(device)
+    # Per parameter: its sum and the sum of its magnitudes, accumulated in float64 without a float64
+    # copy of the weights.
+    stats = [(float(p.detach().sum(dtype=torch.float64)), float(p.detach().abs().sum(dtype=torch.float64)))
+             for _, p in model.named_parameters()] or [(0.0, 0.0)]
+    local = torch.tensor(stats, dtype=torch.float64).to(device)
     gathered: List[torch.Tensor] = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
-    table = torch.stack([g.cpu() for g in gathered])          # [ranks, parameters]
-    differs = (table != table[0]).any(dim=0).nonzero().flatten().tolist()
+    table = torch.stack([g.cpu() for g in gathered])          # [ranks, parameters, (sum, magnitude)]
+    # Equal up to the summation order (threads, vector widths differ between machines): far below
+    # what different initial weights give (of the order of the magnitude itself).
+    tolerance = RELATIVE_TOLERANCE * table[0, :, 1].clamp_min(1e-30)
+    differs = ((table - table[0]).abs() > tolerance[None, :, None]).any(dim=2).any(dim=0).nonzero().flatten().tolist()
     if not differs:
         return None
     i = differs[0]
     name = names[i] if i < len(names) else "(parameters)"
-    values = ", ".join(f"{v:.6g}" for v in table[:, i].tolist())
+    values = ", ".join(f"{v:.6g}" for v in table[:, i, 0].tolist())
     more = f" and {len(differs) - 1} more" if len(differs) > 1 else ""
     return f"{name}{more} (checksums by rank of the group: {values})"
 
