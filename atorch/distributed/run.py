@@ -242,12 +242,18 @@ def _master_args(ours: argparse.Namespace) -> List[str]:
 class Rendezvous:
     """Where and how long this node waits for the others (what `prepare_rendezvous` decided)."""
 
-    endpoint: str           # host:port the nodes meet at ("" for a single node's own free port)
+    host: str               # where the nodes meet ("" and port 0: a single node's own free port)
+    port: int
     min_nodes: int
     max_nodes: int
     timeout_s: int          # how long a node waits for the others
     timeout_source: str     # where timeout_s came from, for messages
     hosts_store: Optional[bool]   # this node hosts the store (None: torch decides, trying to host first)
+
+    @property
+    def endpoint(self) -> str:
+        """host:port ("" for a single node's own free port)."""
+        return f"{self.host}:{self.port}" if self.port > 0 else ""
 
 
 def _config(text: Optional[str]) -> Dict[str, str]:
@@ -290,9 +296,9 @@ def port_in_use(port: int) -> bool:
     return False
 
 
-def _port_message(endpoint: str, port: int) -> str:
-    return (f"port {port} of the rendezvous at {endpoint} is already in use on this host, which hosts the "
-            "rendezvous store (another job or process listens there); choose a free --master_port, or leave "
+def _port_message(rdzv: Rendezvous) -> str:
+    return (f"port {rdzv.port} of the rendezvous at {rdzv.endpoint} is already in use on this host, which hosts "
+            "the rendezvous store (another job or process listens there); choose a free --master_port, or leave "
             "--master_port out on a single node (the launcher then picks a free one)")
 
 
@@ -340,7 +346,7 @@ def prepare_rendezvous(args: argparse.Namespace, launcher_args: List[str],
         timeout_s, source = max(1, math.ceil(float(user_conf[key]))), f"--rdzv_conf {key}"
     node_rank_given = _given(("--node_rank", "--node-rank"), launcher_args) or bool(environ.get("PET_NODE_RANK"))
     hosts: Optional[bool] = None
-    endpoint, port = "", 0
+    host, port = "", 0
     if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None
                            and max_nodes == 1):
         pass   # torch's standalone rendezvous: a free port of its own, nothing to check
@@ -349,11 +355,9 @@ def prepare_rendezvous(args: argparse.Namespace, launcher_args: List[str],
             host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=-1)
         else:
             host, port = args.master_addr, args.master_port if args.master_port is not None else DEFAULT_MASTER_PORT
-        endpoint = f"{host}:{port}"
         hosts = int(args.node_rank) == 0   # the static rendezvous' store lives on node rank 0
     elif args.rdzv_backend == "c10d" and args.rdzv_endpoint:
         host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
-        endpoint = f"{host}:{port}"
         if "is_host" in conf:
             hosts = conf["is_host"].lower() in ("1", "true", "yes", "on")
         elif not _is_this_machine(host):
@@ -364,10 +368,11 @@ def prepare_rendezvous(args: argparse.Namespace, launcher_args: List[str],
         user_id = _given(("--rdzv_id", "--rdzv-id"), launcher_args) or bool(environ.get("PET_RDZV_ID"))
         if not user_id and args.rdzv_id == f"atorch-{port}":
             args.rdzv_id = _job_rendezvous_id(port, max_nodes, environ)
+    rdzv = Rendezvous(host, port, min_nodes, max_nodes, timeout_s, source, hosts)
     if hosts and port > 0 and port_in_use(port):
-        raise LaunchError(_port_message(endpoint, port))
+        raise LaunchError(_port_message(rdzv))
     args.rdzv_conf = ",".join(f"{key}={value}" for key, value in conf.items())
-    return Rendezvous(endpoint, min_nodes, max_nodes, timeout_s, source, hosts)
+    return rdzv
 
 
 def _job_rendezvous_id(port: int, max_nodes: int, env: Mapping[str, str]) -> str:
@@ -400,21 +405,21 @@ def store_problem(rdzv: Rendezvous) -> Optional[str]:
     """On a node known not to host the store: None when a torch store answers at the endpoint within the
     join timeout, else one line saying what is there instead (`store_probe`: torch's client would hang for
     good on a port where something else listens)."""
-    if rdzv.hosts_store is not False or not rdzv.endpoint or ":" not in rdzv.endpoint:
+    if rdzv.hosts_store is not False or rdzv.port <= 0:
         return None
-    from atorch.distributed.store_probe import STORE_ANSWER_S, StoreProbeError, check_store_endpoint
+    from atorch.distributed.store_probe import (STORE_ANSWER_S, NotAStoreError, StoreNotUpError,
+                                                check_store_endpoint)
 
-    host, _, port = rdzv.endpoint.rpartition(":")
-    host = host.strip("[]")
     try:
-        check_store_endpoint(host, int(port), wait_s=rdzv.timeout_s, answer_s=min(STORE_ANSWER_S, rdzv.timeout_s))
-    except StoreProbeError as e:
-        if str(e).startswith("nothing accepted"):
-            return (f"{e} ({rdzv.timeout_source}): the node hosting the rendezvous store (node rank 0) never "
-                    f"started or listens elsewhere; start every node with the same --master_addr and "
-                    f"--master_port, or set ATORCH_INIT_TIMEOUT (seconds) to wait longer")
-        return (f"{e}; another program listens on port {port} there. Start every node with the port the store's "
-                "node (node rank 0) uses, and make it one that nothing else holds")
+        check_store_endpoint(rdzv.host.strip("[]"), rdzv.port, wait_s=rdzv.timeout_s,
+                             answer_s=min(STORE_ANSWER_S, rdzv.timeout_s))
+    except StoreNotUpError as e:
+        return (f"{e} ({rdzv.timeout_source}): the node hosting the rendezvous store (node rank 0) never "
+                f"started or listens elsewhere; start every node with the same --master_addr and "
+                f"--master_port, or set ATORCH_INIT_TIMEOUT (seconds) to wait longer")
+    except NotAStoreError as e:
+        return (f"{e}; another program listens on port {rdzv.port} there. Start every node with the port the "
+                "store's node (node rank 0) uses, and make it one that nothing else holds")
     return None
 
 
@@ -433,8 +438,7 @@ def _rendezvous_failure(exc: BaseException, rdzv: Rendezvous) -> Optional[str]:
 
     texts = " ".join(str(e) for e in _chain(exc))
     if "EADDRINUSE" in texts or "address already in use" in texts.lower():
-        port = int(rdzv.endpoint.rsplit(":", 1)[1]) if ":" in rdzv.endpoint else 0
-        return _port_message(rdzv.endpoint, port)
+        return _port_message(rdzv)
     if isinstance(exc, RendezvousTimeoutError):
         return _timeout_message(rdzv)
     # The static rendezvous: the store's server gave up waiting for the other nodes, or a node its server.

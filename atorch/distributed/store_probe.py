@@ -25,7 +25,15 @@ STORE_ANSWER_S = 30.0
 
 
 class StoreProbeError(RuntimeError):
-    """The endpoint never accepted a connection in time, or what accepts it is not a torch store."""
+    """The endpoint cannot serve as the rendezvous store (see the subclasses)."""
+
+
+class StoreNotUpError(StoreProbeError):
+    """Nothing accepted a connection at the endpoint in time (or its host does not resolve)."""
+
+
+class NotAStoreError(StoreProbeError):
+    """Something accepts connections at the endpoint but does not answer as a torch store."""
 
 
 def _accepts(host: str, port: int, timeout_s: float) -> bool:
@@ -33,7 +41,7 @@ def _accepts(host: str, port: int, timeout_s: float) -> bool:
         with socket.create_connection((host, port), timeout=timeout_s):
             return True
     except socket.gaierror as e:
-        raise StoreProbeError(f"cannot resolve the rendezvous host {host!r}: {e}") from None
+        raise StoreNotUpError(f"cannot resolve the rendezvous host {host!r}: {e}") from None
     except OSError:     # refused, unreachable, timed out: not up yet
         return False
 
@@ -66,13 +74,13 @@ def check_store_endpoint(host: str, port: int, wait_s: float, answer_s: float = 
                          poll_s: float = 1.0) -> None:
     """Wait up to `wait_s` for `host:port` to accept connections, then check that it answers as a torch store.
 
-    Raises StoreProbeError naming the endpoint when nothing listened in time, or when what listens is
-    not a store (a client of a non-store hangs forever in torch)."""
+    Raises StoreNotUpError naming the endpoint when nothing listened in time, NotAStoreError when what
+    listens is not a store (a client of a non-store hangs forever in torch)."""
     deadline = time.monotonic() + wait_s
     while not _accepts(host, port, timeout_s=min(poll_s * 5, max(0.1, deadline - time.monotonic()))):
         if time.monotonic() >= deadline:
-            raise StoreProbeError(f"nothing accepted connections at {host}:{port} within {wait_s:g} s")
+            raise StoreNotUpError(f"nothing accepted connections at {host}:{port} within {wait_s:g} s")
         time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
     why = _store_answers(host, port, answer_s)
     if why is not None:
-        raise StoreProbeError(f"{host}:{port} is not a torch rendezvous store: {why}")
+        raise NotAStoreError(f"{host}:{port} is not a torch rendezvous store: {why}")
