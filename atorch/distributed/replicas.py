@@ -31,12 +31,13 @@ def first_difference(model: nn.Module, group: Optional[dist.ProcessGroup],
     if device is None:
         nccl = dist.get_backend(group) == "nccl"
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    names = [name for name, _ in model.named_parameters()]
-    # Per parameter: its sum and the sum of its magnitudes, accumulated in float64 without a float64
-    # copy of the weights.
-    stats = [(float(p.detach().sum(dtype=torch.float64)), float(p.detach().abs().sum(dtype=torch.float64)))
-             for _, p in model.named_parameters()] or [(0.0, 0.0)]
-    local = torch.tensor(stats, dtype=torch.float64).to(device)
+    names: List[str] = []
+    stats = []
+    for name, p in model.named_parameters():
+        # Its sum and the sum of its magnitudes, accumulated in float64 without a float64 copy of the weights.
+        names.append(name)
+        stats.append((float(p.detach().sum(dtype=torch.float64)), float(p.detach().abs().sum(dtype=torch.float64))))
+    local = torch.tensor(stats or [(0.0, 0.0)], dtype=torch.float64).to(device)
     gathered: List[torch.Tensor] = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
     table = torch.stack([g.cpu() for g in gathered])          # [ranks, parameters, (sum, magnitude)]

@@ -59,7 +59,7 @@ def apply_tensor_parallel(model: nn.Module, group: Group, *, tpinfo: Optional[TP
         marked = shard_model(model, tpinfo, group, randomizer=randomizer, gather_logits=gather_logits)
         model = materialize_tp_module(marked, base_seed, per_block=per_block_init, group=group, randomizer=randomizer)
     else:
-        check_replicas_agree(model, group, device or torch.device("cpu"), "tensor_parallel",
+        check_replicas_agree(model, group, device, "tensor_parallel",
                              "construct it under the same seed on every rank, or build it under record_module_init() "
                              "so tensor_parallel materializes it from base_seed")
         model = shard_model(model, tpinfo, group, randomizer=randomizer, gather_logits=gather_logits)

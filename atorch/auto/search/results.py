@@ -93,7 +93,6 @@ class Comparison:
         why = {"memory": saving, "measured mean": "higher measured mean"}[self.chosen_by]
         return f"{a} and {b} within noise ({self.ratio:.3g}x, {ci}); chose {a}: {why}"
 
-
     def _single_run_note(self) -> str:
         """A candidate measured once has an interval from the noise within its run only: a change of the
         machine's load between two runs (another job, thermal throttling) is not in it, and the
