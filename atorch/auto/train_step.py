@@ -28,6 +28,7 @@ their own `step()` with the value set here.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
@@ -132,8 +133,7 @@ def split_batch(batch: Any, num: int) -> List[Any]:
         raise ValueError(f"train_step: the per-rank batch of {rows} rows does not split into "
                          f"gradient_accumulation_steps={num} equal micro-batches; use a global batch size that is a "
                          f"multiple of {num} x the data-parallel size")
-    size = rows // num
-    return [_slice(batch, rows, i * size, (i + 1) * size) for i in range(num)]
+    return _pieces(batch, rows, [rows // num] * num)
 
 
 def micro_batches(result: AutoAccelerateResult, batch: Any, steps: int) -> Tuple[List[Any], Optional[List[float]]]:
@@ -153,9 +153,13 @@ def micro_batches(result: AutoAccelerateResult, batch: Any, steps: int) -> Tuple
         return split_batch(batch, steps), None
     parts = min(steps, rows)
     sizes = [rows // parts + (1 if i < rows % parts else 0) for i in range(parts)]
-    bounds = [sum(sizes[:i]) for i in range(parts + 1)]
-    return ([_slice(batch, rows, bounds[i], bounds[i + 1]) for i in range(parts)],
-            [size / rows for size in sizes])
+    return _pieces(batch, rows, sizes), [size / rows for size in sizes]
+
+
+def _pieces(batch: Any, rows: int, sizes: List[int]) -> List[Any]:
+    """`batch` cut along its rows into consecutive pieces of `sizes` rows."""
+    starts = [0, *itertools.accumulate(sizes)]
+    return [_slice(batch, rows, start, stop) for start, stop in zip(starts, starts[1:])]
 
 
 def _scaled(loss: torch.Tensor, steps: int, weights: Optional[List[float]], i: int) -> torch.Tensor:
