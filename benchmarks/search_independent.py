@@ -39,6 +39,25 @@ STEPS = 5
 BATCH = 32.0
 
 
+SAVING_DIMS = ("zero", "checkpoint", "parallel")
+
+
+def monotone_log_memory(rng, names, sizes, ch, saving=SAVING_DIMS):
+    """Per-candidate log memory, monotone in the memory-saving dimensions (each further option of one saves
+    U(0.1, 0.5) in log), +-5% for the others; and the saving dimensions' cumulative steps, by dimension index.
+    Draws from `rng` in dimension order (the landscapes depend on that order)."""
+    logmem = np.zeros(ch.shape[0])
+    save_steps = {}
+    for d, name in enumerate(names):
+        if name in saving:
+            steps = rng.uniform(0.1, 0.5, size=sizes[d] - 1)
+            save_steps[d] = np.concatenate([[0.0], np.cumsum(steps)])
+            logmem -= save_steps[d][ch[:, d]]
+        else:
+            logmem += rng.uniform(-0.05, 0.05, size=sizes[d])[ch[:, d]]
+    return logmem, save_steps
+
+
 class Land:
     def __init__(self, space, family, seed):
         self.rng = np.random.default_rng([seed, 4242])
@@ -52,17 +71,7 @@ class Land:
         ch = np.array([c.choices for c in cands])
         n, D = ch.shape
         self.noise = 0.03
-        # memory: monotone in zero stage, checkpoint, tensor degree (savings per step), ±5% for the rest
-        logmem = np.zeros(n)
-        saving_dims = {"zero", "checkpoint", "parallel"}
-        save_steps = {}
-        for d, name in enumerate(self.names):
-            if name in saving_dims:
-                steps = rng.uniform(0.1, 0.5, size=self.sizes[d] - 1)
-                save_steps[d] = np.concatenate([[0.0], np.cumsum(steps)])
-                logmem -= save_steps[d][ch[:, d]]
-            else:
-                logmem += rng.uniform(-0.05, 0.05, size=self.sizes[d])[ch[:, d]]
+        logmem, save_steps = monotone_log_memory(rng, self.names, self.sizes, ch)
         oom_frac = 0.0
         if family == "additive":
             self.noise = 0.10

@@ -27,7 +27,7 @@ import numpy as np
 from atorch.auto.search import DryRunResult, SearchSpace, search_strategy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from search_independent import bench  # noqa: E402 - benchmarks/search.py, loaded once
+from search_independent import bench, monotone_log_memory  # noqa: E402 - search.py loaded once
 
 RANDOM_ORDERS = 30
 TARGET = 0.98
@@ -103,15 +103,7 @@ class Land:
         n, D = ch.shape
         self.n = n
         # ---- memory: monotone in the saving dims, +-5% for the rest
-        logmem = np.zeros(n)
-        save_steps = {}
-        for d, name in enumerate(self.names):
-            if name in SAVING:
-                steps = rng.uniform(0.1, 0.5, size=self.sizes[d] - 1)
-                save_steps[d] = np.concatenate([[0.0], np.cumsum(steps)])
-                logmem -= save_steps[d][ch[:, d]]
-            else:
-                logmem += rng.uniform(-0.05, 0.05, size=self.sizes[d])[ch[:, d]]
+        logmem, save_steps = monotone_log_memory(rng, self.names, self.sizes, ch, SAVING)
         # ---- base throughput: main effects + two interacting pairs
         def additive(sig_main=0.15, sig_pair=0.1, npairs=2):
             lt = sum(rng.normal(0, sig_main, size=k)[ch[:, d]] for d, k in enumerate(self.sizes))
