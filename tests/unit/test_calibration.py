@@ -86,7 +86,12 @@ def test_cost_model_predictor_with_gradient_accumulation():
     assert plain == estimate(config, Strategy(["parallel_mode"]), 16, 64, 2)
     ga = predict(Strategy(["parallel_mode", ("gradient_accumulation", {"steps": 4})]))
     micro = estimate(config, Strategy(["parallel_mode"]), 4, 64, 2)
-    assert ga.peak_memory_bytes == micro.peak_memory_bytes < plain.peak_memory_bytes   # one micro-batch of activations
+    # One micro-batch of activations, plus the gradients the earlier micro-steps keep alive.
+    assert ga.peak_memory_bytes == estimate(config, Strategy(["parallel_mode", ("gradient_accumulation", 4)]), 16,
+                                            64, 2).peak_memory_bytes
+    assert ga.breakdown["mem_accumulated_grads"] == micro.breakdown["mem_grads"] > 0
+    assert micro.peak_memory_bytes < ga.peak_memory_bytes <= micro.peak_memory_bytes + micro.breakdown["mem_grads"]
+    assert ga.peak_memory_bytes < plain.peak_memory_bytes
     assert ga.breakdown["time_compute"] == pytest.approx(4 * micro.breakdown["time_compute"])
     assert ga.breakdown["time_overhead"] == pytest.approx(4 * plain.breakdown["time_overhead"])
     assert ga.breakdown["time_communication"] == pytest.approx(plain.breakdown["time_communication"])  # no_sync

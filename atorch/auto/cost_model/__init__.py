@@ -24,7 +24,8 @@ measured bandwidth + a latency per collective.
 The parts, each importable on its own: `shape` (ModelShape from a config or a module), `traits`
 (StrategyTraits from a strategy), `activations` (bytes saved for backward, the activation probe's
 scale), `memory` (per-backend breakdown and peak), `step_time` (device rates and time
-breakdown), `predict` (`estimate`, the one entry the planner calls).
+breakdown), `optimizer` (what the user's optimizer keeps per parameter), `predict` (`estimate`, the
+one entry the planner calls).
 """
 
 from atorch.auto.cost_model.activations import (activation_bytes, block_activation_bytes, calibrated_shape,
@@ -34,16 +35,17 @@ from atorch.auto.cost_model.memory import (ACTIVATION_PHASE_KEYS, ADAM_STATE_BYT
                                            DS_STAGE3_PREFETCH_ELEMENTS, MODEL_STATE_KEYS, PHASES, RESIDENT_KEYS,
                                            adam_step_bytes, memory_breakdown, model_state_bytes, peak_bytes,
                                            resident_bytes, stage_params)
+from atorch.auto.cost_model.optimizer import ADAM, OptimizerStates, optimizer_states
 from atorch.auto.cost_model.predict import Estimate, estimate
 from atorch.auto.cost_model.shape import ModelShape
 from atorch.auto.cost_model.step_time import DEVICE_PROFILES, time_breakdown
 from atorch.auto.cost_model.traits import StrategyTraits, lora_params, micro_batch_size, precision_mode
 
 __all__ = [
-    "ACTIVATION_PHASE_KEYS", "ADAM_STATE_BYTES_PER_PARAM", "DEVICE_PROFILES", "DS_REDUCE_BUCKET_ELEMENTS",
+    "ACTIVATION_PHASE_KEYS", "ADAM", "ADAM_STATE_BYTES_PER_PARAM", "DEVICE_PROFILES", "DS_REDUCE_BUCKET_ELEMENTS",
     "DS_STAGE3_PERSISTENCE_ELEMENTS", "DS_STAGE3_PREFETCH_ELEMENTS", "Estimate", "MODEL_STATE_KEYS", "ModelShape",
-    "PHASES", "RESIDENT_KEYS", "StrategyTraits", "activation_bytes", "adam_step_bytes", "block_activation_bytes",
+    "OptimizerStates", "PHASES", "RESIDENT_KEYS", "StrategyTraits", "activation_bytes", "adam_step_bytes", "block_activation_bytes",
     "calibrated_shape", "estimate", "loss_buffer_bytes", "loss_softmax_bytes", "lora_params", "memory_breakdown",
-    "micro_batch_size", "model_state_bytes", "peak_bytes", "precision_mode", "resident_bytes", "shape_of",
+    "micro_batch_size", "model_state_bytes", "optimizer_states", "peak_bytes", "precision_mode", "resident_bytes", "shape_of",
     "stage_params", "time_breakdown",
 ]

@@ -14,7 +14,7 @@ from atorch.auto.cost_model.activations import (activation_bytes, block_activati
 from atorch.auto.cost_model.shape import ModelShape, _largest_param_elements, _parameter_sizes
 from atorch.auto.cost_model.traits import StrategyTraits, lora_params, precision_mode
 
-ADAM_STATE_BYTES_PER_PARAM = 8       # exp_avg + exp_avg_sq in fp32
+ADAM_STATE_BYTES_PER_PARAM = 8       # exp_avg + exp_avg_sq in fp32 (other optimizers: `traits.optimizer`)
 
 # What DeepSpeed allocates with atorch's engine configs (checked against DeepSpeed 0.19 in
 # tests/distributed/test_memory_model.py): the ZeRO-1/2 reduce bucket and ZeRO-3's contiguous
@@ -43,14 +43,16 @@ RESIDENT_KEYS = MODEL_STATE_KEYS + ("ddp_buckets", "ds_reduce_buffer", "grad_fp3
 # next forward. Backward frees activations as it creates gradients, block by block: with a
 # stack of similar blocks their sum is largest at one end, so backward is checked at its start
 # (all activations, the loss freed) and at its end (all gradients).
+# Under gradient accumulation the gradients of the earlier micro-steps live through the later
+# micro-steps' forward and backward (`accumulated_grads`).
 FORWARD_END_KEYS = ("activations", "loss_softmax", "loss_buffers", "weight_casts", "gathered_params",
-                    "ds_reduce_bucket")
+                    "ds_reduce_bucket", "accumulated_grads")
 # A block's backward: its unsharded gradients and their reduce-scatter copy (`unit_grads`), the
 # next block prefetched, a checkpointed block rebuilt, FSDP2's root unit holding the LM head's
 # unsharded gradient until the root reduces last.
 BACKWARD_KEYS = ("weight_casts", "gathered_params", "prefetch", "ds_reduce_bucket", "unit_grads", "recompute",
                  "held_root_grads")
-BACKWARD_START_KEYS = ("activations",) + BACKWARD_KEYS
+BACKWARD_START_KEYS = ("activations", "accumulated_grads") + BACKWARD_KEYS
 BACKWARD_END_KEYS = ("grads",) + BACKWARD_KEYS
 # After backward: the root unit's reduce-scatter; DeepSpeed's fp32 gradient copy for the step.
 GRADIENT_PHASE_KEYS = ("grads", "reduce_scatter", "step_grad_fp32")
@@ -87,13 +89,17 @@ def resident_bytes(breakdown: Mapping[str, float]) -> float:
 def stage_params(shape: ModelShape, traits: StrategyTraits) -> float:
     """Parameters of the heaviest pipeline stage (the whole model without a pipeline), before tensor sharding.
 
-    Stages are balanced by parameter count, but a stage cannot be lighter than its largest
-    indivisible piece: one block plus the embedding (first stage) or the head (last).
+    The blocks are balanced over the stages (`modules/pipeline/partition.py`), so the heaviest
+    stage holds ceil(layers / stages) blocks, plus the input embeddings (first stage) or the LM
+    head (last). A tied head is one matrix with the embedding, yet each end stage holds it whole.
     """
     p = traits.pipeline
     if p <= 1:
         return float(shape.num_params)
-    return max(shape.num_params / p, shape.layer_params + shape.embedding_params / 2)
+    head = shape.vocab_size * shape.hidden_size
+    inputs = shape.embedding_params - (0 if shape.tied_embeddings else head)
+    blocks = -(-shape.num_layers // p) * shape.layer_params
+    return max(shape.num_params / p, blocks + max(inputs, head))
 
 
 def memory_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int,
@@ -116,22 +122,26 @@ def memory_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int
     base = stage_params(shape, traits) / t
     adapters = lora_params(shape, traits) / t / traits.pipeline
     params_per_rank = base + adapters
-    trainable = adapters if traits.lora_rank else params_per_rank
+    # Without LoRA: every parameter but those the user froze (spread evenly over the stages and shards).
+    trainable = adapters if traits.lora_rank else params_per_rank * (1 - shape.frozen_params / max(1, shape.num_params))
     if traits.sharding == "deepspeed":
         out = _deepspeed_states(shape, traits, params_per_rank, trainable)
     elif traits.sharding == "fsdp2":
         out = _fsdp2_states(shape, traits, params_per_rank, trainable)
     else:
         out = _replicated_states(shape, traits, params_per_rank, trainable)
-    if traits.sharding != "deepspeed":     # DeepSpeed's step: its fp32 gradient copy (step_grad_fp32)
+    if traits.sharding != "deepspeed" and traits.optimizer.step_temporaries:
+        # DeepSpeed's step: its fp32 gradient copy (step_grad_fp32); plain SGD updates in place.
         out["optimizer_step"] = _torch_adam_step_bytes(shape, traits, trainable, device_type)
+    if traits.accumulation_steps > 1 and traits.pipeline_engine is None:
+        out["accumulated_grads"] = _accumulated_grad_bytes(traits, trainable)
     out["activations"] = activation_bytes(shape, traits, micro_batch, seq_len) * _in_flight_micro_batches(traits)
     if traits.pipeline_engine is None:
         # The loss's saved softmax is freed by the loss's backward, before any block's backward.
         out["loss_softmax"] = loss_softmax_bytes(shape, traits, micro_batch, seq_len)
         out["activations"] -= out["loss_softmax"]
     head_grad = 0.0
-    if not traits.lora_rank:
+    if not traits.lora_rank and not shape.head_frozen:
         # The LM head's whole (unsharded) weight gradient, in the dtype backward produces it
         # (the compute dtype under FSDP2/DeepSpeed mixed precision); under autocast the half
         # gradient of the cast weight is accumulated into the fp32 one.
@@ -216,7 +226,7 @@ def _replicated_states(shape: ModelShape, traits: StrategyTraits, params: float,
     pbytes = traits.param_dtype_bytes
     # torch's Adam keeps its two moments in the parameter dtype.
     out = {"params": params * pbytes, "grads": trainable * pbytes,
-           "optimizer": trainable * ADAM_STATE_BYTES_PER_PARAM * pbytes / 4 / traits.optimizer_shard}
+           "optimizer": trainable * traits.optimizer.state_copies * pbytes / traits.optimizer_shard}
     if traits.ddp_buckets:
         out["ddp_buckets"] = trainable * pbytes
     return out
@@ -227,7 +237,7 @@ def _fsdp2_states(shape: ModelShape, traits: StrategyTraits, params: float, trai
     # MixedPrecisionPolicy(reduce_dtype=fp32) under amp: sharded gradients in fp32 next to fp32 shards.
     gbytes = 4 if traits.autocast else pbytes
     out = {"params": params * pbytes / d, "grads": trainable * gbytes / d,
-           "optimizer": trainable * ADAM_STATE_BYTES_PER_PARAM * pbytes / 4 / d}
+           "optimizer": trainable * traits.optimizer.state_copies * pbytes / d}
     gathered_bytes = traits.compute_dtype_bytes if traits.compute_dtype_bytes < pbytes else pbytes
     root = shape.embedding_params / t
     block = shape.layer_params / t
@@ -237,7 +247,7 @@ def _fsdp2_states(shape: ModelShape, traits: StrategyTraits, params: float, trai
         # The root unit stays gathered, and the current block; in backward, the next one prefetched.
         out["gathered_params"] = (root + block) * gathered_bytes
         out["prefetch"] = block * gathered_bytes
-    if not traits.lora_rank:
+    if not traits.lora_rank and not shape.head_frozen:
         # The root unit reduces last: the LM head's unsharded gradient lives through the blocks' backward.
         out["held_root_grads"] = shape.vocab_size * shape.hidden_size / t * gathered_bytes
     # A unit's backward leaves its unsharded gradients (in the compute dtype) and copies them into
@@ -258,12 +268,19 @@ def _deepspeed_states(shape: ModelShape, traits: StrategyTraits, params: float, 
     # The user's reduce_bucket_size, else the one atorch derives from the trainable elements.
     bucket = traits.ds_bucket_elements or bucket_elements(int(trainable))
     shard = d if stage >= 1 else 1
+    # Stage 0 (DeepSpeed 3D's default): in bf16 DeepSpeed's BF16_Optimizer still splits the fp32
+    # master weights and the optimizer state over the data ranks, next to a whole half gradient
+    # buffer; in fp16 its FP16_Optimizer keeps them whole; in fp32 the user's optimizer steps the
+    # module itself, with no master copy (measured on 4 ranks, DeepSpeed 0.19).
+    state_shard = d if stage >= 1 or (hbytes < 4 and traits.bf16) else 1
     out = {"params": params * hbytes / (d if stage >= 3 else 1),
            # the partition's reduced gradients, in the module dtype (stage 0: every gradient)
            "grads": trainable * hbytes / shard,
            # DeepSpeed clones its partition into fp32 master weights even when the module is fp32
-           "master": trainable * 4 / shard,
-           "optimizer": trainable * ADAM_STATE_BYTES_PER_PARAM / shard}
+           "master": trainable * 4 / state_shard,
+           "optimizer": trainable * traits.optimizer.state_bytes_per_fp32_param / state_shard}
+    if stage == 0 and hbytes == 4:
+        del out["master"]
     largest = _largest_param_elements(shape) / traits.tensor
     if traits.ds_offload_optimizer:
         # The CPU Adam steps on a persistent fp32 gradient partition in host memory (measured on
@@ -278,7 +295,7 @@ def _deepspeed_states(shape: ModelShape, traits: StrategyTraits, params: float, 
     elif hbytes < 4:
         # The step upcasts the partition's gradients to fp32 and frees the copy afterwards (ZeRO-3
         # too: measured after the second backward, no fp32 gradient partition is alive).
-        out["step_grad_fp32"] = trainable * 4 / shard
+        out["step_grad_fp32"] = trainable * 4 / state_shard
     if stage >= 3:
         # Parameters below the persistence threshold stay whole on every rank, next to the partitions.
         threshold = DS_STAGE3_PERSISTENCE_ELEMENTS if traits.ds_persistence_elements is None \
@@ -294,6 +311,25 @@ def _deepspeed_states(shape: ModelShape, traits: StrategyTraits, params: float, 
         # gradients are reduced.
         out["ds_reduce_bucket"] = bucket * hbytes
     return out
+
+
+def _accumulated_grad_bytes(traits: StrategyTraits, trainable: float) -> float:
+    """Gradient bytes the earlier micro-steps of an accumulating step leave alive through the next
+    micro-step's forward and backward (measured on 2 ranks: tests/distributed/test_memory_model.py).
+
+    - replicated (DDP under `no_sync`, torch ZeRO-1): every parameter's `.grad`;
+    - torch FSDP2 without gradient sync: every unit's unsharded gradient, accumulated in the
+      reduce dtype (fp32 under amp), not 1/data of it;
+    - DeepSpeed ZeRO-1 (and DeepSpeed's stage 0): the whole half `.grad` until the accumulation
+      boundary; stages 2-3 reduce every micro-step into the rank's partition.
+    """
+    if traits.sharding == "fsdp2":
+        return trainable * (4 if traits.autocast else traits.param_dtype_bytes)
+    if traits.sharding == "deepspeed":
+        if traits.ds_offload_optimizer and traits.zero_stage >= 1:
+            return 0.0          # reduced into the fp32 partition on the host
+        return trainable * traits.storage_bytes / (traits.data if traits.zero_stage >= 2 else 1)
+    return trainable * traits.param_dtype_bytes
 
 
 def _in_flight_micro_batches(traits: StrategyTraits) -> int:

@@ -10,6 +10,7 @@ from torch import nn
 
 from atorch.auto.cost_model.activations import shape_of
 from atorch.auto.cost_model.memory import memory_breakdown, peak_bytes
+from atorch.auto.cost_model.optimizer import OptimizerStates
 from atorch.auto.cost_model.shape import ModelShape
 from atorch.auto.cost_model.step_time import DEVICE_PROFILES, time_breakdown
 from atorch.auto.cost_model.traits import StrategyTraits, micro_batch_size
@@ -31,18 +32,21 @@ class Estimate:
 
 def estimate(model_or_config: Union[nn.Module, Any, ModelShape], strategy: StrategyLike, batch_size: int,
              seq_len: int, world_size: int, device: Union[str, torch.device] = "cpu",
-             profile: Optional[Mapping[str, float]] = None) -> Estimate:
+             profile: Optional[Mapping[str, float]] = None,
+             optimizer: Optional[OptimizerStates] = None) -> Estimate:
     """Predict (per-rank peak memory, step time) of `strategy` for a *global* batch of `batch_size`.
 
-    `model_or_config` is a module, a transformers config or a `ModelShape`. `profile` overrides
-    the device rates of `DEVICE_PROFILES[device type]`. The peak counts device memory only:
-    what CPU offload keeps in host memory is in the breakdown as `mem_host_*` entries.
+    `model_or_config` is a module, a transformers config or a `ModelShape`; a module's frozen
+    parameters (requires_grad=False) get no gradients or optimizer state. `profile` overrides
+    the device rates of `DEVICE_PROFILES[device type]`. `optimizer`: what the user's optimizer
+    keeps (`optimizer_states(optim_func, optim_args)`); Adam's by default. The peak counts device
+    memory only: what CPU offload keeps in host memory is in the breakdown as `mem_host_*` entries.
     """
     if batch_size <= 0 or seq_len <= 0 or world_size <= 0:
         raise ValueError(f"batch_size={batch_size}, seq_len={seq_len}, world_size={world_size} must all be > 0")
     shape = shape_of(model_or_config, seq_len)
     device_type = torch.device(device).type
-    traits = StrategyTraits.from_strategy(strategy, world_size, shape, device_type)
+    traits = StrategyTraits.from_strategy(strategy, world_size, shape, device_type, optimizer)
     rates = dict(DEVICE_PROFILES.get(device_type, DEVICE_PROFILES["cuda"]))
     rates.update(profile or {})
 

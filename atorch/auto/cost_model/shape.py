@@ -59,6 +59,13 @@ class ModelShape:
     # native one (GPT-NeoX's and Falcon's nn.GELU, OPT's ReLU, Bloom's custom-autograd GELU),
     # which keeps what module_replace's fused GELU keeps. Read off the model where there is one.
     python_gelu: bool = True
+    # The input embedding and the LM head are one matrix (GPT-2, Gemma, small Qwen2): counted once
+    # in `embedding_params`, but held whole by both the first and the last pipeline stage.
+    tied_embeddings: bool = False
+    # Parameters the user froze (requires_grad=False) in the module the shape was read from: they
+    # get no gradients and no optimizer state. `head_frozen`: the LM head's weight is one of them.
+    frozen_params: int = 0
+    head_frozen: bool = False
 
     @property
     def compute_params(self) -> int:
@@ -95,7 +102,8 @@ class ModelShape:
         embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
         vocab = max((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=0)
         return cls(num_params, layers, hidden, ffn, 0, vocab, (num_params - embedding) // max(1, layers), embedding,
-                   python_gelu=_has_python_gelu(model))
+                   python_gelu=_has_python_gelu(model),
+                   frozen_params=sum(p.numel() for p in model.parameters() if not p.requires_grad))
 
 
 _FFN_NAMES = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
@@ -150,7 +158,8 @@ def _formula_shape(config: Any) -> ModelShape:
                       bool(_config_attr(config, "use_cache", False)),
                       head_dim=head_dim if head_dim * heads != h else 0,
                       python_gelu=_config_attr(config, "activation_function",
-                                               _config_attr(config, "hidden_act", "gelu_new")) in _PYTHON_GELU_NAMES)
+                                               _config_attr(config, "hidden_act", "gelu_new")) in _PYTHON_GELU_NAMES,
+                      tied_embeddings=tied)
 
 
 def _experts_per_token(config: Any) -> Tuple[int, int]:
@@ -192,13 +201,17 @@ def _module_layout(model: nn.Module, config: Any, num_layers: int) -> Dict[str, 
     num_params = sum(p.numel() for p in params)
     embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
     head = getattr(model, "lm_head", None)
-    if isinstance(head, nn.Linear) and not _shares_storage(head.weight, model):
+    tied = isinstance(head, nn.Linear) and _shares_storage(head.weight, model)
+    if isinstance(head, nn.Linear) and not tied:
         embedding += head.weight.numel()
     sizes: Dict[int, int] = {}
     for p in params:
         sizes[p.numel()] = sizes.get(p.numel(), 0) + 1
     fields: Dict[str, Any] = dict(num_params=num_params, layer_params=(num_params - embedding) // max(1, num_layers),
-                                  embedding_params=embedding, parameter_sizes=tuple(sorted(sizes.items())))
+                                  embedding_params=embedding, parameter_sizes=tuple(sorted(sizes.items())),
+                                  tied_embeddings=tied,
+                                  frozen_params=sum(p.numel() for p in params if not p.requires_grad),
+                                  head_frozen=isinstance(head, nn.Linear) and not head.weight.requires_grad)
     experts, top_k = _experts_per_token(config)
     routed = [module for name, module in model.named_modules() if name.rpartition(".")[2] == "experts"]
     if top_k and routed:

@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
+from atorch.auto.cost_model.optimizer import ADAM, OptimizerStates
 from atorch.auto.cost_model.shape import ModelShape
 from atorch.auto.strategy import Strategy, StrategyLike
 
@@ -33,6 +34,7 @@ class StrategyTraits:
     compute_dtype_bytes: int = 4        # activations and matmuls (amp/half/DeepSpeed bf16: 2)
     param_dtype_bytes: int = 4          # parameters as the user's optimizer sees them (half: 2)
     autocast: bool = False              # amp_native: torch.autocast unless a sharding wrapper computes in half
+    bf16: bool = False                  # the half dtype is bfloat16 (DeepSpeed's stage-0 optimizer depends on it)
     fp8: bool = False
     # sharding: None (replicated), "torch_zero1" (ZeroRedundancyOptimizer), "fsdp2", "deepspeed"
     sharding: Optional[str] = None
@@ -60,14 +62,16 @@ class StrategyTraits:
     kv_cache_off: bool = False          # compile: sets the model's use_cache to False
     lora_rank: int = 0                  # lora: adapters of this rank, base weights frozen
     lora_targets: Optional[Tuple[str, ...]] = None
-    trainable_fraction: float = 1.0     # derived: trainable / total parameters (lora)
+    trainable_fraction: float = 1.0     # derived: trainable / total parameters (lora, parameters the user froze)
+    optimizer: OptimizerStates = ADAM   # derived: what the user's optimizer keeps per trainable parameter
     # how fast it computes
     compute_time_factor: float = 1.0    # multiplies compute + per-layer overhead seconds (compile: < 1)
 
     @classmethod
     def from_strategy(cls, strategy: StrategyLike, world_size: int, shape: ModelShape,
-                      device_type: str = "cpu") -> "StrategyTraits":
-        """Combine the `cost_traits` of every item of `strategy` (items of unknown names are ignored)."""
+                      device_type: str = "cpu", optimizer: Optional[OptimizerStates] = None) -> "StrategyTraits":
+        """Combine the `cost_traits` of every item of `strategy` (items of unknown names are ignored);
+        `optimizer`: what the user's optimizer keeps (`optimizer_states`), Adam's by default."""
         from atorch.auto.opt_lib.base import CostContext, get_optimization
 
         s = Strategy.from_any(strategy)
@@ -82,7 +86,7 @@ class StrategyTraits:
         items.sort(key=lambda entry: entry[0])
         configs = {opt.name: config for _, opt, config in items}
         context = CostContext(world_size=world_size, dims=dims, device_type=device_type, configs=configs)
-        valid = {f.name for f in dataclasses.fields(cls)} - {"trainable_fraction"}
+        valid = {f.name for f in dataclasses.fields(cls)} - {"trainable_fraction", "optimizer"}
         updates: Dict[str, Any] = {}
         for _, opt, config in items:
             declared = opt.cost_traits(config, context)
@@ -98,9 +102,11 @@ class StrategyTraits:
             traits = dataclasses.replace(traits, tensor=1)
         if traits.pipeline_engine is None:
             traits = dataclasses.replace(traits, pipeline=1)
-        trainable = lora_params(shape, traits) / max(1, shape.num_params + lora_params(shape, traits)) \
-            if traits.lora_rank else 1.0
-        return dataclasses.replace(traits, trainable_fraction=trainable)
+        if traits.lora_rank:
+            trainable = lora_params(shape, traits) / max(1, shape.num_params + lora_params(shape, traits))
+        else:
+            trainable = 1.0 - shape.frozen_params / max(1, shape.num_params)
+        return dataclasses.replace(traits, trainable_fraction=trainable, optimizer=optimizer or ADAM)
 
     # -- derived views, in ZeRO's terms ---------------------------------------------------------
     @property

@@ -254,6 +254,7 @@ class DeepSpeed3DParallelOptimization(Optimization):
                                "ds_bucket_elements": user_bucket_elements(ds) or 0}
         if half:
             out["compute_dtype_bytes"] = 2
+            out["bf16"] = bool((ds.get("bf16") or {}).get("enabled"))
         return out
 
     def validate(self, config: DeepSpeed3DParallelConfig, context: ValidationContext) -> None:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from atorch import distributed as adist
+from atorch.auto.cost_model.optimizer import OptimizerStates, optimizer_states
 from atorch.auto.model_context import ModelContext
 from atorch.auto.search.cache import CACHE_FILE_NAME, SearchCache, optimizer_description, setup_key, space_signature
 from atorch.auto.search.search import TRIAL_COLUMNS, DryRunResult, SearchResult, search_strategy
@@ -126,7 +127,8 @@ def search_for_context(ctx: ModelContext, excluded: Optional[Sequence[str]] = No
     space.candidates()   # validated against the real model, before its weights are offloaded
     seq_len = infer_seq_len(ctx.dataset)
     memory_limit = settings.memory_limit_bytes or device_memory_bytes(ctx.device)
-    predictor = make_predictor(ctx.model, batch_size, seq_len, world_size, ctx.device)
+    predictor = make_predictor(ctx.model, batch_size, seq_len, world_size, ctx.device,
+                               optimizer_states(ctx.optim_func, ctx.optim_args))
     directory, plot_name = _report_location(report_path or settings.report_dir)
     found: Optional[SearchResult] = None
     report: Optional[Dict[str, str]] = None
@@ -303,16 +305,18 @@ def _records(frame: pd.DataFrame) -> list:
 
 
 def make_predictor(model: Any, batch_size: int, seq_len: int, world_size: int,
-                   device: torch.device) -> Callable[[Strategy], Any]:
+                   device: torch.device, optimizer: Optional[OptimizerStates] = None) -> Callable[[Strategy], Any]:
     """The cost model bound to this run's model shape, batch and world (gradient accumulation
     included), refitted on every dry run of the search (`LearningPredictor`: per-option
     corrections learned from the candidates that ran move the ranking of those that have not;
     on benchmarks/real_landscape.json held-out Kendall tau 0.535 -> 0.76 after 8 dry runs, 0.85
     after 16). Built-in device constants: the probes did not rank better on this machine
-    (benchmarks/RESULTS.md, "Step-time calibration")."""
+    (benchmarks/RESULTS.md, "Step-time calibration"). `optimizer`: what the user's optimizer keeps
+    per parameter (Adam's by default)."""
     from atorch.auto.calibration import LearningPredictor, cost_model_predictor
 
-    return LearningPredictor(cost_model_predictor(model, batch_size, seq_len, world_size, device))
+    return LearningPredictor(cost_model_predictor(model, batch_size, seq_len, world_size, device,
+                                                  optimizer=optimizer))
 
 
 def infer_seq_len(dataset: Any) -> int:

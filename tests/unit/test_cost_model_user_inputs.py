@@ -1,0 +1,127 @@
+"""The cost model reads what the user brings: the optimizer, frozen parameters, accumulation, a tied head.
+
+Pure arithmetic on the tiny Llama (milliseconds); the same cases are measured on 2 ranks in
+tests/distributed/test_memory_model_inputs.py.
+"""
+
+import functools
+
+import pytest
+import torch
+
+from atorch.auto.cost_model import ADAM, ModelShape, estimate, optimizer_states, stage_params
+from atorch.auto.cost_model.traits import StrategyTraits
+from atorch.testing import tiny_llama
+
+BATCH, SEQ = 8, 32
+PP2 = ("parallel_mode", ([("data", 1), ("pipeline", 2)], None))
+
+
+def _memory(model_or_shape, strategy, world_size=2, optimizer=None):
+    est = estimate(model_or_shape, strategy, BATCH, SEQ, world_size, "cpu", optimizer=optimizer)
+    return {k[len("mem_"):]: v for k, v in est.breakdown.items() if k.startswith("mem_")}
+
+
+class _MyAdamW(torch.optim.AdamW):
+    pass
+
+
+@pytest.mark.parametrize("func, args, copies, temporaries", [
+    (None, None, 2.0, True),
+    (torch.optim.AdamW, {}, 2.0, True),
+    (torch.optim.Adam, {"amsgrad": True}, 3.0, True),
+    (_MyAdamW, {}, 2.0, True),                                      # a subclass counts as its base
+    (torch.optim.SGD, {"lr": 0.1}, 0.0, False),
+    (torch.optim.SGD, {"momentum": 0.9}, 1.0, False),
+    (torch.optim.SGD, {"momentum": 0.9, "weight_decay": 0.1}, 1.0, True),
+    (functools.partial(torch.optim.SGD, momentum=0.9), {}, 1.0, False),   # a partial's keywords are arguments
+    (torch.optim.Adagrad, {}, 1.0, True),
+    (torch.optim.RMSprop, {"momentum": 0.9, "centered": True}, 3.0, True),
+])
+def test_optimizer_states_read_off_the_class_and_arguments(func, args, copies, temporaries):
+    states = optimizer_states(func, args)
+    assert (states.state_copies, states.step_temporaries) == (copies, temporaries)
+
+
+def test_an_optimizer_factory_is_counted_as_adam():
+    assert optimizer_states(lambda params: torch.optim.SGD(params, lr=0.1)).state_copies == ADAM.state_copies
+
+
+@pytest.mark.parametrize("strategy, optimizer_key", [
+    (["parallel_mode"], "optimizer"),
+    (["parallel_mode", "fsdp"], "optimizer"),
+    (["amp_native", ("zero2", {"use_ds_zero": True})], "optimizer"),
+])
+def test_the_optimizer_state_follows_the_users_optimizer(strategy, optimizer_key):
+    model = tiny_llama(seed=0)
+    adam = _memory(model, strategy)
+    sgd = _memory(model, strategy, optimizer=optimizer_states(torch.optim.SGD, {}))
+    momentum = _memory(model, strategy, optimizer=optimizer_states(torch.optim.SGD, {"momentum": 0.9}))
+    assert sgd[optimizer_key] == 0
+    assert momentum[optimizer_key] == pytest.approx(adam[optimizer_key] / 2)
+    assert "optimizer_step" not in sgd and sgd["params"] == adam["params"]
+
+
+def test_frozen_parameters_get_no_gradients_or_optimizer_state():
+    model = tiny_llama(seed=0)
+    whole = _memory(model, ["parallel_mode"])
+    frozen = 0
+    for name, param in model.named_parameters():
+        if "embed_tokens" in name or "lm_head" in name:
+            param.requires_grad_(False)
+            frozen += param.numel()
+    total = sum(p.numel() for p in model.parameters())
+    shape = ModelShape.from_module(model)
+    assert (shape.frozen_params, shape.head_frozen) == (frozen, True)
+    part = _memory(model, ["parallel_mode"])
+    share = (total - frozen) / total
+    assert part["params"] == whole["params"]
+    for key in ("grads", "optimizer", "ddp_buckets"):
+        assert part[key] == pytest.approx(whole[key] * share), key
+    # The frozen head has no gradient: FSDP2's root unit holds none of it through the blocks' backward.
+    assert "held_root_grads" not in _memory(model, ["parallel_mode", "fsdp"])
+    assert StrategyTraits.from_strategy(["parallel_mode"], 2, shape).trainable_fraction == pytest.approx(share)
+
+
+@pytest.mark.parametrize("strategy, grads", [
+    (["parallel_mode"], lambda m: m["grads"]),                                    # DDP under no_sync: every .grad
+    (["parallel_mode", "zero1"], lambda m: m["grads"]),
+    (["parallel_mode", "fsdp"], lambda m: m["grads"] * 2),                        # unsharded, not 1/data
+    (["parallel_mode", "amp_native", "fsdp"], lambda m: m["grads"] * 2),          # in the fp32 reduce dtype
+    (["amp_native", ("zero1", {"use_ds_zero": True})], lambda m: m["grads"] * 2),  # the whole half .grad
+    (["amp_native", ("zero2", {"use_ds_zero": True})], lambda m: m["grads"]),      # reduced into the partition
+])
+def test_accumulation_keeps_the_earlier_micro_steps_gradients(strategy, grads):
+    model = tiny_llama(seed=0)
+    once = _memory(model, strategy)
+    accumulating = _memory(model, strategy + [("gradient_accumulation", 2)])
+    assert "accumulated_grads" not in once
+    assert accumulating["accumulated_grads"] == pytest.approx(grads(once))
+
+
+def test_each_end_stage_holds_a_tied_embedding_whole():
+    tied = ModelShape.from_module(tiny_llama(seed=0, tie_word_embeddings=True, num_hidden_layers=4))
+    untied = ModelShape.from_module(tiny_llama(seed=0, num_hidden_layers=4))
+    assert tied.tied_embeddings and not untied.tied_embeddings
+    traits = StrategyTraits.from_strategy([PP2, "pipeline_parallel"], 2, tied)
+    head = tied.vocab_size * tied.hidden_size
+    # 2 of 4 blocks + the shared matrix (the first stage's embedding, the last stage's head)
+    assert stage_params(tied, traits) == pytest.approx(2 * tied.layer_params + head)
+    assert stage_params(untied, traits) == pytest.approx(2 * untied.layer_params + head)
+
+
+def test_deepspeed_stage_0_keeps_what_its_optimizer_keeps():
+    model = tiny_llama(seed=0, num_hidden_layers=4)
+
+    def ds3d(precision):
+        return [("parallel_mode", ([("tensor", 1), ("data", 2), ("pipeline", 2)], None)),
+                ("deepspeed_3d_parallel", {"ds_config": {precision: {"enabled": True}} if precision else {}})]
+
+    fp32, bf16, fp16 = (_memory(model, ds3d(p), world_size=4) for p in (None, "bf16", "fp16"))
+    stage = fp32["params"] / 4             # elements of the stage, fp32
+    assert "master" not in fp32 and fp32["optimizer"] == pytest.approx(8 * stage)   # the user's optimizer, whole
+    # bf16: BF16_Optimizer splits master weights and moments over the 2 data ranks, next to whole half gradients.
+    assert bf16["master"] == pytest.approx(4 * stage / 2) and bf16["optimizer"] == pytest.approx(8 * stage / 2)
+    assert bf16["grads"] == pytest.approx(2 * stage)
+    # fp16: FP16_Optimizer keeps them whole.
+    assert fp16["master"] == pytest.approx(4 * stage) and fp16["optimizer"] == pytest.approx(8 * stage)
