@@ -19,8 +19,6 @@ hide its model states (its reduce buffer was 1 GB before atorch sized it from th
 the tokens of the dataset and small bookkeeping tensors (about 20 KB against 0.4-4 MB).
 """
 
-import gc
-import time
 from typing import Any, Dict, List
 
 import pytest
@@ -31,6 +29,7 @@ from atorch.auto import auto_accelerate
 from atorch.auto.cost_model import estimate, resident_bytes
 from atorch.auto.model_context import call_model
 from atorch.testing import run_distributed, tiny_llama
+from atorch.testing.live_memory import settled_live_bytes
 from atorch.testing.parity import TokenDataset
 from atorch.utils.memory import memory_breakdown
 from atorch.utils.peak_memory import PeakMemoryTracker
@@ -72,25 +71,6 @@ def _optim_func(strategy: List[Any]) -> Any:
     return torch.optim.AdamW
 
 
-def _settled_live_bytes(tracker: PeakMemoryTracker, timeout_s: float = 2.0) -> int:
-    """The live bytes once nothing more is released: unreachable cycles collected, and read until
-    three reads 20 ms apart agree.
-
-    A collective's buffers can be released by the process group's worker thread after the caller
-    has returned from it. One CI run read rank 0 of "deepspeed zero2 bf16 offload_optimizer" with
-    exactly one more model-sized bf16 buffer alive (426,624 B, the size of its gradient bucket:
-    ratio 0.854, where every local repeat, 14 of them, 5 under load, read 0.993), which fits that
-    race; a read taken too early counts memory the rank is about to give back."""
-    deadline = time.monotonic() + timeout_s
-    gc.collect()    # unreachable cycles are not memory a rank holds
-    reads = [tracker.live_bytes]
-    while time.monotonic() < deadline and (len(reads) < 3 or len(set(reads[-3:])) > 1):
-        time.sleep(0.02)
-        gc.collect()
-        reads.append(tracker.live_bytes)
-    return reads[-1]
-
-
 def _measure(strategy: List[Any]) -> Dict[str, float]:
     """Bytes this rank holds after the second backward pass, and what the cost model predicts."""
     optim_func = _optim_func(strategy)
@@ -114,7 +94,7 @@ def _measure(strategy: List[Any]) -> Dict[str, float]:
                 del output
                 engine.backward(loss) if engine is not None else loss.backward()
                 del loss
-            live = _settled_live_bytes(tracker)
+            live = settled_live_bytes(tracker)
             module = engine.module if engine is not None else result.model
             reachable = memory_breakdown(module, engine.optimizer if engine is not None else result.optim)
             if engine is not None:

@@ -110,6 +110,28 @@ def test_each_end_stage_holds_a_tied_embedding_whole():
     assert stage_params(untied, traits) == pytest.approx(2 * untied.layer_params + head)
 
 
+def test_lora_adapters_are_counted_on_the_models_own_linears():
+    from atorch.auto.cost_model import lora_params
+
+    model = tiny_llama(seed=0)
+    shape = ModelShape.from_module(model)
+    targets = ("q_proj", "v_proj", "down_proj")
+    traits = StrategyTraits.from_strategy(["parallel_mode", ("lora", {"r": 4, "target_modules": targets})], 1, shape)
+    linears = {name.rpartition(".")[2]: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    layers = model.config.num_hidden_layers
+    expected = sum(layers * 4 * (linears[t].in_features + linears[t].out_features) for t in targets)
+    assert lora_params(shape, traits) == expected
+    # Split over 2 tensor ranks: a column-parallel linear keeps A (r x in) whole, a row-parallel one B (out x r).
+    q, v, down = (linears[t] for t in targets)
+    per_rank = layers * 4 * (q.in_features + q.out_features / 2 + v.in_features + v.out_features / 2
+                             + down.in_features / 2 + down.out_features)
+    assert lora_params(shape, traits, tensor=2) == pytest.approx(per_rank)
+    # peft's default targets for the model's type (q_proj and v_proj for Llama).
+    default = StrategyTraits.from_strategy(["parallel_mode", ("lora", {"r": 4})], 1, shape)
+    assert lora_params(shape, default) == sum(layers * 4 * (linears[t].in_features + linears[t].out_features)
+                                              for t in ("q_proj", "v_proj"))
+
+
 def test_deepspeed_stage_0_keeps_what_its_optimizer_keeps():
     model = tiny_llama(seed=0, num_hidden_layers=4)
 

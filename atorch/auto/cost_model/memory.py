@@ -35,7 +35,7 @@ def _ds_persistent_elements(shape: ModelShape, threshold: int = DS_STAGE3_PERSIS
 # has finished and its activations are freed); the others exist only during part of a step.
 MODEL_STATE_KEYS = ("params", "grads", "master", "optimizer")
 RESIDENT_KEYS = MODEL_STATE_KEYS + ("ddp_buckets", "ds_reduce_buffer", "grad_fp32", "ds_persistent_params",
-                                    "ds_offload_buffers", "ds_offload_host_buffers")
+                                    "ds_offload_buffers", "ds_offload_host_buffers", "pipeline_buffers")
 
 
 # The moments of a step, each a set of breakdown entries alive together; everything in no
@@ -120,7 +120,7 @@ def memory_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int
     t = traits.tensor
     # atorch's tensor_parallel shards the embeddings and the LM head too (norms are negligible).
     base = stage_params(shape, traits) / t
-    adapters = lora_params(shape, traits) / t / traits.pipeline
+    adapters = lora_params(shape, traits, tensor=t) / traits.pipeline
     params_per_rank = base + adapters
     # Without LoRA: every parameter but those the user froze (spread evenly over the stages and shards).
     trainable = adapters if traits.lora_rank else params_per_rank * (1 - shape.frozen_params / max(1, shape.num_params))
@@ -135,6 +135,11 @@ def memory_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int
         out["optimizer_step"] = _torch_adam_step_bytes(shape, traits, trainable, device_type)
     if traits.accumulation_steps > 1 and traits.pipeline_engine is None:
         out["accumulated_grads"] = _accumulated_grad_bytes(traits, trainable)
+    if traits.pipeline_engine == "native":
+        # torch.distributed.pipelining keeps a buffer per micro-batch for what crosses the stage
+        # boundary (the hidden states in, or their gradients out), allocated once.
+        out["pipeline_buffers"] = float(traits.pipeline_chunks * micro_batch * seq_len * shape.hidden_size
+                                        * traits.compute_dtype_bytes)
     out["activations"] = activation_bytes(shape, traits, micro_batch, seq_len) * _in_flight_micro_batches(traits)
     if traits.pipeline_engine is None:
         # The loss's saved softmax is freed by the loss's backward, before any block's backward.

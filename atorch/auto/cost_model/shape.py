@@ -66,6 +66,11 @@ class ModelShape:
     # get no gradients and no optimizer state. `head_frozen`: the LM head's weight is one of them.
     frozen_params: int = 0
     head_frozen: bool = False
+    # The linear layers LoRA can adapt, when the model is known: (leaf name, in features, out
+    # features, how many), e.g. ("q_proj", 4096, 4096, 32); and the config's `model_type` (which
+    # decides peft's default targets). (): LoRA is counted by Llama's and GPT-2's formula.
+    linear_layers: Tuple[Tuple[str, int, int, int], ...] = ()
+    model_type: str = ""
 
     @property
     def compute_params(self) -> int:
@@ -228,7 +233,27 @@ def _module_layout(model: nn.Module, config: Any, num_layers: int) -> Dict[str, 
         names = {part for name, _ in stacks[0][0].named_parameters() for part in name.split(".")}
         fields["gated"] = bool(names & _GATE_NAMES)
     fields["python_gelu"] = _has_python_gelu(model)
+    fields["linear_layers"] = _linear_layers(model)
+    model_type = getattr(_text_config(config), "model_type", None) or getattr(config, "model_type", None)
+    fields["model_type"] = model_type if isinstance(model_type, str) else ""
     return fields
+
+
+def _linear_layers(model: nn.Module) -> Tuple[Tuple[str, int, int, int], ...]:
+    """(leaf name, in, out, count) of the model's `nn.Linear` and transformers `Conv1D` layers (GPT-2's,
+    whose weight is stored in x out): what peft's LoRA can adapt, matched by leaf name."""
+    counts: Dict[Tuple[str, int, int], int] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            dims = (module.in_features, module.out_features)
+        elif type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None \
+                and module.weight.dim() == 2:
+            dims = (int(module.weight.shape[0]), int(module.weight.shape[1]))
+        else:
+            continue
+        key = (name.rpartition(".")[2], dims[0], dims[1])
+        counts[key] = counts.get(key, 0) + 1
+    return tuple(sorted((leaf, n_in, n_out, count) for (leaf, n_in, n_out), count in counts.items()))
 
 
 # Config content (JSON) -> the fields `_module_layout` read off its meta-device model. Bounded:

@@ -149,11 +149,50 @@ class StrategyTraits:
         return self.param_dtype_bytes
 
 
-def lora_params(shape: ModelShape, traits: StrategyTraits) -> int:
-    """Adapter parameters: rank x (in + out) per adapted linear (peft's default targets: q and v for a
-    Llama-style model, c_attn for GPT-2; any other target list counts one hidden x hidden linear each)."""
+# Leaf names of the linears tensor parallelism splits by their input (row-parallel): LoRA's B
+# matrix stays whole on every rank there, its A matrix on the column-parallel ones.
+_ROW_PARALLEL_LEAVES = frozenset({"o_proj", "down_proj", "c_proj", "dense", "dense_4h_to_h", "out_proj", "fc2", "w2",
+                                  "wo", "fc_out"})
+
+
+def _lora_targets(shape: ModelShape, traits: StrategyTraits) -> Optional[Tuple[str, ...]]:
+    """The leaf names LoRA adapts: the strategy's, else peft's defaults for the model's type (None: unknown)."""
+    if traits.lora_targets is not None:
+        return tuple(t.rpartition(".")[2] for t in traits.lora_targets)
+    if not shape.model_type:
+        return None
+    try:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
+    except ImportError:
+        return None
+    targets = defaults.get(shape.model_type)
+    return tuple(targets) if targets else None
+
+
+def lora_params(shape: ModelShape, traits: StrategyTraits, tensor: int = 1) -> float:
+    """Adapter parameters (per rank of a `tensor`-way split): rank x (in + out) per adapted linear.
+
+    Counted on the model's own linear layers where the shape knows them (leaf names matched as
+    peft matches them; its default targets for the model's type). Under tensor parallelism a
+    column-parallel linear's A matrix (rank x in) and a row-parallel one's B (out x rank) stay whole.
+    Without the layers: peft's defaults of a Llama-style model (q and v) or GPT-2 (c_attn), and
+    one hidden x hidden linear per other target.
+    """
     if not traits.lora_rank:
         return 0
+    r = traits.lora_rank
+    targets = _lora_targets(shape, traits) if shape.linear_layers else None
+    if targets:
+        total = 0.0
+        for leaf, n_in, n_out, count in shape.linear_layers:
+            if leaf in targets:
+                row = leaf in _ROW_PARALLEL_LEAVES
+                total += count * r * (n_in / (tensor if row else 1) + n_out / (1 if row else tensor))
+        return total
+    return _lora_formula_params(shape, traits) / tensor
+
+
+def _lora_formula_params(shape: ModelShape, traits: StrategyTraits) -> int:
     r, h = traits.lora_rank, shape.hidden_size
     kv = shape.kv_dim or h
     if traits.lora_targets is None:
