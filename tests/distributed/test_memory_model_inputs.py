@@ -21,7 +21,7 @@ import torch.distributed as dist
 from atorch.auto import auto_accelerate, train_step
 from atorch.auto.cost_model import estimate, optimizer_states, resident_bytes
 from atorch.auto.model_context import call_model
-from atorch.testing import run_distributed, tiny_llama
+from atorch.testing import run_distributed, tiny_gpt2, tiny_llama
 from atorch.testing.live_memory import settled_live_bytes
 from atorch.testing.parity import TokenDataset
 from atorch.utils.peak_memory import PeakMemoryTracker
@@ -33,6 +33,8 @@ PP2 = ("parallel_mode", ([("data", 1), ("pipeline", 2)], None))
 TP2 = ("parallel_mode", ([("tensor", 2), ("data", 1)], None))
 ALL_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAMW: Tuple[Any, Dict[str, Any]] = (torch.optim.AdamW, {"lr": 1e-3})
+MODELS = {"llama": lambda: tiny_llama(seed=0), "tied llama": lambda: tiny_llama(seed=0, tie_word_embeddings=True),
+          "gpt2": lambda: tiny_gpt2(seed=0)}
 
 # name -> (strategy, optimizer, parameter names containing these are frozen, model, what is compared)
 CASES: Dict[str, Tuple[List[Any], Tuple[Any, Dict[str, Any]], Tuple[str, ...], str, str]] = {
@@ -56,6 +58,8 @@ CASES: Dict[str, Tuple[List[Any], Tuple[Any, Dict[str, Any]], Tuple[str, ...], s
     "lora + tensor parallel": ([TP2, "tensor_parallel", ("lora", {"target_modules": ALL_LINEARS})], ADAMW, (),
                                "llama", "resident"),
     "lora + pipeline": ([PP2, "pipeline_parallel", "lora"], ADAMW, (), "llama", "resident"),
+    # GPT-2's learned position embedding, norms and row-parallel biases stay whole on every tensor rank.
+    "gpt2 + tensor parallel": ([TP2, "tensor_parallel"], ADAMW, (), "gpt2", "resident"),
 }
 
 
@@ -69,7 +73,7 @@ def _measure(strategy: List[Any], optimizer: Tuple[Any, Dict[str, Any]], frozen:
              what: str) -> Dict[str, float]:
     optim_func, optim_args = optimizer
     with PeakMemoryTracker(torch.device("cpu")) as tracker:
-        model = tiny_llama(seed=0, tie_word_embeddings=True) if model_name == "tied llama" else tiny_llama(seed=0)
+        model = MODELS[model_name]()
         _freeze(model, frozen)      # in a function: a loop variable here would keep the last parameter alive
         predicted = estimate(model, strategy, BATCH, SEQ, WORLD, "cpu", optimizer=optimizer_states(optim_func,
                                                                                                    optim_args))

@@ -132,6 +132,22 @@ def test_lora_adapters_are_counted_on_the_models_own_linears():
                                               for t in ("q_proj", "v_proj"))
 
 
+def test_tensor_parallelism_keeps_positions_norms_and_row_biases_whole():
+    from transformers.pytorch_utils import Conv1D
+
+    from atorch.auto.cost_model.memory import tensor_replicated_params
+    from atorch.testing import tiny_gpt2
+
+    model = tiny_gpt2(seed=0)
+    whole = sum(p.numel() for name, p in model.named_parameters()
+                if "wpe" in name or ".ln_" in name or (name.endswith("c_proj.bias")))
+    assert tensor_replicated_params(ModelShape.from_module(model)) == whole
+    assert any(isinstance(m, Conv1D) for m in model.modules())
+    total = sum(p.numel() for p in model.parameters())
+    tp = _memory(model, [("parallel_mode", ([("tensor", 2), ("data", 1)], None)), "tensor_parallel"])
+    assert tp["params"] == pytest.approx(4 * ((total - whole) / 2 + whole))
+
+
 def test_deepspeed_stage_0_keeps_what_its_optimizer_keeps():
     model = tiny_llama(seed=0, num_hidden_layers=4)
 

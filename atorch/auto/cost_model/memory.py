@@ -102,6 +102,18 @@ def stage_params(shape: ModelShape, traits: StrategyTraits) -> float:
     return max(shape.num_params / p, blocks + max(inputs, head))
 
 
+def tensor_replicated_params(shape: ModelShape) -> float:
+    """Parameters tensor parallelism keeps whole on every rank: learned position embeddings (GPT-2's
+    `wpe`), the norms, and the biases of row-parallel linears (added after the reduction)."""
+    head = shape.vocab_size * shape.hidden_size
+    positions = max(0, shape.embedding_params - head * (1 if shape.tied_embeddings else 2))
+    h = shape.hidden_size
+    # Per block: two norms (Llama's RMSNorm: a weight; GPT-2's LayerNorm: weight and bias, and the
+    # attention's and the MLP's output-projection biases); then the final norm.
+    per_block, final = (2 * h, h) if shape.gated else (6 * h, 2 * h)
+    return float(positions + shape.num_layers * per_block + final)
+
+
 def memory_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int,
                      device_type: str = "cpu") -> Dict[str, float]:
     """Per-rank bytes by kind, for the backend the traits describe.
@@ -118,8 +130,10 @@ def memory_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int
     - CPU offload (on a GPU): the offloaded states move to `host_*` entries, outside the peak.
     """
     t = traits.tensor
-    # atorch's tensor_parallel shards the embeddings and the LM head too (norms are negligible).
-    base = stage_params(shape, traits) / t
+    # atorch's tensor_parallel shards the token embeddings and the LM head too; what it leaves
+    # whole on every rank is counted once per rank.
+    whole = min(tensor_replicated_params(shape), stage_params(shape, traits)) if t > 1 else 0.0
+    base = (stage_params(shape, traits) - whole) / t + whole
     adapters = lora_params(shape, traits, tensor=t) / traits.pipeline
     params_per_rank = base + adapters
     # Without LoRA: every parameter but those the user froze (spread evenly over the stages and shards).
