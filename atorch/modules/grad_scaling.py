@@ -6,7 +6,7 @@ must recognise it too (it shares its inner optimizer's state).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, DefaultDict, Dict, List, Optional, Tuple, cast
 
 import torch
 
@@ -25,6 +25,14 @@ class _ScaleGradient(torch.autograd.Function):
         return grad * scale.to(grad.dtype), None
 
 
+class _ConstructionTarget:
+    """Receives what `Optimizer.__init__` assigns to a `GradScalingOptimizer` before its inner optimizer is set."""
+
+    param_groups: List[Dict[str, Any]]
+    state: DefaultDict[torch.Tensor, Any]
+    defaults: Dict[str, Any]
+
+
 class GradScalingOptimizer(torch.optim.Optimizer):
     """An optimizer whose `step()` is `scaler.step(optimizer); scaler.update()`.
 
@@ -34,22 +42,47 @@ class GradScalingOptimizer(torch.optim.Optimizer):
     too large. `step()` refuses to run when no loss went through `scale_loss` since the last
     step: it would divide unscaled gradients by the scale and silently stall training.
 
-    It shares (does not copy) the wrapped optimizer's `param_groups`, `state` and `defaults`,
-    so LR schedulers, `zero_grad` and checkpoints act on the real optimizer. It is an
-    `Optimizer` subclass because torch LR schedulers refuse anything else. The scaler's own
-    state is `result.grad_scaler`.
+    Its `param_groups`, `state` and `defaults` are properties that always return the wrapped
+    optimizer's current objects (and assignments go there too), so LR schedulers, `zero_grad`
+    and checkpoints act on the real optimizer even after `Optimizer.load_state_dict` replaced
+    those objects: a copy of the references taken once would leave a scheduler changing an lr
+    that no step reads. It is an `Optimizer` subclass because torch LR schedulers refuse
+    anything else. The scaler's own state is `result.grad_scaler`.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler):
-        # Optimizer.__init__ sets up the hook tables; the groups it builds are then replaced by
-        # the wrapped optimizer's own objects.
-        super().__init__(optimizer.param_groups, optimizer.defaults)
+        # Optimizer.__init__ sets up the hook tables and step profiling, and assigns fresh groups
+        # and state through the properties below: they land on a throwaway until the wrapped
+        # optimizer is attached. The groups are copied so the wrapped optimizer's stay untouched.
+        self.optimizer = cast(torch.optim.Optimizer, _ConstructionTarget())
+        super().__init__([dict(g) for g in optimizer.param_groups], optimizer.defaults)
         self.optimizer = optimizer
         self.scaler = scaler
-        self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
-        self.defaults = optimizer.defaults
         self._loss_scaled = False
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: List[Dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> DefaultDict[torch.Tensor, Any]:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: DefaultDict[torch.Tensor, Any]) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> Dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: Dict[str, Any]) -> None:
+        self.optimizer.defaults = value
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         self._loss_scaled = True
