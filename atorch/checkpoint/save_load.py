@@ -4,7 +4,7 @@ A checkpoint directory holds
   dcp/            model and optimizer tensors (torch.distributed.checkpoint), keyed by HF names
   meta.json       step, data position, lr scheduler, grad scaler, optimizer hyperparameters,
                   strategy, layout, model class (JSON, never pickle)
-  rng/rank_N.json each rank's Python / NumPy / torch / CUDA generator states
+  rng/rank_N.json each rank's Python / NumPy / torch / CUDA generator states (and tensor-parallel dropout streams)
   config.json     the Hugging Face config, adapter_config.json for a LoRA model
   manifest.json   sizes and checksums (xxh3_128 or sha256) of all of the above, written last (see manifest.py)
 
@@ -45,9 +45,13 @@ from atorch.checkpoint.manifest import CheckpointError
 from atorch.checkpoint.safe_load import SafeFileSystemReader, load_dcp_metadata, tensor_entries
 from atorch.checkpoint.state import (
     DataPosition,
+    convert_position,
     from_json_value,
+    loader_global_batch_size,
+    parallel_streams_state,
     resume_dataloader,
     rng_state,
+    set_parallel_streams_state,
     set_rng_state,
     to_json_value,
 )
@@ -59,6 +63,8 @@ logger = logging.getLogger(__name__)
 DCP_DIR = "dcp"
 META_NAME = "meta.json"
 RNG_DIR = "rng"
+# Key of the tensor-parallel dropout streams in a rank's RNG file.
+PARALLEL_STREAMS = "parallel_streams"
 CONFIG_NAME = "config.json"
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 
@@ -83,6 +89,8 @@ class TrainingObjects:
     batches_per_step: int = 1
     # The strategy's parallel groups (recorded in the checkpoint's metadata); None: atorch's default layout.
     parallel: Any = None
+    # Tensor parallelism's dropout streams (a MultiDimParallelRandomizer), saved with each rank's RNG states.
+    randomizer: Any = None
 
     @classmethod
     def of(cls, target: Any, optimizer: Any = None, lr_scheduler: Any = None) -> "TrainingObjects":
@@ -96,7 +104,7 @@ class TrainingObjects:
                        lr_scheduler=lr_scheduler or target.lr_scheduler or getattr(engine, "lr_scheduler", None),
                        grad_scaler=target.grad_scaler, engine=engine, dataloader=target.dataloader,
                        global_batch_size=target.global_batch_size, strategy=list(target.applied) or None,
-                       batches_per_step=per_step, parallel=target.parallel)
+                       batches_per_step=per_step, parallel=target.parallel, randomizer=target.randomizer)
         if isinstance(target, nn.Module):
             if optimizer is not None and not callable(getattr(optimizer, "state_dict", None)):
                 raise TypeError(f"optimizer={optimizer!r} must be the torch.optim.Optimizer training the model "
@@ -106,6 +114,12 @@ class TrainingObjects:
                        lr_scheduler=lr_scheduler or getattr(engine, "lr_scheduler", None))
         raise TypeError(f"save/load target is a {type(target).__name__}; pass the AutoAccelerateResult that "
                         "auto_accelerate returned, or an nn.Module (with optimizer=/lr_scheduler= as needed)")
+
+    def item_global_batch_size(self) -> Optional[int]:
+        """Samples in one dataloader item over all data ranks (the unit of `DataPosition.batches_in_epoch`)."""
+        if self.global_batch_size is not None:
+            return self.global_batch_size // self.batches_per_step
+        return loader_global_batch_size(self.dataloader) if self.dataloader is not None else None
 
     def handler(self) -> LayoutHandler:
         if self.engine is not None:
@@ -121,6 +135,7 @@ class CheckpointState:
 
     path: str
     step: Optional[int]
+    # Where the data stream stands, counted in this run's global batches (they may differ from the saving run's).
     data_position: Optional[DataPosition]
     extra: Dict[str, Any] = field(default_factory=dict)
     strategy: Optional[List[str]] = None
@@ -226,7 +241,7 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
     _check_save_path(final_dir)
     if data_position is None and step is not None and objs.dataloader is not None:
         data_position = DataPosition.after_steps(step * objs.batches_per_step, _len_or_none(objs.dataloader),
-                                                 global_batch_size=objs.global_batch_size)
+                                                 global_batch_size=objs.item_global_batch_size())
     handler = objs.handler()
     # Every rank encodes the small state now, so a value JSON cannot hold raises everywhere, not
     # on rank 0 alone while the others wait in a collective.
@@ -257,7 +272,7 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
         for values in _all_gather(to_json_value(local_values, "optimizer")):
             optim_values.update(values)
     with agree_on_error(f"save_checkpoint({final_dir!r}): writing RNG states and metadata"):
-        _write_json(os.path.join(staging, RNG_DIR, f"rank_{rank:05d}.json"), rng_state())
+        _write_json(os.path.join(staging, RNG_DIR, f"rank_{rank:05d}.json"), _rank_rng_state(objs))
         if rank == 0:
             meta = _meta(objs, handler, step, data_position, small_state, has_optimizer, optim_values, world)
             _write_json(os.path.join(staging, META_NAME), meta)
@@ -309,6 +324,26 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
     else:
         write_and_commit(tensors, None)
     return final_dir
+
+
+def _rank_rng_state(objs: TrainingObjects) -> Dict[str, Any]:
+    """This rank's generator states, with the tensor-parallel dropout streams when there are any."""
+    state = rng_state()
+    if objs.randomizer is not None:
+        state[PARALLEL_STREAMS] = parallel_streams_state(objs.randomizer)
+    return state
+
+
+def _set_rank_rng_state(objs: TrainingObjects, state: Dict[str, Any], ckpt_dir: str) -> None:
+    """Restore `_rank_rng_state`; a checkpoint saved without dropout streams leaves them as they are."""
+    set_rng_state(state)
+    if objs.randomizer is None:
+        return
+    if PARALLEL_STREAMS in state:
+        set_parallel_streams_state(objs.randomizer, state[PARALLEL_STREAMS])
+    else:
+        logger.warning("%s: the checkpoint has no tensor-parallel dropout streams (saved without tensor parallelism "
+                       "or by an older atorch); they go on from their current state", ckpt_dir)
 
 
 def _check_save_path(final_dir: str) -> None:
@@ -418,7 +453,10 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
     file is verified against the manifest, and every model (and optimizer) key and shape is
     checked against the checkpoint, before anything is loaded: a bad checkpoint raises
     `CheckpointError` (a ValueError) naming the file and the problem, and changes nothing.
-    RNG states are restored when the world size is the one that saved.
+    RNG states (with tensor-parallel dropout streams) are restored when the world size is the one
+    that saved. The global batch size may differ from the saving run's when the samples consumed in
+    the epoch are a whole number of the new global batches; otherwise a ValueError says which sizes
+    fit, before anything is loaded.
     """
     objs = TrainingObjects.of(target, optimizer, lr_scheduler)
     mf.check_dir_arg("load_checkpoint", "path", path)
@@ -434,6 +472,9 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
     with agree_on_error(f"load_checkpoint({ckpt_dir!r}): reading the metadata"):
         meta = _read_meta(ckpt_dir)
         entries = tensor_entries(load_dcp_metadata(os.path.join(dcp_dir, ".metadata")))
+    # Raised identically on every rank (it depends on the metadata and the batch size only), before
+    # anything is loaded: a batch size that cannot resume at the saved sample.
+    position = _resume_position(meta, objs)
 
     handler = objs.handler()
     targets = {MODEL_PREFIX + k: v for k, v in handler.model_state().items()}
@@ -475,15 +516,23 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
     with agree_on_error(f"load_checkpoint({ckpt_dir!r}): restoring RNG states and the data position"):
         rng_name = f"{RNG_DIR}/rank_{_rank():05d}.json"
         if load_rng and meta.get("world_size") == _world() and rng_name in manifest.files:
-            set_rng_state(mf.read_json(ckpt_dir, rng_name))
+            _set_rank_rng_state(objs, mf.read_json(ckpt_dir, rng_name), ckpt_dir)
             rng_restored = True
-        position = DataPosition.from_json(meta["data_position"]) if meta.get("data_position") else None
         if position is not None and objs.dataloader is not None:
-            dataloader = resume_dataloader(objs.dataloader, position)
+            dataloader = resume_dataloader(objs.dataloader, position, position.global_batch_size)
     return CheckpointState(path=ckpt_dir, step=meta.get("step"), data_position=position,
                            extra=from_json_value(meta.get("extra") or {}), strategy=meta.get("strategy"),
                            saved_world_size=int(meta.get("world_size") or 1), rng_restored=rng_restored,
                            optimizer_restored=restore_optim, dataloader=dataloader)
+
+
+def _resume_position(meta: Dict[str, Any], objs: TrainingObjects) -> Optional[DataPosition]:
+    """The saved data position, counted in this run's global batches when the dataloader is known."""
+    if not meta.get("data_position"):
+        return None
+    position = DataPosition.from_json(meta["data_position"])
+    batch = objs.item_global_batch_size()
+    return convert_position(position, batch) if batch else position
 
 
 def verify_checkpoint(ckpt_dir: str, manifest: Optional[mf.Manifest] = None, collective: bool = True) -> mf.Manifest:

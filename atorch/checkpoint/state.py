@@ -9,6 +9,8 @@ uninterrupted run would have seen, at any data-parallel size.
 from __future__ import annotations
 
 import base64
+import collections
+import contextlib
 import itertools
 import logging
 import random
@@ -18,6 +20,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple, cast
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from atorch.checkpoint.manifest import CheckpointError
 
@@ -119,6 +122,26 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([_unb64(s) for s in cuda])
 
 
+def parallel_streams_state(randomizer: Any) -> Dict[str, Dict[str, Optional[str]]]:
+    """A tensor-parallel randomizer's dropout streams (`MultiDimParallelRandomizer.get_states`), as JSON data.
+
+    They are per rank like the default generators, and a resume without them restarts every
+    stream from its seed: the dropout masks after the resume would differ from the uninterrupted run's.
+    """
+    return {name: {"cpu": _b64(cast(torch.Tensor, st["cpu"])),
+                   "cuda": _b64(st["cuda"]) if st.get("cuda") is not None else None}
+            for name, st in randomizer.get_states().items()}
+
+
+def set_parallel_streams_state(randomizer: Any, raw: Dict[str, Dict[str, Optional[str]]]) -> None:
+    """Inverse of `parallel_streams_state`: put the randomizer's streams back."""
+    states: Dict[str, Dict[str, Optional[torch.Tensor]]] = {}
+    for name, st in raw.items():
+        cpu, cuda = st["cpu"], st.get("cuda")
+        states[name] = {"cpu": _unb64(cast(str, cpu)), "cuda": _unb64(cuda) if cuda else None}
+    randomizer.set_states(states)
+
+
 # -- data position -----------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -127,7 +150,9 @@ class DataPosition:
 
     Counted in global batches, so the position means the same samples at any data-parallel
     size: with `DistributedSampler`, global batch k is always positions [k*B, (k+1)*B) of the
-    epoch's (possibly shuffled) order, however it is spread over ranks.
+    epoch's (possibly shuffled) order, however it is spread over ranks. `global_batch_size` is
+    B, the samples in one global batch (one dataloader item over all data ranks); with it a run
+    with another B resumes at the same sample (`convert_position`).
     """
 
     epoch: int = 0
@@ -150,44 +175,129 @@ class DataPosition:
         return cls(epoch + steps // batches_per_epoch, steps % batches_per_epoch, global_batch_size)
 
 
+def convert_position(position: DataPosition, global_batch_size: int) -> DataPosition:
+    """`position` counted in global batches of `global_batch_size` (the resuming run's) instead of the saved run's.
+
+    The samples consumed in the epoch are `batches_in_epoch` times the saved global batch; they
+    must be a whole number of the new global batches, or the resumed run would repeat or skip
+    samples, so anything else raises ValueError (the same on every rank: it depends only on the
+    checkpoint and the batch size). A position without a recorded batch size is taken as is.
+    """
+    saved = position.global_batch_size
+    if saved is None or saved == global_batch_size:
+        return DataPosition(position.epoch, position.batches_in_epoch, global_batch_size)
+    consumed = position.batches_in_epoch * saved
+    if consumed % global_batch_size:
+        raise ValueError(
+            f"the checkpoint stopped {position.batches_in_epoch} global batches of {saved} samples "
+            f"({consumed} samples) into epoch {position.epoch}, which is not a whole number of this run's global "
+            f"batches of {global_batch_size}, so resuming would repeat or skip samples. Resume with global batch size "
+            f"{saved} (or another divisor of {consumed}) and change it at an epoch boundary (a "
+            "checkpoint taken there resumes at any batch size)")
+    return DataPosition(position.epoch, consumed // global_batch_size, global_batch_size)
+
+
+def loader_global_batch_size(dataloader: DataLoader) -> Optional[int]:
+    """Samples in one global batch of `dataloader`: its batch size times its sampler's `num_replicas` (1 without)."""
+    if dataloader.batch_size is None:
+        return None
+    replicas = getattr(dataloader.sampler, "num_replicas", 1)
+    return dataloader.batch_size * (replicas if isinstance(replicas, int) and replicas > 0 else 1)
+
+
+@contextlib.contextmanager
+def rng_untouched() -> Iterator[None]:
+    """Run a block without moving the Python, NumPy or torch CPU generators (they are put back afterwards)."""
+    py, npst, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npst)
+        torch.set_rng_state(cpu)
+
+
 class ResumeSampler(Sampler):
     """Yields `sampler`'s indices, skipping the first `skip` in epoch `epoch` only.
 
-    `set_epoch` is forwarded, so later epochs are the wrapped sampler's unchanged.
+    The current epoch is the wrapped sampler's own `epoch` when it has one, so `set_epoch` on
+    either sampler (this one forwards it) ends the skip. The first pass of the resumed epoch
+    leaves the global generators as they were: in the uninterrupted run, whatever the sampler
+    draws at the start of an epoch (RandomSampler's seed) happened before the checkpoint.
     """
 
     def __init__(self, sampler: Any, skip: int, epoch: int) -> None:
         self.sampler = sampler
         self.skip = skip
         self.resume_epoch = epoch
-        self.epoch = epoch
+        self._epoch = epoch
+        # True until the resumed epoch's first pass starts; that pass must not move the generators.
+        self.rng_pending = skip > 0
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
 
+    @property
+    def epoch(self) -> int:
+        inner = getattr(self.sampler, "epoch", None)
+        return inner if isinstance(inner, int) and hasattr(self.sampler, "set_epoch") else self._epoch
+
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        self._epoch = epoch
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
 
     def _skip(self) -> int:
         return self.skip if self.epoch == self.resume_epoch else 0
 
+    def resume_pending(self) -> bool:
+        """Whether the next pass is the resumed epoch's first (it must leave the global generators untouched)."""
+        return self.rng_pending and self._skip() > 0
+
     def __iter__(self) -> Iterator[Any]:
-        return itertools.islice(iter(self.sampler), self._skip(), None)
+        if not self.resume_pending():
+            return itertools.islice(iter(self.sampler), self._skip(), None)
+        self.rng_pending = False
+        with rng_untouched():
+            indices = iter(self.sampler)
+            # Skip now, so that a sampler drawing its seed lazily (at its first index) draws it here.
+            collections.deque(itertools.islice(indices, self.skip), maxlen=0)
+        return indices
 
     def __len__(self) -> int:
         return max(0, len(self.sampler) - self._skip())
 
 
-def resume_dataloader(dataloader: DataLoader, position: DataPosition) -> DataLoader:
+class ResumedDataLoader(DataLoader):
+    """A DataLoader whose first iterator in the resumed epoch leaves the global generators as they were.
+
+    `DataLoader.__iter__` draws a base seed from torch's global generator when it has no
+    `generator`. In the uninterrupted run that draw happened at the start of the epoch, before the
+    checkpoint, so here it must not move the restored state (dropout would then differ).
+    """
+
+    sampler: ResumeSampler
+
+    def __iter__(self) -> _BaseDataLoaderIter:
+        if not self.sampler.resume_pending():
+            return super().__iter__()
+        with rng_untouched():
+            return super().__iter__()
+
+
+def resume_dataloader(dataloader: DataLoader, position: DataPosition,
+                      global_batch_size: Optional[int] = None) -> DataLoader:
     """A DataLoader like `dataloader` that starts at `position` (skipped samples are never loaded).
 
     The data-parallel size may differ from the saving run's: the skip is counted in global
-    batches and converted to this rank's local batches.
+    batches and converted to this rank's local batches. The global batch size may differ too
+    when the samples consumed are a whole number of the new global batches (`convert_position`
+    raises ValueError otherwise). `global_batch_size`: this run's samples in one dataloader item
+    over all data ranks; default `loader_global_batch_size(dataloader)`.
     """
     if dataloader.batch_size is None or dataloader.batch_sampler is None:
         raise ValueError("resume_dataloader needs a DataLoader built with batch_size and a sampler; "
                          "a DataLoader with a custom batch_sampler must be resumed by its owner")
+    position = convert_position(position, global_batch_size or cast(int, loader_global_batch_size(dataloader)))
     skip = position.batches_in_epoch * dataloader.batch_size
     sampler = ResumeSampler(dataloader.sampler, skip, position.epoch)
     kwargs: Dict[str, Any] = dict(batch_size=dataloader.batch_size, sampler=sampler, drop_last=dataloader.drop_last,
@@ -197,4 +307,4 @@ def resume_dataloader(dataloader: DataLoader, position: DataPosition) -> DataLoa
     if dataloader.num_workers > 0:
         kwargs.update(prefetch_factor=dataloader.prefetch_factor, persistent_workers=dataloader.persistent_workers,
                       multiprocessing_context=dataloader.multiprocessing_context)
-    return DataLoader(dataloader.dataset, **kwargs)
+    return ResumedDataLoader(dataloader.dataset, **kwargs)

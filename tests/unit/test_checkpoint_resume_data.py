@@ -1,0 +1,157 @@
+"""Resuming the data stream: dropout RNG, a changed global batch size, and the end of the resumed epoch's skip.
+
+One process each (the 2-rank DDP dropout check is in tests/distributed/test_checkpoint_resume_data.py).
+"""
+
+import logging
+from typing import List
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+from atorch.auto import auto_accelerate, train_step
+from atorch.checkpoint import DataPosition, load_checkpoint, resume_dataloader, save_checkpoint
+from atorch.checkpoint.state import convert_position
+from atorch.tensor_parallel.randomizer import MultiDimParallelRandomizer, fork_module_rng
+from atorch.testing.models import tiny_llama
+from atorch.testing.parity import TokenDataset
+
+N_SAMPLES = 32
+
+
+def _build(seed: int, batch: int = 8, dropout: float = 0.0, shuffle: bool = False):
+    status, result, _ = auto_accelerate(
+        tiny_llama(seed=seed, attention_dropout=dropout), torch.optim.AdamW, TokenDataset(n=N_SAMPLES, seq_len=8),
+        optim_args={"lr": 1e-3}, dataloader_args={"batch_size": batch, "shuffle": shuffle}, load_strategy=[])
+    assert status
+    return result
+
+
+def _rows(batch) -> List[tuple]:
+    """Each row's tokens, which tell TokenDataset's samples apart."""
+    return [tuple(row) for row in batch["input_ids"].tolist()]
+
+
+# -- dropout: the resumed loader's first iterator leaves the restored RNG as it is ------------------------------
+
+def test_resume_with_dropout_is_exact(tmp_path):
+    """5 steps straight == 2 steps, save, fresh objects (other seed), load, 3 steps; attention dropout 0.3."""
+    straight_run = _build(0, dropout=0.3)
+    straight = [float(train_step(straight_run, b)) for _, b in zip(range(4), straight_run.dataloader)]
+
+    first_run = _build(0, dropout=0.3)
+    batches = iter(first_run.dataloader)
+    first = [float(train_step(first_run, next(batches))) for _ in range(2)]
+    save_checkpoint(first_run, str(tmp_path / "step_2"), step=2)
+    resumed_run = _build(5, dropout=0.3)
+    torch.manual_seed(1234)
+    state = load_checkpoint(resumed_run, str(tmp_path / "step_2"))
+    assert state.rng_restored
+    rest = [float(train_step(resumed_run, b)) for b in state.dataloader]
+    assert first + rest == straight
+
+
+def test_first_resumed_pass_leaves_the_global_generators_untouched():
+    """A RandomSampler without a generator draws its seed from torch's global one, like DataLoader.__iter__."""
+    data = TokenDataset(n=16, seq_len=4)
+    loader = DataLoader(data, batch_size=2, sampler=RandomSampler(data))
+    resumed = resume_dataloader(loader, DataPosition(epoch=0, batches_in_epoch=3, global_batch_size=2))
+    saved = torch.get_rng_state()
+    it = iter(resumed)
+    next(it)
+    assert torch.equal(torch.get_rng_state(), saved)
+    assert len(list(it)) == 4
+    # Later passes draw as usual (in the uninterrupted run those draws follow the checkpoint too).
+    resumed.sampler.set_epoch(1)
+    next(iter(resumed))
+    assert not torch.equal(torch.get_rng_state(), saved)
+
+
+# -- a changed global batch size resumes at the same sample, or refuses ---------------------------------------
+
+def test_convert_position_counts_in_samples():
+    assert convert_position(DataPosition(1, 3, 8), 4) == DataPosition(1, 6, 4)
+    assert convert_position(DataPosition(1, 4, 8), 16) == DataPosition(1, 2, 16)
+    assert convert_position(DataPosition(1, 3, 8), 8) == DataPosition(1, 3, 8)
+    assert convert_position(DataPosition(1, 3, None), 4) == DataPosition(1, 3, 4)  # nothing recorded: as is
+    assert convert_position(DataPosition(2, 0, 8), 12) == DataPosition(2, 0, 12)  # an epoch boundary: any size
+    with pytest.raises(ValueError, match=r"3 global batches of 8 samples \(24 samples\).*global batches of 16.*"
+                                         r"Resume with global batch size 8"):
+        convert_position(DataPosition(0, 3, 8), 16)
+
+
+@pytest.mark.parametrize("new_batch", [4, 6])
+def test_resume_with_another_global_batch_size(tmp_path, new_batch):
+    """Saved after 3 batches of 8 (samples 0..23): with batches of 4 or 6 the next sample is 24."""
+    data = TokenDataset(n=N_SAMPLES, seq_len=8)
+    key = {tuple(row): i for i, row in enumerate(data.tokens.tolist())}
+    run = _build(0, batch=8)
+    for _, batch in zip(range(3), run.dataloader):
+        train_step(run, batch)
+    save_checkpoint(run, str(tmp_path / "step_3"), step=3)
+
+    resumed_run = _build(1, batch=new_batch)
+    state = load_checkpoint(resumed_run, str(tmp_path / "step_3"))
+    assert state.data_position == DataPosition(0, 24 // new_batch, new_batch)
+    seen = [key[t] for batch in state.dataloader for t in _rows(batch)]
+    assert seen == list(range(24, N_SAMPLES // new_batch * new_batch))  # drop_last: whole batches only
+
+
+def test_resume_with_a_batch_size_that_does_not_fit_raises_before_loading(tmp_path):
+    run = _build(0, batch=8)
+    for _, batch in zip(range(3), run.dataloader):
+        train_step(run, batch)
+    save_checkpoint(run, str(tmp_path / "step_3"), step=3)
+    resumed_run = _build(1, batch=16)
+    before = {k: v.clone() for k, v in resumed_run.model.state_dict().items()}
+    with pytest.raises(ValueError, match="global batches of 8 samples.*global batches of 16"):
+        load_checkpoint(resumed_run, str(tmp_path / "step_3"))
+    assert all(torch.equal(v, before[k]) for k, v in resumed_run.model.state_dict().items())
+
+
+# -- the skip ends with the resumed epoch, whichever sampler set_epoch is called on ----------------------------
+
+@pytest.mark.parametrize("on_inner", [True, False])
+def test_set_epoch_on_either_sampler_ends_the_skip(on_inner):
+    data = TokenDataset(n=16, seq_len=4)
+    inner = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)
+    loader = DataLoader(data, batch_size=2, sampler=inner)
+    resumed = resume_dataloader(loader, DataPosition(epoch=0, batches_in_epoch=3, global_batch_size=2))
+    sizes = []
+    for epoch in range(3):
+        (inner if on_inner else resumed.sampler).set_epoch(epoch)
+        sizes.append((len(resumed), len(list(resumed))))
+    assert sizes == [(5, 5), (8, 8), (8, 8)]
+
+
+# -- tensor parallelism's dropout streams are saved per rank -------------------------------------------------
+
+def _build_with_streams(seed: int):
+    """A result whose attention dropout draws from a randomizer stream, as tensor parallelism arranges it."""
+    result = _build(seed, dropout=0.3)
+    result.randomizer = MultiDimParallelRandomizer(base_seed=11, coords={})
+    for layer in result.model.model.layers:
+        fork_module_rng(layer.self_attn, result.randomizer, group="tensor")
+    return result
+
+
+def test_resume_restores_the_tensor_parallel_dropout_streams(tmp_path, caplog):
+    straight_run = _build_with_streams(0)
+    straight = [float(train_step(straight_run, b)) for _, b in zip(range(4), straight_run.dataloader)]
+
+    first_run = _build_with_streams(0)
+    batches = iter(first_run.dataloader)
+    first = [float(train_step(first_run, next(batches))) for _ in range(2)]
+    save_checkpoint(first_run, str(tmp_path / "step_2"), step=2)
+    resumed_run = _build_with_streams(5)
+    state = load_checkpoint(resumed_run, str(tmp_path / "step_2"))
+    rest = [float(train_step(resumed_run, b)) for b in state.dataloader]
+    assert first + rest == straight
+
+    # A checkpoint without streams (no tensor parallelism when saved) loads, with a warning.
+    first_run.randomizer = None
+    save_checkpoint(first_run, str(tmp_path / "plain"), step=2)
+    with caplog.at_level(logging.WARNING, logger="atorch.checkpoint.save_load"):
+        assert load_checkpoint(_build_with_streams(5), str(tmp_path / "plain")).rng_restored
+    assert "no tensor-parallel dropout streams" in caplog.text
