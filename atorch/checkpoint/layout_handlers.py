@@ -6,7 +6,11 @@ Every handler produces the same keys for the same model: `model/<fqn>` with the 
 hyperparameters (JSON). Sharded values are DTensors (FSDP2 shards, atorch tensor-parallel
 slices viewed as `Shard(dim)`) that DCP reshards on load, or full tensors (DDP, ZeRO
 optimizers, DeepSpeed) that DCP saves once; a pipeline stage contributes its own keys. So a
-checkpoint written by any layout loads into any other. DeepSpeed engines: deepspeed_layout.py.
+checkpoint written by any layout loads into any other. One exception is a model change, not a
+layout's: LoRA under tensor parallelism names its adapters `<layer>.lora_A` (parameters of atorch's
+own layers), peft names them `<layer>.lora_A.<adapter>.weight`, so such a checkpoint loads into
+tensor-parallel LoRA at any tensor size; `merge_checkpoint` writes it as a plain model (folded) or as
+peft adapters, which `PeftModel.from_pretrained` loads anywhere. DeepSpeed engines: deepspeed_layout.py.
 """
 
 from __future__ import annotations

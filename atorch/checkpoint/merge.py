@@ -26,6 +26,7 @@ from atorch.checkpoint.layout_handlers import MODEL_PREFIX
 from atorch.checkpoint.manifest import CheckpointError
 from atorch.checkpoint.safe_load import SafeFileSystemReader, load_dcp_metadata, tensor_entries
 from atorch.checkpoint.tokenizer_files import recorded_tokenizer, save_tokenizer
+from atorch.checkpoint.tp_lora import fold_adapters, save_peft_adapters
 from atorch.checkpoint.save_load import (
     ADAPTER_CONFIG_NAME,
     CONFIG_NAME,
@@ -141,9 +142,15 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
     if model_meta.get("peft_adapter") and not (is_hf and ADAPTER_CONFIG_NAME in manifest.files):
         raise CheckpointError(f"{ckpt_dir}: a LoRA checkpoint needs {CONFIG_NAME} and {ADAPTER_CONFIG_NAME} to be "
                               "merged; this one lacks them")
-    # Everything but a LoRA model streams: one output shard in memory at a time.
-    streams = not model_meta.get("peft_adapter")
+    # Everything but a LoRA model streams: one output shard in memory at a time. Tensor-parallel
+    # LoRA keeps its adapters as parameters of its own layers, with scales recorded in meta.json.
+    tp_lora = model_meta.get("tp_lora")
+    if tp_lora and not is_hf:
+        raise CheckpointError(f"{ckpt_dir}: a LoRA checkpoint needs {CONFIG_NAME} to be merged; this one lacks it")
+    streams = not model_meta.get("peft_adapter") and not tp_lora
     state = None if streams else load_model_tensors(ckpt_dir, manifest)
+    if state is not None and tp_lora and lora == "merge":
+        state = fold_adapters(state, tp_lora, ckpt_dir)
     if state is not None and dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
 
@@ -156,6 +163,9 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
     try:
         if is_hf and streams:
             _stream_hf(ckpt_dir, manifest, model_meta, target, max_shard_size, dtype, model_class)
+        elif tp_lora and lora == "adapters":
+            save_peft_adapters(cast(Dict[str, torch.Tensor], state), tp_lora, model_meta.get("hf_prefix") or "",
+                               target, ckpt_dir)
         elif is_hf:
             _save_hf(ckpt_dir, model_meta, cast(Dict[str, torch.Tensor], state), target, max_shard_size, lora,
                      model_class)

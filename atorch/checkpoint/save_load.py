@@ -56,6 +56,7 @@ from atorch.checkpoint.state import (
     to_json_value,
 )
 from atorch.checkpoint.tokenizer_files import check_tokenizer, record_tokenizer
+from atorch.checkpoint.tp_lora import adapters_of
 from atorch.distributed.agreement import agree_on_error
 
 logger = logging.getLogger(__name__)
@@ -420,7 +421,9 @@ def _meta(objs: TrainingObjects, handler: LayoutHandler, step: Optional[int], po
         "strategy": objs.strategy,
         "model": {"class": _qualname(hf_model) if hf_model is not None else _qualname(objs.model),
                   "hf_prefix": hf_prefix, "has_config": hf_config is not None,
-                  "peft_adapter": getattr(peft, "active_adapter", None) if peft is not None else None},
+                  "peft_adapter": getattr(peft, "active_adapter", None) if peft is not None else None,
+                  # tensor-parallel LoRA: {layer: {"r", "scaling"}}, what a merge needs to fold its adapters
+                  "tp_lora": adapters_of(objs.model)},
         "has_optimizer": has_optimizer,
         "optimizer": {"class": _qualname(objs.optimizer), "values": optim_values} if has_optimizer else None,
         **small_state, "torch_version": torch.__version__, "created": time.time(),
