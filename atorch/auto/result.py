@@ -64,6 +64,9 @@ class AutoAccelerateResult:
     """Paths of the search's trial table, plot and chosen strategy (rank 0)."""
     search_reason: Optional[str] = None
     """One line: why the searched strategy won."""
+    data_origin: Any = None
+    """(step, DataPosition) the data stream resumed at, set by `load_checkpoint`: `save_checkpoint(step=)`
+    counts later steps from it, in this run's global batches (they may differ from the saved run's)."""
 
     # -- the tuple of earlier versions -----------------------------------------------------------
     def _as_tuple(self) -> tuple:

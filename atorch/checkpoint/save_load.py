@@ -92,6 +92,8 @@ class TrainingObjects:
     parallel: Any = None
     # Tensor parallelism's dropout streams (a MultiDimParallelRandomizer), saved with each rank's RNG states.
     randomizer: Any = None
+    # (step, DataPosition) of the last resume (AutoAccelerateResult.data_origin), or None.
+    data_origin: Any = None
 
     @classmethod
     def of(cls, target: Any, optimizer: Any = None, lr_scheduler: Any = None) -> "TrainingObjects":
@@ -105,7 +107,8 @@ class TrainingObjects:
                        lr_scheduler=lr_scheduler or target.lr_scheduler or getattr(engine, "lr_scheduler", None),
                        grad_scaler=target.grad_scaler, engine=engine, dataloader=target.dataloader,
                        global_batch_size=target.global_batch_size, strategy=list(target.applied) or None,
-                       batches_per_step=per_step, parallel=target.parallel, randomizer=target.randomizer)
+                       batches_per_step=per_step, parallel=target.parallel, randomizer=target.randomizer,
+                       data_origin=getattr(target, "data_origin", None))
         if isinstance(target, nn.Module):
             if optimizer is not None and not callable(getattr(optimizer, "state_dict", None)):
                 raise TypeError(f"optimizer={optimizer!r} must be the torch.optim.Optimizer training the model "
@@ -241,8 +244,7 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
     parent = os.path.dirname(os.path.abspath(final_dir))
     _check_save_path(final_dir)
     if data_position is None and step is not None and objs.dataloader is not None:
-        data_position = DataPosition.after_steps(step * objs.batches_per_step, _len_or_none(objs.dataloader),
-                                                 global_batch_size=objs.item_global_batch_size())
+        data_position = _position_at_step(objs, step)
     handler = objs.handler()
     # Every rank encodes the small state now, so a value JSON cannot hold raises everywhere, not
     # on rank 0 alone while the others wait in a collective.
@@ -325,6 +327,23 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
     else:
         write_and_commit(tensors, None)
     return final_dir
+
+
+def _position_at_step(objs: TrainingObjects, step: int) -> DataPosition:
+    """Where the data stream stands after `step` optimizer steps (one or `batches_per_step` batches each).
+
+    After a resume, counted from the resumed position (`data_origin`) in this run's batches: the
+    steps before it may have been of another global batch size, so `step` x this run's batches
+    from the start would put the position elsewhere in the epoch."""
+    # A resumed loader's len() is what is left of the resumed epoch; positions count whole epochs.
+    per_epoch = getattr(objs.dataloader, "batches_per_epoch", None) or _len_or_none(objs.dataloader)
+    batch = objs.item_global_batch_size()
+    origin = objs.data_origin
+    if origin is not None and origin[0] is not None and origin[0] <= step:
+        start_step, start = origin
+        done = start.batches_in_epoch + (step - start_step) * objs.batches_per_step
+        return DataPosition.after_steps(done, per_epoch, epoch=start.epoch, global_batch_size=batch)
+    return DataPosition.after_steps(step * objs.batches_per_step, per_epoch, global_batch_size=batch)
 
 
 def _rank_rng_state(objs: TrainingObjects) -> Dict[str, Any]:
@@ -523,6 +542,8 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
             rng_restored = True
         if position is not None and objs.dataloader is not None:
             dataloader = resume_dataloader(objs.dataloader, position, position.global_batch_size)
+            if hasattr(target, "data_origin"):
+                target.data_origin = (meta.get("step"), position)
     return CheckpointState(path=ckpt_dir, step=meta.get("step"), data_position=position,
                            extra=from_json_value(meta.get("extra") or {}), strategy=meta.get("strategy"),
                            saved_world_size=int(meta.get("world_size") or 1), rng_restored=rng_restored,

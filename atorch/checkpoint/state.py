@@ -277,6 +277,12 @@ class ResumedDataLoader(DataLoader):
 
     sampler: ResumeSampler
 
+    @property
+    def batches_per_epoch(self) -> int:
+        """Batches of a whole epoch (`len()` of this loader counts only what is left of the resumed one)."""
+        samples, batch = len(self.sampler.sampler), cast(int, self.batch_size)
+        return samples // batch if self.drop_last else -(-samples // batch)
+
     def __iter__(self) -> _BaseDataLoaderIter:
         if not self.sampler.resume_pending():
             return super().__iter__()

@@ -1,6 +1,6 @@
 """Resuming the data stream: dropout RNG, a changed global batch size, and the end of the resumed epoch's skip.
 
-One process each (the 2-rank DDP dropout check is in tests/distributed/test_checkpoint_resume_data.py).
+One process each (the 2-rank dropout checks are in tests/distributed/test_checkpoint_resume_dropout.py).
 """
 
 import logging
@@ -96,6 +96,29 @@ def test_resume_with_another_global_batch_size(tmp_path, new_batch):
     assert state.data_position == DataPosition(0, 24 // new_batch, new_batch)
     seen = [key[t] for batch in state.dataloader for t in _rows(batch)]
     assert seen == list(range(24, N_SAMPLES // new_batch * new_batch))  # drop_last: whole batches only
+
+
+@pytest.mark.parametrize("use_resumed_loader", [False, True])
+def test_a_save_after_a_batch_size_change_counts_steps_from_the_resume(tmp_path, use_resumed_loader):
+    """2 batches of 8 (samples 0..15), save at step 2; resume with batches of 4, 3 more steps (16..27), save at
+    step 5 (the user's step counts on): the next resume starts at sample 28, not at 5 x 4 = 20."""
+    data = TokenDataset(n=N_SAMPLES, seq_len=8)
+    key = {tuple(row): i for i, row in enumerate(data.tokens.tolist())}
+    run = _build(0, batch=8)
+    for _, batch in zip(range(2), run.dataloader):
+        train_step(run, batch)
+    save_checkpoint(run, str(tmp_path / "step_2"), step=2)
+    resumed_run = _build(1, batch=4)
+    state = load_checkpoint(resumed_run, str(tmp_path / "step_2"))
+    if use_resumed_loader:          # a loop that keeps the resumed loader on the result (its len() is what is left)
+        resumed_run.dataloader = state.dataloader
+    batches = iter(state.dataloader)
+    for _ in range(3):
+        train_step(resumed_run, next(batches))
+    save_checkpoint(resumed_run, str(tmp_path / "step_5"), step=5)
+    again = load_checkpoint(_build(2, batch=4), str(tmp_path / "step_5"))
+    assert again.data_position == DataPosition(0, 7, 4)
+    assert [key[t] for t in _rows(next(iter(again.dataloader)))] == [28, 29, 30, 31]
 
 
 def test_resume_with_a_batch_size_that_does_not_fit_raises_before_loading(tmp_path):
