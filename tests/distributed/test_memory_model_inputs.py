@@ -44,6 +44,7 @@ CASES: Dict[str, Tuple[List[Any], Tuple[Any, Dict[str, Any]], Tuple[str, ...], s
     "sgd momentum + torch zero1": (["parallel_mode", "zero1"], (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}), (),
                                    "llama", "resident"),
     "frozen embeddings + ddp": (["parallel_mode"], ADAMW, ("embed_tokens", "lm_head"), "llama", "resident"),
+    "frozen embeddings + fsdp2": (["parallel_mode", "fsdp"], ADAMW, ("embed_tokens", "lm_head"), "llama", "resident"),
     "frozen embeddings + deepspeed zero2": (["amp_native", ("zero2", {"use_ds_zero": True})], ADAMW,
                                             ("embed_tokens", "lm_head"), "llama", "resident"),
     "accumulation + ddp": (["parallel_mode", ("gradient_accumulation", 2)], ADAMW, (), "llama", "peak"),
