@@ -51,6 +51,8 @@ CASES: Dict[str, Tuple[List[Any], Tuple[Any, Dict[str, Any]], Tuple[str, ...], s
     "accumulation + fsdp2": (["parallel_mode", "fsdp", ("gradient_accumulation", 2)], ADAMW, (), "llama", "peak"),
     "accumulation + deepspeed zero1": (["amp_native", ("zero1", {"use_ds_zero": True}),
                                         ("gradient_accumulation", 2)], ADAMW, (), "llama", "peak"),
+    # atorch's accumulation runs the pipeline's schedule once per micro-step: a quarter of the rows per chunk.
+    "accumulation + pipeline": ([PP2, ("gradient_accumulation", 4), "pipeline_parallel"], ADAMW, (), "llama", "peak"),
     "tied embedding on pipeline stages": ([PP2, "pipeline_parallel"], ADAMW, (), "tied llama", "resident"),
     # LoRA on every linear (the MLP's are hidden x intermediate), and its adapters under tensor
     # and pipeline parallelism (a pipeline stage also keeps a buffer per micro-batch).

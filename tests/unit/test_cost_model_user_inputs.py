@@ -99,6 +99,22 @@ def test_accumulation_keeps_the_earlier_micro_steps_gradients(strategy, grads):
     assert accumulating["accumulated_grads"] == pytest.approx(grads(once))
 
 
+def test_accumulation_splits_a_native_pipelines_chunks_further():
+    from atorch.auto.cost_model import micro_batch_size
+
+    model = tiny_llama(seed=0, num_hidden_layers=4)
+    shape = ModelShape.from_module(model)
+    pipeline = [PP2, ("pipeline_parallel", {"chunks": 2})]
+    plain = StrategyTraits.from_strategy(pipeline, 2, shape)
+    accumulating = StrategyTraits.from_strategy(pipeline + [("gradient_accumulation", 4)], 2, shape)
+    assert (micro_batch_size(plain, 16), micro_batch_size(accumulating, 16)) == (8, 2)
+    assert _memory(model, pipeline + [("gradient_accumulation", 4)])["accumulated_grads"] > 0
+    # DeepSpeed's pipeline engine declares its accumulation as its chunks: not divided twice.
+    ds3d = [("parallel_mode", ([("tensor", 1), ("data", 1), ("pipeline", 2)], None)),
+            ("deepspeed_3d_parallel", {"ds_config": {"gradient_accumulation_steps": 4}})]
+    assert micro_batch_size(StrategyTraits.from_strategy(ds3d, 2, shape), 16) == 4
+
+
 def test_each_end_stage_holds_a_tied_embedding_whole():
     tied = ModelShape.from_module(tiny_llama(seed=0, tie_word_embeddings=True, num_hidden_layers=4))
     untied = ModelShape.from_module(tiny_llama(seed=0, num_hidden_layers=4))

@@ -147,7 +147,7 @@ def memory_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int
     if traits.sharding != "deepspeed" and traits.optimizer.step_temporaries:
         # DeepSpeed's step: its fp32 gradient copy (step_grad_fp32); plain SGD updates in place.
         out["optimizer_step"] = _torch_adam_step_bytes(shape, traits, trainable, device_type)
-    if traits.accumulation_steps > 1 and traits.pipeline_engine is None:
+    if traits.accumulation_steps > 1 and traits.pipeline_engine != "deepspeed":
         out["accumulated_grads"] = _accumulated_grad_bytes(traits, trainable)
     if traits.pipeline_engine == "native":
         # torch.distributed.pipelining keeps a buffer per micro-batch for what crosses the stage

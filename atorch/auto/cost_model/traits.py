@@ -233,7 +233,11 @@ def micro_batch_size(traits: StrategyTraits, global_batch: int) -> int:
     """Rows of one forward/backward on one rank: the global batch over the data ranks, then over the
     gradient-accumulation steps or the pipeline's micro-batches."""
     per_rank = max(1, global_batch // traits.data)
-    split = traits.pipeline_chunks if traits.pipeline_engine is not None else traits.accumulation_steps
+    split = traits.pipeline_chunks if traits.pipeline_engine is not None else 1
+    if traits.pipeline_engine != "deepspeed":
+        # atorch's gradient accumulation runs the native pipeline's schedule once per micro-step
+        # (DeepSpeed's pipeline engine declares its accumulation as its chunks: counted once).
+        split *= traits.accumulation_steps
     return max(1, per_rank // max(1, split))
 
 
