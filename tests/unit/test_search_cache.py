@@ -140,6 +140,29 @@ def test_setup_key_follows_what_changes_the_cost():
     assert space_signature(["a", "b"], 10) == space_signature(["b", "a"], 10) != space_signature(["a", "b"], 11)
 
 
+def test_optimizer_factories_that_are_functions_are_told_apart_by_their_code():
+    import functools
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.05)
+
+    def sgd_with_momentum(params):       # the same name once edited, another optimizer
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+    sgd_with_momentum.__qualname__ = sgd.__qualname__
+    lambdas = [lambda p: torch.optim.SGD(p, lr=0.05), lambda p: torch.optim.Adagrad(p, lr=0.05)]
+    assert lambdas[0].__qualname__ == lambdas[1].__qualname__
+    described = [optimizer_description(f, {}) for f in (sgd, sgd_with_momentum, *lambdas)]
+    assert len(set(described)) == 4, described
+    # The same code gives the same key (a new process defines the factory anew).
+    again = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
+    assert optimizer_description(again, {}).split(" code:")[1] == described[2].split(" code:")[1]
+    # A partial's arguments count; a class is keyed by its name only.
+    assert optimizer_description(functools.partial(torch.optim.SGD, momentum=0.9), {}) != \
+        optimizer_description(functools.partial(torch.optim.SGD, momentum=0.0), {})
+    assert "code:" not in optimizer_description(torch.optim.AdamW, {})
+
+
 def test_second_search_runs_one_confirming_dry_run(tmp_path, monkeypatch):
     """auto_search's rank-0 flow with a fake evaluator: a full search, then one dry run on a hit,
     then a full search again (reusing remembered results) when the confirmation fails."""
@@ -166,6 +189,9 @@ def test_second_search_runs_one_confirming_dry_run(tmp_path, monkeypatch):
     assert calls == [first.best.describe()]                         # exactly one confirming dry run
     assert second.best == first.best and "confirmed by 1 dry run" in second.reason and path in second.reason
     assert second.trials.iloc[-1]["source"] == "cache-confirm" and len(second.trials) == len(first.trials) + 1
+    confirm_row = second.trials.iloc[-1]      # the confirming run's interval and time, like a searched trial's
+    assert (confirm_row["throughput_lo"], confirm_row["throughput_hi"]) == (99.0, 101.0)
+    assert confirm_row["seconds"] >= 0
     assert "the machine or setup changed" not in second.reason           # the same speed: no drift note
 
     # The machine got 3x slower: still one dry run, and the reason says the measurement moved.

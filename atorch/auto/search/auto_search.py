@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, cast
 
@@ -198,11 +199,13 @@ def _search_or_confirm(space: SearchSpace, evaluate: Callable[[Strategy], DryRun
         best = cache.cached_best(signature, {c.strategy for c in candidates})
         if best is not None:
             remembered = cache.get(best)
+            started = time.monotonic()
             confirmed = evaluate(best)
+            seconds = time.monotonic() - started
             cache.put(best, confirmed)
             cache.save()
             if confirmed.ok:
-                return _confirmed_result(cache, best, confirmed, remembered, memory_limit)
+                return _confirmed_result(cache, best, confirmed, remembered, memory_limit, seconds)
             logger.warning("the cached winner %s failed its confirming dry run (%s): searching again", best.describe(),
                            confirmed.error)
             just_measured[best.to_json()] = confirmed
@@ -268,20 +271,27 @@ def _mark_served(result: SearchResult, served: List[bool], path: str) -> None:
 
 
 def _confirmed_result(cache: SearchCache, best: Strategy, confirmed: DryRunResult, remembered: Optional[DryRunResult],
-                      memory_limit: int) -> SearchResult:
-    """The cached search's result, its trial table extended by the confirming dry run.
+                      memory_limit: int, seconds: Optional[float] = None) -> SearchResult:
+    """The cached search's result, its trial table extended by the confirming dry run (its interval,
+    its seconds, and the predictions the search that chose it made for the winner).
 
     When the confirmation's interval misses the remembered one, the reason says so: the
     machine's load or the setup changed, and the user may want to search again."""
     last = cache.last_search or {}
     trials = pd.DataFrame(last.get("trials") or [])
-    row = {"trial": len(trials) + 1, "strategy": best.describe(), "status": confirmed.status,
-           "throughput": confirmed.throughput, "measured_memory": confirmed.peak_memory_bytes,
-           "reason": confirmed.error or "", "source": "cache-confirm"}
+    ci = confirmed.throughput_ci
+    row: Dict[str, Any] = {"trial": len(trials) + 1, "strategy": best.describe(), "status": confirmed.status,
+                           "throughput": confirmed.throughput, "throughput_lo": ci[0] if ci else None,
+                           "throughput_hi": ci[1] if ci else None, "measured_memory": confirmed.peak_memory_bytes,
+                           "reason": confirmed.error or "", "seconds": seconds, "source": "cache-confirm"}
+    if len(trials) and "strategy" in trials:
+        earlier = trials[trials["strategy"] == best.describe()]
+        for column in ("predicted_throughput", "predicted_memory"):
+            if column in earlier and len(earlier):
+                row[column] = earlier[column].iloc[-1]
     trials = pd.concat([trials, pd.DataFrame([row])], ignore_index=True) if len(trials) else pd.DataFrame([row])
     # Every column of a search's table, whatever the cache held (a hand-edited file may lack some).
     trials = trials.reindex(columns=list(dict.fromkeys(TRIAL_COLUMNS + list(trials.columns))))
-    ci = confirmed.throughput_ci
     interval = f" (95% CI {ci[0]:.4g}-{ci[1]:.4g})" if ci else ""
     drift = ""
     if remembered is not None and remembered.ok and not _overlap(confirmed.throughput_ci, remembered.throughput_ci):

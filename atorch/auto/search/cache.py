@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import os
 import platform
 import time
+import types
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Collection, Dict, List, Mapping, Optional, Tuple
@@ -81,11 +83,48 @@ def setup_key(model: torch.nn.Module, world_size: int, device: torch.device, glo
 
 
 def optimizer_description(optim_func: Any, optim_args: Mapping[str, Any]) -> str:
-    """The optimizer part of the setup key: the factory's qualified name and its arguments."""
+    """The optimizer part of the setup key: the factory's qualified name and its arguments, and for a
+    factory that is a function (a lambda, a `functools.partial`) a fingerprint of its code: two lambdas
+    building SGD and Adagrad share a name, and an edited factory keeps its name."""
     if optim_func is None:
         return ""
     name = f"{getattr(optim_func, '__module__', '')}.{getattr(optim_func, '__qualname__', repr(optim_func))}"
-    return f"{name} {json.dumps(dict(optim_args), sort_keys=True, default=repr)}"
+    text = f"{name} {json.dumps(dict(optim_args), sort_keys=True, default=repr)}"
+    fingerprint = _code_fingerprint(optim_func)
+    return f"{text} code:{fingerprint}" if fingerprint else text
+
+
+def _code_fingerprint(obj: Any, depth: int = 0) -> str:
+    """A short hash of what a function computes (bytecode, constants, names, defaults, closure values);
+    "" for a class (its qualified name is the key) or anything without code."""
+    if isinstance(obj, functools.partial):
+        inner = _code_fingerprint(obj.func, depth + 1)
+        return _short_hash(f"{inner} {obj.func!r} {obj.args!r} {sorted(obj.keywords.items())!r}")
+    code = getattr(obj, "__code__", None)
+    if code is None or isinstance(obj, type) or depth > 3:
+        return ""
+    cells = [c.cell_contents for c in (getattr(obj, "__closure__", None) or ()) if _has_contents(c)]
+    parts = [code.co_code.hex(), repr(_consts(code)), repr(code.co_names), repr(getattr(obj, "__defaults__", None)),
+             repr([getattr(c, "__qualname__", None) or repr(c) for c in cells])]
+    return _short_hash(" ".join(parts))
+
+
+def _consts(code: types.CodeType) -> tuple:
+    """A code object's constants, nested code objects by their own bytecode (their repr holds an address)."""
+    return tuple((c.co_code.hex(), _consts(c), c.co_names) if isinstance(c, types.CodeType) else c
+                 for c in code.co_consts)
+
+
+def _has_contents(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:      # an empty cell
+        return False
+    return True
+
+
+def _short_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def model_config_hash(model: torch.nn.Module) -> str:
