@@ -13,6 +13,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib import ValidationContext, get_optimization
+from atorch.auto.opt_lib.module_replace import ModuleReplaceConfig, replace_modules
 from atorch.modules.fused import FusedRMSNorm, is_llama_style_rms_norm
 from atorch.testing import tiny_gpt2, tiny_llama
 
@@ -145,3 +146,23 @@ def test_llama_style_rms_norm_detection():
     assert not is_llama_style_rms_norm(GemmaRMSNorm(16))
     assert not is_llama_style_rms_norm(FusedRMSNorm(16))
     assert not is_llama_style_rms_norm(nn.LayerNorm(16))
+
+
+@pytest.mark.parametrize("factory", [tiny_llama, tiny_gpt2])
+def test_a_pipeline_stage_switches_its_layers_to_sdpa(factory):
+    """A pipeline stage holds the model's layers but no PreTrainedModel: module_replace switches the config its
+    layers read (before, the stage stayed on eager attention while the strategy said module_replace)."""
+    from atorch.modules.pipeline.native import build_stage_module
+
+    model = factory(seed=0)
+    expected = model(input_ids=torch.arange(16).reshape(2, 8)).logits
+    stages = [build_stage_module(factory(seed=0), index, 2).module for index in range(2)]
+    for stage in stages:
+        summary = replace_modules(stage, ModuleReplaceConfig(norm=False, activation=False))
+        assert summary.counts()["attention"] == 1
+    attentions = [m for stage in stages for m in stage.modules() if type(m).__name__.endswith("Attention")]
+    assert attentions and {m.config._attn_implementation for m in attentions} == {"sdpa"}
+    with torch.no_grad():
+        hidden = stages[0](torch.arange(16).reshape(2, 8), torch.ones(2, 8, dtype=torch.long))
+        logits = stages[1](*hidden) if isinstance(hidden, tuple) else stages[1](hidden)
+    torch.testing.assert_close(logits, expected.detach(), rtol=1e-4, atol=1e-5)

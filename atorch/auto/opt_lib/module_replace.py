@@ -91,19 +91,20 @@ class ReplacementPlan:
 
     model_name: str = ""
     attention_model: Optional[nn.Module] = None        # the outermost HF model to switch to sdpa
+    attention_config: Any = None                       # or a pipeline stage's HF config (a stage is no HF model)
     modules: Dict[int, Tuple[str, str, nn.Module]] = field(default_factory=dict)  # id -> (name, kind, module)
     already_fused: List[str] = field(default_factory=list)
     not_supported: List[str] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return self.attention_model is None and not self.modules
+        return self.attention_model is None and self.attention_config is None and not self.modules
 
     def found_nothing(self) -> bool:
         return self.is_empty() and not self.already_fused and not self.not_supported
 
     def counts(self) -> Dict[str, int]:
         out = {kind: 0 for kind in KINDS}
-        if self.attention_model is not None:
+        if self.attention_model is not None or self.attention_config is not None:
             out["attention"] = 1
         for _, kind, _ in self.modules.values():
             out[kind] += 1
@@ -137,6 +138,7 @@ def _plan_attention(model: nn.Module, plan: ReplacementPlan) -> None:
     # The outermost Hugging Face model: set_attn_implementation propagates to its sub-models.
     hf_model = next((m for m in model.modules() if isinstance(m, pretrained_cls)), None)
     if hf_model is None:
+        _plan_stage_attention(model, plan)
         return
     name = type(hf_model).__name__
     current = getattr(hf_model.config, "_attn_implementation", None)
@@ -148,6 +150,22 @@ def _plan_attention(model: nn.Module, plan: ReplacementPlan) -> None:
         plan.not_supported.append(f"{name} attention: the model cannot switch implementation after construction")
     else:
         plan.attention_model = hf_model
+
+
+def _plan_stage_attention(model: nn.Module, plan: ReplacementPlan) -> None:
+    """A pipeline stage (`PipelineStageModule`) holds Hugging Face layers but no `PreTrainedModel`: its
+    layers read the attention implementation from the config it records, which is switched instead."""
+    stage = next((m for m in model.modules() if getattr(m, "hf_config", None) is not None), None)
+    if stage is None:
+        return
+    name, config = type(stage).__name__, stage.hf_config
+    current = getattr(config, "_attn_implementation", None)
+    if current not in _EAGER_ATTENTION:
+        plan.already_fused.append(f"{name} attention ({current!r})")
+    elif not getattr(stage, "hf_supports_sdpa", False):
+        plan.not_supported.append(f"{name} attention: the model does not support 'sdpa'")
+    else:
+        plan.attention_config = config
 
 
 def _selected(kind: str, module: nn.Module, config: ModuleReplaceConfig) -> bool:
@@ -229,6 +247,10 @@ def replace_modules(model: nn.Module, config: ModuleReplaceConfig) -> ModuleRepl
     if plan.attention_model is not None:
         _switch_to_sdpa(plan.attention_model)
         replaced.append(("attention", type(plan.attention_model).__name__, "eager -> sdpa"))
+    elif plan.attention_config is not None:
+        # The stage's layers hold this config object and read the implementation at every forward.
+        plan.attention_config._attn_implementation = "sdpa"
+        replaced.append(("attention", type(plan.attention_config).__name__, "eager -> sdpa"))
     replacements = {key: _fused_equivalent(kind, module) for key, (_, kind, module) in plan.modules.items()}
     # Walk every parent's registered children directly: named_modules and named_children list a
     # module registered under two names once only, and both names must get the replacement.

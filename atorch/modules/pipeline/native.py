@@ -48,13 +48,19 @@ class PipelineStageModule(nn.Module):
     as its `_no_split_modules`, as a Hugging Face model does, so what looks for the blocks
     (activation checkpointing, FSDP wrapping) finds them in the stage, whose blocks no longer
     sit in one `nn.ModuleList`.
+
+    `hf_config` is the Hugging Face config the pieces' layers read at run time (e.g. their
+    attention implementation) and `hf_supports_sdpa` whether the model's class offers sdpa: a
+    stage is no `PreTrainedModel`, and module_replace switches attention through them.
     """
 
     def __init__(self, pieces: Sequence[Tuple[PieceSpec, nn.Module]], stage_index: int, num_stages: int,
-                 block_classes: Sequence[str] = ()):
+                 block_classes: Sequence[str] = (), hf_config: Any = None, hf_supports_sdpa: bool = False):
         super().__init__()
         self.stage_index = stage_index
         self.num_stages = num_stages
+        self.hf_config = hf_config
+        self.hf_supports_sdpa = hf_supports_sdpa
         self._no_split_modules: List[str] = list(block_classes)
         self._piece_specs: List[PieceSpec] = [spec for spec, _ in pieces]
         for spec, module in pieces:
@@ -101,7 +107,9 @@ def build_stage_module(model: nn.Module, stage_index: int, num_stages: int,
     blocks = [cls.__name__ for cls in find_transformer_block_classes(model)]
     real = materialize_model(model, base_seed)
     mine = [(spec, real.get_submodule(spec.path)) for spec in plan.stage_pieces(stage_index)]
-    return StageBuild(PipelineStageModule(mine, stage_index, num_stages, blocks), plan, stage_index, tied)
+    stage = PipelineStageModule(mine, stage_index, num_stages, blocks, hf_config=getattr(real, "config", None),
+                                hf_supports_sdpa=bool(getattr(real, "_supports_sdpa", False)))
+    return StageBuild(stage, plan, stage_index, tied)
 
 
 class NativePipeline:
