@@ -137,8 +137,6 @@ class NativePipeline:
                  loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
                  data_group: Optional[dist.ProcessGroup] = None, tied_group: Optional[dist.ProcessGroup] = None,
                  tied_param: Optional[nn.Parameter] = None):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}; valid schedules are {list(SCHEDULES)}")
         self.stage_module = stage_module
@@ -149,12 +147,31 @@ class NativePipeline:
         self.data_group = data_group
         self.tied_group = tied_group
         self.tied_param = tied_param
-        self.stage = PipelineStage(stage_module, stage_index, num_stages, device, group=group)
-        schedule_cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+        self.device = device
+        self.schedule_name = schedule
+        self.loss_fn = loss_fn or CausalLMLoss()
+        # One stage and schedule per micro-batch size: torch.distributed.pipelining fixes the shapes
+        # it sends between stages at its first step, so an epoch's smaller last batch (drop_last=False)
+        # gets its own. Every stage of a pipeline sees the same batch, so all build it together.
+        self._schedules: Dict[int, Any] = {}
+        self.stage, self.schedule = self._schedule_for(None)
+
+    def _schedule_for(self, micro_rows: Optional[int]) -> Tuple[Any, Any]:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        if micro_rows is not None and micro_rows in self._schedules:
+            return self._schedules[micro_rows]
+        if micro_rows is not None and not self._schedules:     # the first step fixes the first one's shapes
+            self._schedules[micro_rows] = (self.stage, self.schedule)
+            return self._schedules[micro_rows]
+        stage = PipelineStage(self.stage_module, self.stage_index, self.num_stages, self.device, group=self.group)
+        schedule_cls = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
         # scale_grads: the loss is a mean per micro-batch, so gradients are divided by `chunks`
         # to make them the gradient of the batch mean, as in unsplit training.
-        self.schedule = schedule_cls(self.stage, n_microbatches=chunks, loss_fn=loss_fn or CausalLMLoss(),
-                                     scale_grads=True)
+        schedule = schedule_cls(stage, n_microbatches=self.chunks, loss_fn=self.loss_fn, scale_grads=True)
+        if micro_rows is not None:
+            self._schedules[micro_rows] = (stage, schedule)
+        return stage, schedule
 
     @property
     def is_first(self) -> bool:
@@ -178,7 +195,8 @@ class NativePipeline:
         args = hf_inputs(batch) if self.is_first else ()
         losses: List[torch.Tensor] = []
         target = hf_labels(batch) if self.is_last else None
-        self.schedule.step(*args, target=target, losses=losses if self.is_last else None, return_outputs=False)
+        _, schedule = self._schedule_for(rows // self.chunks)
+        schedule.step(*args, target=target, losses=losses if self.is_last else None, return_outputs=False)
         self._average_data_parallel_grads()
         if self.tied_param is not None and self.tied_param.grad is not None:
             # Embedding (first stage) and head (last stage) are one weight: both apply the summed gradient.
