@@ -52,3 +52,21 @@ def test_conflicts_and_precision():
 def test_single_process_is_refused():
     with pytest.raises(ValueError, match="needs more than one process"):
         _resolve([("pipeline", 1)], world=1)
+
+
+def test_a_stage_the_user_froze_entirely_is_refused_before_the_split():
+    model = _meta(4)
+    for name, param in model.named_parameters():
+        if "embed_tokens" in name or any(f".layers.{i}." in name for i in range(3)):
+            param.requires_grad_(False)
+    strategy = Strategy([("parallel_mode", ([("data", 2), ("pipeline", 2)], None)), "pipeline_parallel"])
+    with pytest.raises(ValueError, match=r"stage 0 of 2 \(model\.embed_tokens, model\.layers\.0\) has no "
+                                         r"trainable parameter.*fewer pipeline stages"):
+        resolve_strategy(strategy, ValidationContext(world_size=4, model=model))
+    # With layer 1 trainable again every stage has something to train; LoRA adds adapters to every stage.
+    for param in model.model.layers[1].parameters():
+        param.requires_grad_(True)
+    resolve_strategy(strategy, ValidationContext(world_size=4, model=model))
+    for param in model.parameters():
+        param.requires_grad_(False)
+    resolve_strategy(Strategy([*strategy, "lora"]), ValidationContext(world_size=4, model=model))

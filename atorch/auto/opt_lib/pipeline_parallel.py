@@ -14,13 +14,14 @@ from typing import Any, Dict, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from atorch.auto.model_context import ModelContext
 from atorch.distributed.parallel_layout import ParallelLayout
 from atorch.distributed.replicas import check_replicas_agree
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, WrapperOrder, register
 from atorch.modules.pipeline.native import SCHEDULES, NativePipeline, build_stage_module, pipeline_train_step
-from atorch.modules.pipeline.partition import PARTITION_METHODS, plan_stages
+from atorch.modules.pipeline.partition import PARTITION_METHODS, StagePlan, plan_stages, stage_parameter_counts
 from atorch.modules.pipeline.patchers import CustomPatcher, expand_patcher, resolve_patcher
 from atorch.utils.meta_model_utils import is_meta_module
 
@@ -137,7 +138,9 @@ class PipelineParallelOptimization(Optimization):
         if context.model is None:
             return
         pieces = expand_patcher(context.model, resolve_patcher(context.model, config.custom_patcher))
-        plan_stages(context.model, pieces, sizes["pipeline"], config.partition_method)
+        plan = plan_stages(context.model, pieces, sizes["pipeline"], config.partition_method)
+        if "lora" not in context.configs:       # LoRA adds trainable adapters to every stage
+            _check_every_stage_trains(context.model, plan)
 
     def apply(self, ctx: ModelContext, config: PipelineParallelConfig) -> None:
         parallel = ctx.require_parallel(self.name)
@@ -170,6 +173,20 @@ class PipelineParallelOptimization(Optimization):
                                       tied_group=tied_group, tied_param=tied_param)
         ctx.custom_train_step = pipeline_train_step
         ctx.pipeline_stage = build.stage_index
+
+
+def _check_every_stage_trains(model: nn.Module, plan: StagePlan) -> None:
+    """A stage whose parameters the user froze (requires_grad=False) has nothing for its optimizer: refused here,
+    naming the stage and its layers, rather than failing after the model was split."""
+    counts = stage_parameter_counts(model, plan, include_embeddings=True)
+    for stage, count in enumerate(counts):
+        if count == 0:
+            paths = [piece.path for piece in plan.stage_pieces(stage)]
+            shown = ", ".join(paths[:4]) + (f", ... ({len(paths)} pieces)" if len(paths) > 4 else "")
+            raise ValueError(f"pipeline_parallel: stage {stage} of {plan.num_stages} ({shown}) has no trainable "
+                             "parameter: the model's parameters there have requires_grad=False, so that stage has "
+                             "nothing for the optimizer; use fewer pipeline stages, unfreeze a layer of that stage, "
+                             "or add 'lora'")
 
 
 def _check_last_batch_divides(ctx: ModelContext, chunks: int) -> None:
