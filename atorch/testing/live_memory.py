@@ -3,13 +3,16 @@
 `live_tensor_bytes`: tensors still reachable from Python, what a finished candidate must not
 leave behind (`tests/distributed/test_dry_run_sequence.py`, `benchmarks/dry_run_memory_release.py`;
 the allocator's RSS cannot see it: it keeps freed memory). `settled_live_bytes`: a
-`PeakMemoryTracker`'s live bytes once nothing more is released (the memory-model tests).
+`PeakMemoryTracker`'s live bytes once nothing more is released (the memory-model tests), read
+between `backward_only` and `optimizer_step`: one training step of an `AutoAccelerateResult` cut
+where the cost model's resident bytes are defined (gradients present, activations freed).
 """
 
 from __future__ import annotations
 
 import gc
 import time
+from typing import Any, Mapping
 
 import torch
 
@@ -46,3 +49,29 @@ def settled_live_bytes(tracker: PeakMemoryTracker, timeout_s: float = 2.0) -> in
         gc.collect()
         reads.append(tracker.live_bytes)
     return reads[-1]
+
+
+def backward_only(result: Any, batch: Mapping[str, Any]) -> None:
+    """Forward and backward of one batch of an `AutoAccelerateResult` (a pipeline's schedule, DeepSpeed's
+    engine, or the model and its loss), the model's output dropped before backward as `train_step` does."""
+    from atorch.auto.model_context import call_model
+
+    engine, pipeline = result.args.get("engine"), result.args.get("pipeline")
+    batch = result.prepare_input(batch)
+    if pipeline is not None:
+        pipeline.forward_backward(batch)
+        return
+    output = call_model(result.model, batch, "unpack_dict")
+    loss = result.loss_func(batch, output)
+    del output
+    engine.backward(loss) if engine is not None else loss.backward()
+
+
+def optimizer_step(result: Any) -> None:
+    """The optimizer step after `backward_only` (the engine's, or the optimizer's and `zero_grad`)."""
+    engine = result.args.get("engine")
+    if engine is not None:
+        engine.step()
+    else:
+        result.optim.step()
+        result.optim.zero_grad(set_to_none=True)

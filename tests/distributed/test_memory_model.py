@@ -27,9 +27,8 @@ import torch.distributed as dist
 
 from atorch.auto import auto_accelerate
 from atorch.auto.cost_model import estimate, resident_bytes
-from atorch.auto.model_context import call_model
 from atorch.testing import run_distributed, tiny_llama
-from atorch.testing.live_memory import settled_live_bytes
+from atorch.testing.live_memory import backward_only, optimizer_step, settled_live_bytes
 from atorch.testing.parity import TokenDataset
 from atorch.utils.memory import memory_breakdown
 from atorch.utils.peak_memory import PeakMemoryTracker
@@ -85,23 +84,12 @@ def _measure(strategy: List[Any]) -> Dict[str, float]:
         engine, pipeline = result.args.get("engine"), result.args.get("pipeline")
         batches = iter(result.dataloader)
         for _ in range(2):
-            batch = result.prepare_input(next(batches))
-            if pipeline is not None:
-                pipeline.forward_backward(batch)
-            else:
-                output = call_model(result.model, batch, "unpack_dict")
-                loss = result.loss_func(batch, output)
-                del output
-                engine.backward(loss) if engine is not None else loss.backward()
-                del loss
+            batch = next(batches)
+            backward_only(result, batch)
             live = settled_live_bytes(tracker)
             module = engine.module if engine is not None else result.model
             reachable = memory_breakdown(module, engine.optimizer if engine is not None else result.optim)
-            if engine is not None:
-                engine.step()
-            else:
-                result.optim.step()
-                result.optim.zero_grad(set_to_none=True)
+            optimizer_step(result)
         if engine is not None:
             engine.destroy()
         del result, engine, pipeline, batches, batch

@@ -20,9 +20,8 @@ import torch.distributed as dist
 
 from atorch.auto import auto_accelerate, train_step
 from atorch.auto.cost_model import estimate, optimizer_states, resident_bytes
-from atorch.auto.model_context import call_model
 from atorch.testing import run_distributed, tiny_gpt2, tiny_llama
-from atorch.testing.live_memory import settled_live_bytes
+from atorch.testing.live_memory import backward_only, optimizer_step, settled_live_bytes
 from atorch.testing.parity import TokenDataset
 from atorch.utils.peak_memory import PeakMemoryTracker
 
@@ -93,21 +92,9 @@ def _measure(strategy: List[Any], optimizer: Tuple[Any, Dict[str, Any]], frozen:
             if what == "peak":
                 train_step(result, batch)
                 continue
-            batch = result.prepare_input(batch)
-            if pipeline is not None:
-                pipeline.forward_backward(batch)
-            else:
-                output = call_model(result.model, batch, "unpack_dict")
-                loss = result.loss_func(batch, output)
-                del output
-                engine.backward(loss) if engine is not None else loss.backward()
-                del loss
+            backward_only(result, batch)
             live = settled_live_bytes(tracker)
-            if engine is not None:
-                engine.step()
-            else:
-                result.optim.step()
-                result.optim.zero_grad(set_to_none=True)
+            optimizer_step(result)
         if engine is not None:
             engine.destroy()
         del result, engine, pipeline, batches, batch

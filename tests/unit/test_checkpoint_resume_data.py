@@ -4,7 +4,7 @@ One process each (the 2-rank dropout checks are in tests/distributed/test_checkp
 """
 
 import logging
-from typing import List
+from typing import Dict, List
 
 import pytest
 import torch
@@ -81,15 +81,23 @@ def test_convert_position_counts_in_samples():
         convert_position(DataPosition(0, 3, 8), 16)
 
 
+def _sample_index() -> Dict[tuple, int]:
+    """Each sample's row of tokens -> its index in the dataset (rows tell TokenDataset's samples apart)."""
+    return {tuple(row): i for i, row in enumerate(TokenDataset(n=N_SAMPLES, seq_len=8).tokens.tolist())}
+
+
+def _train_and_save(path: str, steps: int, batch: int) -> None:
+    run = _build(0, batch=batch)
+    for _, data in zip(range(steps), run.dataloader):
+        train_step(run, data)
+    save_checkpoint(run, path, step=steps)
+
+
 @pytest.mark.parametrize("new_batch", [4, 6])
 def test_resume_with_another_global_batch_size(tmp_path, new_batch):
     """Saved after 3 batches of 8 (samples 0..23): with batches of 4 or 6 the next sample is 24."""
-    data = TokenDataset(n=N_SAMPLES, seq_len=8)
-    key = {tuple(row): i for i, row in enumerate(data.tokens.tolist())}
-    run = _build(0, batch=8)
-    for _, batch in zip(range(3), run.dataloader):
-        train_step(run, batch)
-    save_checkpoint(run, str(tmp_path / "step_3"), step=3)
+    key = _sample_index()
+    _train_and_save(str(tmp_path / "step_3"), steps=3, batch=8)
 
     resumed_run = _build(1, batch=new_batch)
     state = load_checkpoint(resumed_run, str(tmp_path / "step_3"))
@@ -102,12 +110,8 @@ def test_resume_with_another_global_batch_size(tmp_path, new_batch):
 def test_a_save_after_a_batch_size_change_counts_steps_from_the_resume(tmp_path, use_resumed_loader):
     """2 batches of 8 (samples 0..15), save at step 2; resume with batches of 4, 3 more steps (16..27), save at
     step 5 (the user's step counts on): the next resume starts at sample 28, not at 5 x 4 = 20."""
-    data = TokenDataset(n=N_SAMPLES, seq_len=8)
-    key = {tuple(row): i for i, row in enumerate(data.tokens.tolist())}
-    run = _build(0, batch=8)
-    for _, batch in zip(range(2), run.dataloader):
-        train_step(run, batch)
-    save_checkpoint(run, str(tmp_path / "step_2"), step=2)
+    key = _sample_index()
+    _train_and_save(str(tmp_path / "step_2"), steps=2, batch=8)
     resumed_run = _build(1, batch=4)
     state = load_checkpoint(resumed_run, str(tmp_path / "step_2"))
     if use_resumed_loader:          # a loop that keeps the resumed loader on the result (its len() is what is left)
@@ -122,10 +126,7 @@ def test_a_save_after_a_batch_size_change_counts_steps_from_the_resume(tmp_path,
 
 
 def test_resume_with_a_batch_size_that_does_not_fit_raises_before_loading(tmp_path):
-    run = _build(0, batch=8)
-    for _, batch in zip(range(3), run.dataloader):
-        train_step(run, batch)
-    save_checkpoint(run, str(tmp_path / "step_3"), step=3)
+    _train_and_save(str(tmp_path / "step_3"), steps=3, batch=8)
     resumed_run = _build(1, batch=16)
     before = {k: v.clone() for k, v in resumed_run.model.state_dict().items()}
     with pytest.raises(ValueError, match="global batches of 8 samples.*global batches of 16"):
