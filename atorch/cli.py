@@ -1,4 +1,4 @@
-"""The `atorch` command: `run` (the launcher), `plan` (strategies for a cluster), `merge`, `env`.
+"""The `atorch` command: `run` (the launcher), `plan` (strategies for a cluster), `merge`, `env`, `convert-strategy`.
 
     atorch run --nproc_per_node 8 train.py ARGS
     atorch plan --model llama2-7b --nproc 8 --nnodes 8 --device h100 --global-batch 512 --seq 4096
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import platform
 import sys
@@ -65,9 +66,12 @@ def _plan(argv: List[str]) -> int:
                         ("--seq", args.seq), ("--top", args.top)):
         if value < 1:
             parser.error(f"{flag}={value} must be >= 1")
+    gb = args.device_memory_gb
+    if gb is not None and not (math.isfinite(gb) and gb > 0):
+        parser.error(f"--device-memory-gb={gb} must be a positive number of GB (unset: the device's own memory)")
     try:
         config = load_model_config(args.model)
-        memory = int(args.device_memory_gb * 1e9) if args.device_memory_gb else None
+        memory = int(gb * 1e9) if gb is not None else None
         result = plan_cluster(config, args.nproc * args.nnodes, args.device, args.global_batch, args.seq,
                               nnodes=args.nnodes, device_memory_bytes=memory)
     except ValueError as e:
@@ -134,15 +138,30 @@ def _convert_strategy(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(prog="atorch convert-strategy", description=(
         "Read a strategy file (ATorch's pickle, read without executing anything, or JSON) and write it as JSON."))
     parser.add_argument("src")
-    parser.add_argument("dst")
+    parser.add_argument("dst", help="the JSON file to write (its folder must exist)")
     args = parser.parse_args(argv)
     from atorch.auto.strategy import convert_strategy_file
 
+    problem = _destination_problem(args.dst)
+    if problem:
+        parser.error(f"dst {args.dst!r} {problem}")
     try:
         print(convert_strategy_file(args.src, args.dst).describe())
     except ValueError as e:
         parser.error(str(e))
+    except OSError as e:   # what the checks above cannot foresee (permissions, a full disk)
+        parser.error(f"writing dst {args.dst!r} failed: {e.strerror or e}")
     return 0
+
+
+def _destination_problem(dst: str) -> Optional[str]:
+    """Why `dst` cannot be written as a file, or None; checked before reading the source."""
+    if os.path.isdir(dst):
+        return "is a directory; give the path of the JSON file to write, e.g. DIR/strategy.json"
+    parent = os.path.dirname(os.path.abspath(dst))
+    if not os.path.isdir(parent):
+        return f"is in {parent}, which is not an existing directory; create it first"
+    return None
 
 
 COMMANDS = {"run": _run, "plan": _plan, "merge": _merge, "env": _env, "convert-strategy": _convert_strategy}

@@ -185,11 +185,21 @@ class Strategy:
         return cls(out)
 
     def save(self, path: Union[str, os.PathLike]) -> None:
+        """Write the JSON strategy file atomically (a temporary file renamed over `path`).
+
+        A failed write or rename (e.g. `path` is a directory) removes the temporary file
+        instead of leaving `<path>.tmp` behind, then raises.
+        """
         text = self.to_json(indent=2)
         tmp = f"{os.fspath(path)}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.isfile(tmp):
+                os.remove(tmp)
+            raise
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike]) -> "Strategy":

@@ -84,11 +84,17 @@ class ClusterPlan:
     num_params: int
     rejected: List[str] = field(default_factory=list)
     refused: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=_REFUSED_COLUMNS))
+    memory_limit_bytes: Optional[int] = None
+    """The memory per device the candidates were checked against; None: the device's own."""
 
     def format(self, top: int = 15) -> str:
+        own = self.device.memory_bytes
+        limit = self.memory_limit_bytes if self.memory_limit_bytes is not None else own
+        # The header states the limit the candidates were checked against, the override included.
+        memory = (f"{own / 1e9:.0f} GB each" if limit == own else
+                  f"{limit / 1e9:.4g} GB each, --device-memory-gb overriding the device's {own / 1e9:.0f} GB")
         lines = [f"{self.num_params / 1e9:.2f}B parameters on {self.world_size} x {self.device.name} "
-                 f"({self.device.memory_bytes / 1e9:.0f} GB each); predictions of the cost model, nothing was run",
-                 ""]
+                 f"({memory}); predictions of the cost model, nothing was run", ""]
         if self.table.empty:
             lines.append("no candidate strategy fits in device memory")
         else:
@@ -118,8 +124,10 @@ def plan_cluster(model_config: Any, world_size: int, device: str, global_batch: 
     if world_size < 1 or global_batch < 1 or seq_len < 1 or nnodes < 1:
         raise ValueError(f"world_size={world_size}, global_batch={global_batch}, seq_len={seq_len} and "
                          f"nnodes={nnodes} must all be >= 1")
+    if device_memory_bytes is not None and device_memory_bytes <= 0:
+        raise ValueError(f"device_memory_bytes={device_memory_bytes} must be > 0 (None: the device's own memory)")
     spec = device_spec(device)
-    limit = device_memory_bytes or spec.memory_bytes
+    limit = device_memory_bytes if device_memory_bytes is not None else spec.memory_bytes
     model = meta_model(model_config)
     shape = calibrated_shape(model, seq_len)
     device_type = "cpu" if device == "cpu" else "cuda"
@@ -149,4 +157,4 @@ def plan_cluster(model_config: Any, world_size: int, device: str, global_batch: 
                          f"candidate strategies for {world_size} device(s), so auto_accelerate would refuse every one: "
                          + "; ".join(reasons[:3]) + ("; ..." if len(reasons) > 3 else ""))
     return ClusterPlan(table, big, spec, world_size, shape.num_params, sorted(space.rejected)[:20],
-                       pd.DataFrame(refused, columns=_REFUSED_COLUMNS))
+                       pd.DataFrame(refused, columns=_REFUSED_COLUMNS), memory_limit_bytes=limit)
