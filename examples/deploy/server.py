@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -38,17 +39,68 @@ ALLOWED_OPTIONS = {"max_new_tokens": int, "min_new_tokens": int, "num_beams": in
 MAX_BODY_BYTES = 1 << 20
 
 
+def tokenizer_folder(model: str) -> Optional[str]:
+    """The folder holding `--model`'s tokenizer: the folder itself (a merged Hugging Face model) or the
+    `tokenizer/` an atorch checkpoint records (`save_checkpoint(..., tokenizer=...)`); None when neither has one."""
+    from atorch.checkpoint.tokenizer_files import RECORDED_DIR, tokenizer_files_in
+
+    for folder in (model, os.path.join(model, RECORDED_DIR)):
+        if os.path.isdir(folder) and tokenizer_files_in(folder):
+            return folder
+    return None
+
+
 def load_tokenizer(model: str) -> Optional[Any]:
-    try:
-        if model == "tiny":
-            from atorch.testing.assets import load_tokenizer as load_bundled
+    """`--model`'s tokenizer, or None (said on stderr: text requests are then refused) when it has none.
 
-            return load_bundled()
-        from transformers import AutoTokenizer
+    A tokenizer that is there but cannot be loaded stops the server with the folder named:
+    serving without it would hide the problem behind "send input_ids".
+    """
+    if model == "tiny":
+        from atorch.testing.assets import load_tokenizer as load_bundled
 
-        return AutoTokenizer.from_pretrained(model)
-    except Exception:  # noqa: BLE001 - text requests are then refused with a clear message
+        return load_bundled()
+    folder = tokenizer_folder(model)
+    if folder is None:
+        print(f"server: no tokenizer in {model} nor in {os.path.join(model, 'tokenizer')}: text requests will be "
+              "refused; send input_ids", file=sys.stderr, flush=True)
         return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as e:  # noqa: BLE001 - any loader failure: one line naming the folder
+        raise SystemExit(f"server: error: the tokenizer in {folder} cannot be loaded: {type(e).__name__}: {e}") from e
+
+
+def _divisors(value: int) -> List[int]:
+    return [d for d in range(1, value + 1) if value % d == 0]
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
+    """Refuse a `--model` that is not there and a tensor-parallel size the model's heads do not split over,
+    as usage errors (exit 2) before any worker starts; return the model's config (None if unknown)."""
+    if args.tensor_parallel_size < 1:
+        parser.error(f"--tensor-parallel-size={args.tensor_parallel_size} must be >= 1")
+    if args.model == "tiny":
+        from atorch.testing import tiny_llama_config
+
+        config: Any = tiny_llama_config()
+    elif not os.path.isdir(args.model):
+        parser.error(f"--model {args.model!r} is neither 'tiny' nor a directory (a Hugging Face model folder or an "
+                     "atorch checkpoint)")
+    elif os.path.isfile(os.path.join(args.model, "config.json")):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(args.model)
+    else:
+        return None   # atorch.deploy reads what it can and says what is missing
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0 and value % args.tensor_parallel_size:
+            parser.error(f"--tensor-parallel-size={args.tensor_parallel_size} does not divide the model's {key}="
+                         f"{value}; use one of {_divisors(value)}")
+    return config
 
 
 class GenerateHandler(BaseHTTPRequestHandler):
@@ -121,11 +173,14 @@ class GenerateHandler(BaseHTTPRequestHandler):
                     if not (kind is float and isinstance(value, int) and not isinstance(value, bool)):
                         raise ValueError(f"{key} must be a {kind.__name__}, got {value!r}")
                 options[key] = value
+        check_option_ranges(options)
         if "input_ids" in request:
             ids = request["input_ids"]
+            # bool is an int subclass: true/false are not token ids.
             if not (isinstance(ids, list) and ids and all(isinstance(r, list) and r for r in ids)
-                    and len({len(r) for r in ids}) == 1 and all(isinstance(t, int) for r in ids for t in r)):
-                raise ValueError("input_ids must be a non-empty list of equally long, non-empty lists of ints")
+                    and len({len(r) for r in ids}) == 1 and all(type(t) is int for r in ids for t in r)):
+                raise ValueError("input_ids must be a non-empty list of equally long, non-empty lists of ints "
+                                 "(not booleans)")
             vocab = getattr(self.model.config, "vocab_size", None)
             if vocab is not None and not all(0 <= t < vocab for r in ids for t in r):
                 raise ValueError(f"input_ids must be token ids in [0, {vocab})")
@@ -143,6 +198,15 @@ class GenerateHandler(BaseHTTPRequestHandler):
         raise ValueError("send input_ids (a list of token-id lists) or text")
 
 
+def check_option_ranges(options: Dict[str, Any]) -> None:
+    """Values generate() would fail on deep in the workers (num_beams=0 divides by zero), refused as a 400."""
+    if options.get("num_beams", 1) < 1:
+        raise ValueError(f"num_beams must be >= 1, got {options['num_beams']}")
+    top_p = options.get("top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="a Hugging Face folder, an atorch checkpoint, or 'tiny'")
@@ -151,15 +215,20 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args(argv)
+    check_arguments(parser, args)
+    tokenizer = load_tokenizer(args.model)   # before the workers: a broken tokenizer stops the server now
 
     source: Any = args.model
     if args.model == "tiny":
         from atorch.testing import tiny_llama
 
         source = tiny_llama(seed=0).eval()
-    model = atorch.deploy(source, tensor_parallel_size=args.tensor_parallel_size, device=args.device)
+    try:
+        model = atorch.deploy(source, tensor_parallel_size=args.tensor_parallel_size, device=args.device)
+    except ValueError as e:   # what deploy refuses before starting a worker: the arguments given
+        parser.error(str(e))
     GenerateHandler.model = model
-    GenerateHandler.tokenizer = load_tokenizer(args.model)
+    GenerateHandler.tokenizer = tokenizer
     GenerateHandler.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     server = ThreadingHTTPServer((args.host, args.port), GenerateHandler)
     server.daemon_threads = True

@@ -25,9 +25,27 @@ from atorch.auto import auto_accelerate, train_step
 from atorch.utils.metrics import TransformerFlops
 
 
+def check_search_settings() -> None:
+    """BO_SG_MAX_IETR, RANDOM_SAMPLE and the search's other variables, read as the planner will read them.
+
+    The planner reads them inside auto_accelerate, after the model and the data are loaded;
+    a bad value is a usage error now instead.
+    """
+    from atorch.auto.search.auto_search import SearchSettings
+
+    try:
+        SearchSettings.from_env()
+    except ValueError as e:
+        raise eu.UsageError(str(e)) from None
+
+
 def main(args: argparse.Namespace) -> None:
     eu.validate_common_args(args)
     eu.check_fp8_supported(args.use_fp8)
+    check_search_settings()
+    resume_from = eu.locate_resume(args)   # a wrong RESUME or MAX_STEPS fails here, on every rank
+    if eu.nothing_to_train(args, resume_from):
+        return
     # Forced into every candidate the planner tries (the rest of the space is searched).
     included = [name for name, on in (("lora", args.use_lora), ("fp8", args.use_fp8)) if on]
     adist.init_distributed()
@@ -75,13 +93,13 @@ def main(args: argparse.Namespace) -> None:
     if lora is not None:
         flops = eu.with_lora_adapters(flops, lora)
     compute_dtype = result.args.get("autocast_dtype") or result.args.get("half_dtype")
-    checkpointer = eu.Checkpointer(args, result, tokenizer=tokenizer)
+    checkpointer = eu.Checkpointer(args, result, tokenizer=tokenizer, resume_from=resume_from)
     start_step = checkpointer.resume()
     meter = eu.build_meter(args, flops, global_batch, compute_dtype=compute_dtype)
     stream = checkpointer.stream
     eu.train_loop(args, lambda: train_step(result, next(stream)), meter, start_step,
                   on_step_end=checkpointer.on_step_end)
-    checkpointer.save(args.max_steps)
+    checkpointer.save_final()
     del result, checkpointer, stream
     eu.finish()
 

@@ -64,6 +64,9 @@ def main(args: argparse.Namespace) -> None:
     for name in ("micro_batch_size", "accu_steps"):
         if getattr(args, name) < 1:
             raise eu.UsageError(f"--{name}={getattr(args, name)} must be >= 1")
+    resume_from = eu.locate_resume(args)   # a wrong RESUME or MAX_STEPS fails here, on every rank
+    if eu.nothing_to_train(args, resume_from):
+        return
     adist.init_distributed()
     eu.announce_launch()
     tp, dp, pp = parallel_sizes(args, adist.world_size())
@@ -94,7 +97,7 @@ def main(args: argparse.Namespace) -> None:
     del loaded, model
     eu.announce_parameters(result.model)
 
-    checkpointer = eu.Checkpointer(args, result, tokenizer=tokenizer)
+    checkpointer = eu.Checkpointer(args, result, tokenizer=tokenizer, resume_from=resume_from)
     start_step = checkpointer.resume()
     meter = eu.build_meter(args, flops, global_batch,
                            compute_dtype=torch.bfloat16 if torch.cuda.is_available() else None)
@@ -102,7 +105,7 @@ def main(args: argparse.Namespace) -> None:
     # Each step hands the engine ACCU_STEPS micro-batches (the dataloader yields micro-batches).
     eu.train_loop(args, lambda: train_step(result, [next(stream) for _ in range(args.accu_steps)]), meter,
                   start_step, on_step_end=checkpointer.on_step_end)
-    checkpointer.save(args.max_steps)
+    checkpointer.save_final()
     del result, checkpointer, stream
     eu.finish()
 

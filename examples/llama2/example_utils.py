@@ -121,6 +121,30 @@ def validate_common_args(args: argparse.Namespace) -> None:
     if args.tokenizer_name and not (args.model_name_or_path or args.config_name):
         raise UsageError(f"--tokenizer_name={args.tokenizer_name!r} needs --config_name (pretraining) or "
                          "--model_name_or_path; without either the tiny default uses its own tokenizer")
+    _check_positive(args.learning_rate, "LEARNING_RATE (--learning_rate)")
+    _check_positive(args.peak_tflops, "PEAK_TFLOPS (--peak_tflops)")
+    _check_log_with(args.log_with)
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        raise UsageError(f"OUTPUT_DIR (--output_dir)={args.output_dir!r} is an existing file; give a directory "
+                         "(created if missing) for checkpoints, logs and the data cache")
+    check_model_paths(args)
+
+
+def _check_positive(value: Optional[float], name: str) -> None:
+    """Unset (None) is the default; a value must be a positive number (NaN is not)."""
+    if value is not None and not value > 0:
+        raise UsageError(f"{name}={value} must be > 0 (unset: the default)")
+
+
+def _check_log_with(log_with: Optional[str]) -> None:
+    """The trackers' names are checked now, not when rank 0 opens them after loading the model."""
+    from atorch.utils.trackers import TRACKERS, parse_log_with
+
+    try:
+        parse_log_with(log_with)
+    except ValueError:
+        raise UsageError(f"LOG_WITH (--log_with)={log_with!r}: valid values are {', '.join(TRACKERS)} or none, "
+                         "comma-separated") from None
 
 
 def check_fp8_supported(use_fp8: bool) -> None:
@@ -181,10 +205,59 @@ class LoadedModel:
     source: str
 
 
-def _require_local(path: Optional[str], flag: str) -> None:
-    # A name with a path separator is meant as a directory: say so now instead of a hub lookup error.
-    if path and (os.sep in path or path.startswith(".")) and not os.path.exists(path):
-        raise UsageError(f"{flag}={path!r} does not exist")
+# Files that hold a tokenizer's vocabulary: a folder with only tokenizer_config.json cannot build one.
+TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+
+
+def _require_local(path: str, name: str, config_file_allowed: bool = False) -> None:
+    """Raise a UsageError unless `path` is a local model folder (or, when allowed, a config.json file).
+
+    The examples never download: a hub id or a size name would end, after the process group
+    is up, in a network error from transformers on every rank. Said here, before anything runs.
+    """
+    from atorch.auto.search.cluster_plan import MODEL_PRESETS
+
+    if os.path.isfile(path) and config_file_allowed:
+        return
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise UsageError(f"{name}={path!r} has no config.json; give a Hugging Face model folder")
+        return
+    what = "a local folder or config.json" if config_file_allowed else "a local model folder"
+    if os.path.exists(path):
+        raise UsageError(f"{name}={path!r} is not {what}")
+    hint = (f"{path!r} is a size preset of `atorch plan`, not a model; " if path in MODEL_PRESETS else
+            "the examples load local files only (no hub downloads); ")
+    raise UsageError(f"{name}={path!r} does not exist: {hint}it must be {what} "
+                     "(e.g. `huggingface-cli download meta-llama/Llama-2-7b-hf --local-dir /models/llama2-7b`)")
+
+
+def _has_tokenizer(directory: str) -> bool:
+    return any(os.path.isfile(os.path.join(directory, n)) for n in TOKENIZER_VOCAB_FILES)
+
+
+def check_model_paths(args: argparse.Namespace) -> None:
+    """Model, config and tokenizer locations exist locally and hold what is loaded from them.
+
+    Pure file checks, run on every rank before the process group starts.
+    """
+    if args.model_name_or_path:
+        _require_local(args.model_name_or_path, "MODEL_NAME_OR_PATH (--model_name_or_path)")
+    if args.config_name:
+        _require_local(args.config_name, "CONFIG_NAME (--config_name)", config_file_allowed=True)
+    if args.tokenizer_name:
+        if not os.path.isdir(args.tokenizer_name) or not _has_tokenizer(args.tokenizer_name):
+            raise UsageError(f"TOKENIZER_NAME (--tokenizer_name)={args.tokenizer_name!r} is not a local folder "
+                             f"with a tokenizer (one of {', '.join(TOKENIZER_VOCAB_FILES)})")
+        return
+    source = args.model_name_or_path or args.config_name
+    if source:
+        folder = (os.path.dirname(source) or ".") if os.path.isfile(source) else source
+        if not _has_tokenizer(folder):
+            variable = "MODEL_NAME_OR_PATH" if args.model_name_or_path else "CONFIG_NAME"
+            raise UsageError(f"the {variable} folder {folder!r} has no tokenizer (none of "
+                             f"{', '.join(TOKENIZER_VOCAB_FILES)}); set TOKENIZER_NAME (--tokenizer_name) to a "
+                             "tokenizer folder")
 
 
 def load_model_and_tokenizer(args: argparse.Namespace, build_model: bool = True) -> LoadedModel:
@@ -196,9 +269,7 @@ def load_model_and_tokenizer(args: argparse.Namespace, build_model: bool = True)
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    _require_local(args.model_name_or_path, "--model_name_or_path")
-    _require_local(args.config_name, "--config_name")
-    _require_local(args.tokenizer_name, "--tokenizer_name")
+    check_model_paths(args)   # again: callers need not have run validate_common_args
     torch.manual_seed(args.seed)
     if args.model_name_or_path:
         mode, source = MODE_FINE_TUNING, args.model_name_or_path
@@ -329,12 +400,36 @@ def tokenized_corpus(args: argparse.Namespace, tokenizer: Any) -> Tuple[str, str
     # A worker pool only pays off on a large corpus; the other ranks wait while local rank 0 builds.
     workers = max(1, min(16, (os.cpu_count() or 1) - 1)) if large else 1
 
+    if _is_preprocessed_prefix(prefix) is None:
+        check_has_document(source, tokenizer)   # every rank, so every rank says why; the build is rank 0's
+
     def build() -> None:
         logger.info("tokenizing %s into %s.bin/.idx (%d workers)", source, prefix, workers)
         DatasetPreprocessor(tokenizer, workers=workers).preprocess(source, prefix, progress_enabled=False)
 
     build_once_per_node(lambda: _is_preprocessed_prefix(prefix) is not None, build, f"the tokenized corpus {prefix}")
     return prefix, str(source)
+
+
+def check_has_document(source: Path, tokenizer: Any) -> None:
+    """Raise a UsageError when the corpus has no document that gives a token.
+
+    Reads up to the first usable document (the first line of a real corpus), on every rank:
+    the tokenization itself runs on one rank per node, and its failure would reach the other
+    ranks only as "failed on the local rank 0".
+    """
+    from atorch.data import DatasetPreprocessor
+
+    documents = DatasetPreprocessor(tokenizer).open(source)
+    texts = iter(documents)
+    try:
+        if any(text and tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts):
+            return
+    finally:
+        getattr(texts, "close", lambda: None)()   # a generator holding the file open
+    first = f"; first problem: {documents.problems[0]}" if documents.problems else ""
+    raise UsageError(f"DATASET_PATH (--dataset_path) {str(source)!r} has no usable document ({documents.problem_count} "
+                     f"unusable lines{first}); give .txt lines of text or .jsonl objects with a 'text' key")
 
 
 def load_train_dataset(args: argparse.Namespace, tokenizer: Any, global_batch_size: int) -> Any:
@@ -373,6 +468,33 @@ def lr_scheduler_args(args: argparse.Namespace) -> dict:
     """`lr_scheduler_cls`/`lr_scheduler_args` for auto_accelerate."""
     return {"lr_scheduler_cls": torch.optim.lr_scheduler.LambdaLR,
             "lr_scheduler_args": {"lr_lambda": WarmupCosine(args.warmup_steps, args.max_steps)}}
+
+
+def follow_schedule(scheduler: Any, args: argparse.Namespace) -> Optional[str]:
+    """Extend a resumed WarmupCosine schedule to this run's MAX_STEPS; a line saying what it did (None: no such
+    schedule).
+
+    LambdaLR's state restores the lambda's attributes, so a run extended with a larger MAX_STEPS
+    would keep the first run's cosine horizon and sit at the floor for the extra steps. MAX_STEPS
+    counts the whole training ("resumed runs included"), so a larger one extends the schedule to
+    it (with this run's --warmup_steps), as Hugging Face's Trainer rebuilds the schedule from the
+    new max_steps on resume: the LR continues from this step's value on the longer curve. A smaller
+    MAX_STEPS only stops the run early (a job that trains a planned schedule in chunks): the planned
+    horizon stays, so the steps trained are exactly those of the uninterrupted run.
+    """
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    if not lambdas or not all(isinstance(f, WarmupCosine) for f in lambdas):
+        return None
+    planned = max(f.total for f in lambdas)
+    if args.max_steps <= planned:
+        return f"the learning-rate schedule keeps its horizon of {planned} steps; this run stops at MAX_STEPS"
+    for f in lambdas:
+        f.warmup, f.total = args.warmup_steps, args.max_steps
+    lrs = [base * f(scheduler.last_epoch) for base, f in zip(scheduler.base_lrs, lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
+    return f"the learning-rate schedule is extended from {planned} to MAX_STEPS={args.max_steps} steps"
 
 
 class BatchStream:
@@ -470,6 +592,72 @@ def train_loop(args: argparse.Namespace, run_step: Callable[[], torch.Tensor], m
 # -- Checkpoints ------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a run resumes from, read before anything is loaded."""
+
+    path: str
+    step: int
+    lora_enabled: bool
+    """Whether it was trained with LoRA adapters (its tensors are then the adapted model's)."""
+
+
+def _trained_with_lora(meta: dict) -> bool:
+    names = [item if isinstance(item, str) else item[0] for item in meta.get("strategy") or []
+             if isinstance(item, str) or (isinstance(item, list) and item)]
+    model = meta.get("model") or {}
+    return "lora" in names or bool(model.get("peft_adapter") or model.get("tp_lora"))
+
+
+def locate_resume(args: argparse.Namespace) -> Optional[ResumePoint]:
+    """The checkpoint `--resume` names (None: start from step 0), checked against this run's arguments.
+
+    Reads only the checkpoint's manifest and meta.json, on every rank before the process group
+    starts, so a wrong RESUME, a MAX_STEPS below the checkpoint's step or a LoRA mismatch is
+    a one-line error instead of a failure after loading the model, the data and the checkpoint.
+    """
+    from atorch.checkpoint import manifest as mf
+
+    if args.resume is None:
+        return None
+    try:
+        if args.resume == "latest":
+            directory = Path(args.output_dir) / "checkpoints"
+            path = mf.read_latest(str(directory))
+            if path is None:
+                print_rank0(f"resume: no checkpoint in {directory} yet; starting from step 0")
+                return None
+        else:
+            path = mf.resolve_checkpoint_dir(args.resume)
+        meta = mf.read_json(path, "meta.json")
+    except mf.CheckpointError as e:
+        raise UsageError(f"RESUME (--resume)={args.resume!r}: {e}") from None
+    step = int(meta.get("step") or 0) if isinstance(meta, dict) else 0
+    point = ResumePoint(path, step, isinstance(meta, dict) and _trained_with_lora(meta))
+    if step > args.max_steps:
+        raise UsageError(f"MAX_STEPS (--max_steps)={args.max_steps} is below the step {step} of the checkpoint "
+                         f"{path}; MAX_STEPS counts every step, resumed ones included: give MAX_STEPS > {step} "
+                         "to train further")
+    if point.lora_enabled and not getattr(args, "use_lora", False):
+        raise UsageError(f"the checkpoint {path} was trained with LoRA adapters but USE_LORA (--use_lora) is off; "
+                         "resume with USE_LORA=1, or export it with `atorch merge` and start a new run from the "
+                         "merged folder with MODEL_NAME_OR_PATH")
+    return point
+
+
+def nothing_to_train(args: argparse.Namespace, point: Optional[ResumePoint]) -> bool:
+    """True (and says so) when the checkpoint resumed is already at MAX_STEPS: the run trains and writes nothing.
+
+    Saving again would only rewrite the same state; returning before the process group starts
+    also skips loading the model and the data for no step.
+    """
+    if point is None or point.step < args.max_steps:
+        return False
+    print_rank0(f"resume: the checkpoint {point.path} is at step {point.step} = MAX_STEPS (--max_steps): nothing "
+                "to train, no checkpoint written; raise MAX_STEPS to train further")
+    return True
+
+
 class Checkpointer:
     """`atorch.checkpoint` saves under OUTPUT_DIR/checkpoints/step_N every `save_steps` and at the end,
     keeping the newest `save_total_limit`; `resume()` restores the model, optimizer, scheduler, RNG and
@@ -478,34 +666,30 @@ class Checkpointer:
     `tokenizer` is saved with every checkpoint, so the merged Hugging Face folder has it.
     """
 
-    def __init__(self, args: argparse.Namespace, result: Any, strict: bool = True, tokenizer: Any = None) -> None:
+    def __init__(self, args: argparse.Namespace, result: Any, strict: bool = True, tokenizer: Any = None,
+                 resume_from: Optional[ResumePoint] = None) -> None:
         self.args = args
         self.result = result
         self.strict = strict
         self.tokenizer = tokenizer   # recorded with each checkpoint, so merge_checkpoint copies it
+        self.resume_from = resume_from   # locate_resume's answer, checked before anything was loaded
         self.directory = Path(args.output_dir) / "checkpoints"
         self.stream: Optional[BatchStream] = None
         self.last_saved_step: Optional[int] = None
+        self.state_step = 0
+        """The step the training state is at: the only label a checkpoint of it may carry."""
 
     def resume(self) -> int:
-        """Load `--resume` (if given) and return the step to continue from; sets `self.stream`."""
+        """Load `resume_from` (if any) and return the step to continue from; sets `self.stream`."""
         from atorch.checkpoint import load_checkpoint
-        from atorch.checkpoint.manifest import read_latest
 
         self.stream = BatchStream(self.result.dataloader)
-        if self.args.resume is None:
+        if self.resume_from is None:
             return 0
-        if self.args.resume == "latest":
-            path = read_latest(str(self.directory))
-            if path is None:
-                print_rank0(f"resume: no checkpoint in {self.directory} yet; starting from step 0")
-                return 0
-        else:
-            path = self.args.resume
-            if not os.path.exists(path):
-                raise UsageError(f"--resume {path!r} does not exist")
-        state = load_checkpoint(self.result, path, strict=self.strict)
+        state = load_checkpoint(self.result, self.resume_from.path, strict=self.strict)
         step = int(state.step or 0)
+        self.state_step = step
+        schedule = follow_schedule(self.result.lr_scheduler, self.args)   # restored: the first run's horizon
         if Path(state.path).resolve().parent == self.directory.resolve():
             self.last_saved_step = step  # already on disk where this run saves: the final save skips it
         position = state.data_position
@@ -513,15 +697,25 @@ class Checkpointer:
             self.stream = BatchStream(state.dataloader, position.epoch, position.batches_in_epoch)
         print_rank0(f"resume: loaded {state.path} at step {step} (data: epoch {position.epoch if position else 0}, "
                     f"{position.batches_in_epoch if position else 0} loader batches in)")
+        if schedule is not None:
+            print_rank0(f"resume: {schedule}")
         return step
 
     def on_step_end(self, step: int) -> None:
+        self.state_step = step
         if self.args.save_steps and step % self.args.save_steps == 0:
             self.save(step)
+
+    def save_final(self) -> None:
+        """Save the state where training stopped (skipped when that step is already saved here)."""
+        self.save(self.state_step)
 
     def save(self, step: int) -> None:
         from atorch.checkpoint import DataPosition, save_checkpoint
 
+        if step != self.state_step:
+            # A checkpoint labelled step_N must hold the state after step N: resuming it repeats or skips steps.
+            raise RuntimeError(f"save(step={step}) but the training state is at step {self.state_step}")
         if step == self.last_saved_step:
             return
         assert self.stream is not None, "resume() sets the stream before training"

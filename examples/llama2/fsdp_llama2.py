@@ -38,6 +38,9 @@ def build_strategy(args: argparse.Namespace) -> List[Any]:
 def main(args: argparse.Namespace) -> None:
     eu.validate_common_args(args)
     eu.check_fp8_supported(args.use_fp8)   # before loading anything: a CPU or pre-Hopper machine fails now
+    resume_from = eu.locate_resume(args)   # a wrong RESUME or MAX_STEPS fails here, on every rank
+    if eu.nothing_to_train(args, resume_from):
+        return
     adist.init_distributed()
     eu.announce_launch()
     loaded = eu.load_model_and_tokenizer(args)
@@ -64,13 +67,13 @@ def main(args: argparse.Namespace) -> None:
         flops = eu.with_lora_adapters(flops, lora)
     eu.announce_parameters(result.model, lora)
 
-    checkpointer = eu.Checkpointer(args, result, tokenizer=tokenizer)
+    checkpointer = eu.Checkpointer(args, result, tokenizer=tokenizer, resume_from=resume_from)
     start_step = checkpointer.resume()
     meter = eu.build_meter(args, flops, global_batch, compute_dtype=torch.bfloat16)
     stream = checkpointer.stream
     eu.train_loop(args, lambda: train_step(result, next(stream)), meter, start_step,
                   on_step_end=checkpointer.on_step_end)
-    checkpointer.save(args.max_steps)
+    checkpointer.save_final()
     del result, checkpointer, stream
     eu.finish()
 

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import socket
+from typing import Any, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,17 +26,53 @@ from atorch.testing import tiny_llama
 from atorch.testing.parity import TokenDataset
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps (over as many epochs as they take)")
     parser.add_argument("--global_batch", type=int, default=8, help="samples per step over all ranks")
     parser.add_argument("--out", default="", help="directory for one JSON file per rank")
-    args = parser.parse_args()
+    return parser
 
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """The arguments, with the mistakes no world size fixes refused as usage errors (exit 2) on every rank."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for flag, value in (("--steps", args.steps), ("--global_batch", args.global_batch)):
+        if value < 1:
+            parser.error(f"{flag}={value} must be >= 1")
+    if args.global_batch > len(TokenDataset()):
+        parser.error(f"--global_batch={args.global_batch} exceeds the {len(TokenDataset())} samples of the dataset")
+    return args
+
+
+def batches(dataloader: Any, steps: int) -> Iterator[Any]:
+    """`steps` batches of `dataloader`, over as many epochs as that takes (the sampler told each epoch).
+
+    `zip(range(steps), dataloader)` would stop after one epoch and train fewer steps than asked.
+    """
+    epoch, given = 0, 0
+    sampler = getattr(dataloader, "sampler", None)
+    while given < steps:
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)   # a distributed sampler reshuffles per epoch only when told
+        before = given
+        for batch in dataloader:
+            yield batch
+            given += 1
+            if given == steps:
+                return
+        if given == before:
+            raise RuntimeError("the dataloader yields no batch: the dataset is smaller than one batch per rank")
+        epoch += 1
+
+
+def main() -> None:
+    args = parse_args()
     atorch.init_distributed("gloo")
     rank, world = atorch.rank(), atorch.world_size()
     if args.global_batch % world:
-        raise SystemExit(f"--global_batch={args.global_batch} must be a multiple of the {world} ranks")
+        build_parser().error(f"--global_batch={args.global_batch} must be a multiple of the {world} ranks")
     status, result, _ = auto_accelerate(
         tiny_llama(seed=0), optim_func=torch.optim.AdamW, dataset=TokenDataset(), optim_args={"lr": 1e-3},
         model_input_format="unpack_dict", dataloader_args={"batch_size": args.global_batch},
@@ -43,7 +80,7 @@ def main() -> None:
     if not status:
         raise SystemExit("auto_accelerate failed; see the log above")
     local_losses, global_losses = [], []
-    for step, batch in zip(range(args.steps), result.dataloader):
+    for step, batch in enumerate(batches(result.dataloader, args.steps)):
         loss = train_step(result, batch).detach()
         local_losses.append(loss.item())
         dist.all_reduce(loss)                      # each rank's loss is over its share of the batch

@@ -64,7 +64,7 @@ def test_server_generates_the_unsharded_tokens_and_leaves_no_worker():
         assert status == 400 and "unknown field(s) ['prompt']" in answer["error"]
         # What the request asks cannot run, the workers are fine: 400 without the workers' traceback
         # (503 is for a dead worker).
-        for bad, says in (({"input_ids": prompt, "num_beams": 0}, "ZeroDivisionError"),
+        for bad, says in (({"input_ids": prompt, "max_new_tokens": 2, "repetition_penalty": 0.0}, "ValueError"),
                           ({"input_ids": [[5, 5000]]}, "token ids in [0, 1024)"),
                           ({"text": ""}, "non-empty string")):
             status, answer = _post(port, bad)

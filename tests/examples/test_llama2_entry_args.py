@@ -159,9 +159,8 @@ def test_argument_mistakes_are_usage_errors_with_the_values(tmp_path):
         args_for(tmp_path, "--model_name_or_path", "/a", "--config_name", "/b")
     with pytest.raises(eu.UsageError, match="--tokenizer_name='/t' needs --config_name"):
         args_for(tmp_path, "--tokenizer_name", "/t")
-    args = args_for(tmp_path, "--model_name_or_path", str(tmp_path / "missing"))
-    with pytest.raises(eu.UsageError, match="--model_name_or_path=.*missing' does not exist"):
-        eu.load_model_and_tokenizer(args)
+    with pytest.raises(eu.UsageError, match="--model_name_or_path\\)=.*missing' does not exist"):
+        args_for(tmp_path, "--model_name_or_path", str(tmp_path / "missing"))
 
 
 def test_fp8_on_cpu_is_refused_before_any_work():

@@ -1,0 +1,78 @@
+"""examples/deploy/server.py without workers: its argument checks, its tokenizer lookup and its request checks."""
+
+import importlib.util
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+SERVER = Path(__file__).resolve().parents[2] / "examples" / "deploy" / "server.py"
+
+
+@pytest.fixture(scope="module")
+def server():
+    spec = importlib.util.spec_from_file_location("deploy_server", SERVER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "/nonexistent"], "--model '/nonexistent' is neither 'tiny' nor a directory"),
+    (["--model", "tiny", "--tensor-parallel-size", "3"],
+     "--tensor-parallel-size=3 does not divide the model's num_attention_heads=4; use one of [1, 2, 4]"),
+    (["--model", "tiny", "--tensor-parallel-size", "0"], "--tensor-parallel-size=0 must be >= 1"),
+])
+def test_bad_model_or_tensor_size_is_a_usage_error_before_any_worker(server, capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        server.main(argv + ["--port", "0"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_the_tokenizer_an_atorch_checkpoint_records_is_found(server, tmp_path, capsys):
+    from atorch.testing.assets import load_tokenizer
+
+    checkpoint = tmp_path / "step_2"
+    load_tokenizer().save_pretrained(checkpoint / "tokenizer")   # where save_checkpoint records it
+    assert server.tokenizer_folder(str(checkpoint)) == str(checkpoint / "tokenizer")
+    tokenizer = server.load_tokenizer(str(checkpoint))
+    assert tokenizer("hello world")["input_ids"] == load_tokenizer()("hello world")["input_ids"]
+    load_tokenizer().save_pretrained(tmp_path / "hf")             # a merged folder holds it at the top
+    assert server.tokenizer_folder(str(tmp_path / "hf")) == str(tmp_path / "hf")
+    # None: said on stderr, naming both folders looked in.
+    (tmp_path / "bare").mkdir()
+    assert server.load_tokenizer(str(tmp_path / "bare")) is None
+    assert f"no tokenizer in {tmp_path / 'bare'} nor in {tmp_path / 'bare' / 'tokenizer'}" in capsys.readouterr().err
+
+
+def test_a_broken_tokenizer_stops_the_server_naming_the_folder(server, tmp_path):
+    broken = tmp_path / "m" / "tokenizer"
+    broken.mkdir(parents=True)
+    (broken / "tokenizer.json").write_text("{not json")
+    with pytest.raises(SystemExit, match=r"the tokenizer in .*m/tokenizer cannot be loaded"):
+        server.load_tokenizer(str(tmp_path / "m"))
+
+
+def parse(server, request):
+    handler = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(vocab_size=1024)), tokenizer=None)
+    return server.GenerateHandler._parse(handler, json.loads(json.dumps(request)))
+
+
+@pytest.mark.parametrize("request_, message", [
+    ({"input_ids": [[True, False]]}, r"lists of ints \(not booleans\)"),
+    ({"input_ids": [[5, 6]], "num_beams": 0}, "num_beams must be >= 1, got 0"),
+    ({"input_ids": [[5, 6]], "top_p": 0}, r"top_p must be in \(0, 1\], got 0"),
+    ({"input_ids": [[5, 6]], "top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
+    ({"input_ids": [[5, 6]], "top_p": -0.1}, r"top_p must be in \(0, 1\], got -0.1"),
+])
+def test_requests_generate_cannot_run_are_refused_with_the_reason(server, request_, message):
+    with pytest.raises(ValueError, match=message):
+        parse(server, request_)
+
+
+def test_valid_requests_pass(server):
+    ids, options = parse(server, {"input_ids": [[5, 6]], "num_beams": 2, "top_p": 1, "max_new_tokens": 3})
+    assert ids.tolist() == [[5, 6]] and options == {"num_beams": 2, "top_p": 1, "max_new_tokens": 3}
