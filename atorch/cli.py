@@ -15,7 +15,7 @@ import math
 import os
 import platform
 import sys
-from typing import List, Optional
+from typing import Any, List, Optional
 
 RUN_HELP = """usage: atorch run [atorch options] [torchrun options] SCRIPT.py [script args]
 
@@ -140,18 +140,34 @@ def _convert_strategy(argv: List[str]) -> int:
     parser.add_argument("src")
     parser.add_argument("dst", help="the JSON file to write (its folder must exist)")
     args = parser.parse_args(argv)
-    from atorch.auto.strategy import convert_strategy_file
+    from atorch.auto.strategy import Strategy
 
     problem = _destination_problem(args.dst)
     if problem:
         parser.error(f"dst {args.dst!r} {problem}")
     try:
-        print(convert_strategy_file(args.src, args.dst).describe())
+        strategy = Strategy.load(args.src)
+        _check_strategy_items(strategy)
+        strategy.save(args.dst)
+        print(strategy.describe())
     except ValueError as e:
         parser.error(str(e))
     except OSError as e:   # what the checks above cannot foresee (permissions, a full disk)
         parser.error(f"writing dst {args.dst!r} failed: {e.strerror or e}")
     return 0
+
+
+def _check_strategy_items(strategy: Any) -> None:
+    """Every item names a registered optimization and its config parses (ValueError naming the item): a
+    converted file that auto_accelerate would refuse is refused now, not at the start of a training job."""
+    from atorch.auto.opt_lib import get_optimization
+
+    for index, item in enumerate(strategy):
+        optimization = get_optimization(item.name)       # ValueError naming the valid optimizations
+        try:
+            optimization.parse_config(item.config)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"item {index} ({item.name}): {e}") from None
 
 
 def _destination_problem(dst: str) -> Optional[str]:

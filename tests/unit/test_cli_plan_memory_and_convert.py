@@ -61,3 +61,19 @@ def test_a_failed_strategy_save_removes_its_temporary_file(tmp_path):
 def test_usage_lists_convert_strategy(capsys):
     assert main([]) == 0
     assert "`convert-strategy`" in capsys.readouterr().out.splitlines()[0]
+
+
+@pytest.mark.parametrize("item, says", [
+    ({"name": "nosuch_opt"}, "unknown optimization 'nosuch_opt'; valid names are"),
+    ({"name": "fsdp", "config": 5}, "item 0 (fsdp): fsdp: config 5 must be None, a dict"),
+])
+def test_convert_strategy_refuses_what_auto_accelerate_would_refuse(capsys, tmp_path, item, says):
+    import json
+
+    src = tmp_path / "s.json"
+    src.write_text(json.dumps({"format": "atorch.strategy/1", "items": [item]}))
+    with pytest.raises(SystemExit) as info:
+        main(["convert-strategy", str(src), str(tmp_path / "out.json")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and says in err and "Traceback" not in err, err
+    assert not (tmp_path / "out.json").exists()
