@@ -145,6 +145,9 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
     # Everything but a LoRA model streams: one output shard in memory at a time. Tensor-parallel
     # LoRA keeps its adapters as parameters of its own layers, with scales recorded in meta.json.
     tp_lora = model_meta.get("tp_lora")
+    if lora == "adapters" and not (model_meta.get("peft_adapter") or tp_lora):
+        raise ValueError(f"lora='adapters' but the checkpoint {ckpt_dir} has no LoRA adapters; merge it with "
+                         "lora='merge' (the default) to write the whole model")
     if tp_lora and not is_hf:
         raise CheckpointError(f"{ckpt_dir}: a LoRA checkpoint needs {CONFIG_NAME} to be merged; this one lacks it")
     streams = not model_meta.get("peft_adapter") and not tp_lora

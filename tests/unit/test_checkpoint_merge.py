@@ -59,6 +59,9 @@ def test_merge_tied_models_round_trip_through_from_pretrained(tmp_path, make):
 def test_merge_shards_large_models_with_an_index_and_copies_the_tokenizer(tmp_path):
     model = _train_one_step(tiny_llama(seed=0)).eval()
     ckpt = save_checkpoint(model, str(tmp_path / "ckpt"))
+    with pytest.raises(ValueError, match="lora='adapters' but the checkpoint .* has no LoRA adapters"):
+        merge_checkpoint(ckpt, str(tmp_path / "adapters"), lora="adapters")     # it wrote the whole model
+    assert not os.path.exists(tmp_path / "adapters")
     out = merge_checkpoint(ckpt, str(tmp_path / "hf"), max_shard_size="300KB", tokenizer=str(TOKENIZER_DIR))
     index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
     shards = sorted(set(index["weight_map"].values()))
