@@ -36,8 +36,11 @@ Every other option before SCRIPT is torchrun's (python -m torch.distributed.run 
 
 def _run(argv: List[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print(RUN_HELP)
-        return 0
+        # Asked for help: stdout, 0; no script to run is a usage error: stderr, 2 (as argparse does).
+        print(RUN_HELP, file=sys.stdout if argv else sys.stderr)
+        if not argv:
+            print("atorch run: error: give the training script to launch", file=sys.stderr)
+        return 0 if argv else 2
     from atorch.distributed.run import main as run_main
 
     run_main(argv)
@@ -191,7 +194,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"\natorch: unknown command {argv[0]!r}; commands are {', '.join(COMMANDS)}", file=sys.stderr)
             return 2
         return 0
-    return COMMANDS[argv[0]](argv[1:])
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except BrokenPipeError:
+        # The reader went away (`atorch plan ... | head`): nothing more to say, and no traceback.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

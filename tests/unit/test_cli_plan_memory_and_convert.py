@@ -77,3 +77,27 @@ def test_convert_strategy_refuses_what_auto_accelerate_would_refuse(capsys, tmp_
     err = capsys.readouterr().err
     assert info.value.code == 2 and says in err and "Traceback" not in err, err
     assert not (tmp_path / "out.json").exists()
+
+
+def test_run_without_a_script_is_a_usage_error(capsys):
+    assert main(["run"]) == 2
+    assert "give the training script to launch" in capsys.readouterr().err
+    assert main(["run", "--help"]) == 0
+
+
+def test_plan_names_a_small_models_parameter_count(capsys, tmp_path):
+    from atorch.testing import tiny_llama_config
+
+    tiny_llama_config().save_pretrained(tmp_path)
+    main(["plan", "--model", str(tmp_path), "--nproc", "2", "--global-batch", "8", "--seq", "32"])
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.startswith("213.3K parameters on 2 x"), header
+
+
+def test_plan_into_a_closed_pipe_ends_quietly():
+    import subprocess
+    import sys
+
+    reader = subprocess.run(f"{sys.executable} -m atorch.cli plan --model llama2-7b --nproc 8 --global-batch 64 "
+                            f"--seq 2048 | head -1", shell=True, capture_output=True, text=True, timeout=120)
+    assert "parameters on 8 x" in reader.stdout and "Traceback" not in reader.stderr, reader.stderr

@@ -72,6 +72,14 @@ def meta_model(config: Any) -> torch.nn.Module:
 _REFUSED_COLUMNS = ["strategy", "reason"]
 
 
+def _count(n: int) -> str:
+    """A parameter count in the unit that shows it: 6.74B, 125.0M, 213.3K, 512."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.{2 if unit == 'B' else 1}f}{unit}"
+    return str(n)
+
+
 @dataclass
 class ClusterPlan:
     """The ranked candidates (`table`), what does not fit (`too_big`), what `auto_accelerate` would
@@ -93,7 +101,7 @@ class ClusterPlan:
         # The header states the limit the candidates were checked against, the override included.
         memory = (f"{own / 1e9:.0f} GB each" if limit == own else
                   f"{limit / 1e9:.4g} GB each, --device-memory-gb overriding the device's {own / 1e9:.0f} GB")
-        lines = [f"{self.num_params / 1e9:.2f}B parameters on {self.world_size} x {self.device.name} "
+        lines = [f"{_count(self.num_params)} parameters on {self.world_size} x {self.device.name} "
                  f"({memory}); predictions of the cost model, nothing was run", ""]
         if self.table.empty:
             lines.append("no candidate strategy fits in device memory")
