@@ -139,18 +139,17 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
     meta = _read_meta(ckpt_dir)
     model_meta = meta.get("model") or {}
     is_hf = bool(model_meta.get("has_config")) and CONFIG_NAME in manifest.files
-    if model_meta.get("peft_adapter") and not (is_hf and ADAPTER_CONFIG_NAME in manifest.files):
-        raise CheckpointError(f"{ckpt_dir}: a LoRA checkpoint needs {CONFIG_NAME} and {ADAPTER_CONFIG_NAME} to be "
-                              "merged; this one lacks them")
-    # Everything but a LoRA model streams: one output shard in memory at a time. Tensor-parallel
-    # LoRA keeps its adapters as parameters of its own layers, with scales recorded in meta.json.
-    tp_lora = model_meta.get("tp_lora")
-    if lora == "adapters" and not (model_meta.get("peft_adapter") or tp_lora):
+    # Tensor-parallel LoRA keeps its adapters as parameters of its own layers, with scales in meta.json.
+    peft_adapter, tp_lora = model_meta.get("peft_adapter"), model_meta.get("tp_lora")
+    if lora == "adapters" and not (peft_adapter or tp_lora):
         raise ValueError(f"lora='adapters' but the checkpoint {ckpt_dir} has no LoRA adapters; merge it with "
                          "lora='merge' (the default) to write the whole model")
-    if tp_lora and not is_hf:
-        raise CheckpointError(f"{ckpt_dir}: a LoRA checkpoint needs {CONFIG_NAME} to be merged; this one lacks it")
-    streams = not model_meta.get("peft_adapter") and not tp_lora
+    needed = [CONFIG_NAME] + ([ADAPTER_CONFIG_NAME] if peft_adapter else [])
+    if (peft_adapter or tp_lora) and not (is_hf and all(name in manifest.files for name in needed)):
+        raise CheckpointError(f"{ckpt_dir}: a LoRA checkpoint needs {' and '.join(needed)} to be merged; this one "
+                              "lacks them")
+    # Everything but a LoRA model streams: one output shard in memory at a time.
+    streams = not peft_adapter and not tp_lora
     state = None if streams else load_model_tensors(ckpt_dir, manifest)
     if state is not None and tp_lora and lora == "merge":
         state = fold_adapters(state, tp_lora, ckpt_dir)

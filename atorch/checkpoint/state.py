@@ -284,9 +284,7 @@ class ResumedDataLoader(DataLoader):
         return samples // batch if self.drop_last else -(-samples // batch)
 
     def __iter__(self) -> _BaseDataLoaderIter:
-        if not self.sampler.resume_pending():
-            return super().__iter__()
-        with rng_untouched():
+        with rng_untouched() if self.sampler.resume_pending() else contextlib.nullcontext():
             return super().__iter__()
 
 

@@ -34,9 +34,10 @@ def adapters_of(model: nn.Module) -> Optional[Dict[str, Dict[str, float]]]:
     return found or None
 
 
-def _pop_pair(state: Dict[str, torch.Tensor], layer: str, ckpt_dir: str) -> "tuple[torch.Tensor, torch.Tensor]":
+def _adapter_pair(state: Dict[str, torch.Tensor], layer: str, ckpt_dir: str) -> "tuple[torch.Tensor, torch.Tensor]":
+    """The (A, B) matrices of the adapter on `layer`."""
     try:
-        return state.pop(f"{layer}.lora_A"), state.pop(f"{layer}.lora_B")
+        return state[f"{layer}.lora_A"], state[f"{layer}.lora_B"]
     except KeyError:
         raise CheckpointError(f"{ckpt_dir}: meta.json records a LoRA adapter on {layer} but the checkpoint has no "
                               f"{layer}.lora_A / {layer}.lora_B") from None
@@ -47,7 +48,8 @@ def fold_adapters(state: Dict[str, torch.Tensor], adapters: Dict[str, Dict[str, 
     """`state` with every adapter folded into its layer's weight (computed in fp32, stored in the weight's dtype)."""
     out = dict(state)
     for layer, info in adapters.items():
-        a, b = _pop_pair(out, layer, ckpt_dir)
+        a, b = _adapter_pair(out, layer, ckpt_dir)
+        del out[f"{layer}.lora_A"], out[f"{layer}.lora_B"]
         weight = out.get(f"{layer}.weight")
         if weight is None:
             raise CheckpointError(f"{ckpt_dir}: LoRA adapter on {layer} but no {layer}.weight to fold it into")
@@ -66,13 +68,14 @@ def save_peft_adapters(state: Dict[str, torch.Tensor], adapters: Dict[str, Dict[
     ranks = {int(info["r"]) for info in adapters.values()}
     scalings = {float(info["scaling"]) for info in adapters.values()}
     if len(ranks) != 1 or len(scalings) != 1:
-        raise CheckpointError(f"{ckpt_dir}: the LoRA adapters have ranks {sorted(ranks)} and scales {sorted(scalings)}; "
-                              "one adapter_config.json holds one of each: merge with lora='merge' instead")
+        raise CheckpointError(f"{ckpt_dir}: the LoRA adapters have ranks {sorted(ranks)} and scales "
+                              f"{sorted(scalings)}; one adapter_config.json holds one of each: merge with "
+                              "lora='merge' instead")
     r, scaling = ranks.pop(), scalings.pop()
     tensors: Dict[str, torch.Tensor] = {}
     leaves = set()
     for layer in adapters:
-        a, b = _pop_pair(dict(state), layer, ckpt_dir)
+        a, b = _adapter_pair(state, layer, ckpt_dir)
         name = layer[len(hf_prefix):] if hf_prefix and layer.startswith(hf_prefix) else layer
         tensors[f"base_model.model.{name}.lora_A.weight"] = a.contiguous()
         tensors[f"base_model.model.{name}.lora_B.weight"] = b.contiguous()

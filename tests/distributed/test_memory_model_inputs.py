@@ -5,7 +5,8 @@ change what the user hands over instead: another optimizer (SGD keeps no state, 
 amsgrad three moments), parameters the user froze, gradient accumulation (the gradients of
 earlier micro-steps live through the later ones), and a tied embedding on pipeline stages
 (each end stage holds the shared matrix whole), LoRA's adapters on the model's own linears.
-Before the cost model read them, the predictions were off by 0.65x-1.95x (benchmarks/RESULTS.md, "Memory model: what the user brings").
+Before the cost model read them, the predictions were off by 0.65x-1.95x (benchmarks/RESULTS.md,
+"(g) What the user brings").
 
 Measured as in `test_memory_model.py`: live storage bytes right after the second backward pass, settled
 (model states, DDP's buckets) against `resident_bytes`, and the peak over the build and two

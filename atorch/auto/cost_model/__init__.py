@@ -44,8 +44,8 @@ from atorch.auto.cost_model.traits import StrategyTraits, lora_params, micro_bat
 __all__ = [
     "ACTIVATION_PHASE_KEYS", "ADAM", "ADAM_STATE_BYTES_PER_PARAM", "DEVICE_PROFILES", "DS_REDUCE_BUCKET_ELEMENTS",
     "DS_STAGE3_PERSISTENCE_ELEMENTS", "DS_STAGE3_PREFETCH_ELEMENTS", "Estimate", "MODEL_STATE_KEYS", "ModelShape",
-    "OptimizerStates", "PHASES", "RESIDENT_KEYS", "StrategyTraits", "activation_bytes", "adam_step_bytes", "block_activation_bytes",
-    "calibrated_shape", "estimate", "loss_buffer_bytes", "loss_softmax_bytes", "lora_params", "memory_breakdown",
-    "micro_batch_size", "model_state_bytes", "optimizer_states", "peak_bytes", "precision_mode", "resident_bytes", "shape_of",
-    "stage_params", "time_breakdown",
+    "OptimizerStates", "PHASES", "RESIDENT_KEYS", "StrategyTraits", "activation_bytes", "adam_step_bytes",
+    "block_activation_bytes", "calibrated_shape", "estimate", "loss_buffer_bytes", "loss_softmax_bytes", "lora_params",
+    "memory_breakdown", "micro_batch_size", "model_state_bytes", "optimizer_states", "peak_bytes", "precision_mode",
+    "resident_bytes", "shape_of", "stage_params", "time_breakdown",
 ]

@@ -97,16 +97,19 @@ def stage_params(shape: ModelShape, traits: StrategyTraits) -> float:
     if p <= 1:
         return float(shape.num_params)
     head = shape.vocab_size * shape.hidden_size
-    inputs = shape.embedding_params - (0 if shape.tied_embeddings else head)
     blocks = -(-shape.num_layers // p) * shape.layer_params
-    return max(shape.num_params / p, blocks + max(inputs, head))
+    return max(shape.num_params / p, blocks + max(_input_embedding_params(shape), head))
+
+
+def _input_embedding_params(shape: ModelShape) -> int:
+    """The token (and learned position) embeddings: `embedding_params` without an untied LM head."""
+    return shape.embedding_params - (0 if shape.tied_embeddings else shape.vocab_size * shape.hidden_size)
 
 
 def tensor_replicated_params(shape: ModelShape) -> float:
     """Parameters tensor parallelism keeps whole on every rank: learned position embeddings (GPT-2's
     `wpe`), the norms, and the biases of row-parallel linears (added after the reduction)."""
-    head = shape.vocab_size * shape.hidden_size
-    positions = max(0, shape.embedding_params - head * (1 if shape.tied_embeddings else 2))
+    positions = max(0, _input_embedding_params(shape) - shape.vocab_size * shape.hidden_size)
     h = shape.hidden_size
     # Per block: two norms (Llama's RMSNorm: a weight; GPT-2's LayerNorm: weight and bias, and the
     # attention's and the MLP's output-projection biases); then the final norm.
@@ -132,8 +135,9 @@ def memory_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int
     t = traits.tensor
     # atorch's tensor_parallel shards the token embeddings and the LM head too; what it leaves
     # whole on every rank is counted once per rank.
-    whole = min(tensor_replicated_params(shape), stage_params(shape, traits)) if t > 1 else 0.0
-    base = (stage_params(shape, traits) - whole) / t + whole
+    stage = stage_params(shape, traits)
+    whole = min(tensor_replicated_params(shape), stage) if t > 1 else 0.0
+    base = (stage - whole) / t + whole
     adapters = lora_params(shape, traits, tensor=t) / traits.pipeline
     params_per_rank = base + adapters
     # Without LoRA: every parameter but those the user froze (spread evenly over the stages and shards).

@@ -153,25 +153,24 @@ class NativePipeline:
         # One stage and schedule per micro-batch size: torch.distributed.pipelining fixes the shapes
         # it sends between stages at its first step, so an epoch's smaller last batch (drop_last=False)
         # gets its own. Every stage of a pipeline sees the same batch, so all build it together.
-        self._schedules: Dict[int, Any] = {}
-        self.stage, self.schedule = self._schedule_for(None)
+        self.stage, self.schedule = self._new_schedule()
+        self._schedules: Dict[int, Any] = {}    # micro-batch rows -> schedule; the first step's is `schedule`
 
-    def _schedule_for(self, micro_rows: Optional[int]) -> Tuple[Any, Any]:
+    def _new_schedule(self) -> Tuple[Any, Any]:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        if micro_rows is not None and micro_rows in self._schedules:
-            return self._schedules[micro_rows]
-        if micro_rows is not None and not self._schedules:     # the first step fixes the first one's shapes
-            self._schedules[micro_rows] = (self.stage, self.schedule)
-            return self._schedules[micro_rows]
         stage = PipelineStage(self.stage_module, self.stage_index, self.num_stages, self.device, group=self.group)
         schedule_cls = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
         # scale_grads: the loss is a mean per micro-batch, so gradients are divided by `chunks`
         # to make them the gradient of the batch mean, as in unsplit training.
-        schedule = schedule_cls(stage, n_microbatches=self.chunks, loss_fn=self.loss_fn, scale_grads=True)
-        if micro_rows is not None:
-            self._schedules[micro_rows] = (stage, schedule)
-        return stage, schedule
+        return stage, schedule_cls(stage, n_microbatches=self.chunks, loss_fn=self.loss_fn, scale_grads=True)
+
+    def _schedule_for(self, micro_rows: int) -> Any:
+        if not self._schedules:
+            self._schedules[micro_rows] = self.schedule      # the first step fixes this one's shapes
+        if micro_rows not in self._schedules:
+            self._schedules[micro_rows] = self._new_schedule()[1]
+        return self._schedules[micro_rows]
 
     @property
     def is_first(self) -> bool:
@@ -195,7 +194,7 @@ class NativePipeline:
         args = hf_inputs(batch) if self.is_first else ()
         losses: List[torch.Tensor] = []
         target = hf_labels(batch) if self.is_last else None
-        _, schedule = self._schedule_for(rows // self.chunks)
+        schedule = self._schedule_for(rows // self.chunks)
         schedule.step(*args, target=target, losses=losses if self.is_last else None, return_outputs=False)
         self._average_data_parallel_grads()
         if self.tied_param is not None and self.tied_param.grad is not None:
