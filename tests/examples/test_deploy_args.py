@@ -1,21 +1,14 @@
 """examples/deploy/server.py without workers: its argument checks, its tokenizer lookup and its request checks."""
 
-import importlib.util
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-SERVER = Path(__file__).resolve().parents[2] / "examples" / "deploy" / "server.py"
-
 
 @pytest.fixture(scope="module")
-def server():
-    spec = importlib.util.spec_from_file_location("deploy_server", SERVER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def server(load_example):
+    return load_example("deploy/server.py")
 
 
 @pytest.mark.parametrize("argv, message", [

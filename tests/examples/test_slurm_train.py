@@ -3,21 +3,13 @@
 The real two-task srun run lives in tests/distributed/test_slurm_real.py.
 """
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 from torch.utils.data import DataLoader, DistributedSampler
 
-TRAIN = Path(__file__).resolve().parents[2] / "examples" / "slurm" / "train.py"
-
 
 @pytest.fixture(scope="module")
-def train():
-    spec = importlib.util.spec_from_file_location("slurm_train", TRAIN)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def train(load_example):
+    return load_example("slurm/train.py")
 
 
 def test_more_steps_than_one_epoch_run_over_epochs(train):
