@@ -60,9 +60,11 @@ def load_tokenizer(model: str) -> Optional[Any]:
         from atorch.testing.assets import load_tokenizer as load_bundled
 
         return load_bundled()
+    from atorch.checkpoint.tokenizer_files import RECORDED_DIR
+
     folder = tokenizer_folder(model)
     if folder is None:
-        print(f"server: no tokenizer in {model} nor in {os.path.join(model, 'tokenizer')}: text requests will be "
+        print(f"server: no tokenizer in {model} nor in {os.path.join(model, RECORDED_DIR)}: text requests will be "
               "refused; send input_ids", file=sys.stderr, flush=True)
         return None
     from transformers import AutoTokenizer
