@@ -642,6 +642,10 @@ def locate_resume(args: argparse.Namespace) -> Optional[ResumePoint]:
         raise UsageError(f"the checkpoint {path} was trained with LoRA adapters but USE_LORA (--use_lora) is off; "
                          "resume with USE_LORA=1, or export it with `atorch merge` and start a new run from the "
                          "merged folder with MODEL_NAME_OR_PATH")
+    if not point.lora_enabled and getattr(args, "use_lora", False):
+        raise UsageError(f"the checkpoint {path} was trained without LoRA but USE_LORA (--use_lora) is on; a resume "
+                         "continues the same training: resume with USE_LORA=0, or to fine-tune it with LoRA, export "
+                         "it with `atorch merge` and start a new run from the merged folder with MODEL_NAME_OR_PATH")
     return point
 
 

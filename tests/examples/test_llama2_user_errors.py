@@ -89,6 +89,13 @@ def test_resume_of_a_lora_checkpoint_without_use_lora(tmp_path):
     assert eu.locate_resume(args).lora_enabled
 
 
+def test_resume_of_a_plain_checkpoint_with_use_lora(tmp_path):
+    ckpt = fake_checkpoint(tmp_path / "step_2", step=2)
+    with pytest.raises(eu.UsageError, match=r"trained without LoRA but USE_LORA \(--use_lora\) is on; .*resume with "
+                                            r"USE_LORA=0, or .*`atorch merge`"):
+        fsdp_llama2.main(parse(fsdp_llama2, tmp_path, "--max_steps", "4", "--resume", str(ckpt), "--use_lora"))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--log_with", "foo"], r"LOG_WITH \(--log_with\)='foo': valid values are tensorboard, jsonl or none"),
     (["--learning_rate", "-1"], r"LEARNING_RATE \(--learning_rate\)=-1.0 must be > 0"),
