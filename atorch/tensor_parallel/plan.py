@@ -303,7 +303,7 @@ def resolve_tp_plan(model: nn.Module, tpinfo: TPInfo, tp_size: int, world_size: 
         if not matched:
             raise ValueError(f"TPInfo split_head_inputs suffix {suffix!r} matches no module of {model_name}; "
                              f"{_name_hint(modules)}")
-        heads = _config_sizes(getattr(model, "config", None)).get("num_attention_heads")
+        heads = config_sizes(getattr(model, "config", None)).get("num_attention_heads")
         if heads is None or heads % tp_size != 0:
             raise ValueError(f"TPInfo split_head_inputs {suffix!r}: the model config's num_attention_heads={heads} "
                              f"must be known and divisible by tensor size {tp_size}")
@@ -366,8 +366,9 @@ def _check_module_sizes(name: str, module: nn.Module, action: TPAction, tp_size:
                          f"tensor size {tp_size} x stride {stride} = {tp_size * stride}")
 
 
-def _config_sizes(config: Any) -> Dict[str, int]:
-    """Head counts and widths of a model config, under their Hugging Face names (GPT-2 aliases included)."""
+def config_sizes(config: Any) -> Dict[str, int]:
+    """Head counts and widths of a model config that a tensor size must divide, under their Hugging Face
+    names (GPT-2 aliases included); sizes the config does not set are left out."""
     sizes: Dict[str, int] = {}
     for key in ("num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size",
                 "moe_intermediate_size"):
@@ -386,7 +387,7 @@ def _check_config_divisibility(model: nn.Module, actions: Dict[str, TPAction], t
     sharded = [n for n, a in actions.items() if a.kind in (COL, ROW, EXPERTS)]
     attention = [n for n in sharded if "attn" in n or "attention" in n] or sharded
     mlp = [n for n in sharded if "mlp" in n] or sharded
-    for key, value in _config_sizes(config).items():
+    for key, value in config_sizes(config).items():
         if value % tp_size == 0:
             continue
         where = attention if "heads" in key else mlp if "intermediate_size" in key else sharded

@@ -80,7 +80,7 @@ def _divisors(value: int) -> List[int]:
 
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
-    """Refuse a `--model` that is not there and a tensor-parallel size the model's heads do not split over,
+    """Refuse a `--model` that is not there and a tensor-parallel size the model's heads or widths do not split over,
     as usage errors (exit 2) before any worker starts; return the model's config (None if unknown)."""
     if args.tensor_parallel_size < 1:
         parser.error(f"--tensor-parallel-size={args.tensor_parallel_size} must be >= 1")
@@ -97,9 +97,10 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         config = AutoConfig.from_pretrained(args.model)
     else:
         return None   # atorch.deploy reads what it can and says what is missing
-    for key in ("num_attention_heads", "num_key_value_heads"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0 and value % args.tensor_parallel_size:
+    from atorch.tensor_parallel.plan import config_sizes
+
+    for key, value in config_sizes(config).items():   # what tensor parallelism itself checks, before any worker
+        if value % args.tensor_parallel_size:
             parser.error(f"--tensor-parallel-size={args.tensor_parallel_size} does not divide the model's {key}="
                          f"{value}; use one of {_divisors(value)}")
     return config

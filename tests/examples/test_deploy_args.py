@@ -25,6 +25,18 @@ def test_bad_model_or_tensor_size_is_a_usage_error_before_any_worker(server, cap
     assert message in err and "Traceback" not in err
 
 
+def test_a_width_the_tensor_size_does_not_divide_is_a_usage_error(server, capsys, tmp_path):
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, intermediate_size=91, num_attention_heads=4, num_key_value_heads=2,
+                num_hidden_layers=1, vocab_size=128).save_pretrained(tmp_path)   # heads split over 2, the MLP not
+    with pytest.raises(SystemExit) as exc:
+        server.main(["--model", str(tmp_path), "--tensor-parallel-size", "2", "--port", "0"])
+    assert exc.value.code == 2
+    assert "--tensor-parallel-size=2 does not divide the model's intermediate_size=91; use one of [1, 7, 13, 91]" \
+        in capsys.readouterr().err
+
+
 def test_the_tokenizer_an_atorch_checkpoint_records_is_found(server, tmp_path, capsys):
     from atorch.testing.assets import load_tokenizer
 
