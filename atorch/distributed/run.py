@@ -448,6 +448,10 @@ def _rendezvous_failure(exc: BaseException, rdzv: Rendezvous) -> Optional[str]:
     return None
 
 
+USAGE_EXIT_CODE = 2
+"""A worker's exit status for a usage error (argparse's, and atorch's examples')."""
+
+
 def _exit_code(exitcode: int) -> int:
     """A failed worker's exit status as a shell reports it: 128 + N for signal N."""
     code = 128 - exitcode if exitcode < 0 else exitcode
@@ -476,9 +480,14 @@ def run_job(args: argparse.Namespace, rdzv: Rendezvous, prog: str = PROG) -> int
         restarts = args.max_restarts
         gave_up = f"; gave up after {restarts} restart{'s' if restarts > 1 else ''} (--max_restarts {restarts})" \
             if restarts > 0 else ""
-        print(e.format_msg(), file=sys.stderr)
+        # Exit status 2 is the command-line usage convention (argparse's): the worker has printed its own
+        # one-line message, which torch elastic's failure table (no traceback to show) would only bury.
+        usage = all(f.exitcode == USAGE_EXIT_CODE for f in e.failures.values())
+        if not usage:
+            print(e.format_msg(), file=sys.stderr)
+        what = " (a usage error: the worker's message is above)" if usage else ""
         print(f"{prog}: error: worker rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) failed "
-              f"with {how}{gave_up}; the launcher exits with {code}", file=sys.stderr, flush=True)
+              f"with {how}{what}{gave_up}; the launcher exits with {code}", file=sys.stderr, flush=True)
         return code
     except Exception as e:   # noqa: BLE001 - only rendezvous failures are turned into one line
         message = _rendezvous_failure(e, rdzv)

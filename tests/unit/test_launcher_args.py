@@ -207,9 +207,6 @@ def test_exit_code_as_a_shell_reports_it():
     assert _exit_code(3) == 3 and _exit_code(-9) == 137 and _exit_code(-15) == 143 and _exit_code(0) == 1
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))
-
 
 def test_store_probe_accepts_a_store_and_names_a_port_where_something_else_listens():
     import datetime
@@ -236,3 +233,33 @@ def test_store_probe_accepts_a_store_and_names_a_port_where_something_else_liste
             check_store_endpoint("127.0.0.1", port, wait_s=0.3, poll_s=0.1)
     with pytest.raises(StoreProbeError, match="cannot resolve the rendezvous host"):
         check_store_endpoint("no-such-host.invalid", 1234, wait_s=1)
+
+
+def _job_failing_with(monkeypatch, tmp_path, capsys, exitcodes):
+    """run_job's stderr and status when torch elastic reports workers that exited with `exitcodes`."""
+    import torch.distributed.run as torch_run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    failures = {rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code,
+                                     error_file=str(tmp_path / f"absent_{rank}.json"))
+                for rank, code in enumerate(exitcodes)}
+
+    def failing(args):
+        raise ChildFailedError(name="train.py", failures=failures)
+
+    monkeypatch.setattr(torch_run, "run", failing)
+    args, rdzv = _prepared(["--nproc_per_node", str(len(exitcodes)), "t.py"])
+    code = run.run_job(args, rdzv)
+    return code, capsys.readouterr().err
+
+
+def test_a_usage_error_in_the_workers_is_not_buried_under_the_failure_table(monkeypatch, tmp_path, capsys):
+    code, err = _job_failing_with(monkeypatch, tmp_path, capsys, [2, 2])
+    assert code == 2 and "Root Cause" not in err and err.count("\n") == 1, err
+    assert "failed with exit code 2 (a usage error: the worker's message is above); the launcher exits with 2" in err
+    code, err = _job_failing_with(monkeypatch, tmp_path, capsys, [1, 2])   # a crash: the table, as torchrun's
+    assert code in (1, 2) and "Root Cause" in err and "(a usage error" not in err, err
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
