@@ -1,0 +1,55 @@
+"""FSDP2 over more data ranks than a mixture of experts has experts (2 gloo ranks, one expert).
+
+FSDP2 splits a parameter along dim 0. A fused expert tensor [experts, ...] and the router
+[experts, hidden] padded along dim 0 to the data size put a whole expert on a rank and all-gather
+a buffer ranks/experts times the tensor; atorch shards them along their widest even dimension
+(`_sharding.least_padded_placement`). Checked: each rank holds half of every expert tensor, and
+3 AdamW steps give the losses of plain single-process training (fp32, rel 1e-5, as
+test_opt_parity.py).
+"""
+
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from atorch.auto import auto_accelerate, train_step
+from atorch.testing import run_distributed
+from atorch.testing.parity import TokenDataset, assert_close_losses, global_batches, reference_losses
+
+STEPS, BATCH, LR, REL, WORLD = 3, 4, 1e-3, 1e-5, 2
+
+
+def _mixtral() -> torch.nn.Module:
+    config = AutoConfig.for_model("mixtral", hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                  num_key_value_heads=2, num_hidden_layers=2, vocab_size=128, num_local_experts=1,
+                                  num_experts_per_tok=1)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _job() -> Dict[str, Any]:
+    dataset = TokenDataset(n=STEPS * BATCH, vocab_size=128)
+    _, result, _ = auto_accelerate(_mixtral(), optim_func=torch.optim.AdamW, dataset=dataset,
+                                   optim_args={"lr": LR}, dataloader_args={"batch_size": BATCH},
+                                   load_strategy=["parallel_mode", "fsdp"], ignore_dryrun_on_load_strategy=True)
+    shards = {name: (tuple(p.to_local().shape), str(p.placements[0]))
+              for name, p in result.model.named_parameters() if "experts" in name or "mlp.gate" in name}
+    losses: List[float] = []
+    for _, batch in zip(range(STEPS), result.dataloader):   # this rank's half of each global batch
+        loss = train_step(result, batch).detach().clone()
+        dist.all_reduce(loss)                                 # the global batch's mean: the ranks' mean
+        losses.append(loss.item() / WORLD)
+    return {"shards": shards, "losses": losses}
+
+
+def test_experts_fewer_than_data_ranks_shard_evenly_and_train_like_one_process():
+    expected = reference_losses(_mixtral(), global_batches(TokenDataset(n=STEPS * BATCH, vocab_size=128), BATCH,
+                                                           STEPS), lr=LR)
+    for rank, out in enumerate(run_distributed(_job, WORLD, timeout=240)):
+        assert out["shards"], out
+        for name, (local, placement) in out["shards"].items():
+            # one expert: [1, 192, 64] -> [1, 96, 64] per rank (dim 0 would put it whole on rank 0)
+            assert placement == "S(1)" and local[1] * WORLD in (192, 64, 96), (rank, name, local, placement)
+        assert_close_losses(out["losses"], expected, REL, f"rank {rank}")

@@ -1,0 +1,28 @@
+"""FSDP2's shard dimension per parameter: dim 0 unless it pads much and another dimension pads less."""
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Shard
+
+from atorch.auto.opt_lib._sharding import least_padded_placement, padded_elements
+
+
+def test_padded_elements_counts_the_padded_rows_times_the_row():
+    assert padded_elements((8, 192, 64), 0, 64) == 56 * 192 * 64
+    assert padded_elements((8, 192, 64), 1, 64) == 0
+    assert padded_elements((10,), 0, 4) == 2
+
+
+@pytest.mark.parametrize("shape, ranks, expected", [
+    ((8, 28672, 4096), 64, Shard(1)),    # Mixtral's experts on 64 data ranks: one expert per rank at dim 0
+    ((8, 4096), 64, Shard(1)),           # its router
+    ((8, 4096, 14336), 8, None),         # as many experts as ranks: dim 0 splits evenly
+    ((32003, 4096), 64, None),           # an odd vocabulary: a few padded rows are not worth a copy per gather
+    ((3, 8), 4, Shard(1)),               # dim 0 pads a third, dim 1 nothing
+    ((3, 5), 4, None),                   # dim 0 pads 5 elements, dim 1 9: dim 0 stays
+    ((3, 3), 4, None),                   # no dimension pads less
+    ((4096,), 64, None),                 # norms and biases: one dimension
+])
+def test_the_shard_dimension(shape, ranks, expected):
+    assert least_padded_placement(ranks)(nn.Parameter(torch.empty(shape, device="meta"))) == expected
