@@ -29,7 +29,7 @@ def test_plan_7b_on_64_h100_is_the_cost_model_ranked():
                                                                         global_batch_size=512).candidates()}
     top = result.table.iloc[0]
     est = estimate(shape, by_label[top["strategy"]], 512, 4096, 64, "cuda",
-                   profile=device_spec("h100").profile(multi_node=True))
+                   profile=device_spec("h100").profile(multi_node=True, ranks_per_node=8))
     assert top["memory_gb"] == pytest.approx(est.peak_memory_bytes / 1e9)
     assert top["step_time_s"] == pytest.approx(est.step_time_s)
     # Plain data parallelism of a 7B model with fp32 Adam cannot fit an 80 GB device.

@@ -140,7 +140,7 @@ def plan_cluster(model_config: Any, world_size: int, device: str, global_batch: 
     shape = calibrated_shape(model, seq_len)
     device_type = "cpu" if device == "cpu" else "cuda"
     space = SearchSpace.default_for(model, world_size, device_type, global_batch_size=global_batch)
-    profile = spec.profile(multi_node=nnodes > 1)
+    profile = spec.profile(multi_node=nnodes > 1, ranks_per_node=world_size // nnodes)
     rows, too_big = [], []
     candidates = space.candidates()
     # Enumeration refuses the layouts the global batch does not split over (as auto_accelerate would).
