@@ -332,8 +332,10 @@ def _pipeline_step(result: AutoAccelerateResult, pipeline: Any, batch: Any, step
 
 # -- the global gradient norm -----------------------------------------------------------------
 
-def _shard_roles(result: AutoAccelerateResult) -> Tuple[List[Tuple[torch.Tensor, Tuple[str, ...]]], Dict[str, Any]]:
-    """[(local gradient, roles it is sharded over)] and {role: process group}.
+def _shard_roles(result: AutoAccelerateResult) -> Tuple[List[Tuple[torch.Tensor, Tuple[str, ...]]], Dict[str, Any],
+                                                        List[torch.Tensor]]:
+    """[(local gradient, roles it is sharded over)], {role: process group}, and the gradients to scale
+    without counting them (the last pipeline stage's copy of a tied weight: the first stage counts it).
 
     Roles: "mesh:<dim>" for a DTensor sharded over that mesh dimension (FSDP2), "tensor" for
     a slice of atorch's tensor-parallel layers, "pipeline" for a stage's own parameters.
@@ -351,8 +353,12 @@ def _shard_roles(result: AutoAccelerateResult) -> Tuple[List[Tuple[torch.Tensor,
         if pipeline.tied_param is not None and pipeline.is_last:   # the first stage counts the tied weight
             skip.add(id(pipeline.tied_param))
     out: List[Tuple[torch.Tensor, Tuple[str, ...]]] = []
+    uncounted: List[torch.Tensor] = []
     for p in model.parameters():
-        if p.grad is None or id(p) in skip:
+        if p.grad is None:
+            continue
+        if id(p) in skip:
+            uncounted.append(p.grad)
             continue
         grad = p.grad
         roles: List[str] = []
@@ -370,7 +376,7 @@ def _shard_roles(result: AutoAccelerateResult) -> Tuple[List[Tuple[torch.Tensor,
         if "pipeline" in groups:
             roles.append("pipeline")
         out.append((grad, tuple(roles)))
-    return out, groups
+    return out, groups, uncounted
 
 
 def _tensor_parallel_slices(model: nn.Module, groups: Dict[str, Any]) -> set:
@@ -403,7 +409,7 @@ def clip_grad_norm_(result: AutoAccelerateResult, max_norm: float, norm_type: fl
         raise ValueError("clip_grad_norm_: a DeepSpeed engine clips in engine.step(); pass max_grad_norm to "
                          "atorch.auto.train_step instead")
     norm_type = float(norm_type)
-    grads, groups = _shard_roles(result)
+    grads, groups, uncounted = _shard_roles(result)
     roles = sorted(groups)          # the same order on every rank: every rank holds the same kinds of shards
     device = grads[0][0].device if grads else torch.device("cpu")
     partial = torch.zeros(1 << len(roles), dtype=torch.float64, device=device)
@@ -427,6 +433,7 @@ def clip_grad_norm_(result: AutoAccelerateResult, max_norm: float, norm_type: fl
     total = total.float()
     # torch.nn.utils.clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6), never up.
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for grad, _ in grads:
+    # Both copies of a tied weight are scaled alike, or the stages' copies drift apart.
+    for grad in itertools.chain((g for g, _ in grads), uncounted):
         grad.mul_(coef.to(grad.device, grad.dtype))
     return total
