@@ -148,10 +148,13 @@ class DeepSpeedHandler(LayoutHandler):
                 name = self.names[id(p)]
                 for key in self._state_keys(flat):
                     tensors[f"state.{name}.{key}"] = safe_get_full_optimizer_state(p, key).reshape(_shape(p))
-                # Scalars (Adam's step) are one per flat partition; saved per parameter like torch does.
+                # Scalars (Adam's step) are one per flat partition; saved per parameter like torch does,
+                # as 0-dim tensors whatever the optimizer keeps (DeepSpeed's CPU Adam: a Python int).
                 for key, v in flat_state.items():
                     if torch.is_tensor(v) and v.dim() == 0:
                         tensors[f"state.{name}.{key}"] = v.detach().clone()
+                    elif _is_number(v):
+                        tensors[f"state.{name}.{key}"] = torch.tensor(float(v))
                 for key, v in group.items():
                     if key != "params":
                         values[f"param_groups.{name}.{key}"] = v
@@ -174,9 +177,11 @@ class DeepSpeedHandler(LayoutHandler):
                 for key in keys:
                     safe_set_full_optimizer_state(p, tensors[f"state.{name}.{key}"].to(torch.float32), key)
             first = self.names[id(params[0])]
-            for key, v in flat_state.items():
+            for key, v in list(flat_state.items()):
                 if torch.is_tensor(v) and v.dim() == 0:
                     v.copy_(tensors[f"state.{first}.{key}"])
+                elif _is_number(v):   # a Python scalar: the step count of DeepSpeed's CPU Adam
+                    flat_state[key] = type(v)(tensors[f"state.{first}.{key}"].item())
             for key in list(group):
                 saved = values.get(f"param_groups.{first}.{key}")
                 if key != "params" and saved is not None:
@@ -242,3 +247,8 @@ def _scatter(p: torch.Tensor, full: torch.Tensor) -> None:
     with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
         if dist.get_rank() == 0:
             p.data.copy_(full.to(p.dtype).reshape(p.shape))
+
+
+def _is_number(value: Any) -> bool:
+    """A Python int or float optimizer-state entry (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
