@@ -49,6 +49,7 @@ class _RecorderState:
         self.lock = threading.RLock()
         self.depth = 0
         self.patched: Dict[type, Callable] = {}   # class -> its original __init__
+        self.installed: Dict[type, Callable] = {}  # class -> the recording __init__ put in its place
         self.in_progress: Set[int] = set()        # ids of modules whose outermost __init__ is running
         self.had_init_subclass = False
         self.saved_init_subclass: Any = None
@@ -76,6 +77,7 @@ def _wrap_init(cls: type) -> None:
         object.__setattr__(self, _RECORD_ATTR, InitRecord(type(self), args, dict(kwargs)))
 
     _STATE.patched[cls] = original
+    _STATE.installed[cls] = recording_init
     cls.__init__ = recording_init  # type: ignore[misc]  # deliberate patch, restored by _uninstall
 
 
@@ -109,8 +111,14 @@ def _install() -> None:
 
 def _uninstall() -> None:
     for cls, original in _STATE.patched.items():
-        cls.__init__ = original  # type: ignore[misc]  # putting back the __init__ _wrap_init replaced
+        # A class defined inside the block may have had its __init__ wrapped again after ours (a class
+        # decorator: transformers' `use_experts_implementation` sets `self.config` around it). That
+        # wrapper calls ours, which outside a recording block is the original: keep it, or the
+        # class loses what the decorator adds.
+        if cls.__dict__.get("__init__") is _STATE.installed.get(cls):
+            cls.__init__ = original  # type: ignore[misc]  # putting back the __init__ _wrap_init replaced
     _STATE.patched.clear()
+    _STATE.installed.clear()
     if _STATE.had_init_subclass:
         nn.Module.__init_subclass__ = _STATE.saved_init_subclass  # type: ignore[method-assign]  # restoring it
     else:

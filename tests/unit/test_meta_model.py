@@ -82,6 +82,38 @@ def test_modules_defined_inside_the_block_keep_working():
     assert real.proj.bias is None and not real.proj.weight.is_meta
 
 
+def _sets_config_after_init(cls):
+    """A class decorator wrapping __init__ as transformers' `use_experts_implementation` does."""
+    original = cls.__init__
+
+    def __init__(self, config, *args, **kwargs):
+        original(self, config, *args, **kwargs)
+        self.config = config
+
+    cls.__init__ = __init__
+    return cls
+
+
+def test_an_init_a_decorator_wrapped_inside_the_block_keeps_the_decorator():
+    # transformers imports a model's module lazily, so its experts class can be defined (and decorated)
+    # inside the block: the block's exit once put back the undecorated __init__ and the experts built
+    # afterwards (materialization, DeepSpeed 3D's stages) had no `config`.
+    with record_module_init():
+        @_sets_config_after_init
+        class Experts(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.weight = nn.Parameter(torch.empty(config, 4))
+
+        meta = Experts(3)
+        assert meta.config == 3 and meta.weight.is_meta and init_record(meta).args == (3,)
+    assert Experts(2).config == 2
+    assert build_recorded_module(meta, seed=0).config == 3
+    with record_module_init():   # recorded again in a second block
+        again = Experts(5)
+    assert again.config == 5 and init_record(again).args == (5,) and Experts(1).config == 1
+
+
 def test_patches_restored_when_the_block_raises_and_blocks_nest():
     init_of_module = nn.Module.__init__
     with pytest.raises(RuntimeError, match="boom"):
