@@ -49,7 +49,8 @@ def _run(argv: List[str]) -> int:
 
 def _plan(argv: List[str]) -> int:
     from atorch.auto.devices import DEVICES
-    from atorch.auto.search.cluster_plan import MODEL_PRESETS, load_model_config, plan_cluster
+    from atorch.auto.search.cluster_plan import (MODEL_PRESETS, check_causal_lm, check_seq_len, load_model_config,
+                                                 plan_cluster)
 
     parser = argparse.ArgumentParser(prog="atorch plan", description=(
         "Rank candidate strategies for a model on a cluster with the cost model: memory per device and predicted "
@@ -74,6 +75,11 @@ def _plan(argv: List[str]) -> int:
         parser.error(f"--device-memory-gb={gb} must be a positive number of GB (unset: the device's own memory)")
     try:
         config = load_model_config(args.model)
+        try:
+            check_causal_lm(config)       # before anything slow: the model is built only for causal LMs
+        except ValueError as e:
+            raise ValueError(f"--model {args.model!r}: {e}") from None
+        check_seq_len(config, args.seq, "--seq")
         memory = int(gb * 1e9) if gb is not None else None
         result = plan_cluster(config, args.nproc * args.nnodes, args.device, args.global_batch, args.seq,
                               nnodes=args.nnodes, device_memory_bytes=memory)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Union
 
@@ -14,7 +16,14 @@ from atorch.auto.cost_model.optimizer import OptimizerStates
 from atorch.auto.cost_model.shape import ModelShape
 from atorch.auto.cost_model.step_time import DEVICE_PROFILES, time_breakdown
 from atorch.auto.cost_model.traits import StrategyTraits, micro_batch_size
-from atorch.auto.strategy import StrategyLike
+from atorch.auto.strategy import Strategy, StrategyLike
+
+# The rates `profile` may override: those that divide must be > 0; a latency, an overhead, or a
+# rate whose 0 means "none" or "unknown" (host_* : no host link to cross or CPU optimizer step
+# counted; ranks_per_node: devices per node unknown) may be 0. DEVICE_PROFILES' keys are valid too.
+_POSITIVE_RATES = ("flops_fp32", "flops_bf16", "comm_bytes_per_s", "intra_node_bytes_per_s")
+_NON_NEGATIVE_RATES = ("layer_overhead_s", "step_overhead_s", "comm_latency_s", "host_bytes_per_s",
+                       "host_optimizer_params_per_s", "ranks_per_node")
 
 
 @dataclass(frozen=True)
@@ -41,12 +50,27 @@ def estimate(model_or_config: Union[nn.Module, Any, ModelShape], strategy: Strat
     the device rates of `DEVICE_PROFILES[device type]`. `optimizer`: what the user's optimizer
     keeps (`optimizer_states(optim_func, optim_args)`); Adam's by default. The peak counts device
     memory only: what CPU offload keeps in host memory is in the breakdown as `mem_host_*` entries.
+
+    ValueError naming the argument, before anything is computed, for: sizes that are not ints > 0,
+    a device torch does not know, a profile key the cost model does not read or a rate it cannot
+    use (0 or negative where it divides, negative, not finite), an unregistered optimization name;
+    and for what `auto_accelerate` would refuse: parallel dims whose product is not `world_size`,
+    more pipeline stages than layers, a global batch that does not split over the data ranks and
+    the pipeline's chunks (`validate_batch_layout`).
     """
-    if batch_size <= 0 or seq_len <= 0 or world_size <= 0:
-        raise ValueError(f"batch_size={batch_size}, seq_len={seq_len}, world_size={world_size} must all be > 0")
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be an int > 0")
+    try:
+        device_type = torch.device(device).type
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device={device!r} is not a torch device; use 'cpu', 'cuda' or a torch.device (rates are "
+                         f"known for {sorted(DEVICE_PROFILES)}; other device types get cuda's)") from None
+    _check_profile(profile)
+    s = _registered(strategy)
     shape = shape_of(model_or_config, seq_len)
-    device_type = torch.device(device).type
-    traits = StrategyTraits.from_strategy(strategy, world_size, shape, device_type, optimizer)
+    traits = StrategyTraits.from_strategy(s, world_size, shape, device_type, optimizer)
+    _check_layout(s, traits, shape, batch_size, world_size)
     rates = dict(DEVICE_PROFILES.get(device_type, DEVICE_PROFILES["cuda"]))
     rates.update(profile or {})
 
@@ -55,3 +79,64 @@ def estimate(model_or_config: Union[nn.Module, Any, ModelShape], strategy: Strat
     time = time_breakdown(shape, traits, per_rank, seq_len, rates)
     return Estimate(peak_bytes(memory), sum(time.values()), {**{f"mem_{k}": v for k, v in memory.items()},
                                                              **{f"time_{k}": v for k, v in time.items()}})
+
+
+def _check_profile(profile: Optional[Mapping[str, float]]) -> None:
+    """ValueError naming the first `profile` key that is not a rate the cost model reads, or whose value cannot be
+    one (a division by 0, a negative time)."""
+    if profile is None:
+        return
+    if not isinstance(profile, Mapping):
+        raise ValueError(f"profile={profile!r} must be a mapping of rates, e.g. {{'flops_bf16': 4e14}}, or None")
+    known = set(_POSITIVE_RATES) | set(_NON_NEGATIVE_RATES) | {k for rates in DEVICE_PROFILES.values() for k in rates}
+    for key, value in profile.items():
+        if key not in known:
+            raise ValueError(f"profile[{key!r}] is not a rate the cost model reads; valid keys are {sorted(known)}")
+        number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        positive = key in _POSITIVE_RATES
+        if not number or not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise ValueError(f"profile[{key!r}]={value!r} must be a finite number {'> 0' if positive else '>= 0'}")
+
+
+def _registered(strategy: StrategyLike) -> Strategy:
+    """`strategy` as a Strategy whose every item names a registered optimization (ValueError listing them):
+    `auto_accelerate` refuses an unknown name, so a typo is not estimated as if the item were absent."""
+    from atorch.auto.opt_lib.base import get_optimization
+
+    s = Strategy.from_any(strategy)
+    for index, item in enumerate(s):
+        try:
+            get_optimization(item.name)
+        except ValueError as e:
+            raise ValueError(f"strategy item {index}: {e}") from None
+    return s
+
+
+def _check_layout(strategy: Strategy, traits: StrategyTraits, shape: ModelShape, batch_size: int,
+                  world_size: int) -> None:
+    """The layout checks `auto_accelerate` makes before applying a strategy: parallel_mode's dims cover the
+    world (`ParallelLayout.create`), a pipeline has a layer per stage, and the global batch splits over the
+    data ranks and the pipeline's chunks (`validate_batch_layout`); ValueError naming the argument."""
+    from atorch.auto.arguments import BatchLayoutError, validate_batch_layout
+    from atorch.auto.opt_lib.base import get_optimization
+    from atorch.distributed.parallel_layout import ParallelLayout
+
+    dims: Any = (("data", world_size),)
+    item = strategy.get("parallel_mode")
+    if item is not None:
+        config = get_optimization("parallel_mode").parse_config(item.config)
+        dims = getattr(config, "dims", None) or dims
+        try:
+            ParallelLayout.create(dims, world_size, getattr(config, "rank_order", None))
+        except ValueError as e:
+            raise ValueError(f"strategy's parallel_mode does not fit world_size={world_size}: {e}") from None
+    if traits.pipeline > 1 and shape.num_layers > 0 and traits.pipeline > shape.num_layers:
+        raise ValueError(f"strategy's pipeline of {traits.pipeline} stages is longer than the model's "
+                         f"{shape.num_layers} layers (every stage needs at least one); use at most "
+                         f"{shape.num_layers} stages")
+    chunks = traits.pipeline_chunks if traits.pipeline_engine == "native" else None
+    try:
+        validate_batch_layout({"batch_size": batch_size}, dict(dims), chunks)
+    except BatchLayoutError as e:
+        raise ValueError(f"batch_size={batch_size} (the global batch) does not split over the strategy's layout, "
+                         f"which auto_accelerate refuses: {e}") from None

@@ -1,10 +1,11 @@
 """`plan_cluster`: the cost model's ranked strategies for a model on a cluster that is not here.
 
 "What should I use for this model on these devices?" answered before renting them: the
-model is built on the meta device (no weights, no GPU), the automatic search space is
-enumerated for the cluster's world size and global batch (as `auto_accelerate`'s search does),
-candidates whose layout the global batch does not split over are refused with
-`validate_batch_layout` (`auto_accelerate` would refuse them), and every other candidate gets
+model (a causal language model: `check_causal_lm`; a sequence longer than its positions is
+refused as `auto_accelerate` refuses it: `check_seq_len`) is built on the meta device (no weights,
+no GPU), the automatic search space is enumerated for the cluster's world size and global batch
+(as `auto_accelerate`'s search does), candidates whose layout the global batch does not split
+over are refused with `validate_batch_layout` (`auto_accelerate` would refuse them), and every other candidate gets
 the cost model's memory per device and step time. Nothing runs; the figures are predictions (see
 `atorch.auto.cost_model` for what they include), ranked by predicted throughput among the
 candidates that fit.
@@ -15,11 +16,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import pandas as pd
 import torch
 
+from atorch.auto.arguments import _POSITION_FIELDS
 from atorch.auto.devices import DeviceSpec, device_spec
 from atorch.auto.search.space import SearchSpace
 
@@ -62,9 +64,60 @@ def load_model_config(model: str) -> Any:
     return AutoConfig.for_model(**values)
 
 
+def position_limit(config: Any) -> Optional[Tuple[str, int]]:
+    """(field, value): the longest sequence the model's positions cover, read as `auto_accelerate` reads it
+    (`arguments.check_sequence_length`: the first positive int of its position fields, named as the config
+    names it, e.g. GPT-2's n_positions); None where the config declares no limit (e.g. BLOOM's ALiBi)."""
+    found = next(((f, getattr(config, f)) for f in _POSITION_FIELDS
+                  if isinstance(getattr(config, f, None), int) and getattr(config, f) > 0), None)
+    if found is None:
+        return None
+    name, value = found
+    return (getattr(config, "attribute_map", None) or {}).get(name, name), value
+
+
+def check_seq_len(config: Any, seq_len: int, name: str = "seq_len") -> None:
+    """ValueError naming `name` when `seq_len` is longer than the model's positions: `auto_accelerate`
+    refuses such samples (`check_sequence_length`), so there is nothing to plan for them."""
+    limit = position_limit(config)
+    if limit is not None and seq_len > limit[1]:
+        field_name, value = limit
+        raise ValueError(f"{name}={seq_len} is longer than the model's {field_name}={value} "
+                         f"({type(config).__name__}), which auto_accelerate refuses; use {name} <= {value}")
+
+
+def check_causal_lm(config: Any) -> None:
+    """ValueError unless `config` describes a causal language model, which is what the planner builds.
+
+    Refused, from the config alone (before anything is built): encoder-decoder configs
+    (`is_encoder_decoder`), configs transformers has no causal-LM class for
+    (`MODEL_FOR_CAUSAL_LM_MAPPING`), and encoder-only architectures (those with a masked-LM class,
+    `MODEL_FOR_MASKED_LM_MAPPING`) not configured as a decoder (`is_decoder` False): their
+    causal-LM class (e.g. BertLMHeadModel) would attend in both directions.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
+
+    if getattr(config, "is_encoder_decoder", False):
+        why = "it is an encoder-decoder config (is_encoder_decoder=True)"
+    elif type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        why = f"transformers has no causal-LM class for {type(config).__name__} (AutoModelForCausalLM cannot build it)"
+    elif type(config) in MODEL_FOR_MASKED_LM_MAPPING and not getattr(config, "is_decoder", False):
+        why = ("it is an encoder-only architecture with is_decoder=False (its causal-LM class would attend in both "
+               "directions); set is_decoder to true in the config to plan it as a decoder")
+    else:
+        return
+    architectures = getattr(config, "architectures", None)
+    named = f"model_type {getattr(config, 'model_type', '?')!r}" + (
+        f" (architectures {list(architectures)})" if architectures else "")
+    raise ValueError(f"{named} is not a causal language model: {why}; atorch plan plans causal (decoder) language "
+                     "models")
+
+
 def meta_model(config: Any) -> torch.nn.Module:
+    """The causal language model of `config` on the meta device (ValueError unless it is one: `check_causal_lm`)."""
     from transformers import AutoModelForCausalLM
 
+    check_causal_lm(config)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 
@@ -134,6 +187,8 @@ def plan_cluster(model_config: Any, world_size: int, device: str, global_batch: 
                          f"nnodes={nnodes} must all be >= 1")
     if device_memory_bytes is not None and device_memory_bytes <= 0:
         raise ValueError(f"device_memory_bytes={device_memory_bytes} must be > 0 (None: the device's own memory)")
+    check_causal_lm(model_config)
+    check_seq_len(model_config, seq_len)
     spec = device_spec(device)
     limit = device_memory_bytes if device_memory_bytes is not None else spec.memory_bytes
     model = meta_model(model_config)
