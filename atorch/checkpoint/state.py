@@ -218,10 +218,13 @@ def rng_untouched() -> Iterator[None]:
 
 
 class ResumeSampler(Sampler):
-    """Yields `sampler`'s indices, skipping the first `skip` in epoch `epoch` only.
+    """Yields `sampler`'s indices, skipping the first `skip` in epoch `epoch` only, until one pass
+    has run to its end.
 
     The current epoch is the wrapped sampler's own `epoch` when it has one, so `set_epoch` on
-    either sampler (this one forwards it) ends the skip. The first pass of the resumed epoch
+    either sampler (this one forwards it) ends the skip; so does a pass run to its end (a loop
+    that never calls `set_epoch`, or a sampler without it, goes on with whole passes instead of
+    losing the skipped samples again on every pass). The first pass of the resumed epoch
     leaves the global generators as they were: in the uninterrupted run, whatever the sampler
     draws at the start of an epoch (RandomSampler's seed) happened before the checkpoint.
     """
@@ -233,6 +236,7 @@ class ResumeSampler(Sampler):
         self._epoch = epoch
         # True until the resumed epoch's first pass starts; that pass must not move the generators.
         self.rng_pending = skip > 0
+        self.skip_done = False   # a resumed pass ran to its end: later passes are whole
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
 
@@ -247,21 +251,28 @@ class ResumeSampler(Sampler):
             self.sampler.set_epoch(epoch)
 
     def _skip(self) -> int:
-        return self.skip if self.epoch == self.resume_epoch else 0
+        return self.skip if self.epoch == self.resume_epoch and not self.skip_done else 0
 
     def resume_pending(self) -> bool:
         """Whether the next pass is the resumed epoch's first (it must leave the global generators untouched)."""
         return self.rng_pending and self._skip() > 0
 
     def __iter__(self) -> Iterator[Any]:
+        skip = self._skip()
+        if not skip:
+            return iter(self.sampler)
         if not self.resume_pending():
-            return itertools.islice(iter(self.sampler), self._skip(), None)
+            return self._then_whole(itertools.islice(iter(self.sampler), skip, None))
         self.rng_pending = False
         with rng_untouched():
             indices = iter(self.sampler)
             # Skip now, so that a sampler drawing its seed lazily (at its first index) draws it here.
             collections.deque(itertools.islice(indices, self.skip), maxlen=0)
-        return indices
+        return self._then_whole(indices)
+
+    def _then_whole(self, indices: Iterator[Any]) -> Iterator[Any]:
+        yield from indices
+        self.skip_done = True
 
     def __len__(self) -> int:
         return max(0, len(self.sampler) - self._skip())

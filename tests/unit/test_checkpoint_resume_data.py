@@ -149,6 +149,24 @@ def test_set_epoch_on_either_sampler_ends_the_skip(on_inner):
     assert sizes == [(5, 5), (8, 8), (8, 8)]
 
 
+@pytest.mark.parametrize("sampler", ["sequential", "distributed without set_epoch"])
+def test_a_loop_that_never_calls_set_epoch_gets_whole_passes_after_the_resumed_one(sampler):
+    data = TokenDataset(n=16, seq_len=4)
+    inner = DistributedSampler(data, num_replicas=1, rank=0, shuffle=False) if sampler != "sequential" else None
+    loader = DataLoader(data, batch_size=2, sampler=inner)
+    resumed = resume_dataloader(loader, DataPosition(epoch=0, batches_in_epoch=3, global_batch_size=2))
+    passes = []
+    for _ in range(3):
+        passes.append((len(resumed), [row for batch in resumed for row in _rows(batch)]))
+    whole = [row for batch in loader for row in _rows(batch)]
+    # The skipped samples are skipped once: the resumed pass is the rest of the epoch, later passes whole.
+    assert passes == [(5, whole[6:]), (8, whole), (8, whole)]
+    # A pass abandoned halfway does not end the skip: the next pass is still the resumed one.
+    again = resume_dataloader(loader, DataPosition(epoch=0, batches_in_epoch=3, global_batch_size=2))
+    next(iter(again))
+    assert [row for batch in again for row in _rows(batch)] == whole[6:]
+
+
 # -- tensor parallelism's dropout streams are saved per rank -------------------------------------------------
 
 def _build_with_streams(seed: int):
