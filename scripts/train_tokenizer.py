@@ -1,6 +1,7 @@
 """Train the project's offline tokenizer on the bundled corpus: atorch/data/assets/tokenizer/.
 
-A byte-level BPE with 1024 entries (tiny models use vocab_size=1024), saved as a
+A byte-level BPE trained with vocab_size=1024, an upper bound: the bundled corpus runs out of
+merges at 845 entries (ids 0..844), which the tiny models' vocab_size=1024 covers. Saved as a
 `transformers` fast tokenizer so `AutoTokenizer.from_pretrained(dir)` loads it offline.
 
     python scripts/train_tokenizer.py

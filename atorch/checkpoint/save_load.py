@@ -146,7 +146,8 @@ class CheckpointState:
     saved_world_size: int = 1
     rng_restored: bool = False
     optimizer_restored: bool = False
-    # The result's dataloader, started at `data_position` (None without a dataloader or position).
+    # The result's dataloader, started at `data_position` (None without a dataloader or position); when
+    # loading into an AutoAccelerateResult it is also `result.dataloader` from then on.
     dataloader: Any = None
 
 
@@ -479,6 +480,14 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
     that saved. The global batch size may differ from the saving run's when the samples consumed in
     the epoch are a whole number of the new global batches; otherwise a ValueError says which sizes
     fit, before anything is loaded.
+
+    The data stream resumes at the saved position: for an `AutoAccelerateResult` target,
+    `result.dataloader` is replaced in place by a loader that starts at the next sample (also
+    returned as `state.dataloader`), so a loop that iterates `result.dataloader` after the load
+    goes on where the saved run stood. Read `result.dataloader` after the load (a reference taken
+    before it, e.g. from unpacking the result as a tuple, still starts at the epoch's first sample).
+    Its `len()` is what is left of the resumed epoch; calling `result.sampler.set_epoch(epoch)` at
+    each epoch, as `save_checkpoint`'s data position assumes, ends the skip after the resumed epoch.
     """
     objs = TrainingObjects.of(target, optimizer, lr_scheduler)
     mf.check_dir_arg("load_checkpoint", "path", path)
@@ -541,13 +550,35 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
             _set_rank_rng_state(objs, mf.read_json(ckpt_dir, rng_name), ckpt_dir)
             rng_restored = True
         if position is not None and objs.dataloader is not None:
-            dataloader = resume_dataloader(objs.dataloader, position, position.global_batch_size)
-            if hasattr(target, "data_origin"):
+            base = _unresumed(objs.dataloader)
+            dataloader = resume_dataloader(base, position, position.global_batch_size)
+            setattr(dataloader, _RESUMED_FROM, base)   # a later load resumes the original loader, not this one
+            if _is_result(target):
+                # The loop that goes on iterating `result.dataloader` (the README's) resumes exactly too.
+                target.dataloader = dataloader
                 target.data_origin = (meta.get("step"), position)
     return CheckpointState(path=ckpt_dir, step=meta.get("step"), data_position=position,
                            extra=from_json_value(meta.get("extra") or {}), strategy=meta.get("strategy"),
                            saved_world_size=int(meta.get("world_size") or 1), rng_restored=rng_restored,
                            optimizer_restored=restore_optim, dataloader=dataloader)
+
+
+def _is_result(target: Any) -> bool:
+    from atorch.auto.result import AutoAccelerateResult
+
+    return isinstance(target, AutoAccelerateResult)
+
+
+# Attribute of a resumed dataloader naming the loader it was made from.
+_RESUMED_FROM = "_atorch_resumed_from"
+
+
+def _unresumed(dataloader: Any) -> Any:
+    """The loader `auto_accelerate` built, under any resumed loaders `load_checkpoint` made of it (resuming a
+    resumed loader would skip the first resume's samples twice)."""
+    while hasattr(dataloader, _RESUMED_FROM):
+        dataloader = getattr(dataloader, _RESUMED_FROM)
+    return dataloader
 
 
 def _resume_position(meta: Dict[str, Any], objs: TrainingObjects) -> Optional[DataPosition]:

@@ -97,9 +97,9 @@ def _resolve_group(group: Any) -> Group:
     if found is None and dist.get_world_size() == 1:
         return None   # one process: the world is the group of one
     if found is None:
-        raise ValueError(f"vocab_parallel_cross_entropy: there is no {group!r} parallel group; create it "
-                         f"(atorch.distributed.create_parallel_group([({group!r}, n), ...], None)) or pass "
-                         "group= (a ProcessGroup, or None for the whole world)")
+        raise ValueError(f"vocab_parallel_cross_entropy: there is no {group!r} parallel group; create it with "
+                         f"atorch.distributed.create_parallel_group(([({group!r}, n), ...], None)) (one argument: "
+                         "the (dims, rank_order) pair), or pass group= (a ProcessGroup, or None for the whole world)")
     return found
 
 

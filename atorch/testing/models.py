@@ -1,7 +1,7 @@
 """Tiny Hugging Face models built from configs (the hub is never used).
 
 Sizes are chosen so every parallel degree used in tests (2 and 4) divides heads, kv heads,
-hidden and intermediate sizes, and the vocabulary matches the bundled tokenizer.
+hidden and intermediate sizes, and the vocabulary covers every id of the bundled tokenizer.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from typing import Any, Dict
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-TINY_VOCAB_SIZE = 1024  # the bundled tokenizer's size (scripts/train_tokenizer.py)
+# The size the bundled tokenizer was trained to (scripts/train_tokenizer.py); the small corpus filled only 845 entries
+# (ids 0..844), so every id it produces fits; the tokenizer never produces ids 845..1023.
+TINY_VOCAB_SIZE = 1024
 
 
 def tiny_llama_config(num_hidden_layers: int = 2, **overrides) -> LlamaConfig:

@@ -81,7 +81,8 @@ def common_parser(description: str, per_device_batch: bool = True) -> argparse.A
         train.add_argument("--per_device_train_batch_size", type=int, default=4)
     train.add_argument("--max_steps", type=int, default=100, help="optimizer steps in total (resumed runs included)")
     train.add_argument("--learning_rate", type=float, default=None,
-                       help=f"default by mode: {DEFAULT_LEARNING_RATES}, LoRA {LORA_LEARNING_RATE}")
+                       help=f"default by mode: {DEFAULT_LEARNING_RATES}; with --use_lora {LORA_LEARNING_RATE} "
+                            f"({MODE_TINY}: {TINY_LORA_LEARNING_RATE})")
     train.add_argument("--weight_decay", type=float, default=0.0)
     train.add_argument("--warmup_steps", type=int, default=0, help="linear warm-up, then cosine decay to 10%%")
     train.add_argument("--seed", type=int, default=42)

@@ -162,6 +162,21 @@ def _seed_adapters_by_path(peft_model: nn.Module, seed: int) -> None:
                 weight.copy_(lora_a_init(seed, path, r, in_features))
 
 
+def _check_tensor_parallel_targets(model: nn.Module, targets: Tuple[str, ...]) -> None:
+    """Refuse, before anything is applied, targets tensor-parallel LoRA cannot adapt: transformers' Conv1D
+    (GPT-2) stores its weight transposed, and atorch's sharded adapters support nn.Linear layouts only
+    (`atorch.tensor_parallel.lora.add_lora` would refuse it after tensor_parallel was applied)."""
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    if conv1d is None:
+        return
+    hits = [name for name, m in model.named_modules()
+            if name and isinstance(m, conv1d) and any(_matches(t, name) for t in targets)]
+    if hits:
+        raise ValueError(f"lora with tensor_parallel supports nn.Linear layouts; targets {list(targets)} match "
+                         f"{len(hits)} layers that store a Conv1D weight (GPT-2), e.g. {hits[0]!r}: target another "
+                         "model or drop tensor_parallel (lora alone adapts Conv1D through peft)")
+
+
 @register
 class LoraOptimization(Optimization):
     """Train low-rank adapters of the target layers instead of the full model."""
@@ -194,7 +209,9 @@ class LoraOptimization(Optimization):
         if _is_peft_model(context.model):
             raise ValueError(f"lora: the model is already a peft {type(context.model).__name__}; pass the base "
                              "model to auto_accelerate, or drop lora from the strategy to train the adapters it has")
-        resolve_target_modules(context.model, config, context.model_config)
+        targets = resolve_target_modules(context.model, config, context.model_config)
+        if "tensor_parallel" in context.configs:
+            _check_tensor_parallel_targets(context.model, targets)
 
     def apply(self, ctx: ModelContext, config: LoraConfig) -> None:
         from atorch.tensor_parallel import TensorParallelModule

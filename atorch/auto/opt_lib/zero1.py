@@ -37,6 +37,7 @@ from atorch.auto.opt_lib.base import (
     is_false,
     register,
 )
+from atorch.auto.opt_lib.fsdp import require_data_dim
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,8 @@ class Zero1Optimization(Optimization):
         # Torch ZeRO-1 with `ddp` is fine: it relies on DDP for gradient averaging either way.
         if config.use_ds_zero:
             validate_deepspeed("zero1", context, 1, config.ds_config)
+        else:
+            require_data_dim("zero1", "the optimizer state", context)
 
     def apply(self, ctx: ModelContext, config: Zero1Config) -> None:
         if config.use_ds_zero:
