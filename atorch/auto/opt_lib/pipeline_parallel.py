@@ -20,9 +20,10 @@ from atorch.auto.model_context import ModelContext
 from atorch.distributed.parallel_layout import ParallelLayout
 from atorch.distributed.replicas import check_replicas_agree
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, WrapperOrder, register
+from atorch.modules.pipeline.batches import check_no_router_aux_loss, check_pipeline_batch
 from atorch.modules.pipeline.native import SCHEDULES, NativePipeline, build_stage_module, pipeline_train_step
 from atorch.modules.pipeline.partition import PARTITION_METHODS, StagePlan, plan_stages, stage_parameter_counts
-from atorch.modules.pipeline.patchers import CustomPatcher, expand_patcher, resolve_patcher
+from atorch.modules.pipeline.patchers import CustomPatcher, expand_patcher, pieces_take_position_ids, resolve_patcher
 from atorch.utils.meta_model_utils import is_meta_module
 
 # What a native pipeline combines with: everything in the layout must be one of these.
@@ -135,6 +136,8 @@ class PipelineParallelOptimization(Optimization):
             raise ValueError("pipeline_parallel with amp_native fp16 is not supported: the pipeline schedule runs "
                              "backward itself, so the fp16 loss scaling of amp_native would never be applied; use "
                              "amp_native with torch.bfloat16")
+        check_no_router_aux_loss(self.name, context.model_config if context.model_config is not None
+                                 else getattr(context.model, "config", None))
         if context.model is None:
             return
         pieces = expand_patcher(context.model, resolve_patcher(context.model, config.custom_patcher))
@@ -147,6 +150,9 @@ class PipelineParallelOptimization(Optimization):
         num_stages = parallel.size("pipeline")
         stage_index = parallel.rank("pipeline")
         chunks = config.chunks or num_stages
+        # The first place that sees the dataset (validation does not), before this optimization's collectives.
+        pieces = expand_patcher(ctx.model, resolve_patcher(ctx.model, config.custom_patcher))
+        _check_dataset_batches(ctx, pieces_take_position_ids(pieces))
         _check_batch_divides(ctx, chunks)
         _check_last_batch_divides(ctx, chunks)
         if not is_meta_module(ctx.model):
@@ -170,9 +176,28 @@ class PipelineParallelOptimization(Optimization):
         data_group = parallel.group("data") if parallel.size_or_one("data") > 1 else None
         ctx.pipeline = NativePipeline(ctx.model, build.stage_index, build.plan.num_stages, parallel.group("pipeline"),
                                       ctx.device, self._chunks, config.schedule, data_group=data_group,
-                                      tied_group=tied_group, tied_param=tied_param)
+                                      tied_group=tied_group, tied_param=tied_param,
+                                      takes_position_ids=build.takes_position_ids)
         ctx.custom_train_step = pipeline_train_step
         ctx.pipeline_stage = build.stage_index
+
+
+def _check_dataset_batches(ctx: ModelContext, takes_position_ids: bool) -> None:
+    """The dataset gives batches the pipeline can take: dicts whose every key it passes on (see
+    `check_pipeline_batch`), checked on dataset[0] where no collate_fn or prepare_input may reshape it;
+    each batch is checked again before its step."""
+    if ctx.model_input_format == "unpack_sequence":
+        raise ValueError("pipeline_parallel needs dict batches with 'input_ids' and 'labels' (it feeds input_ids "
+                         "to the first stage and labels to the loss on the last), but model_input_format="
+                         "'unpack_sequence' passes tuples; return a dict such as {'input_ids': ..., 'labels': ...} "
+                         "from the dataset and use model_input_format='unpack_dict'")
+    if ctx.dataset is None or ctx.prepare_input is not None or ctx.dataloader_args.get("collate_fn") is not None:
+        return
+    try:
+        sample = ctx.dataset[0]
+    except Exception:  # noqa: BLE001 - a dataset that cannot index 0 (iterable): its batches are checked
+        return
+    check_pipeline_batch(sample, takes_position_ids, what="dataset[0]", shapes=False)
 
 
 def _check_every_stage_trains(model: nn.Module, plan: StagePlan) -> None:

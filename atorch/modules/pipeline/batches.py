@@ -6,7 +6,7 @@ every strategy; these helpers turn it into what a pipeline stage consumes.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,119 @@ def hf_inputs(batch: Mapping[str, torch.Tensor]) -> tuple:
     mask = batch.get("attention_mask")
     mask = torch.ones_like(input_ids) if mask is None else mask.to(input_ids.dtype)
     return input_ids, mask
+
+
+# What a native pipeline passes on from a batch dict: `input_ids` and `attention_mask` to the first
+# stage, `labels` to the loss on the last one, and `position_ids` to the first stage when its first
+# piece takes them (`takes_position_ids`). Any other key would be dropped, so it is refused.
+PIPELINE_INPUT_KEYS = ("input_ids", "attention_mask")
+PIPELINE_LABEL_KEY = "labels"
+POSITION_IDS_KEY = "position_ids"
+
+
+def pipeline_batch_keys(takes_position_ids: bool) -> Tuple[str, ...]:
+    """The batch keys a native pipeline passes on (the others are refused by `check_pipeline_batch`)."""
+    return PIPELINE_INPUT_KEYS + ((POSITION_IDS_KEY,) if takes_position_ids else ()) + (PIPELINE_LABEL_KEY,)
+
+
+def check_no_router_aux_loss(who: str, model_config: Any) -> None:
+    """Refuse a mixture-of-experts model set to add the router's load-balancing loss to its loss.
+
+    A pipeline's loss is the causal-LM loss of the last stage's logits (`CausalLMLoss`); the
+    router loss is computed from every layer's router logits at once, which no stage holds, so
+    the pipeline would silently train without it. A coefficient of 0 adds nothing: accepted.
+    """
+    if not getattr(model_config, "output_router_logits", False):
+        return
+    coef = getattr(model_config, "router_aux_loss_coef", None)
+    if coef is not None and not coef:
+        return
+    raise ValueError(f"{who} cannot train {getattr(model_config, 'model_type', 'this model')} with "
+                     f"output_router_logits=True (router_aux_loss_coef={coef!r}): the router's load-balancing "
+                     "loss is computed from the router logits of all layers together, which no pipeline stage "
+                     "has, so the pipeline would silently leave it out; set model.config.output_router_logits = "
+                     "False to train without it, or use tensor_parallel or fsdp, which add it as the model does")
+
+
+def check_pipeline_batch(batch: Any, takes_position_ids: bool, what: str = "the batch", shapes: bool = True,
+                         who: str = "pipeline_parallel") -> None:
+    """ValueError unless `batch` is a dict with `input_ids` whose every key the pipeline passes on
+    (and, with `shapes`, 2-D input_ids with a mask and position ids to match; False for one sample).
+
+    Local and cheap: run on every rank before the schedule's first send, so a batch the pipeline
+    would train on wrongly (a dropped key) or crash on (a tuple) is refused everywhere alike.
+    """
+    keys = pipeline_batch_keys(takes_position_ids)
+    if not isinstance(batch, Mapping):
+        raise ValueError(f"{who} needs dict batches with 'input_ids' and 'labels' (labels default to "
+                         f"input_ids), but {what} is a {type(batch).__name__}; return a dict such as "
+                         "{'input_ids': ..., 'labels': ...} from the dataset (model_input_format='unpack_dict'), "
+                         "or pass a collate_fn in dataloader_args or a prepare_input that builds one")
+    if "input_ids" not in batch:
+        raise ValueError(f"{who} needs 'input_ids' (and 'labels') in every batch; {what} has keys "
+                         f"{sorted(map(str, batch))}")
+    unknown = [str(k) for k in batch if k not in keys]
+    if unknown:
+        why = ""
+        if POSITION_IDS_KEY in unknown:
+            why = (" (position_ids: the custom_patcher's first piece does not take them; a patch_fn with "
+                   "`patch_fn.takes_position_ids = True` receives (input_ids, attention_mask, position_ids))")
+        raise ValueError(f"{who} passes only {list(keys)} of a batch on to the model (input_ids, "
+                         f"attention_mask{', position_ids' if takes_position_ids else ''} to the first stage, labels "
+                         f"to the loss on the last), but {what} also has {unknown}, which the stages would never "
+                         f"see{why}; drop {'it' if len(unknown) == 1 else 'them'} from the batch (dataset, "
+                         "collate_fn or prepare_input), or train with tensor_parallel or fsdp, which pass every "
+                         "key to the model")
+    if not shapes:
+        return
+    ids, positions = batch["input_ids"], batch.get(POSITION_IDS_KEY)
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise ValueError(f"{who} takes input_ids as a 2-D tensor [rows, tokens]; {what} has input_ids "
+                         f"{_shape(ids)}")
+    if positions is not None and (not isinstance(positions, torch.Tensor) or positions.is_floating_point()
+                                  or not _broadcasts(tuple(positions.shape), tuple(ids.shape))):
+        raise ValueError(f"{who} takes integer position_ids shaped like input_ids {_shape(ids)} (or "
+                         f"[1, tokens]); {what} has position_ids {_shape(positions)}")
+    mask = batch.get("attention_mask")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != ids.shape):
+        raise ValueError(f"{who} takes a 2-D attention_mask [rows, tokens] shaped like input_ids "
+                         f"{_shape(ids)}; {what} has attention_mask {_shape(mask)}")
+
+
+def _broadcasts(shape: Tuple[int, ...], to: Tuple[int, ...]) -> bool:
+    if len(shape) > len(to):
+        return False
+    return all(a in (1, b) for a, b in zip(shape[::-1], to[::-1])) and (not to or shape[-1:] == to[-1:])
+
+
+def _shape(value: Any) -> str:
+    return str(list(value.shape)) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def no_mask(input_ids: torch.Tensor) -> torch.Tensor:
+    """What a pipeline sends for a batch without attention_mask when it sends position_ids: a mask with
+    no columns. The pieces then build the mask Hugging Face builds from `attention_mask=None` (which,
+    without a cache, keeps the documents packed into one row apart: `patchers._mask_or_none`)."""
+    return input_ids.new_ones((input_ids.shape[0], 0))
+
+
+def pipeline_inputs(batch: Mapping[str, torch.Tensor], takes_position_ids: bool = False) -> tuple:
+    """What the first stage of a native pipeline receives from a batch dict.
+
+    `(input_ids, attention_mask)` as `hf_inputs`, or `(input_ids, attention_mask, position_ids)` when
+    the batch has position_ids (refused unless `takes_position_ids`, see `check_pipeline_batch`):
+    position ids of shape [1, tokens] are repeated for every row (a pipeline splits each input into
+    micro-batches along its rows), and an absent attention_mask is `no_mask`.
+    """
+    check_pipeline_batch(batch, takes_position_ids)
+    positions = batch.get(POSITION_IDS_KEY)
+    if positions is None:
+        return hf_inputs(batch)
+    input_ids = batch["input_ids"]
+    positions = positions.to(device=input_ids.device, dtype=torch.long).expand(input_ids.shape).contiguous()
+    mask = batch.get("attention_mask")
+    mask = no_mask(input_ids) if mask is None else mask.to(input_ids.dtype)
+    return input_ids, mask, positions
 
 
 def hf_labels(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -16,10 +16,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from atorch.modules.pipeline.batches import CausalLMLoss, batch_rows, hf_inputs, hf_labels
+from atorch.modules.pipeline.batches import CausalLMLoss, batch_rows, check_pipeline_batch, hf_labels, pipeline_inputs
 from atorch.modules.pipeline.materialize import materialize_model
 from atorch.modules.pipeline.partition import StagePlan, plan_stages
-from atorch.modules.pipeline.patchers import CustomPatcher, PieceSpec, expand_patcher, resolve_patcher, tied_head_paths
+from atorch.modules.pipeline.patchers import (
+    CustomPatcher,
+    PieceSpec,
+    expand_patcher,
+    pieces_take_position_ids,
+    resolve_patcher,
+    tied_head_paths,
+)
 from atorch.utils.module_utils import find_transformer_block_classes
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -42,7 +49,8 @@ class PipelineStageModule(nn.Module):
     """One pipeline stage: some pieces of a model, registered under their original paths.
 
     `forward(*inputs)` runs the pieces' patches in order on the tuple the previous stage sent
-    (the first stage receives `(input_ids, attention_mask)`; the last returns the logits).
+    (the first stage receives `(input_ids, attention_mask)`, and the batch's position_ids third where
+    its first piece takes them; the last returns the logits).
 
     `block_classes` names the original model's transformer block classes: the stage states them
     as its `_no_split_modules`, as a Hugging Face model does, so what looks for the blocks
@@ -85,6 +93,7 @@ class StageBuild:
     plan: StagePlan
     stage_index: int
     tied_paths: Optional[Tuple[str, str]]  # (embedding, head) living on two different stages
+    takes_position_ids: bool = False  # the first piece takes the batch's position_ids (patchers.takes_position_ids)
 
 
 def build_stage_module(model: nn.Module, stage_index: int, num_stages: int,
@@ -109,7 +118,7 @@ def build_stage_module(model: nn.Module, stage_index: int, num_stages: int,
     mine = [(spec, real.get_submodule(spec.path)) for spec in plan.stage_pieces(stage_index)]
     stage = PipelineStageModule(mine, stage_index, num_stages, blocks, hf_config=getattr(real, "config", None),
                                 hf_supports_sdpa=bool(getattr(real, "_supports_sdpa", False)))
-    return StageBuild(stage, plan, stage_index, tied)
+    return StageBuild(stage, plan, stage_index, tied, pieces_take_position_ids(pieces))
 
 
 class NativePipeline:
@@ -125,6 +134,8 @@ class NativePipeline:
         data_group: the data-parallel group the gradients are averaged over (None: no data parallelism).
         tied_group, tied_param: the group of the first and last stage and this stage's side of a
             tied embedding/head weight, when the pair is split across them.
+        takes_position_ids: the first stage takes the batch's position_ids; False: a batch with
+            them is refused (`batches.check_pipeline_batch`), as is any key the stages never see.
 
     Gradients are synchronized here rather than by DDP: the micro-batches accumulate locally
     and one coalesced all-reduce per step averages them over the data group. (DDP around a
@@ -136,7 +147,7 @@ class NativePipeline:
                  device: torch.device, chunks: int, schedule: str = "gpipe",
                  loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
                  data_group: Optional[dist.ProcessGroup] = None, tied_group: Optional[dist.ProcessGroup] = None,
-                 tied_param: Optional[nn.Parameter] = None):
+                 tied_param: Optional[nn.Parameter] = None, takes_position_ids: bool = False):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}; valid schedules are {list(SCHEDULES)}")
         self.stage_module = stage_module
@@ -147,6 +158,7 @@ class NativePipeline:
         self.data_group = data_group
         self.tied_group = tied_group
         self.tied_param = tied_param
+        self.takes_position_ids = takes_position_ids
         self.device = device
         self.schedule_name = schedule
         self.loss_fn = loss_fn or CausalLMLoss()
@@ -186,12 +198,15 @@ class NativePipeline:
         The loss is the mean of the micro-batch losses (the batch loss for equal token counts),
         broadcast from the last stage so every rank of the pipeline returns the same value.
         """
+        # Every rank checks its batch before the schedule's first send: a key the stages would never see
+        # (or a batch that is no dict) is a ValueError everywhere, not silent training without it.
+        check_pipeline_batch(batch, self.takes_position_ids)
         rows = batch_rows(batch)
         if rows % self.chunks != 0:
             raise ValueError(f"pipeline_parallel: the per-rank batch of {rows} rows does not split into chunks="
                              f"{self.chunks} equal micro-batches; make the global batch size a multiple of "
                              f"chunks x data-parallel size")
-        args = hf_inputs(batch) if self.is_first else ()
+        args = pipeline_inputs(batch, self.takes_position_ids) if self.is_first else ()
         losses: List[torch.Tensor] = []
         target = hf_labels(batch) if self.is_last else None
         schedule = self._schedule_for(rows // self.chunks)

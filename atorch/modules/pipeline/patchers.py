@@ -10,9 +10,15 @@ transformer blocks) expands to one layer per block; paths before it are the "pre
 head, always on the last stage).
 
 The ready patchers below (Llama, GPT2) use one convention, so their pieces interoperate:
-first layer input `(input_ids, attention_mask)`, between layers `(hidden_states,
-attention_mask, position_ids)` (only `hidden_states` is floating point, so it is the only
-tensor a pipeline sends gradients for), last layer output: the logits.
+first layer input `(input_ids, attention_mask)`, or `(input_ids, attention_mask, position_ids)`
+when the batch has position ids (left padding, packed rows; a batch without a mask then sends
+one with no columns, `batches.no_mask`, for Hugging Face's `attention_mask=None`), between
+layers `(hidden_states, attention_mask, position_ids)` (only `hidden_states` is floating point,
+so it is the only tensor a pipeline sends gradients for), last layer output: the logits. A
+first piece receives the batch's position_ids only when its patch says it takes them
+(`patch_fn.takes_position_ids = True`, set on the ready patchers' embeddings); a native
+pipeline refuses a batch with position_ids, or any key besides input_ids, attention_mask and
+labels, that its first piece would not take.
 
 ATorch's per-module form is accepted too (`expand_patcher` tells them apart by the keys): the
 model is flattened into its leaf modules and the elements of its module lists, in definition
@@ -273,10 +279,41 @@ def _positions(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, seq).contiguous()
 
 
-def _split_first(inputs: Tensors) -> Tuple[torch.Tensor, torch.Tensor]:
+def _split_first(inputs: Tensors) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, mask, position ids) of a first piece's inputs: `(input_ids[, attention_mask[, position_ids]])`;
+    the mask is all ones and the positions 0..seq-1 where absent."""
     input_ids = inputs[0]
     mask = inputs[1] if len(inputs) > 1 else torch.ones_like(input_ids)
-    return input_ids, mask
+    positions = inputs[2].contiguous() if len(inputs) > 2 else _positions(input_ids)
+    return input_ids, mask, positions
+
+
+def _mask_or_none(config: Any, mask: torch.Tensor, positions: torch.Tensor) -> Optional[torch.Tensor]:
+    """The 2-D padding mask a Hugging Face forward would pass its mask function.
+
+    A mask with no columns stands for a batch without one (`atorch.modules.pipeline.batches.no_mask`).
+    Hugging Face reads rows packed with several documents off the position ids (each document then
+    attends to itself only) when the mask is None and there is no cache; its forward creates a cache
+    whenever `config.use_cache` is set, in training too, and then masks causally over the whole row,
+    as an all-ones mask does.
+    """
+    if mask.shape[-1]:
+        return mask
+    if getattr(config, "use_cache", True):
+        return torch.ones(positions.shape, dtype=torch.long, device=positions.device)
+    return None
+
+
+def takes_position_ids(patch: Any) -> bool:
+    """Whether a first piece's patch takes `(input_ids, attention_mask, position_ids)`: the ready patchers'
+    do; a custom patch_fn (or ATorch forward patcher) says so with `fn.takes_position_ids = True`."""
+    inner = getattr(patch, "forward_patcher", None)
+    return bool(getattr(patch, "takes_position_ids", False) or getattr(inner, "takes_position_ids", False))
+
+
+def pieces_take_position_ids(pieces: Sequence[PieceSpec]) -> bool:
+    """Whether a pipeline of `pieces` receives the batch's position_ids (see `takes_position_ids`)."""
+    return bool(pieces) and takes_position_ids(pieces[0].patch)
 
 
 def _causal_mask(config: Any, hidden: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
@@ -289,7 +326,8 @@ def _causal_mask(config: Any, hidden: torch.Tensor, mask: torch.Tensor, position
     make = masking_utils.create_sliding_window_causal_mask if sliding else masking_utils.create_causal_mask
     # No cache in training: transformers 5.24 names the argument `cache` (`past_key_values` before).
     no_cache = {"cache": None} if "cache" in inspect.signature(make).parameters else {"past_key_values": None}
-    return make(config=config, inputs_embeds=hidden, attention_mask=mask, position_ids=positions, **no_cache)
+    return make(config=config, inputs_embeds=hidden, attention_mask=_mask_or_none(config, mask, positions),
+                position_ids=positions, **no_cache)
 
 
 def _final_norm(norm: nn.Module, inputs: Tensors) -> torch.Tensor:
@@ -389,11 +427,13 @@ def get_llama_layout_patcher(config: Any) -> Dict[str, PatchFn]:
         return False
 
     def embed(embed_tokens: nn.Module, inputs: Tensors) -> Tensors:
-        input_ids, mask = _split_first(inputs)
+        input_ids, mask, positions = _split_first(inputs)
         hidden = embed_tokens(input_ids)
         if embedding_scale is not None:
             hidden = hidden * embedding_scale
-        return hidden, mask, _positions(input_ids)
+        return hidden, mask, positions
+
+    embed.takes_position_ids = True  # type: ignore[attr-defined]
 
     def block(layer: nn.Module, inputs: Tensors) -> Tensors:
         hidden, mask, positions = inputs
@@ -424,8 +464,10 @@ def get_gpt2_custom_patcher(config: Any) -> Dict[str, PatchFn]:
     """
 
     def token_embed(wte: nn.Module, inputs: Tensors) -> Tensors:
-        input_ids, mask = _split_first(inputs)
-        return wte(input_ids), mask, _positions(input_ids)
+        input_ids, mask, positions = _split_first(inputs)
+        return wte(input_ids), mask, positions
+
+    token_embed.takes_position_ids = True  # type: ignore[attr-defined]
 
     def position_embed(wpe: nn.Module, inputs: Tensors) -> Tensors:
         hidden, mask, positions = inputs
