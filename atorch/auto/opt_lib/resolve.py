@@ -186,7 +186,7 @@ def plan(strategy: Strategy, world_size: int = 1, model: Any = None, device_type
 
     e.g. `plan(Strategy(["checkpoint", "fsdp", "amp_native"]), world_size=2)` ->
     'parallel_mode -> checkpoint -> amp_native(bfloat16) -> fsdp(torch FSDP2, reshard) -> optimizer ->
-    fsdp(torch FSDP2, reshard) -> amp_native(bfloat16)'.
+    amp_native(bfloat16)'.
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"plan: world_size={world_size!r} must be an int >= 1 (the number of ranks)")
