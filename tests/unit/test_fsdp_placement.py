@@ -20,7 +20,11 @@ def test_padded_elements_counts_the_padded_rows_times_the_row():
     ((8, 4096, 14336), 8, None),         # as many experts as ranks: dim 0 splits evenly
     ((32003, 4096), 64, None),           # an odd vocabulary: a few padded rows are not worth a copy per gather
     ((3, 8), 4, Shard(1)),               # dim 0 pads a third, dim 1 nothing
-    ((3, 5), 4, None),                   # dim 0 pads 5 elements, dim 1 9: dim 0 stays
+    ((3, 5), 4, None),                   # dim 1 does not split evenly: FSDP2 pads dim 0 only
+    ((9, 66), 4, None),                  # GPT-2 with a 9-token vocabulary and width 66 on 4 ranks
+    ((8, 4096), 12, None),               # a router on 12 data ranks: 4096 does not split over 12
+    ((2, 192, 64), 4, Shard(1)),         # two experts on 4 ranks: the widest even dimension
+    ((2, 6, 64), 4, Shard(2)),           # ... which need not be the first even one
     ((3, 3), 4, None),                   # no dimension pads less
     ((4096,), 64, None),                 # norms and biases: one dimension
 ])

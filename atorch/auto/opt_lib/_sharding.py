@@ -97,9 +97,9 @@ def least_padded_placement(ranks: int) -> Callable[[nn.Parameter], Optional[Any]
     the data size held each rank a whole expert (1/experts of the tensor, not 1/ranks) and
     gathered a buffer ranks/experts times the tensor (measured on a fake 64-rank Mixtral:
     per-rank model states 6.6x, peak 5x the even split). Dim 0 (FSDP2's default: None) stays
-    unless it pads more than `MAX_DIM0_PADDING` of the tensor and another dimension pads less: a
-    shard along another dimension costs a copy after each all-gather, not worth a vocabulary's
-    few padded rows.
+    unless it pads more than `MAX_DIM0_PADDING` of the tensor and another dimension splits evenly
+    (FSDP2 refuses uneven shards on any other dimension): a shard along another dimension costs
+    a copy after each all-gather, not worth a vocabulary's few padded rows.
     """
     from torch.distributed.tensor import Shard
 
@@ -107,8 +107,9 @@ def least_padded_placement(ranks: int) -> Callable[[nn.Parameter], Optional[Any]
         shape = tuple(param.shape)
         if len(shape) < 2 or padded_elements(shape, 0, ranks) <= MAX_DIM0_PADDING * param.numel():
             return None
-        best = min(range(len(shape)), key=lambda dim: (padded_elements(shape, dim, ranks), dim))
-        return Shard(best) if best != 0 else None
+        # FSDP2 pads dim 0 only: another dimension must split evenly (the widest such one).
+        even = [dim for dim in range(1, len(shape)) if shape[dim] % ranks == 0]
+        return Shard(max(even, key=lambda dim: (shape[dim], -dim))) if even else None
 
     return placement
 
