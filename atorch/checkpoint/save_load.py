@@ -15,6 +15,7 @@ the save runs on a background thread (see async_save.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -246,6 +247,7 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
     _check_save_path(final_dir)
     if data_position is None and step is not None and objs.dataloader is not None:
         data_position = _position_at_step(objs, step)
+        data_position = dataclasses.replace(data_position, sampler_epoch=_sampler_epoch(objs.dataloader))
     handler = objs.handler()
     # Every rank encodes the small state now, so a value JSON cannot hold raises everywhere, not
     # on rank 0 alone while the others wait in a collective.
@@ -328,6 +330,13 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
     else:
         write_and_commit(tensors, None)
     return final_dir
+
+
+def _sampler_epoch(dataloader: Any) -> Optional[int]:
+    """The epoch the dataloader's sampler was last set to (`set_epoch`), None for a sampler without one."""
+    sampler = getattr(dataloader, "sampler", None)
+    epoch = getattr(sampler, "epoch", None)
+    return epoch if hasattr(sampler, "set_epoch") and isinstance(epoch, int) and not isinstance(epoch, bool) else None
 
 
 def _position_at_step(objs: TrainingObjects, step: int) -> DataPosition:

@@ -14,7 +14,7 @@ import contextlib
 import itertools
 import logging
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, Iterator, Optional, Tuple, cast
 
 import numpy as np
@@ -158,13 +158,25 @@ class DataPosition:
     epoch: int = 0
     batches_in_epoch: int = 0
     global_batch_size: Optional[int] = None
+    sampler_epoch: Optional[int] = None
+    """The epoch the sampler was last set to (`set_epoch`) when the position was taken, which decides its
+    order; None: unknown (no `set_epoch`, an older checkpoint), then `epoch` is taken. It differs from
+    `epoch` in a loop that never calls `set_epoch` (every pass in epoch 0's order) or numbers epochs
+    its own way."""
 
     def to_json(self) -> Dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, raw: Dict[str, Any]) -> "DataPosition":
-        return cls(int(raw.get("epoch", 0)), int(raw.get("batches_in_epoch", 0)), raw.get("global_batch_size"))
+        sampler_epoch = raw.get("sampler_epoch")
+        return cls(int(raw.get("epoch", 0)), int(raw.get("batches_in_epoch", 0)), raw.get("global_batch_size"),
+                   int(sampler_epoch) if sampler_epoch is not None else None)
+
+    @property
+    def order_epoch(self) -> int:
+        """The epoch to set the resumed sampler to: `sampler_epoch` where it was recorded, else `epoch`."""
+        return self.sampler_epoch if self.sampler_epoch is not None else self.epoch
 
     @classmethod
     def after_steps(cls, steps: int, batches_per_epoch: Optional[int], epoch: int = 0,
@@ -185,7 +197,7 @@ def convert_position(position: DataPosition, global_batch_size: int) -> DataPosi
     """
     saved = position.global_batch_size
     if saved is None or saved == global_batch_size:
-        return DataPosition(position.epoch, position.batches_in_epoch, global_batch_size)
+        return replace(position, global_batch_size=global_batch_size)
     consumed = position.batches_in_epoch * saved
     if consumed % global_batch_size:
         raise ValueError(
@@ -194,7 +206,7 @@ def convert_position(position: DataPosition, global_batch_size: int) -> DataPosi
             f"batches of {global_batch_size}, so resuming would repeat or skip samples. Resume with global batch size "
             f"{saved} (or another divisor of {consumed}) and change it at an epoch boundary (a "
             "checkpoint taken there resumes at any batch size)")
-    return DataPosition(position.epoch, consumed // global_batch_size, global_batch_size)
+    return replace(position, batches_in_epoch=consumed // global_batch_size, global_batch_size=global_batch_size)
 
 
 def loader_global_batch_size(dataloader: DataLoader) -> Optional[int]:
@@ -314,7 +326,7 @@ def resume_dataloader(dataloader: DataLoader, position: DataPosition,
                          "a DataLoader with a custom batch_sampler must be resumed by its owner")
     position = convert_position(position, global_batch_size or cast(int, loader_global_batch_size(dataloader)))
     skip = position.batches_in_epoch * dataloader.batch_size
-    sampler = ResumeSampler(dataloader.sampler, skip, position.epoch)
+    sampler = ResumeSampler(dataloader.sampler, skip, position.order_epoch)
     kwargs: Dict[str, Any] = dict(batch_size=dataloader.batch_size, sampler=sampler, drop_last=dataloader.drop_last,
                                   collate_fn=dataloader.collate_fn, num_workers=dataloader.num_workers,
                                   pin_memory=dataloader.pin_memory, timeout=dataloader.timeout,

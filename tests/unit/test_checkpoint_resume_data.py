@@ -101,7 +101,7 @@ def test_resume_with_another_global_batch_size(tmp_path, new_batch):
 
     resumed_run = _build(1, batch=new_batch)
     state = load_checkpoint(resumed_run, str(tmp_path / "step_3"))
-    assert state.data_position == DataPosition(0, 24 // new_batch, new_batch)
+    assert state.data_position == DataPosition(0, 24 // new_batch, new_batch, sampler_epoch=0)
     seen = [key[t] for batch in state.dataloader for t in _rows(batch)]
     assert seen == list(range(24, N_SAMPLES // new_batch * new_batch))  # drop_last: whole batches only
 
@@ -121,7 +121,7 @@ def test_a_save_after_a_batch_size_change_counts_steps_from_the_resume(tmp_path,
         train_step(resumed_run, next(batches))
     save_checkpoint(resumed_run, str(tmp_path / "step_5"), step=5)
     again = load_checkpoint(_build(2, batch=4), str(tmp_path / "step_5"))
-    assert again.data_position == DataPosition(0, 7, 4)
+    assert again.data_position == DataPosition(0, 7, 4, sampler_epoch=0)
     assert [key[t] for t in _rows(next(iter(again.dataloader)))] == [28, 29, 30, 31]
 
 
@@ -147,6 +147,26 @@ def test_set_epoch_on_either_sampler_ends_the_skip(on_inner):
         (inner if on_inner else resumed.sampler).set_epoch(epoch)
         sizes.append((len(resumed), len(list(resumed))))
     assert sizes == [(5, 5), (8, 8), (8, 8)]
+
+
+def test_a_shuffled_loop_without_set_epoch_resumes_in_its_own_order(tmp_path):
+    """Shuffled, 4 batches an epoch, set_epoch never called: every pass is epoch 0's order. Saved at step 6 (2
+    batches into the second pass), the resume follows that order too; the position's epoch (1) once re-seeded
+    the sampler with epoch 1, another order."""
+    key = _sample_index()
+    run = _build(0, batch=8, shuffle=True)
+    uninterrupted = [[key[t] for t in _rows(b)] for _ in range(3) for b in run.dataloader]   # never set_epoch
+    run = _build(0, batch=8, shuffle=True)
+    stream = (b for _ in range(3) for b in run.dataloader)
+    for _ in range(6):
+        train_step(run, next(stream))
+    save_checkpoint(run, str(tmp_path / "step_6"), step=6)
+    resumed = _build(1, batch=8, shuffle=True)
+    state = load_checkpoint(resumed, str(tmp_path / "step_6"))
+    assert (state.data_position.epoch, state.data_position.batches_in_epoch, state.data_position.sampler_epoch) \
+        == (1, 2, 0)
+    rest = [[key[t] for t in _rows(b)] for _ in range(2) for b in resumed.dataloader]
+    assert rest == uninterrupted[6:]
 
 
 @pytest.mark.parametrize("sampler", ["sequential", "distributed without set_epoch"])

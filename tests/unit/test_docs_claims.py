@@ -63,7 +63,7 @@ def test_readme_checkpoint_snippet_resumes_result_dataloader_at_the_next_sample(
 
     result = _build(1)
     state = load_checkpoint(result, str(tmp_path / "step_2"))
-    assert state.data_position == DataPosition(0, 2, BATCH)
+    assert state.data_position == DataPosition(0, 2, BATCH, sampler_epoch=0)
     assert _indices(next(iter(result.dataloader)), key) == list(range(16, 24))
     assert result.dataloader is state.dataloader
     assert [_indices(b, key)[0] for b in result.dataloader] == [16, 24]   # the rest of the epoch, once
