@@ -520,7 +520,8 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
     targets = {MODEL_PREFIX + k: v for k, v in handler.model_state().items()}
     # A pipeline stage holds some of the model: "unexpected" means held by no rank.
     known = set().union(*_all_gather(sorted(targets))) if _dist() else set(targets)
-    problems = check_keys(targets, entries, MODEL_PREFIX, strict=strict, known=known)
+    problems = _lora_kind_problems(meta, objs.model, ckpt_dir) + \
+        check_keys(targets, entries, MODEL_PREFIX, strict=strict, known=known)
     restore_optim = load_optimizer and handler.has_optimizer
     optim_targets: Dict[str, torch.Tensor] = {}
     optim_values: Dict[str, Any] = {}
@@ -570,6 +571,22 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
                            extra=from_json_value(meta.get("extra") or {}), strategy=meta.get("strategy"),
                            saved_world_size=int(meta.get("world_size") or 1), rng_restored=rng_restored,
                            optimizer_restored=restore_optim, dataloader=dataloader)
+
+
+def _lora_kind_problems(meta: Dict[str, Any], model: Any, ckpt_dir: str) -> List[str]:
+    """The one problem of loading peft's LoRA adapters into tensor-parallel LoRA, or the reverse: the two name
+    their tensors differently (peft wraps each linear: `base_layer`, `lora_A.<adapter>`; atorch's sharded
+    layers hold `lora_A` themselves), so a checkpoint reshards between layouts of the same kind only."""
+    saved = meta.get("model") or {}
+    saved_kind = "peft" if saved.get("peft_adapter") else "tensor-parallel" if saved.get("tp_lora") else None
+    kind = "peft" if peft_model_of(model) is not None else "tensor-parallel" if adapters_of(model) else None
+    if saved_kind is None or kind is None or saved_kind == kind:
+        return []
+    return [f"{os.path.join(ckpt_dir, META_NAME)}: the checkpoint holds {saved_kind} LoRA adapters and this model "
+            f"{kind} LoRA adapters, which name their tensors differently, so the adapters cannot be resumed across "
+            f"them; resume with the strategy that saved it ({'without' if saved_kind == 'peft' else 'with'} "
+            "tensor_parallel), or merge it (`atorch merge CKPT OUT --lora merge`) and start a new LoRA run from the "
+            "merged model"]
 
 
 def _is_result(target: Any) -> bool:
