@@ -56,7 +56,7 @@ def time_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int, 
     last: its blocks and the LM head) on those rows, stretched by the bubble.
     """
     tokens = micro_batch * seq_len
-    L, h, t, d = shape.num_layers, shape.hidden_size, traits.tensor, traits.data
+    L, t = shape.num_layers, traits.tensor
     p = traits.pipeline if traits.pipeline_engine is not None else 1
     layers = math.ceil(L / p)
     passes = passes_per_step(traits)
