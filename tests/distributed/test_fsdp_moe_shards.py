@@ -52,7 +52,7 @@ def _job(root: str) -> Dict[str, Any]:
 
     dataset = TokenDataset(n=STEPS * BATCH, vocab_size=128)
     result = _accelerate(dataset)
-    shards = {name: (tuple(p.to_local().shape), str(p.placements[0]))
+    shards = {name: (p.to_local().numel(), p.numel(), str(p.placements[0]))
               for name, p in result.model.named_parameters() if "experts" in name or "mlp.gate" in name}
     losses: List[float] = []
     batches = list(zip(range(STEPS), result.dataloader))   # this rank's half of each global batch
@@ -77,9 +77,9 @@ def test_experts_fewer_than_data_ranks_shard_evenly_and_train_like_one_process(t
                                                            STEPS), lr=LR)
     for rank, out in enumerate(run_distributed(_job, WORLD, str(tmp_path), timeout=240)):
         assert out["shards"], out
-        for name, (local, placement) in out["shards"].items():
-            # one expert: [1, 192, 64] -> [1, 96, 64] per rank (dim 0 would put it whole on rank 0)
-            assert placement == "S(1)" and local[1] * WORLD in (192, 64, 96), (rank, name, local, placement)
+        for name, (local, whole, placement) in out["shards"].items():
+            # one expert: half of [1, 192, 64] on each rank, split along a width (dim 0 would put it whole on rank 0)
+            assert placement != "S(0)" and local * WORLD == whole, (rank, name, local, whole, placement)
         assert_close_losses(out["losses"], expected, REL, f"rank {rank}")
         assert_close_losses([out["resumed"]], expected[-1:], REL, f"rank {rank} resumed")
         assert out["differ"] == [], out["differ"]
