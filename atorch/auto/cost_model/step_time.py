@@ -12,7 +12,7 @@ from typing import Dict, Mapping, Tuple
 
 from atorch.auto.cost_model.memory import stage_params
 from atorch.auto.cost_model.shape import ModelShape
-from atorch.auto.cost_model.traits import StrategyTraits
+from atorch.auto.cost_model.traits import StrategyTraits, passes_per_step
 
 # The device rates the step-time model divides by. "cpu" is measured (calibration script);
 # the GPU entry is a datasheet-derived guess (no GPU was available to calibrate on) and only
@@ -30,21 +30,11 @@ DEVICE_PROFILES: Dict[str, Dict[str, float]] = {
 }
 
 
-def passes_per_step(traits: StrategyTraits) -> int:
-    """Forward/backward passes of one rank per optimizer step: accumulation's micro-steps x a
-    pipeline's micro-batches (DeepSpeed's pipeline engine declares its accumulation as its chunks)."""
-    chunks = traits.pipeline_chunks if traits.pipeline_engine is not None else 1
-    micro_steps = traits.accumulation_steps if traits.pipeline_engine != "deepspeed" else 1
-    return max(1, chunks) * max(1, micro_steps)
-
-
 def pipeline_bubble(traits: StrategyTraits) -> float:
-    """A schedule of m micro-batches over p stages takes m + p - 1 micro-batch slots: (m + p - 1) / m."""
-    p = traits.pipeline if traits.pipeline_engine is not None else 1
-    if p <= 1:
-        return 1.0
+    """A schedule of m micro-batches over p stages takes m + p - 1 micro-batch slots: (m + p - 1) / m.
+    (`StrategyTraits.from_strategy` leaves `pipeline` at 1 unless a pipeline engine splits the model.)"""
     m = max(1, traits.pipeline_chunks)
-    return (m + p - 1) / m
+    return (m + traits.pipeline - 1) / m if traits.pipeline > 1 else 1.0
 
 
 def time_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int,
@@ -57,9 +47,9 @@ def time_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int, 
     """
     tokens = micro_batch * seq_len
     L, t = shape.num_layers, traits.tensor
-    p = traits.pipeline if traits.pipeline_engine is not None else 1
-    layers = math.ceil(L / p)
+    layers = math.ceil(L / traits.pipeline)
     passes = passes_per_step(traits)
+    stage = stage_params(shape, traits)
     bubble = pipeline_bubble(traits)
     # The LM head multiplies, lookups do not; a mixture of experts multiplies its top-k experts only.
     block_params = (shape.compute_params - shape.embedding_params) / max(1, L)
@@ -80,9 +70,10 @@ def time_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int, 
     # Framework overhead is per layer call: once per pass, each pass of the pipeline also waiting out the bubble.
     overhead = rates["step_overhead_s"] + layers * rates["layer_overhead_s"] * (1.5 if traits.checkpoint else 1.0) \
         * traits.compute_time_factor * passes * bubble
-    comm, collectives = _communication(shape, traits, tokens, layers, passes, rates)
+    comm, collectives = _communication(shape, traits, stage, tokens, layers, passes, rates)
+    offload = _offload_seconds(traits, stage, passes, rates)
     return {"compute": compute, "overhead": overhead,
-            "communication": comm + collectives * rates["comm_latency_s"] + _offload_seconds(shape, traits, rates)}
+            "communication": comm + collectives * rates["comm_latency_s"] + offload}
 
 
 def _bandwidth(rates: Mapping[str, float], group_ranks: int) -> float:
@@ -93,9 +84,9 @@ def _bandwidth(rates: Mapping[str, float], group_ranks: int) -> float:
     return rates["comm_bytes_per_s"]
 
 
-def _communication(shape: ModelShape, traits: StrategyTraits, tokens: int, layers: int, passes: int,
+def _communication(shape: ModelShape, traits: StrategyTraits, stage: float, tokens: int, layers: int, passes: int,
                    rates: Mapping[str, float]) -> Tuple[float, int]:
-    """(seconds moving bytes, number of collectives) of one step.
+    """(seconds moving bytes, number of collectives) of one step of a rank holding `stage` parameters.
 
     Data parallel: FSDP2 / ZeRO-3 gather parameters in every pass (forward and backward) and
     reduce-scatter once per step (atorch skips the reduction on accumulation's other micro-steps;
@@ -103,11 +94,11 @@ def _communication(shape: ModelShape, traits: StrategyTraits, tokens: int, layer
     Megatron's 2 all-reduces forward and 2 backward per layer and pass. Pipeline: each micro-batch's
     activations forward and their gradients back, once per stage boundary.
     """
-    h, t, d = shape.hidden_size, traits.tensor, traits.data
-    p = traits.pipeline if traits.pipeline_engine is not None else 1
+    t, d, p = traits.tensor, traits.data, traits.pipeline
     comm = 0.0
     collectives = 0
-    grad_bytes = stage_params(shape, traits) / t * traits.trainable_fraction * 4
+    grad_bytes = stage / t * traits.trainable_fraction * 4
+    act = tokens * shape.hidden_size * traits.compute_dtype_bytes   # the step's hidden states, one layer's worth
     if d > 1:
         ring = (d - 1) / d
         bw = _bandwidth(rates, d * t * p)     # data ranks lie outermost: the group spans the whole job
@@ -120,17 +111,15 @@ def _communication(shape: ModelShape, traits: StrategyTraits, tokens: int, layer
             comm += 2 * reductions * ring * grad_bytes / bw
             collectives += reductions * max(1, math.ceil(grad_bytes / 25e6)) * (2 if traits.optimizer_shard > 1 else 1)
     if t > 1:                             # Megatron TP: 2 all-reduces forward + 2 backward per layer
-        act = tokens * h * traits.compute_dtype_bytes
         comm += 4 * layers * 2 * (t - 1) / t * act / _bandwidth(rates, t)
         collectives += 4 * layers * passes
     if p > 1:                             # a micro-batch's boundary activations out, their gradients back
-        act = tokens * h * traits.compute_dtype_bytes
         comm += 2 * act / _bandwidth(rates, t * p) * pipeline_bubble(traits)
         collectives += 2 * passes
     return comm, collectives
 
 
-def _offload_seconds(shape: ModelShape, traits: StrategyTraits, rates: Mapping[str, float]) -> float:
+def _offload_seconds(traits: StrategyTraits, stage: float, passes: int, rates: Mapping[str, float]) -> float:
     """Host <-> device copies and the host's optimizer step of CPU offload (0 where the host is the device).
 
     torch FSDP2's CPUOffloadPolicy: the parameter shard copied to the device for each pass's
@@ -141,11 +130,10 @@ def _offload_seconds(shape: ModelShape, traits: StrategyTraits, rates: Mapping[s
     host_bw = rates.get("host_bytes_per_s")
     if not host_bw or not (traits.cpu_offload or traits.ds_offload_optimizer or traits.ds_offload_params):
         return 0.0
-    shard = stage_params(shape, traits) / traits.tensor / max(1, traits.data)
+    shard = stage / traits.tensor / max(1, traits.data)
     trainable = shard * traits.trainable_fraction
     optimizer_rate = rates.get("host_optimizer_params_per_s", 0.0)
     step = trainable / optimizer_rate if optimizer_rate else 0.0
-    passes = passes_per_step(traits)
     if traits.cpu_offload:
         copies = shard * traits.param_dtype_bytes * 2 * passes + trainable * 4
         return copies / host_bw + step

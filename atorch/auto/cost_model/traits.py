@@ -229,16 +229,19 @@ def precision_mode(traits: StrategyTraits) -> str:
     return "half"
 
 
+def passes_per_step(traits: StrategyTraits) -> int:
+    """Forward/backward passes of one rank per optimizer step: a pipeline's micro-batches x gradient
+    accumulation's micro-steps. atorch's accumulation runs the native pipeline's schedule once per
+    micro-step; DeepSpeed's pipeline engine declares its accumulation as its chunks (counted once)."""
+    chunks = traits.pipeline_chunks if traits.pipeline_engine is not None else 1
+    micro_steps = traits.accumulation_steps if traits.pipeline_engine != "deepspeed" else 1
+    return max(1, chunks) * max(1, micro_steps)
+
+
 def micro_batch_size(traits: StrategyTraits, global_batch: int) -> int:
     """Rows of one forward/backward on one rank: the global batch over the data ranks, then over the
-    gradient-accumulation steps or the pipeline's micro-batches."""
-    per_rank = max(1, global_batch // traits.data)
-    split = traits.pipeline_chunks if traits.pipeline_engine is not None else 1
-    if traits.pipeline_engine != "deepspeed":
-        # atorch's gradient accumulation runs the native pipeline's schedule once per micro-step
-        # (DeepSpeed's pipeline engine declares its accumulation as its chunks: counted once).
-        split *= traits.accumulation_steps
-    return max(1, per_rank // max(1, split))
+    passes of a step (gradient-accumulation steps, the pipeline's micro-batches)."""
+    return max(1, max(1, global_batch // traits.data) // passes_per_step(traits))
 
 
 # Entries of `memory_breakdown` that are model states (the ZeRO paper's "model states"), and
