@@ -20,7 +20,7 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 from torch import nn
@@ -165,11 +165,20 @@ def check_sample_format(dataset: Any, model_input_format: Optional[str], dataloa
                         "collate_fn in dataloader_args or prepare_input")
 
 
+def position_limit(config: Any) -> Optional[Tuple[str, int]]:
+    """(field, value): the longest sequence a model config's position embeddings cover, the field named as the
+    config names it (GPT-2's n_positions); None where the config declares no limit (e.g. BLOOM's ALiBi)."""
+    found = next(((f, getattr(config, f)) for f in _POSITION_FIELDS
+                  if isinstance(getattr(config, f, None), int) and getattr(config, f) > 0), None)
+    if found is None:
+        return None
+    field, value = found
+    return (getattr(config, "attribute_map", None) or {}).get(field, field), value
+
+
 def check_sequence_length(model: nn.Module, dataset: Any) -> None:
     """The first sample's `input_ids` fits the model's position embeddings (when both are known)."""
-    config = getattr(model, "config", None)
-    limit = next(((f, getattr(config, f)) for f in _POSITION_FIELDS
-                  if isinstance(getattr(config, f, None), int) and getattr(config, f) > 0), None)
+    limit = position_limit(getattr(model, "config", None))
     if limit is None or not hasattr(dataset, "__getitem__"):
         return
     try:
@@ -184,7 +193,6 @@ def check_sequence_length(model: nn.Module, dataset: Any) -> None:
     else:
         return
     field, value = limit
-    field = (getattr(config, "attribute_map", None) or {}).get(field, field)   # GPT-2 calls it n_positions
     if length > value:
         raise ValueError(f"dataset[0]['input_ids'] has {length} tokens, more than the model's {field}={value} "
                          f"({type(model).__name__}); cut the sequences to at most {value} tokens")

@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoConfig
 
 import atorch.auto.search.cluster_plan as cluster_plan
-from atorch.auto.arguments import check_sequence_length
+from atorch.auto.arguments import check_sequence_length, position_limit
 from atorch.auto.search.cluster_plan import check_causal_lm, check_seq_len, load_model_config, plan_cluster
 from atorch.cli import main
 
@@ -56,7 +56,7 @@ def _plan_refuses(config, seq_len: int) -> bool:
 ], ids=["gpt2", "llama", "llama-rope-scaled", "bloom"])
 def test_plan_refuses_the_sequences_auto_accelerate_refuses(config):
     # The plan's rule is auto_accelerate's (check_sequence_length): the same limit, none where the config has none.
-    limit = cluster_plan.position_limit(config)
+    limit = position_limit(config)
     for seq_len in (1, 1024, 1025, 2048, 2049, 4096, 4097, 16384):
         assert _plan_refuses(config, seq_len) == _auto_accelerate_refuses(config, seq_len), seq_len
         assert _plan_refuses(config, seq_len) == (limit is not None and seq_len > limit[1]), seq_len

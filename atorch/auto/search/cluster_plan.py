@@ -16,12 +16,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import pandas as pd
 import torch
 
-from atorch.auto.arguments import _POSITION_FIELDS
+from atorch.auto.arguments import position_limit
 from atorch.auto.devices import DeviceSpec, device_spec
 from atorch.auto.search.space import SearchSpace
 
@@ -62,18 +62,6 @@ def load_model_config(model: str) -> Any:
     if not isinstance(values, dict) or "model_type" not in values:
         raise ValueError(f"{path} has no model_type; it is not a Hugging Face model config")
     return AutoConfig.for_model(**values)
-
-
-def position_limit(config: Any) -> Optional[Tuple[str, int]]:
-    """(field, value): the longest sequence the model's positions cover, read as `auto_accelerate` reads it
-    (`arguments.check_sequence_length`: the first positive int of its position fields, named as the config
-    names it, e.g. GPT-2's n_positions); None where the config declares no limit (e.g. BLOOM's ALiBi)."""
-    found = next(((f, getattr(config, f)) for f in _POSITION_FIELDS
-                  if isinstance(getattr(config, f, None), int) and getattr(config, f) > 0), None)
-    if found is None:
-        return None
-    name, value = found
-    return (getattr(config, "attribute_map", None) or {}).get(name, name), value
 
 
 def check_seq_len(config: Any, seq_len: int, name: str = "seq_len") -> None:
