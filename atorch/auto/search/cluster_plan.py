@@ -175,11 +175,10 @@ def plan_cluster(model_config: Any, world_size: int, device: str, global_batch: 
                          f"nnodes={nnodes} must all be >= 1")
     if device_memory_bytes is not None and device_memory_bytes <= 0:
         raise ValueError(f"device_memory_bytes={device_memory_bytes} must be > 0 (None: the device's own memory)")
-    check_causal_lm(model_config)
     check_seq_len(model_config, seq_len)
     spec = device_spec(device)
     limit = device_memory_bytes if device_memory_bytes is not None else spec.memory_bytes
-    model = meta_model(model_config)
+    model = meta_model(model_config)   # refuses a model that is not a causal LM (`check_causal_lm`)
     shape = calibrated_shape(model, seq_len)
     device_type = "cpu" if device == "cpu" else "cuda"
     space = SearchSpace.default_for(model, world_size, device_type, global_batch_size=global_batch)
