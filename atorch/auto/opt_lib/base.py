@@ -83,6 +83,11 @@ class ValidationContext:
     strategy: Optional["Strategy"] = None
     configs: Dict[str, Any] = field(default_factory=dict)   # parsed configs by optimization name
 
+    @property
+    def any_model_config(self) -> Any:
+        """`model_config`, else the model's own `config` (None without either)."""
+        return self.model_config if self.model_config is not None else getattr(self.model, "config", None)
+
     def parallel_sizes(self) -> Dict[str, int]:
         """{dim name: size} from the strategy's parallel_mode (all data-parallel when absent)."""
         cfg = self.configs.get("parallel_mode")

@@ -39,8 +39,8 @@ from atorch.auto.opt_lib._ds_config import (
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, WrapperOrder, register
 from atorch.modules.pipeline.batches import (
     batch_rows,
+    check_dataset_sample,
     check_no_router_aux_loss,
-    check_pipeline_batch,
     hf_batch_fn,
     split_micro_batches,
 )
@@ -271,8 +271,7 @@ class DeepSpeed3DParallelOptimization(Optimization):
                              f"got {list(pm.rank_order)}")
         t, d, p = _layout_sizes(context.parallel_sizes(), context.world_size)
         resolve_ds_config(config.ds_config, d, p, context.global_batch_size)
-        check_no_router_aux_loss(WHO, context.model_config if context.model_config is not None
-                                 else getattr(context.model, "config", None))
+        check_no_router_aux_loss(WHO, context.any_model_config)
         if context.model is None:
             return
         pieces = expand_patcher(context.model, resolve_patcher(context.model, config.custom_patcher))
@@ -334,8 +333,9 @@ class DeepSpeed3DParallelOptimization(Optimization):
         engine, optim, _, scheduler = deepspeed.initialize(model=ctx.model, optimizer=ctx.optim,
                                                            model_parameters=params, lr_scheduler=ctx.lr_scheduler,
                                                            config=ds_config, dist_init_required=False)
-        if config.batch_fn is None:
-            _check_dataset_keys(ctx)
+        if config.batch_fn is None and ctx.prepare_input is None and ctx.dataloader_args.get("collate_fn") is None:
+            # hf_batch_fn gives the stages input_ids and attention_mask, the loss labels: any other key is dropped.
+            check_dataset_sample(ctx.dataset, takes_position_ids=False, who=WHO, tuples_pass=True)
         engine.set_batch_fn(config.batch_fn or hf_batch_fn)
         ctx.engine, ctx.optim, ctx.lr_scheduler = engine, optim, scheduler
         if ctx.dataset is not None and ctx.dataloader is None:
@@ -344,20 +344,6 @@ class DeepSpeed3DParallelOptimization(Optimization):
         ctx.custom_train_step = ds3d_train_step
         ctx.gradient_accumulation_steps = ds_config["gradient_accumulation_steps"]
         ctx.micro_batch_size = ds_config["train_micro_batch_size_per_gpu"]
-
-
-def _check_dataset_keys(ctx: ModelContext) -> None:
-    """A dict sample whose keys `hf_batch_fn` would drop (position_ids, token_type_ids, ...) is refused: the stages
-    get input_ids and attention_mask, the loss labels, and nothing else (checked on dataset[0] where no collate_fn
-    or prepare_input may reshape it; tuples pass through `hf_batch_fn` as the user built them)."""
-    if ctx.dataset is None or ctx.prepare_input is not None or ctx.dataloader_args.get("collate_fn") is not None:
-        return
-    try:
-        sample = ctx.dataset[0]
-    except Exception:  # noqa: BLE001 - a dataset that cannot index 0 (iterable) is not checked here
-        return
-    if isinstance(sample, Mapping):
-        check_pipeline_batch(sample, takes_position_ids=False, what="dataset[0]", shapes=False, who=WHO)
 
 
 def _check_fields(config: DeepSpeed3DParallelConfig) -> None:

@@ -20,7 +20,7 @@ from atorch.auto.model_context import ModelContext
 from atorch.distributed.parallel_layout import ParallelLayout
 from atorch.distributed.replicas import check_replicas_agree
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, WrapperOrder, register
-from atorch.modules.pipeline.batches import check_no_router_aux_loss, check_pipeline_batch
+from atorch.modules.pipeline.batches import check_dataset_sample, check_no_router_aux_loss
 from atorch.modules.pipeline.native import SCHEDULES, NativePipeline, build_stage_module, pipeline_train_step
 from atorch.modules.pipeline.partition import PARTITION_METHODS, StagePlan, plan_stages, stage_parameter_counts
 from atorch.modules.pipeline.patchers import CustomPatcher, expand_patcher, pieces_take_position_ids, resolve_patcher
@@ -136,8 +136,7 @@ class PipelineParallelOptimization(Optimization):
             raise ValueError("pipeline_parallel with amp_native fp16 is not supported: the pipeline schedule runs "
                              "backward itself, so the fp16 loss scaling of amp_native would never be applied; use "
                              "amp_native with torch.bfloat16")
-        check_no_router_aux_loss(self.name, context.model_config if context.model_config is not None
-                                 else getattr(context.model, "config", None))
+        check_no_router_aux_loss(self.name, context.any_model_config)
         if context.model is None:
             return
         pieces = expand_patcher(context.model, resolve_patcher(context.model, config.custom_patcher))
@@ -191,13 +190,8 @@ def _check_dataset_batches(ctx: ModelContext, takes_position_ids: bool) -> None:
                          "to the first stage and labels to the loss on the last), but model_input_format="
                          "'unpack_sequence' passes tuples; return a dict such as {'input_ids': ..., 'labels': ...} "
                          "from the dataset and use model_input_format='unpack_dict'")
-    if ctx.dataset is None or ctx.prepare_input is not None or ctx.dataloader_args.get("collate_fn") is not None:
-        return
-    try:
-        sample = ctx.dataset[0]
-    except Exception:  # noqa: BLE001 - a dataset that cannot index 0 (iterable): its batches are checked
-        return
-    check_pipeline_batch(sample, takes_position_ids, what="dataset[0]", shapes=False)
+    if ctx.prepare_input is None and ctx.dataloader_args.get("collate_fn") is None:
+        check_dataset_sample(ctx.dataset, takes_position_ids)
 
 
 def _check_every_stage_trains(model: nn.Module, plan: StagePlan) -> None:

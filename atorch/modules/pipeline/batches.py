@@ -141,6 +141,24 @@ def check_pipeline_batch(batch: Any, takes_position_ids: bool, what: str = "the 
                          f"{_shape(ids)}; {what} has attention_mask {_shape(mask)}")
 
 
+def check_dataset_sample(dataset: Any, takes_position_ids: bool, who: str = "pipeline_parallel",
+                         tuples_pass: bool = False) -> None:
+    """`dataset[0]` checked as `check_pipeline_batch` checks a batch (its keys; no shapes: one sample),
+    so a dataset the pipeline cannot take is refused when the strategy is applied, before its first step.
+    Callers skip it where a collate_fn or prepare_input may reshape the samples. A dataset that cannot
+    index 0 (iterable) is left to the per-batch check; `tuples_pass`: a non-dict sample is the user's own
+    (DeepSpeed's `batch_fn` passes tuples through)."""
+    if dataset is None:
+        return
+    try:
+        sample = dataset[0]
+    except Exception:  # noqa: BLE001 - a dataset that cannot index 0: its batches are checked instead
+        return
+    if tuples_pass and not isinstance(sample, Mapping):
+        return
+    check_pipeline_batch(sample, takes_position_ids, what="dataset[0]", shapes=False, who=who)
+
+
 def _broadcasts(shape: Tuple[int, ...], to: Tuple[int, ...]) -> bool:
     if len(shape) > len(to):
         return False
