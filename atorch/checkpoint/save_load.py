@@ -442,21 +442,30 @@ def _meta(objs: TrainingObjects, handler: LayoutHandler, step: Optional[int], po
     """meta.json: everything but tensors and RNG states (all values already JSON data)."""
     hf_model, hf_prefix = find_hf_model(objs.model)
     hf_config = find_hf_config(objs.model)
-    peft = peft_model_of(objs.model)
     return {
         "format": mf.FORMAT_NAME, "version": mf.FORMAT_VERSION, "step": step,
         "data_position": position.to_json() if position is not None else None,
         "world_size": world, "parallel_dims": _parallel_dims(objs.parallel), "layout": handler.name,
         "strategy": objs.strategy,
         "model": {"class": _qualname(hf_model) if hf_model is not None else _qualname(objs.model),
-                  "hf_prefix": hf_prefix, "has_config": hf_config is not None,
-                  "peft_adapter": getattr(peft, "active_adapter", None) if peft is not None else None,
-                  # tensor-parallel LoRA: {layer: {"r", "scaling"}}, what a merge needs to fold its adapters
-                  "tp_lora": adapters_of(objs.model)},
+                  "hf_prefix": hf_prefix, "has_config": hf_config is not None, **_lora_meta(objs.model)},
         "has_optimizer": has_optimizer,
         "optimizer": {"class": _qualname(objs.optimizer), "values": optim_values} if has_optimizer else None,
         **small_state, "torch_version": torch.__version__, "created": time.time(),
     }
+
+
+def _lora_meta(model: nn.Module) -> Dict[str, Any]:
+    """meta.json's record of the model's LoRA adapters: peft's active adapter, or tensor-parallel LoRA's
+    {layer: {"r", "scaling"}} (what a merge needs to fold them); None for what the model does not have."""
+    peft = peft_model_of(model)
+    return {"peft_adapter": getattr(peft, "active_adapter", None) if peft is not None else None,
+            "tp_lora": adapters_of(model)}
+
+
+def _lora_kind(model_meta: Dict[str, Any]) -> Optional[str]:
+    """"peft", "tensor-parallel" or None: which LoRA adapters a `_lora_meta` record names."""
+    return "peft" if model_meta.get("peft_adapter") else "tensor-parallel" if model_meta.get("tp_lora") else None
 
 
 def _stateful_json(obj: Any, where: str) -> Optional[Dict[str, Any]]:
@@ -577,9 +586,7 @@ def _lora_kind_problems(meta: Dict[str, Any], model: Any, ckpt_dir: str) -> List
     """The one problem of loading peft's LoRA adapters into tensor-parallel LoRA, or the reverse: the two name
     their tensors differently (peft wraps each linear: `base_layer`, `lora_A.<adapter>`; atorch's sharded
     layers hold `lora_A` themselves), so a checkpoint reshards between layouts of the same kind only."""
-    saved = meta.get("model") or {}
-    saved_kind = "peft" if saved.get("peft_adapter") else "tensor-parallel" if saved.get("tp_lora") else None
-    kind = "peft" if peft_model_of(model) is not None else "tensor-parallel" if adapters_of(model) else None
+    saved_kind, kind = _lora_kind(meta.get("model") or {}), _lora_kind(_lora_meta(model))
     if saved_kind is None or kind is None or saved_kind == kind:
         return []
     return [f"{os.path.join(ckpt_dir, META_NAME)}: the checkpoint holds {saved_kind} LoRA adapters and this model "
