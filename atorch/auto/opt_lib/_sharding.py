@@ -62,6 +62,20 @@ def normalize_wrap_cls(where: str, value: Any) -> Optional[Tuple[ClassSpec, ...]
     return tuple(value)
 
 
+def require_data_dim(name: str, what: str, context: ValidationContext) -> None:
+    """Refuse, at validation, a torch ZeRO (`name` shards `what`) under a layout without a "data" dimension:
+    the shards live on the "data" group, which the apply phase would only find missing after the
+    optimizations before it (tensor_parallel, pipeline_parallel) had been applied."""
+    sizes = context.parallel_sizes()
+    if "data" in sizes:
+        return
+    layout = list(sizes.items())
+    raise ValueError(
+        f"{name}: shards {what} over the 'data' parallel dimension, but parallel_mode's layout {layout} has no "
+        f"'data' dimension; add one, e.g. {layout + [('data', 1)]} (over one data rank it shards nothing; launch "
+        f"more processes for ('data', N) with N > 1), or drop {name} from the strategy")
+
+
 # -- torch FSDP2 ----------------------------------------------------------------------------
 def broadcast_module_states(model: nn.Module, device: torch.device, parallel: ParallelMesh) -> None:
     """Make every data-parallel rank hold data-rank 0's parameters and buffers."""
@@ -360,6 +374,7 @@ class Fsdp2ShardingOptimization(Optimization):
     config_aliases = FSDP_CONFIG_ALIASES
     reshard_after_forward: ClassVar[bool]
     deepspeed_stage: ClassVar[int]
+    shards: ClassVar[str]          # what it shards over the data ranks, for `require_data_dim`'s message
 
     @classmethod
     def config_conflicts(cls, config: Fsdp2ShardingConfig) -> Dict[str, str]:
@@ -416,10 +431,12 @@ class Fsdp2ShardingOptimization(Optimization):
         return out
 
     def validate(self, config: Fsdp2ShardingConfig, context: ValidationContext) -> None:
-        if config.use_ds_zero:
+        if config.use_ds_zero:    # DeepSpeed's own check refuses any dimension but "data"
             validate_deepspeed(self.name, context, self.deepspeed_stage, config.ds_config,
                                cpu_offload=config.cpu_offload, wrap_cls=config.wrap_cls)
-        elif config.wrap_cls is not None and context.model is not None:
+            return
+        require_data_dim(self.name, self.shards, context)
+        if config.wrap_cls is not None and context.model is not None:
             # A class name the model lacks, named now rather than while applying (after the groups exist).
             resolve_module_classes(context.model, config.wrap_cls, f"{self.name}: wrap_cls")
 

@@ -25,6 +25,7 @@ from atorch.auto.opt_lib._sharding import (
     deepspeed_installed,
     describe_sharding,
     prepare_deepspeed,
+    require_data_dim,
     validate_deepspeed,
 )
 from atorch.auto.opt_lib.base import (
@@ -37,7 +38,6 @@ from atorch.auto.opt_lib.base import (
     is_false,
     register,
 )
-from atorch.auto.opt_lib.fsdp import require_data_dim
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from atorch.auto.opt_lib._sharding import FSDP_CONFIG_ALIASES, Fsdp2ShardingConfig, Fsdp2ShardingOptimization
-from atorch.auto.opt_lib.base import ConfigAlias, ValidationContext, register
-from atorch.auto.opt_lib.fsdp import require_data_dim
+from atorch.auto.opt_lib.base import ConfigAlias, register
 
 
 @dataclass(frozen=True)
@@ -41,8 +40,4 @@ class Zero2Optimization(Fsdp2ShardingOptimization):
     }
     reshard_after_forward = False
     deepspeed_stage = 2
-
-    def validate(self, config: Fsdp2ShardingConfig, context: ValidationContext) -> None:
-        if not config.use_ds_zero:   # DeepSpeed's own check refuses any dim but "data"
-            require_data_dim(self.name, "gradients and optimizer state", context)
-        super().validate(config, context)
+    shards = "gradients and optimizer state"
