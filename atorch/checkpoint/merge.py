@@ -59,14 +59,16 @@ def group_by_bytes(tensors: Iterable[Tuple[str, torch.Tensor]], max_bytes: int) 
 
 
 def parse_size(size: Union[int, str]) -> int:
-    """Bytes in `size`: an int, or a string like '2GB', '500MB', '1GiB'."""
-    if isinstance(size, int) and size > 0:
+    """Bytes in `size`: an int, or a string like '2GB', '500MB', '1GiB' (decimal units, as transformers'
+    `max_shard_size`; '2G' is '2GB', '1Gi' is '1GiB')."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
         return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(size).upper())
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(I?))?B?\s*", str(size).upper())
     if not match or float(match.group(1)) <= 0:
-        raise ValueError(f"max_shard_size={size!r}; expected a positive int of bytes or a string like '2GB' or "
-                         "'500MB'")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+        raise ValueError(f"max_shard_size={size!r}; expected a positive int of bytes or a string like '2GB', "
+                         "'500MB' or '1GiB'")
+    unit = f"{match.group(2)}{match.group(3)}B" if match.group(2) else ""
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
 def check_merge_options(lora: str, max_shard_size: Union[int, str], dtype: Any = None, model_class: Any = None,

@@ -135,8 +135,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, lab
         raise ValueError(f"vocab_size={vocab_size} does not fit {world} slices of {local_vocab} logits")
     vocab_start = group_rank(group) * local_vocab
     if world == 1 and vocab_size == local_vocab:
-        return F.cross_entropy(logits.float().view(-1, local_vocab), target.view(-1), ignore_index=ignore_index,
-                               reduction=reduction, label_smoothing=float(label_smoothing)
+        # reshape, not view: shifted logits (logits[:, :-1]) are not contiguous.
+        return F.cross_entropy(logits.float().reshape(-1, local_vocab), target.reshape(-1),
+                               ignore_index=ignore_index, reduction=reduction, label_smoothing=float(label_smoothing)
                                ).view(target.shape if reduction == "none" else ())
     loss = _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, vocab_size, ignore_index,
                                             float(label_smoothing))

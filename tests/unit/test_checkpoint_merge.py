@@ -121,6 +121,11 @@ def test_merge_input_errors(tmp_path):
     with pytest.raises(CheckpointError, match="not a checkpoint"):
         merge_checkpoint(str(tmp_path / "ckpt" / "dcp"), str(tmp_path / "o"))
     assert parse_size("2GB") == 2 * 10**9 and parse_size("1MiB") == 2**20 and parse_size(123) == 123
+    # Units without B read as with it (they raised KeyError, a traceback from `atorch merge`).
+    assert parse_size("2G") == 2 * 10**9 and parse_size("512k") == 512_000 and parse_size("1Gi") == 2**30
+    for bad in ("1I", "2GB2", True, 0):
+        with pytest.raises(ValueError, match="max_shard_size="):
+            parse_size(bad)
 
 
 def test_save_parallelized_and_from_parallelized(tmp_path):

@@ -278,6 +278,10 @@ def test_vocab_parallel_cross_entropy_matches_f_cross_entropy():
     labels = torch.randint(0, 7, (2, 6))
     shifted = F.cross_entropy(ref_logits[:, :-1].reshape(-1, 7), labels[:, 1:].reshape(-1))
     assert torch.allclose(loss_fn(logits, labels), shifted, atol=1e-6)
+    # The shifted slices F.cross_entropy takes (not contiguous) on one process without padding.
+    full = torch.randn(2, 6, 7)
+    assert torch.allclose(vocab_parallel_cross_entropy(full[:, :-1], labels[:, 1:], reduction="mean"),
+                          F.cross_entropy(full[:, :-1].reshape(-1, 7), labels[:, 1:].reshape(-1)), atol=1e-6)
 
 
 def test_real_model_sharding_at_world_one_keeps_outputs_and_state_dict():
