@@ -132,7 +132,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, lab
     if vocab_size is None:
         vocab_size = local_vocab * world
     if not local_vocab * (world - 1) < vocab_size <= local_vocab * world:
-        raise ValueError(f"vocab_size={vocab_size} does not fit {world} slices of {local_vocab} logits")
+        raise ValueError(f"vocab_size={vocab_size} does not fit {world} slices of {local_vocab} logits: expected "
+                         f"{local_vocab * (world - 1) + 1} to {local_vocab * world} (the last slice may hold "
+                         "padding columns, no other)")
     vocab_start = group_rank(group) * local_vocab
     if world == 1 and vocab_size == local_vocab:
         # reshape, not view: shifted logits (logits[:, :-1]) are not contiguous.

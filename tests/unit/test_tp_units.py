@@ -274,6 +274,8 @@ def test_vocab_parallel_cross_entropy_matches_f_cross_entropy():
     assert none.shape == (2, 6) and none[0, 0] == 0
     with pytest.raises(ValueError, match="reduction='avg'"):
         vocab_parallel_cross_entropy(logits, target, reduction="avg")
+    with pytest.raises(ValueError, match="vocab_size=11 does not fit 1 slices of 10 logits: expected 1 to 10"):
+        vocab_parallel_cross_entropy(logits, target, group=None, vocab_size=11)
     loss_fn = VocabParallelCausalLMLoss(None, 7)
     labels = torch.randint(0, 7, (2, 6))
     shifted = F.cross_entropy(ref_logits[:, :-1].reshape(-1, 7), labels[:, 1:].reshape(-1))
