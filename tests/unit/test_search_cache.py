@@ -163,6 +163,29 @@ def test_optimizer_factories_that_are_functions_are_told_apart_by_their_code():
     assert "code:" not in optimizer_description(torch.optim.AdamW, {})
 
 
+def test_an_optimizer_factory_is_described_alike_in_every_process():
+    """Nothing in the description may hold an object's address or a set's order (PYTHONHASHSEED):
+    the cache compares it across processes. Two factories built alike around different objects
+    stand for a new process building the factory again."""
+    import functools
+
+    class Hyper:
+        lr = 1e-3
+
+    def make(hyper):
+        def factory(params, kind="adamw"):
+            return torch.optim.AdamW(params, lr=hyper.lr if kind in {"adamw", "adam", "sgd", "lion"} else 0.1)
+        return factory
+
+    def build(params, settings):
+        return torch.optim.SGD(params, lr=0.1)
+
+    first, second = make(Hyper()), make(Hyper())
+    assert optimizer_description(first, {}) == optimizer_description(second, {})
+    assert optimizer_description(functools.partial(build, settings=Hyper()), {"opts": {"b", "a"}}) == \
+        optimizer_description(functools.partial(build, settings=Hyper()), {"opts": {"a", "b"}})
+
+
 def test_second_search_runs_one_confirming_dry_run(tmp_path, monkeypatch):
     """auto_search's rank-0 flow with a fake evaluator: a full search, then one dry run on a hit,
     then a full search again (reusing remembered results) when the confirmation fails."""

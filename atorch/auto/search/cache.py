@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import platform
+import re
 import time
 import types
 from dataclasses import dataclass
@@ -88,24 +89,28 @@ def optimizer_description(optim_func: Any, optim_args: Mapping[str, Any]) -> str
     building SGD and Adagrad share a name, and an edited factory keeps its name."""
     if optim_func is None:
         return ""
-    name = f"{getattr(optim_func, '__module__', '')}.{getattr(optim_func, '__qualname__', repr(optim_func))}"
-    text = f"{name} {json.dumps(dict(optim_args), sort_keys=True, default=repr)}"
+    qualname = getattr(optim_func, "__qualname__", None) or _stable_repr(optim_func)
+    name = f"{getattr(optim_func, '__module__', '')}.{qualname}"
+    text = f"{name} {json.dumps(dict(optim_args), sort_keys=True, default=_stable_repr)}"
     fingerprint = _code_fingerprint(optim_func)
     return f"{text} code:{fingerprint}" if fingerprint else text
 
 
 def _code_fingerprint(obj: Any, depth: int = 0) -> str:
     """A short hash of what a function computes (bytecode, constants, names, defaults, closure values);
-    "" for a class (its qualified name is the key) or anything without code."""
+    "" for a class (its qualified name is the key) or anything without code. The same factory gives the
+    same hash in every process: nothing hashed holds an object's address or a set's iteration order
+    (which follows PYTHONHASHSEED for strings)."""
     if isinstance(obj, functools.partial):
         inner = _code_fingerprint(obj.func, depth + 1)
-        return _short_hash(f"{inner} {obj.func!r} {obj.args!r} {sorted(obj.keywords.items())!r}")
+        return _short_hash(" ".join([inner, _stable_repr(obj.func), _stable_repr(obj.args),
+                                     _stable_repr(obj.keywords)]))
     code = getattr(obj, "__code__", None)
     if code is None or isinstance(obj, type) or depth > 3:
         return ""
     cells = [c.cell_contents for c in (getattr(obj, "__closure__", None) or ()) if _has_contents(c)]
-    parts = [code.co_code.hex(), repr(_consts(code)), repr(code.co_names), repr(getattr(obj, "__defaults__", None)),
-             repr([getattr(c, "__qualname__", None) or repr(c) for c in cells])]
+    parts = [code.co_code.hex(), _stable_repr(_consts(code)), repr(code.co_names),
+             _stable_repr(getattr(obj, "__defaults__", None)), _stable_repr(cells)]
     return _short_hash(" ".join(parts))
 
 
@@ -113,6 +118,27 @@ def _consts(code: types.CodeType) -> tuple:
     """A code object's constants, nested code objects by their own bytecode (their repr holds an address)."""
     return tuple((c.co_code.hex(), _consts(c), c.co_names) if isinstance(c, types.CodeType) else c
                  for c in code.co_consts)
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+|0x[0-9a-fA-F]{6,}")
+
+
+def _stable_repr(value: Any, depth: int = 0) -> str:
+    """repr(value) that is the same in every process: sets sorted, dicts by sorted key, functions and
+    classes by qualified name, and object addresses (a default repr's "at 0x7f...") left out."""
+    if depth > 6:
+        return type(value).__qualname__
+    if isinstance(value, (set, frozenset)):
+        return f"{type(value).__name__}({sorted(_stable_repr(v, depth + 1) for v in value)})"
+    if isinstance(value, dict):
+        items = sorted((_stable_repr(k, depth + 1), _stable_repr(v, depth + 1)) for k, v in value.items())
+        return "{" + ", ".join(f"{k}: {v}" for k, v in items) + "}"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_stable_repr(v, depth + 1) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+    return _ADDRESS.sub("", repr(value))
 
 
 def _has_contents(cell: Any) -> bool:
