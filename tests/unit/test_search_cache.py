@@ -239,6 +239,8 @@ def test_second_search_runs_one_confirming_dry_run(tmp_path, monkeypatch):
     assert calls[0] == first.best.describe() and len(calls) == 1       # only the confirmation was run
     assert third.best != first.best and third.best_throughput == max(v for k, v in speed_before.items()
                                                                       if k != first.best.describe())
+    # The failed confirmation was measured now: every other trial came from the cache, not that one.
+    assert f"{len(speed) - 1} of {len(speed)} trial(s) served from the results cache" in third.reason
 
 
 def _search_without_hebo(space, evaluate, **kwargs):

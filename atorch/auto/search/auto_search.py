@@ -228,7 +228,7 @@ def _cached_evaluator(evaluate: Callable[[Strategy], DryRunResult], cache: Searc
     """Serves remembered successful results without a dry run; remembers (and saves) every new one.
     `served` gets one flag per call: whether the cache answered it. `just_measured` (strategy JSON ->
     result) holds dry runs of this process served as they are, failures included (a confirmation
-    that just failed).
+    that just failed): they were measured now, so they are not counted as served by the cache.
 
     Only a strategy's first evaluation in this search may come from the cache: the search asks
     again for a strategy only to re-measure it (the interleaved top-two comparison), and serving
@@ -245,9 +245,8 @@ def _cached_evaluator(evaluate: Callable[[Strategy], DryRunResult], cache: Searc
         asked.add(key)
         cached = cache.get(strategy) if first_time else None
         if first_time and just_measured and key in just_measured:
-            cached = just_measured[key]
-            served.append(True)
-            return cached
+            served.append(False)
+            return just_measured[key]
         served.append(cached is not None and cached.ok)
         if served[-1]:
             return cast(DryRunResult, cached)
