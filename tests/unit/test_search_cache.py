@@ -344,3 +344,22 @@ def test_an_inverted_interval_in_the_cache_is_refused_and_a_short_table_still_re
     result = _confirmed_result(cache, DDP, OK, OK, 10**9)
     write_report(result, str(tmp_path / "report"))      # a table missing columns does not break the report
     assert (tmp_path / "report" / "best_strategy.json").exists()
+
+
+def test_a_read_only_cache_is_read_and_not_updated(tmp_path, monkeypatch, caplog):
+    """A shared cache file where nothing can be written is used with a warning; a cache that can be
+    neither written nor read is refused before any dry run."""
+    import os
+
+    from atorch.auto.search import auto_search
+    from atorch.utils import env
+
+    path = tmp_path / "search_cache.json"
+    path.write_text("{}")
+    real_access = os.access
+    monkeypatch.setattr(env.os, "access", lambda p, mode: mode != os.W_OK and real_access(p, mode))
+    with caplog.at_level("WARNING"):
+        auto_search._check_cache_location(str(path))
+    assert "is not writable" in caplog.text and "read, not updated" in caplog.text
+    with pytest.raises(ValueError, match="is not writable"):
+        auto_search._check_cache_location(str(tmp_path / "other.json"))

@@ -104,8 +104,20 @@ class SearchSettings:
             check_output_location("ATORCH_SEARCH_REPORT_DIR", os.path.dirname(os.path.abspath(report)) if png
                                   else report, directory=True)
         if settings.cache_path is not None:
-            check_output_location("ATORCH_SEARCH_CACHE", settings.cache_path, directory=False)
+            _check_cache_location(settings.cache_path)
         return settings
+
+
+def _check_cache_location(path: str) -> None:
+    """The results cache can be written, or at least read: an existing cache file where nothing can be
+    written (a shared, read-only copy) is used as it is, with a warning; anything else that cannot be
+    written is a ValueError now, before any dry run is spent."""
+    try:
+        check_output_location("ATORCH_SEARCH_CACHE", path, directory=False)
+    except ValueError as e:
+        if not (os.path.isfile(path) and os.access(path, os.R_OK)):
+            raise
+        logger.warning("%s: the results cache is read, not updated, by this search", e)
 
 
 def search_for_context(ctx: ModelContext, excluded: Optional[Sequence[str]] = None,
