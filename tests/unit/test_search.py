@@ -5,6 +5,7 @@ of evaluator time; what costs time is HEBO's GP fit per suggestion.
 """
 
 import math
+import re
 import struct
 import time
 from typing import Dict
@@ -402,7 +403,9 @@ def test_report_table_plot_and_reason(dummy_opts, tmp_path):
     assert line == result.reason and "\n" not in line
     ratio = table[ranked[0]] / table[plain]
     assert line.startswith(f"{ranked[0].describe()}: {ratio:.2g}x plain data-parallel")
-    assert "predicted 2.0 GB > 1.5 GB limit" in line and "1 trial(s) failed (1 oom)" in line
+    # The out-of-memory run (its peak under the limit: it needed at least the limit) nudges the scale.
+    assert re.search(r"predicted 2.0 GB (\(cost model x 1.0\d, the measured/predicted ratio\) )?> 1.5 GB limit", line)
+    assert "1 trial(s) failed (1 oom)" in line
     path = plot_trials(result, str(tmp_path / "sub" / "search.png"))
     with open(path, "rb") as f:
         header = f.read(24)

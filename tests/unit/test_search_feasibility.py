@@ -86,6 +86,43 @@ def test_memory_model_learns_option_effects_from_measured_peaks_without_a_predic
             assert p < 0.1
 
 
+def _saving_steps(c: Candidate) -> int:
+    return c.choices[0] + c.choices[1]     # zero stage + checkpointing (amp is not ranked)
+
+
+def test_without_a_predictor_out_of_memory_runs_point_to_the_candidates_that_save_more():
+    """Before anything ran, the runs out of memory are all the model knows: the leanest candidates
+    must stay runnable and be the likeliest to fit (with a mean-0 prior a saving step was as likely
+    to add memory, so two runs out of memory at 3.5x the limit pruned the candidates that fit)."""
+    space = space16()
+    cands = space.candidates()
+    feas = Feasibility([c.choices for c in cands], memory_saving_ranks(space), limit=40.0)
+    plain = [i for i, c in enumerate(cands) if _saving_steps(c) == 0]
+    for i, peak in zip(plain, (140.0, 150.0)):
+        feas.observe(i, "oom", peak)
+    leanest = max(range(len(cands)), key=lambda i: (_saving_steps(cands[i]), -cands[i].choices[2]))
+    assert feas.probability(leanest).p >= PRUNE_BELOW
+    assert feas.probability(leanest).p > feas.probability(plain[0] + 2).p   # zero1 only (amp off)
+
+
+def test_runs_out_of_memory_without_a_peak_still_teach_the_level():
+    """An out-of-memory run that reports no peak says the candidate needs at least the limit: the
+    model is informed by it, and candidates saving more are likelier to fit than ones saving less."""
+    space = space16()
+    cands = space.candidates()
+    feas = Feasibility([c.choices for c in cands], memory_saving_ranks(space), limit=40.0)
+    first = next(i for i, c in enumerate(cands) if _saving_steps(c) == 0)
+    feas.observe(first, "oom", None)
+    assert feas.informed
+    by_steps = {}
+    for i, c in enumerate(cands):
+        if c.choices[2] != cands[first].choices[2] or feas.probability(i).why != "model":
+            continue
+        by_steps.setdefault(_saving_steps(c), []).append(feas.probability(i).p)
+    means = [float(np.mean(by_steps[k])) for k in sorted(by_steps)]
+    assert len(means) >= 3 and means == sorted(means), by_steps
+
+
 def test_a_scattered_predictor_prunes_less_once_its_scatter_is_measured():
     """Per-candidate prediction errors of 20%: a candidate predicted just over the limit is
     pruned while the predictor is assumed accurate, and comes back once the peaks show its scatter."""

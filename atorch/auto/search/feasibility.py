@@ -41,6 +41,11 @@ PRIOR_SD_WITH_PREDICTOR = {"bias": 0.15, "option": 0.05, "residual": 0.05}
 # Without a predictor: the level is unknown (learned from the first peak) and one option
 # changes the peak by a factor of about e^+-0.3 (35%) a priori.
 PRIOR_SD_WITHOUT = {"bias": 30.0, "option": 0.3, "residual": 0.05}
+# Without a predictor, the prior mean of one step of a memory-saving dimension (fsdp over zero2,
+# checkpointing over none): it saves memory by definition, about 20% a step a priori. With a mean
+# of 0 a step was as likely to add memory as to save it, so after two out-of-memory runs the
+# leanest candidates were predicted at the level of those runs and pruned, though they fit.
+PRIOR_MEAN_SAVING_STEP = -0.2
 # Weight of the residual prior, in pseudo-observations.
 RESIDUAL_PRIOR_DF = 3.0
 
@@ -89,8 +94,13 @@ class Feasibility:
         if status == "oom":
             if i not in self.oom:
                 self.oom.append(i)
-            if peak_bytes and self.limit is not None and peak_bytes > self.limit:
-                self.peaks[i] = math.log(peak_bytes)
+            if self.limit is not None:
+                # Without a peak over the limit, the run still says the candidate needs at least the
+                # limit: taken as its peak (a lower bound), it teaches the level of memory when
+                # nothing else has (every run so far out of memory, no predictor), so the search
+                # turns to the candidates that save more instead of trying blindly.
+                over = peak_bytes is not None and peak_bytes > self.limit
+                self.peaks[i] = math.log(float(peak_bytes) if over and peak_bytes is not None else self.limit)
         elif status == "ok":
             if i not in self.ok:
                 self.ok.append(i)
@@ -123,16 +133,20 @@ class Feasibility:
         an option that saves more is the one before it plus one more step, so a deep saving
         (fsdp = zero1 + two more steps) is a sum of modest effects the prior does not shrink away."""
         cols = [np.ones(len(self.choices))]
+        saving = [False]
         for d in range(self.choices.shape[1]):
             values = sorted(set(self.choices[:, d].tolist()))
             r = self.ranks[d] if d < len(self.ranks) else None
             if r is None:
                 for v in values[1:]:
                     cols.append((self.choices[:, d] == v).astype(float))
+                    saving.append(False)
             else:
                 rank = np.asarray([r[v] for v in self.choices[:, d]])
                 for level in sorted({r[v] for v in values})[1:]:
                     cols.append((rank >= level).astype(float))
+                    saving.append(True)
+        self._saving_step = np.asarray(saving)
         return np.stack(cols, axis=1)
 
     def _fit(self) -> tuple:
@@ -143,8 +157,12 @@ class Feasibility:
         prior_var[0] = sd["bias"] ** 2
         prior_mean = np.zeros(k)
         rows = sorted(self.peaks)
-        if not self.has_predictor and rows:
-            prior_mean[0] = float(np.mean([self.peaks[r] for r in rows]))
+        if not self.has_predictor:
+            # Effects are absolute here (with a predictor they correct its prediction, mean 0).
+            prior_mean[self._saving_step] = PRIOR_MEAN_SAVING_STEP
+            if rows:   # the level: the measured peaks' mean, less the savings they had on average
+                level = self._design[rows][:, 1:] @ prior_mean[1:]
+                prior_mean[0] = float(np.mean([self.peaks[r] for r in rows]) - np.mean(level))
         if not rows:
             return prior_mean, np.diag(prior_var), sd["residual"] ** 2
         x = self._design[rows]
