@@ -411,3 +411,130 @@ def test_shaped_constants_give_each_strategy_its_own_rates():
     predict = cost_model_predictor(shape, 8, 8, 2, profile=constants)
     for s, (tok, ten) in ((data2, (32, 1)), (tensor2, (64, 2))):
         assert predict(s) == estimate(shape, s, 8, 8, 2, profile=constants.profile_for(tok, ten))
+
+
+# -- one FLOP count, one workload, one cache cycle ------------------------------------------------
+
+def _moe_shape():
+    import transformers
+
+    from atorch.auto.cost_model import ModelShape
+
+    config = transformers.AutoConfig.for_model("mixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                               num_local_experts=8, num_experts_per_tok=2)
+    return ModelShape.from_config(config)
+
+
+def test_block_flops_count_what_the_probed_block_and_the_cost_model_compute():
+    from atorch.auto.cost_model import StrategyTraits
+    from atorch.auto.cost_model.step_time import DEVICE_PROFILES, time_breakdown
+
+    tokens, seq = 256, 32
+    for shape in (_moe_shape(), _shape()):
+        flops = shape_probe.block_flops(shape, tokens, seq, 1)
+        # The probed block multiplies the widths a token goes through (a top-2-of-8 MoE: two experts).
+        block = shape_probe._ProbeBlock(shape, 1)
+        matmul = sum(p.numel() for name, p in block.named_parameters() if not name.startswith("norm"))
+        assert (flops - 12 * tokens * seq * shape.q_dim) / (6 * tokens) == pytest.approx(matmul, rel=0.02)
+        # The cost model's compute at a rate of 1 FLOP/s: every block's count plus the LM head's.
+        rates = {**DEVICE_PROFILES["cpu"], "flops_fp32": 1.0}
+        traits = StrategyTraits.from_strategy(["parallel_mode"], 1, shape)
+        compute = time_breakdown(shape, traits, tokens // seq, seq, rates)["compute"]
+        assert compute == pytest.approx(shape.num_layers * flops + 6 * tokens * shape.embedding_params / 2)
+
+
+def test_strategy_workload_probes_one_pass_of_the_cost_model():
+    from atorch.auto.cost_model import StrategyTraits, micro_batch_size
+
+    shape = _shape()
+    pipeline = Strategy([("parallel_mode", ([("data", 1), ("pipeline", 2)], None)), ("pipeline_parallel", {"chunks": 4})])
+    accumulated = Strategy([("parallel_mode", ([("data", 2)], None)), ("gradient_accumulation", {"steps": 2})])
+    for s, rows in ((pipeline, 2), (accumulated, 2), (Strategy(["amp_native"]), 4)):
+        tokens = calibration.strategy_workload(shape, s, 8, 8, 2)[0]
+        assert tokens == micro_batch_size(StrategyTraits.from_strategy(s, 2, shape), 8) * 8 == rows * 8, s
+
+
+def test_collectives_run_on_the_device_their_backend_takes(monkeypatch):
+    import torch.distributed as dist
+
+    from atorch.auto.calibration.cache import collective_device
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert collective_device() == torch.device("cuda", 3)           # nccl takes no CPU tensors
+    assert collective_device(None, torch.device("cuda", 1)) == torch.device("cuda", 1)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert collective_device(None, torch.device("cpu")) == torch.device("cpu")
+    assert collective_device(None, torch.device("cuda", 1)) == torch.device("cuda", 1)   # gloo takes CUDA too
+
+
+def _two_fake_ranks(monkeypatch, other_rank_misses=True, backend="gloo"):
+    """This process as rank 0 of 2 over `backend`; the other rank's cache misses everything (the MAX of
+    the flags is 1) and its rates are 3x this one's (their averages 2x). Returns the devices each
+    all-reduce saw. A CPU tensor on nccl raises as NCCL does."""
+    import torch.distributed as dist
+
+    seen = []
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None):
+        seen.append(tensor.device)
+        if backend == "nccl" and tensor.device.type != "cuda":
+            raise RuntimeError(f"No backend type associated with device type {tensor.device.type}")
+        if op == dist.ReduceOp.MAX:
+            tensor.clamp_(min=1 if other_rank_misses else 0)
+        else:
+            tensor.mul_(4)                      # + the other rank's 3x: the rank-averaged rates (the probes'
+                                                # own all-reduces, which would sum ones, are faked)
+
+    for name, value in (("is_initialized", lambda: True), ("get_world_size", lambda group=None: 2),
+                        ("get_rank", lambda group=None: 0), ("get_backend", lambda group=None: backend),
+                        ("all_reduce", all_reduce), ("barrier", lambda group=None: None)):
+        monkeypatch.setattr(dist, name, value)
+    return seen
+
+
+def test_both_probes_share_one_cache_cycle_across_ranks(tmp_path, monkeypatch):
+    calls = _fake_probes(monkeypatch)
+    monkeypatch.setattr(device_probe, "probe_matmul", lambda device, dtype, size=0, min_seconds=0.2:
+                        1e10 if dtype is torch.float32 else 2e10)
+    monkeypatch.setattr(device_probe, "time_all_reduce", lambda device, numel, group, repeats: 1e-4 + numel * 4e-9)
+    monkeypatch.setattr(shape_probe, "time_all_reduce", lambda device, numel, group, repeats: 1e-4 + numel * 4e-9)
+    path = str(tmp_path / "calibration.json")
+    shape = _shape()
+    # This rank has the points cached; the other rank does not: both measure, and average.
+    calibration.calibrate_model(shape, [(32, 1)], seq_len=8, cache_path=path)
+    calibrate_device(torch.device("cpu"), cache_path=path)
+    seen = _two_fake_ranks(monkeypatch)
+    before = len(calls)
+    constants = calibration.calibrate_model(shape, [(32, 1)], [4096], seq_len=8, cache_path=path)
+    assert len(calls) == before + 2 and constants.flops["fp32:tokens=32:tensor=1"] == 2e10     # (1 + 3) / 2
+    assert constants.layer_overhead_s["fp32:tokens=32:tensor=1"] == pytest.approx(2e-3)
+    assert constants.comm_bytes_per_s == pytest.approx(1e9, rel=1e-6)   # 1e-9 s per byte over 2 ranks
+    device = calibrate_device(torch.device("cpu"), cache_path=path)
+    assert (device.flops_fp32, device.comm_key) == (2e10, "gloo:2") and device.comm_latency_s > 0
+    assert seen and all(d == torch.device("cpu") for d in seen)
+    entry = json.load(open(path))["entries"][calibration.device_kind(torch.device("cpu"))]
+    assert entry["compute"]["flops_fp32"] == 2e10 and "measured" in entry["compute"]   # rank 0 wrote it
+    assert set(entry["allreduce"]["gloo:2"]) == {"4", "4096", str(1 << 20)} and "comm" in entry
+    # Nobody misses anything: no probe, and only the vote crosses the ranks.
+    seen = _two_fake_ranks(monkeypatch, other_rank_misses=False)
+    before = len(calls)
+    assert calibration.calibrate_model(shape, [(32, 1)], [4096], seq_len=8, cache_path=path) == constants
+    assert len(calls) == before and len(seen) == 1
+
+
+def test_on_nccl_the_vote_and_the_averages_never_send_cpu_tensors(tmp_path, monkeypatch):
+    # init_distributed's default group is NCCL wherever CUDA exists; NCCL refuses CPU tensors.
+    monkeypatch.setattr(device_probe, "probe_matmul", lambda device, dtype, size=0, min_seconds=0.2: 1e10)
+    monkeypatch.setattr(device_probe, "time_all_reduce", lambda device, numel, group, repeats: 1e-4)
+    _fake_probes(monkeypatch)
+    seen = _two_fake_ranks(monkeypatch, backend="nccl")
+    for calibrate in (lambda: calibrate_device(torch.device("cpu"), cache_path=str(tmp_path / "c.json")),
+                      lambda: calibration.calibrate_model(_shape(), [(32, 1)], seq_len=8,
+                                                          cache_path=str(tmp_path / "c.json"))):
+        try:
+            calibrate()
+        except (AssertionError, RuntimeError) as e:      # without CUDA: making the CUDA tensor fails
+            assert not torch.cuda.is_available() and "device type cpu" not in str(e), e
+        assert all(d.type == "cuda" for d in seen), seen

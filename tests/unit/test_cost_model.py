@@ -338,3 +338,21 @@ def test_every_registered_optimization_declares_its_cost_traits():
         assert set(declared) <= valid, (name, declared)
     # Unknown names in a strategy declare nothing (the cost model ignores them).
     assert StrategyTraits.from_strategy(["parallel_mode", "not_an_optimization"], 2, _psi_7_5b()).data == 2
+
+
+def test_a_strategy_is_estimated_as_resolve_strategy_completes_it():
+    # auto_accelerate adds parallel_mode (and ddp where nothing else reduces gradients) to a strategy
+    # without one; the estimate must count what it builds (DDP's gradient buckets among them).
+    from atorch.auto.opt_lib.base import ValidationContext
+    from atorch.auto.opt_lib.resolve import resolve_strategy
+    from atorch.auto.strategy import Strategy
+
+    config = tiny_llama_config(num_hidden_layers=2)
+    for bare, world in ((["amp_native"], 2), (["checkpoint"], 4), (["fsdp"], 2), (["amp_native"], 1)):
+        resolved = resolve_strategy(Strategy(bare), ValidationContext(world_size=world))
+        completed = Strategy(r.item for r in resolved)
+        assert completed.get("parallel_mode") is not None
+        got = estimate(config, bare, batch_size=8, seq_len=16, world_size=world)
+        assert got == estimate(config, completed, batch_size=8, seq_len=16, world_size=world), (bare, world)
+        if world > 1 and bare != ["fsdp"]:
+            assert got.breakdown["mem_ddp_buckets"] > 0

@@ -120,3 +120,22 @@ def test_deepspeed_limits_are_checked_before_anything_runs():
     # fp16 DeepSpeed is fine where DeepSpeed has fp16 (GPUs); torch zero1 with ddp is fine anywhere.
     assert names([("amp_native", torch.float16), ("zero1", {"use_ds_zero": True})], device_type="cuda")[-1] == "zero1"
     assert names(["ddp", "zero1"]) == ["parallel_mode", "zero1", "ddp"]
+
+
+@pytest.mark.parametrize("name", ["fsdp", "zero2", "checkpoint", "compile"])
+def test_wrap_cls_is_parsed_alike_by_every_optimization_that_takes_it(name):
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    cls = get_optimization(name)
+    parse = cls.parse_config
+    assert parse({"wrap_cls": LlamaDecoderLayer}).wrap_cls == (LlamaDecoderLayer,)
+    assert parse({"wrap_cls": "LlamaDecoderLayer"}).wrap_cls == ("LlamaDecoderLayer",)
+    assert parse({"wrap_cls": ["B", LlamaDecoderLayer]}).wrap_cls == ("B", LlamaDecoderLayer)
+    # ATorch's configs give sets: a sorted tuple, the same whatever the set's iteration order.
+    both = parse({"wrap_cls": {LlamaDecoderLayer, GPT2Block}}).wrap_cls
+    assert both == (GPT2Block, LlamaDecoderLayer) == parse({"wrap_cls": frozenset(both)}).wrap_cls
+    for bad, shown in (([5], "entry 5 "), ((LlamaDecoderLayer, nn.Linear(2, 2)), "entry Linear"), ({5}, "entry 5 "),
+                       ([int], "entry <class 'int'>"), ([], r"wrap_cls=\[\]"), (5, "wrap_cls=5")):
+        with pytest.raises(ValueError, match=f"^{name}: wrap_cls {shown}|^{name}: {shown}"):
+            parse({"wrap_cls": bad})

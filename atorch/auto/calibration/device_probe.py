@@ -6,14 +6,13 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from atorch.auto.calibration.cache import as_mapping, default_cache_path, load_cache, now_iso, save_cache
+from atorch.auto.calibration.cache import Measurement, collective_device, default_cache_path, measure_cached
 from atorch.auto.devices import cpu_model_name
-from atorch.utils.finite_numbers import is_finite_number
 
 logger = logging.getLogger(__name__)
 
@@ -101,20 +100,6 @@ def probe_all_reduce(device: torch.device, group: Any = None, large_bytes: int =
     return bus_bytes / max(large - latency, 1e-9), latency
 
 
-def _cached_rates(path: str, value: Any, where: str, names: Sequence[str]) -> Optional[Dict[str, Any]]:
-    """A cached measurement holding every one of `names` as a finite number (> 0, a latency >= 0); None
-    (measure again) when absent, and with a warning naming the file when it is damaged."""
-    if value is None:
-        return None
-    if isinstance(value, dict) and all(
-            is_finite_number(value.get(n)) and (value[n] >= 0 if n.endswith("latency_s") else value[n] > 0)
-            for n in names):
-        return value
-    logger.warning("calibration cache %s: entry %s is unusable (expected positive numbers %s); measuring again",
-                   path, where, ", ".join(names))
-    return None
-
-
 def calibrate_device(device: Optional[torch.device] = None, group: Any = None, *, cache_path: Optional[str] = None,
                      refresh: bool = False) -> DeviceConstants:
     """This device's constants, measured on first use and read from the cache afterwards.
@@ -124,43 +109,24 @@ def calibrate_device(device: Optional[torch.device] = None, group: Any = None, *
     over its ranks, so every rank gets the same constants. Rank 0 writes the cache.
     """
     device = device or torch.device("cpu")
-    path = cache_path or default_cache_path()
     kind = device_kind(device)
     distributed = dist.is_available() and dist.is_initialized()
     comm_key = f"{dist.get_backend(group)}:{dist.get_world_size(group)}" if distributed else None
-    entries = load_cache(path)
-    cached = as_mapping(entries.get(kind))
-    if kind in entries and not isinstance(entries[kind], dict):
-        logger.warning("calibration cache %s: entry %s is unusable (not an object); measuring again", path, kind)
-    compute = _cached_rates(path, cached.get("compute"), f"{kind}/compute", ("flops_fp32", "flops_bf16"))
-    comm = _cached_rates(path, as_mapping(cached.get("comm")).get(comm_key), f"{kind}/comm/{comm_key}",
-                         ("comm_bytes_per_s", "comm_latency_s")) if comm_key else None
-    # Every rank must agree on whether to probe (the probe is collective).
-    need = [compute is None or refresh, comm_key is not None and int(dist.get_world_size(group)) > 1 and
-            (comm is None or refresh)]
-    if distributed:
-        flags = torch.tensor([int(x) for x in need], dtype=torch.int64)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        need = [bool(x) for x in flags.tolist()]
-    if need[0]:
-        rates = torch.tensor([probe_matmul(device, torch.float32), probe_matmul(device, torch.bfloat16)],
-                             dtype=torch.float64)
-        if distributed:
-            dist.all_reduce(rates, group=group)
-            rates /= dist.get_world_size(group)
-        compute = {"flops_fp32": float(rates[0]), "flops_bf16": float(rates[1]), "measured": now_iso()}
-    if need[1]:
-        bandwidth, latency = probe_all_reduce(device if device.type == "cuda" else torch.device("cpu"), group)
-        comm = {"comm_bytes_per_s": bandwidth, "comm_latency_s": latency, "measured": now_iso()}
-    if any(need) and (not distributed or dist.get_rank() == 0):
-        entry = dict(cached)
-        entry["compute"] = compute
-        if comm_key is not None and comm is not None:
-            entry["comm"] = {**as_mapping(entry.get("comm")), comm_key: comm}
-        try:
-            save_cache(path, {**entries, kind: entry})
-        except OSError as e:
-            logger.warning("could not write the calibration cache %s: %s", path, e)
-    compute = cast(Dict[str, Any], compute)      # measured above whenever the cache had none
-    return DeviceConstants(kind, compute["flops_fp32"], compute["flops_bf16"], comm_key if comm else None,
-                           comm["comm_bytes_per_s"] if comm else None, comm["comm_latency_s"] if comm else None)
+
+    def measure_compute(names: List[str]) -> Dict[str, float]:
+        dtypes = {"flops_fp32": torch.float32, "flops_bf16": torch.bfloat16}
+        return {name: probe_matmul(device, dtypes[name]) for name in names}
+
+    def measure_comm(names: List[str]) -> Dict[str, float]:
+        bandwidth, latency = probe_all_reduce(collective_device(group, device), group)
+        return {"comm_bytes_per_s": bandwidth, "comm_latency_s": latency}
+
+    measurements = [Measurement(("compute",), ("flops_fp32", "flops_bf16"), measure_compute, whole=True)]
+    if comm_key is not None and dist.get_world_size(group) > 1:
+        measurements.append(Measurement(("comm", comm_key), ("comm_bytes_per_s", "comm_latency_s"), measure_comm,
+                                        per_rank=False, whole=True))
+    compute, *comm = measure_cached(cache_path or default_cache_path(), kind, measurements, group, refresh)
+    if not comm:
+        return DeviceConstants(kind, compute["flops_fp32"], compute["flops_bf16"])
+    return DeviceConstants(kind, compute["flops_fp32"], compute["flops_bf16"], comm_key, comm[0]["comm_bytes_per_s"],
+                           comm[0]["comm_latency_s"])

@@ -10,6 +10,7 @@ import numpy as np
 
 from atorch.auto.calibration.predictor import COMPONENTS, Predictor
 from atorch.auto.cost_model import Estimate
+from atorch.auto.opt_lib.parallel_mode import ParallelModeOptimization
 from atorch.auto.strategy import Strategy, StrategyLike
 
 
@@ -67,18 +68,13 @@ def option_keys(strategy: StrategyLike) -> Tuple[str, ...]:
 
 
 def _layout(config: Any) -> Optional[Dict[str, int]]:
-    """{dim: size} of a parallel_mode config ({} for none), or None when it has another form."""
-    if config is None:
-        return {}
-    dims = getattr(config, "dims", None)
-    if dims is None and isinstance(config, (tuple, list)) and config and isinstance(config[0], (tuple, list)):
-        dims = config[0]
-    if dims is None:
-        return None
+    """{dim: size} of a parallel_mode config ({} for none: every rank data-parallel), or None when
+    parallel_mode refuses it (`parse_config`)."""
     try:
-        return {str(name): int(size) for name, size in dims}
-    except (TypeError, ValueError):
+        dims = ParallelModeOptimization.parse_config(config).dims
+    except ValueError:
         return None
+    return dict(dims) if dims else {}
 
 
 def fit_option_effects(keys: Sequence[Sequence[str]], residuals: Sequence[float], ridge: float = 2.0,

@@ -22,16 +22,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from atorch.auto.calibration.cache import as_mapping, default_cache_path, load_cache, now_iso, save_cache
+from atorch.auto.calibration.cache import Measurement, collective_device, default_cache_path, measure_cached
 from atorch.auto.calibration.device_probe import device_kind, synchronize, time_all_reduce
-from atorch.auto.cost_model import ModelShape, StrategyTraits
-from atorch.auto.strategy import Strategy, StrategyLike
-from atorch.utils.finite_numbers import is_finite_number
+from atorch.auto.cost_model import ModelShape, StrategyTraits, micro_batch_size
+from atorch.auto.cost_model.step_time import block_params, forward_backward_flops
+from atorch.auto.strategy import StrategyLike
 
 logger = logging.getLogger(__name__)
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_OVERHEAD = ":overhead"     # a probed point's per-layer overhead, cached next to its rate (block probe)
 GRADIENT_BUCKET_BYTES = 25e6    # the cost model's (and DDP's) bucket size
 
 
@@ -131,8 +132,10 @@ class _ProbeBlock(torch.nn.Module):
 
 
 def block_flops(shape: ModelShape, tokens: int, seq_len: int, tensor: int) -> float:
-    """The cost model's FLOPs of one block's forward + backward for `tokens` (6 x params + attention)."""
-    return tokens * (6.0 * shape.layer_params / tensor + 12.0 * seq_len * shape.hidden_size / tensor)
+    """The cost model's FLOPs of one block's forward + backward for `tokens`, counted as `time_breakdown`
+    counts them (the parameters a token multiplies, so a mixture of experts' top-k only, as
+    `_ProbeBlock` computes them), so the rate probed here is the rate the cost model divides by."""
+    return forward_backward_flops(tokens, seq_len, block_params(shape), 1, shape.q_dim, tensor)
 
 
 def _time_block(block: torch.nn.Module, device: torch.device, half: bool, batch: int, seq_len: int,
@@ -253,25 +256,12 @@ def shape_key(shape: ModelShape) -> str:
             f"vocab={shape.vocab_size},layers={shape.num_layers},gated={int(shape.gated)}")
 
 
-def accumulation_steps(config: Any) -> int:
-    """The micro-batches of a `gradient_accumulation` config (an int, a mapping or a config object)."""
-    if isinstance(config, int):
-        return config
-    if isinstance(config, Mapping):
-        return int(config.get("steps", 1))
-    return int(getattr(config, "steps", 1))
-
-
 def strategy_workload(shape: ModelShape, strategy: StrategyLike, batch_size: int, seq_len: int,
                       world_size: int) -> Tuple[int, int, List[int], bool]:
-    """(tokens per rank per micro-step, tensor split, all-reduce byte sizes, computes in half) of a
-    strategy: where to probe, and which probed rates it gets."""
-    s = Strategy.from_any(strategy)
-    ga = s.get("gradient_accumulation")
-    steps = accumulation_steps(ga.config) if ga is not None else 1
-    base = Strategy(i for i in s if i.name != "gradient_accumulation")
-    traits = StrategyTraits.from_strategy(base, world_size, shape)
-    tokens = max(1, max(1, batch_size // steps) // traits.data) * seq_len
+    """(tokens per rank per forward/backward pass, tensor split, all-reduce byte sizes, computes in half)
+    of a strategy: where to probe, and which probed rates it gets."""
+    traits = StrategyTraits.from_strategy(strategy, world_size, shape)
+    tokens = micro_batch_size(traits, batch_size) * seq_len      # one pass: accumulation's and a pipeline's
     sizes: List[int] = []
     if traits.data > 1:
         grad_bytes = shape.num_params / traits.tensor * traits.trainable_fraction * 4
@@ -279,20 +269,6 @@ def strategy_workload(shape: ModelShape, strategy: StrategyLike, batch_size: int
     if traits.tensor > 1:
         sizes.append(int(tokens * shape.hidden_size * traits.compute_dtype_bytes))
     return tokens, traits.tensor, sizes, traits.compute_dtype_bytes == 2
-
-
-def _cached_numbers(path: str, entry: Mapping[str, Any], section: str, key: str) -> Dict[str, float]:
-    """entry[section][key] as {name: number > 0} (an overhead may be 0: rates and times are divided by);
-    anything else is ignored with a warning naming the file."""
-    value = as_mapping(entry.get(section)).get(key)
-    if value is None:
-        return {}
-    if isinstance(value, dict) and all(is_finite_number(v) and (v > 0 or (v == 0 and str(k).endswith(":overhead")))
-                                       for k, v in value.items()):
-        return {str(k): float(v) for k, v in value.items()}
-    logger.warning("calibration cache %s: entry %s/%s is unusable (expected {name: number > 0}); "
-                   "measuring again", path, section, key)
-    return {}
 
 
 def calibrate_model(shape: ModelShape, workloads: Sequence[Tuple[int, int]], comm_sizes: Sequence[int] = (),
@@ -309,8 +285,6 @@ def calibrate_model(shape: ModelShape, workloads: Sequence[Tuple[int, int]], com
     average the rates; rank 0 writes the cache. Only points missing from the cache are measured.
     """
     device = device or torch.device("cpu")
-    path = cache_path or default_cache_path()
-    kind = device_kind(device)
     if method not in ("block", "gemm"):
         raise ValueError(f"method={method!r} must be 'block' or 'gemm'")
     if method == "block" and seq_len <= 0:
@@ -318,58 +292,34 @@ def calibrate_model(shape: ModelShape, workloads: Sequence[Tuple[int, int]], com
     skey = shape_key(shape) + (f",seq={seq_len}" if method == "block" else "")
     distributed = dist.is_available() and dist.is_initialized()
     ranks = int(dist.get_world_size(group)) if distributed else 1
-    comm_key = f"{dist.get_backend(group)}:{ranks}" if distributed else None
-    entries = load_cache(path)
-    entry = entries.get(kind, {}) if isinstance(entries.get(kind), dict) else {}
-    gemm = {} if refresh else _cached_numbers(path, entry, method, skey)
     wanted = sorted({ShapedConstants.key(d, int(tok), int(ten)) for tok, ten in workloads for d in DTYPES})
-    missing = [k for k in wanted if k not in gemm]
     sizes = sorted({int(x) for x in comm_sizes if x > 0} | ({4, 1 << 20} if comm_sizes else set()))
-    comm_times = {} if refresh or comm_key is None else _cached_numbers(path, entry, "allreduce", comm_key)
-    missing_sizes = [x for x in sizes if str(x) not in comm_times] if ranks > 1 else []
-    flags = [int(bool(missing)), int(bool(missing_sizes))]
-    if distributed:    # every rank must agree on what to probe (the probe is collective)
-        agreed = torch.tensor(flags, dtype=torch.int64)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-        flags = [int(x) for x in agreed.tolist()]
-        # Ranks may hold different caches: when any rank misses a point, all measure every point,
-        # so the collectives below see tensors of one length on every rank.
-        if flags[0]:
-            missing = wanted
-        if flags[1]:
-            missing_sizes = sizes
-    if flags[0]:
-        values: List[float] = []
-        for k in missing:
-            d, tok, ten = k.split(":")
+
+    def measure_rates(names: List[str]) -> Dict[str, float]:
+        measured: Dict[str, float] = {}
+        for point in sorted({name[:-len(_OVERHEAD)] if name.endswith(_OVERHEAD) else name for name in names}):
+            d, tok, ten = point.split(":")
             if method == "block":
                 rate, overhead = probe_block(device, shape, int(tok[7:]), seq_len, int(ten[7:]), d == "bf16")
-                values += [rate, overhead]
+                measured.update({point: rate, point + _OVERHEAD: overhead})
             else:
-                values += [probe_model_gemms(device, shape, int(tok[7:]), int(ten[7:]), DTYPES[d]), 0.0]
-        measured = torch.tensor(values, dtype=torch.float64)
-        if distributed:
-            dist.all_reduce(measured, group=group)
-            measured /= ranks
-        for i, k in enumerate(missing):
-            gemm[k] = float(measured[2 * i])
-            if method == "block":
-                gemm[k + ":overhead"] = float(measured[2 * i + 1])
-    if flags[1]:
-        probed = probe_all_reduce_sizes(device if device.type == "cuda" else torch.device("cpu"), missing_sizes, group)
-        comm_times.update({str(k): v for k, v in probed.items()})
+                measured[point] = probe_model_gemms(device, shape, int(tok[7:]), int(ten[7:]), DTYPES[d])
+        return measured
+
+    def measure_comm(names: List[str]) -> Dict[str, float]:
+        probed = probe_all_reduce_sizes(collective_device(group, device), [int(n) for n in names], group)
+        return {str(k): v for k, v in probed.items()}
+
+    rate_names = [k + suffix for k in wanted for suffix in (("", _OVERHEAD) if method == "block" else ("",))]
+    measurements = [Measurement((method, skey), rate_names, measure_rates)]
+    if ranks > 1 and sizes:
+        comm_key = f"{dist.get_backend(group)}:{ranks}"
+        measurements.append(Measurement(("allreduce", comm_key), [str(x) for x in sizes], measure_comm,
+                                        per_rank=False))
+    kind = device_kind(device)
+    rates, *comm = measure_cached(cache_path or default_cache_path(), kind, measurements, group, refresh)
     bandwidth = latency = None
-    if ranks > 1 and len([x for x in sizes if str(x) in comm_times]) >= 2:
-        bandwidth, latency = fit_bandwidth({x: comm_times[str(x)] for x in sizes if str(x) in comm_times}, ranks)
-    if any(flags) and (not distributed or dist.get_rank() == 0):
-        new_entry = dict(entry)
-        new_entry[method] = {**as_mapping(entry.get(method)), skey: gemm}
-        if comm_key is not None and comm_times:
-            new_entry["allreduce"] = {**as_mapping(entry.get("allreduce")), comm_key: comm_times}
-        new_entry["measured"] = now_iso()
-        try:
-            save_cache(path, {**entries, kind: new_entry})
-        except OSError as e:
-            logger.warning("could not write the calibration cache %s: %s", path, e)
-    overheads = {k: gemm[k + ":overhead"] for k in wanted if k + ":overhead" in gemm}
-    return ShapedConstants(kind, skey, {k: gemm[k] for k in wanted}, bandwidth, latency, overheads)
+    if comm:    # at least two sizes, 4 bytes and 1 MiB among them
+        bandwidth, latency = fit_bandwidth({x: comm[0][str(x)] for x in sizes}, ranks)
+    overheads = {k: rates[k + _OVERHEAD] for k in wanted if k + _OVERHEAD in rates}
+    return ShapedConstants(kind, skey, {k: rates[k] for k in wanted}, bandwidth, latency, overheads)

@@ -32,6 +32,8 @@ def _ds_persistent_elements(shape: ModelShape, threshold: int = DS_STAGE3_PERSIS
     return sum(elements * count for elements, count in _parameter_sizes(shape) if elements < threshold)
 
 
+# Entries of `memory_breakdown` that are model states (the ZeRO paper's "model states"), and
+# those that stay allocated from one step to the next (what a rank holds once a backward pass
 # has finished and its activations are freed); the others exist only during part of a step.
 MODEL_STATE_KEYS = ("params", "grads", "master", "optimizer")
 RESIDENT_KEYS = MODEL_STATE_KEYS + ("ddp_buckets", "ds_reduce_buffer", "grad_fp32", "ds_persistent_params",

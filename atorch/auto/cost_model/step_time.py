@@ -37,6 +37,23 @@ def pipeline_bubble(traits: StrategyTraits) -> float:
     return (m + traits.pipeline - 1) / m if traits.pipeline > 1 else 1.0
 
 
+def block_params(shape: ModelShape) -> float:
+    """Parameters one token multiplies in one block: the non-embedding ones over the layers, of a
+    mixture of experts only the top-k routed experts (`ModelShape.compute_params`)."""
+    return (shape.compute_params - shape.embedding_params) / max(1, shape.num_layers)
+
+
+def forward_backward_flops(tokens: int, seq_len: int, matmul_params: float, layers: int, q_dim: int, tensor: int,
+                           trainable_fraction: float = 1.0) -> float:
+    """FLOPs of one forward + backward of `tokens` (sequences of `seq_len`) through `layers` blocks
+    multiplying `matmul_params` parameters in all, on one of `tensor` ranks splitting them: per token
+    2N forward + 2N backward (activations) + 2N backward (weights, the trainable fraction only), and
+    attention's 12 x seq_len x q_dim (heads x head_dim) per layer. The calibration's block probe
+    divides by the same count (`calibration.shape_probe.block_flops`)."""
+    weight_grad = 2 * matmul_params * trainable_fraction
+    return tokens * ((4 * matmul_params + weight_grad) / tensor + 12 * layers * seq_len * q_dim / tensor)
+
+
 def time_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int,
                    rates: Mapping[str, float]) -> Dict[str, float]:
     """Per-step seconds by kind: compute, framework overhead and communication (not overlapped).
@@ -52,15 +69,12 @@ def time_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int, 
     stage = stage_params(shape, traits)
     bubble = pipeline_bubble(traits)
     # The LM head multiplies, lookups do not; a mixture of experts multiplies its top-k experts only.
-    block_params = (shape.compute_params - shape.embedding_params) / max(1, L)
-    matmul_params = layers * block_params + shape.embedding_params / 2
-    # 2N forward + 2N backward (activations) + 2N backward (weights, trainable only), attention
-    # 12*L*s*(heads x head_dim).
-    weight_grad = 2 * matmul_params * traits.trainable_fraction
+    per_block = block_params(shape)
+    matmul_params = layers * per_block + shape.embedding_params / 2
     q = shape.q_dim
-    flops = tokens * ((4 * matmul_params + weight_grad) / t + 12 * layers * seq_len * q / t)
+    flops = forward_backward_flops(tokens, seq_len, matmul_params, layers, q, t, traits.trainable_fraction)
     if traits.checkpoint:
-        flops += tokens * (2 * layers * block_params / t + 4 * layers * seq_len * q / t)
+        flops += tokens * (2 * layers * per_block / t + 4 * layers * seq_len * q / t)
     rate = rates["flops_bf16"] if traits.compute_dtype_bytes == 2 else rates["flops_fp32"]
     if traits.fp8:
         rate *= 1.6

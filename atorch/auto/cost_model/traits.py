@@ -70,21 +70,26 @@ class StrategyTraits:
     @classmethod
     def from_strategy(cls, strategy: StrategyLike, world_size: int, shape: ModelShape,
                       device_type: str = "cpu", optimizer: Optional[OptimizerStates] = None) -> "StrategyTraits":
-        """Combine the `cost_traits` of every item of `strategy` (items of unknown names are ignored);
-        `optimizer`: what the user's optimizer keeps (`optimizer_states`), Adam's by default."""
+        """Combine the `cost_traits` of every item of `strategy` (items of unknown names are ignored),
+        completed as `resolve_strategy` completes it (`implied_optimizations`: a missing parallel_mode,
+        and ddp when nothing else reduces gradients); `optimizer`: what the user's optimizer keeps
+        (`optimizer_states`), Adam's by default."""
         from atorch.auto.opt_lib.base import CostContext, get_optimization
+        from atorch.auto.opt_lib.resolve import implied_optimizations
 
-        s = Strategy.from_any(strategy)
-        dims = _parallel_dims(s, world_size)
         items = []
-        for item in s:
+        for item in Strategy.from_any(strategy):
             try:
                 opt = get_optimization(item.name)
             except ValueError:      # not registered here: it declares nothing to the cost model
                 continue
             items.append((opt.order, opt, opt.parse_config(item.config)))
+        present = {opt.name: config for _, opt, config in items}
+        items += [(get_optimization(name).order, get_optimization(name), config)
+                  for name, config in implied_optimizations(present, world_size).items()]
         items.sort(key=lambda entry: entry[0])
         configs = {opt.name: config for _, opt, config in items}
+        dims = configs["parallel_mode"].sizes(world_size)
         context = CostContext(world_size=world_size, dims=dims, device_type=device_type, configs=configs)
         valid = {f.name for f in dataclasses.fields(cls)} - {"trainable_fraction", "optimizer"}
         updates: Dict[str, Any] = {}
@@ -95,8 +100,6 @@ class StrategyTraits:
                 raise ValueError(f"{opt.name}.cost_traits declares unknown trait(s) {unknown}; valid traits are "
                                  f"{sorted(valid)}")
             updates.update(declared)
-        if "parallel_mode" not in configs:      # no layout declared: every rank data-parallel
-            updates["data"] = world_size
         traits = cls(**updates)
         if not traits.tensor_parallel:
             traits = dataclasses.replace(traits, tensor=1)
@@ -202,19 +205,6 @@ def _lora_formula_params(shape: ModelShape, traits: StrategyTraits) -> int:
     return shape.num_layers * per_layer
 
 
-def _parallel_dims(strategy: Strategy, world_size: int) -> Dict[str, int]:
-    item = strategy.get("parallel_mode")
-    if item is None or item.config is None:
-        return {"data": world_size}
-    config = item.config
-    dims = getattr(config, "dims", None)
-    if dims is None and isinstance(config, (tuple, list)) and config:
-        dims = config[0]
-    if not dims:
-        return {"data": world_size}
-    return {str(name): int(size) for name, size in dims}
-
-
 def precision_mode(traits: StrategyTraits) -> str:
     """How the blocks compute, which decides the dtype of every saved activation.
 
@@ -243,5 +233,3 @@ def micro_batch_size(traits: StrategyTraits, global_batch: int) -> int:
     passes of a step (gradient-accumulation steps, the pipeline's micro-batches)."""
     return max(1, max(1, global_batch // traits.data) // passes_per_step(traits))
 
-
-# Entries of `memory_breakdown` that are model states (the ZeRO paper's "model states"), and

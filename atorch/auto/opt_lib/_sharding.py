@@ -1,4 +1,5 @@
-"""Sharding machinery shared by `fsdp`, `zero1` and `zero2`: torch FSDP2 and DeepSpeed ZeRO engines.
+"""Sharding machinery shared by `fsdp`, `zero1` and `zero2`: torch FSDP2 and DeepSpeed ZeRO engines
+(and the `wrap_cls` parser, which `checkpoint` and `compile` use too).
 
 Not an optimization (it registers nothing); the registry imports it like every module here,
 so DeepSpeed is imported only inside the functions that build an engine.
@@ -46,20 +47,21 @@ def check_bool(where: str, key: str, value: Any) -> None:
 
 
 def normalize_wrap_cls(where: str, value: Any) -> Optional[Tuple[ClassSpec, ...]]:
-    """None, one class / class name, or a non-empty list of them -> a tuple (hashable, JSON-friendly)."""
+    """A `wrap_cls` field (fsdp, zero2, checkpoint, compile): None, one class / class name, or a
+    non-empty list, tuple or set of them -> a tuple (hashable, JSON-friendly); anything else raises
+    ValueError naming `where` and the offending value."""
     if value is None:
         return None
-    if isinstance(value, (str, type)):
-        value = (value,)
-    if isinstance(value, (set, frozenset)):  # ATorch's configs use sets; a sorted tuple is deterministic
-        value = tuple(sorted(value, key=lambda c: c if isinstance(c, str) else f"{c.__module__}.{c.__qualname__}"))
-    if not isinstance(value, (list, tuple)) or not value:
+    entries = (value,) if isinstance(value, (str, type)) else value
+    if not isinstance(entries, (list, tuple, set, frozenset)) or not entries:
         raise ValueError(f"{where}: wrap_cls={value!r} must be None (auto-detect the transformer block) or a "
                          "non-empty list of nn.Module classes or class names")
-    for entry in value:
+    for entry in entries:
         if not (isinstance(entry, str) or (isinstance(entry, type) and issubclass(entry, nn.Module))):
             raise ValueError(f"{where}: wrap_cls entry {entry!r} must be an nn.Module subclass or a class name")
-    return tuple(value)
+    if isinstance(entries, (set, frozenset)):  # ATorch's configs use sets; a sorted tuple is deterministic
+        return tuple(sorted(entries, key=lambda c: c if isinstance(c, str) else f"{c.__module__}.{c.__qualname__}"))
+    return tuple(entries)
 
 
 def require_data_dim(name: str, what: str, context: ValidationContext) -> None:

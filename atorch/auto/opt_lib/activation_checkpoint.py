@@ -15,19 +15,18 @@ import logging
 import sys
 import types
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Type
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from atorch.auto.model_context import ModelContext
+from atorch.auto.opt_lib._sharding import ClassSpec, normalize_wrap_cls
 from atorch.auto.opt_lib.base import ConfigAlias, CostContext, Optimization, Order, ValidationContext, is_true, register
 from atorch.utils.module_utils import modules_of_classes, resolve_module_classes
 
 logger = logging.getLogger(__name__)
-
-ClassSpec = Union[Type[nn.Module], str]
 
 # Where the forward that ran before checkpointing was enabled is kept, when it was itself an
 # instance attribute (another wrapper); otherwise the class's forward is called.
@@ -62,15 +61,7 @@ class CheckpointConfig:
     """Block classes, or their class names; None: the model's transformer block (e.g. LlamaDecoderLayer)."""
 
     def __post_init__(self) -> None:
-        if self.wrap_cls is None:
-            return
-        spec = self.wrap_cls
-        if isinstance(spec, (str, type)):
-            spec = (spec,)
-        if not isinstance(spec, (list, tuple)) or not spec:
-            raise ValueError(f"checkpoint: wrap_cls={self.wrap_cls!r} must be None or a non-empty list of "
-                             "nn.Module classes or class names")
-        object.__setattr__(self, "wrap_cls", tuple(spec))
+        object.__setattr__(self, "wrap_cls", normalize_wrap_cls("checkpoint", self.wrap_cls))
 
 
 # A plain dict, not functools.lru_cache: the lookup runs inside compiled blocks too, and Dynamo

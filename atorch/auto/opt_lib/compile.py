@@ -16,18 +16,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Type, Union
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from atorch.auto.model_context import ModelContext
+from atorch.auto.opt_lib._sharding import ClassSpec, normalize_wrap_cls
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
 from atorch.utils.module_utils import modules_of_classes, resolve_module_classes
 
 logger = logging.getLogger(__name__)
 
-ClassSpec = Union[Type[nn.Module], str]
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 SCOPES = ("block", "model")
 # Step time compiled / eager, by device type: what the cost model multiplies compute time by.
@@ -68,14 +68,7 @@ class CompileConfig:
                 raise ValueError(f"compile: {key}={getattr(self, key)!r} must be True or False")
         if self.dynamic is not None and not isinstance(self.dynamic, bool):
             raise ValueError(f"compile: dynamic={self.dynamic!r} must be True, False or None")
-        spec = self.wrap_cls
-        if spec is not None:
-            if isinstance(spec, (str, type)):
-                spec = (spec,)
-            if not isinstance(spec, (list, tuple)) or not spec:
-                raise ValueError(f"compile: wrap_cls={self.wrap_cls!r} must be None or a non-empty list of classes "
-                                 "or class names")
-            object.__setattr__(self, "wrap_cls", tuple(spec))
+        object.__setattr__(self, "wrap_cls", normalize_wrap_cls("compile", self.wrap_cls))
         if self.scope == "model" and self.wrap_cls is not None:
             raise ValueError("compile: wrap_cls applies to scope='block' only")
 

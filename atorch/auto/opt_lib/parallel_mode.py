@@ -23,6 +23,10 @@ class ParallelModeConfig:
     dims: Optional[Tuple[Tuple[str, int], ...]] = None
     rank_order: Optional[Tuple[int, ...]] = None
 
+    def sizes(self, world_size: int) -> Dict[str, int]:
+        """{dim name: size}; every rank data-parallel ({"data": world_size}) when `dims` is None."""
+        return dict(self.dims) if self.dims else {"data": world_size}
+
 
 @register
 class ParallelModeOptimization(Optimization):

@@ -4,18 +4,20 @@ Pure: every check runs on every rank before any collective, so a bad strategy ra
 same ValueError everywhere instead of hanging some ranks. The planner uses the same
 function to drop invalid candidates.
 
-Two optimizations are added when missing, the same way: `parallel_mode` (every rank
-data-parallel) and, when the data-parallel size is above 1 and no optimization of the
-strategy reduces gradients itself (`syncs_gradients`), `ddp`.
+Two optimizations are added when missing (`implied_optimizations`, which the cost model
+completes a strategy with too): `parallel_mode` (every rank data-parallel) and, when the
+data-parallel size is above 1 and no optimization of the strategy reduces gradients itself
+(`syncs_gradients`), `ddp`.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Type
+from typing import Any, Callable, Dict, List, Mapping, Optional, Type
 
 from atorch.auto.opt_lib.base import Optimization, Registry, ValidationContext, default_registry
+from atorch.auto.opt_lib.parallel_mode import ParallelModeConfig
 from atorch.auto.strategy import Strategy, StrategyItem
 from atorch.tensor_parallel.layers import TensorParallelModule
 
@@ -67,12 +69,8 @@ def resolve_strategy(strategy: Strategy, context: ValidationContext, registry: O
 
     for item in strategy:
         add(canonical_name(item.name), item.config, item.tunable)
-    if "parallel_mode" not in seen:
-        add("parallel_mode")
-    if "ddp" not in seen and "ddp" in registry.names() and \
-            _data_parallel_size(seen["parallel_mode"], context.world_size) > 1 and \
-            not any(type(r.optimization).syncs_gradients(r.config) for r in resolved):
-        add("ddp")
+    for name in implied_optimizations(seen, context.world_size, registry):
+        add(name)
 
     _check_combination(resolved, context)
     context.configs = dict(seen)
@@ -112,9 +110,23 @@ def _check_dims_are_split(resolved: List[ResolvedOptimization], context: Validat
                          f"over it, so its {size} ranks would repeat the same work: {fix}")
 
 
-def _data_parallel_size(parallel_mode_config: Any, world_size: int) -> int:
-    dims = getattr(parallel_mode_config, "dims", None)
-    return dict(dims).get("data", 1) if dims else world_size
+def implied_optimizations(configs: Mapping[str, Any], world_size: int,
+                          registry: Optional[Registry] = None) -> Dict[str, Any]:
+    """The optimizations `resolve_strategy` adds to a strategy of `configs` ({canonical name: parsed
+    config}), with their parsed default configs: `parallel_mode` when missing (every rank
+    data-parallel), then `ddp` when the data-parallel size is above 1 and nothing reduces gradients.
+    The cost model completes a strategy with it too, so it estimates what `auto_accelerate` builds."""
+    registry = registry if registry is not None else default_registry()
+    added: Dict[str, Any] = {}
+    if "parallel_mode" not in configs:
+        added["parallel_mode"] = registry.get("parallel_mode").parse_config(None)
+    present = {**configs, **added}
+    parallel: ParallelModeConfig = present["parallel_mode"]
+    data = parallel.sizes(world_size).get("data", 1)
+    if "ddp" not in configs and "ddp" in registry.names() and data > 1 and \
+            not any(registry.get(name).syncs_gradients(config) for name, config in present.items()):
+        added["ddp"] = registry.get("ddp").parse_config(None)
+    return added
 
 
 def _check_combination(resolved: List[ResolvedOptimization], context: ValidationContext) -> None:
@@ -164,8 +176,9 @@ def plan_steps(resolved: List[ResolvedOptimization]) -> List[str]:
     """The transformations a resolved strategy performs, in the order they run.
 
     The apply phase (optimizations that override `apply`), then "optimizer", then the wrapper
-    phase; e.g. ['parallel_mode(data=2)', 'checkpoint', 'amp_native(bfloat16)', 'optimizer',
-    'amp_native(bfloat16)', 'ddp'].
+    phase; e.g. ['checkpoint', 'amp_native'] on 2 ranks gives ['parallel_mode', 'checkpoint',
+    'amp_native(bfloat16)', 'optimizer', 'amp_native(bfloat16)', 'ddp'] (a parallel_mode given
+    dims shows them: 'parallel_mode(tensor=2,data=1)').
     """
     applying = [r for r in resolved if type(r.optimization).apply is not Optimization.apply]
     return ([type(r.optimization).describe_step(r.config) for r in applying] + ["optimizer"]
