@@ -531,3 +531,17 @@ def test_a_plain_mean_throughput_is_rederived_from_the_outlier_free_steps():
     assert own.throughput == 32 / mean
     quiet = DryRunResult(32.0, 10, None, 1.0, (1.0, 1.02, 0.98, 1.0))      # nothing left out: unchanged
     assert checked_result(quiet, None, Strategy(["fsdp"]), set()).throughput == 32.0
+
+
+def test_the_comparison_line_prints_ratios_to_two_decimals_and_every_reason():
+    """"1.00x (95% CI 0.97-1.04)", not "1x (95% CI 0.965-1.04)"; a winner chosen by its higher mean
+    that is also the leaner one says both."""
+    from atorch.auto.search.results import Comparison
+
+    a, b = Strategy(["amp_native", "fsdp"]), Strategy(["amp_native"])
+    separated = Comparison(a, b, 1.1, 1.1, 1.1, "throughput", runs=(2, 2)).line()
+    assert separated == f"{a.describe()}: 1.10x {b.describe()} (95% CI 1.10-1.10)"
+    tie = Comparison(a, b, 1.0, 0.965, 1.04, "measured mean", 0.5, (2, 2)).line()
+    assert tie == (f"{a.describe()} and {b.describe()} within noise (1.00x, 95% CI 0.96-1.04); "
+                   f"chose {a.describe()}: higher measured mean and 50% less memory")
+    assert Comparison(a, b, 1.0, 0.97, 1.05, "memory", 0.3, (2, 2)).line().endswith(": 30% less memory")

@@ -66,7 +66,7 @@ def explain(result: "SearchResult") -> str:
             runner_up = ok[ok["strategy"] != name].sort_values("throughput", ascending=False).iloc[0]
             ratio = result.best_throughput / float(runner_up["throughput"])
             what = "plain data-parallel was fastest" if not baseline.empty else f"{name}"
-            parts.append(f"{what}: {ratio:.3g}x the runner-up {runner_up['strategy']} "
+            parts.append(f"{what}: {ratio:.2f}x the runner-up {runner_up['strategy']} "
                          f"({result.best_throughput:.4g} samples/s)")
         else:
             parts.append(f"{name}: the only strategy that ran ({result.best_throughput:.4g} samples/s)")

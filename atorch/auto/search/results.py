@@ -75,7 +75,7 @@ class Comparison:
     lo: Optional[float]                # None: the evaluator reported no noise, no interval
     hi: Optional[float]
     chosen_by: str                     # "throughput", "memory" or "measured mean"
-    memory_saving: Optional[float] = None    # fraction less peak memory than the runner-up
+    memory_saving: Optional[float] = None    # fraction less peak memory than the runner-up (when it is leaner)
     runs: Tuple[int, int] = (1, 1)     # dry runs pooled for the winner and the runner-up
 
     @property
@@ -84,14 +84,17 @@ class Comparison:
 
     def line(self) -> str:
         a, b = self.winner.describe(), self.runner_up.describe()
+        # Two decimals, as "1.01x (95% CI 0.97-1.05)": three significant digits printed 1.0 as "1x".
         if self.lo is None:
-            return f"{a}: {self.ratio:.3g}x the runner-up {b} (no interval: the evaluator reported no step times)"
-        ci = f"95% CI {self.lo:.3g}-{self.hi:.3g}"
+            return f"{a}: {self.ratio:.2f}x the runner-up {b} (no interval: the evaluator reported no step times)"
+        ci = f"95% CI {self.lo:.2f}-{cast(float, self.hi):.2f}"
         if self.separated:
-            return f"{a}: {self.ratio:.3g}x {b} ({ci}){self._single_run_note()}"
+            return f"{a}: {self.ratio:.2f}x {b} ({ci}){self._single_run_note()}"
         saving = f"{self.memory_saving * 100:.0f}% less memory" if self.memory_saving is not None else "less memory"
         why = {"memory": saving, "measured mean": "higher measured mean"}[self.chosen_by]
-        return f"{a} and {b} within noise ({self.ratio:.3g}x, {ci}); chose {a}: {why}"
+        if self.chosen_by == "measured mean" and self.memory_saving is not None:
+            why += f" and {saving}"
+        return f"{a} and {b} within noise ({self.ratio:.2f}x, {ci}); chose {a}: {why}"
 
     def _single_run_note(self) -> str:
         """A candidate measured once has an interval from the noise within its run only: a change of the
