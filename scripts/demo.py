@@ -55,13 +55,16 @@ class CorpusBlocks(torch.utils.data.Dataset):
 
 
 def measured_intervals(report_dir: str) -> str:
-    """Every dry run's throughput with its 95% confidence interval, from the search's results cache."""
+    """Every dry run's throughput with its 95% confidence interval, from the search's results cache
+    (where the search keeps it: $ATORCH_SEARCH_CACHE, else search_cache.json in the report directory)."""
+    from atorch.auto.search.auto_search import SearchSettings
     from atorch.auto.search.cache import CACHE_FILE_NAME
     from atorch.auto.strategy import Strategy
 
-    path = os.path.join(report_dir, CACHE_FILE_NAME)
-    if not os.path.exists(path):
-        return "(no results cache: intervals not shown)"
+    settings = SearchSettings.from_env()
+    path = settings.cache_path or os.path.join(report_dir, CACHE_FILE_NAME)
+    if not settings.cache_enabled or not os.path.exists(path):
+        return "(no results cache: the trial table above holds this search's intervals)"
     with open(path) as f:
         results = json.load(f)["results"]
     lines = ["measured throughput (samples/s) with 95% confidence interval:"]

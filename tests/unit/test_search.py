@@ -348,7 +348,14 @@ def test_stops_on_patience_and_max_trials(dummy_opts):
     table[space.strategies()[0]] = 2.0
     flat = search_strategy(space, Recorder(table), max_trials=30, patience=3, random_samples=0,
                            predictor=lambda s: Estimate(1, 1.0 / table[s]))
-    assert len(flat.trials) == 4 and "patience" in flat.stop_reason   # the best first, then 3 without gain
+    # The best first, the second predicted seed (a seed is not a trial without gain), then 3 without gain.
+    assert len(flat.trials) == 5 and "patience" in flat.stop_reason
+    assert flat.trials["source"].tolist()[:2] == ["predicted-top"] * 2
+    # Seeds that ran never use up patience: the surrogate gets its turn (`make demo` stopped after
+    # 7 seeds with patience 6 before its first surrogate-picked trial).
+    seeded = search_strategy(space, Recorder(table), max_trials=30, patience=2, random_samples=4,
+                             planner_factory=FirstRemaining)
+    assert (seeded.trials["source"] == "random").sum() == 4 and seeded.trials["source"].iloc[-1] != "random"
     capped = search_strategy(space, Recorder(landscape(space, 3)), max_trials=2, patience=30,
                              planner_factory=FirstRemaining)
     assert len(capped.trials) == 2 and "max_trials=2" in capped.stop_reason

@@ -26,7 +26,8 @@ predictor (the cost model); it never imports training code. Order of work:
    model follow the refit.
 4. The search phase stops at its share of `max_trials`, after `patience` trials without
    improvement (an out-of-memory run before any candidate ran is not counted: it teaches
-   memory), when the next trial would overrun `time_limit_s`, or when nothing is left.
+   memory; nor is a seed that ran: the seeds cover the space for the surrogate), when the next
+   trial would overrun `time_limit_s`, or when nothing is left.
 5. When the evaluator reports per-step times (its noise), the leader is re-measured
    interleaved with the candidate likeliest to beat it (counted in `max_trials`; the surrogate's
    posterior, which pools similar candidates, says who that is: a measured rival, or an untried
@@ -211,8 +212,13 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
                 # improvement, or a model that needs a leaner strategy than predicted would stop
                 # the search before it reached one. Exceptions do count: a model or loss that
                 # raises under every strategy should not cost max_trials dry runs.
-                learning_memory = trials.rows[-1]["status"] == "oom" and not trials.runs
-                since_improvement = 0 if improved else since_improvement + (0 if learning_memory else 1)
+                # Nor is a seed that ran: the seeds are chosen to cover the space before the surrogate
+                # picks, not to improve (with 7 seeds and patience 6, `make demo` stopped before its
+                # first surrogate-picked trial).
+                status = trials.rows[-1]["status"]
+                learning_memory = status == "oom" and not trials.runs
+                seed_ran = pick is not None and status == "ok"
+                since_improvement = 0 if improved else since_improvement + (0 if learning_memory or seed_ran else 1)
             # The re-measurement phase: the leader against its likeliest challenger, interleaved,
             # until the interval separates the leader from every other candidate or the budget is spent.
             rounds, separated = 0, False
