@@ -22,11 +22,14 @@ The staged copies are plain host tensors (DTensors keep their mesh and placement
 host local shard), so the training step may change the live parameters at once.
 
 One save runs at a time: `submit` (and every synchronous save or load) first waits for the
-previous one. Each local step of the background part ends in a vote on the background group
-(`agree_on_error(..., group=)`), so a failure on one rank ends every rank's background part at
-once with the same error naming that rank, never a wait for the collective timeout. The error
-is raised by the next `wait()`, which the next save or load calls; call `wait_for_checkpoint()`
-before `destroy_process_group()` or exit.
+previous one. The foreground copy is voted on (`agree_on_error` on the default vote group) before
+anything is submitted: a rank that cannot stage its tensors makes `save_checkpoint` raise on every
+rank, and no rank starts a background part. Each local step of the background part ends in a
+vote on the background group (`agree_on_error(..., group=)`), so a failure on one rank ends
+every rank's background part at once with the same error naming that rank, never a wait for the
+collective timeout. Either way rank 0 removes the failed save's staging directory. A background
+error is raised by the next `wait()`, which the next save or load calls; call
+`wait_for_checkpoint()` before `destroy_process_group()` or exit.
 """
 
 from __future__ import annotations
@@ -57,12 +60,12 @@ class AsyncCheckpointer:
         self._buffers: Dict[str, torch.Tensor] = {}
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
-        self._group: Any = None
-        self._group_of: Any = None  # the default group the background group was made for
+        self._group: Optional[dist.ProcessGroup] = None
+        self._group_of: Optional[dist.ProcessGroup] = None  # the default group the background group was made for
 
     # -- foreground --------------------------------------------------------------------
 
-    def background_group(self) -> Any:
+    def background_group(self) -> Optional[dist.ProcessGroup]:
         """The gloo group background collectives use (None without a process group).
 
         Collective: the first call on each rank must happen in the same order on every rank,

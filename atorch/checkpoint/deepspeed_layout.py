@@ -17,7 +17,6 @@ from typing import Any, Dict, List, Optional, Tuple
 from torch import nn
 
 import torch
-import torch.distributed as dist
 
 from atorch.checkpoint.layout_handlers import (
     LayoutHandler,
@@ -241,12 +240,16 @@ def _gathered(p: torch.Tensor) -> torch.Tensor:
 
 
 def _scatter(p: torch.Tensor, full: torch.Tensor) -> None:
-    """Write `full` into a ZeRO-3 parameter's partitions (every rank holds the same `full`)."""
+    """Write `full` into a ZeRO-3 parameter's partitions (every rank holds the same `full`).
+
+    On exit DeepSpeed broadcasts the gathered parameter from `modifier_rank`, a rank of
+    `p.ds_process_group` (global rank 0 need not be in it, nor be its rank 0): every rank copies,
+    so the source holds `full` whichever process it is.
+    """
     import deepspeed
 
     with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
-        if dist.get_rank() == 0:
-            p.data.copy_(full.to(p.dtype).reshape(p.shape))
+        p.data.copy_(full.to(p.dtype).reshape(p.shape))
 
 
 def _is_number(value: Any) -> bool:

@@ -22,6 +22,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, cast
 import torch
 from torch import nn
 
+from atorch.utils.memory import innermost_optimizer
+
 MODEL_PREFIX = "model/"
 OPTIM_PREFIX = "optim/"
 _PARAM_GROUPS = "param_groups."
@@ -145,7 +147,10 @@ class TorchHandler(LayoutHandler):
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
         self.model = model
         self.optimizer = optimizer
-        self._local_optim = _local_optimizer(optimizer) if optimizer is not None else None
+        # The optimizer holding this rank's state: a ZeroRedundancyOptimizer's local one; wrappers that
+        # share their inner optimizer's state (fp16 gradient scaling) are looked through.
+        self._local_optim: Optional[torch.optim.Optimizer] = (
+            innermost_optimizer(optimizer) if optimizer is not None else None)
         self.tp = TPShards.of_model(model)
 
     @property
@@ -202,24 +207,6 @@ def _copy_hyperparameters(src: List[Dict[str, Any]], dst: List[Dict[str, Any]]) 
         d.update({k: v for k, v in s.items() if k != "params"})
 
 
-def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The torch optimizer that holds this rank's state, under wrappers.
-
-    Wrappers that share their inner optimizer's state (atorch's gradient-scaling optimizer for
-    fp16, whose `step` refuses to run without a scaled loss) are looked through; a
-    `ZeroRedundancyOptimizer` is replaced by its local optimizer.
-    """
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    from atorch.modules.grad_scaling import GradScalingOptimizer
-
-    while isinstance(optimizer, GradScalingOptimizer):
-        optimizer = optimizer.optimizer
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        return optimizer.optim
-    return optimizer
-
-
 def flatten_optimizer(optimizer: torch.optim.Optimizer, name_of: Dict[int, str]
                       ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     """A torch optimizer's state in the common flattened keys, for parameters named by `name_of[id(p)]`.
@@ -229,9 +216,9 @@ def flatten_optimizer(optimizer: torch.optim.Optimizer, name_of: Dict[int, str]
     """
     tensors: Dict[str, torch.Tensor] = {}
     values: Dict[str, Any] = {}
-    for group in optimizer.param_groups:
+    for index, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
-            name = name_of[id(p)]
+            name = _param_name(name_of, p, index)
             for key, v in optimizer.state.get(p, {}).items():
                 (tensors if isinstance(v, torch.Tensor) else values)[f"{_STATE}{name}.{key}"] = v
             for key, v in group.items():
@@ -240,17 +227,26 @@ def flatten_optimizer(optimizer: torch.optim.Optimizer, name_of: Dict[int, str]
     return tensors, values
 
 
+def _param_name(name_of: Dict[int, str], p: torch.Tensor, group_index: int) -> str:
+    name = name_of.get(id(p))
+    if name is None:
+        raise ValueError(f"the optimizer's param group {group_index} holds a tensor of shape {tuple(p.shape)} that is "
+                         "not a parameter of the model, so its state cannot be saved under a parameter name; "
+                         "build the optimizer over the model's own parameters (model.parameters())")
+    return name
+
+
 def load_flat_optimizer(optimizer: torch.optim.Optimizer, name_of: Dict[int, str], values: Dict[str, Any]) -> None:
     """Install the non-tensor part of `flatten_optimizer`'s keys (the tensors were filled in place)."""
-    for group in optimizer.param_groups:
+    for index, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
-            name = name_of[id(p)]
+            name = _param_name(name_of, p, index)
             for key in list(optimizer.state.get(p, {})):
                 v = values.get(f"{_STATE}{name}.{key}")
                 if v is not None and not isinstance(optimizer.state[p][key], torch.Tensor):
                     optimizer.state[p][key] = v
         if group["params"]:
-            first = name_of[id(group["params"][0])]
+            first = _param_name(name_of, group["params"][0], index)
             for key in list(group):
                 saved = values.get(f"{_PARAM_GROUPS}{first}.{key}")
                 if key != "params" and saved is not None:

@@ -118,8 +118,10 @@ class Manifest:
                     raise KeyError("checksum")
                 files[name] = FileRecord(int(rec["size"]), str(rec[algorithms[0]]), algorithms[0])
             except (KeyError, TypeError, ValueError) as e:
+                shown = repr(rec)
+                shown = shown if len(shown) <= 200 else shown[:197] + "..."
                 raise CheckpointError(f"{path}: entry {name!r} must have an integer size and one checksum "
-                                      f"(one of {list(CHECKSUMS)})") from e
+                                      f"(one of {list(CHECKSUMS)}); it holds {shown}") from e
         return cls(files=files, step=raw.get("step"), created=float(raw.get("created") or 0.0))
 
 
@@ -369,7 +371,7 @@ def staging_dir(final_dir: str, token: str) -> str:
     return f"{os.path.normpath(final_dir)}{STAGING_MARK}{token}"
 
 
-def remove_stale_staging(final_dir: str, keep: Optional[str] = None) -> List[str]:
+def remove_stale_staging(final_dir: str) -> List[str]:
     """Delete the `<name>.tmp-*` directories left by killed saves of this same checkpoint name."""
     final_dir = os.path.normpath(final_dir)
     parent, name = os.path.split(final_dir)
@@ -378,7 +380,7 @@ def remove_stale_staging(final_dir: str, keep: Optional[str] = None) -> List[str
         return removed
     for entry in os.listdir(parent or "."):
         path = os.path.join(parent, entry)
-        if entry.startswith(name + STAGING_MARK) and os.path.isdir(path) and path != keep:
+        if entry.startswith(name + STAGING_MARK) and os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed

@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 import uuid
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union, cast
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, TypeVar, Union, cast
 
 import torch
 from torch import nn
@@ -40,21 +40,29 @@ from atorch.checkpoint.save_load import (
 logger = logging.getLogger(__name__)
 
 _LORA_MODES = ("merge", "adapters")
+Item = TypeVar("Item")
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-def group_by_bytes(tensors: Iterable[Tuple[str, torch.Tensor]], max_bytes: int) -> List[Dict[str, torch.Tensor]]:
-    """`tensors` in order, in groups of at most `max_bytes` (a larger tensor is a group of its own)."""
-    groups: List[Dict[str, torch.Tensor]] = [{}]
+def _tensor_bytes(t: Any) -> int:
+    return t.numel() * t.element_size()
+
+
+def group_by_bytes(items: Iterable[Tuple[str, Item]], max_bytes: int,
+                   nbytes: Callable[[Item], int] = _tensor_bytes) -> List[Dict[str, Item]]:
+    """`items` in order, in groups of at most `max_bytes` (a larger item is a group of its own).
+
+    `nbytes(item)`: an item's size (default: a tensor's bytes)."""
+    groups: List[Dict[str, Item]] = [{}]
     size = 0
-    for key, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if groups[-1] and size + nbytes > max_bytes:
+    for key, item in items:
+        n = nbytes(item)
+        if groups[-1] and size + n > max_bytes:
             groups.append({})
             size = 0
-        groups[-1][key] = t
-        size += nbytes
+        groups[-1][key] = item
+        size += n
     return groups
 
 
@@ -233,7 +241,8 @@ def load_model_tensors(ckpt_dir: str, manifest: mf.Manifest) -> Dict[str, torch.
 
 def stream_safetensors(ckpt_dir: str, manifest: mf.Manifest, out_dir: str, max_shard_size: Union[int, str] = "2GB",
                        dtype: Optional[torch.dtype] = None, names: Optional[Dict[str, str]] = None) -> None:
-    """The checkpoint's model tensors as safetensors shards (as `save_safetensors`), read shard by shard.
+    """The checkpoint's model tensors as safetensors files, read shard by shard: `model.safetensors`, or
+    `model-0000i-of-0000n.safetensors` shards plus `model.safetensors.index.json`.
 
     `names`: the output name of each module-name key to write (default: every model tensor
     under its own name).
@@ -259,17 +268,12 @@ def stream_safetensors(ckpt_dir: str, manifest: mf.Manifest, out_dir: str, max_s
     def out_dtype(dt: torch.dtype) -> torch.dtype:
         return dtype if dtype is not None and dt.is_floating_point else dt
 
-    limit = parse_size(max_shard_size)
-    plan: List[List[str]] = [[]]
-    size = 0
-    for key in sorted(entries, key=lambda k: out_name[k]):
-        shape, dt = entries[key]
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=out_dtype(dt)).element_size()
-        if plan[-1] and size + nbytes > limit:
-            plan.append([])
-            size = 0
-        plan[-1].append(key)
-        size += nbytes
+    def out_bytes(entry: Tuple[Tuple[int, ...], torch.dtype]) -> int:
+        shape, dt = entry
+        return torch.Size(shape).numel() * torch.empty((), dtype=out_dtype(dt)).element_size()
+
+    ordered = ((key, entries[key]) for key in sorted(entries, key=lambda k: out_name[k]))
+    plan = [list(group) for group in group_by_bytes(ordered, parse_size(max_shard_size), out_bytes)]
     weight_map: Dict[str, str] = {}
     total = 0
     for i, keys in enumerate(plan):
@@ -310,12 +314,13 @@ def _resolve_model_class(model_meta: Dict[str, Any], config: Any, model_class: O
         if isinstance(cls, type):
             return cls
     # Pipeline stages record their own class; atorch pipelines split causal LMs.
-    try:
+    # The mapping AutoModelForCausalLM.from_config reads (with configs registered through AutoModelForCausalLM).
+    if type(config) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
         return transformers.AutoModelForCausalLM.from_config
-    except AttributeError:
-        pass
-    raise CheckpointError(f"{ckpt_dir}: the model class {recorded!r} is not a transformers class; pass "
-                          "model_class= to merge_checkpoint")
+    raise CheckpointError(f"{ckpt_dir}: the model class {recorded!r} is not a transformers class, and the "
+                          f"config ({type(config).__name__}, model_type {getattr(config, 'model_type', None)!r}) "
+                          "names no transformers architecture and has no causal-LM class; pass model_class= (the "
+                          "model's class, e.g. transformers.T5ForConditionalGeneration) to merge_checkpoint")
 
 
 def build_hf_model(ckpt_dir: str, model_meta: Dict[str, Any], state: Dict[str, torch.Tensor],
@@ -407,22 +412,3 @@ def _save_hf(ckpt_dir: str, model_meta: Dict[str, Any], state: Dict[str, torch.T
         model = model.merge_and_unload()
     model.save_pretrained(out_dir, max_shard_size=max_shard_size, safe_serialization=True)
 
-
-def save_safetensors(state: Dict[str, torch.Tensor], out_dir: str, max_shard_size: Union[int, str] = "2GB") -> None:
-    """`model.safetensors`, or `model-0000i-of-0000n.safetensors` shards plus `model.safetensors.index.json`."""
-    from safetensors.torch import save_file
-
-    shards = group_by_bytes(((key, state[key].contiguous()) for key in sorted(state)), parse_size(max_shard_size))
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    total = 0
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
-        for key, t in shard.items():
-            weight_map[key] = name
-            total += t.numel() * t.element_size()
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
 import shutil
 import types
 import uuid
-from typing import Any, Optional, Tuple
+from typing import Any, Iterator, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from atorch.checkpoint import manifest as mf
@@ -28,6 +31,8 @@ from atorch.checkpoint.save_load import (
     raise_checkpoint_errors,
     save_checkpoint,
 )
+from atorch.distributed import timeouts
+from atorch.distributed.agreement import agree, agree_on_error
 
 
 def save_parallelized(model: nn.Module, save_dir: str, merge_checkpoints: bool = False, **merge_kwargs: Any) -> str:
@@ -35,8 +40,10 @@ def save_parallelized(model: nn.Module, save_dir: str, merge_checkpoints: bool =
 
     `merge_checkpoints=False`: a sharded checkpoint (each rank its shard) in `save_dir`.
     `merge_checkpoints=True`: a Hugging Face model directory (config.json + safetensors), for
-    `from_pretrained`; rank 0 merges a temporary sharded checkpoint. `merge_kwargs` go to
-    `merge_checkpoint` (tokenizer, max_shard_size, lora, dtype).
+    `from_pretrained`; rank 0 merges a temporary sharded checkpoint while the other ranks wait
+    for it however long it takes (not bounded by the collective timeout), and a merge failure is
+    raised on every rank as the same exception. `merge_kwargs` go to `merge_checkpoint`
+    (tokenizer, max_shard_size, lora, dtype).
     """
     mf.check_dir_arg("save_parallelized", "save_dir", save_dir)
     if not merge_checkpoints:
@@ -50,19 +57,43 @@ def save_parallelized(model: nn.Module, save_dir: str, merge_checkpoints: bool =
     token = _broadcast(uuid.uuid4().hex[:8] if _rank() == 0 else None)
     sharded = f"{os.path.normpath(save_dir)}{mf.STAGING_MARK}sharded-{token}"
     save_checkpoint(model, sharded, save_optimizer=False, update_latest=False)
-    failure: Optional[BaseException] = None
-    if _rank() == 0:
+    failure: Optional[Exception] = None
+    with _merge_wait_group() as group:
+        if _rank() == 0:
+            try:
+                merge_checkpoint(sharded, save_dir, **merge_kwargs)
+            except Exception as e:  # noqa: BLE001 - voted on below: every rank raises it
+                failure = e
+            shutil.rmtree(sharded, ignore_errors=True)
+        # The other ranks wait here for as long as the merge takes, on a group whose timeout is not
+        # the training's collective timeout.
         try:
-            merge_checkpoint(sharded, save_dir, **merge_kwargs)
-        except Exception as e:  # noqa: BLE001 - reported on every rank below
-            failure = e
-        shutil.rmtree(sharded, ignore_errors=True)
-    message = _broadcast(f"{type(failure).__name__}: {failure}" if failure is not None else None)
-    if failure is not None:
-        raise failure
-    if message is not None:
-        raise RuntimeError(f"save_parallelized: merging on rank 0 failed: {message}")
+            _barrier(group)
+        except RuntimeError as e:
+            raise RuntimeError(f"save_parallelized: rank {_rank()} stopped waiting for rank 0's merge into "
+                               f"{save_dir!r}: a rank was lost (did rank 0 die while merging?): {e}") from e
+        # Rank 0's failure is raised on every rank, as the same exception.
+        agree(f"save_parallelized({save_dir!r}): merging the checkpoint", failure, group=group)
     return save_dir
+
+
+@contextlib.contextmanager
+def _merge_wait_group() -> Iterator[Optional[dist.ProcessGroup]]:
+    """A gloo group of every rank whose collectives wait without a practical limit (None without a
+    process group), destroyed on exit.
+
+    The merge runs on rank 0 alone for as long as the model takes to write; under NCCL (and gloo) the
+    default group's collectives give up after the collective timeout (NCCL's watchdog aborts the
+    process), so the other ranks must not wait for it there.
+    """
+    if not _dist():
+        yield None
+        return
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeouts.MAX_TIMEOUT_S))
+    try:
+        yield group
+    finally:
+        dist.destroy_process_group(group)
 
 
 def from_parallelized(model: nn.Module, load_dir: str, strict: bool = True) -> Optional[CheckpointState]:
@@ -102,7 +133,10 @@ def load_hf_weights(model: nn.Module, hf_dir: str, strict: bool = True) -> None:
     # A pipeline stage holds some of the model: "unexpected" means held by no rank.
     known = set().union(*_all_gather(sorted(targets))) if _dist() else set(targets)
     problems = check_keys(to_load, entries, "", strict=strict, known=known, where=hf_dir)
-    mf.raise_problems(hf_dir, problems)
+    # Ranks may see different problems (a pipeline stage holds part of the model): all raise, before
+    # any rank enters dcp.load's collectives.
+    with agree_on_error(f"load_hf_weights({hf_dir!r}): checking the model against the folder"):
+        mf.raise_problems(hf_dir, problems)
     with _quiet_single_process_dcp(), raise_checkpoint_errors():
         dcp.load(to_load, storage_reader=HuggingFaceStorageReader(hf_dir), no_dist=not _dist())
     handler.load_model_state(targets)

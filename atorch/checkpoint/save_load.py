@@ -19,11 +19,12 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import time
 import uuid
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,10 @@ from atorch.checkpoint.tokenizer_files import check_tokenizer, record_tokenizer
 from atorch.checkpoint.tp_lora import adapters_of
 from atorch.distributed.agreement import agree_on_error
 
+if TYPE_CHECKING:
+    from atorch.distributed.mesh import ParallelMesh
+    from atorch.tensor_parallel.randomizer import MultiDimParallelRandomizer
+
 logger = logging.getLogger(__name__)
 
 DCP_DIR = "dcp"
@@ -90,11 +95,11 @@ class TrainingObjects:
     # Dataloader items one optimizer step consumes (DeepSpeed 3D's dataloader yields micro-batches).
     batches_per_step: int = 1
     # The strategy's parallel groups (recorded in the checkpoint's metadata); None: atorch's default layout.
-    parallel: Any = None
-    # Tensor parallelism's dropout streams (a MultiDimParallelRandomizer), saved with each rank's RNG states.
-    randomizer: Any = None
+    parallel: Optional[ParallelMesh] = None
+    # Tensor parallelism's dropout streams, saved with each rank's RNG states.
+    randomizer: Optional[MultiDimParallelRandomizer] = None
     # (step, DataPosition) of the last resume (AutoAccelerateResult.data_origin), or None.
-    data_origin: Any = None
+    data_origin: Optional[Tuple[Optional[int], DataPosition]] = None
 
     @classmethod
     def of(cls, target: Any, optimizer: Any = None, lr_scheduler: Any = None) -> "TrainingObjects":
@@ -159,6 +164,8 @@ def _dist() -> bool:
 
 
 def _rank() -> int:
+    # Not atorch.distributed.rank(): without a process group a save or load is a single-process one
+    # (this process does rank 0's part), whatever RANK the launcher set.
     return dist.get_rank() if _dist() else 0
 
 
@@ -168,12 +175,12 @@ def _world() -> int:
 
 # `group`: None is the default group; the background part of an async save passes its own.
 
-def _barrier(group: Any = None) -> None:
+def _barrier(group: Optional[dist.ProcessGroup] = None) -> None:
     if _dist():
         dist.barrier(group=group)
 
 
-def _broadcast(value: Any, group: Any = None) -> Any:
+def _broadcast(value: Any, group: Optional[dist.ProcessGroup] = None) -> Any:
     if not _dist():
         return value
     box = [value]
@@ -181,7 +188,7 @@ def _broadcast(value: Any, group: Any = None) -> Any:
     return box[0]
 
 
-def _all_gather(value: Any, group: Any = None) -> List[Any]:
+def _all_gather(value: Any, group: Optional[dist.ProcessGroup] = None) -> List[Any]:
     if not _dist():
         return [value]
     out: List[Any] = [None] * _world()
@@ -189,7 +196,7 @@ def _all_gather(value: Any, group: Any = None) -> List[Any]:
     return out
 
 
-def _parallel_dims(parallel: Any) -> Optional[List[List[Any]]]:
+def _parallel_dims(parallel: Optional[ParallelMesh]) -> Optional[List[List[Any]]]:
     from atorch import distributed as adist
 
     if parallel is None:
@@ -213,13 +220,16 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
     newest checkpoints in the parent directory are kept. `data_position` defaults to `step`
     optimizer steps into the result's dataloader (epoch = step // len(dataloader), the loop
     calling `sampler.set_epoch(epoch)` at each epoch). `extra` is any JSON data, returned by
-    `load_checkpoint`. `optimizer` / `lr_scheduler` are for a bare `nn.Module` target. Every rank
+    `load_checkpoint`. `save_optimizer=False` leaves the optimizer's state out: the checkpoint then
+    loads with `load_optimizer=False` only, which restores no lr scheduler or grad scaler either
+    (see `load_checkpoint`). `optimizer` / `lr_scheduler` are for a bare `nn.Module` target. Every rank
     must see the same filesystem (as DCP assumes). `checksum`: the manifest's per-file checksum,
     "xxh3_128" (fast corruption detection, the default) or "sha256". `tokenizer` (a tokenizer
     object or a directory of its files) is recorded with the checkpoint, and `merge_checkpoint`
     copies it into the Hugging Face folder.
 
-    `async_save=True` returns once the tensors are copied to host memory; the write, fsync,
+    `async_save=True` returns once the tensors are copied to host memory (a copy that fails on one
+    rank raises here on every rank, and nothing goes to the background); the write, fsync,
     checksums, manifest, rename, `latest` and rotation go on in the background, and until they
     finish the checkpoint does not exist (a crash leaves the previous one as `latest`). The next
     save (or `wait_for_checkpoint()`) waits for it and raises its error if it failed; call
@@ -267,26 +277,7 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
             mf.remove_stale_staging(final_dir)
             os.makedirs(os.path.join(staging, RNG_DIR))
 
-    tensors = {MODEL_PREFIX + k: v for k, v in handler.model_state().items()}
-    optim_values: Dict[str, Any] = {}
-    has_optimizer = save_optimizer and handler.has_optimizer
-    if has_optimizer:
-        optim_tensors, local_values = handler.optim_state()
-        tensors.update({OPTIM_PREFIX + k: v for k, v in optim_tensors.items()})
-        # A sharded optimizer (ZeRO-1, pipeline stages) knows only its own parameters'
-        # hyperparameters: merge all ranks'.
-        for values in _all_gather(to_json_value(local_values, "optimizer")):
-            optim_values.update(values)
-    with agree_on_error(f"save_checkpoint({final_dir!r}): writing RNG states and metadata"):
-        _write_json(os.path.join(staging, RNG_DIR, f"rank_{rank:05d}.json"), _rank_rng_state(objs))
-        if rank == 0:
-            meta = _meta(objs, handler, step, data_position, small_state, has_optimizer, optim_values, world)
-            _write_json(os.path.join(staging, META_NAME), meta)
-            _write_model_configs(objs.model, staging)
-            if tokenizer is not None:
-                record_tokenizer(tokenizer, staging)
-
-    def write_and_commit(tensors: Dict[str, Any], group: Any) -> None:
+    def write_and_commit(tensors: Dict[str, Any], group: Optional[dist.ProcessGroup]) -> None:
         # Collectives here run on `group` only: None (the default group) in a synchronous save, the
         # background gloo group in an async one (the training step owns the default group then).
         # Every local step ends in a vote on that group, so a failure on one rank (in the
@@ -321,15 +312,55 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
                     mf.rotate(parent, keep_last, protect=[final_dir])
         _barrier(group)
 
-    if async_save:
-        saver = checkpointer()
-        group = saver.background_group()
-        staged = saver.stage(tensors)
-        del tensors
-        saver.submit(lambda: write_and_commit(staged, group))
-    else:
-        write_and_commit(tensors, None)
+    # A failure from here on (agreed, so raised on every rank at the same point) removes the staging directory.
+    with _removing_staging_on_error(staging, rank):
+        tensors = {MODEL_PREFIX + k: v for k, v in handler.model_state().items()}
+        optim_values: Dict[str, Any] = {}
+        has_optimizer = save_optimizer and handler.has_optimizer
+        if has_optimizer:
+            optim_tensors, local_values = handler.optim_state()
+            tensors.update({OPTIM_PREFIX + k: v for k, v in optim_tensors.items()})
+            # A sharded optimizer (ZeRO-1, pipeline stages) knows only its own parameters'
+            # hyperparameters: merge all ranks'.
+            for values in _all_gather(to_json_value(local_values, "optimizer")):
+                optim_values.update(values)
+        with agree_on_error(f"save_checkpoint({final_dir!r}): writing RNG states and metadata"):
+            _write_json(os.path.join(staging, RNG_DIR, f"rank_{rank:05d}.json"), _rank_rng_state(objs))
+            if rank == 0:
+                meta = _meta(objs, handler, step, data_position, small_state, has_optimizer, optim_values, world)
+                _write_json(os.path.join(staging, META_NAME), meta)
+                _write_model_configs(objs.model, staging)
+                if tokenizer is not None:
+                    record_tokenizer(tokenizer, staging)
+
+        if async_save:
+            saver = checkpointer()
+            group = saver.background_group()
+            # Voted like every local step: a rank that cannot copy its tensors (host memory exhausted)
+            # makes every rank raise here, before any rank hands its write to the background.
+            with agree_on_error(f"save_checkpoint({final_dir!r}): copying the tensors to host memory"):
+                staged = saver.stage(tensors)
+            del tensors
+
+            def in_background() -> None:
+                with _removing_staging_on_error(staging, rank):
+                    write_and_commit(staged, group)
+
+            saver.submit(in_background)
+        else:
+            write_and_commit(tensors, None)
     return final_dir
+
+
+@contextlib.contextmanager
+def _removing_staging_on_error(staging: str, rank: int) -> Iterator[None]:
+    """Rank 0 deletes the staging directory of a save that failed (on every rank: the failures are agreed)."""
+    try:
+        yield
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def _sampler_epoch(dataloader: Any) -> Optional[int]:
@@ -348,9 +379,8 @@ def _position_at_step(objs: TrainingObjects, step: int) -> DataPosition:
     # A resumed loader's len() is what is left of the resumed epoch; positions count whole epochs.
     per_epoch = getattr(objs.dataloader, "batches_per_epoch", None) or _len_or_none(objs.dataloader)
     batch = objs.item_global_batch_size()
-    origin = objs.data_origin
-    if origin is not None and origin[0] is not None and origin[0] <= step:
-        start_step, start = origin
+    start_step, start = objs.data_origin or (None, None)
+    if start_step is not None and start is not None and start_step <= step:
         done = start.batches_in_epoch + (step - start_step) * objs.batches_per_step
         return DataPosition.after_steps(done, per_epoch, epoch=start.epoch, global_batch_size=batch)
     return DataPosition.after_steps(step * objs.batches_per_step, per_epoch, global_batch_size=batch)
@@ -410,7 +440,7 @@ def _quiet_single_process_dcp():
         yield
 
 
-def _dcp_save(tensors: Dict[str, torch.Tensor], dcp_dir: str, group: Any = None,
+def _dcp_save(tensors: Dict[str, torch.Tensor], dcp_dir: str, group: Optional[dist.ProcessGroup] = None,
               checksum: str = mf.DEFAULT_CHECKSUM) -> Dict[str, mf.FileRecord]:
     """Write the tensors with DCP (fsynced); returns the records of this rank's data files, relative
     to the checkpoint directory (the parent of `dcp_dir`)."""
@@ -494,8 +524,20 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
     file is verified against the manifest, and every model (and optimizer) key and shape is
     checked against the checkpoint, before anything is loaded: a bad checkpoint raises
     `CheckpointError` (a ValueError) naming the file and the problem, and changes nothing.
-    RNG states (with tensor-parallel dropout streams) are restored when the world size is the one
-    that saved. The global batch size may differ from the saving run's when the samples consumed in
+
+    What is restored:
+      * always: the model's weights, and the data position (below); `state.step` and `state.extra`
+        are returned;
+      * `load_optimizer=True` (the default), when the target has an optimizer: the optimizer's state
+        and hyperparameters, and with them the lr scheduler, the grad scaler and a DeepSpeed
+        engine's counters (global steps, loss scale). These travel together: a scheduler's state
+        (its step count, base lrs) only means something next to the optimizer whose lr it set.
+        `state.optimizer_restored` says whether this happened;
+      * `load_optimizer=False`: none of those; the optimizer, lr scheduler and grad scaler keep
+        their current (e.g. fresh) state, as fine-tuning from a checkpoint's weights wants;
+      * `load_rng=True` (the default): each rank's RNG states (with tensor-parallel dropout streams),
+        when the world size is the one that saved (`state.rng_restored`).
+    The global batch size may differ from the saving run's when the samples consumed in
     the epoch are a whole number of the new global batches; otherwise a ValueError says which sizes
     fit, before anything is loaded.
 

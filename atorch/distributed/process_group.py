@@ -91,8 +91,9 @@ def init_distributed(
     a rank failed to start) raises `DistributedInitError` naming the address.
 
     The keywords of ATorch's `init_distributed` are accepted (see `_apply_atorch_init_options`):
-    `set_cuda_device_using_local_rank` selects `cuda:LOCAL_RANK` when CUDA exists (nccl always
-    does); `elastic_or_fault_tolerant` is ignored (restarts are the launcher's job:
+    `set_cuda_device_using_local_rank` selects `cuda:cuda_index()` when CUDA exists (nccl always
+    does): `cuda:LOCAL_RANK`, or `cuda:0` for a process that sees one GPU, and ValueError when
+    neither fits; `elastic_or_fault_tolerant` is ignored (restarts are the launcher's job:
     `python -m atorch.distributed.run --fault_tolerant`); `coworker_num_per_node` > 0
     (CPU coworker processes) is not supported and raises.
     """
@@ -271,15 +272,29 @@ def is_initialized() -> bool:
 
 
 def rank() -> int:
-    return dist.get_rank() if is_initialized() else int(os.environ.get("RANK", 0))
+    """This process's global rank: the process group's, else RANK (0 when unset or empty)."""
+    return dist.get_rank() if is_initialized() else _env_int_or("RANK", 0)
 
 
 def world_size() -> int:
-    return dist.get_world_size() if is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    """The process group's size, else WORLD_SIZE (1 when unset or empty)."""
+    return dist.get_world_size() if is_initialized() else _env_int_or("WORLD_SIZE", 1)
 
 
 def local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", 0))
+    """LOCAL_RANK (0 when unset or empty)."""
+    return _env_int_or("LOCAL_RANK", 0)
+
+
+def _env_int_or(name: str, default: int) -> int:
+    # An empty value counts as unset, as in `_fill_single_process_env`.
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
 
 
 def cuda_index() -> int:
@@ -432,7 +447,7 @@ def _apply_atorch_init_options(set_cuda_device_using_local_rank: bool, coworker_
         if count == 0:
             _log_once("cuda_device", "init_distributed(set_cuda_device_using_local_rank=True): no GPU found; ignored")
         else:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % count)
+            torch.cuda.set_device(cuda_index())
 
 
 def reset_distributed() -> None:

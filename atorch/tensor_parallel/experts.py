@@ -11,7 +11,7 @@ code through `shard_specs()`, like the other tensor-parallel layers.
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, Type
+from typing import Any, Dict
 
 import torch
 from torch import nn
@@ -107,6 +107,3 @@ def reduce_grads(module: Any, group: Group) -> nn.Module:
     module._grad_group_ref = _GroupRef(group)
     return module
 
-
-def is_tensor_parallel_class(cls: Type[nn.Module]) -> bool:
-    return issubclass(cls, (TensorParallelModule, GradReduced))

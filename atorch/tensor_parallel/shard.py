@@ -326,16 +326,25 @@ def _full_over_data(tensor: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def load_tp_state_dict(model: nn.Module, full_state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
     """Load a full (unsharded, e.g. Hugging Face) state dict into a tensor-parallel model: each rank
-    copies its slices."""
+    copies its slices.
+
+    Keys are matched without wrapper names (activation checkpointing's, torch.compile's), as
+    `gather_tp_state_dict` writes them, so its output loads back into the wrapped model.
+    """
     model = unwrap_data_parallel(model)
-    local: Dict[str, torch.Tensor] = dict(full_state)
+    # The model's own key for each unwrapped name (torch.compile's `_orig_mod.` stays in state_dict keys).
+    own_keys = {_strip_wrappers(k): k for k in model.state_dict()}
+    specs: Dict[str, Tuple[ShardSpec, int]] = {}
     for mod_name, module in model.named_modules(remove_duplicate=False):
-        if not isinstance(module, TensorParallelModule):
-            continue
-        for pname, spec in module.shard_specs().items():
-            key = f"{mod_name}.{pname}" if mod_name else pname
-            if key in full_state:
-                local[key] = shard_tensor(full_state[key], spec, module.tp_rank)
+        if isinstance(module, TensorParallelModule):
+            for pname, spec in module.shard_specs().items():
+                specs[_strip_wrappers(f"{mod_name}.{pname}" if mod_name else pname)] = (spec, module.tp_rank)
+    local: Dict[str, torch.Tensor] = {}
+    for key, value in full_state.items():
+        name = _strip_wrappers(key)
+        if name in specs:
+            value = shard_tensor(value, *specs[name])
+        local[own_keys.get(name, key)] = value
     model.load_state_dict(local, strict=strict)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import asdict, dataclass
-from typing import Dict, Iterable, Iterator, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, Iterator, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -75,11 +75,15 @@ def _sum_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
     return total
 
 
-def innermost_optimizer(optimizer: object) -> object:
-    """The optimizer that actually holds state under atorch's and torch/DeepSpeed's wrappers.
+def innermost_optimizer(optimizer: object) -> Any:
+    """The optimizer that holds this rank's state, under wrappers that hold none of their own.
 
-    ZeroRedundancyOptimizer keeps its rank's optimizer in `.optim`; GradScalingOptimizer and
-    DeepSpeed's ZeRO optimizers keep the wrapped torch optimizer in `.optimizer`.
+    A `ZeroRedundancyOptimizer` gives way to its rank's optimizer (`.optim`); a wrapper whose
+    `.optimizer` is a torch optimizer gives way to it when the wrapper's `state` is that
+    optimizer's own (atorch's GradScalingOptimizer, accelerate's AcceleratedOptimizer) or the
+    wrapper is DeepSpeed's (its ZeRO optimizers step the torch optimizer over their fp32 partitions).
+    Any other wrapper keeps state of its own and is returned as it is. The memory accounting and
+    the checkpoint's torch layout both read optimizer state through this one rule.
     """
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -88,8 +92,12 @@ def innermost_optimizer(optimizer: object) -> object:
         seen.add(id(optimizer))
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             optimizer = optimizer.optim
-        elif isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-            optimizer = getattr(optimizer, "optimizer")
+            continue
+        inner = getattr(optimizer, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer) and (
+                getattr(optimizer, "state", None) is inner.state
+                or type(optimizer).__module__.split(".")[0] == "deepspeed"):
+            optimizer = inner
     return optimizer
 
 

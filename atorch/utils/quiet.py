@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import warnings
 from typing import Iterator, Optional
 
@@ -30,11 +29,9 @@ _FORMAT = "[%(asctime)s atorch rank{rank} %(levelname)s] %(message)s"
 
 
 def _rank() -> int:
-    import torch.distributed as dist
+    from atorch.distributed.process_group import rank   # imported when asked: keeps this module light
 
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0") or 0)
+    return rank()
 
 
 def log_level(rank: Optional[int] = None) -> int:

@@ -19,11 +19,9 @@ TRACKERS = ("tensorboard", "jsonl")
 
 
 def _rank() -> int:
-    import torch.distributed as dist
+    from atorch.distributed.process_group import rank   # imported when asked: keeps this module light
 
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
+    return rank()
 
 
 def parse_log_with(log_with: Union[None, str, Sequence[str]]) -> List[str]:

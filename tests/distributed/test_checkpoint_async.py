@@ -96,8 +96,9 @@ def test_async_save_on_two_fsdp_ranks(tmp_path):
         assert r["algorithms"] == {"sha256"} and r["remaining"] == ["step_2"]
         assert r["error"].endswith("failed on ranks [0, 1]: disk full (simulated)"), r["error"]
         assert r["latest_after_failure"] == "step_2" and not r["step_3_exists"]
-    # The failed save left only its staging directory, never a checkpoint.
+    # The failed save left nothing: no checkpoint, and its staging directory was removed.
     assert [os.path.basename(p) for p, _ in mf.list_checkpoints(root)] == ["step_2"]
+    assert not [e for e in os.listdir(root) if mf.STAGING_MARK in e], os.listdir(root)
     try:
         load_checkpoint(tiny_llama(seed=2), os.path.join(root, "step_3"))
         raise AssertionError("step_3 must not load")

@@ -1,21 +1,31 @@
-"""A 2-rank save reads none of its data files back to checksum them. An async save whose background part
-fails on one rank only: every rank raises at its next wait, naming the failing rank and the error, and
-none waits for the collective timeout; the previous checkpoint stays `latest`, and the next save works.
+"""Failures on one rank only are raised on every rank, promptly, with the same error naming that rank:
+
+- a 2-rank save reads none of its data files back to checksum them;
+- an async save whose background part fails on one rank: every rank raises at its next wait and none
+  waits for the collective timeout; the previous checkpoint stays `latest`, and the next save works;
+- an async save whose foreground host copy fails on one rank: `save_checkpoint` raises on every rank and
+  nothing is left running in the background;
+- `load_hf_weights` into a model that only one rank finds different from the folder (a pipeline stage);
+- `save_parallelized(merge_checkpoints=True)` whose merge fails on rank 0 after longer than the default
+  group's collective timeout: the waiting rank raises rank 0's error, not a timeout.
+Every failed save removes its staging directory.
 
 The collectives' timeout is 30 minutes (ATORCH_COLLECTIVE_TIMEOUT below) and the test's is 180 s: a rank
-left waiting in a background collective for the failed one would be killed at 180 s and fail the test.
+left waiting in a collective for the failed one would be killed at 180 s and fail the test.
 """
-
+import datetime
 import os
+import time
 from typing import Dict, List
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from atorch.checkpoint import save_checkpoint, wait_for_checkpoint
+from atorch.checkpoint import merge, model_methods, save_checkpoint, save_load, wait_for_checkpoint
 from atorch.checkpoint import manifest as mf
-from atorch.checkpoint import save_load
+from atorch.checkpoint.async_save import AsyncCheckpointer
+from atorch.checkpoint.model_methods import attach_checkpoint_methods, load_hf_weights
 from atorch.testing import run_distributed
 
 
@@ -27,7 +37,7 @@ def _model() -> nn.Module:
 def _raises(fn) -> str:
     try:
         fn()
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - the test compares the type and message
         return f"{type(e).__name__}: {e}"
     return "no error"
 
@@ -79,18 +89,76 @@ def _failing_rank(root: str) -> Dict[str, object]:
     save_checkpoint(model, os.path.join(root, "step_4"), step=4, async_save=True)
     wait_for_checkpoint()
     latest.append(os.path.basename(mf.read_latest(root) or ""))
-    return {"errors": errors, "latest": latest, "read_back": read_back,
-            "failed_exist": [os.path.exists(os.path.join(root, n)) for n in ("step_2", "step_3")]}
+
+    # 3. Rank 1 cannot copy its tensors to host memory (the foreground part of an async save).
+    real_copy = AsyncCheckpointer._copy
+
+    def no_memory(self, key, src):
+        raise MemoryError("cannot allocate a host buffer (simulated on rank 1)")
+
+    AsyncCheckpointer._copy = no_memory if rank == 1 else real_copy  # type: ignore[method-assign]
+    try:
+        errors.append(_raises(lambda: save_checkpoint(model, os.path.join(root, "step_5"), step=5,
+                                                      async_save=True)))
+    finally:
+        AsyncCheckpointer._copy = real_copy  # type: ignore[method-assign]
+    errors.append(_raises(wait_for_checkpoint))   # nothing was left in the background
+    latest.append(os.path.basename(mf.read_latest(root) or ""))
+
+    # 4. A Hugging Face folder, then a model that only rank 1 finds different from it (a pipeline stage).
+    hf_dir = os.path.join(root, "hf")
+    attach_checkpoint_methods(model).save_parallelized(hf_dir, merge_checkpoints=True)
+    other = _model()
+    if rank == 1:
+        other.extra = nn.Parameter(torch.zeros(3))
+    errors.append(_raises(lambda: load_hf_weights(other, hf_dir)))
+
+    # 5. Rank 0's merge fails after longer than the default group's collective timeout (shortened once
+    # the sharded save is done): the waiting rank gets rank 0's error, not a timeout.
+    real_merge, real_save = merge.merge_checkpoint, model_methods.save_checkpoint
+
+    def slow_failing_merge(*args, **kwargs):
+        time.sleep(5)
+        raise OSError("disk full while merging (simulated on rank 0)")
+
+    def save_then_short_timeout(*args, **kwargs):
+        out = real_save(*args, **kwargs)
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=2))
+        return out
+
+    merge.merge_checkpoint = slow_failing_merge  # type: ignore[assignment]
+    model_methods.save_checkpoint = save_then_short_timeout  # type: ignore[assignment]
+    start = time.monotonic()
+    try:
+        errors.append(_raises(lambda: model_methods.save_parallelized(model, os.path.join(root, "hf_failed"),
+                                                                      merge_checkpoints=True)))
+    finally:
+        merge.merge_checkpoint, model_methods.save_checkpoint = real_merge, real_save  # type: ignore[assignment]
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=1800))
+    merge_s = time.monotonic() - start
+    dist.barrier()
+    return {"errors": errors, "latest": latest, "read_back": read_back, "merge_s": merge_s,
+            "failed_exist": [os.path.exists(os.path.join(root, n)) for n in ("step_2", "step_3", "step_5")]}
 
 
-def test_async_background_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
+def test_a_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
     root = str(tmp_path)
     results = run_distributed(_failing_rank, 2, root, timeout=180, env={"ATORCH_COLLECTIVE_TIMEOUT": "1800"})
     for r in results:
-        first, second = r["errors"]
-        assert first.startswith("OSError: ") and "failed on rank [1]" in first and "disk full" in first, first
-        assert second.startswith("OSError: ") and "failed on rank [0]" in second and "I/O error" in second, second
-        assert r["latest"] == ["step_1", "step_1", "step_4"]
-        assert r["failed_exist"] == [False, False]
+        disk_full, unreadable, no_memory, after_no_memory, hf_mismatch, merge_failed = r["errors"]
+        assert disk_full.startswith("OSError: ") and "failed on rank [1]" in disk_full and "disk full" in disk_full
+        assert unreadable.startswith("OSError: ") and "failed on rank [0]" in unreadable and "I/O error" in unreadable
+        assert no_memory.startswith("MemoryError: ") and "copying the tensors to host memory" in no_memory
+        assert "failed on rank [1]" in no_memory and "simulated on rank 1" in no_memory, no_memory
+        assert after_no_memory == "no error"
+        assert hf_mismatch.startswith("CheckpointError: ") and "failed on rank [1]" in hf_mismatch, hf_mismatch
+        assert "extra" in hf_mismatch, hf_mismatch
+        assert merge_failed.startswith("OSError: ") and "failed on rank [0]" in merge_failed, merge_failed
+        assert "disk full while merging" in merge_failed, merge_failed
+        assert r["merge_s"] < 60, r["merge_s"]
+        assert r["latest"] == ["step_1", "step_1", "step_4", "step_4"]
+        assert r["failed_exist"] == [False, False, False]
         assert r["read_back"] and not [n for n in r["read_back"] if n.endswith(".distcp")], r["read_back"]
     assert [os.path.basename(p) for p, _ in mf.list_checkpoints(root)] == ["step_1", "step_4"]
+    # Every failed save (and the failed merge's temporary sharded copy) left nothing behind.
+    assert sorted(os.listdir(root)) == ["hf", "latest", "step_1", "step_4"]

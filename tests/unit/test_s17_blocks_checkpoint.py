@@ -1,0 +1,177 @@
+"""Checkpoint details in one process: what `load_checkpoint` restores under each flag, the merge's refusal of a
+config it cannot build, ZeRO-3's scatter source, the one optimizer unwrapper, and messages that show the
+offending value."""
+
+import json
+import os
+import sys
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from atorch.checkpoint import CheckpointError, load_checkpoint, merge_checkpoint, save_checkpoint
+from atorch.checkpoint import manifest as mf
+from atorch.checkpoint.layout_handlers import TorchHandler, flatten_optimizer
+from atorch.checkpoint.merge import group_by_bytes
+from atorch.modules.grad_scaling import GradScalingOptimizer
+from atorch.utils.memory import innermost_optimizer
+
+
+def _result(seed: int):
+    from atorch.auto.result import AutoAccelerateResult
+
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
+    return AutoAccelerateResult(
+        model=model, optim=optimizer, dataloader=None, loss_func=lambda batch, out: out.sum(),
+        prepare_input=lambda batch, device=None: batch,
+        lr_scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5),
+        grad_scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+
+
+@pytest.mark.parametrize("save_optimizer", [True, False])
+def test_what_load_checkpoint_restores_under_load_optimizer(tmp_path, save_optimizer):
+    """The lr schedule, the grad scaler (and a DeepSpeed engine's counters) travel with the optimizer state:
+    a scheduler's step count next to a fresh optimizer's lr would schedule from the wrong base. With
+    load_optimizer=False none of them is restored, whatever the checkpoint holds."""
+    saved = _result(0)
+    for _ in range(3):
+        saved.model(torch.randn(2, 4)).sum().backward()
+        saved.optim.step()
+        saved.lr_scheduler.step()
+    saved.grad_scaler.scale(torch.ones(()))
+    saved.grad_scaler.update(512.0)
+    path = save_checkpoint(saved, str(tmp_path / "ckpt"), step=3, save_optimizer=save_optimizer)
+
+    fresh = _result(1)
+    state = load_checkpoint(fresh, path, load_optimizer=False)
+    assert torch.equal(fresh.model.weight, saved.model.weight) and state.step == 3 and not state.optimizer_restored
+    assert fresh.lr_scheduler.last_epoch == 0 and fresh.optim.param_groups[0]["lr"] == 1.0
+    assert not fresh.optim.state and fresh.grad_scaler.get_scale() == 1024.0
+
+    fresh = _result(1)
+    if not save_optimizer:
+        with pytest.raises(CheckpointError, match="saved without optimizer state; pass load_optimizer=False"):
+            load_checkpoint(fresh, path)
+        return
+    state = load_checkpoint(fresh, path)
+    assert state.optimizer_restored and fresh.optim.state
+    assert fresh.lr_scheduler.last_epoch == 3 and fresh.optim.param_groups[0]["lr"] == 0.125
+    assert fresh.grad_scaler.get_scale() == 512.0
+
+
+def test_a_checkpoint_whose_config_has_no_causal_lm_class_asks_for_model_class(tmp_path):
+    """A custom module holding a T5 config (a piece of an encoder-decoder): no transformers class to build it by
+    name, and T5 has no causal-LM class. The merge says to pass model_class=, not transformers' "Unrecognized
+    configuration class"."""
+    from transformers import AutoConfig
+
+    class Piece(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = AutoConfig.for_model("t5", d_model=8, num_layers=1, num_heads=2, d_kv=4, d_ff=16,
+                                               vocab_size=32)
+            self.proj = nn.Linear(8, 8)
+
+    ckpt = save_checkpoint(Piece(), str(tmp_path / "ckpt"))
+    with pytest.raises(CheckpointError, match=r"T5Config.*no causal-LM class; pass model_class="):
+        merge_checkpoint(ckpt, str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_group_by_bytes_takes_any_size_function():
+    tensors = [("a", torch.zeros(3)), ("b", torch.zeros(2)), ("c", torch.zeros(10))]
+    assert [list(g) for g in group_by_bytes(tensors, 20)] == [["a", "b"], ["c"]]   # 12 + 8 bytes, then 40
+    assert [list(g) for g in group_by_bytes(tensors, 20, nbytes=lambda t: t.numel())] == [["a", "b", "c"]]
+
+
+def test_zero3_scatter_writes_the_weights_on_the_rank_deepspeed_broadcasts_from(monkeypatch):
+    """`GatheredParameters(modifier_rank=0)` broadcasts from rank 0 *of the parameter's data-parallel group*
+    (DeepSpeed converts it with get_global_rank). Here that process is global rank 1 (a group [1, 3], as
+    under pipeline or tensor parallelism): it must hold the loaded weights when the context exits."""
+    from atorch.checkpoint.deepspeed_layout import _scatter
+    from atorch.testing.fake_distributed import fake_process_group
+
+    broadcast_from_here = []
+
+    class GatheredParameters:   # DeepSpeed's, reduced to which process is the broadcast's source
+        def __init__(self, params, modifier_rank=None):
+            self.params, self.modifier_rank = params, modifier_rank
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            for p in self.params:
+                if dist.get_rank(group=p.ds_process_group) == self.modifier_rank:
+                    broadcast_from_here.append(p.data.clone())
+
+    monkeypatch.setitem(sys.modules, "deepspeed", types.SimpleNamespace(
+        zero=types.SimpleNamespace(GatheredParameters=GatheredParameters)))
+    with fake_process_group(1, 4):
+        p = nn.Parameter(torch.zeros(2, 3))
+        p.ds_process_group = dist.new_group([1, 3])
+        full = torch.arange(6.0).reshape(2, 3)
+        _scatter(p, full)
+    assert len(broadcast_from_here) == 1 and torch.equal(broadcast_from_here[0], full)
+
+
+class _SharesState(torch.optim.Optimizer):
+    """A wrapper holding no state of its own (as accelerate's AcceleratedOptimizer)."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+
+class _OwnState(torch.optim.Optimizer):
+    """A wrapper with state of its own next to its inner optimizer's (as a Lookahead's slow weights)."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.state = {}
+        self.param_groups = optimizer.param_groups
+
+
+def test_one_optimizer_unwrapper_serves_memory_accounting_and_checkpoints():
+    model = nn.Linear(4, 4)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cases = {"grad scaling": (GradScalingOptimizer(inner, torch.amp.GradScaler("cpu")), inner),
+             "shares state": (_SharesState(inner), inner),
+             "own state": (_OwnState(inner), None)}
+    for what, (wrapped, expected) in cases.items():
+        expected = wrapped if expected is None else expected
+        assert innermost_optimizer(wrapped) is expected, what
+        assert TorchHandler(model, wrapped)._local_optim is expected, what
+
+
+def test_an_optimizer_tensor_that_is_not_a_model_parameter_is_named_by_group_and_shape():
+    model = nn.Linear(4, 2)
+    stray = nn.Parameter(torch.zeros(5, 3))
+    optimizer = torch.optim.SGD([{"params": model.parameters()}, {"params": [stray]}], lr=0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"param group 1 holds a tensor of shape \(5, 3\) that is not a parameter"):
+        flatten_optimizer(optimizer, names)
+
+
+def test_a_malformed_manifest_entry_is_shown(tmp_path):
+    ckpt = save_checkpoint(nn.Linear(2, 2), str(tmp_path / "ckpt"))
+    path = os.path.join(ckpt, mf.MANIFEST_NAME)
+    raw = json.load(open(path))
+    name = sorted(raw["files"])[0]
+    raw["files"][name] = {"size": "twelve", "xxh3_128": "00"}
+    json.dump(raw, open(path, "w"))
+    with pytest.raises(CheckpointError, match=r"must have an integer size and one checksum .*; it holds "
+                                              r"\{'size': 'twelve', 'xxh3_128': '00'\}"):
+        mf.Manifest.read(ckpt)
