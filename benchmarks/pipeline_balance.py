@@ -43,7 +43,7 @@ def plan_table(layers: int) -> List[str]:
         pieces = expand_patcher(model, get_custom_patcher(model))
         for stages in (2, 4):
             plan = plan_stages(model, pieces, stages)
-            bare = stage_parameter_counts(model, plan, embedding_paths=embedding_paths(model, pieces))
+            bare = stage_parameter_counts(model, plan, excluded_paths=embedding_paths(model, pieces))
             full = stage_parameter_counts(model, plan, include_embeddings=True)
             names = [" ".join(p.path.split(".")[-1] if p.kind == "block" else p.path.split(".")[-1]
                               for p in plan.stage_pieces(s)) for s in range(stages)]

@@ -119,9 +119,6 @@ def llama_tpinfo(model: nn.Module) -> TPInfo:
     return tpinfo_from_transformers_plan(model)
 
 
-gpt_neox_tpinfo = llama_tpinfo
-
-
 # Hand-written plans, only for architectures transformers ships no plan for.
 TP_PRESETS: Dict[str, Callable[[nn.Module], TPInfo]] = {
     "gpt2": gpt2_tpinfo,

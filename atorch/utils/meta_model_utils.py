@@ -19,7 +19,9 @@ import contextlib
 import functools
 import hashlib
 import inspect
+import os
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, Type
 
@@ -27,6 +29,10 @@ import torch
 from torch import nn
 
 _RECORD_ATTR = "_atorch_init_record"
+
+# The seed of `torch.manual_seed(seed); Model(config)` that the strategies materializing a meta model
+# use unless told otherwise (pipeline_parallel, tensor_parallel; ATorch's `init_randomizer()` default).
+DEFAULT_BASE_SEED = 1234
 
 
 @dataclass(frozen=True)
@@ -354,6 +360,23 @@ def _post_order(module: nn.Module) -> Iterator[nn.Module]:
 # be saved); for models that do not fit, build under `record_module_init` and materialize per block.
 
 _OFFLOAD_ATTR = "checkpoint_name"   # ATorch's attribute: the file holding the tensor's initial value
+# Files in a directory `init_empty_weights_with_disk_offload` created itself: file -> the finalizer that
+# removes it (and the directory, once empty) when the last tensor naming it is garbage.
+_TEMPORARY_FILES: Dict[str, "weakref.finalize"] = {}
+
+
+def _remove_offloaded_file(path: str) -> None:
+    _TEMPORARY_FILES.pop(path, None)
+    try:
+        os.remove(path)
+        os.rmdir(os.path.dirname(path))   # succeeds once the directory's last file is gone
+    except OSError:
+        pass
+
+
+def _remove_with(tensor: torch.Tensor, path: str) -> None:
+    """Remove the temporary file `path` when `tensor` (which names it in `_OFFLOAD_ATTR`) is garbage."""
+    _TEMPORARY_FILES[path] = weakref.finalize(tensor, _remove_offloaded_file, path)
 
 
 @contextlib.contextmanager
@@ -369,7 +392,13 @@ def init_empty_weights_with_disk_offload(ignore_tie_weights: bool = False, inclu
     one meta Parameter). `disk_offload=False`, `ckpt_path` (loading a checkpoint instead) and
     `shard_kwargs` raise ValueError; `ignore_tie_weights`, `reset` and `meta_init_offload_name`
     change nothing here.
+
+    A temporary directory (no `offload_path`) is removed when the block raises, and each of its
+    files once no tensor names it any more: after `reload_meta_module` loaded it (unless it kept
+    the name, `delete_ckpt_name=False`), or when the meta model is garbage. A given
+    `offload_path` is the caller's: nothing there is removed.
     """
+    import shutil
     import tempfile
 
     if not disk_offload:
@@ -378,6 +407,7 @@ def init_empty_weights_with_disk_offload(ignore_tie_weights: bool = False, inclu
     if ckpt_path is not None or shard_kwargs is not None:
         raise ValueError("init_empty_weights_with_disk_offload: ckpt_path and shard_kwargs are not supported; load a "
                          "checkpoint with atorch.checkpoint.load_checkpoint after auto_accelerate")
+    temporary = offload_path is None
     directory = offload_path or tempfile.mkdtemp(prefix="atorch_meta_offload_")
     created: List[nn.Module] = []
     original_init = nn.Module.__init__
@@ -388,10 +418,20 @@ def init_empty_weights_with_disk_offload(ignore_tie_weights: bool = False, inclu
 
     nn.Module.__init__ = tracking_init  # type: ignore[method-assign]
     try:
-        yield
-    finally:
-        nn.Module.__init__ = original_init  # type: ignore[method-assign]
-    _offload_to_disk(_roots(created), directory, include_buffers)
+        try:
+            yield
+        finally:
+            nn.Module.__init__ = original_init  # type: ignore[method-assign]
+        _offload_to_disk(_roots(created), directory, include_buffers, temporary)
+    except BaseException:
+        if temporary:
+            shutil.rmtree(directory, ignore_errors=True)
+        raise
+    if temporary:
+        try:
+            os.rmdir(directory)   # nothing was offloaded: the directory is still empty
+        except OSError:
+            pass
 
 
 def _roots(modules: List[nn.Module]) -> List[nn.Module]:
@@ -405,9 +445,7 @@ def _roots(modules: List[nn.Module]) -> List[nn.Module]:
     return roots
 
 
-def _offload_to_disk(roots: List[nn.Module], directory: str, include_buffers: bool) -> None:
-    import os
-
+def _offload_to_disk(roots: List[nn.Module], directory: str, include_buffers: bool, temporary: bool) -> None:
     replaced: Dict[int, torch.Tensor] = {}   # id of a real tensor -> its meta stand-in (keeps ties)
     for root in roots:
         for owner in root.modules():
@@ -426,6 +464,8 @@ def _offload_to_disk(roots: List[nn.Module], directory: str, include_buffers: bo
                         else:
                             meta = torch.empty_like(tensor, device="meta")
                         setattr(meta, _OFFLOAD_ATTR, path)
+                        if temporary:
+                            _remove_with(meta, path)
                         replaced[id(tensor)] = meta
                     table[name] = replaced[id(tensor)]
 
@@ -437,7 +477,8 @@ def reload_meta_module(module: nn.Module, device: Any = "cpu", delete_ckpt_name:
     A module without offloaded tensors is moved with `.to(device)`. Raises ValueError for a
     meta tensor that has no saved value (it was not built under
     `init_empty_weights_with_disk_offload`). `retie_weights` is implied: a tensor shared by
-    several modules is loaded once.
+    several modules is loaded once. A file of a temporary offload directory is removed once no
+    tensor names it: with `delete_ckpt_name=False` the loaded tensor keeps its name, and the file.
     """
     loaded: Dict[int, torch.Tensor] = {}
     for owner_name, owner in module.named_modules():
@@ -456,6 +497,9 @@ def reload_meta_module(module: nn.Module, device: Any = "cpu", delete_ckpt_name:
                         value = nn.Parameter(value, requires_grad=tensor.requires_grad)
                     if not delete_ckpt_name:
                         setattr(value, _OFFLOAD_ATTR, path)
+                        remover = _TEMPORARY_FILES.get(path)
+                        if remover is not None and remover.detach() is not None:
+                            _remove_with(value, path)   # the file lives as long as the tensor naming it
                     loaded[id(tensor)] = value
                 table[name] = loaded[id(tensor)]
     return module.to(device)

@@ -43,8 +43,16 @@ def _patch_storage_resize() -> None:
     """`UntypedStorage.resize_` on CPU bypasses the dispatcher, so a dispatch mode cannot see it;
     FSDP2 frees its gathered parameters with `resize_(0)`. Counting it keeps the live bytes true."""
     if torch.UntypedStorage.resize_ is not _counting_resize:
-        # Deliberately patching torch's method (restored by the caller's teardown).
+        # Deliberately patching torch's method while a counter is active (`_unpatch_storage_resize`
+        # puts the original back when the last one exits).
         torch.UntypedStorage.resize_ = _counting_resize  # type: ignore[method-assign,assignment]
+
+
+def _unpatch_storage_resize() -> None:
+    """Torch's own `UntypedStorage.resize_` again once no counter is active (left alone if another
+    library patched it over ours meanwhile: that patch calls ours, which then counts nothing)."""
+    if not _ACTIVE_COUNTERS and torch.UntypedStorage.resize_ is _counting_resize:
+        torch.UntypedStorage.resize_ = _ORIGINAL_RESIZE  # type: ignore[method-assign]
 
 
 class _StorageCounter(TorchDispatchMode):
@@ -85,8 +93,11 @@ class _StorageCounter(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        _ACTIVE_COUNTERS.remove(self)
+        try:
+            super().__exit__(*exc)
+        finally:
+            _ACTIVE_COUNTERS.remove(self)
+            _unpatch_storage_resize()
 
     def _count(self, tensor: torch.Tensor) -> None:
         if is_traceable_wrapper_subclass(tensor):

@@ -9,15 +9,17 @@ the pipeline passes. (One file for both parts: a tests/unit file of the same nam
 under `pytest tests`, whose test directories are not packages.)
 
 On 2 gloo ranks, one spawn, pipeline 2 x chunks 2, through `auto_accelerate` + `train_step`, 3 AdamW steps,
-against plain single-process training on the same global batches split into the same two micro-batches (each
-micro-batch's token-mean loss, averaged, as the pipeline does):
-- GPT-2 (learned position embeddings on the first stage), left-padded rows with position_ids, GPipe;
+against plain single-process training on the same global batches, unsplit (the pipeline's loss is the
+batch's token mean, however many tokens each micro-batch predicts):
+- GPT-2 (learned position embeddings on the first stage), left-padded rows with position_ids and labels -100
+  on the pads, so the two micro-batches predict different numbers of tokens, GPipe;
 - Llama (rotary embeddings in every block, on both stages), rows packed with two documents whose position_ids
   restart and no attention_mask, `use_cache=False` (Hugging Face then masks each document apart; the "no mask"
-  crosses the stage boundary), 1F1B.
+  crosses the stage boundary), 1F1B; then one more step on a batch whose first key is position_ids of
+  shape [1, tokens] (its rows are input_ids', not position_ids' one).
 Losses within rel 1e-5 (fp32; only the micro-batch gradient sums change the order of summation; training
 without the position_ids, on 0..seq-1 and one causal mask per row, moves the first loss by rel 4e-3 (GPT-2)
-and 1e-3 (Llama)).
+and 1e-3 (Llama); averaging the two micro-batches' token means instead moves GPT-2's by rel 7e-5).
 A dataset of tuples and a batch key the pipeline would drop are ValueErrors on every rank, the first from
 `auto_accelerate`, the second (added by a collate_fn, so only a batch shows it) from the first `train_step`,
 before the schedule's first send (a rank left in a collective would time the test out).
@@ -251,6 +253,8 @@ def _train() -> Dict[str, Any]:
         out["stage"] = adist.parallel_rank_or_zero("pipeline")
         batches = iter(result.dataloader)
         out[f"{kind}/{layout}"] = [train_step(result, next(batches)).item() for _ in range(STEPS)]
+        if kind == "llama":
+            out["position_ids first"] = train_step(result, _position_ids_first(next(batches))).item()
         del result, batches
         dist.barrier()
     try:
@@ -277,21 +281,31 @@ def _train() -> Dict[str, Any]:
     return out
 
 
+def _position_ids_first(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """`batch` with position_ids 0..seq-1 of shape [1, seq], as its first key (one row standing for all)."""
+    return {"position_ids": torch.arange(batch["input_ids"].shape[1]).unsqueeze(0), **{
+        k: v for k, v in batch.items() if k != "position_ids"}}
+
+
 def _reference(kind: str, layout: str) -> List[float]:
-    """Plain training; each global batch as the pipeline's micro-batches (contiguous halves), losses averaged."""
+    """Plain training on each global batch unsplit, its loss the token mean over the whole batch; for Llama,
+    also the loss of the next batch with `_position_ids_first`."""
     model = _model(kind)
     optim = torch.optim.AdamW(model.parameters(), lr=LR)
     data, losses = Rows(layout), []
+
+    def batch_of(step: int) -> Dict[str, torch.Tensor]:
+        return default_collate([data[i] for i in range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)])
+
     for step in range(STEPS):
-        batch = default_collate([data[i] for i in range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)])
-        size, total = GLOBAL_BATCH // CHUNKS, 0.0
-        for c in range(CHUNKS):
-            loss = model(**{k: v[c * size:(c + 1) * size] for k, v in batch.items()}).loss / CHUNKS
-            loss.backward()
-            total += loss.item()
+        loss = model(**batch_of(step)).loss
+        loss.backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
-        losses.append(total)
+        losses.append(loss.item())
+    if kind == "llama":
+        with torch.no_grad():
+            losses.append(model(**_position_ids_first(batch_of(STEPS))).loss.item())
     return losses
 
 
@@ -299,7 +313,9 @@ def test_pipeline_trains_on_position_ids_and_refuses_what_it_cannot_pass_on():
     results = run_distributed(_train, 2, timeout=300)
     last = next(r for r in results if r["stage"] == 1)      # the last stage computes the loss
     for kind, layout, _ in CASES:
-        assert_close_losses(last[f"{kind}/{layout}"], _reference(kind, layout), rel=REL, what=f"{kind} {layout}")
+        got = last[f"{kind}/{layout}"] + ([last["position_ids first"]] if kind == "llama" else [])
+        assert_close_losses(got, _reference(kind, layout), rel=REL, what=f"{kind} {layout}")
+    assert results[0]["position_ids first"] == last["position_ids first"]   # every stage returns the loss
     for r in results:       # every rank raised both, the same
         tuple_error, key_error, deepspeed_error = r["errors"]
         assert "deepspeed_3d_parallel passes only ['input_ids', 'attention_mask', 'labels']" in deepspeed_error

@@ -88,7 +88,7 @@ def test_stages_balanced_excluding_embeddings(kind, stages):
     model = _meta(kind)
     pieces = expand_patcher(model, get_custom_patcher(model))
     plan = plan_stages(model, pieces, stages)
-    counts = stage_parameter_counts(model, plan, embedding_paths=embedding_paths(model, pieces))
+    counts = stage_parameter_counts(model, plan, excluded_paths=embedding_paths(model, pieces))
     assert max(counts) / min(counts) <= 1.5, counts
     # Every parameter is counted once overall when embeddings are included (tied head included once per stage).
     with_emb = stage_parameter_counts(model, plan, include_embeddings=True)
@@ -102,3 +102,25 @@ def test_plan_rejects_more_stages_than_blocks_and_unknown_method():
         plan_stages(model, pieces, 3)
     with pytest.raises(ValueError, match="partition_method='profile'; valid methods are"):
         plan_stages(model, pieces, 2, method="profile")
+
+
+@pytest.mark.parametrize("frozen", [range(4), range(2), range(2, 4)])
+def test_frozen_blocks_weigh_as_much_as_trainable_ones(frozen):
+    """A frozen block still runs its forward and passes activation gradients back: the "parameters" split
+    counts every parameter, so freezing blocks (before LoRA, or a fine-tuning recipe) does not move them."""
+    model = _meta("llama")
+    pieces = expand_patcher(model, get_custom_patcher(model))
+    expected = [[p.path for p in plan_stages(model, pieces, s).pieces] for s in (2, 4)]
+    bounds = [plan_stages(model, pieces, s).bounds for s in (2, 4)]
+    for i in frozen:
+        model.model.layers[i].requires_grad_(False)
+    assert [plan_stages(model, pieces, s).bounds for s in (2, 4)] == bounds == [(0, 3, 7), (0, 2, 3, 4, 7)]
+    assert [[p.path for p in plan_stages(model, pieces, s).pieces] for s in (2, 4)] == expected
+    # The trainable counts per stage still see the freezing (validation refuses a stage with none).
+    counts = stage_parameter_counts(model, plan_stages(model, pieces, 4), include_embeddings=True)
+    assert [c == 0 for c in counts] == [False, 1 in frozen, 2 in frozen, False]
+
+
+def test_balanced_split_gives_ties_to_the_later_parts():
+    assert balanced_split([1, 1, 1], 2) == [0, 1, 3]
+    assert balanced_split([0] * 8, 4) == [0, 1, 2, 3, 8]

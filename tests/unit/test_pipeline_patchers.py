@@ -104,8 +104,22 @@ def test_patcher_errors_name_the_problem():
     model = _model("llama")
     with pytest.raises(ValueError, match="'model.decoder' is not a sub-module of LlamaForCausalLM"):
         expand_patcher(model, {"model.decoder": lambda m, x: x})
-    with pytest.raises(ValueError, match="exactly one nn.ModuleList"):
+    # Wrong one level down: the error lists the children of the deepest prefix that exists.
+    with pytest.raises(ValueError, match=r"'model.decoder_layers' is not a sub-module of LlamaForCausalLM \('model' "
+                                         r"\(LlamaModel\) has the sub-modules \['embed_tokens', 'layers', 'norm'"):
+        expand_patcher(model, {"model.embed_tokens": lambda m, x: x, "model.decoder_layers": lambda m, x: x})
+    with pytest.raises(ValueError, match=r"'model.layers.7' .*\('model.layers' \(ModuleList\) has the sub-modules "
+                                         r"\['0', '1', '2'\]\)"):
+        expand_patcher(model, {"model.layers.7": lambda m, x: x})
+    with pytest.raises(ValueError, match=r"'decoder' .*\(its top-level modules are \['model', 'lm_head'\]\)"):
+        expand_patcher(model, {"decoder": lambda m, x: x})
+    with pytest.raises(ValueError, match=r"exactly one nn.ModuleList .*or each transformer block by its own path .*"
+                                         r"\['model.layers.0', 'model.layers.1'\]: the LlamaDecoderLayer layers.*"
+                                         r"none of its keys is either: 'model.embed_tokens' \(Embedding\)$"):
         expand_patcher(model, {"model.embed_tokens": lambda m, x: x})
+    model.other = nn.ModuleList([nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match=r"exactly one nn.ModuleList .*it names 2: \['model.layers', 'other'\]"):
+        expand_patcher(model, {"model.layers": lambda m, x: x, "other": lambda m, x: x})
     with pytest.raises(ValueError, match="is not callable"):
         expand_patcher(model, {"model.embed_tokens": "embed", "model.layers": lambda m, x: x})
     with pytest.raises(ValueError, match="non-empty mapping"):
@@ -119,6 +133,21 @@ def test_patcher_errors_name_the_problem():
         get_custom_patcher(Other())
 
 
+def test_per_module_form_finds_the_blocks_of_a_model_with_as_many_embeddings_as_blocks():
+    """A 2-layer GPT-2 has two Embeddings (wte, wpe) and two GPT2Blocks: the blocks are the model's
+    transformer block class, not the most common class among its layers."""
+    model = _model("gpt2")
+    model.transformer.h = model.transformer.h[:2]
+
+    def forward_patcher(forward, module):
+        return lambda inputs: forward(inputs[0])
+
+    pieces = expand_patcher(model, {"transformer.h.0": forward_patcher, "transformer.h.1": forward_patcher})
+    assert [(p.path, p.kind) for p in pieces] == [
+        ("transformer.wte", "pre"), ("transformer.wpe", "pre"), ("transformer.drop", "pre"),
+        ("transformer.h.0", "block"), ("transformer.h.1", "block"), ("transformer.ln_f", "post"), ("lm_head", "post")]
+
+
 LLAMA_LAYOUT = ("mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma", "gemma2",
                 # tp_families.MORE_PLAN_FAMILIES laid out as Llama:
                 "olmo2", "olmoe", "glm4", "ernie4_5", "helium", "seed_oss", "nemotron", "granite", "qwen2_moe",
@@ -127,7 +156,8 @@ LLAMA_LAYOUT = ("mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "ge
 SLIDING = {"mistral": dict(sliding_window=4), "gemma2": dict(sliding_window=4),
            "qwen2": dict(sliding_window=4, use_sliding_window=True, max_window_layers=1),
            "qwen2_moe": dict(sliding_window=4, use_sliding_window=True, max_window_layers=1),
-           "smollm3": dict(sliding_window=4, use_sliding_window=True, layer_types=["sliding_attention", "full_attention"]),
+           "smollm3": dict(sliding_window=4, use_sliding_window=True,
+                           layer_types=["sliding_attention", "full_attention"]),
            "exaone4": dict(sliding_window=4, sliding_window_pattern=2),
            "phimoe": dict(sliding_window=4),
            "gemma3_text": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"]),

@@ -1,5 +1,7 @@
 """`pipeline_parallel` strategy validation: pure, no process group, a ValueError naming the values."""
 
+import inspect
+
 import pytest
 import torch
 from transformers import LlamaForCausalLM
@@ -23,6 +25,20 @@ def test_valid_strategy_orders_pipeline_after_groups():
     resolved = _resolve([("data", 2), ("pipeline", 2)], {"chunks": 4, "schedule": "1f1b"})
     assert [r.name for r in resolved] == ["parallel_mode", "pipeline_parallel"]
     assert resolved[1].config.chunks == 4 and resolved[1].config.schedule == "1f1b"
+    # 1F1B with one micro-batch per stage (chunks None: as many as stages), GPipe with fewer: accepted.
+    _resolve([("pipeline", 4)], {"schedule": "1f1b"})
+    _resolve([("pipeline", 4)], {"chunks": 4, "schedule": "1f1b"})
+    _resolve([("pipeline", 4)], {"chunks": 1, "schedule": "gpipe"})
+
+
+def test_meta_models_are_materialized_from_one_default_seed():
+    from atorch.auto.opt_lib.pipeline_parallel import PipelineParallelConfig
+    from atorch.auto.opt_lib.tensor_parallel import TensorParallelConfig
+    from atorch.modules.pipeline.native import build_stage_module
+    from atorch.utils.meta_model_utils import DEFAULT_BASE_SEED
+
+    assert PipelineParallelConfig().base_seed == TensorParallelConfig().base_seed == DEFAULT_BASE_SEED == 1234
+    assert inspect.signature(build_stage_module).parameters["base_seed"].default == DEFAULT_BASE_SEED
 
 
 @pytest.mark.parametrize("dims, config, world, layers, match", [
@@ -35,6 +51,11 @@ def test_valid_strategy_orders_pipeline_after_groups():
     ([("data", 2), ("pipeline", 2)], {"partition_method": "type:Block"}, 4, 4, "valid methods are"),
     ([("data", 2), ("pipeline", 2)], {"micro_batches": 2}, 4, 4, r"unknown config key\(s\) \['micro_batches'\]"),
     ([("data", 2), ("pipeline", 3)], None, 4, 4, "= 6 does not equal world size 4"),
+    # torch's Schedule1F1B refuses fewer micro-batches than stages: refused here, before anything is split.
+    ([("pipeline", 4)], {"chunks": 2, "schedule": "1f1b"}, 4, 4, r"schedule='1f1b' needs at least one micro-batch "
+                                                                r"per stage, but chunks=2 is fewer than the 4 pipeline "
+                                                                r"stages; set chunks >= 4"),
+    ([("data", 2), ("pipeline", 2)], {"chunks": 1, "schedule": "1f1b"}, 4, 4, "chunks=1 is fewer than the 2"),
 ])
 def test_bad_input_raises_value_error(dims, config, world, layers, match):
     with pytest.raises(ValueError, match=match):
@@ -60,8 +81,9 @@ def test_a_stage_the_user_froze_entirely_is_refused_before_the_split():
         if "embed_tokens" in name or any(f".layers.{i}." in name for i in range(3)):
             param.requires_grad_(False)
     strategy = Strategy([("parallel_mode", ([("data", 2), ("pipeline", 2)], None)), "pipeline_parallel"])
-    with pytest.raises(ValueError, match=r"stage 0 of 2 \(model\.embed_tokens, model\.layers\.0\) has no "
-                                         r"trainable parameter.*fewer pipeline stages"):
+    # Stages are balanced over all parameters, frozen ones included: two blocks per stage.
+    with pytest.raises(ValueError, match=r"stage 0 of 2 \(model\.embed_tokens, model\.layers\.0, model\.layers\.1\) "
+                                         r"has no trainable parameter.*fewer pipeline stages"):
         resolve_strategy(strategy, ValidationContext(world_size=4, model=model))
     # With layer 1 trainable again every stage has something to train; LoRA adds adapters to every stage.
     for param in model.model.layers[1].parameters():

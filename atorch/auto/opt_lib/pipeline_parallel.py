@@ -21,10 +21,17 @@ from atorch.distributed.parallel_layout import ParallelLayout
 from atorch.distributed.replicas import check_replicas_agree
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, WrapperOrder, register
 from atorch.modules.pipeline.batches import check_dataset_sample, check_no_router_aux_loss
-from atorch.modules.pipeline.native import SCHEDULES, NativePipeline, build_stage_module, pipeline_train_step
+from atorch.modules.pipeline.native import (
+    SCHEDULES,
+    NativePipeline,
+    StageBuild,
+    build_stage_module,
+    check_schedule_chunks,
+    pipeline_train_step,
+)
 from atorch.modules.pipeline.partition import PARTITION_METHODS, StagePlan, plan_stages, stage_parameter_counts
 from atorch.modules.pipeline.patchers import CustomPatcher, expand_patcher, pieces_take_position_ids, resolve_patcher
-from atorch.utils.meta_model_utils import is_meta_module
+from atorch.utils.meta_model_utils import DEFAULT_BASE_SEED, is_meta_module
 
 # What a native pipeline combines with: everything in the layout must be one of these.
 _SUPPORTED_DIMS = ("data", "pipeline")
@@ -33,10 +40,12 @@ _SUPPORTED_DIMS = ("data", "pipeline")
 @dataclass(frozen=True)
 class PipelineParallelConfig:
     chunks: Optional[int] = None
-    """Micro-batches per step (the per-rank batch must divide into them); None: one per stage."""
+    """Micro-batches per step (the per-rank batch must divide into them); None: one per stage. "1f1b" needs
+    at least one per stage (torch's Schedule1F1B refuses fewer); "gpipe" takes any number."""
 
     schedule: str = "gpipe"
-    """"gpipe" (all forwards, then all backwards) or "1f1b" (at most `stages` micro-batches of activations)."""
+    """"gpipe" (all forwards, then all backwards) or "1f1b" (at most `stages` micro-batches of activations;
+    chunks >= stages)."""
 
     partition_method: str = "parameters"
     """"parameters": blocks balanced by parameter count; "uniform": equal block counts."""
@@ -44,8 +53,9 @@ class PipelineParallelConfig:
     custom_patcher: Optional[CustomPatcher] = None
     """{module path: patch_fn} (see atorch.modules.pipeline.patchers); None: the preset of the model type."""
 
-    base_seed: int = 1234
-    """A meta model is materialized with the weights of `torch.manual_seed(base_seed); Model(config)`."""
+    base_seed: int = DEFAULT_BASE_SEED
+    """A meta model is materialized with the weights of `torch.manual_seed(base_seed); Model(config)`
+    (the default is tensor_parallel's too)."""
 
     tie_first: bool = True
     """Keep a tied embedding/LM-head pair one weight when it is split over the first and last stage."""
@@ -85,7 +95,7 @@ class PipelineParallelOptimization(Optimization):
         return out
 
     def __init__(self) -> None:
-        self._build: Any = None       # the stage built in apply, wrapped into a schedule in apply_wrapper
+        self._build: Optional[StageBuild] = None   # the stage built in apply, wrapped into a schedule in apply_wrapper
         self._chunks = 1
 
     @classmethod
@@ -117,6 +127,7 @@ class PipelineParallelOptimization(Optimization):
             raise ValueError(f"pipeline_parallel: chunks={config.chunks!r} must be an integer >= 1")
         if config.schedule not in SCHEDULES:
             raise ValueError(f"pipeline_parallel: schedule={config.schedule!r}; valid schedules are {list(SCHEDULES)}")
+        check_schedule_chunks(config.schedule, config.chunks or sizes["pipeline"], sizes["pipeline"])
         if config.partition_method not in PARTITION_METHODS:
             raise ValueError(f"pipeline_parallel: partition_method={config.partition_method!r}; valid methods are "
                              f"{list(PARTITION_METHODS)}")
@@ -171,6 +182,8 @@ class PipelineParallelOptimization(Optimization):
 
     def apply_wrapper(self, ctx: ModelContext, config: PipelineParallelConfig) -> None:
         build, parallel = self._build, ctx.require_parallel(self.name)
+        if build is None:
+            raise RuntimeError("pipeline_parallel: apply_wrapper ran before apply built the stage")
         tied_group, tied_param = _tied_pair(build, ctx.model, parallel.layout)
         data_group = parallel.group("data") if parallel.size_or_one("data") > 1 else None
         ctx.pipeline = NativePipeline(ctx.model, build.stage_index, build.plan.num_stages, parallel.group("pipeline"),
@@ -239,7 +252,7 @@ def _check_batch_divides(ctx: ModelContext, chunks: int) -> None:
                          "micro-batches; use a global batch size that is a multiple of chunks x data size")
 
 
-def _tied_pair(build: Any, stage: torch.nn.Module, layout: ParallelLayout
+def _tied_pair(build: StageBuild, stage: torch.nn.Module, layout: ParallelLayout
                ) -> Tuple[Optional[dist.ProcessGroup], Optional[torch.nn.Parameter]]:
     """(group, this stage's tied parameter) for the first/last stages of a split tied embedding/head.
 
@@ -261,7 +274,7 @@ def _tied_pair(build: Any, stage: torch.nn.Module, layout: ParallelLayout
     return None, None
 
 
-def _first_last_pairs(layout: Any, last: int) -> List[List[int]]:
+def _first_last_pairs(layout: ParallelLayout, last: int) -> List[List[int]]:
     pairs = []
     for group in layout.groups("pipeline"):  # each pipeline group is one data replica, in stage order
         pairs.append([group[0], group[last]])

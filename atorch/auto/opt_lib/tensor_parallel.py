@@ -15,6 +15,7 @@ import torch.distributed as dist
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
 from atorch.tensor_parallel import TPInfo, apply_tensor_parallel, validate_tensor_parallel
+from atorch.utils.meta_model_utils import DEFAULT_BASE_SEED
 
 
 @dataclass(frozen=True)
@@ -23,9 +24,9 @@ class TensorParallelConfig:
     """What to shard; None: the hand preset of the model type (gpt2, opt, falcon, bloom) or the plan transformers
     ships with the model (`config.base_model_tp_plan`: llama, mistral, qwen2/3, gemma, phi3, gpt_neox, mixtral, ...)."""
 
-    base_seed: int = 0
+    base_seed: int = DEFAULT_BASE_SEED
     """Seeds the dropout streams and, for a meta model, the weights (equal to
-    `torch.manual_seed(base_seed); Model()`)."""
+    `torch.manual_seed(base_seed); Model(config)`); the default is pipeline_parallel's too."""
 
     per_block_init: bool = False
     """Meta models only: build one block at a time (bounded memory) with per-block seeds instead of the whole model."""

@@ -11,7 +11,7 @@ This module imports DeepSpeed; `atorch.modules.pipeline` exposes the class lazil
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Literal, Mapping, Optional, Sequence, Tuple, Union
 
 import deepspeed
 import torch
@@ -32,6 +32,10 @@ from atorch.modules.pipeline.patchers import (
     resolve_patcher,
     tied_piece_indices,
 )
+from atorch.utils.meta_model_utils import DEFAULT_BASE_SEED
+
+if TYPE_CHECKING:
+    from atorch.tensor_parallel.plan import TPInfo
 
 TIED_KEY = "tied_embedding"
 
@@ -127,14 +131,16 @@ class PipeModuleFromRecordedMeta(PipelineModule):
             tensor-parallel dropout streams (None: from atorch's default layout).
         **pipeline_module_kwargs: for `PipelineModule`: `num_stages` or `topology`, `loss_fn`
             (default: the HF causal-LM loss, vocabulary-parallel under tensor parallelism),
-            `base_seed` (also the seed the weights are materialized with; default 1234),
+            `base_seed` (also the seed the weights are materialized with; default
+            `meta_model_utils.DEFAULT_BASE_SEED`),
             `activation_checkpoint_interval`, ...
     """
 
     def __init__(self, meta_model: nn.Module, custom_patcher: Optional[CustomPatcher] = None,
                  tie_first: bool = True, logit_helper: Optional[Callable] = None,
-                 partition_method: str = "parameters", tpinfo: Any = None,
-                 tensor_group: Any = "atorch", randomizer_coords: Optional[Mapping[str, int]] = None,
+                 partition_method: str = "parameters", tpinfo: Optional[TPInfo] = None,
+                 tensor_group: Union[torch.distributed.ProcessGroup, None, Literal["atorch"]] = "atorch",
+                 randomizer_coords: Optional[Mapping[str, int]] = None,
                  **pipeline_module_kwargs: Any):
         ensure_deepspeed_comm()
         if logit_helper is not None and not callable(logit_helper):
@@ -144,18 +150,22 @@ class PipeModuleFromRecordedMeta(PipelineModule):
         num_stages = topology.get_dim("pipe") if topology is not None else kwargs.get("num_stages")
         if num_stages is None:
             raise ValueError("PipeModuleFromRecordedMeta needs num_stages or topology")
-        if isinstance(tensor_group, str) and tensor_group == "atorch":
+        group: Optional[torch.distributed.ProcessGroup]
+        if isinstance(tensor_group, str):
+            if tensor_group != "atorch":
+                raise ValueError(f"tensor_group={tensor_group!r}: pass a process group, None, or \"atorch\"")
             # Not given: the "tensor" group of atorch's default layout, for direct users of this
             # class; None (as deepspeed_3d_parallel passes without tensor parallelism) means none.
-            tensor_group = _atorch_tensor_group()
+            group = _atorch_tensor_group()
+        else:
+            group = tensor_group
         patcher = resolve_patcher(meta_model, custom_patcher)
         # ATorch's per-module patcher form consumes tie_first and logit_helper(embedding, outputs) itself.
         per_module = is_per_module_patcher(meta_model, patcher)
         pieces = expand_patcher(meta_model, patcher, tie_first=tie_first, logit_helper=logit_helper)
         plan = plan_stages(meta_model, pieces, num_stages, partition_method)
-        base_seed = kwargs.get("base_seed", 1234)
-        source = PieceSource(lambda: materialize_model(meta_model, base_seed, tensor_group, tpinfo,
-                                                       randomizer_coords), pieces)
+        base_seed = kwargs.get("base_seed", DEFAULT_BASE_SEED)
+        source = PieceSource(lambda: materialize_model(meta_model, base_seed, group, tpinfo, randomizer_coords), pieces)
         tied = tied_piece_indices(meta_model, pieces) if tie_first else None
         if tied is not None and plan.stage_of(tied[0]) == plan.stage_of(tied[1]):
             tied = None  # one stage holds both: they share one Parameter already, nothing to synchronize
@@ -171,7 +181,7 @@ class PipeModuleFromRecordedMeta(PipelineModule):
             layers.append(logit_helper)  # a function layer: DeepSpeed calls it last on the last stage
         if "loss_fn" not in kwargs:
             vocab_size = getattr(getattr(meta_model, "config", None), "vocab_size", None)
-            kwargs["loss_fn"] = CausalLMLoss(tensor_group, vocab_size)
+            kwargs["loss_fn"] = CausalLMLoss(group, vocab_size)
         # Plain attributes read by _partition_layers inside PipelineModule.__init__.
         self._atorch_plan = plan
         self._atorch_tail = 1 if logit_helper is not None and not per_module else 0
@@ -199,14 +209,6 @@ class PipeModuleFromRecordedMeta(PipelineModule):
     def local_layers(self) -> List[PatchedLayer]:
         """The model pieces of this stage, in forward order."""
         return [f for f in self.forward_funcs if isinstance(f, PatchedLayer)]
-
-    def hf_state_dict(self) -> Dict[str, torch.Tensor]:
-        """This stage's weights under the original model's state-dict keys (tensor-parallel shards as they are)."""
-        out: Dict[str, torch.Tensor] = {}
-        for layer in self.local_layers():
-            for key, value in layer.module.state_dict().items():
-                out[f"{layer.path}.{key}"] = value
-        return out
 
 
 def _atorch_tensor_group() -> Optional[torch.distributed.ProcessGroup]:

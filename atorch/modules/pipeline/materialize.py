@@ -13,13 +13,16 @@ therefore one full model per rank (the exact mode of `materialize_module`).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from atorch.utils.meta_model_utils import is_meta_module, is_recorded, replay_recorded_module
+
+if TYPE_CHECKING:
+    from atorch.tensor_parallel.plan import TPInfo
 
 
 def rebuild_seeded(model: nn.Module, base_seed: int) -> nn.Module:
@@ -39,7 +42,7 @@ def rebuild_seeded(model: nn.Module, base_seed: int) -> nn.Module:
 
 
 def materialize_model(model: nn.Module, base_seed: int, tensor_group: Optional[dist.ProcessGroup] = None,
-                      tpinfo: Any = None, coords: Optional[Mapping[str, int]] = None) -> nn.Module:
+                      tpinfo: Optional[TPInfo] = None, coords: Optional[Mapping[str, int]] = None) -> nn.Module:
     """This rank's real model: `model` itself when it has real weights, else built from `base_seed`.
 
     With a `tensor_group` of more than one rank, the model is sharded with `tpinfo` (None: the

@@ -5,18 +5,22 @@ its pieces under their original names, so its `state_dict()` keys are the model'
 (`model.layers.2.mlp.up_proj.weight`) and a stage checkpoint is a slice of the HF checkpoint.
 `NativePipeline` owns the schedule (GPipe or 1F1B over atorch's "pipeline" group), the
 gradient sum of a tied embedding/head pair that sits on two stages, and the training step.
+Its loss is the per-rank batch's token mean, exactly as unsplit training computes it, whatever
+the micro-batches' token counts (padded labels); data ranks are averaged with equal weights, as
+DDP averages them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
-from atorch.modules.pipeline.batches import CausalLMLoss, batch_rows, check_pipeline_batch, hf_labels, pipeline_inputs
+from atorch.modules.pipeline.batches import IGNORE_INDEX, check_pipeline_batch, hf_labels, pipeline_inputs
 from atorch.modules.pipeline.materialize import materialize_model
 from atorch.modules.pipeline.partition import StagePlan, plan_stages
 from atorch.modules.pipeline.patchers import (
@@ -27,9 +31,43 @@ from atorch.modules.pipeline.patchers import (
     resolve_patcher,
     tied_head_paths,
 )
+from atorch.utils.meta_model_utils import DEFAULT_BASE_SEED
 from atorch.utils.module_utils import find_transformer_block_classes
 
+if TYPE_CHECKING:  # atorch/modules never imports atorch/auto at run time (ARCHITECTURE.md)
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+    from transformers import PretrainedConfig
+
+    from atorch.auto.result import AutoAccelerateResult
+
 SCHEDULES = ("gpipe", "1f1b")
+
+
+def check_schedule_chunks(schedule: str, chunks: int, num_stages: int) -> None:
+    """ValueError where torch's schedule would refuse `chunks` micro-batches over `num_stages` stages.
+
+    torch.distributed.pipelining's `Schedule1F1B` needs at least one micro-batch per stage (its
+    warm-up fills every stage); `ScheduleGPipe` takes any number.
+    """
+    if schedule == "1f1b" and chunks < num_stages:
+        raise ValueError(f"pipeline_parallel: schedule='1f1b' needs at least one micro-batch per stage, but chunks="
+                         f"{chunks} is fewer than the {num_stages} pipeline stages; set chunks >= {num_stages} (None "
+                         "gives one per stage), or use schedule='gpipe'")
+
+
+def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The causal-LM loss of `logits` summed over the predicted tokens (labels not `IGNORE_INDEX`),
+    with `batches.causal_lm_loss`'s shift and fp32 upcast; divided by the token count it is that mean."""
+    shift_logits = logits[..., :-1, :].contiguous().float()
+    shift_labels = labels[..., 1:].contiguous().to(shift_logits.device)
+    return F.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def predicted_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """How many tokens of `labels` a causal-LM loss predicts (the shifted labels that are not ignored)."""
+    return (labels[..., 1:] != IGNORE_INDEX).sum()
 
 
 def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -63,7 +101,8 @@ class PipelineStageModule(nn.Module):
     """
 
     def __init__(self, pieces: Sequence[Tuple[PieceSpec, nn.Module]], stage_index: int, num_stages: int,
-                 block_classes: Sequence[str] = (), hf_config: Any = None, hf_supports_sdpa: bool = False):
+                 block_classes: Sequence[str] = (), hf_config: Optional[PretrainedConfig] = None,
+                 hf_supports_sdpa: bool = False):
         super().__init__()
         self.stage_index = stage_index
         self.num_stages = num_stages
@@ -98,7 +137,7 @@ class StageBuild:
 
 def build_stage_module(model: nn.Module, stage_index: int, num_stages: int,
                        custom_patcher: Optional[CustomPatcher] = None, partition_method: str = "parameters",
-                       base_seed: int = 1234, tie_first: bool = True) -> StageBuild:
+                       base_seed: int = DEFAULT_BASE_SEED, tie_first: bool = True) -> StageBuild:
     """Materialize `model` (if on meta) and keep the pieces of stage `stage_index` of `num_stages`.
 
     `tie_first`: when the model ties its LM head to its input embedding and they land on
@@ -129,8 +168,13 @@ class NativePipeline:
         stage_index, num_stages: position in the pipeline.
         group: the pipeline process group (atorch's "pipeline" group).
         chunks: micro-batches per step; the per-rank batch must divide into them.
-        schedule: "gpipe" (all forwards, then all backwards) or "1f1b" (bounded activations).
-        loss_fn: `fn(logits, labels)`, averaged over micro-batches (gradients scaled to match).
+        schedule: "gpipe" (all forwards, then all backwards) or "1f1b" (bounded activations; needs
+            chunks >= num_stages, `check_schedule_chunks`).
+        loss_fn: None (default): the causal-LM loss as a token mean over the whole batch: each
+            micro-batch's summed token losses divided by the batch's predicted tokens (labels not
+            -100), so padded micro-batches with unequal token counts train exactly as the unsplit
+            batch. Else `fn(logits, labels)`, a mean over one micro-batch; the micro-batch means
+            are averaged (the batch mean only where the micro-batches weigh alike).
         data_group: the data-parallel group the gradients are averaged over (None: no data parallelism).
         tied_group, tied_param: the group of the first and last stage and this stage's side of a
             tied embedding/head weight, when the pair is split across them.
@@ -150,6 +194,7 @@ class NativePipeline:
                  tied_param: Optional[nn.Parameter] = None, takes_position_ids: bool = False):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}; valid schedules are {list(SCHEDULES)}")
+        check_schedule_chunks(schedule, chunks, num_stages)
         self.stage_module = stage_module
         self.stage_index = stage_index
         self.num_stages = num_stages
@@ -161,23 +206,33 @@ class NativePipeline:
         self.takes_position_ids = takes_position_ids
         self.device = device
         self.schedule_name = schedule
-        self.loss_fn = loss_fn or CausalLMLoss()
+        self.loss_fn = loss_fn
+        # The last stage's count of the current batch's predicted tokens (set by forward_backward).
+        self._batch_tokens = torch.ones(())
         # One stage and schedule per micro-batch size: torch.distributed.pipelining fixes the shapes
         # it sends between stages at its first step, so an epoch's smaller last batch (drop_last=False)
         # gets its own. Every stage of a pipeline sees the same batch, so all build it together.
         self.stage, self.schedule = self._new_schedule()
-        self._schedules: Dict[int, Any] = {}    # micro-batch rows -> schedule; the first step's is `schedule`
+        # micro-batch rows -> schedule; the first step's is `schedule`
+        self._schedules: Dict[int, PipelineScheduleSingle] = {}
 
-    def _new_schedule(self) -> Tuple[Any, Any]:
+    def _micro_batch_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's share of the batch loss: the micro-batch losses (and their gradients) add up to it."""
+        if self.loss_fn is not None:
+            return self.loss_fn(logits, labels) / self.chunks
+        return summed_token_loss(logits, labels) / self._batch_tokens.to(logits.device)
+
+    def _new_schedule(self) -> Tuple[PipelineStage, PipelineScheduleSingle]:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         stage = PipelineStage(self.stage_module, self.stage_index, self.num_stages, self.device, group=self.group)
         schedule_cls = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
-        # scale_grads: the loss is a mean per micro-batch, so gradients are divided by `chunks`
-        # to make them the gradient of the batch mean, as in unsplit training.
-        return stage, schedule_cls(stage, n_microbatches=self.chunks, loss_fn=self.loss_fn, scale_grads=True)
+        # scale_grads=False: each micro-batch's loss is already its share of the batch loss
+        # (`_micro_batch_loss`), so the accumulated gradients are the batch loss's, as in unsplit training.
+        return stage, schedule_cls(stage, n_microbatches=self.chunks, loss_fn=self._micro_batch_loss,
+                                   scale_grads=False)
 
-    def _schedule_for(self, micro_rows: int) -> Any:
+    def _schedule_for(self, micro_rows: int) -> PipelineScheduleSingle:
         if not self._schedules:
             self._schedules[micro_rows] = self.schedule      # the first step fixes this one's shapes
         if micro_rows not in self._schedules:
@@ -195,13 +250,15 @@ class NativePipeline:
     def forward_backward(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Run the schedule on one per-rank batch (HF dict); returns its loss on every stage.
 
-        The loss is the mean of the micro-batch losses (the batch loss for equal token counts),
-        broadcast from the last stage so every rank of the pipeline returns the same value.
+        The loss is the sum of the micro-batch shares (`_micro_batch_loss`): the batch's token-mean
+        loss, broadcast from the last stage so every rank of the pipeline returns the same value.
         """
         # Every rank checks its batch before the schedule's first send: a key the stages would never see
         # (or a batch that is no dict) is a ValueError everywhere, not silent training without it.
         check_pipeline_batch(batch, self.takes_position_ids)
-        rows = batch_rows(batch)
+        # The rows of input_ids (2-D, checked above), not of whichever key comes first: position_ids
+        # of shape [1, tokens] stand for every row.
+        rows = batch["input_ids"].shape[0]
         if rows % self.chunks != 0:
             raise ValueError(f"pipeline_parallel: the per-rank batch of {rows} rows does not split into chunks="
                              f"{self.chunks} equal micro-batches; make the global batch size a multiple of "
@@ -209,6 +266,9 @@ class NativePipeline:
         args = pipeline_inputs(batch, self.takes_position_ids) if self.is_first else ()
         losses: List[torch.Tensor] = []
         target = hf_labels(batch) if self.is_last else None
+        if target is not None:
+            # clamp: a batch with no predicted token has loss 0 and no gradient (not 0 / 0).
+            self._batch_tokens = predicted_tokens(target).clamp(min=1)
         schedule = self._schedule_for(rows // self.chunks)
         schedule.step(*args, target=target, losses=losses if self.is_last else None, return_outputs=False)
         self._average_data_parallel_grads()
@@ -216,7 +276,7 @@ class NativePipeline:
             # Embedding (first stage) and head (last stage) are one weight: both apply the summed gradient.
             dist.all_reduce(self.tied_param.grad, group=self.tied_group)
         device = next(self.stage_module.parameters()).device
-        loss = torch.stack([l.detach().float() for l in losses]).mean() if self.is_last else \
+        loss = torch.stack([l.detach().float() for l in losses]).sum() if self.is_last else \
             torch.zeros((), device=device)
         if self.num_stages > 1:
             dist.broadcast(loss, src=dist.get_global_rank(self.group, self.num_stages - 1), group=self.group)
@@ -239,17 +299,19 @@ class NativePipeline:
             grad.copy_(synced)
 
 
-def pipeline_train_step(result: Any, batch: Any) -> torch.Tensor:
+def pipeline_train_step(result: AutoAccelerateResult, batch: Any) -> torch.Tensor:
     """`atorch.auto.train_step` for `pipeline_parallel`: schedule forward/backward, then step and zero grads.
 
     Every rank calls it with its data rank's batch (the result's dataloader gives it); the
     return value is that batch's loss on every rank of the pipeline.
     """
-    pipeline: NativePipeline = result.pipeline
+    pipeline, optim = result.pipeline, result.optim
+    if pipeline is None or optim is None:
+        raise ValueError("pipeline_train_step needs the result of a pipeline_parallel strategy, with its optimizer")
     batch = result.prepare_input(batch)
     loss = pipeline.forward_backward(batch)
-    result.optim.step()
-    result.optim.zero_grad(set_to_none=True)
+    optim.step()
+    optim.zero_grad(set_to_none=True)
     if result.lr_scheduler is not None:
         result.lr_scheduler.step()
     return loss

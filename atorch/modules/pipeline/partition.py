@@ -3,8 +3,9 @@
 Pure and cheap: it counts parameters on the (meta) model, never allocates. The embedding
 ("pre" pieces) always opens the first stage and the final norm and head ("post" pieces)
 always close the last; the transformer blocks are split into contiguous runs that balance
-the per-stage parameter count. Embeddings and head are left out of the balance (as in
-the issue's criterion); their cost lands on the first and last stage.
+the per-stage parameter count, frozen parameters included (a frozen block still runs its
+forward and passes activation gradients back). Embeddings and head are left out of the
+balance (as in the issue's criterion); their cost lands on the first and last stage.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ PARTITION_METHODS = ("parameters", "uniform")
 def balanced_split(weights: Sequence[int], num_parts: int) -> List[int]:
     """Boundaries `b` (len num_parts + 1) of contiguous, non-empty parts minimizing the largest part sum.
 
-    Ties are broken towards earlier boundaries so the result is identical on every rank.
+    Deterministic, so every rank computes the same split. Ties go to the later parts: the last
+    boundary is the earliest one that keeps the optimum, and the items before it are split the
+    same way, so the last part takes as much as the optimum allows (weights [1, 1, 1] in 2 parts:
+    [1], [1, 1]; zero weights: one item in each part but the last, which takes the rest).
     Exact dynamic programming: O(parts * n^2) on a few hundred blocks at most.
     """
     n = len(weights)
@@ -62,8 +66,9 @@ def uniform_split(n: int, num_parts: int) -> List[int]:
 
 
 def parameter_count(module: nn.Module) -> int:
-    """Trainable elements of `module` (works on the meta device: numel needs no storage)."""
-    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+    """Elements of all parameters of `module`, frozen ones included (a frozen block costs its forward
+    and the backward of its activations all the same); works on the meta device (numel needs no storage)."""
+    return sum(p.numel() for p in module.parameters())
 
 
 @dataclass(frozen=True)
@@ -109,8 +114,9 @@ def plan_stages(model: nn.Module, pieces: Sequence[PieceSpec], num_stages: int,
 
 
 def stage_parameter_counts(model: nn.Module, plan: StagePlan, include_embeddings: bool = False,
-                           embedding_paths: Sequence[str] = ()) -> List[int]:
-    """Per-stage parameter counts; the embedding/head pieces in `embedding_paths` are left out unless asked.
+                           excluded_paths: Sequence[str] = ()) -> List[int]:
+    """Per-stage trainable parameter counts; the pieces in `excluded_paths` (e.g. `embedding_paths(...)`)
+    are left out unless `include_embeddings`.
 
     A weight shared by two pieces (a tied head) is counted once per stage that holds it.
     """
@@ -119,7 +125,7 @@ def stage_parameter_counts(model: nn.Module, plan: StagePlan, include_embeddings
         seen = set()
         total = 0
         for piece in plan.stage_pieces(s):
-            if not include_embeddings and piece.path in embedding_paths:
+            if not include_embeddings and piece.path in excluded_paths:
                 continue
             for p in model.get_submodule(piece.path).parameters():
                 if p.requires_grad and id(p) not in seen:

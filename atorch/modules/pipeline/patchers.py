@@ -26,9 +26,10 @@ order (ATorch's `model_to_module_list`), and `{path: forward_patcher}` names som
 blocks by their own paths (`"h.0"`, `"h.1"`, ...). A forward patcher is
 `forward_patcher(forward, module) -> new_forward(inputs)`; an unnamed piece gets
 `default_forward_patcher`, which feeds the leading inputs to the module and passes the rest
-through. With `tie_first`, the first piece is the token embedding and a last piece computes
-the logits with its weight (`logit_helper(embedding, outputs)`, default `outputs @ weight.T`,
-vocabulary-parallel when the embedding is).
+through. The blocks are the layers of the model's transformer block class
+(`find_transformer_block_classes`). With `tie_first`, the first piece is the token embedding
+and a last piece computes the logits with its weight (`logit_helper(embedding, outputs)`,
+default `outputs @ weight.T`, vocabulary-parallel when the embedding is).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from atorch.utils.module_utils import find_transformer_block_classes
 
 Tensors = Tuple[torch.Tensor, ...]
 # patch_fn(module, inputs): run `module` on the tuple from the previous layer.
@@ -65,13 +68,21 @@ class PieceSpec:
 
 
 def get_submodule(model: nn.Module, path: str) -> nn.Module:
-    """`model.get_submodule(path)` with an error that lists what the model does have."""
+    """`model.get_submodule(path)` with an error that lists the children of the deepest prefix of `path`
+    that exists (where the path went wrong)."""
     try:
         return model.get_submodule(path)
     except AttributeError as e:
-        top = [n for n, _ in model.named_children()]
+        parent, parent_path = model, ""
+        for name in path.split("."):
+            child = parent._modules.get(name)
+            if child is None:
+                break
+            parent, parent_path = child, f"{parent_path}.{name}" if parent_path else name
+        where = (f"{parent_path!r} ({type(parent).__name__}) has the sub-modules" if parent_path
+                 else "its top-level modules are")
         raise ValueError(f"custom_patcher path {path!r} is not a sub-module of {type(model).__name__} "
-                         f"(its top-level modules are {top})") from e
+                         f"({where} {list(parent._modules)})") from e
 
 
 def expand_patcher(model: nn.Module, patcher: CustomPatcher, tie_first: bool = False,
@@ -90,10 +101,18 @@ def expand_patcher(model: nn.Module, patcher: CustomPatcher, tie_first: bool = F
     if not block_paths and is_per_module_patcher(model, patcher):
         per_module = cast(Mapping[str, ForwardPatcher], patcher)  # checked by is_per_module_patcher
         return expand_per_module_patcher(model, per_module, tie_first=tie_first, logit_helper=logit_helper)
-    if len(block_paths) != 1:
+    if len(block_paths) > 1:
         raise ValueError(f"custom_patcher must name exactly one nn.ModuleList (the transformer blocks); it names "
-                         f"{len(block_paths)}: {block_paths} among {list(patcher)}. (ATorch's per-module form names "
-                         "the blocks one by one instead, e.g. {'h.0': fn, 'h.1': fn, ...})")
+                         f"{len(block_paths)}: {block_paths} among {list(patcher)}")
+    if not block_paths:
+        layers = model_to_module_list(model)
+        block = _block_class_name(model, layers)
+        examples = [p for p, m in layers if type(m).__name__ == block][:2]
+        named = ", ".join(f"{p!r} ({type(get_submodule(model, p)).__name__})" for p in patcher)
+        raise ValueError(f"custom_patcher must name exactly one nn.ModuleList (the transformer blocks, atorch's "
+                         f"form), or each transformer block by its own path (ATorch's per-module form, e.g. "
+                         f"{examples}: the {block} layers of {type(model).__name__}); none of its keys is either: "
+                         f"{named}")
     pieces: List[PieceSpec] = []
     kind = PRE
     for path, fn in patcher.items():
@@ -134,15 +153,25 @@ def model_to_module_list(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     return out
 
 
-def _block_class_name(layers: Sequence[Tuple[str, nn.Module]]) -> str:
-    """The most common class among the layers: the transformer block (ATorch's partition rule)."""
+def _block_class_name(model: nn.Module, layers: Sequence[Tuple[str, nn.Module]]) -> str:
+    """The class name of the transformer blocks among `model`'s layers (`model_to_module_list`).
+
+    The model's own block class where `find_transformer_block_classes` finds one among the layers
+    (its `_no_split_modules`, else the class of its layer stack); otherwise the most common class
+    among the layers (ATorch's partition rule), which can be wrong on a shallow model (a 2-layer
+    GPT-2 has as many embeddings as blocks).
+    """
+    present = {type(m).__name__ for _, m in layers}
+    for cls in find_transformer_block_classes(model):
+        if cls.__name__ in present:
+            return cls.__name__
     return Counter(type(m).__name__ for _, m in layers).most_common(1)[0][0]
 
 
 def is_per_module_patcher(model: nn.Module, patcher: Mapping[str, Any]) -> bool:
     """True for ATorch's form: no key is a module list, and some key is one block's own path."""
     layers = model_to_module_list(model)
-    block = _block_class_name(layers)
+    block = _block_class_name(model, layers)
     block_paths = {p for p, m in layers if type(m).__name__ == block}
     containers = [p for p in patcher if isinstance(model.get_submodule(p), nn.ModuleList)]
     return not containers and any(p in block_paths for p in patcher)
@@ -199,7 +228,7 @@ def expand_per_module_patcher(model: nn.Module, patcher: Mapping[str, ForwardPat
     """Pieces of ATorch's per-module form: every layer of `model_to_module_list`, in order.
 
     Named layers run through their forward patcher, the others through
-    `default_forward_patcher`. The blocks (the most common class) must be contiguous. With
+    `default_forward_patcher`. The blocks (`_block_class_name`) must be contiguous. With
     `tie_first` a last piece computes the logits from the first piece's weight.
     """
     layers = model_to_module_list(model)
@@ -214,7 +243,7 @@ def expand_per_module_patcher(model: nn.Module, patcher: Mapping[str, ForwardPat
                              "patch_fn(forward, module) -> forward(inputs)")
     if logit_helper is not None and not callable(logit_helper):
         raise ValueError(f"logit_helper={logit_helper!r} must be callable as logit_helper(embedding, outputs)")
-    block = _block_class_name(layers)
+    block = _block_class_name(model, layers)
     is_block = [type(m).__name__ == block for _, m in layers]
     first, last = is_block.index(True), len(is_block) - 1 - is_block[::-1].index(True)
     if not all(is_block[first:last + 1]):
@@ -242,10 +271,6 @@ def tied_piece_indices(model: nn.Module, pieces: Sequence[PieceSpec]) -> Optiona
         return None
     index_of = {p.path: i for i, p in enumerate(pieces)}
     return index_of[paths[0]], index_of[paths[1]]
-
-
-def count_blocks(model: nn.Module, patcher: CustomPatcher) -> int:
-    return sum(1 for p in expand_patcher(model, patcher) if p.kind == BLOCK)
 
 
 class PatchedLayer(nn.Module):
