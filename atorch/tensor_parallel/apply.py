@@ -18,7 +18,7 @@ from atorch.tensor_parallel.plan import TPInfo, TPPlan, resolve_tp_plan
 from atorch.tensor_parallel.presets import tpinfo_for_model
 from atorch.tensor_parallel.randomizer import MultiDimParallelRandomizer, init_randomizer
 from atorch.tensor_parallel.shard import materialize_tp_module, shard_model, tp_plan_of
-from atorch.utils.meta_model_utils import is_meta_module
+from atorch.utils.meta_model_utils import DEFAULT_BASE_SEED, is_meta_module
 
 
 def validate_tensor_parallel(model: nn.Module, tpinfo: Optional[TPInfo], tp_size: int,
@@ -40,7 +40,7 @@ class TensorParallelModel:
     tp_size: int
 
 
-def apply_tensor_parallel(model: nn.Module, group: Group, *, tpinfo: Optional[TPInfo] = None, base_seed: int = 0,
+def apply_tensor_parallel(model: nn.Module, group: Group, *, tpinfo: Optional[TPInfo] = None, base_seed: int = DEFAULT_BASE_SEED,
                           coords: Optional[Mapping[str, int]] = None, per_block_init: bool = False,
                           gather_logits: bool = True, device: Optional[torch.device] = None) -> TensorParallelModel:
     """Shard `model` over `group` (the tensor-parallel group); a meta model is built as this rank's slices.
