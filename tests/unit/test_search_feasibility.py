@@ -395,3 +395,25 @@ def test_a_close_race_with_unusable_measured_peaks_is_still_decided(peak):
     result = search_strategy(space, evaluator, max_trials=12, patience=12, planner_factory=FitRecordingPlanner)
     assert result.best in (strategies[0], strategies[5]) and result.comparison is not None
     assert not result.comparison.separated and result.comparison.chosen_by == "measured mean"
+
+
+def test_savings_that_may_trade_off_are_never_compared():
+    """Each optimization declares its memory saving per kind (`Optimization.memory_saving`): deeper
+    ZeRO stages save more within a backend, but zero2 with CPU offload and fsdp, or torch's and
+    DeepSpeed's stages, are not ordered, so one running out of memory rules out only what it
+    dominates (zero2 offloaded may need less than fsdp: ranking it as zero2 pruned it after zero2
+    ran out of memory)."""
+    space = SearchSpace({"zero": [None, "zero1", "zero2", ("zero2", {"cpu_offload": True}), "fsdp",
+                                  ("fsdp", {"cpu_offload": True}), ("zero2", {"use_ds_zero": True})]},
+                        world_size=2, device_type="cuda")
+    cands = space.candidates()
+    label = {c.label(): i for i, c in enumerate(cands)}
+    assert len(cands) == 7, list(label)
+    feas = Feasibility([c.choices for c in cands], memory_saving_ranks(space), limit=1.0)
+    zero1, zero2, zero2_off, fsdp, fsdp_off, ds_zero2 = (label[f"parallel_mode+{s}"] for s in (
+        "zero1+ddp", "zero2", "zero2(cpu_offload=True)", "fsdp", "fsdp(cpu_offload=True)", "zero2(deepspeed stage 2)"))
+    feas.observe(zero2, "oom", None)
+    assert feas.probability(zero1).p == 0.0 and feas.probability(zero1).why == "dominated"
+    assert feas.probability(zero2_off).why != "dominated" and feas.probability(ds_zero2).why != "dominated"
+    feas.observe(fsdp_off, "ok", 0.5)
+    assert feas.probability(fsdp_off).p == 1.0 and feas.probability(fsdp).why != "dominates"

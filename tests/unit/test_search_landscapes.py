@@ -40,7 +40,7 @@ def test_the_micro_batch_dimension_is_ordered_by_memory():
     """More micro-batches per step (fewer rows each) never need more memory: an out-of-memory run
     at a large micro-batch rules out the larger ones, and one that ran vouches for the smaller."""
     space = micro_space()
-    assert memory_saving_ranks(space)[0] == [0.0, 1.0, 2.0]
+    assert memory_saving_ranks(space)[0] == [(0.0,), (1.0,), (2.0,)]
     cands = space.candidates()
     index = {c.choices: i for i, c in enumerate(cands)}
     feas = Feasibility([c.choices for c in cands], memory_saving_ranks(space), limit=100.0)

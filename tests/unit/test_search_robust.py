@@ -194,7 +194,7 @@ def test_oom_is_learned_by_dominance_without_a_predictor():
     space = space16()
     cands = space.candidates()
     ranks = memory_saving_ranks(space)
-    assert ranks[0] == [0.0, 1.0, 2.0, 3.0] and ranks[1] == [0.0, 1.0] and ranks[2] is None
+    assert ranks[0] == [(0.0,), (1.0,), (2.0,), (3.0,)] and ranks[1] == [(0.0,), (1.0,)] and ranks[2] is None
     # True memory: zero saves, checkpoint saves, amp on costs 10%: OOM below zero2 without checkpoint.
     def memory(c: Candidate) -> float:
         return 100.0 * (0.7 ** c.choices[0]) * (0.6 ** c.choices[1]) * (1.1 if c.choices[2] else 1.0)

@@ -64,6 +64,16 @@ def normalize_wrap_cls(where: str, value: Any) -> Optional[Tuple[ClassSpec, ...]
     return tuple(entries)
 
 
+def zero_memory_saving(stage: int, use_ds_zero: bool, cpu_offload: bool = False) -> Dict[str, float]:
+    """`Optimization.memory_saving` of the ZeRO stages: deeper stages save more within one backend;
+    torch's and DeepSpeed's are not compared (DeepSpeed's bf16 mode keeps no fp32 module, torch's
+    amp does), nor is CPU offload with a deeper stage (zero2 offloaded may need less than fsdp)."""
+    saving = {"deepspeed_zero_stage" if use_ds_zero else "torch_zero_stage": float(stage)}
+    if cpu_offload:
+        saving["cpu_offload"] = 1.0
+    return saving
+
+
 def require_data_dim(name: str, what: str, context: ValidationContext) -> None:
     """Refuse, at validation, a torch ZeRO (`name` shards `what`) under a layout without a "data" dimension:
     the shards live on the "data" group, which the apply phase would only find missing after the
@@ -397,6 +407,10 @@ class Fsdp2ShardingOptimization(Optimization):
     @classmethod
     def wraps(cls, config: Fsdp2ShardingConfig) -> bool:
         return config.use_ds_zero
+
+    @classmethod
+    def memory_saving(cls, config: Fsdp2ShardingConfig) -> Dict[str, float]:
+        return zero_memory_saving(cls.deepspeed_stage, config.use_ds_zero, config.cpu_offload)
 
     @classmethod
     def syncs_gradients(cls, config: Fsdp2ShardingConfig) -> bool:

@@ -218,6 +218,10 @@ class CheckpointOptimization(Optimization):
     search_dimension = "checkpoint"
 
     @classmethod
+    def memory_saving(cls, config: CheckpointConfig) -> Dict[str, float]:
+        return {"recompute": 1.0}     # the blocks keep their inputs only
+
+    @classmethod
     def cost_traits(cls, config: CheckpointConfig, context: CostContext) -> Dict[str, Any]:
         return {"checkpoint": True}
 

@@ -171,6 +171,18 @@ class Optimization:
         return None
 
     @classmethod
+    def memory_saving(cls, config: Any) -> Optional[Dict[str, float]]:
+        """How much per-device memory this optimization under `config` saves, as a score per kind
+        of saving ({}: none; None, the default: unknown). The search's out-of-memory learning
+        compares the choices of one search dimension kind by kind (`space.memory_saving_ranks`):
+        a choice scoring no higher than another in every kind needs at least its memory, so one
+        that ran out of memory rules it out. Only the order of scores within a kind matters;
+        savings that may trade off (two backends, CPU offload against deeper sharding) are kinds
+        of their own, so they are never compared. An unknown effect leaves the dimension unordered:
+        a new optimization is never wrongly assumed to save memory."""
+        return None
+
+    @classmethod
     def config_conflicts(cls, config: Any) -> Dict[str, str]:
         """{optimization name: why} of partners that conflict with this one under `config` only."""
         return {}

@@ -10,6 +10,7 @@ dimension. `deepspeed_3d_parallel` has its own `gradient_accumulation_steps` (it
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, List
 
@@ -47,6 +48,14 @@ class GradientAccumulationOptimization(Optimization):
     conflicts = frozenset({"deepspeed_3d_parallel"})
     Config = GradientAccumulationConfig
     search_dimension = "micro_batch"
+
+    @classmethod
+    def memory_saving(cls, config: GradientAccumulationConfig) -> Dict[str, float]:
+        # At a fixed batch per step, `steps` micro-batches of 1/steps the rows each hold the
+        # activations of one micro-batch: more steps never need more memory. Left unordered, a
+        # large micro-batch that ran out of memory taught the search nothing about the larger ones
+        # (benchmarks/search.py, family microbatch-3%).
+        return {"micro_batches": math.log2(max(int(config.steps), 1))}
 
     @classmethod
     def cost_traits(cls, config: GradientAccumulationConfig, context: CostContext) -> Dict[str, Any]:

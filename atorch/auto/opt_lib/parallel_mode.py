@@ -6,6 +6,7 @@ is the `ddp` optimization, which `resolve_strategy` adds when nothing else reduc
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -39,6 +40,12 @@ class ParallelModeOptimization(Optimization):
     def search_choices(cls, context: ValidationContext) -> List[Any]:
         """Every rank data-parallel: the first choice of the layout dimension (always taken)."""
         return [(cls.name, ([("data", context.world_size)], None))]
+
+    @classmethod
+    def memory_saving(cls, config: ParallelModeConfig) -> Dict[str, float]:
+        # Model-parallel degrees (tensor, pipeline) split the model's state across devices; the
+        # data degree does not (the sharding optimizations declare what they split over it).
+        return {"model_split": float(sum(math.log2(size) for name, size in config.dims or () if name != "data"))}
 
     @classmethod
     def cost_traits(cls, config: ParallelModeConfig, context: CostContext) -> Dict[str, Any]:

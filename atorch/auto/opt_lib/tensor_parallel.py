@@ -57,6 +57,10 @@ class TensorParallelOptimization(Optimization):
                 for t in range(2, w + 1) if w % t == 0]
 
     @classmethod
+    def memory_saving(cls, config: TensorParallelConfig) -> Dict[str, float]:
+        return {}      # parallel_mode's tensor degree declares the split
+
+    @classmethod
     def cost_traits(cls, config: TensorParallelConfig, context: CostContext) -> Dict[str, Any]:
         # Linears, embeddings and the head sharded over "tensor" (the size comes from parallel_mode).
         return {"tensor_parallel": True, "gather_logits": config.gather_logits}

@@ -23,6 +23,7 @@ from atorch.auto.opt_lib._sharding import (
     check_ds_config_field,
     deepspeed_cost_traits,
     deepspeed_installed,
+    zero_memory_saving,
     describe_sharding,
     prepare_deepspeed,
     require_data_dim,
@@ -82,6 +83,10 @@ class Zero1Optimization(Optimization):
     @classmethod
     def wraps(cls, config: Zero1Config) -> bool:
         return config.use_ds_zero
+
+    @classmethod
+    def memory_saving(cls, config: Zero1Config) -> Dict[str, float]:
+        return zero_memory_saving(1, config.use_ds_zero)
 
     @classmethod
     def syncs_gradients(cls, config: Zero1Config) -> bool:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
 from scipy.stats import norm
@@ -46,6 +46,8 @@ PRIOR_SD_WITHOUT = {"bias": 30.0, "option": 0.3, "residual": 0.05}
 # of 0 a step was as likely to add memory as to save it, so after two out-of-memory runs the
 # leanest candidates were predicted at the level of those runs and pruned, though they fit.
 PRIOR_MEAN_SAVING_STEP = -0.2
+# A choice's memory-saving score: one number, or one per kind of saving.
+RankScore = Union[float, Sequence[float]]
 # Weight of the residual prior, in pseudo-observations.
 RESIDUAL_PRIOR_DF = 3.0
 
@@ -60,17 +62,24 @@ class FitProbability:
     predicted: Optional[float] = None           # the model's median peak (bytes), when used
 
 
+def _as_vector(score: RankScore) -> Tuple[float, ...]:
+    return tuple(float(x) for x in score) if isinstance(score, (tuple, list)) else (float(cast(float, score)),)
+
+
 class Feasibility:
     """P(fit) for every candidate of a search (see the module docstring).
 
     `choices[i]` candidate i's option index per dimension, `ranks[d]` dimension d's memory-saving
-    score per option (None: unordered), `predicted_peaks[i]` the predictor's peak (None: none).
+    scores per option (None: unordered; a number or one per kind of saving, compared kind by kind:
+    `space.memory_saving_ranks`), `predicted_peaks[i]` the predictor's peak (None: none).
     """
 
-    def __init__(self, choices: Sequence[Sequence[int]], ranks: Sequence[Optional[Sequence[float]]],
+    def __init__(self, choices: Sequence[Sequence[int]], ranks: Sequence[Optional[Sequence[RankScore]]],
                  limit: Optional[float], predicted_peaks: Optional[Sequence[Optional[float]]] = None) -> None:
         self.choices = np.asarray([list(c) for c in choices], dtype=int).reshape(len(choices), -1)
-        self.ranks = list(ranks)
+        # Per dimension, per option: its scores as a vector (a single number is one kind).
+        self.ranks: List[Optional[List[Tuple[float, ...]]]] = [
+            None if r is None else [_as_vector(x) for x in r] for r in ranks]
         self.limit = limit
         self.oom: List[int] = []
         self.ok: List[int] = []
@@ -118,7 +127,7 @@ class Feasibility:
             if r is None:
                 if a != b:
                     return False
-            elif r[a] > r[b]:
+            elif any(x > y for x, y in zip(r[a], r[b])):   # i saves more of some kind than j
                 return False
         return True
 
@@ -129,7 +138,8 @@ class Feasibility:
 
     def _one_hot(self) -> np.ndarray:
         """Design matrix: an intercept, then per unordered dimension one column per option but
-        the first, and per memory-ordered dimension one column per *step* of saving (rank >= r):
+        the first, and per memory-ordered dimension and kind of saving one column per *step* of
+        saving (rank >= r):
         an option that saves more is the one before it plus one more step, so a deep saving
         (fsdp = zero1 + two more steps) is a sum of modest effects the prior does not shrink away."""
         cols = [np.ones(len(self.choices))]
@@ -142,10 +152,11 @@ class Feasibility:
                     cols.append((self.choices[:, d] == v).astype(float))
                     saving.append(False)
             else:
-                rank = np.asarray([r[v] for v in self.choices[:, d]])
-                for level in sorted({r[v] for v in values})[1:]:
-                    cols.append((rank >= level).astype(float))
-                    saving.append(True)
+                for kind in range(len(r[values[0]]) if values else 0):
+                    rank = np.asarray([r[v][kind] for v in self.choices[:, d]])
+                    for level in sorted({r[v][kind] for v in values})[1:]:
+                        cols.append((rank >= level).astype(float))
+                        saving.append(True)
         self._saving_step = np.asarray(saving)
         return np.stack(cols, axis=1)
 

@@ -423,43 +423,31 @@ def _strategy_key(strategy: Strategy) -> str:
 
 
 
-# How much per-device memory an optimization saves, as an order (higher saves more), for the
-# search's out-of-memory learning (`SearchSpace.memory_saving_ranks`). Only the order within a
-# dimension matters. An optimization missing here makes its dimension unordered (the search
-# then assumes nothing about it), so a new optimization is never wrongly assumed to save memory.
-# TODO(lead): move onto the optimization classes as metadata (e.g. `memory_saving_rank`).
-_MEMORY_SAVING = {"zero1": 1.0, "zero2": 2.0, "fsdp": 3.0, "checkpoint": 1.0, "cpu_offload": 4.0,
-                  "tensor_parallel": 0.0}
-
-
-def _memory_saving_score(choice: Choice) -> Optional[float]:
-    """Memory-saving score of one choice, or None when it contains an optimization of unknown effect."""
-    score = 0.0
+def _memory_saving(choice: Choice) -> Optional[Dict[str, float]]:
+    """A choice's memory saving per kind, summed over its optimizations (`Optimization.memory_saving`),
+    or None when one of them does not declare its effect."""
+    total: Dict[str, float] = {}
     for item in choice_items(choice):
-        if item.name == "parallel_mode":
-            sizes = item.config[0] if isinstance(item.config, (tuple, list)) and item.config else []
-            # Model-parallel degrees (tensor, pipeline) split the model's state across devices.
-            score += sum(math.log2(int(s)) for name, s in sizes if name != "data" and int(s) > 0)
-        elif item.name == "gradient_accumulation":
-            # The micro-batch dimension: at a fixed batch per step, `steps` micro-batches of 1/steps
-            # the rows each hold the activations of one micro-batch, so more steps never need more
-            # memory. Left unordered, a large micro-batch that ran out of memory taught the search
-            # nothing about the larger ones (benchmarks/search.py, family microbatch-3%).
-            steps = get_optimization(item.name).parse_config(item.config).steps
-            score += math.log2(max(int(steps), 1))
-        elif item.name in _MEMORY_SAVING:
-            score += _MEMORY_SAVING[item.name]
-        else:
+        opt = get_optimization(item.name)
+        saving = opt.memory_saving(opt.parse_config(item.config))
+        if saving is None:
             return None
-    return score
+        for kind, score in saving.items():
+            total[kind] = total.get(kind, 0.0) + float(score)
+    return total
 
 
-def memory_saving_ranks(space: "SearchSpace") -> List[Optional[List[float]]]:
-    """Per dimension (in order), each choice's memory-saving score, or None for a dimension whose
-    choices' effect on memory is unknown. A candidate whose every ordered choice saves no more
-    than another's, and whose unordered choices are equal, needs at least as much memory."""
-    out: List[Optional[List[float]]] = []
+def memory_saving_ranks(space: "SearchSpace") -> List[Optional[List[Tuple[float, ...]]]]:
+    """Per dimension (in order), each choice's memory-saving scores (one per kind of saving the
+    dimension's choices declare, in a fixed order), or None for a dimension with a choice of unknown
+    effect. A candidate whose every ordered choice scores no higher than another's in every kind,
+    and whose unordered choices are equal, needs at least as much memory."""
+    out: List[Optional[List[Tuple[float, ...]]]] = []
     for choices in space.dimensions.values():
-        scores = [_memory_saving_score(c) for c in choices]
-        out.append(None if any(s is None for s in scores) else [float(s) for s in scores if s is not None])
+        savings = [_memory_saving(c) for c in choices]
+        if any(s is None for s in savings):
+            out.append(None)
+            continue
+        kinds = sorted({kind for s in savings if s is not None for kind in s})
+        out.append([tuple(s.get(kind, 0.0) for kind in kinds) for s in savings if s is not None])
     return out
