@@ -21,13 +21,25 @@ import torch
 from torch import nn
 
 from atorch import distributed as adist
-from atorch.auto.arguments import validate_arguments, validate_resolved_layout
+from atorch.auto.arguments import (
+    DEFAULT_GLOBAL_BATCH,
+    check_dry_run_batches,
+    validate_arguments,
+    validate_resolved_layout,
+)
 from atorch.auto.compat import CompatArgs, drop_atorch_only_names, finetune_strategy_items, translate_atorch_kwargs
-from atorch.auto.engine import apply_resolved, apply_strategy, build_dataloader, validation_context
+from atorch.auto.engine import (
+    applied_strategy,
+    apply_resolved,
+    apply_strategy,
+    build_dataloader,
+    validation_context,
+)
 from atorch.auto.model_context import ModelContext
+from atorch.auto.opt_lib.base import get_optimization
 from atorch.auto.opt_lib.resolve import ResolvedOptimization, resolve_strategy
 from atorch.auto.result import AutoAccelerateResult
-from atorch.auto.strategy import Strategy, StrategyLike
+from atorch.auto.strategy import NotStorableError, Strategy, StrategyLike
 from atorch.auto.train_step import train_step
 from atorch.distributed.agreement import agree, agree_on_error, agree_on_values
 from atorch.utils.quiet import configure_logging, third_party_warnings_filtered
@@ -68,8 +80,9 @@ def auto_accelerate(
     The positional order is that of the system we follow, so its scripts run unchanged.
     Returns `(status, result, strategy)`; `result` is an `AutoAccelerateResult` whose
     dataloader yields this data rank's share of each *global* batch of
-    `dataloader_args["batch_size"]`. After a successful call the strategy's parallel groups
-    are also the process default (`atorch.distributed.parallel_group(name)`).
+    `dataloader_args["batch_size"]` (default 1, as torch's DataLoader). After a successful call
+    the strategy's parallel groups are also the process default
+    (`atorch.distributed.parallel_group(name)`).
 
     ATorch's extra keywords (`atorch.auto.compat`): `sample_batch` with `batch_size` (and
     `expand_sample_batch`) stands in for `dataset` in the dry runs only (no dataloader is
@@ -91,6 +104,9 @@ def auto_accelerate(
                            dataloader_args=dataloader_args, lr_scheduler_cls=lr_scheduler_cls,
                            lr_scheduler_args=lr_scheduler_args, save_strategy_to_file=save_strategy_to_file,
                            report_path=report_path, excluded=excluded, included=included)
+        check_dry_run_batches(has_batches=dataset is not None or compat.dry_run_dataset() is not None,
+                              load_strategy_given=load_strategy is not None,
+                              ignore_dryrun_on_load_strategy=ignore_dryrun_on_load_strategy)
     except Exception as e:  # noqa: BLE001 - agreed across ranks below, then raised on each
         if not _several_ranks():
             raise
@@ -128,7 +144,6 @@ def _accelerate(ctx: ModelContext, load_strategy: Optional[StrategyLike], ignore
                 save_strategy_to_file: Optional[str], compat: CompatArgs
                 ) -> Tuple[bool, Optional[AutoAccelerateResult], Optional[Strategy]]:
     search = None
-    dry_ctx = _dry_run_context(ctx, compat)
     strategy: Optional[Strategy] = None
     if load_strategy is not None:
         # Read on every rank; a file may fail to read on one rank only: every rank raises the same error.
@@ -136,6 +151,8 @@ def _accelerate(ctx: ModelContext, load_strategy: Optional[StrategyLike], ignore
             strategy = Strategy.from_any(load_strategy)
             if compat.finetune_strategy:
                 strategy = finetune_strategy_items(strategy)
+    default_batch_size(ctx, strategy)
+    dry_ctx = _dry_run_context(ctx, compat)
     _agree_between_ranks(ctx, strategy)
     if strategy is None:
         from atorch.auto.search.auto_search import SearchError, search_for_context  # planner: only when searching
@@ -148,19 +165,8 @@ def _accelerate(ctx: ModelContext, load_strategy: Optional[StrategyLike], ignore
             logger.exception("auto_accelerate: the strategy search found no strategy that runs")
             return False, None, None
         strategy = search.strategy
-    else:
-        if not ignore_dryrun_on_load_strategy:
-            from atorch.auto.dry_runner import DryRunError, check_strategy_runs
-
-            if dry_ctx is not ctx:  # the sample batch's layout is an argument mistake, not a failed dry run
-                _validate_layout(dry_ctx, strategy)
-            try:
-                check_strategy_runs(dry_ctx, strategy)   # validates first: a bad strategy still raises ValueError
-            except DryRunError:
-                logger.exception("auto_accelerate: the loaded strategy failed its dry run")
-                return False, None, None
     # Validation is local and the same on every rank (same strategy, same arguments); the vote after
-    # it covers what only one rank's objects can show (a model that differs), before anything is applied.
+    # it covers what only one rank's objects can show (a model that differs), before anything is built.
     with agree_on_error("auto_accelerate: validating the strategy"):
         try:
             resolved = _validate_layout(ctx, strategy, note_idle=True)
@@ -170,6 +176,18 @@ def _accelerate(ctx: ModelContext, load_strategy: Optional[StrategyLike], ignore
                                  "parallel_mode's, to their defaults; pass finetune_strategy=False to keep them)"
                                  ) from e
             raise
+        if save_strategy_to_file:
+            _check_storable(resolved, save_strategy_to_file)
+    if search is None and not ignore_dryrun_on_load_strategy:
+        from atorch.auto.dry_runner import DryRunError, check_strategy_runs
+
+        if dry_ctx is not ctx:  # the sample batch's layout is an argument mistake, not a failed dry run
+            _validate_layout(dry_ctx, strategy)
+        try:
+            check_strategy_runs(dry_ctx, strategy)   # validates first: a bad strategy still raises ValueError
+        except DryRunError:
+            logger.exception("auto_accelerate: the loaded strategy failed its dry run")
+            return False, None, None
     try:
         # Every rank returns the same status. A rank failing inside an optimization, before one of
         # its collectives, leaves the others in that collective until ATORCH_COLLECTIVE_TIMEOUT.
@@ -190,6 +208,44 @@ def _accelerate(ctx: ModelContext, load_strategy: Optional[StrategyLike], ignore
             os.makedirs(os.path.dirname(os.path.abspath(save_strategy_to_file)), exist_ok=True)
             result.strategy.save(save_strategy_to_file)
     return True, result, result.strategy
+
+
+def default_batch_size(ctx: ModelContext, strategy: Optional[Strategy]) -> None:
+    """Set `dataloader_args["batch_size"]` to 1 where it is absent and atorch builds a dataloader.
+
+    1 is torch's DataLoader default, which the argument checks and `build_dataloader` apply too;
+    written down once here, the strategy's validation (the global batch over the data ranks),
+    the search, the dry runs (samples per step) and the result all count the same global batch.
+    Left absent without a dataset (no dataloader: atorch knows no batch, and DeepSpeed's ZeRO
+    engines keep the batch keys of the user's ds_config), and for a strategy with an optimization
+    that takes the global batch from its own config when the dataloader gives none
+    (`global_batch_from_config`: deepspeed_3d_parallel and its ds_config's batch keys).
+    """
+    if "batch_size" in ctx.dataloader_args or ctx.dataset is None:
+        return
+    if strategy is not None and any(_global_batch_from_config(item.name) for item in strategy):
+        return
+    ctx.dataloader_args["batch_size"] = DEFAULT_GLOBAL_BATCH
+
+
+def _global_batch_from_config(name: str) -> bool:
+    try:
+        cls = get_optimization(name)
+    except ValueError:   # an unknown name: validation names it
+        return False
+    return cls.global_batch_from_config
+
+
+def _check_storable(resolved: List[ResolvedOptimization], path: str) -> None:
+    """The strategy about to be applied can be written to `save_strategy_to_file`, checked before anything is
+    built (the file is written after applying)."""
+    try:
+        applied_strategy(resolved).to_json()
+    except NotStorableError as e:
+        raise ValueError(f"save_strategy_to_file={path!r}: the strategy's {e.where} holds {e.what}, which a JSON "
+                         "strategy file cannot store; drop save_strategy_to_file (keep the strategy in your code and "
+                         "pass it as load_strategy=[...] again), or give that setting a value a file can hold (plain "
+                         "values, dtypes, classes)") from None
 
 
 def _several_ranks() -> bool:

@@ -8,6 +8,7 @@ Nothing here touches the network, the model's weights or the filesystem beyond `
 queries, so every rank reaches the same verdict and none is left waiting in a collective.
 
 - `validate_arguments`: everything that does not depend on the strategy (called first).
+- `check_dry_run_batches`: the search or the dry run asked for has batches (a dataset).
 - `validate_batch_layout`: the global batch against the chosen data-parallel size and
   pipeline chunks (called once the strategy is resolved, still before it is applied).
 - `check_loss`: the loss function's result at use (a non-scalar loss named with its shape);
@@ -28,6 +29,8 @@ from torch import nn
 if TYPE_CHECKING:
     from atorch.auto.opt_lib.base import ValidationContext
 
+# The global batch size when dataloader_args has no "batch_size": torch's DataLoader default.
+DEFAULT_GLOBAL_BATCH = 1
 # Keys of `dataloader_args` that `build_dataloader` handles itself (the rest go to DataLoader).
 _OWN_DATALOADER_KEYS = ("batch_size", "shuffle", "seed", "drop_last")
 # DataLoader keywords atorch sets itself: a user value would be silently replaced.
@@ -75,7 +78,7 @@ def validate_arguments(
     if lr_scheduler_cls is not None and optim_func is None:
         raise ValueError(f"lr_scheduler_cls={_name(lr_scheduler_cls)} needs an optimizer; pass optim_func too")
     args = _check_mapping("dataloader_args", dataloader_args)
-    global_batch = args.get("batch_size", 1)
+    global_batch = args.get("batch_size", DEFAULT_GLOBAL_BATCH)
     _check_batch_size(global_batch)
     _check_dataloader_keys(args)
     if dataset is not None:
@@ -88,6 +91,27 @@ def validate_arguments(
         if value is not None and (isinstance(value, (str, bytes)) or not isinstance(value, Iterable)
                                   or not all(isinstance(v, str) for v in value)):
             raise TypeError(f"{name}={value!r} must be a list of optimization names, e.g. ['fsdp', 'amp_native']")
+
+
+def check_dry_run_batches(*, has_batches: bool, load_strategy_given: bool, ignore_dryrun_on_load_strategy: Any) -> None:
+    """The dry runs `auto_accelerate` is asked for have batches to train on: the search (no
+    load_strategy) dry-runs its candidates, and `ignore_dryrun_on_load_strategy=False` the loaded
+    strategy, on batches of `dataset` (or of ATorch's `sample_batch`). Without either every dry run
+    would fail after the model was built: refused here instead."""
+    if not isinstance(ignore_dryrun_on_load_strategy, bool):
+        raise TypeError(f"ignore_dryrun_on_load_strategy={ignore_dryrun_on_load_strategy!r} must be True or False")
+    if has_batches:
+        return
+    if not load_strategy_given:
+        raise ValueError("auto_accelerate: load_strategy=None searches for a strategy by dry-running candidates on "
+                         "batches of the dataset, but no dataset was given; pass dataset= (or ATorch's sample_batch= "
+                         "with batch_size=), or pass load_strategy (e.g. load_strategy=['fsdp']) to apply a strategy "
+                         "without a search")
+    if not ignore_dryrun_on_load_strategy:
+        raise ValueError("auto_accelerate: ignore_dryrun_on_load_strategy=False dry-runs the loaded strategy on "
+                         "batches of the dataset, but no dataset was given; pass dataset= (or ATorch's sample_batch= "
+                         "with batch_size=), or leave ignore_dryrun_on_load_strategy=True to apply the strategy "
+                         "without a dry run")
 
 
 class BatchLayoutError(ValueError):
@@ -104,7 +128,12 @@ def validate_resolved_layout(dataloader_args: Optional[Mapping], context: "Valid
 
 def validate_batch_layout(dataloader_args: Optional[Mapping], parallel_sizes: Mapping[str, int],
                           pipeline_chunks: Optional[int] = None) -> None:
-    """The global batch size splits evenly over the data-parallel ranks (and into pipeline chunks)."""
+    """The global batch size splits evenly over the data-parallel ranks (and into pipeline chunks).
+
+    `auto_accelerate` has already written the default batch size (1) where a dataloader is built
+    (`accelerate.default_batch_size`); a batch size still absent means no dataloader, or a batch
+    that deepspeed_3d_parallel takes from its ds_config (and checks itself): nothing to check here.
+    """
     global_batch = dict(dataloader_args or {}).get("batch_size")
     if global_batch is None:
         return

@@ -1,10 +1,12 @@
 """Dry runs: apply a candidate strategy to a fresh copy of the model, train and time steps, measure.
 
 Collective: every rank calls `dry_run` with the same strategy and every rank gets the same
-`DryRunResult` (throughput from the slowest rank, the largest per-rank peak memory, the first
-rank's error). A failure -- an exception, an out-of-memory error, the simulated device limit
-(`memory_limit_bytes`, from ATORCH_DEVICE_MEMORY_LIMIT), a timeout -- is a failed trial, never a
-crash of the search.
+`DryRunResult` (throughput from the slowest rank, the largest per-rank peak memory, and when
+ranks failed one rank's error: an out-of-memory error first, then an exception, then a timeout,
+the lowest rank among equals, skipping ranks that only timed out waiting on a failed peer while
+another rank has an error of its own: `merge_outcomes`). A failure -- an exception, an
+out-of-memory error, the simulated device limit (`memory_limit_bytes`, from
+ATORCH_DEVICE_MEMORY_LIMIT), a timeout -- is a failed trial, never a crash of the search.
 
 What is guaranteed, and how:
 - Fresh state per candidate, without a second copy of the weights: the user's weights wait in a
@@ -176,8 +178,14 @@ def dry_run(ctx: ModelContext, strategy: Strategy, config: DryRunConfig = DryRun
     if source is None:
         with ModelSource(ctx.model, config.scratch_dir) as own:
             return dry_run(ctx, strategy, config, own)
-    if source.model is not ctx.model or not source.offloaded:
-        raise ValueError("dry_run: source must be an offloaded ModelSource of ctx.model")
+    if source.model is not ctx.model:
+        raise ValueError(f"dry_run: source is a ModelSource of another model ({type(source.model).__name__} at "
+                         f"{id(source.model):#x}) than ctx.model ({type(ctx.model).__name__} at {id(ctx.model):#x}); "
+                         "pass ModelSource(ctx.model), or source=None to offload ctx.model for this call")
+    if not source.offloaded:
+        raise ValueError("dry_run: source is a ModelSource of ctx.model whose weights are not offloaded (it is not "
+                         "entered, or already exited); call dry_run inside `with source:` (or after "
+                         "source.offload()), or pass source=None")
     strategy = Strategy.from_any(strategy)
     with candidate_logs_quieted():   # this dry run's one line is logged below
         outcome = _run_local(ctx, strategy, config, source)

@@ -20,10 +20,10 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from atorch import distributed as adist
-from atorch.auto.arguments import check_loss, check_optimizer
+from atorch.auto.arguments import DEFAULT_GLOBAL_BATCH, check_loss, check_optimizer
 from atorch.auto.model_context import ModelContext, default_loss_func, default_prepare_input, first_loss
 from atorch.auto.opt_lib.base import ValidationContext
-from atorch.auto.opt_lib.resolve import ResolvedOptimization, plan_steps, resolve_strategy, wrapper_phase
+from atorch.auto.opt_lib.resolve import ResolvedOptimization, resolve_strategy, wrapper_phase
 from atorch.auto.result import AutoAccelerateResult
 from atorch.auto.strategy import Strategy, StrategyItem
 from atorch.distributed.agreement import agree_on_error
@@ -47,11 +47,6 @@ def resolve(ctx: ModelContext, strategy: Strategy) -> List[ResolvedOptimization]
 def apply_strategy(ctx: ModelContext, strategy: Strategy) -> AutoAccelerateResult:
     """Validate and apply `strategy` to `ctx`, raising on any problem."""
     return apply_resolved(ctx, resolve(ctx, strategy))
-
-
-def describe_plan(ctx: ModelContext, strategy: Strategy) -> str:
-    """The stack `strategy` builds for `ctx`, e.g. 'parallel_mode(data=2) -> fsdp -> optimizer -> ...'."""
-    return " -> ".join(plan_steps(resolve(ctx, strategy)))
 
 
 def apply_resolved(ctx: ModelContext, resolved: List[ResolvedOptimization]) -> AutoAccelerateResult:
@@ -97,17 +92,19 @@ def place_model(ctx: ModelContext) -> None:
     """Move an ordinary model to the device; sharded or engine-owned models are placed by their wrapper."""
     if ctx.is_sharded or ctx.engine is not None:
         return
-    if any(p.is_meta for p in ctx.model.parameters()):
-        raise ValueError("the model still has parameters on the meta device after all optimizations: a model "
-                         "built under record_module_init needs tensor_parallel, pipeline or deepspeed_3d_parallel "
-                         "to materialize it")
+    on_meta = [name for name, p in ctx.model.named_parameters() if p.is_meta]
+    if on_meta:
+        raise ValueError(f"the model still has {len(on_meta)} parameter tensor(s) on the meta device after all "
+                         f"optimizations, the first {on_meta[0]!r}: a model built under record_module_init needs "
+                         "tensor_parallel, pipeline or deepspeed_3d_parallel to materialize it (or build the model "
+                         "outside record_module_init / load its weights before auto_accelerate)")
     ctx.model.to(ctx.device)
 
 
 def build_dataloader(ctx: ModelContext, global_batch: Optional[int] = None) -> Tuple[DataLoader, Sampler]:
     """A DataLoader whose `batch_size` is the global one (or `global_batch`) divided over the data-parallel ranks."""
     args = dict(ctx.dataloader_args)
-    batch = args.pop("batch_size", 1)
+    batch = args.pop("batch_size", DEFAULT_GLOBAL_BATCH)
     global_batch = batch if global_batch is None else global_batch
     dp = ctx.data_parallel_size()
     if global_batch % dp != 0:
@@ -142,6 +139,15 @@ def _make_sampler(ctx: ModelContext, dp: int, *, shuffle: bool, seed: int, drop_
     return sampler_cls(ctx.dataset, **kwargs)
 
 
+def _global_batch(ctx: ModelContext) -> Optional[int]:
+    """The dataloader's global batch: `dataloader_args["batch_size"]`, or the default `build_dataloader` used
+    (for callers of `apply_strategy` that left it out; `auto_accelerate` writes it down); None without a dataloader."""
+    batch = ctx.dataloader_args.get("batch_size")
+    if batch is None and ctx.dataloader is not None:
+        return DEFAULT_GLOBAL_BATCH
+    return batch
+
+
 def assemble_result(ctx: ModelContext, strategy: Strategy) -> AutoAccelerateResult:
     """The typed result of an applied context."""
     user_loss = ctx.loss_func or default_loss_func
@@ -163,7 +169,7 @@ def assemble_result(ctx: ModelContext, strategy: Strategy) -> AutoAccelerateResu
         model=ctx.engine if ctx.engine is not None else ctx.model, optim=ctx.optim, dataloader=ctx.dataloader,
         loss_func=loss_func, prepare_input=prepare_input, lr_scheduler=ctx.lr_scheduler, strategy=strategy,
         device=ctx.device, model_input_format=ctx.model_input_format, parallel=ctx.parallel,
-        data_parallel_size=ctx.data_parallel_size(), global_batch_size=ctx.dataloader_args.get("batch_size"),
+        data_parallel_size=ctx.data_parallel_size(), global_batch_size=_global_batch(ctx),
         sampler=ctx.sampler, engine=ctx.engine, deepspeed_config=ctx.deepspeed_config,
         autocast_dtype=ctx.autocast_dtype, grad_scaler=ctx.grad_scaler, custom_train_step=ctx.custom_train_step,
         gradient_accumulation_steps=ctx.gradient_accumulation_steps, micro_batch_size=ctx.micro_batch_size,

@@ -92,9 +92,11 @@ def infer_input_format(model: Any, batch: Any) -> str:
 
     The system we follow defines None as `model(batch)`, and scripts written for it keep that:
     a batch that is not a dict, or a dict for a forward that takes one positional argument not
-    named by the dict's keys, is passed whole. A dict whose keys are all parameters of the
-    model's forward (every Hugging Face batch: input_ids, attention_mask, labels, ...) is passed
-    as keyword arguments. Anything else is a ValueError naming both.
+    named by the dict's keys (its only required one, or its only one), is passed whole. A dict
+    whose keys are all parameters of the model's forward (every Hugging Face batch: input_ids,
+    attention_mask, labels, ...) is passed as keyword arguments. Anything else is a ValueError
+    naming both, e.g. a dict of other keys for a Hugging Face forward (several optional
+    parameters, no required one), which would otherwise get the whole dict as its `input_ids`.
     """
     if not isinstance(batch, Mapping):
         return "whole"
@@ -109,7 +111,8 @@ def infer_input_format(model: Any, batch: Any) -> str:
         return "unpack_dict"
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [p for p in positional if p.default is p.empty]
-    if positional and len(required) <= 1 and positional[0].name not in keys:
+    takes_one = len(required) == 1 or (not required and len(positional) == 1)
+    if positional and takes_one and positional[0].name not in keys:
         return "whole"
     raise ValueError(f"model_input_format=None: the batch is a dict with keys {sorted(keys)}, which are not all "
                      f"parameters of {type(model).__name__}.forward ({[p.name for p in params]}), and the forward "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -18,6 +18,14 @@ from torch.utils.data import Sampler
 
 from atorch.auto.strategy import Strategy
 from atorch.distributed.mesh import ParallelMesh
+
+if TYPE_CHECKING:   # for the annotations only: importing these here would pull in DeepSpeed and the planner
+    from deepspeed import DeepSpeedEngine
+
+    from atorch.auto.search.results import SearchResult
+    from atorch.checkpoint.state import DataPosition
+    from atorch.modules.pipeline.native import NativePipeline
+    from atorch.tensor_parallel.randomizer import MultiDimParallelRandomizer
 
 
 @dataclass
@@ -43,7 +51,7 @@ class AutoAccelerateResult:
     data_parallel_size: int = 1
     global_batch_size: Optional[int] = None
     sampler: Optional[Sampler] = None
-    engine: Any = None
+    engine: Optional["DeepSpeedEngine"] = None
     """The DeepSpeed engine, when one drives training (then also `model`)."""
     deepspeed_config: Optional[Dict[str, Any]] = None
     autocast_dtype: Optional[torch.dtype] = None
@@ -52,19 +60,21 @@ class AutoAccelerateResult:
     """Set by pipelines, whose schedule runs forward, backward and the step itself (`train_step` calls it)."""
     gradient_accumulation_steps: int = 1
     micro_batch_size: Optional[int] = None
-    pipeline: Any = None
+    pipeline: Optional["NativePipeline"] = None
+    """The native pipeline's schedule runner (pipeline_parallel)."""
     pipeline_stage: Optional[int] = None
-    randomizer: Any = None
+    randomizer: Optional["MultiDimParallelRandomizer"] = None
+    """The tensor-parallel random streams (dropout) of the sharded model (tensor_parallel)."""
     summaries: Dict[str, Any] = field(default_factory=dict)
     """What each optimization did, under its name (e.g. summaries["fsdp"]["backend"])."""
     applied: List[str] = field(default_factory=list)
-    search: Any = None
+    search: Optional["SearchResult"] = None
     """The `SearchResult` of the automatic search (rank 0), when the strategy was searched."""
     search_report: Optional[Dict[str, str]] = None
     """Paths of the search's trial table, plot and chosen strategy (rank 0)."""
     search_reason: Optional[str] = None
     """One line: why the searched strategy won."""
-    data_origin: Any = None
+    data_origin: Optional[Tuple[Optional[int], "DataPosition"]] = None
     """(step, DataPosition) the data stream resumed at, set by `load_checkpoint`: `save_checkpoint(step=)`
     counts later steps from it, in this run's global batches (they may differ from the saved run's)."""
 

@@ -2,7 +2,9 @@
 
 Strategy files are JSON, never pickle: configs may hold plain JSON values, tuples, torch dtypes,
 classes (stored by import path) and dataclasses of those; anything else (a callable, a live
-object) is refused with the key that holds it. ATorch's pickled strategy files are still read
+object) is refused with the key that holds it. Reading a file imports no module outside
+`TRUSTED_PACKAGES` (importing runs a module's code): a class of any other module is found once
+the reading script has imported that module itself. ATorch's pickled strategy files are still read
 (`Strategy.load` detects them) by a restricted reader that executes nothing
 (`atorch.auto.strategy_pickle`); `convert_strategy_file` turns one into JSON.
 """
@@ -14,6 +16,7 @@ import difflib
 import importlib
 import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
@@ -26,6 +29,23 @@ StrategyLike = Union["Strategy", Sequence[Any], str, os.PathLike]
 
 # The keys of one item of a JSON strategy (`Strategy.to_json`).
 _ITEM_KEYS = ("name", "config", "tunable")
+# Packages whose modules a JSON strategy may import to find a class it names; a class of any other
+# module is found only once the reading process has imported that module itself (`_import_class`).
+TRUSTED_PACKAGES = ("torch", "transformers", "atorch", "peft", "deepspeed")
+
+
+class NotStorableError(ValueError):
+    """A config value that a JSON strategy file cannot store (a callable, a live object); `where` names its key."""
+
+    def __init__(self, where: str, value: Any):
+        self.where, self.value = where, value
+        super().__init__(f"{where} holds {self.what}, which a JSON strategy file cannot store; pass it in code "
+                         "(load_strategy=[...]) instead of a file")
+
+    @property
+    def what(self) -> str:
+        text = repr(self.value)
+        return f"{type(self.value).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"
 
 
 @dataclass(frozen=True)
@@ -96,7 +116,9 @@ class Strategy:
         return isinstance(other, Strategy) and self._items == other._items
 
     def __hash__(self) -> int:
-        return hash(self.to_json())
+        # Consistent with __eq__ (equal items hash alike, whatever the order of a config dict's keys)
+        # and never raising: a config may hold anything, a callable included.
+        return hash(tuple((i.name, _hash_key(i.config), i.tunable) for i in self._items))
 
     def __repr__(self) -> str:
         return f"Strategy({[i.as_tuple() for i in self._items]!r})"
@@ -267,15 +289,24 @@ def _encode(value: Any, where: str) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = {f.name: _encode(getattr(value, f.name), f"{where}.{f.name}") for f in dataclasses.fields(value)}
         return {"__dataclass__": f"{type(value).__module__}:{type(value).__qualname__}", "fields": fields}
-    raise ValueError(f"{where} holds {type(value).__name__} {value!r}, which a JSON strategy file cannot store; "
-                     "pass it in code (load_strategy=[...]) instead of a file")
+    raise NotStorableError(where, value)
 
 
 def _import_class(path: Any, where: str) -> type:
-    """The class named 'module:QualName' in strategy JSON, or a ValueError naming the entry."""
+    """The class named 'module:QualName' in strategy JSON, or a ValueError naming the entry.
+
+    Importing a module runs its code, so a strategy file may only import from `TRUSTED_PACKAGES`;
+    any other module must already be imported by the process that reads the file (the user's
+    script imported it: nothing new runs).
+    """
     if not isinstance(path, str) or ":" not in path:
         raise ValueError(f"strategy JSON {where}: {path!r} must name a class as 'module:QualName'")
     module, _, qualname = path.partition(":")
+    if module not in sys.modules and module.partition(".")[0] not in TRUSTED_PACKAGES:
+        raise ValueError(f"strategy JSON {where}: class {path!r} is in module {module!r}, which is not imported; a "
+                         f"strategy file only imports modules of {', '.join(TRUSTED_PACKAGES)} (importing a module "
+                         f"runs its code): import {module} in your script before loading the strategy, or pass the "
+                         "class in code (load_strategy=[...])")
     try:
         obj = importlib.import_module(module)
         for part in qualname.split("."):
@@ -316,3 +347,22 @@ def _decode(value: Any, where: str = "config") -> Any:
                                  f"built: {e}") from None
         return {k: _decode(v, f"{where}.{k}") for k, v in value.items()}
     return value
+
+
+def _hash_key(value: Any) -> Any:
+    """A hashable stand-in for `value` that every value equal to it shares: dicts and sets by their
+    contents in any order, sequences item by item, dataclasses (whose == compares their fields) by
+    their fields; a value not hashable otherwise counts as 0 (unequal values may share a hash, equal ones must)."""
+    if isinstance(value, dict):
+        return frozenset((k, _hash_key(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return tuple(_hash_key(v) for v in value)
+    if isinstance(value, (set, frozenset)):
+        return frozenset(value)
+    try:
+        return hash(value)
+    except Exception:  # noqa: BLE001 - unhashable (TypeError), or a __hash__ of the user's that fails
+        pass
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value), tuple(_hash_key(getattr(value, f.name)) for f in dataclasses.fields(value)))
+    return 0

@@ -39,6 +39,7 @@ from torch import nn
 
 from atorch.auto.model_context import call_model
 from atorch.auto.result import AutoAccelerateResult
+from atorch.modules.pipeline.batches import cut_rows, find_batch_rows
 
 __all__ = ["StepStats", "clip_grad_norm_", "split_batch", "train_step", "train_step_stats"]
 
@@ -105,27 +106,16 @@ def _accumulation_steps(result: AutoAccelerateResult, requested: Optional[int]) 
     return requested
 
 
-def batch_rows(batch: Any) -> Optional[int]:
-    """Rows of the first tensor (dim >= 1) found in a (nested) batch; None when it holds none."""
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() >= 1 else None
-    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
-    for value in values:
-        rows = batch_rows(value)
-        if rows is not None:
-            return rows
-    return None
-
-
 def split_batch(batch: Any, num: int) -> List[Any]:
     """Split a (nested) batch into `num` equal micro-batches along dim 0 of its tensors.
 
     Tensors whose first dimension is the batch's row count are split; anything else
-    (scalars, strings, per-batch settings) is shared by every micro-batch.
+    (scalars, strings, per-batch settings) is shared by every micro-batch
+    (`atorch.modules.pipeline.batches.cut_rows`, which DeepSpeed 3D's step splits with too).
     """
     if num == 1:
         return [batch]
-    rows = batch_rows(batch)
+    rows = find_batch_rows(batch)
     if rows is None:
         raise ValueError(f"train_step: gradient_accumulation_steps={num} needs a batch of tensors to split, got "
                          f"{type(batch).__name__} without any")
@@ -133,7 +123,7 @@ def split_batch(batch: Any, num: int) -> List[Any]:
         raise ValueError(f"train_step: the per-rank batch of {rows} rows does not split into "
                          f"gradient_accumulation_steps={num} equal micro-batches; use a global batch size that is a "
                          f"multiple of {num} x the data-parallel size")
-    return _pieces(batch, rows, [rows // num] * num)
+    return cut_rows(batch, rows, [rows // num] * num)
 
 
 def micro_batches(result: AutoAccelerateResult, batch: Any, steps: int) -> Tuple[List[Any], Optional[List[float]]]:
@@ -146,20 +136,14 @@ def micro_batches(result: AutoAccelerateResult, batch: Any, steps: int) -> Tuple
     the batch mean. Every data rank gets the same number of rows (the sampler pads), so all ranks
     run the same micro-steps. Any other batch must split evenly (`split_batch`).
     """
-    rows = batch_rows(batch) if steps > 1 else None
+    rows = find_batch_rows(batch) if steps > 1 else None
     full = (result.global_batch_size // result.data_parallel_size
             if result.global_batch_size and result.data_parallel_size else None)
     if rows is None or rows % steps == 0 or full is None or rows >= full:
         return split_batch(batch, steps), None
     parts = min(steps, rows)
     sizes = [rows // parts + (1 if i < rows % parts else 0) for i in range(parts)]
-    return _pieces(batch, rows, sizes), [size / rows for size in sizes]
-
-
-def _pieces(batch: Any, rows: int, sizes: List[int]) -> List[Any]:
-    """`batch` cut along its rows into consecutive pieces of `sizes` rows."""
-    starts = [0, *itertools.accumulate(sizes)]
-    return [_slice(batch, rows, start, stop) for start, stop in zip(starts, starts[1:])]
+    return cut_rows(batch, rows, sizes), [size / rows for size in sizes]
 
 
 def _scaled(loss: torch.Tensor, steps: int, weights: Optional[List[float]], i: int) -> torch.Tensor:
@@ -168,18 +152,6 @@ def _scaled(loss: torch.Tensor, steps: int, weights: Optional[List[float]], i: i
     if weights is not None:
         return loss * weights[i]
     return loss / steps if steps > 1 else loss
-
-
-def _slice(batch: Any, rows: int, start: int, stop: int) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch[start:stop] if batch.dim() >= 1 and batch.shape[0] == rows else batch
-    if isinstance(batch, dict):
-        return type(batch)({k: _slice(v, rows, start, stop) for k, v in batch.items()})
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(_slice(v, rows, start, stop) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_slice(v, rows, start, stop) for v in batch)
-    return batch
 
 
 # -- plain models, DDP, FSDP2, tensor parallel ------------------------------------------------
@@ -289,8 +261,10 @@ def _custom_step(result: AutoAccelerateResult, custom_step: Callable, batch: Any
                          f"over {engine_steps} micro-batches per step (deepspeed_3d_parallel: set "
                          "gradient_accumulation_steps in its ds_config instead)")
     engine = result.engine or result.model
-    if max_grad_norm is not None:
-        set_deepspeed_clipping(engine, max_grad_norm)
+    # Set at every call: a max_grad_norm of an earlier call must not go on clipping. Without one, the
+    # clipping of the engine's ds_config (DeepSpeed 3D keeps a user's gradient_clipping).
+    configured = float((result.deepspeed_config or {}).get("gradient_clipping") or 0.0)
+    set_deepspeed_clipping(engine, max_grad_norm if max_grad_norm is not None else configured)
     loss = custom_step(result, batch)
     norm = _deepspeed_norm(engine) if max_grad_norm is not None else None
     return StepStats(loss, norm, steps)
@@ -302,8 +276,9 @@ def _pipeline_step(result: AutoAccelerateResult, pipeline: Any, batch: Any, step
                    max_grad_norm: Optional[float]) -> StepStats:
     """`k` schedule steps on micro-batches, their gradients summed and divided by `k`.
 
-    The schedule divides the gradients present after it by its chunk count (torch's
-    `scale_grads`), so the gradients of earlier micro-steps are set aside while it runs.
+    Each schedule step computes its micro-batch's gradients from zero; the gradients of earlier
+    micro-steps are set aside while it runs and added back after, so no schedule ever sees (or
+    scales) another micro-step's gradients.
     """
     params = [p for p in pipeline.stage_module.parameters() if p.requires_grad]
     losses: List[torch.Tensor] = []

@@ -151,10 +151,11 @@ def test_sample_batch_feeds_the_dry_run_of_a_loaded_strategy():
     assert status and result is not None
     assert result.dataloader is None          # as in ATorch: no dataloader from a sample batch
     assert ROWS and set(ROWS) == {4}          # the dry run's batches: the sample, expanded to batch_size
-    # Without a dataset or a sample batch the dry run has nothing to run: the documented status=False.
-    status, _, _ = auto_accelerate(Recorder(), torch.optim.SGD, loss_func=_loss, optim_args={"lr": 0.1},
-                                   load_strategy=[], ignore_dryrun_on_load_strategy=False)
-    assert status is False
+    # Without a dataset or a sample batch the dry run has nothing to run: refused before anything is built.
+    with pytest.raises(ValueError, match="ignore_dryrun_on_load_strategy=False dry-runs the loaded strategy on "
+                                         "batches of the dataset, but no dataset was given"):
+        auto_accelerate(Recorder(), torch.optim.SGD, loss_func=_loss, optim_args={"lr": 0.1},
+                        load_strategy=[], ignore_dryrun_on_load_strategy=False)
 
 
 def test_sample_batch_is_the_search_dataset(monkeypatch):

@@ -96,3 +96,50 @@ def test_auto_accelerate_logs_what_it_does_not_use_and_what_it_leaves_out(caplog
     messages = [r.getMessage() for r in caplog.records]
     assert any("excluded=['fsdp'] and included=None only restrict the automatic search" in m for m in messages)
     assert any("10 samples in global batches of 4: the last 2 are left out in each epoch" in m for m in messages)
+
+
+# -- hashing agrees with ==, and never raises -------------------------------------------------------
+
+def test_equal_strategies_hash_alike_and_any_config_hashes():
+    a = Strategy([("fsdp", {"cpu_offload": False, "sync_module_states": True})])
+    b = Strategy([("fsdp", {"sync_module_states": True, "cpu_offload": False})])   # the same, keys reordered
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    holding = Strategy([("checkpoint", {"wrap_cls": [lambda: None], "sets": {1, 2}, "nested": [{"a": [1]}]})])
+    assert isinstance(hash(holding), int)   # a callable, a set, lists of dicts: no JSON needed to hash
+    assert len({Strategy(["fsdp"]), Strategy(["fsdp", "amp_native"]), Strategy(["fsdp"])}) == 2
+
+
+# -- a JSON strategy imports only trusted packages or modules the process has imported ----------------
+
+def test_a_json_strategy_imports_no_module_the_process_has_not_imported(tmp_path, monkeypatch):
+    import sys
+
+    marker = tmp_path / "imported"
+    (tmp_path / "s17_strategy_side_effect.py").write_text(
+        "import dataclasses, pathlib\n"
+        f"pathlib.Path({str(marker)!r}).write_text('module code ran')\n"
+        "class Block:\n    pass\n"
+        "@dataclasses.dataclass\nclass Options:\n    x: int = 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "s17_strategy_side_effect", raising=False)
+
+    def config(value):
+        return json.dumps({"format": "atorch.strategy/1", "items": [{"name": "checkpoint", "config": value}]})
+
+    as_class = config({"wrap_cls": {"__class__": "s17_strategy_side_effect:Block"}})
+    as_dataclass = config({"opts": {"__dataclass__": "s17_strategy_side_effect:Options", "fields": {"x": 3}}})
+    for text in (as_class, as_dataclass):
+        with pytest.raises(ValueError, match=r"class 's17_strategy_side_effect:(Block|Options)' is in module "
+                                             r"'s17_strategy_side_effect', which is not imported; a strategy file "
+                                             r"only imports modules of torch, transformers, atorch, peft, deepspeed "
+                                             r".*import s17_strategy_side_effect in your script"):
+            Strategy.from_json(text)
+    assert not marker.exists() and "s17_strategy_side_effect" not in sys.modules
+    # Once the user's script has imported it, its classes are found (nothing new runs).
+    import s17_strategy_side_effect
+
+    assert Strategy.from_json(as_class)[0].config["wrap_cls"] is s17_strategy_side_effect.Block
+    assert Strategy.from_json(as_dataclass)[0].config["opts"] == s17_strategy_side_effect.Options(3)
+    # Trusted packages are imported as before, submodules included.
+    text = config({"wrap_cls": {"__class__": "torch.nn.modules.linear:Linear"}})
+    assert Strategy.from_json(text)[0].config["wrap_cls"] is torch.nn.Linear

@@ -6,17 +6,20 @@ How it composes, so that a plain `loss.backward(); optim.step()` loop stays corr
   DeepSpeed `bf16`/`fp16`) instead of autocast;
 - apply_wrapper, when no wrapper took that over: the model's forward runs under
   `torch.autocast` (patched on the instance: state-dict keys do not change);
-- fp16 (unless DeepSpeed scales): a `GradScaler` whose overflow check is agreed by all ranks.
-  The result's loss_func returns the true loss whose *backward* is multiplied by the current
-  scale, and `result.optim` is a `GradScalingOptimizer` whose `step()` unscales, skips the
-  step on inf/nan and updates the scale. bf16 needs no scaling (it has fp32's exponent range).
+- fp16 (unless DeepSpeed scales): a `GradScaler` whose overflow check is agreed by all ranks
+  (`result.grad_scaler`). With `optim_func`, the result's loss_func returns the true loss whose
+  *backward* is multiplied by the current scale, and `result.optim` is a `GradScalingOptimizer`
+  whose `step()` unscales, skips the step on inf/nan and updates the scale. Without `optim_func`
+  (the user's own optimizer) nothing can be wrapped: the scaler is still made and a warning says to
+  use it torch's way (`scaler.scale(loss).backward(); scaler.step(optim); scaler.update()`).
+  bf16 needs no scaling (it has fp32's exponent range).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, cast
+from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
@@ -80,7 +83,7 @@ class AmpNativeOptimization(DescribedByDtype, Optimization):
                         "nothing and is not added", dtype_name(config.dtype), dtype_name(config.dtype))
         else:
             add_autocast_to_forward(ctx.model, ctx.device.type, config.dtype)
-        if config.dtype is torch.float16 and not ctx.loss_scaling_by_wrapper and ctx.optim is not None:
+        if config.dtype is torch.float16 and not ctx.loss_scaling_by_wrapper:
             self._add_grad_scaling(ctx)
 
     @staticmethod
@@ -94,5 +97,12 @@ class AmpNativeOptimization(DescribedByDtype, Optimization):
         else:
             scaler = torch.amp.GradScaler(ctx.device.type)
         ctx.grad_scaler = scaler
-        ctx.optim = GradScalingOptimizer(cast(torch.optim.Optimizer, ctx.optim), scaler)  # checked by the caller
+        if ctx.optim is None:
+            # fp16 gradients underflow without loss scaling; the user's loop must apply the scaler itself.
+            logger.warning("amp_native(float16) without optim_func: no optimizer to wrap, so the loss is not scaled "
+                           "for you; scale it with result.grad_scaler in your loop: grad_scaler.scale(loss)."
+                           "backward(); grad_scaler.step(optimizer); grad_scaler.update() (or pass optim_func, and "
+                           "train_step / result.optim do it)")
+            return
+        ctx.optim = GradScalingOptimizer(ctx.optim, scaler)
         ctx.loss_transforms.append(ctx.optim.scale_loss)

@@ -145,6 +145,9 @@ class Optimization:
     allowed_partners: ClassVar[Optional[FrozenSet[str]]] = None
     """When set, the only optimizations this one may be combined with (new ones are refused by default)."""
     distributed_only: ClassVar[bool] = False
+    global_batch_from_config: ClassVar[bool] = False
+    """True when, without dataloader_args["batch_size"], the optimization takes the global batch from
+    its own config (deepspeed_3d_parallel's ds_config) instead of torch's default of 1."""
     splits_over: ClassVar[FrozenSet[str]] = frozenset()
     """The parallel_mode dims this optimization divides the model over ("data" needs none: the
     dataloader always splits it). A dim of size > 1 that no optimization of a strategy splits over

@@ -42,7 +42,8 @@ class DdpOptimization(Optimization):
     order = Order.DATA_PARALLEL_WRAP
     wrapper_order = WrapperOrder.DATA_PARALLEL
     # These reduce(-scatter) gradients themselves; DDP on top would reduce them twice.
-    # (zero1 with use_ds_zero=True is refused by zero1's validation: it depends on the config.)
+    # (zero1 with use_ds_zero=True is refused too, by its config_conflicts, since it depends on the config:
+    # DEEPSPEED_CONFLICTS["ddp"] in _sharding.py.)
     conflicts = frozenset({"fsdp", "zero2"})
     Config = DdpConfig
     search_dimension = None   # resolve_strategy adds it whenever nothing else reduces gradients

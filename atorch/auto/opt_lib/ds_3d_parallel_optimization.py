@@ -38,9 +38,9 @@ from atorch.auto.opt_lib._ds_config import (
 )
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, WrapperOrder, register
 from atorch.modules.pipeline.batches import (
-    batch_rows,
     check_dataset_sample,
     check_no_router_aux_loss,
+    find_batch_rows,
     hf_batch_fn,
     split_micro_batches,
 )
@@ -55,6 +55,7 @@ from atorch.modules.pipeline.patchers import (
 )
 from atorch.modules.pipeline.patchers import get_custom_patcher as _preset_patcher
 from atorch.utils.manual_tp_utils import TPInfo, resolve_tp_plan
+from atorch.utils.meta_model_utils import DEFAULT_BASE_SEED
 from atorch.utils.tp_presets import gpt2_tpinfo, llama_tpinfo, tpinfo_for_model
 
 __all__ = ["DeepSpeed3DParallelConfig", "DeepSpeed3DParallelOptimization", "get_custom_patcher",
@@ -71,7 +72,7 @@ SUPPORTED_ORDER = ("tensor", "data", "pipeline")
 class DeepSpeed3DParallelConfig:
     """Options of `deepspeed_3d_parallel`; every field may be left at its default for Llama and GPT2."""
 
-    base_seed: int = 1234
+    base_seed: int = DEFAULT_BASE_SEED
     """Seed of the materialized weights (equal to `torch.manual_seed(base_seed); Model(config)`) and of the
     tensor-parallel dropout streams."""
 
@@ -92,7 +93,9 @@ class DeepSpeed3DParallelConfig:
     `dataloader_args["batch_size"]`, split into micro-batches as `resolve_ds_config` says; given, they may
     be partial (DeepSpeed's rule fills the rest, the dataloader's batch size standing for train_batch_size)
     but must agree with the dataloader's batch size. `gradient_clipping` defaults to 0 (no clipping, as in
-    plain training) when absent, unlike DeepSpeed's 1.0."""
+    plain training) when absent, unlike DeepSpeed's 1.0. A value given is kept (ATorch's loops call
+    `engine.train_batch` themselves and clip through it); `train_step(..., max_grad_norm=)` overrides it for
+    that one step only."""
 
     batch_fn: Optional[Callable[[Any], Any]] = None
     """Turns a dataloader item into `((inputs...), labels)`; None: Hugging Face dicts (input_ids, labels,
@@ -237,6 +240,9 @@ class DeepSpeed3DParallelOptimization(Optimization):
     distributed_only = False  # one process is a valid (1, 1, 1) layout, handy for debugging
     Config = DeepSpeed3DParallelConfig
     search_dimension = None   # driven by the user's ds_config (batch split, precision, ZeRO stage)
+    # Without dataloader_args["batch_size"] the global batch is ds_config's (`resolve_ds_config`), not
+    # torch's default of 1: auto_accelerate leaves the batch size absent for it (`default_batch_size`).
+    global_batch_from_config = True
 
     def __init__(self) -> None:
         self._ds_config: Dict[str, Any] = {}   # resolved in apply, used to build the engine in apply_wrapper
@@ -396,9 +402,10 @@ def ds3d_train_step(result: Any, batch: Any) -> torch.Tensor:
             all(isinstance(b, Mapping) for b in batch):
         micro_batches = list(batch)
     elif isinstance(batch, Mapping):
-        rows = batch_rows(batch)
+        rows = find_batch_rows(batch)   # as train_step counts them: the first tensor's, at any depth
         if rows != micro * gas:
-            raise ValueError(f"deepspeed_3d_parallel train_step: a batch of {rows} rows, but one step takes "
+            what = f"a batch of {rows} rows" if rows is not None else "a batch without tensors"
+            raise ValueError(f"deepspeed_3d_parallel train_step: {what}, but one step takes "
                              f"train_micro_batch_size_per_gpu={micro} x gradient_accumulation_steps={gas} = "
                              f"{micro * gas} rows per data rank; or call engine.train_batch(iter(result.dataloader)),"
                              " whose items are micro-batches")

@@ -40,7 +40,6 @@ logger = logging.getLogger(__name__)
 # Any other value ("sdpa", "flash_attention_2", "flex_attention", a hub kernel) is already fused.
 _EAGER_ATTENTION = (None, "eager")
 KINDS = ("attention", "norm", "activation", "mlp")
-_KINDS = KINDS  # the old private name
 
 
 @dataclass(frozen=True)
@@ -102,14 +101,6 @@ class ReplacementPlan:
     def found_nothing(self) -> bool:
         return self.is_empty() and not self.already_fused and not self.not_supported
 
-    def counts(self) -> Dict[str, int]:
-        out = {kind: 0 for kind in KINDS}
-        if self.attention_model is not None or self.attention_config is not None:
-            out["attention"] = 1
-        for _, kind, _ in self.modules.values():
-            out[kind] += 1
-        return out
-
 
 def _loaded_transformers_attr(module: str, name: str) -> Any:
     """`transformers.<module>.<name>` if transformers is already imported, else None.
@@ -168,6 +159,20 @@ def _plan_stage_attention(model: nn.Module, plan: ReplacementPlan) -> None:
         plan.attention_config = config
 
 
+def _kind_of(module: nn.Module, gelu_classes: Tuple[type, ...]) -> Optional[str]:
+    """The replacement kind a module is a candidate of (replaceable, already fused or not supported), or None."""
+    if looks_like_mlp(module) or isinstance(module, FusedMLP):
+        return "mlp"
+    if is_llama_style_rms_norm(module) or isinstance(module, (FusedRMSNorm, nn.RMSNorm)) \
+            or type(module).__name__.endswith("RMSNorm"):
+        return "norm"
+    if gelu_classes and type(module) in gelu_classes:
+        return "activation"
+    if type(module).__name__.endswith("Attention"):
+        return "attention"
+    return None
+
+
 def _selected(kind: str, module: nn.Module, config: ModuleReplaceConfig) -> bool:
     return getattr(config, kind) or type(module).__name__ in config.classes
 
@@ -221,11 +226,22 @@ def _fused_equivalent(kind: str, module: nn.Module) -> nn.Module:
 
 
 def _check_classes(model: nn.Module, config: ModuleReplaceConfig) -> None:
+    """Every class listed occurs in `model` and is of a kind module_replace replaces (any other would be
+    left as is without a word: it is no candidate, so no reason would be listed for it)."""
     present = {type(m).__name__ for m in model.modules()}
     missing = [c for c in config.classes if c not in present]
     if missing:
         raise ValueError(f"module_replace: classes {missing} do not occur in {type(model).__name__}; its module "
                          f"classes are {sorted(present)}")
+    gelu_classes = _python_gelu_classes()
+    kinds = {type(m).__name__: _kind_of(m, gelu_classes) for m in model.modules()}
+    other = [c for c in config.classes if kinds.get(c) is None]
+    if other:
+        replaceable = sorted(name for name, kind in kinds.items() if kind is not None)
+        raise ValueError(f"module_replace: classes {other} are of no kind module_replace replaces (attention: "
+                         "Hugging Face *Attention modules; norm: *RMSNorm; activation: NewGELUActivation / "
+                         "FastGELUActivation; mlp: *MLP modules); list only such classes, e.g. those of "
+                         f"{type(model).__name__}: {replaceable}")
 
 
 def validate_on_model(model: nn.Module, config: ModuleReplaceConfig) -> ReplacementPlan:

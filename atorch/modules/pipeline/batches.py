@@ -1,12 +1,14 @@
 """Batches and loss shared by the pipeline engines: HF batch dicts in, causal-LM loss out.
 
 The same dataloader (dicts with `input_ids`, `labels`, optional `attention_mask`) serves
-every strategy; these helpers turn it into what a pipeline stage consumes.
+every strategy; these helpers turn it into what a pipeline stage consumes. The rows of a batch
+and its split into micro-batches (`find_batch_rows`, `cut_rows`) are also `atorch.auto.train_step`'s.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+import itertools
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -210,14 +212,50 @@ def hf_batch_fn(batch: Any) -> Any:
     return hf_inputs(batch), hf_labels(batch)
 
 
-def batch_rows(batch: Mapping[str, torch.Tensor]) -> int:
-    return next(iter(batch.values())).shape[0]
+def find_batch_rows(batch: Any) -> Optional[int]:
+    """Rows of the first tensor (dim >= 1) found in a (nested) batch; None when it holds none."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() >= 1 else None
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    for value in values:
+        rows = find_batch_rows(value)
+        if rows is not None:
+            return rows
+    return None
 
 
-def split_micro_batches(batch: Mapping[str, torch.Tensor], num: int) -> List[Dict[str, torch.Tensor]]:
-    """Split a batch dict into `num` equal micro-batches along dim 0."""
+def batch_rows(batch: Any) -> int:
+    """`find_batch_rows`, refusing a batch that holds no tensor with rows."""
+    rows = find_batch_rows(batch)
+    if rows is None:
+        raise ValueError(f"a batch of {type(batch).__name__} holds no tensor with rows (dim >= 1) to count or split")
+    return rows
+
+
+def cut_rows(batch: Any, rows: int, sizes: Sequence[int]) -> List[Any]:
+    """`batch` cut along its `rows` into consecutive pieces of `sizes` rows: tensors whose first dimension is
+    `rows` are sliced; anything else (scalars, strings, per-batch settings) is shared by every piece."""
+    starts = [0, *itertools.accumulate(sizes)]
+    return [_slice_rows(batch, rows, start, stop) for start, stop in zip(starts, starts[1:])]
+
+
+def _slice_rows(batch: Any, rows: int, start: int, stop: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop] if batch.dim() >= 1 and batch.shape[0] == rows else batch
+    if isinstance(batch, dict):
+        return type(batch)({k: _slice_rows(v, rows, start, stop) for k, v in batch.items()})
+    if isinstance(batch, Mapping):   # another mapping (e.g. transformers' BatchEncoding): a plain dict
+        return {k: _slice_rows(v, rows, start, stop) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_slice_rows(v, rows, start, stop) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_slice_rows(v, rows, start, stop) for v in batch)
+    return batch
+
+
+def split_micro_batches(batch: Any, num: int) -> List[Any]:
+    """Split a (nested) batch into `num` equal micro-batches along the rows of its tensors (`cut_rows`)."""
     rows = batch_rows(batch)
     if num < 1 or rows % num != 0:
         raise ValueError(f"a batch of {rows} rows does not split into {num} equal micro-batches")
-    size = rows // num
-    return [{k: v[i * size:(i + 1) * size] for k, v in batch.items()} for i in range(num)]
+    return cut_rows(batch, rows, [rows // num] * num)
