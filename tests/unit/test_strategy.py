@@ -115,31 +115,31 @@ def test_a_json_strategy_imports_no_module_the_process_has_not_imported(tmp_path
     import sys
 
     marker = tmp_path / "imported"
-    (tmp_path / "s17_strategy_side_effect.py").write_text(
+    (tmp_path / "user_module_with_side_effect.py").write_text(
         "import dataclasses, pathlib\n"
         f"pathlib.Path({str(marker)!r}).write_text('module code ran')\n"
         "class Block:\n    pass\n"
         "@dataclasses.dataclass\nclass Options:\n    x: int = 0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "s17_strategy_side_effect", raising=False)
+    monkeypatch.delitem(sys.modules, "user_module_with_side_effect", raising=False)
 
     def config(value):
         return json.dumps({"format": "atorch.strategy/1", "items": [{"name": "checkpoint", "config": value}]})
 
-    as_class = config({"wrap_cls": {"__class__": "s17_strategy_side_effect:Block"}})
-    as_dataclass = config({"opts": {"__dataclass__": "s17_strategy_side_effect:Options", "fields": {"x": 3}}})
+    as_class = config({"wrap_cls": {"__class__": "user_module_with_side_effect:Block"}})
+    as_dataclass = config({"opts": {"__dataclass__": "user_module_with_side_effect:Options", "fields": {"x": 3}}})
     for text in (as_class, as_dataclass):
-        with pytest.raises(ValueError, match=r"class 's17_strategy_side_effect:(Block|Options)' is in module "
-                                             r"'s17_strategy_side_effect', which is not imported; a strategy file "
+        with pytest.raises(ValueError, match=r"class 'user_module_with_side_effect:(Block|Options)' is in module "
+                                             r"'user_module_with_side_effect', which is not imported; a strategy file "
                                              r"only imports modules of torch, transformers, atorch, peft, deepspeed "
-                                             r".*import s17_strategy_side_effect in your script"):
+                                             r".*import user_module_with_side_effect in your script"):
             Strategy.from_json(text)
-    assert not marker.exists() and "s17_strategy_side_effect" not in sys.modules
+    assert not marker.exists() and "user_module_with_side_effect" not in sys.modules
     # Once the user's script has imported it, its classes are found (nothing new runs).
-    import s17_strategy_side_effect
+    import user_module_with_side_effect
 
-    assert Strategy.from_json(as_class)[0].config["wrap_cls"] is s17_strategy_side_effect.Block
-    assert Strategy.from_json(as_dataclass)[0].config["opts"] == s17_strategy_side_effect.Options(3)
+    assert Strategy.from_json(as_class)[0].config["wrap_cls"] is user_module_with_side_effect.Block
+    assert Strategy.from_json(as_dataclass)[0].config["opts"] == user_module_with_side_effect.Options(3)
     # Trusted packages are imported as before, submodules included.
     text = config({"wrap_cls": {"__class__": "torch.nn.modules.linear:Linear"}})
     assert Strategy.from_json(text)[0].config["wrap_cls"] is torch.nn.Linear
