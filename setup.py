@@ -24,6 +24,7 @@ setup(
     include_package_data=True,
     install_requires=read_requirements("requirements.txt"),
     entry_points={"console_scripts": ["atorch = atorch.cli:main"]},
-    extras_require={"test": ["pytest>=7", "pytest-timeout>=2.1", "mypy>=1.10", "tensorboard>=2.14"],
+    extras_require={"test": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3.5", "mypy>=1.10",
+                             "tensorboard>=2.14"],
                     "tensorboard": ["tensorboard>=2.14"]},
 )
