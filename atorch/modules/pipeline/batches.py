@@ -17,15 +17,16 @@ from torch import nn
 IGNORE_INDEX = -100  # the label value Hugging Face losses skip
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Hugging Face's causal-LM loss: predict token t+1 from position t, mean over non-ignored labels.
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Hugging Face's causal-LM loss: predict token t+1 from position t, mean (or with reduction="sum",
+    sum) over non-ignored labels.
 
     Logits are upcast to fp32 like the HF loss, so bf16 activations still give an fp32 loss.
     """
     shift_logits = logits[..., :-1, :].contiguous().float()
     shift_labels = labels[..., 1:].contiguous().to(shift_logits.device)
     return nn.functional.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1),
-                                       ignore_index=IGNORE_INDEX)
+                                       ignore_index=IGNORE_INDEX, reduction=reduction)
 
 
 class CausalLMLoss:

@@ -17,10 +17,15 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from atorch.modules.pipeline.batches import IGNORE_INDEX, check_pipeline_batch, hf_labels, pipeline_inputs
+from atorch.modules.pipeline.batches import (
+    IGNORE_INDEX,
+    causal_lm_loss,
+    check_pipeline_batch,
+    hf_labels,
+    pipeline_inputs,
+)
 from atorch.modules.pipeline.materialize import materialize_model
 from atorch.modules.pipeline.partition import StagePlan, plan_stages
 from atorch.modules.pipeline.patchers import (
@@ -57,12 +62,9 @@ def check_schedule_chunks(schedule: str, chunks: int, num_stages: int) -> None:
 
 
 def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The causal-LM loss of `logits` summed over the predicted tokens (labels not `IGNORE_INDEX`),
-    with `batches.causal_lm_loss`'s shift and fp32 upcast; divided by the token count it is that mean."""
-    shift_logits = logits[..., :-1, :].contiguous().float()
-    shift_labels = labels[..., 1:].contiguous().to(shift_logits.device)
-    return F.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    """The causal-LM loss of `logits` summed over the predicted tokens (labels not `IGNORE_INDEX`);
+    divided by the token count it is `causal_lm_loss`'s mean."""
+    return causal_lm_loss(logits, labels, reduction="sum")
 
 
 def predicted_tokens(labels: torch.Tensor) -> torch.Tensor:
