@@ -378,7 +378,7 @@ def time_steps(step: Callable[[], Any], config: DryRunConfig, device: torch.devi
         for _ in range(per_sample):
             step()
         _synchronize(device)
-        sample = _slowest(time.perf_counter() - start, device)
+        sample = _slowest(time.perf_counter() - start)
         times.append(sample / per_sample)
         steps += per_sample
         seconds += sample
@@ -391,12 +391,11 @@ def time_steps(step: Callable[[], Any], config: DryRunConfig, device: torch.devi
         per_sample = max(1, min(per_sample, config.max_profile_steps - steps))
 
 
-def _slowest(seconds: float, device: torch.device) -> float:
+def _slowest(seconds: float) -> float:
     """The largest `seconds` over the ranks of the current default group (the candidate's world)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return seconds
-    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    value = torch.tensor([seconds], dtype=torch.float64, device=on)
+    value = torch.tensor([seconds], dtype=torch.float64, device=adist.collective_device())
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return float(value.item())
 

@@ -394,12 +394,13 @@ def _tensor_mesh_for(module: Any):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
+    from atorch.distributed import collective_device
+
     group = module.group
     key = tuple(dist.get_process_group_ranks(group))
     mesh = _MESHES.get(key)
     if mesh is None or mesh.get_group() is not group:
-        device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-        mesh = _MESHES[key] = DeviceMesh.from_group(group, device_type)
+        mesh = _MESHES[key] = DeviceMesh.from_group(group, collective_device(group).type)
     return mesh
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from atorch.data.indexed_dataset import PathLike, check_token_id, is_int, open_indexed_dataset, strip_suffix
-from atorch.distributed import local_rank
+from atorch.distributed import collective_device, local_rank
 
 
 def _save_atomically(path: Path, array: np.ndarray) -> None:
@@ -50,8 +50,7 @@ def build_once_per_node(is_built: Callable[[], bool], build: Callable[[], None],
             build()
         except Exception as e:  # noqa: BLE001 - reported to every rank below, then re-raised
             failure = e
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    failed = torch.tensor([1 if failure is not None else 0], device=device)
+    failed = torch.tensor([1 if failure is not None else 0], device=collective_device())
     # An all_reduce doubles as the barrier and tells everyone whether a builder failed.
     dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     if failure is not None:

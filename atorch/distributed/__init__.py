@@ -1,6 +1,7 @@
 """Process groups, named parallel groups over one DeviceMesh, and the launcher."""
 
 from atorch.distributed.process_group import (
+    collective_device,
     destroy_distributed,
     device,
     device_type,
@@ -37,7 +38,7 @@ from atorch.distributed.parallel_group import (
 )
 
 __all__ = [
-    "ParallelLayout", "ParallelMesh", "add_parallel_group", "create_parallel_group", "default_parallel_mesh",
+    "ParallelLayout", "ParallelMesh", "add_parallel_group", "collective_device", "create_parallel_group", "default_parallel_mesh",
     "destroy_distributed", "destroy_parallel_group", "device", "device_mesh", "device_type", "find_free_port",
     "init_distributed", "is_coworker", "is_initialized", "is_parallel_group_created", "local_rank", "parallel_config",
     "parallel_group", "parallel_group_ranks", "parallel_group_size", "parallel_instance_index",

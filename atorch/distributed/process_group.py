@@ -328,6 +328,16 @@ def device_type() -> str:
     return device().type
 
 
+def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """Where the tensors of `group`'s collectives must live (None: the default group): the current CUDA
+    device when the group runs on nccl, which takes no CPU tensors, else the CPU (gloo takes both; CPU
+    tensors there need no device at all). The one rule for every small collective atorch runs itself:
+    flags, votes, checksums, timings."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 # Called by `destroy_distributed` before the default group goes (the parallel-group module
 # registers forgetting its default layout): layers above register here instead of this module
 # importing them.

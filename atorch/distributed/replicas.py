@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from atorch.distributed.process_group import collective_device
+
 
 RELATIVE_TOLERANCE = 1e-7
 """Checksums closer than this fraction of the parameter's magnitude sum count as equal."""
@@ -29,8 +31,7 @@ def first_difference(model: nn.Module, group: Optional[dist.ProcessGroup],
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return None
     if device is None:
-        nccl = dist.get_backend(group) == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        device = collective_device(group)
     names: List[str] = []
     stats = []
     for name, p in model.named_parameters():

@@ -458,15 +458,20 @@ def test_strategy_workload_probes_one_pass_of_the_cost_model():
 def test_collectives_run_on_the_device_their_backend_takes(monkeypatch):
     import torch.distributed as dist
 
-    from atorch.auto.calibration.cache import collective_device
+    from atorch.auto.calibration.cache import probe_device
+    from atorch.distributed import collective_device
 
+    assert collective_device() == torch.device("cpu")               # no process group: nothing to place
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert collective_device() == torch.device("cuda", 3)           # nccl takes no CPU tensors
-    assert collective_device(None, torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert probe_device(None, torch.device("cpu")) == torch.device("cuda", 3)
+    assert probe_device(None, torch.device("cuda", 1)) == torch.device("cuda", 1)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
-    assert collective_device(None, torch.device("cpu")) == torch.device("cpu")
-    assert collective_device(None, torch.device("cuda", 1)) == torch.device("cuda", 1)   # gloo takes CUDA too
+    assert collective_device() == torch.device("cpu")
+    assert probe_device(None, torch.device("cpu")) == torch.device("cpu")
+    assert probe_device(None, torch.device("cuda", 1)) == torch.device("cuda", 1)   # gloo takes CUDA too
 
 
 def _two_fake_ranks(monkeypatch, other_rank_misses=True, backend="gloo"):

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from atorch.distributed.process_group import collective_device
 from atorch.utils.finite_numbers import is_finite_number
 
 logger = logging.getLogger(__name__)
@@ -66,15 +67,12 @@ def as_mapping(value: Any) -> Dict[str, Any]:
     return dict(value) if isinstance(value, dict) else {}
 
 
-def collective_device(group: Any = None, device: Optional[torch.device] = None) -> torch.device:
-    """Where tensors of `group`'s collectives live: `device` when it is a CUDA device (gloo takes those
-    too), else the current CUDA device on nccl (which takes no CPU tensors, and is `init_distributed`'s
-    default backend wherever CUDA exists), else the CPU."""
+def probe_device(group: Any = None, device: Optional[torch.device] = None) -> torch.device:
+    """Where a probe's collectives on `group` run: `device` when it is a CUDA device (gloo takes those
+    too: the probe then measures the link the GPUs use), else where the group's collectives must run."""
     if device is not None and device.type == "cuda":
         return device
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return collective_device(group)
 
 
 @dataclass(frozen=True)

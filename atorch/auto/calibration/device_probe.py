@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from atorch.auto.calibration.cache import Measurement, collective_device, default_cache_path, measure_cached
+from atorch.auto.calibration.cache import Measurement, default_cache_path, measure_cached, probe_device
 from atorch.auto.devices import cpu_model_name
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def calibrate_device(device: Optional[torch.device] = None, group: Any = None, *
         return {name: probe_matmul(device, dtypes[name]) for name in names}
 
     def measure_comm(names: List[str]) -> Dict[str, float]:
-        bandwidth, latency = probe_all_reduce(collective_device(group, device), group)
+        bandwidth, latency = probe_all_reduce(probe_device(group, device), group)
         return {"comm_bytes_per_s": bandwidth, "comm_latency_s": latency}
 
     measurements = [Measurement(("compute",), ("flops_fp32", "flops_bf16"), measure_compute, whole=True)]

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from atorch.auto.calibration.cache import Measurement, collective_device, default_cache_path, measure_cached
+from atorch.auto.calibration.cache import Measurement, default_cache_path, measure_cached, probe_device
 from atorch.auto.calibration.device_probe import device_kind, synchronize, time_all_reduce
 from atorch.auto.cost_model import ModelShape, StrategyTraits, micro_batch_size
 from atorch.auto.cost_model.step_time import block_params, forward_backward_flops
@@ -307,7 +307,7 @@ def calibrate_model(shape: ModelShape, workloads: Sequence[Tuple[int, int]], com
         return measured
 
     def measure_comm(names: List[str]) -> Dict[str, float]:
-        probed = probe_all_reduce_sizes(collective_device(group, device), [int(n) for n in names], group)
+        probed = probe_all_reduce_sizes(probe_device(group, device), [int(n) for n in names], group)
         return {str(k): v for k, v in probed.items()}
 
     rate_names = [k + suffix for k in wanted for suffix in (("", _OVERHEAD) if method == "block" else ("",))]
