@@ -74,8 +74,6 @@ class DeepSpeedHandler(LayoutHandler):
         return self.tp.to_global(state)
 
     def load_model_state(self, state: Dict[str, torch.Tensor]) -> None:
-        from deepspeed.utils import safe_set_full_fp32_param
-
         state = self.tp.to_local(state)
         with torch.no_grad():
             for name, value, is_param in self.entries:
@@ -84,7 +82,7 @@ class DeepSpeedHandler(LayoutHandler):
                 elif state[name] is not value:
                     value.copy_(state[name].to(value.dtype))
                 if is_param and value.requires_grad and self.zero is not None:
-                    safe_set_full_fp32_param(value, state[name].to(torch.float32))
+                    _set_full_master(value, state[name])
 
     # -- optimizer ---------------------------------------------------------------------
     def _groups(self) -> List[Tuple[Dict[str, Any], List[torch.nn.Parameter], torch.Tensor]]:
@@ -160,8 +158,6 @@ class DeepSpeedHandler(LayoutHandler):
         return self.tp.to_global(tensors), values
 
     def load_optim_state(self, tensors: Dict[str, torch.Tensor], values: Dict[str, Any]) -> None:
-        from deepspeed.utils import safe_set_full_optimizer_state
-
         tensors = self.tp.to_local(tensors)
         if self.zero is None:
             assert self.plain_optim is not None, "has_optimizer is checked before the optimizer state is loaded"
@@ -174,7 +170,7 @@ class DeepSpeedHandler(LayoutHandler):
             for p in params:
                 name = self.names[id(p)]
                 for key in keys:
-                    safe_set_full_optimizer_state(p, tensors[f"state.{name}.{key}"].to(torch.float32), key)
+                    _set_full_master(p, tensors[f"state.{name}.{key}"], key)
             first = self.names[id(params[0])]
             for key, v in list(flat_state.items()):
                 if torch.is_tensor(v) and v.dim() == 0:
@@ -237,6 +233,37 @@ def _gathered(p: torch.Tensor) -> torch.Tensor:
 
     with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
         return p.detach().clone()
+
+
+def _set_full_master(p: torch.Tensor, full: torch.Tensor, optim_state_key: Optional[str] = None) -> None:
+    """Write the whole-parameter `full` (every rank holds the same) into `p`'s fp32 master partition, or
+    into its optimizer state `optim_state_key`.
+
+    Under ZeRO-3 each rank writes its own slice through DeepSpeed's local API: its full-tensor setter
+    slices `partition numel x rank` out of the unpadded tensor, which runs past the end on the last
+    rank when the parameter's size is not a multiple of the group's (a bias of an odd vocabulary
+    on 2 ranks). The padding past the end of the parameter is written as zeros, as DeepSpeed pads.
+    """
+    from deepspeed.utils import (safe_set_full_fp32_param, safe_set_full_optimizer_state, safe_set_local_fp32_param,
+                                 safe_set_local_optimizer_state)
+
+    full = full.to(torch.float32)
+    if hasattr(p, "ds_id"):            # a ZeRO-3 partitioned parameter
+        import torch.distributed as dist
+
+        part = p.ds_tensor.ds_numel
+        start = part * dist.get_rank(group=getattr(p, "ds_process_group", None))
+        local = full.reshape(-1)[start:start + part]
+        local = torch.cat([local, local.new_zeros(part - local.numel())]) if local.numel() < part else local
+        local = local.to(p.ds_tensor.device)
+        if optim_state_key is None:
+            safe_set_local_fp32_param(p, local)
+        else:
+            safe_set_local_optimizer_state(p, local, optim_state_key)
+    elif optim_state_key is None:
+        safe_set_full_fp32_param(p, full)
+    else:
+        safe_set_full_optimizer_state(p, full, optim_state_key)
 
 
 def _scatter(p: torch.Tensor, full: torch.Tensor) -> None:

@@ -26,6 +26,7 @@ from test_opt_parity import (
 
 from atorch.auto import auto_accelerate, train_step
 from atorch.testing import run_distributed, tiny_llama
+from atorch.testing.parity import assert_close_losses
 
 FP32 = {
     "zero1(ds)": [("zero1", {"use_ds_zero": True})],
@@ -55,36 +56,41 @@ def _scheduler_is_stepped_by_the_engine():
 
 
 class FeatureNet(torch.nn.Module):
-    """A model fed float features (not token ids): what DeepSpeed's bf16 module met as fp32 input."""
+    """A model fed float features (not token ids): what DeepSpeed's bf16 module met as fp32 input.
+    With 3 classes it has an odd number of elements (643) and an odd-sized bias, which DeepSpeed pads
+    to split over 2 ranks."""
 
-    def __init__(self):
+    def __init__(self, classes: int = 4):
         super().__init__()
         torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, classes))
 
     def forward(self, x, y=None):
         return self.net(x)
 
 
 class FeatureData(torch.utils.data.Dataset):
+    def __init__(self, classes: int = 4):
+        self.classes = classes
+
     def __len__(self):
         return GLOBAL_BATCH * STEPS
 
     def __getitem__(self, i):
         g = torch.Generator().manual_seed(i)
-        return torch.randn(16, generator=g), torch.randint(0, 4, (), generator=g)
+        return torch.randn(16, generator=g), torch.randint(0, self.classes, (), generator=g)
 
 
 def _feature_loss(batch, out):
     return torch.nn.functional.cross_entropy(out.float(), batch[1])
 
 
-def feature_reference():
+def feature_reference(classes: int = 4):
     """Single process, fp32, the same global batches (samples [k*B, (k+1)*B) at step k, as a
     non-shuffling DistributedSampler spreads them over the ranks)."""
-    model = FeatureNet()
+    model = FeatureNet(classes)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    data = FeatureData()
+    data = FeatureData(classes)
     losses = []
     for step in range(STEPS):
         x, y = zip(*(data[i] for i in range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)))
@@ -114,9 +120,53 @@ def _float_inputs_in_bf16():
     return losses
 
 
-def _train_deepspeed():
+def _odd_sized(strategy, steps=STEPS, resume_from=None, save_to=None):
+    """Losses of FeatureNet(3) (643 elements: DeepSpeed pads its partitions) under `strategy`, fp32;
+    `save_to`: a checkpoint after the first step; `resume_from`: that checkpoint loaded first (model and
+    optimizer), then the remaining steps on the data it resumes at."""
+    from atorch.checkpoint import load_checkpoint, save_checkpoint
+
+    status, result, _ = auto_accelerate(
+        FeatureNet(3), optim_func=torch.optim.AdamW, dataset=FeatureData(3), loss_func=_feature_loss,
+        optim_args={"lr": 1e-2}, model_input_format="unpack_sequence",
+        dataloader_args={"batch_size": GLOBAL_BATCH, "shuffle": False}, load_strategy=strategy)
+    assert status
+    dataloader = result.dataloader
+    if resume_from is not None:
+        dataloader = load_checkpoint(result, resume_from).dataloader
+    losses = []
+    for step, batch in zip(range(steps), dataloader):
+        losses.append(_global_loss(train_step(result, batch)))
+        if save_to is not None and step == 0:
+            save_checkpoint(result, save_to, step=1)
+    result.args["engine"].destroy()
+    del result
+    dist.barrier()
+    return losses
+
+
+def _odd_sized_runs(root):
+    """{run: losses, or the error it raised} (an error is reported by the test, not by the whole spawn)."""
+    ckpt = f"{root}/zero3_after_1"
+    runs = {
+        "zero1(ds)": lambda: _odd_sized([("zero1", {"use_ds_zero": True})]),
+        "zero2(ds)": lambda: _odd_sized([("zero2", {"use_ds_zero": True})]),
+        "fsdp(ds)": lambda: _odd_sized([("fsdp", {"use_ds_zero": True})], save_to=ckpt),
+        "fsdp(ds) resumed": lambda: _odd_sized([("fsdp", {"use_ds_zero": True})], steps=STEPS - 1, resume_from=ckpt),
+    }
+    out = {}
+    for name, run in runs.items():
+        try:
+            out[name] = run()
+        except (AssertionError, RuntimeError, ValueError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _train_deepspeed(root):
     out = train_all({**FP32, **BF16})
     out["scheduler_lrs"] = _scheduler_is_stepped_by_the_engine()
+    out["odd_sized"] = _odd_sized_runs(root)
     try:     # every rank raises the same dtype error without the cast: reported by its own test
         out["float_inputs_bf16"] = _float_inputs_in_bf16()
     except RuntimeError as e:
@@ -125,8 +175,8 @@ def _train_deepspeed():
 
 
 @pytest.fixture(scope="module")
-def ds_runs():
-    return run_distributed(_train_deepspeed, WORLD, timeout=600)
+def ds_runs(tmp_path_factory):
+    return run_distributed(_train_deepspeed, WORLD, str(tmp_path_factory.mktemp("ds")), timeout=600)
 
 
 @pytest.mark.parametrize("name", list(FP32))
@@ -154,3 +204,17 @@ def test_deepspeed_bf16_casts_float_inputs_to_the_module_dtype(ds_runs):
     expected = feature_reference()
     for runs in ds_runs:
         assert runs["float_inputs_bf16"] == pytest.approx(expected, rel=BF16_REL), (runs["float_inputs_bf16"], expected)
+
+
+def test_odd_sized_parameters_train_and_resume_under_every_zero_stage(ds_runs):
+    """A model whose element count and last bias are odd: ZeRO-1/2 asserted that atorch's derived
+    allgather bucket (the element count) was even, and loading a checkpoint into ZeRO-3 wrote the
+    bias's padded last partition past the end of the tensor on rank 1 only. Each stage now trains like
+    one process, and ZeRO-3 resumed after its first step continues with the same losses."""
+    expected = feature_reference(classes=3)
+    for rank, runs in enumerate(ds_runs):
+        odd = runs["odd_sized"]
+        for name, want in (("zero1(ds)", expected), ("zero2(ds)", expected), ("fsdp(ds)", expected),
+                           ("fsdp(ds) resumed", expected[1:])):
+            assert isinstance(odd[name], list), f"odd-sized {name} (rank {rank}): {odd[name]}"
+            assert_close_losses(odd[name], want, rel=FP32_REL, what=f"odd-sized {name} (rank {rank})")

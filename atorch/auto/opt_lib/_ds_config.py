@@ -24,14 +24,19 @@ OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 # bucket is one buffer of that many elements in the module's dtype, allocated however small the
 # model (1 GB a rank in bf16): for the backward pass at stages 1-2, for the whole run at stage 3.
 DS_DEFAULT_BUCKET_ELEMENTS = 500_000_000
+# ZeRO-1/2 assert that `allgather_bucket_size` is a multiple of their NCCL start alignment (2 elements:
+# 4 bytes of 16-bit values), on every backend; a model with an odd number of trainable elements (a bias
+# over an odd vocabulary) would otherwise fail in DeepSpeed's constructor.
+DS_BUCKET_ALIGNMENT = 2
 
 
 def bucket_elements(trainable_elements: int) -> int:
-    """The reduce/allgather bucket atorch asks DeepSpeed for: the model's trainable elements, at
-    most DeepSpeed's default. A bucket larger than every gradient it can hold changes nothing
-    but the memory: a model smaller than the default fills one bucket either way, so the
-    reductions (and their overlap with backward) are the same."""
-    return int(max(1, min(DS_DEFAULT_BUCKET_ELEMENTS, trainable_elements)))
+    """The reduce/allgather bucket atorch asks DeepSpeed for: the model's trainable elements (rounded up
+    to DeepSpeed's alignment), at most DeepSpeed's default. A bucket larger than every gradient it can
+    hold changes nothing but the memory: a model smaller than the default fills one bucket either way,
+    so the reductions (and their overlap with backward) are the same."""
+    aligned = -(-max(1, int(trainable_elements)) // DS_BUCKET_ALIGNMENT) * DS_BUCKET_ALIGNMENT
+    return int(min(DS_DEFAULT_BUCKET_ELEMENTS, aligned))
 
 
 def user_bucket_elements(cfg: Mapping[str, Any]) -> Optional[int]:
