@@ -238,7 +238,7 @@ def test_buckets_follow_the_model_size_and_the_users_values_win():
     # DeepSpeed's 5e8-element default bucket is 1 GB a rank in bf16 even for a 213k-parameter model.
     assert zero(None, 213_000) == {"stage": 2, "reduce_bucket_size": 213_000, "allgather_bucket_size": 213_000}
     assert zero(None, 7_000_000_000)["reduce_bucket_size"] == 500_000_000      # bounded by DeepSpeed's default
-    assert bucket_elements(0) == 1
+    assert bucket_elements(0) == 2 and bucket_elements(643) == 644   # even: ZeRO-1/2 assert a 2-element alignment
     user = zero({"zero_optimization": {"reduce_bucket_size": 1000}}, 213_000)
     assert (user["reduce_bucket_size"], user["allgather_bucket_size"]) == (1000, 213_000)
     assert zero({"zero_optimization": {"reduce_bucket_size": "auto"}}, 213_000)["reduce_bucket_size"] == 213_000
