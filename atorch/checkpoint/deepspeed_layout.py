@@ -251,11 +251,12 @@ def _set_full_master(p: torch.Tensor, full: torch.Tensor, optim_state_key: Optio
     if hasattr(p, "ds_id"):            # a ZeRO-3 partitioned parameter
         import torch.distributed as dist
 
-        part = p.ds_tensor.ds_numel
+        partition: torch.Tensor = getattr(p, "ds_tensor")     # this rank's slice, padded on the last rank
+        part = partition.numel()
         start = part * dist.get_rank(group=getattr(p, "ds_process_group", None))
         local = full.reshape(-1)[start:start + part]
         local = torch.cat([local, local.new_zeros(part - local.numel())]) if local.numel() < part else local
-        local = local.to(p.ds_tensor.device)
+        local = local.to(partition.device)
         if optim_state_key is None:
             safe_set_local_fp32_param(p, local)
         else:
