@@ -160,6 +160,8 @@ def _cases(root: str) -> List[Tuple[str, Callable[[], Any]]]:
                                                         load_strategy=[("fsdp", {"sync_module_states": True})])),
         ("zero2_widths_differ", lambda: _accelerate(model=tiny_llama(intermediate_size=128 + 64 * _rank()),
                                                     load_strategy=["zero2"])),
+        ("deepspeed_layers_differ", lambda: _accelerate(model=tiny_llama(num_hidden_layers=2 + _rank()),
+                                                        load_strategy=[("zero2", {"use_ds_zero": True})])),
         ("tensor_layers_differ", lambda: _accelerate(model=tiny_llama(num_hidden_layers=2 + _rank()), load_strategy=[
             ("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"])),
         # the epoch's last batch with drop_last=False: 9 rows on the one data rank, 1 in the last batch
@@ -223,6 +225,8 @@ EXPECTED: Dict[str, Tuple[str, str]] = {
     "zero2_widths_differ": ("ValueError", "zero2: the model differs across ranks: entry #5 (name, shape, dtype): "
                                           "model.layers.0.mlp.gate_proj.weight (128, 64) float32 on rank [0]; "
                                           "model.layers.0.mlp.gate_proj.weight (192, 64) float32 on rank [1]"),
+    "deepspeed_layers_differ": ("ValueError", "zero2: the model differs across ranks: parameter counts by rank of "
+                                              "the group: 21, 30"),
     "tensor_layers_differ": ("ValueError", "tensor_parallel: the model differs across ranks: parameter counts"),
     "pipeline_last_batch_does_not_split": ("ValueError", "with dataloader_args['drop_last']=False the last batch of "
                                                          "each epoch has 1 rows per data-parallel rank (9 samples"),

@@ -293,7 +293,8 @@ def prepare_deepspeed(ctx: ModelContext, who: str, ds_config: DsConfigSpec) -> N
                          "deepspeed.ops.adam.DeepSpeedCPUAdam (adamw_mode=True is AdamW), or drop optim_func and "
                          "put {'optimizer': {'type': 'AdamW', 'params': {...}}} in ds_config")
     # The engine broadcasts rank 0's weights when it is built: models of different layouts would abort there.
-    check_layouts_agree(ctx.model, ctx.require_parallel(who).group("data"), None, who)
+    # Every rank is a data rank here (validate_deepspeed), so the check runs over the default group.
+    check_layouts_agree(ctx.model, None, None, who)
     ctx.is_sharded = True                # no DDP: the engine reduces gradients
     ctx.autocast_by_wrapper = ctx.autocast_dtype is not None
     ctx.loss_scaling_by_wrapper = True   # DeepSpeed's fp16 has its own loss scaler
