@@ -89,6 +89,25 @@ def require_data_dim(name: str, what: str, context: ValidationContext) -> None:
         f"more processes for ('data', N) with N > 1), or drop {name} from the strategy")
 
 
+def over_one_data_rank(context: ValidationContext) -> bool:
+    """Whether the strategy's layout has a single data-parallel rank, over which ZeRO shards nothing."""
+    return context.parallel_sizes().get("data", 1) == 1
+
+
+def deepspeed_changes_nothing(stage: int, ds_config: DsConfigSpec, context: ValidationContext) -> Optional[str]:
+    """`changes_nothing` of a DeepSpeed ZeRO engine (zero1, zero2, fsdp with use_ds_zero=True).
+
+    Over one data rank it partitions nothing, and without amp_native its fp32 engine steps the
+    user's optimizer as the plain loop does (measured: the same losses, 13 ms plain against 16 to
+    37 ms per step); it only adds its buffers and hooks. With amp_native it does differ (a bf16/fp16
+    module with fp32 master weights), and a user's ds_config may offload or change training, so
+    those stay."""
+    if ds_config is not None or "amp_native" in context.configs or not over_one_data_rank(context):
+        return None
+    return f"DeepSpeed ZeRO stage {stage} over a data-parallel group of 1 rank, without mixed precision or a " \
+           "ds_config, trains as without it"
+
+
 # -- torch FSDP2 ----------------------------------------------------------------------------
 def broadcast_module_states(model: nn.Module, device: torch.device, parallel: ParallelMesh, who: str) -> None:
     """Make every data-parallel rank hold data-rank 0's parameters and buffers. Models of different
@@ -409,12 +428,14 @@ class Fsdp2ShardingOptimization(Optimization):
 
     @classmethod
     def changes_nothing(cls, config: Fsdp2ShardingConfig, context: ValidationContext) -> Optional[str]:
+        if config.use_ds_zero:
+            return deepspeed_changes_nothing(cls.deepspeed_stage, config.ds_config, context)
         # Over one data rank FSDP2 shards nothing; it can only add its all-gather copies. Not with
-        # amp_native (FSDP2's mixed precision then replaces autocast: other numerics), CPU offload
-        # (memory moves to the host) or DeepSpeed (its engine changes the precision regime).
-        if config.use_ds_zero or config.cpu_offload or "amp_native" in context.configs:
+        # amp_native (FSDP2's mixed precision then replaces autocast: other numerics) or CPU offload
+        # (memory moves to the host).
+        if config.cpu_offload or "amp_native" in context.configs:
             return None
-        if context.parallel_sizes().get("data", 1) == 1:
+        if over_one_data_rank(context):
             return "torch FSDP2 over a data-parallel group of 1 rank, without mixed precision or offload, trains as " \
                    "without it"
         return None
