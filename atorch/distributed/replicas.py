@@ -1,15 +1,19 @@
-"""Is a model the same on every rank of a group? Two float64 checksums per parameter, all-gathered.
+"""Is a model the same on every rank of a group? Its layout (names, shapes, dtypes) compared by one
+digest per rank, then two float64 checksums per parameter, all-gathered.
 
 Strategies that cut one model into pieces held by different ranks (tensor slices, pipeline
-stages) or keep replicas that are never broadcast (a pipeline stage's data replicas) need every
-rank to have built the same model. Ranks that built it under the same seed agree bit for bit; a
-model built without a common seed trained on silently with replicas that never converge. Cheap:
-one small all-gather (two floats per parameter) before anything is cut.
+stages, FSDP shards) or keep replicas that are never broadcast (a pipeline stage's data replicas)
+need every rank to have built the same model. Ranks that built it under the same seed agree bit for
+bit; a model built without a common seed trained on silently with replicas that never converge (or,
+sharded, stitched from different ranks' weights). Ranks that built models of different shapes would
+meet in collectives of different sizes: a hang, or the backend aborting the process. Cheap: two small
+all-gathers (one digest per rank, two floats per parameter) before anything is cut.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+import hashlib
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,16 +26,65 @@ RELATIVE_TOLERANCE = 1e-7
 """Checksums closer than this fraction of the parameter's magnitude sum count as equal."""
 
 
+def _single_rank(group: Optional[dist.ProcessGroup]) -> bool:
+    return not dist.is_initialized() or dist.get_world_size(group) == 1
+
+
+def model_layout(model: nn.Module) -> List[str]:
+    """One line per parameter, then per buffer: its name, shape and dtype (what collectives over it depend on)."""
+    lines = [f"{name} {tuple(p.shape)} {str(p.dtype).replace('torch.', '')}" for name, p in model.named_parameters()]
+    lines += [f"buffer {name} {tuple(b.shape)} {str(b.dtype).replace('torch.', '')}"
+              for name, b in model.named_buffers()]
+    return lines
+
+
+def _digest(lines: List[str]) -> int:
+    """A process-independent 63-bit digest of `lines` (Python's hash() is salted per process)."""
+    return int.from_bytes(hashlib.sha256("\n".join(lines).encode()).digest()[:8], "little") >> 1
+
+
+def _describe_layouts(layouts: List[List[str]]) -> str:
+    """What differs between the ranks' layouts: the parameter counts, and the first line that differs."""
+    counts = [sum(not line.startswith("buffer ") for line in layout) for layout in layouts]
+    parts = []
+    if len(set(counts)) > 1:
+        parts.append(f"parameter counts by rank of the group: {', '.join(map(str, counts))}")
+    longest = max(len(layout) for layout in layouts)
+    i = next((i for i in range(longest) if len({tuple(layout[i:i + 1]) for layout in layouts}) > 1), 0)
+    by_line: Dict[str, List[int]] = {}
+    for rank, layout in enumerate(layouts):
+        by_line.setdefault(layout[i] if i < len(layout) else "(none)", []).append(rank)
+    parts.append(f"entry #{i} (name, shape, dtype): " + "; ".join(
+        f"{line} on rank{'s' if len(ranks) > 1 else ''} {ranks}" for line, ranks in by_line.items()))
+    return "; ".join(parts)
+
+
 @torch.no_grad()
-def first_difference(model: nn.Module, group: Optional[dist.ProcessGroup],
-                     device: Optional[torch.device] = None) -> Optional[str]:
-    """None when every rank of `group` holds the same parameters (checksums equal); else which parameter
-    differs first and its checksum on each rank of the group. Collective over `group`; `device`: where the
-    checksums travel (None: the current CUDA device on nccl, else the CPU)."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+def layout_difference(model: nn.Module, group: Optional[dist.ProcessGroup],
+                      device: Optional[torch.device] = None) -> Optional[str]:
+    """None when every rank of `group` holds parameters and buffers of the same names, shapes and dtypes;
+    else (the same text on every rank) the parameter counts and the first entry that differs, per rank.
+    Collective over `group`: one fixed-size all-gather of a digest, and only when the digests differ an
+    all-gather of the layouts. Run it before any collective whose size depends on the model."""
+    if _single_rank(group):
         return None
     if device is None:
         device = collective_device(group)
+    lines = model_layout(model)
+    local = torch.tensor([_digest(lines)], dtype=torch.int64).to(device)
+    gathered: List[torch.Tensor] = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    if len({int(g.item()) for g in gathered}) == 1:
+        return None
+    # Every rank saw the same digests, so every rank takes this branch: the variable-size gather is safe.
+    layouts: List[Optional[List[str]]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(layouts, lines, group=group)
+    return _describe_layouts([layout or [] for layout in layouts])
+
+
+@torch.no_grad()
+def _checksum_difference(model: nn.Module, group: Optional[dist.ProcessGroup], device: torch.device) -> Optional[str]:
+    """`first_difference` for ranks known to hold the same layout (the gathered tables have one size)."""
     names: List[str] = []
     stats = []
     for name, p in model.named_parameters():
@@ -55,9 +108,44 @@ def first_difference(model: nn.Module, group: Optional[dist.ProcessGroup],
     return f"{name}{more} (checksums by rank of the group: {values})"
 
 
+def first_difference(model: nn.Module, group: Optional[dist.ProcessGroup],
+                     device: Optional[torch.device] = None) -> Optional[str]:
+    """None when every rank of `group` holds the same parameters (layout and checksums equal); else what
+    differs: the layout (`layout_difference`), or the first parameter whose checksums differ and its
+    checksum on each rank of the group. Collective over `group`; `device`: where the checksums travel
+    (None: the current CUDA device on nccl, else the CPU)."""
+    if _single_rank(group):
+        return None
+    if device is None:
+        device = collective_device(group)
+    layout = layout_difference(model, group, device)
+    if layout is not None:
+        return f"layout: {layout}"
+    return _checksum_difference(model, group, device)
+
+
+SAME_MODEL_REMEDY = "build the same model (the same config and modifications) on every rank"
+
+
+def check_layouts_agree(model: nn.Module, group: Optional[dist.ProcessGroup], device: Optional[torch.device],
+                        who: str) -> None:
+    """Raise the same ValueError on every rank of `group` when the model's parameter or buffer names,
+    shapes or dtypes differ across it (before a broadcast of its states, whose sizes would not match).
+    Collective."""
+    where = layout_difference(model, group, device)
+    if where is not None:
+        raise ValueError(f"{who}: the model differs across ranks: {where}; {SAME_MODEL_REMEDY}")
+
+
 def check_replicas_agree(model: nn.Module, group: Optional[dist.ProcessGroup], device: Optional[torch.device],
                          who: str, remedy: str) -> None:
-    """Raise ValueError on every rank of `group` when the model's parameters differ across it. Collective."""
-    where = first_difference(model, group, device)
+    """Raise the same ValueError on every rank of `group` when the model differs across it: in its layout
+    (names, shapes, dtypes), or in its parameters' values (then with `remedy`). Collective."""
+    if _single_rank(group):
+        return
+    if device is None:
+        device = collective_device(group)
+    check_layouts_agree(model, group, device, who)
+    where = _checksum_difference(model, group, device)
     if where is not None:
         raise ValueError(f"{who}: the model's weights differ across ranks: {where}; {remedy}")

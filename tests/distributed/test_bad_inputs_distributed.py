@@ -148,6 +148,22 @@ def _cases(root: str) -> List[Tuple[str, Callable[[], Any]]]:
         ("pipeline_models_differ", lambda: _accelerate(model=tiny_llama(seed=_rank()), load_strategy=PIPELINE_2)),
         ("tensor_models_differ", lambda: _accelerate(model=tiny_llama(seed=_rank()), load_strategy=[
             ("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"])),
+        # FSDP2 keeps each rank's own shard of its own model: built without a common seed, the sharded model was
+        # stitched from both ranks' weights (status True)
+        ("fsdp_models_differ", lambda: _accelerate(model=tiny_llama(seed=_rank()), load_strategy=["fsdp"])),
+        ("zero2_models_differ", lambda: _accelerate(model=tiny_llama(seed=_rank()), load_strategy=["zero2"])),
+        # models of different shapes: accepted, then a hang in the first reduce-scatter (fsdp), or gloo aborting
+        # the process on a size mismatch (the broadcast of sync_module_states, zero2, tensor_parallel)
+        ("fsdp_layers_differ", lambda: _accelerate(model=tiny_llama(num_hidden_layers=2 + _rank()),
+                                                   load_strategy=["fsdp"])),
+        ("fsdp_sync_layers_differ", lambda: _accelerate(model=tiny_llama(num_hidden_layers=2 + _rank()),
+                                                        load_strategy=[("fsdp", {"sync_module_states": True})])),
+        ("zero2_widths_differ", lambda: _accelerate(model=tiny_llama(intermediate_size=128 + 64 * _rank()),
+                                                    load_strategy=["zero2"])),
+        ("deepspeed_layers_differ", lambda: _accelerate(model=tiny_llama(num_hidden_layers=2 + _rank()),
+                                                        load_strategy=[("zero2", {"use_ds_zero": True})])),
+        ("tensor_layers_differ", lambda: _accelerate(model=tiny_llama(num_hidden_layers=2 + _rank()), load_strategy=[
+            ("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"])),
         # the epoch's last batch with drop_last=False: 9 rows on the one data rank, 1 in the last batch
         ("pipeline_last_batch_does_not_split", lambda: _accelerate(
             dataset=TokenDataset(n=9), dataloader_args={"batch_size": 4, "drop_last": False},
@@ -197,6 +213,21 @@ EXPECTED: Dict[str, Tuple[str, str]] = {
                                              "model.embed_tokens.weight and "),
     "tensor_models_differ": ("ValueError", "tensor_parallel: the model's weights differ across ranks: "
                                            "model.embed_tokens.weight and "),
+    "fsdp_models_differ": ("ValueError", "fsdp: the model's weights differ across ranks: model.embed_tokens.weight "
+                                         "and 15 more (checksums by rank of the group: "),
+    "zero2_models_differ": ("ValueError", "or pass sync_module_states=True to broadcast data-rank 0's weights first"),
+    "fsdp_layers_differ": ("ValueError", "fsdp: the model differs across ranks: parameter counts by rank of the "
+                                         "group: 21, 30; entry #19 (name, shape, dtype): model.norm.weight (64,) "
+                                         "float32 on rank [0]; model.layers.2.self_attn.q_proj.weight (64, 64) "
+                                         "float32 on rank [1]; build the same model"),
+    "fsdp_sync_layers_differ": ("ValueError", "fsdp: the model differs across ranks: parameter counts by rank of "
+                                              "the group: 21, 30"),
+    "zero2_widths_differ": ("ValueError", "zero2: the model differs across ranks: entry #5 (name, shape, dtype): "
+                                          "model.layers.0.mlp.gate_proj.weight (128, 64) float32 on rank [0]; "
+                                          "model.layers.0.mlp.gate_proj.weight (192, 64) float32 on rank [1]"),
+    "deepspeed_layers_differ": ("ValueError", "zero2: the model differs across ranks: parameter counts by rank of "
+                                              "the group: 21, 30"),
+    "tensor_layers_differ": ("ValueError", "tensor_parallel: the model differs across ranks: parameter counts"),
     "pipeline_last_batch_does_not_split": ("ValueError", "with dataloader_args['drop_last']=False the last batch of "
                                                          "each epoch has 1 rows per data-parallel rank (9 samples"),
     "pipeline_last_batch_does_not_split_with_accumulation": (

@@ -21,10 +21,12 @@ from atorch.auto.opt_lib._sharding import (
     build_deepspeed_engine,
     check_bool,
     check_ds_config_field,
+    deepspeed_changes_nothing,
     deepspeed_cost_traits,
     deepspeed_installed,
     zero_memory_saving,
     describe_sharding,
+    over_one_data_rank,
     prepare_deepspeed,
     require_data_dim,
     validate_deepspeed,
@@ -71,8 +73,9 @@ class Zero1Optimization(Optimization):
 
     @classmethod
     def changes_nothing(cls, config: Zero1Config, context: ValidationContext) -> Optional[str]:
-        # Not DeepSpeed: its engine also changes the precision regime (bf16 module, fp32 master).
-        if not config.use_ds_zero and context.parallel_sizes().get("data", 1) == 1:
+        if config.use_ds_zero:
+            return deepspeed_changes_nothing(1, config.ds_config, context)
+        if over_one_data_rank(context):
             return "torch ZeRO-1 over a data-parallel group of 1 rank is the plain optimizer"
         return None
 
