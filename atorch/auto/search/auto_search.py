@@ -31,6 +31,7 @@ import torch.distributed as dist
 from atorch import distributed as adist
 from atorch.auto.cost_model.optimizer import OptimizerStates, optimizer_states
 from atorch.auto.model_context import ModelContext
+from atorch.auto.opt_lib.base import DataSetup
 from atorch.auto.search.cache import CACHE_FILE_NAME, SearchCache, optimizer_description, setup_key, space_signature
 from atorch.auto.search.search import TRIAL_COLUMNS, DryRunResult, SearchResult, search_strategy
 from atorch.auto.search.space import SearchSpace
@@ -136,7 +137,8 @@ def search_for_context(ctx: ModelContext, excluded: Optional[Sequence[str]] = No
     world_size = adist.world_size()
     batch_size = int(ctx.dataloader_args.get("batch_size", 1))
     space = SearchSpace.default_for(ctx.model, world_size, ctx.device.type, global_batch_size=batch_size,
-                                    loss_func_given=ctx.loss_func is not None).restricted(excluded, included)
+                                    loss_func_given=ctx.loss_func is not None,
+                                    data=DataSetup.of(ctx)).restricted(excluded, included)
     space.candidates()   # validated against the real model, before its weights are offloaded
     seq_len = infer_seq_len(ctx.dataset)
     memory_limit = settings.memory_limit_bytes or device_memory_bytes(ctx.device)
