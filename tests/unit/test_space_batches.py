@@ -1,5 +1,5 @@
 """The default space against the batch and the data: pipeline chunks, micro-batch sizes, the dataset's
-keys and last batch. Pure logic, no processes."""
+keys and last batch, and the search's need for an optimizer. Pure logic, no processes."""
 
 from __future__ import annotations
 
@@ -179,6 +179,22 @@ def test_data_setup_reads_the_model_context():
 
 class _ReachedTheSearch(Exception):
     pass
+
+
+def test_the_search_without_optim_func_is_refused_before_anything_runs(monkeypatch):
+    """A search times optimizer steps: without optim_func every candidate would fail (DeepSpeed ones refused,
+    the rest at `optim.step()` in the dry run). Refused up front, naming what to pass."""
+    def reached(*args: Any, **kwargs: Any) -> None:
+        raise _ReachedTheSearch()
+
+    monkeypatch.setattr(auto_search.SearchSettings, "from_env", classmethod(reached))
+    ctx = ModelContext(model=tiny_llama(), dataset=TokenDataset(n=8), dataloader_args={"batch_size": 4},
+                       device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"optim_func=None, .*searches for a strategy.*pass optim_func.*load_strategy"):
+        auto_search.search_for_context(ctx)
+    ctx.optim_func = torch.optim.AdamW
+    with pytest.raises(_ReachedTheSearch):
+        auto_search.search_for_context(ctx)
 
 
 def test_the_search_gives_its_space_the_training_data(monkeypatch):
