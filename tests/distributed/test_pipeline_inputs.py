@@ -37,6 +37,7 @@ from torch.utils.data.dataloader import default_collate
 
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib import ValidationContext, resolve_strategy
+from atorch.auto.opt_lib.base import DataSetup
 from atorch.auto.opt_lib.pipeline_parallel import _check_dataset_batches
 from atorch.auto.strategy import Strategy
 from atorch.modules.pipeline.batches import check_pipeline_batch, pipeline_inputs
@@ -157,8 +158,9 @@ class _Pairs(torch.utils.data.Dataset):
 ])
 def test_a_dataset_the_pipeline_cannot_take_is_refused_when_applied(dataset, fmt, match):
     with pytest.raises(ValueError, match=match):
-        _check_dataset_batches(ModelContext(model=_small("llama"), dataset=dataset, model_input_format=fmt), True)
-    _check_dataset_batches(ModelContext(model=_small("llama"), dataset=_Pairs(True)), True)   # dicts: accepted
+        _check_dataset_batches(DataSetup.of(ModelContext(model=_small("llama"), dataset=dataset,
+                                                         model_input_format=fmt)), True)
+    _check_dataset_batches(DataSetup.of(ModelContext(model=_small("llama"), dataset=_Pairs(True))), True)  # accepted
 
 
 def _resolve_moe(pipeline="pipeline_parallel", **overrides):

@@ -71,7 +71,9 @@ def test_default_space_dimensions_on_cpu(model):
     space = SearchSpace.default_for(model, world_size=2, device_type="cpu", global_batch_size=8)
     labels = space.labels()
     assert list(labels) == ["parallel", "micro_batch", "module_replace", "checkpoint", "amp", "zero"]  # by order
-    assert labels["parallel"] == ["parallel_mode(data=2)", "parallel_mode(data=1,pipeline=2)+pipeline_parallel",
+    assert labels["parallel"] == ["parallel_mode(data=2)",
+                                  "parallel_mode(data=1,pipeline=2)+pipeline_parallel(chunks=2)",
+                                  "parallel_mode(data=1,pipeline=2)+pipeline_parallel(chunks=4)",
                                   "parallel_mode(tensor=2,data=1)+tensor_parallel"]
     assert labels["micro_batch"][0] == "none" and len(labels["micro_batch"]) > 1
     assert "zero2(deepspeed stage 2)" in labels["zero"] and "fsdp(deepspeed stage 3)" in labels["zero"]
@@ -178,16 +180,6 @@ def test_default_space_on_gpu_offers_cpu_offload_and_no_micro_batch_without_batc
     # Only 2 layers: no pipeline of 4 stages.
     assert "parallel_mode(data=2,pipeline=2)+pipeline_parallel" in labels["parallel"]
     assert not any("pipeline=4" in label for label in labels["parallel"])
-
-
-def test_pipeline_choices_respect_the_batch(model):
-    from atorch.auto.opt_lib.pipeline_parallel import PipelineParallelOptimization
-
-    ctx = ValidationContext(world_size=4, model=model, model_config=model.config, global_batch_size=6)
-    # data=2 x pipeline=2: 3 rows per rank do not split into 2 chunks.
-    assert PipelineParallelOptimization.search_choices(ctx) == []
-    ctx.global_batch_size = 8
-    assert len(PipelineParallelOptimization.search_choices(ctx)) == 1
 
 
 def test_the_space_holds_only_layouts_the_global_batch_splits_over(model):

@@ -70,6 +70,34 @@ class NoConfig:
     """For optimizations that take no options."""
 
 
+@dataclass(frozen=True, eq=False)   # compared by identity: the dataset may be anything
+class DataSetup:
+    """What validation may know of the training data: auto_accelerate's dataset and how it is batched.
+
+    An optimization that refuses some data when applied (pipeline_parallel: a batch key its stages
+    cannot pass, a last batch that does not split into its chunks) checks it on these values in
+    `apply` and, where a `ValidationContext` carries them (the automatic search fills them in), in
+    validation too, so that the search never spends a dry run on a candidate `apply` would refuse.
+    """
+
+    dataset: Any = None                         # auto_accelerate's dataset (indexed at 0 and sized only)
+    model_input_format: Optional[str] = None    # "unpack_dict", "unpack_sequence" or None
+    reshapes_samples: bool = False              # a collate_fn or prepare_input turns samples into other batches
+    global_batch_size: Optional[int] = None     # dataloader_args["batch_size"]
+    drop_last: bool = True                      # dataloader_args.get("drop_last", True)
+    sampler_given: bool = False                 # distributed_sampler_cls: the user's sampler decides the last batch
+
+    @classmethod
+    def of(cls, ctx: "ModelContext") -> "DataSetup":
+        """The data of a model context (what `apply` sees, and what the search validates against)."""
+        args = ctx.dataloader_args
+        batch = args.get("batch_size")
+        return cls(dataset=ctx.dataset, model_input_format=ctx.model_input_format,
+                   reshapes_samples=ctx.prepare_input is not None or args.get("collate_fn") is not None,
+                   global_batch_size=None if batch is None else int(batch), drop_last=bool(args.get("drop_last", True)),
+                   sampler_given=ctx.distributed_sampler_cls is not None)
+
+
 @dataclass
 class ValidationContext:
     """What validation may look at: plain values only, identical on every rank, no collectives."""
@@ -80,6 +108,7 @@ class ValidationContext:
     device_type: str = "cpu"
     global_batch_size: Optional[int] = None   # dataloader_args["batch_size"], when known
     loss_func_given: bool = False        # the user passed auto_accelerate a loss_func of their own
+    data: Optional[DataSetup] = None     # the training data, where known (the automatic search); None: apply checks it
     strategy: Optional["Strategy"] = None
     configs: Dict[str, Any] = field(default_factory=dict)   # parsed configs by optimization name
 

@@ -16,9 +16,12 @@ from typing import Any, Dict, List
 
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
+from atorch.auto.opt_lib.pipeline_parallel import search_layouts
 
-# At most this many micro-batch sizes are offered to the search (the largest steps first dropped).
-MAX_SEARCH_CHOICES = 5
+# Step counts offered per layout's rows per data rank (`search_steps`), and in all (`search_step_counts`;
+# more only where the micro-batches of one row of every layout need more).
+STEPS_PER_LAYOUT = 4
+MAX_SEARCH_CHOICES = 6
 
 
 @dataclass(frozen=True)
@@ -74,12 +77,14 @@ class GradientAccumulationOptimization(Optimization):
 
     @classmethod
     def search_choices(cls, context: ValidationContext) -> List[Any]:
-        """Not accumulating, and steps that divide the global batch (validation keeps those that
-        divide each candidate's per-rank batch); nothing when the batch size is unknown."""
+        """Not accumulating, and for the rows each data rank splits per step in every layout the space
+        may hold (`_layout_rows`), the steps of `search_steps`: each divides those rows, micro-batches
+        of one row included. Validation keeps, per candidate, the steps that divide its own rows.
+        Nothing when the batch size is unknown."""
         batch = context.global_batch_size
         if not batch:
             return [None]
-        steps = [k for k in range(2, batch + 1) if batch % k == 0][:MAX_SEARCH_CHOICES]
+        steps = search_step_counts(_layout_rows(context, batch))
         return [None, *((cls.name, {"steps": k}) for k in steps)]
 
     def validate(self, config: GradientAccumulationConfig, context: ValidationContext) -> None:
@@ -95,6 +100,45 @@ class GradientAccumulationOptimization(Optimization):
         if global_batch is not None:   # also checked here: validation may not have known the batch size
             _per_rank_batch(int(global_batch), ctx.data_parallel_size(), config.steps)
         ctx.gradient_accumulation_steps = config.steps
+
+
+def search_step_counts(layout_rows: List[int], limit: int = MAX_SEARCH_CHOICES) -> List[int]:
+    """The step counts the search offers for layouts splitting `layout_rows` rows per data rank: those
+    `search_steps` picks for each, at most `limit` of them. Every layout keeps its micro-batches of one
+    row and its mildest split (its steps = rows, and its smallest divisor), even beyond `limit`; of the
+    others, those that divide the rows of the most layouts are kept (a count serves each layout it
+    divides: validation keeps it there)."""
+    picks = [search_steps(rows) for rows in layout_rows]
+    kept = {k for steps in picks for k in steps[:1] + steps[-1:]}
+    optional = {k for steps in picks for k in steps} - kept
+    by_use = sorted(optional, key=lambda k: (-sum(rows % k == 0 for rows in layout_rows), k))
+    return sorted(kept | set(by_use[:max(0, limit - len(kept))]))
+
+
+def search_steps(rows: int, limit: int = STEPS_PER_LAYOUT) -> List[int]:
+    """At most `limit` step counts > 1 dividing `rows`, spread evenly on a log scale from the smallest
+    (the mildest split) to `rows` itself (micro-batches of one row: the least activation memory, the
+    only size at which some models fit); all of them when there are no more than `limit`."""
+    divisors = [k for k in range(2, rows + 1) if rows % k == 0]
+    if len(divisors) <= limit:
+        return divisors
+    low, high = math.log(divisors[0]), math.log(divisors[-1])
+    picked = set()
+    for i in range(limit):
+        target = low + (high - low) * i / (limit - 1)
+        picked.add(min(divisors, key=lambda k: (abs(math.log(k) - target), k)))
+    return sorted(picked)
+
+
+def _layout_rows(context: ValidationContext, batch: int) -> List[int]:
+    """The rows each data rank splits into micro-batches, for every layout the space may hold: the
+    per-rank batch of every data size that divides the world and the batch (the rest of the world
+    split by tensor or pipeline parallelism, or unused), and for each pipeline the search offers
+    (`search_layouts`) that batch over its chunks (the schedule already cuts the rows into them)."""
+    world = context.world_size
+    rows = {batch // data for data in range(1, world + 1) if world % data == 0 and batch % data == 0}
+    rows.update(batch // data // chunks for data, _, chunks in search_layouts(context) if chunks)
+    return sorted(rows)
 
 
 def _pipeline_chunks(context: ValidationContext, sizes: dict) -> int:

@@ -9,6 +9,7 @@ schedule step, averages gradients over "data" and steps the optimizer.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, cast
 
@@ -19,7 +20,15 @@ from torch import nn
 from atorch.auto.model_context import ModelContext
 from atorch.distributed.parallel_layout import ParallelLayout
 from atorch.distributed.replicas import check_replicas_agree
-from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, WrapperOrder, register
+from atorch.auto.opt_lib.base import (
+    CostContext,
+    DataSetup,
+    Optimization,
+    Order,
+    ValidationContext,
+    WrapperOrder,
+    register,
+)
 from atorch.modules.pipeline.batches import check_dataset_sample, check_no_router_aux_loss
 from atorch.modules.pipeline.native import (
     SCHEDULES,
@@ -32,6 +41,8 @@ from atorch.modules.pipeline.native import (
 from atorch.modules.pipeline.partition import PARTITION_METHODS, StagePlan, plan_stages, stage_parameter_counts
 from atorch.modules.pipeline.patchers import CustomPatcher, expand_patcher, pieces_take_position_ids, resolve_patcher
 from atorch.utils.meta_model_utils import DEFAULT_BASE_SEED, is_meta_module
+
+logger = logging.getLogger(__name__)
 
 # What a native pipeline combines with: everything in the layout must be one of these.
 _SUPPORTED_DIMS = ("data", "pipeline")
@@ -79,20 +90,17 @@ class PipelineParallelOptimization(Optimization):
 
     @classmethod
     def search_choices(cls, context: ValidationContext) -> List[Any]:
-        """Pipelines of every size dividing the world that the model has layers for (one chunk
-        per stage, so per-rank batches that do not split into them are not offered); the rest
-        data-parallel. Validation drops models without a pipeline patcher."""
-        w = context.world_size
-        layers = _num_layers(context.model_config)
-        out: List[Any] = []
-        for p in range(2, w + 1):
-            if w % p or (layers is not None and p > layers):
-                continue
-            batch = context.global_batch_size
-            if batch and (batch % (w // p) or (batch // (w // p)) % p):
-                continue
-            out.append([("parallel_mode", ([("data", w // p), ("pipeline", p)], None)), cls.name])
-        return out
+        """The layouts of `search_layouts`, each with its chunks (the default, one per stage, when the
+        batch is unknown); nothing when the training data is known and `apply` would refuse it
+        (`_check_dataset_batches`: a batch key the stages cannot pass, tuple batches). Validation drops
+        models without a pipeline patcher."""
+        refused = _data_refusal(context)
+        if refused is not None:
+            logger.info("the search offers no pipeline for this data: %s", refused)
+            return []
+        return [[("parallel_mode", ([("data", data), ("pipeline", stages)], None)),
+                 cls.name if chunks is None else (cls.name, {"chunks": chunks})]
+                for data, stages, chunks in search_layouts(context)]
 
     def __init__(self) -> None:
         self._build: Optional[StageBuild] = None   # the stage built in apply, wrapped into a schedule in apply_wrapper
@@ -127,7 +135,8 @@ class PipelineParallelOptimization(Optimization):
             raise ValueError(f"pipeline_parallel: chunks={config.chunks!r} must be an integer >= 1")
         if config.schedule not in SCHEDULES:
             raise ValueError(f"pipeline_parallel: schedule={config.schedule!r}; valid schedules are {list(SCHEDULES)}")
-        check_schedule_chunks(config.schedule, config.chunks or sizes["pipeline"], sizes["pipeline"])
+        chunks = config.chunks or sizes["pipeline"]
+        check_schedule_chunks(config.schedule, chunks, sizes["pipeline"])
         if config.partition_method not in PARTITION_METHODS:
             raise ValueError(f"pipeline_parallel: partition_method={config.partition_method!r}; valid methods are "
                              f"{list(PARTITION_METHODS)}")
@@ -148,9 +157,14 @@ class PipelineParallelOptimization(Optimization):
                              "backward itself, so the fp16 loss scaling of amp_native would never be applied; use "
                              "amp_native with torch.bfloat16")
         check_no_router_aux_loss(self.name, context.any_model_config)
+        if context.data is not None:     # what apply checks of the data, known here in a search
+            accumulation = context.configs.get("gradient_accumulation")
+            _check_last_batch_divides(context.data, sizes.get("data", 1), chunks, getattr(accumulation, "steps", 1))
         if context.model is None:
             return
         pieces = expand_patcher(context.model, resolve_patcher(context.model, config.custom_patcher))
+        if context.data is not None:
+            _check_dataset_batches(context.data, pieces_take_position_ids(pieces))
         plan = plan_stages(context.model, pieces, sizes["pipeline"], config.partition_method)
         if "lora" not in context.configs:       # LoRA adds trainable adapters to every stage
             _check_every_stage_trains(context.model, plan)
@@ -160,11 +174,14 @@ class PipelineParallelOptimization(Optimization):
         num_stages = parallel.size("pipeline")
         stage_index = parallel.rank("pipeline")
         chunks = config.chunks or num_stages
-        # The first place that sees the dataset (validation does not), before this optimization's collectives.
+        # Where a fixed strategy's dataset is first seen (validation sees it only in a search), before this
+        # optimization's collectives.
         pieces = expand_patcher(ctx.model, resolve_patcher(ctx.model, config.custom_patcher))
-        _check_dataset_batches(ctx, pieces_take_position_ids(pieces))
+        data = DataSetup.of(ctx)
+        _check_dataset_batches(data, pieces_take_position_ids(pieces))
         _check_batch_divides(ctx, chunks)
-        _check_last_batch_divides(ctx, chunks)
+        # gradient_accumulation applies first, so its steps are set by now.
+        _check_last_batch_divides(data, ctx.data_parallel_size(), chunks, ctx.gradient_accumulation_steps)
         if not is_meta_module(ctx.model):
             # Stages are cut from each rank's own model and a stage's data replicas are never
             # broadcast: ranks that built different models would train replicas that never agree.
@@ -194,17 +211,73 @@ class PipelineParallelOptimization(Optimization):
         ctx.pipeline_stage = build.stage_index
 
 
-def _check_dataset_batches(ctx: ModelContext, takes_position_ids: bool) -> None:
+def search_layouts(context: ValidationContext) -> List[Tuple[int, int, Optional[int]]]:
+    """(data size, stages, chunks) of the pipelines the search offers: every number of stages that
+    divides the world and that the model has layers for, the rest data-parallel, with the chunk
+    counts of `search_chunks` for its per-rank batch (None, one per stage, when the batch is unknown).
+    A layout whose per-rank batch has no chunk count (or does not exist) is not offered."""
+    world, batch = context.world_size, context.global_batch_size
+    layers = _num_layers(context.model_config)
+    out: List[Tuple[int, int, Optional[int]]] = []
+    for stages in range(2, world + 1):
+        if world % stages or (layers is not None and stages > layers):
+            continue
+        data = world // stages
+        if not batch:
+            out.append((data, stages, None))
+        elif batch % data == 0:
+            out.extend((data, stages, chunks) for chunks in search_chunks(batch // data, stages))
+    return out
+
+
+def search_chunks(per_rank_batch: int, stages: int) -> List[int]:
+    """The chunk counts the search tries for `stages` stages over `per_rank_batch` rows (divisors of it).
+
+    The fewest that keep every stage busy in the steady state, the smallest divisor >= stages (1F1B
+    refuses fewer, `check_schedule_chunks`, and fewer leaves GPipe idle more than half the step), and
+    the smallest divisor >= 2 x stages: GPipe's bubble, (stages - 1) / (chunks + stages - 1) of the
+    step, falls from about 1/2 to about 1/3 at micro-batches half as large. More chunks shrink the
+    bubble ever more slowly while the micro-batches shrink (less efficient kernels, a send per chunk
+    and stage), and gradient_accumulation offers the finer splits that save memory, so two are offered.
+    """
+    divisors = [c for c in range(stages, per_rank_batch + 1) if per_rank_batch % c == 0]
+    if not divisors:
+        return []
+    larger = next((c for c in divisors if c >= 2 * stages), None)
+    return [divisors[0]] + ([larger] if larger is not None and larger != divisors[0] else [])
+
+
+def _data_refusal(context: ValidationContext) -> Optional[str]:
+    """Why `apply` would refuse the context's training data (`_check_dataset_batches`); None where it
+    takes it or the data is unknown. The model's default patcher decides whether position_ids pass
+    (a model without one: they are let through here, and validation refuses the model)."""
+    if context.data is None:
+        return None
+    takes_position_ids = True
+    if context.model is not None:
+        try:
+            takes_position_ids = pieces_take_position_ids(expand_patcher(context.model,
+                                                                         resolve_patcher(context.model, None)))
+        except ValueError:
+            pass
+    try:
+        _check_dataset_batches(context.data, takes_position_ids)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _check_dataset_batches(data: DataSetup, takes_position_ids: bool) -> None:
     """The dataset gives batches the pipeline can take: dicts whose every key it passes on (see
     `check_pipeline_batch`), checked on dataset[0] where no collate_fn or prepare_input may reshape it;
     each batch is checked again before its step."""
-    if ctx.model_input_format == "unpack_sequence":
+    if data.model_input_format == "unpack_sequence":
         raise ValueError("pipeline_parallel needs dict batches with 'input_ids' and 'labels' (it feeds input_ids "
                          "to the first stage and labels to the loss on the last), but model_input_format="
                          "'unpack_sequence' passes tuples; return a dict such as {'input_ids': ..., 'labels': ...} "
                          "from the dataset and use model_input_format='unpack_dict'")
-    if ctx.prepare_input is None and ctx.dataloader_args.get("collate_fn") is None:
-        check_dataset_sample(ctx.dataset, takes_position_ids)
+    if not data.reshapes_samples:
+        check_dataset_sample(data.dataset, takes_position_ids)
 
 
 def _check_every_stage_trains(model: nn.Module, plan: StagePlan) -> None:
@@ -221,22 +294,21 @@ def _check_every_stage_trains(model: nn.Module, plan: StagePlan) -> None:
                              "or add 'lora'")
 
 
-def _check_last_batch_divides(ctx: ModelContext, chunks: int) -> None:
-    """With dataloader_args['drop_last']=False the epoch's last, smaller batch must split into the chunks too
-    (the schedule's micro-batch count is fixed); refused here rather than at the end of the first epoch."""
-    args = ctx.dataloader_args
-    global_batch = args.get("batch_size")
-    if global_batch is None or args.get("drop_last", True) or ctx.distributed_sampler_cls is not None \
-            or not hasattr(ctx.dataset, "__len__"):
+def _check_last_batch_divides(data: DataSetup, dp: int, chunks: int, steps: int) -> None:
+    """With dataloader_args['drop_last']=False the epoch's last, smaller batch must split into the chunks
+    (times the gradient-accumulation `steps`) too, over `dp` data ranks: the schedule's micro-batch count is
+    fixed. Refused before training rather than at the end of the first epoch."""
+    global_batch = data.global_batch_size
+    if global_batch is None or data.drop_last or data.sampler_given or not hasattr(data.dataset, "__len__") \
+            or global_batch % dp:       # a batch that does not split over the data ranks is refused on its own
         return
-    dp = ctx.data_parallel_size()
-    per_rank = -(-len(ctx.dataset) // dp)        # DistributedSampler(drop_last=False) pads every rank to this
+    per_rank = -(-len(data.dataset) // dp)        # DistributedSampler(drop_last=False) pads every rank to this
     last = per_rank % (global_batch // dp)
-    steps = max(1, ctx.gradient_accumulation_steps)      # set before: gradient_accumulation applies first
+    steps = max(1, steps)
     if last and last % (chunks * steps):
         into = f"chunks={chunks}" + (f" x gradient_accumulation steps={steps}" if steps > 1 else "")
         raise ValueError(f"pipeline_parallel: with dataloader_args['drop_last']=False the last batch of each epoch "
-                         f"has {last} rows per data-parallel rank ({len(ctx.dataset)} samples in global batches of "
+                         f"has {last} rows per data-parallel rank ({len(data.dataset)} samples in global batches of "
                          f"{global_batch}), which does not split into {into} micro-batches; set drop_last=True, or "
                          "use a dataset length whose remainder splits")
 

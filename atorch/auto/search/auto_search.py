@@ -31,6 +31,7 @@ import torch.distributed as dist
 from atorch import distributed as adist
 from atorch.auto.cost_model.optimizer import OptimizerStates, optimizer_states
 from atorch.auto.model_context import ModelContext
+from atorch.auto.opt_lib.base import DataSetup
 from atorch.auto.search.cache import CACHE_FILE_NAME, SearchCache, optimizer_description, setup_key, space_signature
 from atorch.auto.search.search import TRIAL_COLUMNS, DryRunResult, SearchResult, search_strategy
 from atorch.auto.search.space import SearchSpace
@@ -131,12 +132,14 @@ def search_for_context(ctx: ModelContext, excluded: Optional[Sequence[str]] = No
     from atorch.auto.dry_runner import DryRunConfig, make_evaluator
     from atorch.auto.model_source import ModelSource
 
+    check_searchable(ctx)
     settings = SearchSettings.from_env()
     dry_config = DryRunConfig.from_env()
     world_size = adist.world_size()
     batch_size = int(ctx.dataloader_args.get("batch_size", 1))
     space = SearchSpace.default_for(ctx.model, world_size, ctx.device.type, global_batch_size=batch_size,
-                                    loss_func_given=ctx.loss_func is not None).restricted(excluded, included)
+                                    loss_func_given=ctx.loss_func is not None,
+                                    data=DataSetup.of(ctx)).restricted(excluded, included)
     space.candidates()   # validated against the real model, before its weights are offloaded
     seq_len = infer_seq_len(ctx.dataset)
     memory_limit = settings.memory_limit_bytes or device_memory_bytes(ctx.device)
@@ -168,6 +171,17 @@ def search_for_context(ctx: ModelContext, excluded: Optional[Sequence[str]] = No
     if best is None:
         raise SearchError(f"no strategy ran in the automatic search: {reason}")
     return SearchOutcome(best, reason, found, report)
+
+
+def check_searchable(ctx: ModelContext) -> None:
+    """ValueError unless the automatic search can time `ctx`'s training: its dry runs time optimizer
+    steps, so it needs the optimizer (`optim_func`). Raised on every rank alike (the same arguments),
+    before anything is built or dry-run."""
+    if ctx.optim_func is None:
+        raise ValueError("auto_accelerate: optim_func=None, but without load_strategy auto_accelerate searches for "
+                         "a strategy by timing training steps, optimizer step included, so it needs the optimizer; "
+                         "pass optim_func (e.g. optim_func=torch.optim.AdamW), or a fixed load_strategy (e.g. "
+                         "load_strategy=['amp_native']) to prepare the model for a training loop of your own")
 
 
 def _open_cache(settings: SearchSettings, directory: str, ctx: ModelContext, world_size: int, batch_size: int,

@@ -16,7 +16,14 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from atorch.auto.arguments import BatchLayoutError, validate_resolved_layout
-from atorch.auto.opt_lib.base import UNDECLARED, Registry, ValidationContext, default_registry, get_optimization
+from atorch.auto.opt_lib.base import (
+    UNDECLARED,
+    DataSetup,
+    Registry,
+    ValidationContext,
+    default_registry,
+    get_optimization,
+)
 from atorch.auto.opt_lib.resolve import ResolvedOptimization, resolve_strategy
 from atorch.auto.strategy import Strategy, StrategyItem
 
@@ -80,7 +87,8 @@ class SearchSpace:
 
     `dimensions` maps a dimension name to its choices (see `Choice`). Validity is checked
     against a `ValidationContext` built from `world_size`, `model`, `model_config`,
-    `device_type` and `global_batch_size`; `world_size` defaults to the size of the
+    `device_type`, `global_batch_size` and `data` (the training data, where known: candidates
+    `apply` would refuse for it are left out); `world_size` defaults to the size of the
     parallel_mode choices, else 1. Names are looked up in `registry` (default: every
     registered optimization).
     """
@@ -89,7 +97,7 @@ class SearchSpace:
                  model: Any = None, model_config: Any = None, device_type: str = "cpu",
                  global_batch_size: Optional[int] = None, registry: Optional[Registry] = None,
                  merge_idle: bool = True, loss_func_given: bool = False,
-                 excluded: Optional[Sequence[str]] = None) -> None:
+                 excluded: Optional[Sequence[str]] = None, data: Optional[DataSetup] = None) -> None:
         """`merge_idle=False` keeps candidates in which an optimization changes nothing
         (`Optimization.changes_nothing`); benchmarks whose synthetic landscapes give them a
         throughput of their own use it. Otherwise only the candidate without it is kept.
@@ -114,6 +122,7 @@ class SearchSpace:
         self.registry = registry if registry is not None else default_registry()
         self.merge_idle = merge_idle
         self.loss_func_given = loss_func_given
+        self.data = data
         self.excluded = frozenset(excluded or ())
         self._candidates: Optional[List[Candidate]] = None
         self.rejected: Dict[str, str] = {}     # strategy description -> why resolve_strategy refused it
@@ -135,7 +144,7 @@ class SearchSpace:
     def validation_context(self) -> ValidationContext:
         return ValidationContext(world_size=self.world_size, model=self.model, model_config=self.model_config,
                                  device_type=self.device_type, global_batch_size=self.global_batch_size,
-                                 loss_func_given=self.loss_func_given)
+                                 loss_func_given=self.loss_func_given, data=self.data)
 
     def candidates(self) -> List[Candidate]:
         """Every valid combination once (combinations that resolve to the same strategy are merged)."""
@@ -235,7 +244,7 @@ class SearchSpace:
         return SearchSpace(dims, world_size=self.world_size, model=self.model, model_config=self.model_config,
                            device_type=self.device_type, global_batch_size=self.global_batch_size,
                            registry=self.registry, merge_idle=self.merge_idle, loss_func_given=self.loss_func_given,
-                           excluded=sorted(self.excluded | excluded_set))
+                           excluded=sorted(self.excluded | excluded_set), data=self.data)
 
     def _known_names(self, argument: str, names: Optional[Sequence[str]]) -> List[str]:
         """`names` as registered names (aliases resolved); a name no optimization has raises, since a typo
@@ -251,24 +260,25 @@ class SearchSpace:
     @classmethod
     def default_for(cls, model: Any, world_size: int, device_type: str = "cpu", model_config: Any = None, *,
                     global_batch_size: Optional[int] = None, registry: Optional[Registry] = None,
-                    loss_func_given: bool = False) -> "SearchSpace":
+                    loss_func_given: bool = False, data: Optional[DataSetup] = None) -> "SearchSpace":
         """The automatic space: every dimension the registered optimizations declare.
 
         Today: the layout (data, tensor and pipeline splits of `world_size`), micro-batches per
         step (gradient accumulation at the fixed `global_batch_size`, when given), module
         replacement, activation checkpointing, amp, and the ZeRO stage with its backend (torch
         or DeepSpeed) and CPU offload where valid. Choices are optimistic; each optimization's
-        own validation drops the combinations it cannot run.
+        own validation drops the combinations it cannot run (`data`, where given, included: the
+        search passes its dataset, so that no candidate `apply` would refuse for it is dry-run).
         """
         registry = registry if registry is not None else default_registry()
         context = ValidationContext(world_size=world_size, model=model,
                                     model_config=model_config if model_config is not None
                                     else getattr(model, "config", None),
                                     device_type=device_type, global_batch_size=global_batch_size,
-                                    loss_func_given=loss_func_given)
+                                    loss_func_given=loss_func_given, data=data)
         return cls(declared_dimensions(registry, context), world_size=world_size, model=model,
                    model_config=model_config, device_type=device_type, global_batch_size=global_batch_size,
-                   registry=registry, loss_func_given=loss_func_given)
+                   registry=registry, loss_func_given=loss_func_given, data=data)
 
 
 def declared_dimensions(registry: Registry, context: ValidationContext) -> Dict[str, List[Choice]]:
