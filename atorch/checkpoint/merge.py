@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import uuid
+import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, TypeVar, Union, cast
 
 import torch
@@ -134,8 +135,10 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
     `save_pretrained` is called) or a directory whose tokenizer files are copied; None: the
     tokenizer the checkpoint recorded (`save_checkpoint(..., tokenizer=...)`), if any. `lora`:
     "merge" folds the adapters into the base weights (W + B @ A * scale, peft's
-    `merge_and_unload`) and writes a plain model; "adapters" writes only the adapters
-    (adapter_model.safetensors + adapter_config.json). `dtype` casts floating weights.
+    `merge_and_unload`) and writes a plain model (untied, with a warning, where the model ties its
+    embedding and output layer and an adapter sat on one of them: the two merged weights differ);
+    "adapters" writes only the adapters (adapter_model.safetensors + adapter_config.json), which
+    peft applies to the tied base model as training did. `dtype` casts floating weights.
     `model_class` overrides the class recorded in the checkpoint (needed for custom classes).
     `out_dir` may be new, empty, or hold an earlier merged model (its weight files are replaced);
     a checkpoint, a directory inside one, or a checkpoint root (holding `latest` or checkpoints)
@@ -325,7 +328,10 @@ def _resolve_model_class(model_meta: Dict[str, Any], config: Any, model_class: O
 
 def build_hf_model(ckpt_dir: str, model_meta: Dict[str, Any], state: Dict[str, torch.Tensor],
                    model_class: Optional[type] = None) -> nn.Module:
-    """The checkpoint's model (a PeftModel for LoRA) with `state` assigned, built without initializing weights."""
+    """The checkpoint's model (a PeftModel for LoRA) with `state` assigned, built without initializing weights.
+
+    Weights the model ties and the checkpoint holds under each name stay separate tensors here: a LoRA adapter
+    folded into one of them must not reach the other (`settle_word_embedding_tie` ties them again when equal)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(ckpt_dir)
@@ -344,18 +350,68 @@ def build_hf_model(ckpt_dir: str, model_meta: Dict[str, Any], state: Dict[str, t
         prefix = model_meta.get("hf_prefix") or ""
         if prefix:
             state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    shared = _shared_names(model)     # read before assigning: assignment replaces the shared parameters
     result = model.load_state_dict(state, strict=False, assign=True)
-    # A tied output layer is saved under both names; the tie is restored below.
-    tied = _tied_names(model)
-    missing = [k for k in result.missing_keys if k not in tied]
+    # A parameter shared under several names may be saved under one of them only: it takes the loaded one.
+    loaded_alias = {k: next((n for n in shared.get(k, []) if n not in result.missing_keys), None)
+                    for k in result.missing_keys}
+    missing = [k for k, alias in loaded_alias.items() if alias is None]
     if missing or result.unexpected_keys:
         raise CheckpointError(
             f"{os.path.join(ckpt_dir, DCP_DIR)}: the checkpoint does not match {cls.__name__}({CONFIG_NAME}): "
             f"missing {missing[:5]} ({len(missing)}), unexpected {result.unexpected_keys[:5]} "
             f"({len(result.unexpected_keys)})")
+    for name, alias in loaded_alias.items():
+        _set_parameter(model, name, model.get_parameter(cast(str, alias)))
+    return model
+
+
+def _set_parameter(model: nn.Module, name: str, param: nn.Parameter) -> None:
+    """Make `param` the parameter `name` (a dotted path) of `model`."""
+    owner, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, leaf, param)
+
+
+def _tie_configs(config: Any) -> List[Any]:
+    """The config objects whose `tie_word_embeddings` decides a model's embedding tie: the model's config and,
+    for composite models, its decoder's text config (transformers 4 reads the latter, 5 the former)."""
+    configs = [config]
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        text = get_text(decoder=True)
+        if text is not config:
+            configs.append(text)
+    return [c for c in configs if getattr(c, "tie_word_embeddings", False)]
+
+
+def settle_word_embedding_tie(model: Any, ckpt_dir: str) -> None:
+    """Tie a transformers model's input embedding and output layer again if they hold equal weights; untie them
+    for good (`tie_word_embeddings=False` in the config `save_pretrained` writes) where they differ.
+
+    They differ after a LoRA adapter on one of them (`lm_head` or `embed_tokens`) was folded: training shared
+    one base weight but added the adapter's delta on one side only, so tying the merged weights again would drop
+    the delta or apply it to both sides, and the merged model would no longer compute what was trained.
+    """
+    configs = _tie_configs(getattr(model, "config", None))
+    try:
+        inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        inp = out = None
+    a, b = getattr(inp, "weight", None), getattr(out, "weight", None)
+    differ = (bool(configs) and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a is not b
+              and not a.is_meta and not b.is_meta and not (a.shape == b.shape and torch.equal(a, b)))
+    if differ:
+        logger.warning("merge_checkpoint: %s: the model ties its input embedding and output layer, but a LoRA adapter "
+                       "on one of them made their merged weights differ; the merged model is written untied (both "
+                       "weights, tie_word_embeddings=false) so that it computes what was trained", ckpt_dir)
+        for config in configs:
+            config.tie_word_embeddings = False
     if hasattr(model, "tie_weights"):
         model.tie_weights()
-    return model
+    if differ and model.get_output_embeddings().weight is model.get_input_embeddings().weight:
+        raise CheckpointError(f"{ckpt_dir}: {type(model).__name__} ties its output layer to its input embedding "
+                              "even with tie_word_embeddings=false, so the LoRA adapter on one of them cannot be "
+                              "folded; merge with lora='adapters' instead")
 
 
 def _stream_hf(ckpt_dir: str, manifest: mf.Manifest, model_meta: Dict[str, Any], out_dir: str,
@@ -391,7 +447,16 @@ def _stream_hf(ckpt_dir: str, manifest: mf.Manifest, model_meta: Dict[str, Any],
         generation.save_pretrained(out_dir)
 
 
+def _shared_names(model: nn.Module) -> Dict[str, List[str]]:
+    """{name: every name of its parameter} for the parameters `model` shares under several names (weight ties)."""
+    names: Dict[int, List[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {name: group for group in names.values() if len(group) > 1 for name in group}
+
+
 def _tied_names(model: nn.Module) -> List[str]:
+    """The later names of parameters shared under several names (what `save_pretrained` writes once)."""
     seen: Dict[int, str] = {}
     tied = []
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -409,6 +474,21 @@ def _save_hf(ckpt_dir: str, model_meta: Dict[str, Any], state: Dict[str, torch.T
         if lora == "adapters":
             model.save_pretrained(out_dir, safe_serialization=True)
             return
-        model = model.merge_and_unload()
+        model = _merge_peft(model)
+    settle_word_embedding_tie(model, ckpt_dir)
     model.save_pretrained(out_dir, max_shard_size=max_shard_size, safe_serialization=True)
 
+
+def _merge_peft(model: Any) -> Any:
+    """peft's `merge_and_unload` of `model`, with the model's embedding tie left as configured.
+
+    The loaded weights are separate tensors (`build_hf_model`), so peft would untie every merged model by pointer;
+    whether the tie holds is decided by the merged values (`settle_word_embedding_tie`).
+    """
+    tied = _tie_configs(model.get_base_model().config)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Input and output embeddings are no longer tied after merging")
+        merged = model.merge_and_unload()
+    for config in tied:
+        config.tie_word_embeddings = True
+    return merged

@@ -193,6 +193,20 @@ def _check_usage(ours: argparse.Namespace, launcher_args: List[str]) -> None:
                              f"--nnodes={ours.nnodes}")
     if ours.master_port is not None and not 1 <= ours.master_port <= 65535:
         raise ValueError(f"--master_port={ours.master_port} must be a TCP port, 1..65535")
+    known = registered_rendezvous_backends()
+    if ours.rdzv_backend is not None and known is not None and ours.rdzv_backend not in known:
+        # torch elastic would find out only once the agent starts, as a traceback with exit status 1.
+        raise ValueError(f"--rdzv_backend={ours.rdzv_backend!r} is not a registered rendezvous backend; use one of "
+                         f"{sorted(known)}")
+
+
+def registered_rendezvous_backends() -> Optional[List[str]]:
+    """The rendezvous backends torch elastic can create in this process (its own and installed plugins), or None
+    where this torch keeps no readable registry (then torch elastic itself reports an unknown one)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    registry = getattr(rendezvous_handler_registry, "_registry", None)
+    return sorted(registry) if isinstance(registry, dict) else None
 
 
 def check_environment(argv: List[str]) -> None:

@@ -102,6 +102,87 @@ def test_lora_merged_and_adapters_only(tmp_path):
     assert torch.equal(_logits(reloaded), expected)
 
 
+def _tied_lora_model(target):
+    """A tied tiny Llama with peft LoRA on one side of the tie (and on q_proj), B != 0 from the start."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", target], init_lora_weights=False)
+    return get_peft_model(tiny_llama(seed=0, tie_word_embeddings=True), config)
+
+
+class _DuckLoraHead(nn.Linear):
+    """An output layer with an adapter kept as plain parameters, as tensor-parallel LoRA keeps it
+    (`lora_A` [r, in], `lora_B` [out, r], `lora_scaling`): what `fold_adapters` folds on merge."""
+
+    def __init__(self, weight: nn.Parameter, r: int = 4, scaling: float = 2.0) -> None:
+        super().__init__(weight.shape[1], weight.shape[0], bias=False)
+        self.weight = weight     # the embedding's own parameter: the tie of the model
+        self.lora_A = nn.Parameter(torch.randn(r, weight.shape[1]) * 0.1)
+        self.lora_B = nn.Parameter(torch.randn(weight.shape[0], r) * 0.1)
+        self.lora_scaling = scaling
+
+    def forward(self, x):
+        return super().forward(x) + self.lora_scaling * nn.functional.linear(nn.functional.linear(x, self.lora_A),
+                                                                             self.lora_B)
+
+
+@pytest.mark.parametrize("kind", ["peft_lm_head", "peft_embed_tokens", "folded_lm_head"])
+def test_lora_on_one_side_of_a_tied_embedding_merges_untied(tmp_path, kind, caplog):
+    """A tied model shares one base weight between embed_tokens and lm_head, but LoRA adds its delta on one side
+    only. The merge used to crash in transformers' tie_weights (peft on lm_head) or re-tie the folded weights,
+    dropping the delta or applying it to both sides (peft on embed_tokens: relative error ~1; a tensor-parallel
+    adapter on lm_head). The merged model is now untied and computes the trained model's logits; the adapters
+    alone, loaded by peft onto the tied base, too. Tolerance 1e-6 relative: a folded W + s B A rounds once in fp32.
+    """
+    if kind == "folded_lm_head":
+        model = tiny_llama(seed=0, tie_word_embeddings=True)
+        torch.manual_seed(1)
+        model.lm_head = _DuckLoraHead(model.model.embed_tokens.weight)
+        for name, param in model.named_parameters():
+            param.requires_grad_("lora_" in name)     # LoRA trains the adapters only
+        model = _train_one_step(model).eval()
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    else:
+        model = _train_one_step(_tied_lora_model(kind[len("peft_"):])).eval()
+    expected = _logits(model)
+    ckpt = save_checkpoint(model, str(tmp_path / "ckpt"))
+    with caplog.at_level("WARNING", logger="atorch.checkpoint.merge"):
+        merged_dir = merge_checkpoint(ckpt, str(tmp_path / "merged"))
+    assert "the merged model is written untied" in caplog.text
+    assert json.load(open(os.path.join(merged_dir, "config.json")))["tie_word_embeddings"] is False
+    merged = _load_hf(merged_dir)
+    assert merged.lm_head.weight is not merged.model.embed_tokens.weight
+    assert ((_logits(merged) - expected).norm() / expected.norm()).item() < 1e-6
+
+    adapters_dir = merge_checkpoint(ckpt, str(tmp_path / "adapters"), lora="adapters")
+    if kind == "folded_lm_head":
+        from atorch.checkpoint.tp_lora import ADAPTER_WEIGHTS_NAME
+
+        assert set(load_file(os.path.join(adapters_dir, ADAPTER_WEIGHTS_NAME))) == {
+            "base_model.model.lm_head.lora_A.weight", "base_model.model.lm_head.lora_B.weight"}
+    from peft import PeftModel
+
+    reloaded = PeftModel.from_pretrained(tiny_llama(seed=0, tie_word_embeddings=True), adapters_dir).eval()
+    assert ((_logits(reloaded) - expected).norm() / expected.norm()).item() < 1e-6
+
+
+def test_lora_beside_a_tied_embedding_keeps_the_merged_model_tied(tmp_path):
+    """Adapters elsewhere leave the tied pair equal: the merged model stays tied (saved once)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_llama(seed=0, tie_word_embeddings=True),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    model = _train_one_step(model).eval()
+    out = merge_checkpoint(save_checkpoint(model, str(tmp_path / "ckpt")), str(tmp_path / "merged"))
+    assert json.load(open(os.path.join(out, "config.json")))["tie_word_embeddings"] is True
+    assert "lm_head.weight" not in load_file(os.path.join(out, "model.safetensors"))
+    merged = _load_hf(out)
+    assert merged.lm_head.weight is merged.model.embed_tokens.weight
+    assert torch.allclose(_logits(merged), _logits(model), rtol=1e-5, atol=1e-5)
+
+
 def test_plain_module_becomes_safetensors_under_module_names(tmp_path):
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     ckpt = save_checkpoint(model, str(tmp_path / "ckpt"))

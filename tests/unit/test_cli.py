@@ -1,5 +1,6 @@
 """The `atorch` command: plan (the cost model's table for a cluster), env, run's help, merge."""
 
+import json
 import subprocess
 import sys
 
@@ -85,6 +86,29 @@ def test_plan_command_and_bad_input(capsys, tmp_path):
         with pytest.raises(SystemExit) as info:
             main(argv)
         assert info.value.code == 2 and text in capsys.readouterr().err, argv
+
+
+def test_plan_reads_config_files_as_transformers_does(capsys, tmp_path):
+    """A config transformers wrote itself loads (an infinite float is written as {"__float__": "Infinity"}: the
+    planner's own json.loads + for_model raised a traceback); a value transformers refuses is one line, exit 2,
+    naming the file and transformers' reason (it was a traceback with exit status 1)."""
+    from transformers import FalconH1Config
+
+    saved = tmp_path / "falcon_h1"
+    FalconH1Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=128).save_pretrained(str(saved))   # time_step_limit (0, inf)
+    assert "Infinity" in (saved / "config.json").read_text()
+    for model in (saved, saved / "config.json"):
+        loaded = load_model_config(str(model))
+        assert type(loaded).__name__ == "FalconH1Config" and tuple(loaded.time_step_limit) == (0.0, float("inf"))
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": "big"}))
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--model", str(bad), "--nproc", "8", "--global-batch", "8", "--seq", "128"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err, err
+    assert f"transformers refuses {bad} as a 'llama' config" in err and "'hidden_size'" in err, err
 
 
 def test_env_run_help_and_unknown_command(capsys):

@@ -261,5 +261,23 @@ def test_a_usage_error_in_the_workers_is_not_buried_under_the_failure_table(monk
     assert code in (1, 2) and "Root Cause" in err and "(a usage error" not in err, err
 
 
+
+def test_an_unknown_rendezvous_backend_is_a_usage_error_listing_the_registered_ones(capsys, tmp_path):
+    """It failed only once torch elastic's agent started: a traceback and exit status 1."""
+    from atorch.cli import main as cli_main
+
+    script = tmp_path / "t.py"
+    script.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["run", "--nproc_per_node", "1", "--rdzv_backend", "foo", str(script)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert "--rdzv_backend='foo' is not a registered rendezvous backend; use one of [" in err, err
+    assert "'c10d'" in err and "'static'" in err, err
+    with pytest.raises(ValueError, match="--rdzv_backend='bar' is not a registered"):
+        translate_args(["--rdzv-backend=bar", "x.py"], env={})
+    assert "--rdzv_backend=c10d" in translate_args(["--rdzv-backend", "c10d", "x.py"], env={})
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -42,8 +42,14 @@ MODEL_PRESETS = {
 
 
 def load_model_config(model: str) -> Any:
-    """A transformers config from a preset name, a config.json path, or a model directory."""
-    from transformers import AutoConfig, CONFIG_MAPPING
+    """A transformers config from a preset name, a config.json path, or a model directory.
+
+    A file is read by transformers itself (`AutoConfig.from_pretrained`, offline for a local file), so what
+    `save_pretrained` writes loads here as it loads in `from_pretrained` (e.g. an infinite float, written as
+    `{"__float__": "Infinity"}`). A file that is not a model config, or whose values transformers refuses, is a
+    ValueError naming the file and transformers' reason.
+    """
+    from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 
     if model in MODEL_PRESETS:
         values: Dict[str, Any] = dict(MODEL_PRESETS[model])
@@ -55,13 +61,27 @@ def load_model_config(model: str) -> Any:
         raise ValueError(f"--model {model!r} is neither a preset ({sorted(MODEL_PRESETS)}) nor a config.json or a "
                          "model directory that has one")
     try:
-        with open(path, encoding="utf-8") as f:
-            values = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"--model {model!r}: {path} is not a JSON model config ({e})") from None
+        values, _ = PretrainedConfig.get_config_dict(path)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--model {model!r}: {path} is not a JSON model config ({_cause(e)})") from None
     if not isinstance(values, dict) or "model_type" not in values:
+        # Checked here: transformers would guess the type from the file's path instead.
         raise ValueError(f"{path} has no model_type; it is not a Hugging Face model config")
-    return AutoConfig.for_model(**values)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - transformers' validation raises several types (huggingface_hub's too)
+        raise ValueError(f"--model {model!r}: transformers refuses {path} as a {values['model_type']!r} config: "
+                         f"{' '.join(str(e).split())}") from None
+
+
+def _cause(error: BaseException) -> str:
+    """The JSON parser's reason for `error` (transformers wraps it in a generic OSError), else `error` itself."""
+    inner: Optional[BaseException] = error
+    while inner is not None:
+        if isinstance(inner, (json.JSONDecodeError, UnicodeDecodeError)):
+            return str(inner)
+        inner = inner.__cause__ or inner.__context__
+    return str(error)
 
 
 def check_seq_len(config: Any, seq_len: int, name: str = "seq_len") -> None:
