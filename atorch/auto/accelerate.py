@@ -15,10 +15,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.utils.data import DistributedSampler
 
 from atorch import distributed as adist
 from atorch.auto.arguments import (
@@ -260,16 +262,58 @@ def _agree_between_ranks(ctx: ModelContext, strategy: Optional[Strategy]) -> Non
     """The inputs every rank must share, compared across ranks (one small all-gather): different
     strategies or batch sizes make ranks run different collectives, and a dataset of a different
     length on each rank makes them run a different number of steps; either leaves ranks waiting
-    for each other, and nothing inside the backend's error would name the cause."""
+    for each other, and nothing inside the backend's error would name the cause. The sampler's
+    settings (`_sampler_text`) are compared in the same all-gather."""
     values = {"dataloader_args['batch_size']": repr(ctx.dataloader_args.get("batch_size"))}
     try:
         if ctx.dataset is not None and hasattr(ctx.dataset, "__len__"):
             values["len(dataset)"] = str(len(ctx.dataset))
     except (TypeError, NotImplementedError):   # a __len__ that refuses: nothing to compare
         pass
+    if ctx.dataset is not None:
+        values[_SAMPLER] = _sampler_text(ctx)
     if strategy is not None:
         values["load_strategy"] = strategy.describe()
-    agree_on_values("auto_accelerate", values)
+    try:
+        agree_on_values("auto_accelerate", values)
+    except ValueError as e:    # the same text on every rank, so the same note is added everywhere
+        if f"{_SAMPLER}:" in str(e):
+            raise ValueError(f"{e} ({_SAMPLER_NOTE})") from None
+        raise
+
+
+# What decides which samples each data rank reads and how many steps an epoch has (`engine.build_dataloader`
+# builds the sampler from them), compared as one text per rank. The other DataLoader keys (num_workers,
+# pin_memory, collate_fn, ...) change how a rank loads its own samples, not which: they may differ between ranks.
+_SAMPLER = "sampler (dataloader_args shuffle/seed/drop_last, distributed_sampler_cls)"
+_SAMPLER_NOTE = ("these decide which samples each data rank reads and how many steps an epoch has: ranks given "
+                 "different ones read some samples twice and others never (e.g. seed=rank), or run a step the "
+                 "others never join")
+
+
+def _sampler_text(ctx: ModelContext) -> str:
+    """How the sampler of `ctx` is built, e.g. `DistributedSampler(shuffle=True, seed=0, drop_last=True)`, with
+    the defaults written out (an absent key equals its default) and nothing that may differ between processes.
+
+    The seed only where it is read: the default sampler reads it only to shuffle (so seed=rank without shuffling
+    is harmless); a user's sampler class may read it anyway.
+    """
+    args = ctx.dataloader_args
+    shuffle = args.get("shuffle", False)
+    settings = [f"shuffle={shuffle!r}"]
+    if shuffle or ctx.distributed_sampler_cls is not None:
+        settings.append(f"seed={_stable_text(args.get('seed', 0))}")
+    settings.append(f"drop_last={args.get('drop_last', True)!r}")
+    return f"{_stable_text(ctx.distributed_sampler_cls or DistributedSampler)}({', '.join(settings)})"
+
+
+def _stable_text(value: Any) -> str:
+    """A text of `value` that is the same on every rank given the same thing: a class or function by its
+    qualified name, anything else by its repr without memory addresses (cut to 200 characters)."""
+    name = getattr(value, "__qualname__", None)
+    if isinstance(name, str) and (isinstance(value, type) or callable(value)):
+        return f"{getattr(value, '__module__', None) or '?'}.{name}"
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))[:200]
 
 
 def _validate_layout(ctx: ModelContext, strategy: Strategy, note_idle: bool = False) -> List[ResolvedOptimization]:

@@ -4,8 +4,10 @@ A mistake in the arguments (a batch size of 0, an optimizer keyword the optimize
 take, a dataset shorter than one global batch, a sequence longer than the model's positions,
 a strategy file into a missing directory, ...) raises `ValueError` (a wrong value) or
 `TypeError` (a wrong kind of object) naming the argument, its value and what is expected.
-Nothing here touches the network, the model's weights or the filesystem beyond `os.path`
-queries, so every rank reaches the same verdict and none is left waiting in a collective.
+Nothing here touches the network or the model's weights; the filesystem only through `os.path`
+queries and one probe file created and removed where an output file will go (`os.access` says yes
+to root in a read-only directory such as /proc). The verdicts are voted on across ranks, so none
+is left waiting in a collective.
 
 - `validate_arguments`: everything that does not depend on the strategy (called first).
 - `check_dry_run_batches`: the search or the dry run asked for has batches (a dataset).
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import tempfile
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Optional, Tuple
 
@@ -71,10 +74,15 @@ def validate_arguments(
     if optim_args and optim_func is None:
         raise ValueError(f"optim_args={dict(optim_args)!r} were given without optim_func; pass optim_func (e.g. "
                          "torch.optim.AdamW) or drop optim_args")
+    if optim_func is not None and optim_param_func is not None:
+        check_optim_params_in_model(model, optim_param_func)
     if optim_func is not None and optim_param_func is None and not any(True for _ in model.parameters()):
         raise ValueError(f"model {type(model).__name__} has no parameters, so optim_func={_name(optim_func)} would "
                          "get an empty parameter list")
     _check_factory("lr_scheduler_cls", lr_scheduler_cls, "lr_scheduler_args", lr_scheduler_args, skip_first=1)
+    if lr_scheduler_args and lr_scheduler_cls is None:
+        raise ValueError(f"lr_scheduler_args={dict(lr_scheduler_args)!r} were given without lr_scheduler_cls; pass "
+                         "lr_scheduler_cls (e.g. torch.optim.lr_scheduler.StepLR) or drop lr_scheduler_args")
     if lr_scheduler_cls is not None and optim_func is None:
         raise ValueError(f"lr_scheduler_cls={_name(lr_scheduler_cls)} needs an optimizer; pass optim_func too")
     args = _check_mapping("dataloader_args", dataloader_args)
@@ -194,6 +202,44 @@ def check_sample_format(dataset: Any, model_input_format: Optional[str], dataloa
                         "collate_fn in dataloader_args or prepare_input")
 
 
+def check_optim_params_in_model(model: nn.Module, optim_param_func: Callable[[nn.Module], Any]) -> None:
+    """What `optim_param_func(model)` returns are parameters of `model` (checked by identity, on the model as given,
+    before any optimization replaces its parameters).
+
+    A tensor from elsewhere (a parameter of a copy of the model, a new nn.Parameter) would be what the
+    optimizer updates while the model's weights never change: training would run and learn nothing.
+    Accepts what torch optimizers take: tensors, (name, tensor) pairs, or groups {"params": ...}. An empty
+    result is left to the optimizer (an optimization such as lora adds the parameters the function may pick),
+    and so is a function that fails on the unwrapped model (it is called again on the wrapped one).
+    """
+    try:
+        result = optim_param_func(model)
+        returned = [] if isinstance(result, (torch.Tensor, Mapping)) else list(result)
+    except Exception:  # noqa: BLE001 - the real call, on the model the strategy built, reports it
+        return
+    tensors = []
+    for item in returned:
+        if isinstance(item, Mapping):      # a parameter group
+            item = item.get("params", ())
+        item = _unnamed(item)
+        if isinstance(item, torch.Tensor):
+            tensors.append(item)
+            continue
+        try:
+            tensors.extend(_unnamed(member) for member in item)
+        except TypeError:
+            continue   # not a collection of parameters: the optimizer names it
+    own = {id(p) for p in model.parameters()}
+    foreign = [t for t in tensors if isinstance(t, torch.Tensor) and id(t) not in own]
+    if foreign:
+        first = foreign[0]
+        raise ValueError(f"optim_param_func={_name(optim_param_func)} returned {len(foreign)} "
+                         f"tensor(s) that are not parameters of the model (the first: {type(first).__name__} of shape "
+                         f"{tuple(first.shape)}); the optimizer would update them and never the model's weights, so "
+                         "the model would not train. Return parameters of the model it is given (e.g. from "
+                         "model.parameters() or model.named_parameters())")
+
+
 def position_limit(config: Any) -> Optional[Tuple[str, int]]:
     """(field, value): the longest sequence a model config's position embeddings cover, the field named as the
     config names it (GPT-2's n_positions); None where the config declares no limit (e.g. BLOOM's ALiBi)."""
@@ -236,6 +282,13 @@ def _describe(value: Any) -> str:
 
 def _name(func: Any) -> str:
     return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+
+
+def _unnamed(item: Any) -> Any:
+    """The tensor of a (name, tensor) pair (torch optimizers take named parameters), else `item`."""
+    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+        return item[1]
+    return item
 
 
 def _check_callable(name: str, value: Any) -> None:
@@ -383,3 +436,17 @@ def _check_output_path(name: str, path: Any, created_dir: Optional[str] = None) 
         raise ValueError(f"{name}={path!r}: the directory {parent!r} does not exist; create it first")
     if not os.access(parent, os.W_OK):
         raise ValueError(f"{name}={path!r}: the directory {parent!r} is not writable")
+    _probe_writable(name, path, parent)
+
+
+def _probe_writable(name: str, path: str, parent: str) -> None:
+    """Create and remove a file in `parent`: `os.access` answers for the permission bits only (root is
+    allowed in /proc, on a read-only mount, in a full quota), and the file is written after the strategy
+    applied, too late to fail on."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".atorch-write-check-", dir=parent)
+    except OSError as e:
+        raise ValueError(f"{name}={path!r}: cannot create a file in the directory {parent!r} ({e.strerror or e}); "
+                         "give a path in a writable directory") from None
+    os.close(fd)
+    os.remove(probe)

@@ -23,6 +23,10 @@ tensor-parallel layers, pipeline stages) and counted once where it is replicated
 replicated norms of tensor parallelism, the second copy of a tied embedding/head), then every
 local gradient is scaled as `torch.nn.utils.clip_grad_norm_` would. DeepSpeed engines clip in
 their own `step()` with the value set here.
+
+Both options decide which collectives a step runs (a clipping all-reduce, a gradient sync skipped
+or not), so every rank must pass the same ones: the first call on each result compares them across
+ranks (`_agree_on_first_call`) and later calls trust them (see `train_step`).
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -39,6 +44,7 @@ from torch import nn
 
 from atorch.auto.model_context import call_model
 from atorch.auto.result import AutoAccelerateResult
+from atorch.distributed.agreement import agree_on_values
 from atorch.modules.pipeline.batches import cut_rows, find_batch_rows
 
 __all__ = ["StepStats", "clip_grad_norm_", "split_batch", "train_step", "train_step_stats"]
@@ -62,6 +68,14 @@ def train_step(result: AutoAccelerateResult, batch: Any, *, gradient_accumulatio
     global gradient norm to this value before the step (default: no clipping). Plain loops
     (`loss.backward(); optim.step()`) work too; this helper also drives DeepSpeed engines and
     pipeline schedules, which step themselves.
+
+    Every rank must pass the same `gradient_accumulation_steps` and `max_grad_norm` at every call:
+    they decide the step's collectives, so ranks given different ones wait for each other until the
+    collective timeout (FSDP, tensor and pipeline parallelism) or train on silently with replicas that
+    drift apart (DDP). The first call on each `result` compares them across ranks (one small vote) and
+    raises the same ValueError on every rank when they differ; later calls are not compared, as a vote
+    at every step would cost a round trip between all ranks per step. Change them, if at all, on every
+    rank at the same step (e.g. from the step count, never from something only one rank reads).
     """
     return train_step_stats(result, batch, gradient_accumulation_steps=gradient_accumulation_steps,
                             max_grad_norm=max_grad_norm).loss
@@ -71,6 +85,7 @@ def train_step_stats(result: AutoAccelerateResult, batch: Any, *, gradient_accum
                      max_grad_norm: Optional[float] = None) -> StepStats:
     """`train_step`, also returning the gradient norm it clipped (see `StepStats`)."""
     _check_result("train_step", result)
+    _agree_on_first_call(result, gradient_accumulation_steps, max_grad_norm)
     steps = _accumulation_steps(result, gradient_accumulation_steps)
     if max_grad_norm is not None:
         _check_max_norm("train_step: max_grad_norm", max_grad_norm)
@@ -88,6 +103,32 @@ def _check_result(who: str, result: Any) -> None:
     if not isinstance(result, AutoAccelerateResult):
         raise TypeError(f"{who}: result must be the AutoAccelerateResult that auto_accelerate returned, got "
                         f"{type(result).__name__}")
+
+
+# ids of the results whose first train_step call has compared the options across ranks (an id leaves
+# the set when its result is collected, so a new result reusing the id is compared again).
+_agreed_results: Set[int] = set()
+
+
+def _agree_on_first_call(result: AutoAccelerateResult, gradient_accumulation_steps: Any,
+                         max_grad_norm: Any) -> None:
+    """At the first call on `result`, the ranks compare the options they were given (before checking
+    them, so that a bad value on one rank is named as a difference instead of raising on that rank
+    alone); the same ValueError on every rank when they differ.
+
+    Only the first call: every rank calls train_step equally often, so "the first call" is the same
+    call everywhere, while "a call whose options changed on this rank" is not (a rank cannot know
+    that another's changed, and a vote only some ranks join is itself a hang)."""
+    key = id(result)
+    if key in _agreed_results:
+        return
+    steps = result.gradient_accumulation_steps if gradient_accumulation_steps is None else gradient_accumulation_steps
+    norm = max_grad_norm
+    if isinstance(norm, (int, float)) and not isinstance(norm, bool):
+        norm = float(norm)    # 1 and 1.0 clip alike
+    agree_on_values("train_step", {"gradient_accumulation_steps": repr(steps), "max_grad_norm": repr(norm)})
+    _agreed_results.add(key)
+    weakref.finalize(result, _agreed_results.discard, key)
 
 
 def _check_max_norm(what: str, value: Any) -> None:

@@ -4,7 +4,8 @@ One spawn runs the whole catalogue: each case runs on both ranks, and each rank 
 exception type and message it got (or its status) and the seconds it took. Cases where only one
 rank fails (a local file error inside a checkpoint save or load, an optimizer factory failing on
 one rank) check the error agreement: the other rank must raise the same exception, not wait in
-a barrier. Also here: MASTER_PORT already in use, and a rank stalling inside a collective.
+a barrier. Also here: MASTER_PORT already in use, a rank stalling inside a collective, and (a spawn of
+their own) sampler settings and train_step options that differ between ranks.
 """
 
 from __future__ import annotations
@@ -328,3 +329,87 @@ def test_a_stalled_rank_ends_the_job_naming_the_collective_and_the_missing_rank(
     assert "CollectiveTimeoutError: rank 0: collective gloo:all_reduce (sequence number 2" in log, log[-3000:]
     assert "ATORCH_COLLECTIVE_TIMEOUT=10 s; rank(s) [1] did not arrive" in log, log[-3000:]
     assert elapsed < 240, f"took {elapsed:.0f} s"   # 10 s timeout + roll call + launcher teardown, under load
+
+
+# -- what decides a rank's samples and a step's collectives, given differently on each rank ---------------------
+# Before, these ran on silently (shuffle seeds: overlapping samples) or hung until the collective timeout
+# (drop_last: a step only one rank runs; train_step options under FSDP).
+
+class _OwnSampler(torch.utils.data.DistributedSampler):
+    """A sampler class of the user's (distributed_sampler_cls)."""
+
+
+def _epoch(**step_options: Any) -> List[float]:
+    from atorch.auto import train_step
+
+    status, result, _ = _accelerate(load_strategy=step_options.pop("load_strategy", ["parallel_mode"]))
+    assert status
+    return [float(train_step(result, batch, **step_options)) for batch in result.dataloader]
+
+
+def _per_rank_cases() -> List[Tuple[str, Callable[[], Any]]]:
+    from atorch.testing.parity import TokenDataset
+
+    rank = _rank()
+    return [
+        ("seeds_differ", lambda: _accelerate(dataloader_args={"batch_size": 4, "shuffle": True, "seed": rank})),
+        ("shuffle_on_rank_0_only", lambda: _accelerate(dataloader_args={"batch_size": 4, "shuffle": rank == 0})),
+        ("drop_last_differs", lambda: _accelerate(dataset=TokenDataset(n=18),
+                                                  dataloader_args={"batch_size": 4, "drop_last": rank == 0})),
+        ("sampler_cls_on_rank_1_only", lambda: _accelerate(distributed_sampler_cls=_OwnSampler if rank else None)),
+        ("accumulation_differs_ddp", lambda: _epoch(gradient_accumulation_steps=2 if rank == 0 else 1)),
+        ("clipping_on_rank_0_only_fsdp", lambda: _epoch(max_grad_norm=1.0 if rank == 0 else None,
+                                                        load_strategy=["parallel_mode", "fsdp"])),
+        # what may differ: how a rank loads its samples, and a seed that nothing reads (no shuffling)
+        ("loading_differs", lambda: _accelerate(dataloader_args={"batch_size": 4, "seed": rank,
+                                                                 "pin_memory": rank == 0})[0]),
+    ]
+
+
+_SAMPLER = "sampler (dataloader_args shuffle/seed/drop_last, distributed_sampler_cls): "
+_DEFAULT = "torch.utils.data.distributed.DistributedSampler"
+PER_RANK_EXPECTED: Dict[str, str] = {
+    "seeds_differ": f"{_SAMPLER}{_DEFAULT}(shuffle=True, seed=0, drop_last=True) on rank [0]; "
+                    f"{_DEFAULT}(shuffle=True, seed=1, drop_last=True) on rank [1] (these decide which samples",
+    "shuffle_on_rank_0_only": f"{_SAMPLER}{_DEFAULT}(shuffle=True, seed=0, drop_last=True) on rank [0]; "
+                              f"{_DEFAULT}(shuffle=False, drop_last=True) on rank [1]",
+    "drop_last_differs": f"{_SAMPLER}{_DEFAULT}(shuffle=False, drop_last=True) on rank [0]; "
+                         f"{_DEFAULT}(shuffle=False, drop_last=False) on rank [1]",
+    "sampler_cls_on_rank_1_only": f"{_SAMPLER}{_DEFAULT}(shuffle=False, drop_last=True) on rank [0]; "
+                                  "test_bad_inputs_distributed._OwnSampler(shuffle=False, seed=0, drop_last=True) on "
+                                  "rank [1]",
+    "accumulation_differs_ddp": "train_step: the ranks were given different gradient_accumulation_steps, so they "
+                                "would run different collectives; give every rank the same. "
+                                "gradient_accumulation_steps: 2 on rank [0]; 1 on rank [1]",
+    "clipping_on_rank_0_only_fsdp": "max_grad_norm: 1.0 on rank [0]; None on rank [1]",
+}
+
+
+def _run_per_rank_cases() -> Dict[str, Dict[str, Any]]:
+    from atorch import distributed as adist
+
+    out: Dict[str, Dict[str, Any]] = {}
+    for name, call in _per_rank_cases():
+        start = time.monotonic()
+        try:
+            kind, message = "returned", repr(call())[:200]
+        except Exception as e:  # noqa: BLE001 - recorded and compared across ranks by the test
+            kind, message = type(e).__name__, str(e)
+        out[name] = {"kind": kind, "message": message, "seconds": time.monotonic() - start}
+        if adist.is_parallel_group_created():
+            adist.destroy_parallel_group()
+    return out
+
+
+def test_sampler_settings_and_step_options_given_differently_per_rank_raise_the_same_error_everywhere():
+    results = run_distributed(_run_per_rank_cases, 2, timeout=120)
+    assert set(results[0]) == set(PER_RANK_EXPECTED) | {"loading_differs"}
+    for name, text in PER_RANK_EXPECTED.items():
+        got = [r[name] for r in results]
+        for rank, g in enumerate(got):
+            assert g["kind"] == "ValueError", f"{name} rank {rank}: {g}"
+            assert text in g["message"], f"{name} rank {rank}: {g['message']}"
+            assert g["seconds"] < BOUND_S, f"{name} rank {rank} took {g['seconds']:.1f} s"
+        assert got[0]["message"] == got[1]["message"], f"{name}: ranks differ: {got}"
+    assert [(r["loading_differs"]["kind"], r["loading_differs"]["message"]) for r in results] == \
+        [("returned", "True")] * 2

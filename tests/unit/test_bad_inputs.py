@@ -224,6 +224,13 @@ CASES: List[Case] = [
                                                  lr_scheduler_cls=torch.optim.lr_scheduler.StepLR,
                                                  lr_scheduler_args={"step_size": 1}), ValueError,
          "lr_scheduler_cls"),
+    Case("lr_scheduler_args_without_cls", _args(lr_scheduler_args={"step_size": 1}), ValueError,
+         "lr_scheduler_args={'step_size': 1} were given without lr_scheduler_cls"),
+    # /proc: os.access says writable to root, yet no file can be created there
+    Case("save_strategy_into_proc", _args(save_strategy_to_file="/proc/strategy.json"), ValueError,
+         "save_strategy_to_file='/proc/strategy.json'"),
+    Case("optim_param_func_foreign_parameter", _args(optim_param_func=lambda m: [nn.Parameter(torch.ones(2))]),
+         ValueError, "returned 1 tensor(s) that are not parameters of the model (the first: Parameter of shape (2,))"),
     Case("excluded_a_string", _args(excluded="fsdp"), TypeError, "excluded"),
     Case("model_without_parameters", _args(model=nn.ReLU(), dataset=None), ValueError, "no parameters"),
     # once the strategy is known
