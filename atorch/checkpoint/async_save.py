@@ -69,7 +69,8 @@ class AsyncCheckpointer:
         """The gloo group background collectives use (None without a process group).
 
         Collective: the first call on each rank must happen in the same order on every rank,
-        which `save_checkpoint` guarantees by calling it in its foreground part.
+        which `save_checkpoint` guarantees by calling it in its foreground part, after comparing
+        `async_save` across ranks (a rank alone in `new_group` would wait for the others forever).
         """
         if not (dist.is_available() and dist.is_initialized()):
             return None

@@ -297,22 +297,34 @@ def checkpoint_use(path: str) -> Optional[str]:
     `latest` pointer or complete checkpoints). Symlinks and relative paths are resolved first.
     """
     real = os.path.realpath(path)
-    ancestor = real
-    while True:
-        if is_checkpoint(ancestor):
-            if ancestor == real:
-                return f"is a checkpoint (it holds {MANIFEST_NAME})"
-            return f"is inside the checkpoint {ancestor} (it holds {MANIFEST_NAME})"
-        parent = os.path.dirname(ancestor)
-        if parent == ancestor:
-            break
-        ancestor = parent
+    if is_checkpoint(real):
+        return f"is a checkpoint (it holds {MANIFEST_NAME})"
+    enclosing = enclosing_checkpoint(real)
+    if enclosing is not None:
+        return f"is inside the checkpoint {enclosing} (it holds {MANIFEST_NAME})"
     if os.path.isfile(os.path.join(real, LATEST_NAME)):
         return f"is a checkpoint root (it holds the {LATEST_NAME!r} pointer)"
     held = sorted(os.path.basename(p) for p, _ in list_checkpoints(real))
     if held:
         return f"is a checkpoint root (it holds the checkpoints {held[:3]}{' ...' if len(held) > 3 else ''})"
     return None
+
+
+def enclosing_checkpoint(path: str) -> Optional[str]:
+    """The checkpoint `path` lies inside (its nearest ancestor holding `manifest.json`, symlinks resolved), or None.
+
+    `path` itself does not count: a checkpoint is not inside itself. Files written under a checkpoint are
+    not in its manifest, so it would no longer verify; save and merge refuse such a directory.
+    """
+    real = os.path.realpath(path)
+    ancestor = os.path.dirname(real)
+    while True:
+        if is_checkpoint(ancestor):
+            return ancestor
+        parent = os.path.dirname(ancestor)
+        if parent == ancestor:
+            return None
+        ancestor = parent
 
 
 def resolve_checkpoint_dir(path: str) -> str:

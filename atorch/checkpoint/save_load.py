@@ -49,8 +49,10 @@ from atorch.checkpoint.state import (
     DataPosition,
     convert_position,
     from_json_value,
+    len_or_none,
     loader_global_batch_size,
     parallel_streams_state,
+    position_in_epoch,
     resume_dataloader,
     rng_state,
     set_parallel_streams_state,
@@ -59,7 +61,7 @@ from atorch.checkpoint.state import (
 )
 from atorch.checkpoint.tokenizer_files import check_tokenizer, record_tokenizer
 from atorch.checkpoint.tp_lora import adapters_of
-from atorch.distributed.agreement import agree_on_error
+from atorch.distributed.agreement import agree_on_error, agree_on_values
 
 if TYPE_CHECKING:
     from atorch.distributed.mesh import ParallelMesh
@@ -206,6 +208,41 @@ def _parallel_dims(parallel: Optional[ParallelMesh]) -> Optional[List[List[Any]]
     return [[n, s] for n, s in parallel.layout.dims]
 
 
+# -- argument checks (local: raised on every rank given the mistake, then voted on) -----------
+
+def _check_flag(func: str, name: str, value: Any) -> None:
+    """Raise TypeError unless `value` is a bool: a string such as "no" would otherwise count as True."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{func}: {name}={value!r} ({type(value).__name__}) must be True or False")
+
+
+def _check_save_args(path: Any, *, step: Any, data_position: Any, keep_last: Any, save_optimizer: Any,
+                     update_latest: Any, async_save: Any, checksum: Any, tokenizer: Any) -> None:
+    """`save_checkpoint`'s checks of its arguments' types and values (no filesystem access but the tokenizer's)."""
+    mf.check_dir_arg("save_checkpoint", "path", path)
+    if not path:
+        raise ValueError("path is empty; pass the checkpoint directory, e.g. 'ckpt/step_100'")
+    if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
+        raise ValueError(f"keep_last={keep_last!r}; it must be an int >= 1, or None to keep every checkpoint")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise ValueError(f"step={step!r} must be a non-negative int (the optimizer step), or None")
+    if data_position is not None and not isinstance(data_position, DataPosition):
+        raise ValueError(f"data_position={data_position!r} must be an atorch.checkpoint.DataPosition")
+    for name, flag in (("save_optimizer", save_optimizer), ("update_latest", update_latest),
+                       ("async_save", async_save)):
+        _check_flag("save_checkpoint", name, flag)
+    mf.check_checksum(checksum)
+    if tokenizer is not None:
+        check_tokenizer(tokenizer)
+
+
+def _optimizer_flag(flag: bool, handler: LayoutHandler) -> str:
+    """`save_optimizer` / `load_optimizer` as the ranks compare it: True on a rank whose target has no optimizer
+    does nothing there, which is as different from the other ranks as False (a sharded optimizer's state
+    would be saved or restored on some ranks only)."""
+    return repr(flag) if not flag or handler.has_optimizer else "True, but the target has no optimizer"
+
+
 # -- save ----------------------------------------------------------------------------------
 
 def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
@@ -215,7 +252,13 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
                     checksum: str = mf.DEFAULT_CHECKSUM, tokenizer: Any = None) -> str:
     """Save model, optimizer, lr scheduler, grad scaler, RNG states, step and data position to `path`.
 
-    Call on every rank. Each rank writes its own shards; the directory appears under `path`
+    Call on every rank, with the same `path`, `step`, `data_position`, `keep_last`, `save_optimizer`,
+    `update_latest`, `async_save` and `checksum` (and an optimizer on every rank or none): they are
+    compared across ranks first, and a difference raises the same ValueError on every rank, naming the
+    argument and each rank's value (ranks given different ones would run different collectives, or
+    silently save rank 0's). `extra` and `tokenizer` are rank 0's and not compared (`extra` may hold
+    per-rank values such as timings, of which the checkpoint keeps rank 0's). A path inside an existing
+    checkpoint is refused. Each rank writes its own shards; the directory appears under `path`
     only when complete, `<parent>/latest` then names it, and with `keep_last=N` only the N
     newest checkpoints in the parent directory are kept. `data_position` defaults to `step`
     optimizer steps into the result's dataloader (epoch = step // len(dataloader), the loop
@@ -236,29 +279,28 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
     `wait_for_checkpoint()` before `destroy_process_group()`. Returns the checkpoint directory
     (the path it will have once committed).
     """
-    objs = TrainingObjects.of(target, optimizer, lr_scheduler)
-    # Input mistakes raise here, on every rank, before any collective.
-    mf.check_dir_arg("save_checkpoint", "path", path)
-    if not path:
-        raise ValueError("path is empty; pass the checkpoint directory, e.g. 'ckpt/step_100'")
-    if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
-        raise ValueError(f"keep_last={keep_last!r}; it must be an int >= 1, or None to keep every checkpoint")
-    if step is not None and (not isinstance(step, int) or step < 0):
-        raise ValueError(f"step={step!r} must be a non-negative int")
-    if data_position is not None and not isinstance(data_position, DataPosition):
-        raise ValueError(f"data_position={data_position!r} must be an atorch.checkpoint.DataPosition")
-    mf.check_checksum(checksum)
-    if tokenizer is not None:
-        check_tokenizer(tokenizer)
-    # One save at a time: a previous async save must be committed (or its error raised) first.
+    # One save at a time: a previous async save must be committed (or its error raised, on every rank) first;
+    # the path checks below then see what it committed.
     checkpointer().wait()
-    final_dir = os.path.normpath(path)
+    # Input mistakes raise here, on every rank, before any other collective: the local checks are voted on,
+    # then what must be the same on every rank is compared (a mistake only some ranks make raises everywhere).
+    with agree_on_error("save_checkpoint: checking the arguments"):
+        objs = TrainingObjects.of(target, optimizer, lr_scheduler)
+        _check_save_args(path, step=step, data_position=data_position, keep_last=keep_last,
+                         save_optimizer=save_optimizer, update_latest=update_latest, async_save=async_save,
+                         checksum=checksum, tokenizer=tokenizer)
+        final_dir = os.path.normpath(path)
+        _check_save_path(final_dir)
+        handler = objs.handler()
+    # Named without the path: the message must be the same on every rank, and the path may be what differs.
+    agree_on_values("save_checkpoint", {
+        "path": os.path.abspath(final_dir), "step": repr(step), "data_position": repr(data_position),
+        "keep_last": repr(keep_last), "save_optimizer": _optimizer_flag(save_optimizer, handler),
+        "update_latest": repr(update_latest), "async_save": repr(async_save), "checksum": repr(checksum)})
     parent = os.path.dirname(os.path.abspath(final_dir))
-    _check_save_path(final_dir)
     if data_position is None and step is not None and objs.dataloader is not None:
         data_position = _position_at_step(objs, step)
         data_position = dataclasses.replace(data_position, sampler_epoch=_sampler_epoch(objs.dataloader))
-    handler = objs.handler()
     # Every rank encodes the small state now, so a value JSON cannot hold raises everywhere, not
     # on rank 0 alone while the others wait in a collective.
     small_state = {"extra": to_json_value(dict(extra or {}), "extra"),
@@ -377,7 +419,7 @@ def _position_at_step(objs: TrainingObjects, step: int) -> DataPosition:
     steps before it may have been of another global batch size, so `step` x this run's batches
     from the start would put the position elsewhere in the epoch."""
     # A resumed loader's len() is what is left of the resumed epoch; positions count whole epochs.
-    per_epoch = getattr(objs.dataloader, "batches_per_epoch", None) or _len_or_none(objs.dataloader)
+    per_epoch = getattr(objs.dataloader, "batches_per_epoch", None) or len_or_none(objs.dataloader)
     batch = objs.item_global_batch_size()
     start_step, start = objs.data_origin or (None, None)
     if start_step is not None and start is not None and start_step <= step:
@@ -407,8 +449,8 @@ def _set_rank_rng_state(objs: TrainingObjects, state: Dict[str, Any], ckpt_dir: 
 
 
 def _check_save_path(final_dir: str) -> None:
-    """Refuse (on every rank, before any collective) a path under a file, onto a file, or onto a directory
-    that holds something other than a checkpoint (the commit replaces the whole directory)."""
+    """Refuse (before any collective) a path under a file, onto a file, inside a checkpoint, or onto a
+    directory that holds something other than a checkpoint (the commit replaces the whole directory)."""
     if os.path.exists(final_dir) and not os.path.isdir(final_dir):
         raise ValueError(f"path={final_dir!r} is an existing file; a checkpoint is a directory")
     if os.path.isdir(final_dir) and not mf.is_checkpoint(final_dir):
@@ -418,18 +460,16 @@ def _check_save_path(final_dir: str) -> None:
                              f"{contents[:5]}{' ...' if len(contents) > 5 else ''}); saving would replace it and "
                              "delete those files. Save into a new directory, e.g. "
                              f"{os.path.join(final_dir, 'step_100')!r}")
+    enclosing = mf.enclosing_checkpoint(final_dir)
+    if enclosing is not None:
+        raise ValueError(f"path={final_dir!r} is inside the checkpoint {enclosing} (it holds {mf.MANIFEST_NAME}); "
+                         "saving there would put files and a 'latest' pointer among that checkpoint's files. Save "
+                         f"next to it instead, e.g. {os.path.join(os.path.dirname(enclosing), 'step_100')!r}")
     ancestor = os.path.dirname(os.path.abspath(final_dir))
     while ancestor and not os.path.exists(ancestor):
         ancestor = os.path.dirname(ancestor)
     if ancestor and not os.path.isdir(ancestor):
         raise ValueError(f"path={final_dir!r} lies under {ancestor!r}, which is a file, not a directory")
-
-
-def _len_or_none(obj: Any) -> Optional[int]:
-    try:
-        return len(obj)
-    except TypeError:
-        return None
 
 
 @contextlib.contextmanager
@@ -520,7 +560,12 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
                     strict: bool = True, optimizer: Any = None, lr_scheduler: Any = None) -> CheckpointState:
     """Load a checkpoint into `target` in its current (possibly different) parallel layout.
 
-    `path` is a checkpoint directory, or a parent directory whose `latest` names one. Every
+    `path` is a checkpoint directory, or a parent directory whose `latest` names one. Call on every
+    rank with the same `path`, `load_optimizer`, `load_rng` and `strict` (and, to load one, an optimizer
+    on every rank): they are compared across ranks first, and a difference raises the same ValueError
+    on every rank naming the argument and each rank's value (replicas that loaded different checkpoints,
+    or an optimizer restored on some ranks only, would otherwise train on silently). The flags must be
+    bools (TypeError otherwise: `strict="no"` is not False). Every
     file is verified against the manifest, and every model (and optimizer) key and shape is
     checked against the checkpoint, before anything is loaded: a bad checkpoint raises
     `CheckpointError` (a ValueError) naming the file and the problem, and changes nothing.
@@ -549,11 +594,19 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
     Its `len()` is what is left of the resumed epoch; calling `result.sampler.set_epoch(epoch)` at
     each epoch, as `save_checkpoint`'s data position assumes, ends the skip after the resumed epoch.
     """
-    objs = TrainingObjects.of(target, optimizer, lr_scheduler)
-    mf.check_dir_arg("load_checkpoint", "path", path)
-    if not path:
-        raise ValueError(f"path={path!r}; pass the checkpoint directory (or its parent, whose 'latest' names it)")
     checkpointer().wait()  # an async save in flight may be the checkpoint asked for
+    # As in save_checkpoint: local checks voted on, then what every rank must share compared, before anything else.
+    with agree_on_error("load_checkpoint: checking the arguments"):
+        objs = TrainingObjects.of(target, optimizer, lr_scheduler)
+        mf.check_dir_arg("load_checkpoint", "path", path)
+        if not path:
+            raise ValueError(f"path={path!r}; pass the checkpoint directory (or its parent, whose 'latest' names it)")
+        for name, flag in (("load_optimizer", load_optimizer), ("load_rng", load_rng), ("strict", strict)):
+            _check_flag("load_checkpoint", name, flag)
+        handler = objs.handler()
+    agree_on_values("load_checkpoint", {
+        "path": os.path.abspath(os.path.normpath(path)), "load_optimizer": _optimizer_flag(load_optimizer, handler),
+        "load_rng": repr(load_rng), "strict": repr(strict)})
     # Local steps end in a vote: a rank that cannot read a file makes every rank raise the same error.
     with agree_on_error(f"load_checkpoint({path!r}): locating the checkpoint"):
         ckpt_dir = mf.resolve_checkpoint_dir(path)
@@ -567,7 +620,6 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
     # anything is loaded: a batch size that cannot resume at the saved sample.
     position = _resume_position(meta, objs)
 
-    handler = objs.handler()
     targets = {MODEL_PREFIX + k: v for k, v in handler.model_state().items()}
     # A pipeline stage holds some of the model: "unexpected" means held by no rank.
     known = set().union(*_all_gather(sorted(targets))) if _dist() else set(targets)
@@ -657,12 +709,17 @@ def _unresumed(dataloader: Any) -> Any:
 
 
 def _resume_position(meta: Dict[str, Any], objs: TrainingObjects) -> Optional[DataPosition]:
-    """The saved data position, counted in this run's global batches when the dataloader is known."""
+    """The saved data position, counted in this run's global batches when the dataloader is known; past the
+    end of this run's epoch (a smaller dataset), the start of the next epoch (`position_in_epoch`)."""
     if not meta.get("data_position"):
         return None
     position = DataPosition.from_json(meta["data_position"])
     batch = objs.item_global_batch_size()
-    return convert_position(position, batch) if batch else position
+    position = convert_position(position, batch) if batch else position
+    if objs.dataloader is None:
+        return position
+    base = _unresumed(objs.dataloader)
+    return position_in_epoch(position, len_or_none(base), len_or_none(getattr(base, "dataset", None)))
 
 
 def verify_checkpoint(ckpt_dir: str, manifest: Optional[mf.Manifest] = None, collective: bool = True) -> mf.Manifest:

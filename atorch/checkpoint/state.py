@@ -209,6 +209,35 @@ def convert_position(position: DataPosition, global_batch_size: int) -> DataPosi
     return replace(position, batches_in_epoch=consumed // global_batch_size, global_batch_size=global_batch_size)
 
 
+def position_in_epoch(position: DataPosition, batches_per_epoch: Optional[int],
+                      samples_per_epoch: Optional[int] = None) -> DataPosition:
+    """`position`, moved to the start of the next epoch when it lies at or past the end of this run's epoch.
+
+    `position` is counted in this run's global batches (`convert_position`); `batches_per_epoch` is this
+    run's (None: unknown, then the position is kept). A saved position always lies inside the saving
+    run's epoch, so one past the end of this run's means the dataset shrank since the save (other data,
+    a filter, a smaller split). Resuming in the middle of the saved epoch would then be an empty epoch:
+    the loop would silently do nothing until the next `set_epoch`. What the saved run had consumed
+    already covers more than this run's whole epoch, so its epoch counts as finished: the resume starts
+    the next epoch (the sampler moved on with it when the saving loop was setting it to the epoch), and
+    a warning names both lengths. `samples_per_epoch` (this run's dataset length, when known) is named too.
+    """
+    done = position.batches_in_epoch
+    if not batches_per_epoch or done == 0 or done < batches_per_epoch:
+        return position
+    batch = position.global_batch_size
+    consumed = f"{done} global batches" + (f" ({done * batch} samples)" if batch else "")
+    this_run = f"{batches_per_epoch} batches" + (f" ({samples_per_epoch} samples)" if samples_per_epoch else "")
+    logger.warning("the checkpoint stopped %s into epoch %d, but this run's epoch has only %s: the dataset is "
+                   "smaller than when the checkpoint was saved. Resuming at the start of epoch %d instead of "
+                   "an empty rest of epoch %d", consumed, position.epoch, this_run, position.epoch + 1,
+                   position.epoch)
+    sampler_epoch = position.sampler_epoch
+    if sampler_epoch is not None and sampler_epoch == position.epoch:
+        sampler_epoch += 1      # the saving loop set the sampler to each epoch; one that never did keeps its own
+    return replace(position, epoch=position.epoch + 1, batches_in_epoch=0, sampler_epoch=sampler_epoch)
+
+
 def loader_global_batch_size(dataloader: DataLoader) -> Optional[int]:
     """Samples in one global batch of `dataloader`: its batch size times its sampler's `num_replicas` (1 without)."""
     if dataloader.batch_size is None:
@@ -319,12 +348,14 @@ def resume_dataloader(dataloader: DataLoader, position: DataPosition,
     batches and converted to this rank's local batches. The global batch size may differ too
     when the samples consumed are a whole number of the new global batches (`convert_position`
     raises ValueError otherwise). `global_batch_size`: this run's samples in one dataloader item
-    over all data ranks; default `loader_global_batch_size(dataloader)`.
+    over all data ranks; default `loader_global_batch_size(dataloader)`. A position at or past the end
+    of this run's epoch (a smaller dataset) starts the next epoch, with a warning (`position_in_epoch`).
     """
     if dataloader.batch_size is None or dataloader.batch_sampler is None:
         raise ValueError("resume_dataloader needs a DataLoader built with batch_size and a sampler; "
                          "a DataLoader with a custom batch_sampler must be resumed by its owner")
     position = convert_position(position, global_batch_size or cast(int, loader_global_batch_size(dataloader)))
+    position = position_in_epoch(position, len_or_none(dataloader), len_or_none(dataloader.dataset))
     skip = position.batches_in_epoch * dataloader.batch_size
     sampler = ResumeSampler(dataloader.sampler, skip, position.order_epoch)
     kwargs: Dict[str, Any] = dict(batch_size=dataloader.batch_size, sampler=sampler, drop_last=dataloader.drop_last,
@@ -335,3 +366,11 @@ def resume_dataloader(dataloader: DataLoader, position: DataPosition,
         kwargs.update(prefetch_factor=dataloader.prefetch_factor, persistent_workers=dataloader.persistent_workers,
                       multiprocessing_context=dataloader.multiprocessing_context)
     return ResumedDataLoader(dataloader.dataset, **kwargs)
+
+
+def len_or_none(obj: Any) -> Optional[int]:
+    """len(obj), or None for an object without a length (an iterable dataset)."""
+    try:
+        return len(obj)
+    except TypeError:
+        return None

@@ -7,7 +7,10 @@
   nothing is left running in the background;
 - `load_hf_weights` into a model that only one rank finds different from the folder (a pipeline stage);
 - `save_parallelized(merge_checkpoints=True)` whose merge fails on rank 0 after longer than the default
-  group's collective timeout: the waiting rank raises rank 0's error, not a timeout.
+  group's collective timeout: the waiting rank raises rank 0's error, not a timeout;
+- save/load arguments given differently on one rank (async_save, save_optimizer, an optimizer, step, path,
+  load_optimizer): every rank raises the same ValueError naming the argument and each rank's value, within
+  seconds, before anything is written, and the next load works.
 Every failed save removes its staging directory.
 
 The collectives' timeout is 30 minutes (ATORCH_COLLECTIVE_TIMEOUT below) and the test's is 180 s: a rank
@@ -22,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from atorch.checkpoint import merge, model_methods, save_checkpoint, save_load, wait_for_checkpoint
+from atorch.checkpoint import load_checkpoint, merge, model_methods, save_checkpoint, save_load, wait_for_checkpoint
 from atorch.checkpoint import manifest as mf
 from atorch.checkpoint.async_save import AsyncCheckpointer
 from atorch.checkpoint.model_methods import attach_checkpoint_methods, load_hf_weights
@@ -136,9 +139,28 @@ def _failing_rank(root: str) -> Dict[str, object]:
         merge.merge_checkpoint, model_methods.save_checkpoint = real_merge, real_save  # type: ignore[assignment]
         dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=1800))
     merge_s = time.monotonic() - start
+
+    # 6. Arguments that only one rank gets different: agreed on before any other collective (async_save on
+    # one rank used to hang in its background group's creation, save_optimizer in the optimizer gather).
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    step_7, step_4 = os.path.join(root, "step_7"), os.path.join(root, "step_4")
+    disagreements = [
+        lambda: save_checkpoint(model, step_7, step=7, async_save=rank == 0),
+        lambda: save_checkpoint(model, step_7, step=7, optimizer=optim, save_optimizer=rank == 0),
+        lambda: save_checkpoint(model, step_7, step=7, optimizer=optim if rank == 0 else None),
+        lambda: save_checkpoint(model, step_7, step=7 + rank),
+        lambda: save_checkpoint(model, f"{step_7}_rank{rank}", step=7),
+        lambda: load_checkpoint(model, os.path.join(root, ("step_1", "step_4")[rank])),
+        lambda: load_checkpoint(model, step_4, optimizer=optim, load_optimizer=rank == 0),
+    ]
+    start = time.monotonic()
+    disagreed = [_raises(call) for call in disagreements]
+    disagree_s = time.monotonic() - start
+    loaded_after = load_checkpoint(model, step_4).step   # nothing was left half-done on either rank
     dist.barrier()
     return {"errors": errors, "latest": latest, "read_back": read_back, "merge_s": merge_s,
-            "failed_exist": [os.path.exists(os.path.join(root, n)) for n in ("step_2", "step_3", "step_5")]}
+            "failed_exist": [os.path.exists(os.path.join(root, n)) for n in ("step_2", "step_3", "step_5")],
+            "disagreed": disagreed, "disagree_s": disagree_s, "loaded_after": loaded_after}
 
 
 def test_a_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
@@ -159,6 +181,24 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
         assert r["latest"] == ["step_1", "step_1", "step_4", "step_4"]
         assert r["failed_exist"] == [False, False, False]
         assert r["read_back"] and not [n for n in r["read_back"] if n.endswith(".distcp")], r["read_back"]
+    # 6. The same error on every rank, naming the argument and what each rank had.
+    root_real = os.path.abspath(root)
+    expected = [("save_checkpoint", "async_save: True on rank [0]; False on rank [1]"),
+                ("save_checkpoint", "save_optimizer: True on rank [0]; False on rank [1]"),
+                ("save_checkpoint", "save_optimizer: True on rank [0]; True, but the target has no optimizer on "
+                                    "rank [1]"),
+                ("save_checkpoint", "step: 7 on rank [0]; 8 on rank [1]"),
+                ("save_checkpoint", f"path: {root_real}/step_7_rank0 on rank [0]; {root_real}/step_7_rank1 on rank "
+                                    "[1]"),
+                ("load_checkpoint", f"path: {root_real}/step_1 on rank [0]; {root_real}/step_4 on rank [1]"),
+                ("load_checkpoint", "load_optimizer: True on rank [0]; False on rank [1]")]
+    assert results[0]["disagreed"] == results[1]["disagreed"]
+    for got, (func, values) in zip(results[0]["disagreed"], expected):
+        assert got.startswith(f"ValueError: {func}: the ranks were given different "), got
+        assert got.endswith(values), got
+    for r in results:
+        assert r["disagree_s"] < 30, r["disagree_s"]
+        assert r["loaded_after"] == 4
     assert [os.path.basename(p) for p, _ in mf.list_checkpoints(root)] == ["step_1", "step_4"]
     # Every failed save (and the failed merge's temporary sharded copy) left nothing behind.
     assert sorted(os.listdir(root)) == ["hf", "latest", "step_1", "step_4"]

@@ -303,3 +303,39 @@ def test_a_path_like_directory_argument_works(saved, tmp_path):
     verify_checkpoint(pathlib.Path(saved), collective=False)
     out = merge_checkpoint(pathlib.Path(saved), tmp_path / "hf")
     assert os.path.isfile(os.path.join(out, "model.safetensors"))
+
+
+def test_flags_must_be_bools_and_step_an_int(saved, tmp_path):
+    """A string flag ("no") would count as True and a bool step as 1: refused, naming the argument and value,
+    before anything is written or loaded."""
+    model, before = _fresh()
+    out = str(tmp_path / "out")
+    for name in ("save_optimizer", "update_latest", "async_save"):
+        with pytest.raises(TypeError, match=rf"^save_checkpoint: {name}='no' \(str\) must be True or False$"):
+            save_checkpoint(model, out, step=1, **{name: "no"})
+    for name in ("load_optimizer", "load_rng", "strict"):
+        with pytest.raises(TypeError, match=rf"^load_checkpoint: {name}='no' \(str\) must be True or False$"):
+            load_checkpoint(model, saved, **{name: "no"})
+    with pytest.raises(TypeError, match=r"strict=0 \(int\)"):
+        load_checkpoint(model, saved, strict=0)
+    with pytest.raises(ValueError, match=r"^step=True must be a non-negative int"):
+        save_checkpoint(model, out, step=True)
+    assert _unchanged(model, before)
+    assert os.listdir(tmp_path) == []
+
+
+def test_save_inside_a_checkpoint_is_refused(saved, tmp_path):
+    """A save into a directory inside a committed checkpoint would put a checkpoint and a `latest` pointer among
+    its files (and it would fail verification): refused before anything is written, as merge refuses it."""
+    ckpt = _copy(saved, tmp_path)
+    before = _files(ckpt)
+    model = tiny_llama(seed=0)
+    for inner in (os.path.join(ckpt, "inner"), os.path.join(ckpt, "dcp", "a", "b")):
+        with pytest.raises(ValueError, match=rf"^path='{inner}' is inside the checkpoint {ckpt} \(it holds "
+                                             r"manifest.json\); .* Save next to it instead"):
+            save_checkpoint(model, inner, step=1)
+    assert _files(ckpt) == before
+    _still_loads(ckpt)
+    # Next to it is fine.
+    save_checkpoint(model, os.path.join(tmp_path, "step_2"), step=2)
+    assert mf.is_checkpoint(os.path.join(tmp_path, "step_2"))

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from atorch.auto import auto_accelerate, train_step
 from atorch.checkpoint import DataPosition, load_checkpoint, resume_dataloader, save_checkpoint
-from atorch.checkpoint.state import convert_position
+from atorch.checkpoint.state import convert_position, position_in_epoch
 from atorch.tensor_parallel.randomizer import MultiDimParallelRandomizer, fork_module_rng
 from atorch.testing.models import tiny_llama
 from atorch.testing.parity import TokenDataset
@@ -20,9 +20,9 @@ from atorch.testing.parity import TokenDataset
 N_SAMPLES = 32
 
 
-def _build(seed: int, batch: int = 8, dropout: float = 0.0, shuffle: bool = False):
+def _build(seed: int, batch: int = 8, dropout: float = 0.0, shuffle: bool = False, n: int = N_SAMPLES):
     status, result, _ = auto_accelerate(
-        tiny_llama(seed=seed, attention_dropout=dropout), torch.optim.AdamW, TokenDataset(n=N_SAMPLES, seq_len=8),
+        tiny_llama(seed=seed, attention_dropout=dropout), torch.optim.AdamW, TokenDataset(n=n, seq_len=8),
         optim_args={"lr": 1e-3}, dataloader_args={"batch_size": batch, "shuffle": shuffle}, load_strategy=[])
     assert status
     return result
@@ -132,6 +132,51 @@ def test_resume_with_a_batch_size_that_does_not_fit_raises_before_loading(tmp_pa
     with pytest.raises(ValueError, match="global batches of 8 samples.*global batches of 16"):
         load_checkpoint(resumed_run, str(tmp_path / "step_3"))
     assert all(torch.equal(v, before[k]) for k, v in resumed_run.model.state_dict().items())
+
+
+# -- a position past the end of a smaller dataset's epoch starts the next epoch, with a warning -----------------
+
+def test_position_in_epoch_moves_a_position_past_the_end_to_the_next_epoch(caplog):
+    with caplog.at_level(logging.WARNING, logger="atorch.checkpoint.state"):
+        assert position_in_epoch(DataPosition(1, 2, 8), 4) == DataPosition(1, 2, 8)        # inside: as is
+        assert position_in_epoch(DataPosition(1, 0, 8), 0) == DataPosition(1, 0, 8)        # an empty loader
+        assert position_in_epoch(DataPosition(1, 5, 8), None) == DataPosition(1, 5, 8)     # length unknown
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING, logger="atorch.checkpoint.state"):
+        # The sampler was set to each epoch (sampler_epoch == epoch): it moves on; a loop that never sets it
+        # (sampler_epoch 0 in epoch 2) keeps its own.
+        assert position_in_epoch(DataPosition(1, 4, 8, 1), 4, 32) == DataPosition(2, 0, 8, 2)
+        assert position_in_epoch(DataPosition(2, 6, 8, 0), 4) == DataPosition(3, 0, 8, 0)
+    assert len(caplog.records) == 2
+    assert ("stopped 4 global batches (32 samples) into epoch 1, but this run's epoch has only 4 batches (32 samples)"
+            in caplog.records[0].getMessage())
+    assert "Resuming at the start of epoch 2" in caplog.records[0].getMessage()
+
+
+def test_resume_dataloader_past_the_end_gives_the_next_whole_epoch(caplog):
+    data = TokenDataset(n=8, seq_len=4)
+    loader = DataLoader(data, batch_size=2)
+    with caplog.at_level(logging.WARNING, logger="atorch.checkpoint.state"):
+        resumed = resume_dataloader(loader, DataPosition(epoch=0, batches_in_epoch=6, global_batch_size=2))
+    assert "this run's epoch has only 4 batches (8 samples)" in caplog.text
+    assert len(resumed) == 4 and len(list(resumed)) == 4
+
+
+def test_resume_on_a_smaller_dataset_starts_the_next_epoch(tmp_path, caplog):
+    """Saved 3 batches of 8 into a 32-sample epoch; resumed on 16 samples (2 batches an epoch): not an empty rest
+    of epoch 0, but epoch 1 from its first sample, with a warning naming both lengths."""
+    _train_and_save(str(tmp_path / "step_3"), steps=3, batch=8)
+    resumed_run = _build(1, batch=8, n=16)
+    with caplog.at_level(logging.WARNING, logger="atorch.checkpoint.state"):
+        state = load_checkpoint(resumed_run, str(tmp_path / "step_3"))
+    assert "stopped 3 global batches (24 samples) into epoch 0, but this run's epoch has only 2 batches (16 " \
+           "samples)" in caplog.text
+    assert state.data_position == DataPosition(1, 0, 8, sampler_epoch=1)
+    assert len(resumed_run.dataloader) == 2 and len(list(resumed_run.dataloader)) == 2
+    # A save after the resume counts from the start of epoch 1.
+    train_step(resumed_run, next(iter(resumed_run.dataloader)))
+    save_checkpoint(resumed_run, str(tmp_path / "step_4"), step=4)
+    assert load_checkpoint(_build(2, batch=8, n=16), str(tmp_path / "step_4")).data_position.epoch == 1
 
 
 # -- the skip ends with the resumed epoch, whichever sampler set_epoch is called on ----------------------------
