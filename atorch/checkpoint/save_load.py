@@ -293,8 +293,10 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
         _check_save_path(final_dir)
         handler = objs.handler()
     # Named without the path: the message must be the same on every rank, and the path may be what differs.
+    # The path as given, not made absolute: nodes may run in different working directories or mount the
+    # shared filesystem at different places, and only a path that differs as given is a mistake.
     agree_on_values("save_checkpoint", {
-        "path": os.path.abspath(final_dir), "step": repr(step), "data_position": repr(data_position),
+        "path": os.fspath(path), "step": repr(step), "data_position": repr(data_position),
         "keep_last": repr(keep_last), "save_optimizer": _optimizer_flag(save_optimizer, handler),
         "update_latest": repr(update_latest), "async_save": repr(async_save), "checksum": repr(checksum)})
     parent = os.path.dirname(os.path.abspath(final_dir))
@@ -605,7 +607,7 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
             _check_flag("load_checkpoint", name, flag)
         handler = objs.handler()
     agree_on_values("load_checkpoint", {
-        "path": os.path.abspath(os.path.normpath(path)), "load_optimizer": _optimizer_flag(load_optimizer, handler),
+        "path": os.fspath(path), "load_optimizer": _optimizer_flag(load_optimizer, handler),
         "load_rng": repr(load_rng), "strict": repr(strict)})
     # Local steps end in a vote: a rank that cannot read a file makes every rank raise the same error.
     with agree_on_error(f"load_checkpoint({path!r}): locating the checkpoint"):
