@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -45,6 +44,7 @@ from atorch.auto.strategy import NotStorableError, Strategy, StrategyLike
 from atorch.auto.train_step import train_step
 from atorch.distributed.agreement import agree, agree_on_error, agree_on_values
 from atorch.utils.quiet import configure_logging, third_party_warnings_filtered
+from atorch.utils.stable import stable_repr
 
 logger = logging.getLogger(__name__)
 
@@ -302,18 +302,9 @@ def _sampler_text(ctx: ModelContext) -> str:
     shuffle = args.get("shuffle", False)
     settings = [f"shuffle={shuffle!r}"]
     if shuffle or ctx.distributed_sampler_cls is not None:
-        settings.append(f"seed={_stable_text(args.get('seed', 0))}")
+        settings.append(f"seed={stable_repr(args.get('seed', 0))[:200]}")
     settings.append(f"drop_last={args.get('drop_last', True)!r}")
-    return f"{_stable_text(ctx.distributed_sampler_cls or DistributedSampler)}({', '.join(settings)})"
-
-
-def _stable_text(value: Any) -> str:
-    """A text of `value` that is the same on every rank given the same thing: a class or function by its
-    qualified name, anything else by its repr without memory addresses (cut to 200 characters)."""
-    name = getattr(value, "__qualname__", None)
-    if isinstance(name, str) and (isinstance(value, type) or callable(value)):
-        return f"{getattr(value, '__module__', None) or '?'}.{name}"
-    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))[:200]
+    return f"{stable_repr(ctx.distributed_sampler_cls or DistributedSampler)}({', '.join(settings)})"
 
 
 def _validate_layout(ctx: ModelContext, strategy: Strategy, note_idle: bool = False) -> List[ResolvedOptimization]:

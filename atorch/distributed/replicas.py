@@ -12,7 +12,6 @@ all-gathers (one digest per rank, two floats per parameter) before anything is c
 
 from __future__ import annotations
 
-import hashlib
 from typing import Dict, List, Optional
 
 import torch
@@ -20,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from atorch.distributed.process_group import collective_device
+from atorch.utils.stable import stable_int63
 
 
 RELATIVE_TOLERANCE = 1e-7
@@ -40,7 +40,7 @@ def model_layout(model: nn.Module) -> List[str]:
 
 def _digest(lines: List[str]) -> int:
     """A process-independent 63-bit digest of `lines` (Python's hash() is salted per process)."""
-    return int.from_bytes(hashlib.sha256("\n".join(lines).encode()).digest()[:8], "little") >> 1
+    return stable_int63("\n".join(lines))
 
 
 def _describe_layouts(layouts: List[List[str]]) -> str:

@@ -25,13 +25,14 @@ the default generators.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Mapping, Optional, Tuple, cast
 
 import torch
 from torch import nn
+
+from atorch.utils.stable import stable_int63
 
 
 def _cuda_in_use() -> bool:
@@ -82,7 +83,7 @@ class MultiDimParallelRandomizer:
         """The seed of a stream: a hash of the base seed, the stream and the coordinates it varies along."""
         varying = {d: c for d, c in sorted(self.coords.items()) if c != 0 and not (replicated and d == group)}
         key = json.dumps([self.base_seed, group, "replicated" if replicated else "parallel", varying])
-        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+        return stable_int63(key)
 
     def _stream(self, key: Tuple[str, bool]) -> _Stream:
         stream = self._streams.get(key)

@@ -22,6 +22,7 @@ from atorch.auto.model_context import ModelContext
 from atorch.auto.result import AutoAccelerateResult
 from atorch.auto.train_step import train_step
 from atorch.testing.parity import TokenDataset
+from atorch.utils.stable import stable_repr
 
 # the module (atorch.auto's `train_step` is the function)
 train_step_module = importlib.import_module("atorch.auto.train_step")
@@ -53,11 +54,11 @@ def test_the_sampler_settings_compared_across_ranks_write_out_the_defaults():
     assert _sampler(sampler_cls=_OwnSampler) == f"{__name__}._OwnSampler(shuffle=False, seed=0, drop_last=True)"
 
 
-def test_stable_text_is_the_same_for_the_same_thing_in_another_process():
+def test_stable_repr_is_the_same_for_the_same_thing_in_another_process():
     # Compared across processes: a memory address would make equal values differ.
-    texts = [accelerate._stable_text(v) for v in (_OwnSampler, len, lambda: 0, object(), 3, "x")]
+    texts = [stable_repr(v) for v in (_OwnSampler, len, lambda: 0, object(), 3, "x")]
     assert texts[:3] == [f"{__name__}._OwnSampler", "builtins.len",
-                         f"{__name__}.test_stable_text_is_the_same_for_the_same_thing_in_another_process.<locals>."
+                         f"{__name__}.test_stable_repr_is_the_same_for_the_same_thing_in_another_process.<locals>."
                          "<lambda>"]
     assert texts[3] == "<object object>" and texts[4:] == ["3", "'x'"]
     assert all("0x" not in t for t in texts)

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import platform
-import re
 import time
 import types
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from atorch.auto.devices import cpu_model_name
 from atorch.auto.search.search import DryRunResult
 from atorch.auto.strategy import Strategy
 from atorch.utils.finite_numbers import is_finite_number
+from atorch.utils.stable import stable_repr
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +89,9 @@ def optimizer_description(optim_func: Any, optim_args: Mapping[str, Any]) -> str
     building SGD and Adagrad share a name, and an edited factory keeps its name."""
     if optim_func is None:
         return ""
-    qualname = getattr(optim_func, "__qualname__", None) or _stable_repr(optim_func)
+    qualname = getattr(optim_func, "__qualname__", None) or stable_repr(optim_func)
     name = f"{getattr(optim_func, '__module__', '')}.{qualname}"
-    text = f"{name} {json.dumps(dict(optim_args), sort_keys=True, default=_stable_repr)}"
+    text = f"{name} {json.dumps(dict(optim_args), sort_keys=True, default=stable_repr)}"
     fingerprint = _code_fingerprint(optim_func)
     return f"{text} code:{fingerprint}" if fingerprint else text
 
@@ -103,14 +103,14 @@ def _code_fingerprint(obj: Any, depth: int = 0) -> str:
     (which follows PYTHONHASHSEED for strings)."""
     if isinstance(obj, functools.partial):
         inner = _code_fingerprint(obj.func, depth + 1)
-        return _short_hash(" ".join([inner, _stable_repr(obj.func), _stable_repr(obj.args),
-                                     _stable_repr(obj.keywords)]))
+        return _short_hash(" ".join([inner, stable_repr(obj.func), stable_repr(obj.args),
+                                     stable_repr(obj.keywords)]))
     code = getattr(obj, "__code__", None)
     if code is None or isinstance(obj, type) or depth > 3:
         return ""
     cells = [c.cell_contents for c in (getattr(obj, "__closure__", None) or ()) if _has_contents(c)]
-    parts = [code.co_code.hex(), _stable_repr(_consts(code)), repr(code.co_names),
-             _stable_repr(getattr(obj, "__defaults__", None)), _stable_repr(cells)]
+    parts = [code.co_code.hex(), stable_repr(_consts(code)), repr(code.co_names),
+             stable_repr(getattr(obj, "__defaults__", None)), stable_repr(cells)]
     return _short_hash(" ".join(parts))
 
 
@@ -118,27 +118,6 @@ def _consts(code: types.CodeType) -> tuple:
     """A code object's constants, nested code objects by their own bytecode (their repr holds an address)."""
     return tuple((c.co_code.hex(), _consts(c), c.co_names) if isinstance(c, types.CodeType) else c
                  for c in code.co_consts)
-
-
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+|0x[0-9a-fA-F]{6,}")
-
-
-def _stable_repr(value: Any, depth: int = 0) -> str:
-    """repr(value) that is the same in every process: sets sorted, dicts by sorted key, functions and
-    classes by qualified name, and object addresses (a default repr's "at 0x7f...") left out."""
-    if depth > 6:
-        return type(value).__qualname__
-    if isinstance(value, (set, frozenset)):
-        return f"{type(value).__name__}({sorted(_stable_repr(v, depth + 1) for v in value)})"
-    if isinstance(value, dict):
-        items = sorted((_stable_repr(k, depth + 1), _stable_repr(v, depth + 1)) for k, v in value.items())
-        return "{" + ", ".join(f"{k}: {v}" for k, v in items) + "}"
-    if isinstance(value, (list, tuple)):
-        inner = ", ".join(_stable_repr(v, depth + 1) for v in value)
-        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
-    if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__"):
-        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
-    return _ADDRESS.sub("", repr(value))
 
 
 def _has_contents(cell: Any) -> bool:
