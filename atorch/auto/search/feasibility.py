@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
-from scipy.stats import norm
+from scipy.special import ndtr
 
 # Below this probability of fitting a candidate is not run (reported in `pruned`).
 PRUNE_BELOW = 0.02
@@ -85,6 +85,7 @@ class Feasibility:
         self.ok: List[int] = []
         self.peaks: Dict[int, float] = {}      # measured log-peaks (ok runs, and oom runs over the limit)
         self._design = self._one_hot()
+        self._unordered, self._savings = self._dominance_columns()
         self.set_predictions(predicted_peaks)
 
     # -- inputs --------------------------------------------------------------------------------
@@ -133,6 +134,33 @@ class Feasibility:
 
     def oom_blocker(self, i: int) -> Optional[int]:
         return next((j for j in self.oom if j != i and self.needs_at_least(i, j)), None)
+
+    def _dominance_columns(self) -> Tuple[np.ndarray, np.ndarray]:
+        """`needs_at_least` as arrays, for thousands of candidates at once: every candidate's option
+        of each unordered dimension, and its saving score of each kind of each ordered dimension
+        (dimensions past `ranks` are not compared, as in `needs_at_least`)."""
+        n = len(self.choices)
+        unordered, savings = [], []
+        for d, r in enumerate(self.ranks[:self.choices.shape[1]]):
+            if r is None:
+                unordered.append(self.choices[:, d])
+                continue
+            for kind in range(min((len(x) for x in r), default=0)):
+                savings.append(np.asarray([r[v][kind] for v in self.choices[:, d]], dtype=float))
+        return (np.stack(unordered, axis=1) if unordered else np.zeros((n, 0), dtype=int),
+                np.stack(savings, axis=1) if savings else np.zeros((n, 0)))
+
+    def _first_dominance(self, rows: np.ndarray, others: List[int], rows_need_more: bool) -> np.ndarray:
+        """Per row, the position in `others` of the first candidate it needs at least the memory of
+        (`rows_need_more`) or that needs at least its memory (otherwise); -1 where none."""
+        if not others or not len(rows):
+            return np.full(len(rows), -1)
+        cols = np.asarray(others)
+        same = np.all(self._unordered[rows][:, None, :] == self._unordered[cols][None, :, :], axis=2)
+        a, b = self._savings[rows][:, None, :], self._savings[cols][None, :, :]
+        leaner = np.all(a <= b, axis=2) if rows_need_more else np.all(b <= a, axis=2)
+        hit = same & leaner
+        return np.where(hit.any(axis=1), hit.argmax(axis=1), -1)
 
     # -- the log-memory model -------------------------------------------------------------------
 
@@ -209,24 +237,38 @@ class Feasibility:
     # -- the answer ----------------------------------------------------------------------------
 
     def probability(self, i: int) -> FitProbability:
-        if i in self.ok:
-            return FitProbability(1.0, "ran")
-        if i in self.oom:
-            return FitProbability(0.0, "ran out of memory")
-        blocker = self.oom_blocker(i)
-        if blocker is not None:
-            return FitProbability(0.0, "dominated", blocker)
-        saver = next((j for j in self.ok if self.needs_at_least(j, i)), None)
-        if saver is not None:
-            return FitProbability(1.0, "dominates", saver)
-        if self.limit is None or not self.informed:
-            return FitProbability(1.0, "unknown")
-        mu, sd = self.model()
-        p = float(norm.cdf((math.log(self.limit) - mu[i]) / sd[i]))
-        return FitProbability(p, "model", predicted=math.exp(mu[i]))
+        return self.probabilities([i])[i]
 
     def probabilities(self, indices: Sequence[int]) -> Dict[int, FitProbability]:
-        return {i: self.probability(i) for i in indices}
+        """P(fit) of each of `indices`: a measured answer, then dominance by a run (the first in
+        run order decides, and is named), then the log-memory model. Array operations throughout:
+        the search asks for every untried candidate before each trial, thousands in a default space."""
+        indices = list(indices)
+        ok, oom = set(self.ok), set(self.oom)
+        out: Dict[int, FitProbability] = {}
+        for i in indices:
+            if i in ok:
+                out[i] = FitProbability(1.0, "ran")
+            elif i in oom:
+                out[i] = FitProbability(0.0, "ran out of memory")
+        rest = np.asarray([i for i in indices if i not in out], dtype=int)
+        blocker = self._first_dominance(rest, self.oom, rows_need_more=True)
+        saver = self._first_dominance(rest, self.ok, rows_need_more=False)
+        model = rest[(blocker < 0) & (saver < 0)]
+        if len(model) and self.limit is not None and self.informed:
+            mu, sd = self.model()
+            p = ndtr((math.log(self.limit) - mu[model]) / sd[model])
+            modelled = {int(i): FitProbability(float(q), "model", predicted=math.exp(mu[i])) for i, q in zip(model, p)}
+        else:
+            modelled = {int(i): FitProbability(1.0, "unknown") for i in model}
+        for i, b, s in zip(rest.tolist(), blocker.tolist(), saver.tolist()):
+            if b >= 0:
+                out[i] = FitProbability(0.0, "dominated", self.oom[b])
+            elif s >= 0:
+                out[i] = FitProbability(1.0, "dominates", self.ok[s])
+            else:
+                out[i] = modelled[i]
+        return {i: out[i] for i in indices}
 
     def scale(self) -> float:
         """Measured over predicted peak, as the model has learned it (exp of the global bias)."""
