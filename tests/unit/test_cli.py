@@ -1,6 +1,7 @@
 """The `atorch` command: plan (the cost model's table for a cluster), env, run's help, merge."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -37,6 +38,10 @@ def test_plan_7b_on_64_h100_is_the_cost_model_ranked():
     assert "parallel_mode(data=64)+ddp" in set(result.too_big["strategy"])
     text = result.format(5)
     assert "64 x NVIDIA H100" in text and "do not fit" in text
+    # 8 nodes of 8: tensor splits stay inside a node (16 or more would all-reduce over the network).
+    labels = list(result.table["strategy"]) + list(result.too_big["strategy"])
+    degrees = {int(m) for label in labels for m in re.findall(r"tensor=(\d+)", label)}
+    assert degrees and max(degrees) == 8
 
 
 def test_plan_refuses_layouts_the_global_batch_does_not_split_over(capsys):

@@ -109,6 +109,7 @@ class ValidationContext:
     global_batch_size: Optional[int] = None   # dataloader_args["batch_size"], when known
     loss_func_given: bool = False        # the user passed auto_accelerate a loss_func of their own
     data: Optional[DataSetup] = None     # the training data, where known (the automatic search); None: apply checks it
+    ranks_per_node: Optional[int] = None  # devices per node when the world spans several (the search's choices)
     strategy: Optional["Strategy"] = None
     configs: Dict[str, Any] = field(default_factory=dict)   # parsed configs by optimization name
 

@@ -138,8 +138,8 @@ def search_for_context(ctx: ModelContext, excluded: Optional[Sequence[str]] = No
     world_size = adist.world_size()
     batch_size = int(ctx.dataloader_args.get("batch_size", 1))
     space = SearchSpace.default_for(ctx.model, world_size, ctx.device.type, global_batch_size=batch_size,
-                                    loss_func_given=ctx.loss_func is not None,
-                                    data=DataSetup.of(ctx)).restricted(excluded, included)
+                                    loss_func_given=ctx.loss_func is not None, data=DataSetup.of(ctx),
+                                    ranks_per_node=ranks_per_node(world_size)).restricted(excluded, included)
     space.candidates()   # validated against the real model, before its weights are offloaded
     seq_len = infer_seq_len(ctx.dataset)
     memory_limit = settings.memory_limit_bytes or device_memory_bytes(ctx.device)
@@ -372,6 +372,15 @@ def infer_seq_len(dataset: Any) -> int:
         if isinstance(t, torch.Tensor) and t.dim() >= 1:
             return int(t.shape[-1])
     return 1
+
+
+def ranks_per_node(world_size: int) -> Optional[int]:
+    """Ranks per node when the job spans several nodes (the launcher's LOCAL_WORLD_SIZE, the same on
+    every node), else None: the space then keeps tensor splits inside one node."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if not local.isdigit() or not 0 < int(local) < world_size:
+        return None
+    return int(local)
 
 
 def device_memory_bytes(device: torch.device) -> int:

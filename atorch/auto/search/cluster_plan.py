@@ -201,8 +201,10 @@ def plan_cluster(model_config: Any, world_size: int, device: str, global_batch: 
     model = meta_model(model_config)   # refuses a model that is not a causal LM (`check_causal_lm`)
     shape = calibrated_shape(model, seq_len)
     device_type = "cpu" if device == "cpu" else "cuda"
-    space = SearchSpace.default_for(model, world_size, device_type, global_batch_size=global_batch)
-    profile = spec.profile(multi_node=nnodes > 1, ranks_per_node=world_size // nnodes)
+    per_node = world_size // nnodes
+    space = SearchSpace.default_for(model, world_size, device_type, global_batch_size=global_batch,
+                                    ranks_per_node=per_node if nnodes > 1 else None)
+    profile = spec.profile(multi_node=nnodes > 1, ranks_per_node=per_node)
     rows, too_big = [], []
     candidates = space.candidates()
     # Enumeration refuses the layouts the global batch does not split over (as auto_accelerate would).

@@ -97,7 +97,8 @@ class SearchSpace:
                  model: Any = None, model_config: Any = None, device_type: str = "cpu",
                  global_batch_size: Optional[int] = None, registry: Optional[Registry] = None,
                  merge_idle: bool = True, loss_func_given: bool = False,
-                 excluded: Optional[Sequence[str]] = None, data: Optional[DataSetup] = None) -> None:
+                 excluded: Optional[Sequence[str]] = None, data: Optional[DataSetup] = None,
+                 ranks_per_node: Optional[int] = None) -> None:
         """`merge_idle=False` keeps candidates in which an optimization changes nothing
         (`Optimization.changes_nothing`); benchmarks whose synthetic landscapes give them a
         throughput of their own use it. Otherwise only the candidate without it is kept.
@@ -123,6 +124,7 @@ class SearchSpace:
         self.merge_idle = merge_idle
         self.loss_func_given = loss_func_given
         self.data = data
+        self.ranks_per_node = ranks_per_node
         self.excluded = frozenset(excluded or ())
         self._candidates: Optional[List[Candidate]] = None
         self.rejected: Dict[str, str] = {}     # strategy description -> why resolve_strategy refused it
@@ -144,7 +146,8 @@ class SearchSpace:
     def validation_context(self) -> ValidationContext:
         return ValidationContext(world_size=self.world_size, model=self.model, model_config=self.model_config,
                                  device_type=self.device_type, global_batch_size=self.global_batch_size,
-                                 loss_func_given=self.loss_func_given, data=self.data)
+                                 loss_func_given=self.loss_func_given, data=self.data,
+                                 ranks_per_node=self.ranks_per_node)
 
     def candidates(self) -> List[Candidate]:
         """Every valid combination once (combinations that resolve to the same strategy are merged)."""
@@ -244,7 +247,8 @@ class SearchSpace:
         return SearchSpace(dims, world_size=self.world_size, model=self.model, model_config=self.model_config,
                            device_type=self.device_type, global_batch_size=self.global_batch_size,
                            registry=self.registry, merge_idle=self.merge_idle, loss_func_given=self.loss_func_given,
-                           excluded=sorted(self.excluded | excluded_set), data=self.data)
+                           excluded=sorted(self.excluded | excluded_set), data=self.data,
+                           ranks_per_node=self.ranks_per_node)
 
     def _known_names(self, argument: str, names: Optional[Sequence[str]]) -> List[str]:
         """`names` as registered names (aliases resolved); a name no optimization has raises, since a typo
@@ -260,7 +264,8 @@ class SearchSpace:
     @classmethod
     def default_for(cls, model: Any, world_size: int, device_type: str = "cpu", model_config: Any = None, *,
                     global_batch_size: Optional[int] = None, registry: Optional[Registry] = None,
-                    loss_func_given: bool = False, data: Optional[DataSetup] = None) -> "SearchSpace":
+                    loss_func_given: bool = False, data: Optional[DataSetup] = None,
+                    ranks_per_node: Optional[int] = None) -> "SearchSpace":
         """The automatic space: every dimension the registered optimizations declare.
 
         Today: the layout (data, tensor and pipeline splits of `world_size`), micro-batches per
@@ -269,16 +274,18 @@ class SearchSpace:
         or DeepSpeed) and CPU offload where valid. Choices are optimistic; each optimization's
         own validation drops the combinations it cannot run (`data`, where given, included: the
         search passes its dataset, so that no candidate `apply` would refuse for it is dry-run).
+        `ranks_per_node`: devices per node where the world spans several nodes (tensor splits stay
+        inside one; None: unknown, every split offered).
         """
         registry = registry if registry is not None else default_registry()
         context = ValidationContext(world_size=world_size, model=model,
                                     model_config=model_config if model_config is not None
                                     else getattr(model, "config", None),
                                     device_type=device_type, global_batch_size=global_batch_size,
-                                    loss_func_given=loss_func_given, data=data)
+                                    loss_func_given=loss_func_given, data=data, ranks_per_node=ranks_per_node)
         return cls(declared_dimensions(registry, context), world_size=world_size, model=model,
                    model_config=model_config, device_type=device_type, global_batch_size=global_batch_size,
-                   registry=registry, loss_func_given=loss_func_given, data=data)
+                   registry=registry, loss_func_given=loss_func_given, data=data, ranks_per_node=ranks_per_node)
 
 
 def declared_dimensions(registry: Registry, context: ValidationContext) -> Dict[str, List[Choice]]:
