@@ -720,10 +720,23 @@ def _agree_on_load_args(target: Any, path: Any, *, optimizer: Any, lr_scheduler:
 
 
 def _locate_checkpoint(path: str) -> Tuple[str, mf.Manifest]:
-    """The checkpoint directory `path` names (itself, or its `latest`), and its manifest."""
+    """The checkpoint directory `path` names (itself, or its `latest`), the same on every rank, and its manifest.
+
+    Rank 0 reads `latest` once and every rank loads the checkpoint it names. Each rank reading the
+    pointer itself could split the ranks between two checkpoints (a save committing between their
+    reads, e.g. a training job saving into the directory an evaluation job loads from, or a node whose
+    view of the filesystem lags), and they would load different states silently. Comparing the ranks'
+    readings would catch that, but turn a harmless race into a failed load; one reading cannot split
+    the ranks at all. Every rank still checks that the named checkpoint is complete in its own view
+    (voted on: a rank that cannot see it makes every rank raise). The name travels relative to `path`:
+    nodes may mount the shared filesystem at different places.
+    """
     # Local steps end in a vote: a rank that cannot read a file makes every rank raise the same error.
     with agree_on_error(f"load_checkpoint({path!r}): locating the checkpoint"):
-        ckpt_dir = mf.resolve_checkpoint_dir(path)
+        name = mf.checkpoint_name(path) if _rank() == 0 else None
+    name = _broadcast(name)
+    with agree_on_error(f"load_checkpoint({path!r}): locating the checkpoint"):
+        ckpt_dir = mf.checkpoint_at(path, name)
         manifest = mf.Manifest.read(ckpt_dir)
     return ckpt_dir, manifest
 
