@@ -2,8 +2,8 @@
 
 A checkpoint directory holds
   dcp/            model and optimizer tensors (torch.distributed.checkpoint), keyed by HF names
-  meta.json       step, data position, lr scheduler, grad scaler, optimizer hyperparameters,
-                  strategy, layout, model class (JSON, never pickle)
+  meta.json       step, data position, the dataset's length, lr scheduler, grad scaler, optimizer
+                  hyperparameters, strategy, layout, model class (JSON, never pickle)
   rng/rank_N.json each rank's Python / NumPy / torch / CUDA generator states (and tensor-parallel dropout streams)
   config.json     the Hugging Face config, adapter_config.json for a LoRA model
   manifest.json   sizes and checksums (xxh3_128 or sha256) of all of the above, written last (see manifest.py)
@@ -24,7 +24,7 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,7 @@ from atorch.checkpoint.safe_load import SafeFileSystemReader, load_dcp_metadata,
 from atorch.checkpoint.state import (
     DataPosition,
     convert_position,
+    dataset_change_message,
     from_json_value,
     len_or_none,
     loader_global_batch_size,
@@ -75,6 +76,8 @@ RNG_DIR = "rng"
 # Key of the tensor-parallel dropout streams in a rank's RNG file.
 PARALLEL_STREAMS = "parallel_streams"
 CONFIG_NAME = "config.json"
+# meta.json's key of the samples in the saving run's dataset (absent from checkpoints of older atorch versions).
+DATASET_LENGTH = "dataset_length"
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 
 # Test hook: called on every rank after all shards are written and before the manifest
@@ -598,6 +601,7 @@ def _meta(objs: TrainingObjects, handler: LayoutHandler, step: Optional[int], po
     return {
         "format": mf.FORMAT_NAME, "version": mf.FORMAT_VERSION, "step": step,
         "data_position": position.to_json() if position is not None else None,
+        DATASET_LENGTH: _dataset_length(objs.dataloader),
         "world_size": world, "parallel_dims": _parallel_dims(objs.parallel), "layout": handler.name,
         "strategy": objs.strategy,
         "model": {"class": _qualname(hf_model) if hf_model is not None else _qualname(objs.model),
@@ -606,6 +610,13 @@ def _meta(objs: TrainingObjects, handler: LayoutHandler, step: Optional[int], po
         "optimizer": {"class": _qualname(objs.optimizer), "values": optim_values} if has_optimizer else None,
         **small_state, "torch_version": torch.__version__, "created": time.time(),
     }
+
+
+def _dataset_length(dataloader: Any) -> Optional[int]:
+    """len() of the dataloader's dataset, which `load_checkpoint` compares with the resuming run's; None when
+    unknown (no dataloader, an iterable dataset). The dataset's length, not the sampler's: a
+    `DistributedSampler` pads its epoch to a multiple of the data-parallel size, which may change on resume."""
+    return len_or_none(getattr(dataloader, "dataset", None)) if dataloader is not None else None
 
 
 def _lora_meta(model: nn.Module) -> Dict[str, Any]:
@@ -875,7 +886,17 @@ def _unresumed(dataloader: Any) -> Any:
 
 def _resume_position(meta: Dict[str, Any], objs: TrainingObjects) -> Optional[DataPosition]:
     """The saved data position, counted in this run's global batches when the dataloader is known; past the
-    end of this run's epoch (a smaller dataset), the start of the next epoch (`position_in_epoch`)."""
+    end of this run's epoch (a smaller dataset), the start of the next epoch (`position_in_epoch`).
+
+    When the dataset's length differs from the saving run's, rank 0 warns once, naming both lengths and
+    the saved position: a user who resumed on other data (or other data files) by mistake is told.
+    Nothing is refused, and the position is restored as always, `load_optimizer=False` included:
+    fine-tuning on new data from a checkpoint is legitimate, and `load_optimizer` is about the
+    optimizer's state, not the data. Dropping the position when the length changed would treat new data
+    of another length unlike new data of the same length; the warning says how to start from the first
+    sample instead. A checkpoint without the saved length (an older atorch, an iterable dataset) warns
+    only when the position lies past the end of this run's epoch, as before.
+    """
     if not meta.get("data_position"):
         return None
     position = DataPosition.from_json(meta["data_position"])
@@ -884,7 +905,14 @@ def _resume_position(meta: Dict[str, Any], objs: TrainingObjects) -> Optional[Da
     if objs.dataloader is None:
         return position
     base = _unresumed(objs.dataloader)
-    return position_in_epoch(position, len_or_none(base), len_or_none(getattr(base, "dataset", None)))
+    batches, samples = len_or_none(base), len_or_none(getattr(base, "dataset", None))
+    saved_samples = meta.get(DATASET_LENGTH)
+    changed = isinstance(saved_samples, int) and samples is not None and saved_samples != samples
+    resumed = position_in_epoch(position, batches, samples, warn=not changed)
+    if changed and _rank() == 0:
+        logger.warning("%s", dataset_change_message(cast(int, saved_samples), cast(int, samples), position, resumed,
+                                                   batches))
+    return resumed
 
 
 def verify_checkpoint(ckpt_dir: str, manifest: Optional[mf.Manifest] = None, collective: bool = True) -> mf.Manifest:
