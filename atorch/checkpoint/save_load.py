@@ -289,12 +289,11 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
         target, path, optimizer=optimizer, lr_scheduler=lr_scheduler, step=step, data_position=data_position,
         keep_last=keep_last, save_optimizer=save_optimizer, update_latest=update_latest, async_save=async_save,
         checksum=checksum, tokenizer=tokenizer)
-    if data_position is None and step is not None and objs.dataloader is not None:
-        data_position = _position_at_step(objs, step)
-        data_position = dataclasses.replace(data_position, sampler_epoch=_sampler_epoch(objs.dataloader))
+    data_position = _data_position_to_save(objs, step, data_position)
     small_state = _small_state(objs, handler, extra)
-    plan = _SavePlan(final_dir=final_dir, staging=_create_staging(final_dir), step=step,
-                     update_latest=update_latest, keep_last=keep_last, checksum=checksum, rank=_rank(), world=_world())
+    staging = _create_staging(final_dir)
+    plan = _SavePlan(final_dir=final_dir, staging=staging, step=step, update_latest=update_latest,
+                     keep_last=keep_last, checksum=checksum, rank=_rank(), world=_world())
     # A failure from here on (agreed, so raised on every rank at the same point) removes the staging directory.
     with _removing_staging_on_error(plan.staging, plan.rank):
         has_optimizer = save_optimizer and handler.has_optimizer
@@ -351,6 +350,16 @@ def _agree_on_save_args(target: Any, path: Any, *, optimizer: Any, lr_scheduler:
         "keep_last": repr(keep_last), "save_optimizer": _optimizer_flag(save_optimizer, handler),
         "update_latest": repr(update_latest), "async_save": repr(async_save), "checksum": repr(checksum)})
     return objs, handler, final_dir
+
+
+def _data_position_to_save(objs: TrainingObjects, step: Optional[int], data_position: Optional[DataPosition]
+                           ) -> Optional[DataPosition]:
+    """`data_position` as given, else (with a step and a dataloader) `step` optimizer steps into the dataloader,
+    with the epoch its sampler was last set to (which decides the resumed epoch's order)."""
+    if data_position is None and step is not None and objs.dataloader is not None:
+        data_position = _position_at_step(objs, step)
+        data_position = dataclasses.replace(data_position, sampler_epoch=_sampler_epoch(objs.dataloader))
+    return data_position
 
 
 def _small_state(objs: TrainingObjects, handler: LayoutHandler, extra: Optional[Dict[str, Any]]) -> Dict[str, Any]:
