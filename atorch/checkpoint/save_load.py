@@ -663,7 +663,8 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
                     strict: bool = True, optimizer: Any = None, lr_scheduler: Any = None) -> CheckpointState:
     """Load a checkpoint into `target` in its current (possibly different) parallel layout.
 
-    `path` is a checkpoint directory, or a parent directory whose `latest` names one. Call on every
+    `path` is a checkpoint directory, or a parent directory whose `latest` names one (read once, on rank 0:
+    every rank loads the checkpoint it names, or raises if it cannot see it). Call on every
     rank with the same `path`, `load_optimizer`, `load_rng` and `strict` (and, to load one, an optimizer
     on every rank): they are compared across ranks first, and a difference raises the same ValueError
     on every rank naming the argument and each rank's value (replicas that loaded different checkpoints,
@@ -674,8 +675,8 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
     `CheckpointError` (a ValueError) naming the file and the problem, and changes nothing.
 
     What is restored:
-      * always: the model's weights, and the data position (below); `state.step` and `state.extra`
-        are returned;
+      * always: the model's weights, and the data position (below; on a dataset of another length than
+        the saving run's too, with a warning on rank 0); `state.step` and `state.extra` are returned;
       * `load_optimizer=True` (the default), when the target has an optimizer: the optimizer's state
         and hyperparameters, and with them the lr scheduler, the grad scaler and a DeepSpeed
         engine's counters (global steps, loss scale). These travel together: a scheduler's state
