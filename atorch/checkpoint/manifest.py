@@ -338,6 +338,27 @@ def resolve_checkpoint_dir(path: str) -> str:
     raise CheckpointError(_not_a_checkpoint_message(path))
 
 
+def checkpoint_name(path: str) -> str:
+    """`resolve_checkpoint_dir(path)` relative to `path`: "." for a checkpoint, else the name its `latest` holds.
+
+    Relative, so that another process can find the same checkpoint under its own spelling of `path`
+    (nodes may mount the filesystem at different places): `checkpoint_at(path, name)`.
+    """
+    path = os.path.normpath(path)
+    return os.path.relpath(resolve_checkpoint_dir(path), path)
+
+
+def checkpoint_at(path: str, name: str) -> str:
+    """`<path>/<name>` for a `checkpoint_name` another process resolved; CheckpointError unless it is a complete
+    checkpoint in this process's view of the filesystem."""
+    _check_relative(name, f"the checkpoint name resolved from {path!r}")
+    ckpt_dir = os.path.normpath(os.path.join(path, name))
+    if not is_checkpoint(ckpt_dir):
+        raise CheckpointError(f"{path!r} resolved to {name!r} on rank 0, which is not a complete checkpoint here "
+                              f"({_not_a_checkpoint_message(ckpt_dir)}); every rank must see the same filesystem")
+    return ckpt_dir
+
+
 def read_latest(parent: str) -> Optional[str]:
     """The complete checkpoint named by `<parent>/latest`, or None when there is no usable pointer."""
     pointer = os.path.join(parent, LATEST_NAME)

@@ -2,8 +2,8 @@
 
 A checkpoint directory holds
   dcp/            model and optimizer tensors (torch.distributed.checkpoint), keyed by HF names
-  meta.json       step, data position, lr scheduler, grad scaler, optimizer hyperparameters,
-                  strategy, layout, model class (JSON, never pickle)
+  meta.json       step, data position, the dataset's length, lr scheduler, grad scaler, optimizer
+                  hyperparameters, strategy, layout, model class (JSON, never pickle)
   rng/rank_N.json each rank's Python / NumPy / torch / CUDA generator states (and tensor-parallel dropout streams)
   config.json     the Hugging Face config, adapter_config.json for a LoRA model
   manifest.json   sizes and checksums (xxh3_128 or sha256) of all of the above, written last (see manifest.py)
@@ -24,7 +24,7 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,7 @@ from atorch.checkpoint.safe_load import SafeFileSystemReader, load_dcp_metadata,
 from atorch.checkpoint.state import (
     DataPosition,
     convert_position,
+    dataset_change_message,
     from_json_value,
     len_or_none,
     loader_global_batch_size,
@@ -75,6 +76,8 @@ RNG_DIR = "rng"
 # Key of the tensor-parallel dropout streams in a rank's RNG file.
 PARALLEL_STREAMS = "parallel_streams"
 CONFIG_NAME = "config.json"
+# meta.json's key of the samples in the saving run's dataset (absent from checkpoints of older atorch versions).
+DATASET_LENGTH = "dataset_length"
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 
 # Test hook: called on every rank after all shards are written and before the manifest
@@ -282,8 +285,55 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
     # One save at a time: a previous async save must be committed (or its error raised, on every rank) first;
     # the path checks below then see what it committed.
     checkpointer().wait()
-    # Input mistakes raise here, on every rank, before any other collective: the local checks are voted on,
-    # then what must be the same on every rank is compared (a mistake only some ranks make raises everywhere).
+    objs, handler, final_dir = _agree_on_save_args(
+        target, path, optimizer=optimizer, lr_scheduler=lr_scheduler, step=step, data_position=data_position,
+        keep_last=keep_last, save_optimizer=save_optimizer, update_latest=update_latest, async_save=async_save,
+        checksum=checksum, tokenizer=tokenizer)
+    data_position = _data_position_to_save(objs, step, data_position)
+    small_state = _small_state(objs, handler, extra)
+    staging = _create_staging(final_dir)
+    plan = _SavePlan(final_dir=final_dir, staging=staging, step=step, update_latest=update_latest,
+                     keep_last=keep_last, checksum=checksum, rank=_rank(), world=_world())
+    # A failure from here on (agreed, so raised on every rank at the same point) removes the staging directory.
+    with _removing_staging_on_error(plan.staging, plan.rank):
+        has_optimizer = save_optimizer and handler.has_optimizer
+        tensors, optim_values = _gather_state(handler, has_optimizer)
+        _write_rng_and_metadata(plan, objs, handler, data_position, small_state, has_optimizer, optim_values,
+                                tokenizer)
+        if async_save:
+            _write_in_background(plan, tensors)
+        else:
+            _write_and_commit(plan, tensors, None)
+    return final_dir
+
+
+@dataclass(frozen=True)
+class _SavePlan:
+    """Where one save writes and how it commits, fixed once its arguments are agreed on."""
+
+    final_dir: str
+    staging: str
+    step: Optional[int]
+    update_latest: bool
+    keep_last: Optional[int]
+    checksum: str
+    rank: int
+    world: int
+
+    @property
+    def parent(self) -> str:
+        """The directory holding the checkpoint, its `latest` pointer and the checkpoints `keep_last` rotates."""
+        return os.path.dirname(os.path.abspath(self.final_dir))
+
+
+def _agree_on_save_args(target: Any, path: Any, *, optimizer: Any, lr_scheduler: Any, step: Any, data_position: Any,
+                        keep_last: Any, save_optimizer: Any, update_latest: Any, async_save: Any, checksum: Any,
+                        tokenizer: Any) -> Tuple[TrainingObjects, LayoutHandler, str]:
+    """Check `save_checkpoint`'s arguments on every rank, then agree: (objects, layout handler, checkpoint dir).
+
+    Input mistakes raise here, on every rank, before any other collective: the local checks are voted on,
+    then what must be the same on every rank is compared (a mistake only some ranks make raises everywhere).
+    """
     with agree_on_error("save_checkpoint: checking the arguments"):
         objs = TrainingObjects.of(target, optimizer, lr_scheduler)
         _check_save_args(path, step=step, data_position=data_position, keep_last=keep_last,
@@ -299,101 +349,144 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
         "path": os.fspath(path), "step": repr(step), "data_position": repr(data_position),
         "keep_last": repr(keep_last), "save_optimizer": _optimizer_flag(save_optimizer, handler),
         "update_latest": repr(update_latest), "async_save": repr(async_save), "checksum": repr(checksum)})
-    parent = os.path.dirname(os.path.abspath(final_dir))
+    return objs, handler, final_dir
+
+
+def _data_position_to_save(objs: TrainingObjects, step: Optional[int], data_position: Optional[DataPosition]
+                           ) -> Optional[DataPosition]:
+    """`data_position` as given, else (with a step and a dataloader) `step` optimizer steps into the dataloader,
+    with the epoch its sampler was last set to (which decides the resumed epoch's order)."""
     if data_position is None and step is not None and objs.dataloader is not None:
         data_position = _position_at_step(objs, step)
         data_position = dataclasses.replace(data_position, sampler_epoch=_sampler_epoch(objs.dataloader))
-    # Every rank encodes the small state now, so a value JSON cannot hold raises everywhere, not
-    # on rank 0 alone while the others wait in a collective.
-    small_state = {"extra": to_json_value(dict(extra or {}), "extra"),
-                   "lr_scheduler": _stateful_json(objs.lr_scheduler, "lr_scheduler"),
-                   "grad_scaler": _stateful_json(objs.grad_scaler, "grad_scaler"),
-                   "engine": to_json_value(handler.extra_state(), "engine")}
-    rank, world = _rank(), _world()
+    return data_position
 
+
+def _small_state(objs: TrainingObjects, handler: LayoutHandler, extra: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """`extra`, the lr scheduler's, grad scaler's and engine's states as JSON data (meta.json's small state).
+
+    Every rank encodes the small state now, so a value JSON cannot hold raises everywhere, not
+    on rank 0 alone while the others wait in a collective.
+    """
+    return {"extra": to_json_value(dict(extra or {}), "extra"),
+            "lr_scheduler": _stateful_json(objs.lr_scheduler, "lr_scheduler"),
+            "grad_scaler": _stateful_json(objs.grad_scaler, "grad_scaler"),
+            "engine": to_json_value(handler.extra_state(), "engine")}
+
+
+def _create_staging(final_dir: str) -> str:
+    """Create the staging directory every rank writes into (its name, shared by rank 0, is unique to this save)."""
+    rank = _rank()
     token = _broadcast(uuid.uuid4().hex[:12] if rank == 0 else None)
     staging = mf.staging_dir(final_dir, token)
     # Each local step ends in a vote instead of a barrier: a failure on one rank raises the same
     # exception on every rank, and no rank waits for one that has given up.
     with agree_on_error(f"save_checkpoint({final_dir!r}): creating the staging directory"):
         if rank == 0:
-            os.makedirs(parent, exist_ok=True)
+            os.makedirs(os.path.dirname(os.path.abspath(final_dir)), exist_ok=True)
             mf.remove_stale_staging(final_dir)
             os.makedirs(os.path.join(staging, RNG_DIR))
+    return staging
 
-    def write_and_commit(tensors: Dict[str, Any], group: Optional[dist.ProcessGroup]) -> None:
-        # Collectives here run on `group` only: None (the default group) in a synchronous save, the
-        # background gloo group in an async one (the training step owns the default group then).
-        # Every local step ends in a vote on that group, so a failure on one rank (in the
-        # background too) raises the same error, naming the rank, on every rank at once.
-        def agreed(what: str) -> Any:
-            return agree_on_error(f"save_checkpoint({final_dir!r}): {what}", group=group)
 
-        # The data files are checksummed while DCP writes them (no second read of the state).
-        written = _dcp_save(tensors, os.path.join(staging, DCP_DIR), group, checksum)
-        del tensors
-        with agreed("writing the tensors"):
-            if _before_commit_hook is not None:
-                _before_commit_hook(staging)
-        # Each rank fsyncs and hashes an interleaved share of the small files; rank 0 commits.
-        names = _broadcast(mf.list_files(staging) if rank == 0 else None, group)
-        with agreed("hashing the files"):
-            # Data files are hashed by the rank that wrote them (any rank's, not only this one's).
-            small = [n for n in names[rank::world] if not n.endswith(DATA_SUFFIX)]
-            own_records = {**written, **mf.record_files(staging, small, checksum)}
-        records: Dict[str, mf.FileRecord] = {}
-        for part in _all_gather(own_records, group):
-            records.update(part)
-        with agreed("committing"):
-            unrecorded = sorted(set(names) - set(records))
-            if unrecorded:
-                raise CheckpointError(f"{staging}: no checksum for {unrecorded[:5]}; a file appeared during the save")
-            if rank == 0:
-                mf.commit(staging, final_dir, mf.Manifest(files=records, step=step))
-                if update_latest:
-                    mf.write_latest(parent, os.path.basename(final_dir))
-                if keep_last is not None:
-                    mf.rotate(parent, keep_last, protect=[final_dir])
-        _barrier(group)
+def _gather_state(handler: LayoutHandler, has_optimizer: bool) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """This rank's model (and optimizer) tensors keyed as in the checkpoint, and every rank's optimizer
+    hyperparameters (a collective when `has_optimizer`, which every rank agreed on)."""
+    tensors = {MODEL_PREFIX + k: v for k, v in handler.model_state().items()}
+    optim_values: Dict[str, Any] = {}
+    if has_optimizer:
+        optim_tensors, local_values = handler.optim_state()
+        tensors.update({OPTIM_PREFIX + k: v for k, v in optim_tensors.items()})
+        # A sharded optimizer (ZeRO-1, pipeline stages) knows only its own parameters'
+        # hyperparameters: merge all ranks'.
+        for values in _all_gather(to_json_value(local_values, "optimizer")):
+            optim_values.update(values)
+    return tensors, optim_values
 
-    # A failure from here on (agreed, so raised on every rank at the same point) removes the staging directory.
-    with _removing_staging_on_error(staging, rank):
-        tensors = {MODEL_PREFIX + k: v for k, v in handler.model_state().items()}
-        optim_values: Dict[str, Any] = {}
-        has_optimizer = save_optimizer and handler.has_optimizer
-        if has_optimizer:
-            optim_tensors, local_values = handler.optim_state()
-            tensors.update({OPTIM_PREFIX + k: v for k, v in optim_tensors.items()})
-            # A sharded optimizer (ZeRO-1, pipeline stages) knows only its own parameters'
-            # hyperparameters: merge all ranks'.
-            for values in _all_gather(to_json_value(local_values, "optimizer")):
-                optim_values.update(values)
-        with agree_on_error(f"save_checkpoint({final_dir!r}): writing RNG states and metadata"):
-            _write_json(os.path.join(staging, RNG_DIR, f"rank_{rank:05d}.json"), _rank_rng_state(objs))
-            if rank == 0:
-                meta = _meta(objs, handler, step, data_position, small_state, has_optimizer, optim_values, world)
-                _write_json(os.path.join(staging, META_NAME), meta)
-                _write_model_configs(objs.model, staging)
-                if tokenizer is not None:
-                    record_tokenizer(tokenizer, staging)
 
-        if async_save:
-            saver = checkpointer()
-            group = saver.background_group()
-            # Voted like every local step: a rank that cannot copy its tensors (host memory exhausted)
-            # makes every rank raise here, before any rank hands its write to the background.
-            with agree_on_error(f"save_checkpoint({final_dir!r}): copying the tensors to host memory"):
-                staged = saver.stage(tensors)
-            del tensors
+def _write_rng_and_metadata(plan: _SavePlan, objs: TrainingObjects, handler: LayoutHandler,
+                            data_position: Optional[DataPosition], small_state: Dict[str, Any], has_optimizer: bool,
+                            optim_values: Dict[str, Any], tokenizer: Any) -> None:
+    """Write this rank's RNG states, and on rank 0 meta.json, the model's configs and the tokenizer (voted on)."""
+    with agree_on_error(f"save_checkpoint({plan.final_dir!r}): writing RNG states and metadata"):
+        _write_json(os.path.join(plan.staging, RNG_DIR, f"rank_{plan.rank:05d}.json"), _rank_rng_state(objs))
+        if plan.rank == 0:
+            meta = _meta(objs, handler, plan.step, data_position, small_state, has_optimizer, optim_values,
+                         plan.world)
+            _write_json(os.path.join(plan.staging, META_NAME), meta)
+            _write_model_configs(objs.model, plan.staging)
+            if tokenizer is not None:
+                record_tokenizer(tokenizer, plan.staging)
 
-            def in_background() -> None:
-                with _removing_staging_on_error(staging, rank):
-                    write_and_commit(staged, group)
 
-            saver.submit(in_background)
-        else:
-            write_and_commit(tensors, None)
-    return final_dir
+def _write_in_background(plan: _SavePlan, tensors: Dict[str, Any]) -> None:
+    """An async save's foreground part: copy the tensors to host memory, then hand the write to the background."""
+    saver = checkpointer()
+    group = saver.background_group()
+    # Voted like every local step: a rank that cannot copy its tensors (host memory exhausted)
+    # makes every rank raise here, before any rank hands its write to the background.
+    with agree_on_error(f"save_checkpoint({plan.final_dir!r}): copying the tensors to host memory"):
+        staged = saver.stage(tensors)
+    del tensors
+
+    def in_background() -> None:
+        with _removing_staging_on_error(plan.staging, plan.rank):
+            _write_and_commit(plan, staged, group)
+
+    saver.submit(in_background)
+
+
+def _write_and_commit(plan: _SavePlan, tensors: Dict[str, Any], group: Optional[dist.ProcessGroup]) -> None:
+    """Write the tensors, checksum every file, and on rank 0 commit the manifest, `latest` and the rotation.
+
+    Collectives here run on `group` only: None (the default group) in a synchronous save, the
+    background gloo group in an async one (the training step owns the default group then).
+    Every local step ends in a vote on that group, so a failure on one rank (in the
+    background too) raises the same error, naming the rank, on every rank at once.
+    """
+    # The data files are checksummed while DCP writes them (no second read of the state).
+    written = _dcp_save(tensors, os.path.join(plan.staging, DCP_DIR), group, plan.checksum)
+    del tensors
+    with _agreed(plan, "writing the tensors", group):
+        if _before_commit_hook is not None:
+            _before_commit_hook(plan.staging)
+    names, records = _record_files(plan, written, group)
+    with _agreed(plan, "committing", group):
+        unrecorded = sorted(set(names) - set(records))
+        if unrecorded:
+            raise CheckpointError(f"{plan.staging}: no checksum for {unrecorded[:5]}; a file appeared during the save")
+        if plan.rank == 0:
+            _commit(plan, records)
+    _barrier(group)
+
+
+def _agreed(plan: _SavePlan, what: str, group: Optional[dist.ProcessGroup]) -> Any:
+    """`agree_on_error` for one local step of writing the checkpoint, voted on `group`."""
+    return agree_on_error(f"save_checkpoint({plan.final_dir!r}): {what}", group=group)
+
+
+def _record_files(plan: _SavePlan, written: Dict[str, mf.FileRecord], group: Optional[dist.ProcessGroup]
+                  ) -> Tuple[List[str], Dict[str, mf.FileRecord]]:
+    """The staging directory's files (listed by rank 0) and every rank's records of them: each rank fsyncs and
+    hashes an interleaved share of the small files."""
+    names = _broadcast(mf.list_files(plan.staging) if plan.rank == 0 else None, group)
+    with _agreed(plan, "hashing the files", group):
+        # Data files are hashed by the rank that wrote them (any rank's, not only this one's).
+        small = [n for n in names[plan.rank::plan.world] if not n.endswith(DATA_SUFFIX)]
+        own_records = {**written, **mf.record_files(plan.staging, small, plan.checksum)}
+    records: Dict[str, mf.FileRecord] = {}
+    for part in _all_gather(own_records, group):
+        records.update(part)
+    return names, records
+
+
+def _commit(plan: _SavePlan, records: Dict[str, mf.FileRecord]) -> None:
+    """Rank 0: write the manifest and rename the staging directory, then point `latest` at it and rotate."""
+    mf.commit(plan.staging, plan.final_dir, mf.Manifest(files=records, step=plan.step))
+    if plan.update_latest:
+        mf.write_latest(plan.parent, os.path.basename(plan.final_dir))
+    if plan.keep_last is not None:
+        mf.rotate(plan.parent, plan.keep_last, protect=[plan.final_dir])
 
 
 @contextlib.contextmanager
@@ -517,6 +610,7 @@ def _meta(objs: TrainingObjects, handler: LayoutHandler, step: Optional[int], po
     return {
         "format": mf.FORMAT_NAME, "version": mf.FORMAT_VERSION, "step": step,
         "data_position": position.to_json() if position is not None else None,
+        DATASET_LENGTH: _dataset_length(objs.dataloader),
         "world_size": world, "parallel_dims": _parallel_dims(objs.parallel), "layout": handler.name,
         "strategy": objs.strategy,
         "model": {"class": _qualname(hf_model) if hf_model is not None else _qualname(objs.model),
@@ -525,6 +619,13 @@ def _meta(objs: TrainingObjects, handler: LayoutHandler, step: Optional[int], po
         "optimizer": {"class": _qualname(objs.optimizer), "values": optim_values} if has_optimizer else None,
         **small_state, "torch_version": torch.__version__, "created": time.time(),
     }
+
+
+def _dataset_length(dataloader: Any) -> Optional[int]:
+    """len() of the dataloader's dataset, which `load_checkpoint` compares with the resuming run's; None when
+    unknown (no dataloader, an iterable dataset). The dataset's length, not the sampler's: a
+    `DistributedSampler` pads its epoch to a multiple of the data-parallel size, which may change on resume."""
+    return len_or_none(getattr(dataloader, "dataset", None)) if dataloader is not None else None
 
 
 def _lora_meta(model: nn.Module) -> Dict[str, Any]:
@@ -562,7 +663,8 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
                     strict: bool = True, optimizer: Any = None, lr_scheduler: Any = None) -> CheckpointState:
     """Load a checkpoint into `target` in its current (possibly different) parallel layout.
 
-    `path` is a checkpoint directory, or a parent directory whose `latest` names one. Call on every
+    `path` is a checkpoint directory, or a parent directory whose `latest` names one (read once, on rank 0:
+    every rank loads the checkpoint it names, or raises if it cannot see it). Call on every
     rank with the same `path`, `load_optimizer`, `load_rng` and `strict` (and, to load one, an optimizer
     on every rank): they are compared across ranks first, and a difference raises the same ValueError
     on every rank naming the argument and each rank's value (replicas that loaded different checkpoints,
@@ -573,8 +675,8 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
     `CheckpointError` (a ValueError) naming the file and the problem, and changes nothing.
 
     What is restored:
-      * always: the model's weights, and the data position (below); `state.step` and `state.extra`
-        are returned;
+      * always: the model's weights, and the data position (below; on a dataset of another length than
+        the saving run's too, with a warning on rank 0); `state.step` and `state.extra` are returned;
       * `load_optimizer=True` (the default), when the target has an optimizer: the optimizer's state
         and hyperparameters, and with them the lr scheduler, the grad scaler and a DeepSpeed
         engine's counters (global steps, loss scale). These travel together: a scheduler's state
@@ -597,7 +699,33 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
     each epoch, as `save_checkpoint`'s data position assumes, ends the skip after the resumed epoch.
     """
     checkpointer().wait()  # an async save in flight may be the checkpoint asked for
-    # As in save_checkpoint: local checks voted on, then what every rank must share compared, before anything else.
+    objs, handler = _agree_on_load_args(target, path, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                                        load_optimizer=load_optimizer, load_rng=load_rng, strict=strict)
+    ckpt_dir, manifest = _locate_checkpoint(path)
+    verify_checkpoint(ckpt_dir, manifest)
+    meta, entries = _read_checkpoint_metadata(ckpt_dir)
+    # Raised identically on every rank (it depends on the metadata and the batch size only), before
+    # anything is loaded: a batch size that cannot resume at the saved sample.
+    position = _resume_position(meta, objs)
+    targets = _check_against_checkpoint(objs, handler, meta, entries, ckpt_dir, load_optimizer=load_optimizer,
+                                        strict=strict)
+    _load_tensors(handler, targets, os.path.join(ckpt_dir, DCP_DIR), manifest)
+    if targets.restore_optimizer:
+        _restore_with_optimizer(objs, handler, meta, ckpt_dir)
+    rng_restored, dataloader = _restore_rng_and_data(target, objs, meta, manifest, ckpt_dir, position,
+                                                     load_rng=load_rng)
+    return CheckpointState(path=ckpt_dir, step=meta.get("step"), data_position=position,
+                           extra=from_json_value(meta.get("extra") or {}), strategy=meta.get("strategy"),
+                           saved_world_size=int(meta.get("world_size") or 1), rng_restored=rng_restored,
+                           optimizer_restored=targets.restore_optimizer, dataloader=dataloader)
+
+
+def _agree_on_load_args(target: Any, path: Any, *, optimizer: Any, lr_scheduler: Any, load_optimizer: Any,
+                        load_rng: Any, strict: Any) -> Tuple[TrainingObjects, LayoutHandler]:
+    """Check `load_checkpoint`'s arguments on every rank, then agree: (objects, layout handler).
+
+    As in save_checkpoint: local checks voted on, then what every rank must share compared, before anything else.
+    """
     with agree_on_error("load_checkpoint: checking the arguments"):
         objs = TrainingObjects.of(target, optimizer, lr_scheduler)
         mf.check_dir_arg("load_checkpoint", "path", path)
@@ -609,54 +737,113 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
     agree_on_values("load_checkpoint", {
         "path": os.fspath(path), "load_optimizer": _optimizer_flag(load_optimizer, handler),
         "load_rng": repr(load_rng), "strict": repr(strict)})
+    return objs, handler
+
+
+def _locate_checkpoint(path: str) -> Tuple[str, mf.Manifest]:
+    """The checkpoint directory `path` names (itself, or its `latest`), the same on every rank, and its manifest.
+
+    Rank 0 reads `latest` once and every rank loads the checkpoint it names. Each rank reading the
+    pointer itself could split the ranks between two checkpoints (a save committing between their
+    reads, e.g. a training job saving into the directory an evaluation job loads from, or a node whose
+    view of the filesystem lags), and they would load different states silently. Comparing the ranks'
+    readings would catch that, but turn a harmless race into a failed load; one reading cannot split
+    the ranks at all. Every rank still checks that the named checkpoint is complete in its own view
+    (voted on: a rank that cannot see it makes every rank raise). The name travels relative to `path`:
+    nodes may mount the shared filesystem at different places.
+    """
     # Local steps end in a vote: a rank that cannot read a file makes every rank raise the same error.
     with agree_on_error(f"load_checkpoint({path!r}): locating the checkpoint"):
-        ckpt_dir = mf.resolve_checkpoint_dir(path)
+        name = mf.checkpoint_name(path) if _rank() == 0 else None
+    name = _broadcast(name)
+    with agree_on_error(f"load_checkpoint({path!r}): locating the checkpoint"):
+        ckpt_dir = mf.checkpoint_at(path, name)
         manifest = mf.Manifest.read(ckpt_dir)
-    verify_checkpoint(ckpt_dir, manifest)
-    dcp_dir = os.path.join(ckpt_dir, DCP_DIR)
+    return ckpt_dir, manifest
+
+
+def _read_checkpoint_metadata(ckpt_dir: str) -> Tuple[Dict[str, Any], Dict[str, Tuple[Tuple[int, ...], torch.dtype]]]:
+    """meta.json, and the shape and dtype of every tensor the checkpoint holds (from DCP's index)."""
     with agree_on_error(f"load_checkpoint({ckpt_dir!r}): reading the metadata"):
         meta = _read_meta(ckpt_dir)
-        entries = tensor_entries(load_dcp_metadata(os.path.join(dcp_dir, ".metadata")))
-    # Raised identically on every rank (it depends on the metadata and the batch size only), before
-    # anything is loaded: a batch size that cannot resume at the saved sample.
-    position = _resume_position(meta, objs)
+        entries = tensor_entries(load_dcp_metadata(os.path.join(ckpt_dir, DCP_DIR, ".metadata")))
+    return meta, entries
 
+
+@dataclass
+class _LoadTargets:
+    """What `load_checkpoint` loads in place: tensors keyed as in the checkpoint, and optimizer hyperparameters."""
+
+    model: Dict[str, torch.Tensor]
+    optimizer: Dict[str, torch.Tensor] = field(default_factory=dict)
+    optimizer_values: Dict[str, Any] = field(default_factory=dict)
+    # load_optimizer, and the target has an optimizer (the ranks agreed on both).
+    restore_optimizer: bool = False
+
+
+def _check_against_checkpoint(objs: TrainingObjects, handler: LayoutHandler, meta: Dict[str, Any],
+                              entries: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], ckpt_dir: str, *,
+                              load_optimizer: bool, strict: bool) -> _LoadTargets:
+    """What to load, once every model (and optimizer) key and shape is checked against the checkpoint.
+
+    Every problem is collected, then raised on every rank before anything is loaded: ranks may see
+    different problems (a pipeline stage holds part of the model).
+    """
     targets = {MODEL_PREFIX + k: v for k, v in handler.model_state().items()}
     # A pipeline stage holds some of the model: "unexpected" means held by no rank.
     known = set().union(*_all_gather(sorted(targets))) if _dist() else set(targets)
     problems = _lora_kind_problems(meta, objs.model, ckpt_dir) + \
         check_keys(targets, entries, MODEL_PREFIX, strict=strict, known=known)
-    restore_optim = load_optimizer and handler.has_optimizer
-    optim_targets: Dict[str, torch.Tensor] = {}
-    optim_values: Dict[str, Any] = {}
-    if restore_optim:
-        if not meta.get("has_optimizer"):
-            problems.append(f"{os.path.join(ckpt_dir, META_NAME)}: the checkpoint was saved without optimizer "
-                            "state; pass load_optimizer=False to load the model only")
-        else:
-            local_tensors, local_values = handler.optim_state()
-            optim_targets = {OPTIM_PREFIX + k: v for k, v in local_tensors.items()}
-            saved_values = from_json_value(meta["optimizer"]["values"])
-            problems += check_keys(optim_targets, entries, OPTIM_PREFIX, strict=False)
-            missing = sorted(k for k in local_values if k not in saved_values)
-            if missing:
-                problems.append(f"{os.path.join(ckpt_dir, META_NAME)}: no optimizer hyperparameters for "
-                                f"{len(missing)} entries, e.g. {missing[:3]} (a different model or optimizer)")
-            optim_values = {k: v for k, v in saved_values.items() if k in local_values}
+    load = _LoadTargets(model=targets, restore_optimizer=load_optimizer and handler.has_optimizer)
+    if load.restore_optimizer:
+        problems += _optimizer_targets(load, handler, meta, entries, ckpt_dir)
     # Ranks may see different problems (a pipeline stage holds part of the model): all raise.
     with agree_on_error(f"load_checkpoint({ckpt_dir!r}): checking the model against the checkpoint"):
         mf.raise_problems(ckpt_dir, problems)
+    return load
 
-    _dcp_load({**targets, **optim_targets}, dcp_dir, manifest)
-    handler.load_model_state({k[len(MODEL_PREFIX):]: v for k, v in targets.items()})
-    if restore_optim:
-        handler.load_optim_state({k[len(OPTIM_PREFIX):]: v for k, v in optim_targets.items()}, optim_values)
-        if meta.get("engine") is not None:
-            handler.load_extra_state(from_json_value(meta["engine"]))
-        _load_stateful(objs.lr_scheduler, meta.get("lr_scheduler"), "lr_scheduler", ckpt_dir)
-        _load_stateful(objs.grad_scaler, meta.get("grad_scaler"), "grad_scaler", ckpt_dir)
 
+def _optimizer_targets(load: _LoadTargets, handler: LayoutHandler, meta: Dict[str, Any],
+                       entries: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], ckpt_dir: str) -> List[str]:
+    """Fill `load`'s optimizer tensors and hyperparameters; return the problems of restoring them (local)."""
+    if not meta.get("has_optimizer"):
+        return [f"{os.path.join(ckpt_dir, META_NAME)}: the checkpoint was saved without optimizer "
+                "state; pass load_optimizer=False to load the model only"]
+    local_tensors, local_values = handler.optim_state()
+    load.optimizer = {OPTIM_PREFIX + k: v for k, v in local_tensors.items()}
+    saved_values = from_json_value(meta["optimizer"]["values"])
+    problems = check_keys(load.optimizer, entries, OPTIM_PREFIX, strict=False)
+    missing = sorted(k for k in local_values if k not in saved_values)
+    if missing:
+        problems.append(f"{os.path.join(ckpt_dir, META_NAME)}: no optimizer hyperparameters for "
+                        f"{len(missing)} entries, e.g. {missing[:3]} (a different model or optimizer)")
+    load.optimizer_values = {k: v for k, v in saved_values.items() if k in local_values}
+    return problems
+
+
+def _load_tensors(handler: LayoutHandler, load: _LoadTargets, dcp_dir: str, manifest: mf.Manifest) -> None:
+    """Read the model's (and optimizer's) tensors in place, then hand them to the layout's model and optimizer."""
+    _dcp_load({**load.model, **load.optimizer}, dcp_dir, manifest)
+    handler.load_model_state({k[len(MODEL_PREFIX):]: v for k, v in load.model.items()})
+    if load.restore_optimizer:
+        handler.load_optim_state({k[len(OPTIM_PREFIX):]: v for k, v in load.optimizer.items()},
+                                 load.optimizer_values)
+
+
+def _restore_with_optimizer(objs: TrainingObjects, handler: LayoutHandler, meta: Dict[str, Any],
+                            ckpt_dir: str) -> None:
+    """Restore what travels with the optimizer's state: a DeepSpeed engine's counters, the lr scheduler and the
+    grad scaler (a scheduler's state only means something next to the optimizer whose lr it set)."""
+    if meta.get("engine") is not None:
+        handler.load_extra_state(from_json_value(meta["engine"]))
+    _load_stateful(objs.lr_scheduler, meta.get("lr_scheduler"), "lr_scheduler", ckpt_dir)
+    _load_stateful(objs.grad_scaler, meta.get("grad_scaler"), "grad_scaler", ckpt_dir)
+
+
+def _restore_rng_and_data(target: Any, objs: TrainingObjects, meta: Dict[str, Any], manifest: mf.Manifest,
+                          ckpt_dir: str, position: Optional[DataPosition], *, load_rng: bool) -> Tuple[bool, Any]:
+    """Restore this rank's RNG states (`load_rng`, same world size) and start the dataloader at `position`:
+    (whether the RNG states were restored, the resumed dataloader or None)."""
     rng_restored = False
     dataloader = None
     with agree_on_error(f"load_checkpoint({ckpt_dir!r}): restoring RNG states and the data position"):
@@ -672,10 +859,7 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
                 # The loop that goes on iterating `result.dataloader` (the README's) resumes exactly too.
                 target.dataloader = dataloader
                 target.data_origin = (meta.get("step"), position)
-    return CheckpointState(path=ckpt_dir, step=meta.get("step"), data_position=position,
-                           extra=from_json_value(meta.get("extra") or {}), strategy=meta.get("strategy"),
-                           saved_world_size=int(meta.get("world_size") or 1), rng_restored=rng_restored,
-                           optimizer_restored=restore_optim, dataloader=dataloader)
+    return rng_restored, dataloader
 
 
 def _lora_kind_problems(meta: Dict[str, Any], model: Any, ckpt_dir: str) -> List[str]:
@@ -712,7 +896,17 @@ def _unresumed(dataloader: Any) -> Any:
 
 def _resume_position(meta: Dict[str, Any], objs: TrainingObjects) -> Optional[DataPosition]:
     """The saved data position, counted in this run's global batches when the dataloader is known; past the
-    end of this run's epoch (a smaller dataset), the start of the next epoch (`position_in_epoch`)."""
+    end of this run's epoch (a smaller dataset), the start of the next epoch (`position_in_epoch`).
+
+    When the dataset's length differs from the saving run's, rank 0 warns once, naming both lengths and
+    the saved position: a user who resumed on other data (or other data files) by mistake is told.
+    Nothing is refused, and the position is restored as always, `load_optimizer=False` included:
+    fine-tuning on new data from a checkpoint is legitimate, and `load_optimizer` is about the
+    optimizer's state, not the data. Dropping the position when the length changed would treat new data
+    of another length unlike new data of the same length; the warning says how to start from the first
+    sample instead. A checkpoint without the saved length (an older atorch, an iterable dataset) warns
+    only when the position lies past the end of this run's epoch, as before.
+    """
     if not meta.get("data_position"):
         return None
     position = DataPosition.from_json(meta["data_position"])
@@ -721,7 +915,14 @@ def _resume_position(meta: Dict[str, Any], objs: TrainingObjects) -> Optional[Da
     if objs.dataloader is None:
         return position
     base = _unresumed(objs.dataloader)
-    return position_in_epoch(position, len_or_none(base), len_or_none(getattr(base, "dataset", None)))
+    batches, samples = len_or_none(base), len_or_none(getattr(base, "dataset", None))
+    saved_samples = meta.get(DATASET_LENGTH)
+    changed = isinstance(saved_samples, int) and samples is not None and saved_samples != samples
+    resumed = position_in_epoch(position, batches, samples, warn=not changed)
+    if changed and _rank() == 0:
+        logger.warning("%s", dataset_change_message(cast(int, saved_samples), cast(int, samples), position, resumed,
+                                                   batches))
+    return resumed
 
 
 def verify_checkpoint(ckpt_dir: str, manifest: Optional[mf.Manifest] = None, collective: bool = True) -> mf.Manifest:

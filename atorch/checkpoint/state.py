@@ -210,7 +210,7 @@ def convert_position(position: DataPosition, global_batch_size: int) -> DataPosi
 
 
 def position_in_epoch(position: DataPosition, batches_per_epoch: Optional[int],
-                      samples_per_epoch: Optional[int] = None) -> DataPosition:
+                      samples_per_epoch: Optional[int] = None, *, warn: bool = True) -> DataPosition:
     """`position`, moved to the start of the next epoch when it lies at or past the end of this run's epoch.
 
     `position` is counted in this run's global batches (`convert_position`); `batches_per_epoch` is this
@@ -221,21 +221,55 @@ def position_in_epoch(position: DataPosition, batches_per_epoch: Optional[int],
     already covers more than this run's whole epoch, so its epoch counts as finished: the resume starts
     the next epoch (the sampler moved on with it when the saving loop was setting it to the epoch), and
     a warning names both lengths. `samples_per_epoch` (this run's dataset length, when known) is named too.
+    `warn=False` leaves the warning to the caller (`load_checkpoint`'s names the saved dataset length too).
     """
     done = position.batches_in_epoch
     if not batches_per_epoch or done == 0 or done < batches_per_epoch:
         return position
-    batch = position.global_batch_size
-    consumed = f"{done} global batches" + (f" ({done * batch} samples)" if batch else "")
-    this_run = f"{batches_per_epoch} batches" + (f" ({samples_per_epoch} samples)" if samples_per_epoch else "")
-    logger.warning("the checkpoint stopped %s into epoch %d, but this run's epoch has only %s: the dataset is "
-                   "smaller than when the checkpoint was saved. Resuming at the start of epoch %d instead of "
-                   "an empty rest of epoch %d", consumed, position.epoch, this_run, position.epoch + 1,
-                   position.epoch)
+    if warn:
+        logger.warning("%s: the dataset is smaller than when the checkpoint was saved. Resuming at the start of "
+                       "epoch %d instead of an empty rest of epoch %d",
+                       _past_the_end(position, batches_per_epoch, samples_per_epoch), position.epoch + 1,
+                       position.epoch)
     sampler_epoch = position.sampler_epoch
     if sampler_epoch is not None and sampler_epoch == position.epoch:
         sampler_epoch += 1      # the saving loop set the sampler to each epoch; one that never did keeps its own
     return replace(position, epoch=position.epoch + 1, batches_in_epoch=0, sampler_epoch=sampler_epoch)
+
+
+def _consumed(position: DataPosition) -> str:
+    """"N global batches (M samples)": what `position` says the epoch has consumed."""
+    done, batch = position.batches_in_epoch, position.global_batch_size
+    return f"{done} global batches" + (f" ({done * batch} samples)" if batch else "")
+
+
+def _past_the_end(position: DataPosition, batches_per_epoch: int, samples_per_epoch: Optional[int]) -> str:
+    this_run = f"{batches_per_epoch} batches" + (f" ({samples_per_epoch} samples)" if samples_per_epoch else "")
+    return f"the checkpoint stopped {_consumed(position)} into epoch {position.epoch}, but this run's epoch has " \
+           f"only {this_run}"
+
+
+def dataset_change_message(saved_samples: int, samples: int, position: DataPosition, resumed: DataPosition,
+                           batches_per_epoch: Optional[int]) -> str:
+    """The warning for a resume on a dataset of `samples` samples when the checkpoint's run had `saved_samples`.
+
+    `position` is the saved position in this run's global batches, `resumed` where the resume starts
+    (`position_in_epoch`). The saved position still applies to the new dataset: the message says where
+    that puts the resume, and how to start the data from its first sample instead.
+    """
+    lengths = f"this run's dataset has {samples} samples, the checkpoint's run had {saved_samples}"
+    if resumed != position:
+        where = (f"{_past_the_end(position, cast(int, batches_per_epoch), samples)}, so the resume starts epoch "
+                 f"{resumed.epoch} from its first sample")
+    elif position.batches_in_epoch:
+        where = (f"the resume starts {_consumed(position)} into epoch {position.epoch}, as saved, so this epoch "
+                 "skips that many samples of this dataset")
+    else:
+        where = f"the resume starts epoch {position.epoch} from its first sample, as saved"
+    return (f"{lengths} (other data, a filter, another split?); {where}. The data position is restored with "
+            "load_optimizer=False too: to train on other data from its first sample, iterate a dataloader taken "
+            "before the load (`state.dataloader`, and `result.dataloader` after the load, resume at the saved "
+            "position)")
 
 
 def loader_global_batch_size(dataloader: DataLoader) -> Optional[int]:

@@ -10,7 +10,9 @@
   group's collective timeout: the waiting rank raises rank 0's error, not a timeout;
 - save/load arguments given differently on one rank (async_save, save_optimizer, an optimizer, step, path,
   load_optimizer): every rank raises the same ValueError naming the argument and each rank's value, within
-  seconds, before anything is written, and the next load works.
+  seconds, before anything is written, and the next load works;
+- a parent directory whose `latest` rank 1 reads differently: every rank loads the checkpoint rank 0 read, and
+  one rank 1 cannot see raises on both ranks.
 Every failed save removes its staging directory.
 
 The collectives' timeout is 30 minutes (ATORCH_COLLECTIVE_TIMEOUT below) and the test's is 180 s: a rank
@@ -156,11 +158,30 @@ def _failing_rank(root: str) -> Dict[str, object]:
     start = time.monotonic()
     disagreed = [_raises(call) for call in disagreements]
     disagree_s = time.monotonic() - start
+
+    # 7. `<root>/latest` read differently on rank 1 (a save committing between the ranks' reads, a node whose view
+    # lags): every rank loads the checkpoint rank 0 read; one that rank 1 cannot see raises on both ranks.
+    real_resolve, real_is_checkpoint = mf.resolve_checkpoint_dir, mf.is_checkpoint
+    latest_name = os.path.basename(mf.read_latest(root) or "")
+    if rank == 1:
+        mf.resolve_checkpoint_dir = lambda p: os.path.join(root, "step_1")  # type: ignore[assignment]
+    try:
+        latest_step = load_checkpoint(model, root).step
+    finally:
+        mf.resolve_checkpoint_dir = real_resolve  # type: ignore[assignment]
+    if rank == 1:
+        mf.is_checkpoint = lambda p: (real_is_checkpoint(p)  # type: ignore[assignment]
+                                      and os.path.basename(os.path.normpath(p)) != "step_4")
+    try:
+        latest_unseen = _raises(lambda: load_checkpoint(model, root))
+    finally:
+        mf.is_checkpoint = real_is_checkpoint  # type: ignore[assignment]
     loaded_after = load_checkpoint(model, step_4).step   # nothing was left half-done on either rank
     dist.barrier()
     return {"errors": errors, "latest": latest, "read_back": read_back, "merge_s": merge_s,
             "failed_exist": [os.path.exists(os.path.join(root, n)) for n in ("step_2", "step_3", "step_5")],
-            "disagreed": disagreed, "disagree_s": disagree_s, "loaded_after": loaded_after}
+            "disagreed": disagreed, "disagree_s": disagree_s, "loaded_after": loaded_after,
+            "resolved": (latest_name, latest_step, latest_unseen)}
 
 
 def test_a_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
@@ -199,6 +220,13 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank(tmp_path):
     for r in results:
         assert r["disagree_s"] < 30, r["disagree_s"]
         assert r["loaded_after"] == 4
+    # 7. Rank 1's own reading of `latest` (step_1) is not used: both ranks loaded the checkpoint rank 0 read.
+    # One that rank 1 cannot see raises the same error on both ranks, naming it.
+    assert [r["resolved"][:2] for r in results] == [("step_4", 4), ("step_4", 4)]
+    unseen = results[0]["resolved"][2]
+    assert unseen == results[1]["resolved"][2]
+    assert unseen.startswith("CheckpointError: load_checkpoint(") and "locating the checkpoint failed on rank [1]" \
+        in unseen and "resolved to 'step_4' on rank 0, which is not a complete checkpoint here" in unseen, unseen
     assert [os.path.basename(p) for p, _ in mf.list_checkpoints(root)] == ["step_1", "step_4"]
     # Every failed save (and the failed merge's temporary sharded copy) left nothing behind.
     assert sorted(os.listdir(root)) == ["hf", "latest", "step_1", "step_4"]

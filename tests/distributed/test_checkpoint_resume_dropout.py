@@ -5,8 +5,10 @@ iterator (it draws a base seed, which the uninterrupted run drew at the start of
 before the checkpoint). Tensor parallel 2: the randomizer's dropout streams must be saved and
 restored per rank too. Two ranks sum in a single order, so exact equality is required. One
 spawn per layout runs all three parts (straight, first half + save, fresh objects + load + rest).
+DDP then loads the checkpoint on a dataset of another length: rank 0 warns once, rank 1 not at all.
 """
 
+import logging
 from typing import List
 
 import pytest
@@ -23,14 +25,14 @@ pytestmark = pytest.mark.heavy
 STEPS, SAVE_AT = 4, 2
 
 
-def _build(layout: str, seed: int):
+def _build(layout: str, seed: int, n: int = 32):
     if layout == "ddp":
         model, strategy = tiny_llama(seed=seed, attention_dropout=0.3), ["parallel_mode"]
     else:  # tensor parallel 2: GPT-2's residual, embedding and attention dropouts draw from the randomizer
         model = tiny_gpt2(seed=seed, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
         strategy = [("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"]
     status, result, _ = auto_accelerate(
-        model, torch.optim.AdamW, TokenDataset(n=32, seq_len=8), optim_args={"lr": 1e-3},
+        model, torch.optim.AdamW, TokenDataset(n=n, seq_len=8), optim_args={"lr": 1e-3},
         model_input_format="unpack_dict", dataloader_args={"batch_size": 8}, load_strategy=strategy)
     assert status
     return result
@@ -42,7 +44,18 @@ def _mean_loss(result, batch) -> float:
     return float(loss) / dist.get_world_size()
 
 
-def _straight_and_resumed(layout: str, path: str) -> List[List[float]]:
+class _Collected(logging.Handler):
+    """The warnings atorch's checkpoint modules log in this process."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _straight_and_resumed(layout: str, path: str) -> list:
     run = _build(layout, 0)
     straight = [_mean_loss(run, b) for _, b in zip(range(STEPS), run.dataloader)]
     del run
@@ -59,11 +72,23 @@ def _straight_and_resumed(layout: str, path: str) -> List[List[float]]:
     assert state.rng_restored
     rest = [_mean_loss(run, b) for _, b in zip(range(STEPS - SAVE_AT), state.dataloader)]
     del run
+
+    collected = _Collected()
+    if layout == "ddp":     # the checkpoint (32 samples) loaded on 40 samples
+        logging.getLogger("atorch.checkpoint").addHandler(collected)
+        try:
+            load_checkpoint(_build(layout, 3, n=40), path)
+        finally:
+            logging.getLogger("atorch.checkpoint").removeHandler(collected)
     dist.barrier()
-    return [straight, first + rest]
+    return [straight, first + rest, collected.messages]
 
 
 @pytest.mark.parametrize("layout", ["ddp", "tp"])
 def test_resume_with_dropout_is_exact(tmp_path, layout):
-    straight, resumed = run_distributed(_straight_and_resumed, 2, layout, str(tmp_path / "step_2"), timeout=240)[0]
+    results = run_distributed(_straight_and_resumed, 2, layout, str(tmp_path / "step_2"), timeout=240)
+    straight, resumed, warned = results[0]
     assert resumed == straight
+    if layout == "ddp":     # the dataset's length differs from the saved one: one warning, on rank 0 only
+        assert len(warned) == 1 and results[1][2] == [], (warned, results[1][2])
+        assert warned[0].startswith("this run's dataset has 40 samples, the checkpoint's run had 32"), warned

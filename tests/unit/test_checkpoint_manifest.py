@@ -101,6 +101,23 @@ def test_latest_pointer_resolution_and_errors(tmp_path):
         mf.resolve_checkpoint_dir(os.path.join(parent, "file.txt"))
 
 
+def test_a_checkpoint_name_resolved_by_one_process_is_found_under_another_spelling_of_the_path(tmp_path):
+    """load_checkpoint's ranks share rank 0's reading of `latest` as a name relative to the path."""
+    parent = str(tmp_path / "ckpt")
+    a = _make_checkpoint(parent, "step_1", 1)
+    mf.write_latest(parent, "step_1")
+    assert mf.checkpoint_name(parent) == "step_1" and mf.checkpoint_name(a + "/") == "."
+    other_mount = str(tmp_path / "mnt")
+    os.symlink(parent, other_mount)                # another node's mount point of the same directory
+    assert mf.checkpoint_at(other_mount, "step_1") == os.path.join(other_mount, "step_1")
+    assert mf.checkpoint_at(a, ".") == a
+    with pytest.raises(CheckpointError, match="resolved to 'step_2' on rank 0, which is not a complete checkpoint "
+                                              "here .*no such checkpoint directory"):
+        mf.checkpoint_at(parent, "step_2")
+    with pytest.raises(CheckpointError, match="not a plain relative path"):
+        mf.checkpoint_at(parent, "../elsewhere")
+
+
 def test_rotation_keeps_the_newest_and_never_latest_or_foreign_dirs(tmp_path):
     parent = str(tmp_path)
     for step in (1, 2, 3, 4):

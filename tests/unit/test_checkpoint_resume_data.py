@@ -3,16 +3,18 @@
 One process each (the 2-rank dropout checks are in tests/distributed/test_checkpoint_resume_dropout.py).
 """
 
+import json
 import logging
-from typing import Dict, List
+import os
+from typing import Dict, List, Tuple
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from atorch.auto import auto_accelerate, train_step
-from atorch.checkpoint import DataPosition, load_checkpoint, resume_dataloader, save_checkpoint
-from atorch.checkpoint.state import convert_position, position_in_epoch
+from atorch.checkpoint import DataPosition, load_checkpoint, resume_dataloader, save_checkpoint, save_load
+from atorch.checkpoint.state import convert_position, dataset_change_message, position_in_epoch
 from atorch.tensor_parallel.randomizer import MultiDimParallelRandomizer, fork_module_rng
 from atorch.testing.models import tiny_llama
 from atorch.testing.parity import TokenDataset
@@ -177,6 +179,52 @@ def test_resume_on_a_smaller_dataset_starts_the_next_epoch(tmp_path, caplog):
     train_step(resumed_run, next(iter(resumed_run.dataloader)))
     save_checkpoint(resumed_run, str(tmp_path / "step_4"), step=4)
     assert load_checkpoint(_build(2, batch=8, n=16), str(tmp_path / "step_4")).data_position.epoch == 1
+
+
+def test_a_resume_on_a_dataset_of_another_length_warns_once_naming_both(tmp_path, caplog, monkeypatch):
+    """The checkpoint records its dataset's length (32). Resumed on 40 samples (fine-tuning on other data,
+    load_optimizer=False): the position is restored as saved, with one warning naming both lengths and the
+    position; on 16 samples one warning, not two, and the next epoch. The same length, or a checkpoint saved
+    without the length (an older atorch), warns nothing."""
+    path = str(tmp_path / "step_3")
+    _train_and_save(path, steps=3, batch=8)
+    with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
+        assert json.load(f)["dataset_length"] == N_SAMPLES
+
+    def load(n: int, at: str = path, **kwargs) -> Tuple[DataPosition, List[str]]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            state = load_checkpoint(_build(1, batch=8, n=n), at, **kwargs)
+        return state.data_position, [r.getMessage() for r in caplog.records if "dataset" in r.getMessage()]
+
+    position, warned = load(40, load_optimizer=False)
+    assert position == DataPosition(0, 3, 8, sampler_epoch=0)
+    assert len(warned) == 1, warned
+    assert warned[0].startswith("this run's dataset has 40 samples, the checkpoint's run had 32"), warned
+    assert "the resume starts 3 global batches (24 samples) into epoch 0, as saved" in warned[0]
+    position, warned = load(16)
+    assert position == DataPosition(1, 0, 8, sampler_epoch=1)
+    assert len(warned) == 1 and "this run's dataset has 16 samples, the checkpoint's run had 32" in warned[0], warned
+    assert "so the resume starts epoch 1 from its first sample" in warned[0]
+    assert load(N_SAMPLES) == (DataPosition(0, 3, 8, sampler_epoch=0), [])
+
+    real_meta = save_load._meta
+
+    def meta_of_an_older_atorch(*args, **kwargs):
+        meta = real_meta(*args, **kwargs)
+        del meta["dataset_length"]
+        return meta
+
+    monkeypatch.setattr(save_load, "_meta", meta_of_an_older_atorch)
+    _train_and_save(str(tmp_path / "old"), steps=3, batch=8)
+    assert load(40, str(tmp_path / "old")) == (DataPosition(0, 3, 8, sampler_epoch=0), [])
+
+
+def test_the_dataset_change_message_at_an_epoch_boundary_skips_nothing():
+    at_boundary = DataPosition(2, 0, 8, sampler_epoch=2)
+    message = dataset_change_message(32, 40, at_boundary, at_boundary, 5)
+    assert message.startswith("this run's dataset has 40 samples, the checkpoint's run had 32")
+    assert "the resume starts epoch 2 from its first sample, as saved" in message and "skips" not in message
 
 
 # -- the skip ends with the resumed epoch, whichever sampler set_epoch is called on ----------------------------
