@@ -46,7 +46,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import numpy as np
 import pandas as pd
@@ -58,6 +59,9 @@ from atorch.auto.search.results import (TRIAL_COLUMNS, Comparison, DryRunResult,
 from atorch.auto.search.seeding import Seeding
 from atorch.auto.search.space import SearchSpace, memory_saving_ranks
 from atorch.auto.search.trials import TrialLog, evaluate, p_faster
+
+if TYPE_CHECKING:
+    from atorch.auto.search.bo import CandidatePlanner
 
 __all__ = ["Comparison", "DryRunResult", "Evaluator", "LearningPredictorLike", "Predictor", "SearchResult",
            "TRIAL_COLUMNS", "search_strategy"]
@@ -84,6 +88,19 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
     (leader, challenger) that close the search when the evaluator reports per-step times.
     `planner_factory(labels, choices, prior, seed)` replaces the HEBO planner (tests, benchmarks).
     """
+    _check_arguments(max_trials, random_samples, patience, time_limit_s, memory_limit_bytes, remeasure_rounds)
+    search = _Search(space, evaluator, _Limits(max_trials, patience, time_limit_s, remeasure_rounds),
+                     predictor=predictor, memory_limit_bytes=memory_limit_bytes, batch_size=batch_size, clock=clock,
+                     random_samples=random_samples, seed=seed, planner_factory=planner_factory)
+    if not search.runnable(search.every_candidate()):
+        return search.result(None, "every candidate is predicted over the memory limit")
+    search.start_planner()
+    return search.result(search.run(progress), None)
+
+
+def _check_arguments(max_trials: int, random_samples: int, patience: int, time_limit_s: Optional[float],
+                     memory_limit_bytes: Optional[int], remeasure_rounds: int) -> None:
+    """Refuse settings no search can follow, before anything runs."""
     if max_trials < 1:
         raise ValueError(f"max_trials={max_trials} must be >= 1")
     if random_samples < 0 or patience < 1:
@@ -95,164 +112,277 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
         raise ValueError(f"memory_limit_bytes={memory_limit_bytes} must be > 0 (or None for no limit)")
     if remeasure_rounds < 0:
         raise ValueError(f"remeasure_rounds={remeasure_rounds} must be >= 0")
-    start = clock()
-    candidates = space.candidates()
-    if not candidates:
-        raise ValueError(f"the search space has no valid candidate ({space.size} combinations were all refused; "
-                         f"e.g. {next(iter(space.rejected.items()), None)})")
-    warned: Set[str] = set()         # predictor problems already logged (once per search)
-    predictions = predict_all(predictor, candidates, warned)
-    trials = TrialLog(candidates, predictions, batch_size)
-    feasibility = Feasibility([c.choices for c in candidates], memory_saving_ranks(space), memory_limit_bytes,
-                              predicted_peaks(predictions))
-    failures = FailureModel([c.choices for c in candidates])
-    labels_of = [c.label() for c in candidates]
 
-    def allowed(indices: Any) -> Dict[int, float]:
-        """Untried (or given) candidates that may run, with their probability of measuring a
+
+@dataclass(frozen=True)
+class _Limits:
+    """What ends a search: `search_strategy`'s arguments of the same names."""
+
+    max_trials: int
+    patience: int
+    time_limit_s: Optional[float]
+    remeasure_rounds: int
+
+
+@dataclass(frozen=True)
+class _Pick:
+    """The next candidate to run, and where it came from."""
+
+    index: int
+    source: str         # "predicted-top" or "random" (a seed), "hebo-<how>" (the planner)
+    planner_s: float    # the planner's seconds for the suggestion; NaN for a seed
+    is_seed: bool
+
+
+class _Search:
+    """One search: the candidates, the trials so far, what they taught (memory: `feasibility`,
+    options that raise: `failures`, a learning predictor: `predictions`), the seeding and the
+    planner that pick the next trial, and the clock and limits that end it.
+
+    `run` is the search phase, then the re-measurement phase, then both once more when the
+    re-measurement gave dry runs back (`gives_spare_runs_back`)."""
+
+    def __init__(self, space: SearchSpace, evaluator: Evaluator, limits: _Limits, *, predictor: Optional[Predictor],
+                 memory_limit_bytes: Optional[int], batch_size: Optional[int], clock: Callable[[], float],
+                 random_samples: int, seed: int, planner_factory: Optional[Callable]) -> None:
+        self.start = clock()
+        self.candidates = space.candidates()
+        if not self.candidates:
+            raise ValueError(f"the search space has no valid candidate ({space.size} combinations were all refused; "
+                             f"e.g. {next(iter(space.rejected.items()), None)})")
+        self.evaluator, self.limits, self.clock = evaluator, limits, clock
+        self.memory_limit_bytes, self.batch_size = memory_limit_bytes, batch_size
+        self.predictor = predictor
+        self.learner = predictor if isinstance(predictor, LearningPredictorLike) else None
+        self.warned: Set[str] = set()         # predictor problems already logged (once per search)
+        self.predictions = predict_all(predictor, self.candidates, self.warned)
+        self.prior = predicted_prior(self.predictions)
+        self.trials = TrialLog(self.candidates, self.predictions, batch_size)
+        self.feasibility = Feasibility([c.choices for c in self.candidates], memory_saving_ranks(space),
+                                       memory_limit_bytes, predicted_peaks(self.predictions))
+        self.failures = FailureModel([c.choices for c in self.candidates])
+        self.seeding = Seeding(self.candidates, random_samples, np.random.default_rng(seed))
+        self.make_planner = planner_factory or _hebo_planner
+        self.option_labels = list(space.labels().values())
+        self.choices = [c.choices for c in self.candidates]
+        self.seed = seed
+        self.planner: Any = None              # built by `start_planner`, or by the first suggestion
+        self.since_improvement = 0            # trials counted against patience (`_count_for_patience`)
+        self.bar: Any = _NoBar()
+
+    # -- candidates and limits ------------------------------------------------------------------
+
+    def every_candidate(self) -> range:
+        return range(len(self.candidates))
+
+    def untried(self) -> Iterator[int]:
+        return (i for i in self.every_candidate() if i not in self.trials.tried)
+
+    def runnable(self, indices: Iterable[int]) -> Dict[int, float]:
+        """The candidates of `indices` that may run, with their probability of measuring a
         throughput: of fitting in memory, times of not raising (an option that raised before)."""
-        probs = feasibility.probabilities(list(indices))
-        return {i: f.p * failures.p_runs(i) for i, f in probs.items() if f.p >= PRUNE_BELOW}
+        probs = self.feasibility.probabilities(list(indices))
+        return {i: f.p * self.failures.p_runs(i) for i, f in probs.items() if f.p >= PRUNE_BELOW}
 
-    def pruned_table() -> pd.DataFrame:
-        rows = []
-        for i in range(len(candidates)):
-            if i in trials.tried or feasibility.probability(i).p >= PRUNE_BELOW:
-                continue
-            p = feasibility.raw_predicted[i]
-            rows.append({"strategy": labels_of[i], "predicted_memory": int(p) if p is not None else None,
-                         "reason": feasibility.describe(i, labels_of)})
-        return pd.DataFrame(rows, columns=["strategy", "predicted_memory", "reason"])
+    def out_of_time(self, planner_cost: float = 0.0) -> bool:
+        """Whether another trial (as long as the typical one so far, plus `planner_cost`) would
+        overrun time_limit_s."""
+        limit = self.limits.time_limit_s
+        return limit is not None and self.clock() - self.start + self.trials.typical_seconds() + planner_cost > limit
 
-    if not allowed(range(len(candidates))):
-        return trials.result(None, "every candidate is predicted over the memory limit", pruned_table(),
-                             len(candidates), memory_limit_bytes)
+    # -- the search ------------------------------------------------------------------------------
 
-    rng = np.random.default_rng(seed)
-    seeding = Seeding(candidates, random_samples, rng)
-    make_planner = planner_factory or _hebo_planner
-    prior = predicted_prior(predictions)
-    labels = list(space.labels().values())
-    choices = [c.choices for c in candidates]
-    learner = predictor if isinstance(predictor, LearningPredictorLike) else None
-    # Built before the first trial when it will be needed, so its one-time cost (importing hebo,
-    # a first GP fit: seconds) counts against time_limit_s like everything else.
-    planner = make_planner(labels, choices, prior, seed) if len(allowed(range(len(candidates)))) > \
-        seeding.planned(predictions) else None
-    stop_reason = "exhausted"
-    since_improvement = 0
-    bar = _progress_bar(min(max_trials, len(candidates) + 2 * remeasure_rounds), progress)
+    def start_planner(self) -> None:
+        """Build the planner now when the seeds will not cover every candidate that may run, so
+        its one-time cost (importing hebo, a first GP fit: seconds) counts against time_limit_s
+        like everything else."""
+        if len(self.runnable(self.every_candidate())) > self.seeding.planned(self.predictions):
+            self.planner = self._new_planner()
 
-    def out_of_time(planner_cost: float = 0.0) -> bool:
-        return time_limit_s is not None and clock() - start + trials.typical_seconds() + planner_cost > time_limit_s
+    def run(self, progress: bool) -> str:
+        """Search, re-measure, and once more both when the re-measurement left dry runs unused;
+        why the (last) search phase stopped."""
+        limits = self.limits
+        self.bar = _progress_bar(min(limits.max_trials, len(self.candidates) + 2 * limits.remeasure_rounds), progress)
+        try:
+            stop_reason, held = self.search_phase(released=False)
+            separated = self.remeasure_phase()
+            if self.gives_spare_runs_back(held, separated):
+                stop_reason, _ = self.search_phase(released=True)
+                self.remeasure_phase()
+            return stop_reason
+        finally:
+            self.bar.close()
 
-    def run(index: int, planner_s: float, source: str) -> bool:
-        nonlocal predictions, prior
-        result, seconds = evaluate(evaluator, candidates[index].strategy, clock, memory_limit_bytes, warned)
-        improved = trials.add(index, result, seconds, planner_s, source)
-        feasibility.observe(index, result.status, usable_peak(result.peak_memory_bytes))
-        failures.observe(index, result.status)
-        bar.update(1)
-        bar.set_postfix_str(f"best {trials.best_mean_throughput():.4g}/s")
-        if learner is not None and result.ok:
-            step = result.step_time_s or (batch_size / result.throughput if batch_size else None)
-            if step and observe(learner, candidates[index].strategy, float(step)):
-                predictions = predict_all(predictor, candidates, warned)
-                trials.predictions = predictions
-                feasibility.set_predictions(predicted_peaks(predictions))
-                prior = predicted_prior(predictions)
-                if planner is not None and prior is not None and hasattr(planner, "update_prior"):
-                    planner.update_prior(prior)
+    def search_phase(self, released: bool) -> Tuple[str, int]:
+        """Run seeds, then the planner's suggestions, until nothing is left, the budget (less what
+        is kept for re-measuring), patience or time runs out: (why it stopped, the dry runs it
+        kept for re-measuring when the budget stopped it). `released`: the re-measurement already
+        gave its spare runs back, so nothing is kept any more."""
+        limits = self.limits
+        while True:
+            remaining = self.runnable(self.untried())
+            reserve = self._reserve(released)
+            if not remaining:
+                return "every candidate that fits evaluated", 0
+            if self.trials.count >= limits.max_trials - reserve:
+                kept = f" ({reserve} kept for re-measuring the top candidates)" if reserve else ""
+                return f"max_trials={limits.max_trials} reached" + kept, reserve
+            if self.since_improvement >= limits.patience:
+                return (f"no improvement in {limits.patience} trials (patience)" if self.trials.runs else
+                        f"{limits.patience} dry runs failed (not out of memory) before any ran (patience)"), 0
+            pick = self.next_pick(remaining)
+            if pick is None:
+                return f"time_limit_s={limits.time_limit_s:g} would be exceeded by another trial", 0
+            improved = self.run_trial(pick.index, pick.planner_s, pick.source)
+            self._count_for_patience(improved, pick.is_seed)
+
+    def _reserve(self, released: bool) -> int:
+        """The dry runs the search phase keeps for re-measuring: once the evaluator has shown it
+        reports noise. Not while the leader is ahead of everyone by more than load drift could
+        explain: a re-measurement would only confirm it, a search trial may find a faster neighbour."""
+        if self.trials.noise_reported and not self.trials.clearly_ahead() and not released:
+            return _remeasure_reserve(self.limits.max_trials, self.limits.remeasure_rounds)
+        return 0
+
+    def next_pick(self, remaining: Dict[int, float]) -> Optional[_Pick]:
+        """The next candidate among `remaining`: a seed while seeding lasts, then the planner's
+        suggestion; None when it (and, for a suggestion, the planner's work) would overrun time_limit_s."""
+        seeded = self.seeding.next(remaining, self.predictions, self.trials.tried, list(self.trials.runs))
+        if self.out_of_time(self.planner.expected_seconds if self.planner and seeded is None else 0.0):
+            return None
+        if seeded is not None:
+            return _Pick(seeded[0], seeded[1], float("nan"), True)
+        suggestion = self._suggest(remaining)
+        if self.out_of_time():     # the suggestion took longer than the planner expected
+            return None
+        return _Pick(suggestion.index, f"hebo-{suggestion.how}", suggestion.seconds, False)
+
+    def _suggest(self, remaining: Dict[int, float]) -> Any:
+        """The planner's suggestion among `remaining`, each weighted by its chance to run."""
+        if self.planner is None:   # candidates came back under a corrected memory prediction
+            self.planner = self._new_planner()
+            if self.prior is not None and hasattr(self.planner, "update_prior"):
+                self.planner.update_prior(self.prior)
+        log_fit = {i: math.log(max(p, 1e-12)) for i, p in remaining.items()}
+        return self.planner.suggest(self.trials.observations(), sorted(remaining), log_fit=log_fit)
+
+    def _new_planner(self) -> Any:
+        return self.make_planner(self.option_labels, self.choices, self.prior, self.seed)
+
+    def run_trial(self, index: int, planner_s: float, source: str) -> bool:
+        """One dry run of candidate `index`, recorded and taught to the memory and failure models
+        (and to a learning predictor); True when it raised the best pooled mean."""
+        result, seconds = evaluate(self.evaluator, self.candidates[index].strategy, self.clock,
+                                   self.memory_limit_bytes, self.warned)
+        improved = self.trials.add(index, result, seconds, planner_s, source)
+        self.feasibility.observe(index, result.status, usable_peak(result.peak_memory_bytes))
+        self.failures.observe(index, result.status)
+        self.bar.update(1)
+        self.bar.set_postfix_str(f"best {self.trials.best_mean_throughput():.4g}/s")
+        if self.learner is not None and result.ok:
+            self._teach(self.learner, index, result)
         return improved
 
-    try:
-        held = 0            # dry runs the search phase kept for re-measuring when it stopped
-        released = False    # the re-measurement ended early and gave its spare dry runs back
-        while True:
-            while True:   # the search phase
-                remaining = allowed(i for i in range(len(candidates)) if i not in trials.tried)
-                # Once the evaluator has shown it reports noise, keep budget for the re-measurements.
-                # Not while the leader is ahead of everyone by more than load drift could explain:
-                # a re-measurement would only confirm it, a search trial may find a faster neighbour.
-                reserve = _remeasure_reserve(max_trials, remeasure_rounds) \
-                    if trials.noise_reported and not trials.clearly_ahead() and not released else 0
-                if not remaining:
-                    stop_reason = "every candidate that fits evaluated"
-                    break
-                if trials.count >= max_trials - reserve:
-                    stop_reason = f"max_trials={max_trials} reached" + (
-                        f" ({reserve} kept for re-measuring the top candidates)" if reserve else "")
-                    held = reserve
-                    break
-                if since_improvement >= patience:
-                    stop_reason = f"no improvement in {patience} trials (patience)" if trials.runs else \
-                        f"{patience} dry runs failed (not out of memory) before any ran (patience)"
-                    break
-                pick = seeding.next(remaining, predictions, trials.tried, list(trials.runs))
-                if out_of_time(planner.expected_seconds if planner and pick is None else 0.0):
-                    stop_reason = f"time_limit_s={time_limit_s:g} would be exceeded by another trial"
-                    break
-                planner_s = float("nan")
-                if pick is not None:
-                    index, source = pick
-                else:
-                    if planner is None:   # candidates came back under a corrected memory prediction
-                        planner = make_planner(labels, choices, prior, seed)
-                        if prior is not None and hasattr(planner, "update_prior"):
-                            planner.update_prior(prior)
-                    log_fit = {i: math.log(max(p, 1e-12)) for i, p in remaining.items()}
-                    suggestion = planner.suggest(trials.observations(), sorted(remaining), log_fit=log_fit)
-                    index, planner_s, source = suggestion.index, suggestion.seconds, f"hebo-{suggestion.how}"
-                    if out_of_time():
-                        stop_reason = f"time_limit_s={time_limit_s:g} would be exceeded by another trial"
-                        break
-                improved = run(index, planner_s, source)
-                # Out of memory before anything ran is how the search finds the memory boundary
-                # (each one rules out every candidate needing as much): it is not a trial without
-                # improvement, or a model that needs a leaner strategy than predicted would stop
-                # the search before it reached one. Exceptions do count: a model or loss that
-                # raises under every strategy should not cost max_trials dry runs.
-                # Nor is a seed that ran: the seeds are chosen to cover the space before the surrogate
-                # picks, not to improve (with 7 seeds and patience 6, `make demo` stopped before its
-                # first surrogate-picked trial).
-                status = trials.rows[-1]["status"]
-                learning_memory = status == "oom" and not trials.runs
-                seed_ran = pick is not None and status == "ok"
-                since_improvement = 0 if improved else since_improvement + (0 if learning_memory or seed_ran else 1)
-            # The re-measurement phase: the leader against its likeliest challenger, interleaved,
-            # until the interval separates the leader from every other candidate or the budget is spent.
-            rounds, separated = 0, False
-            while trials.noise_reported and rounds < remeasure_rounds:
-                untried = allowed(i for i in range(len(candidates)) if i not in trials.tried)
-                posterior = _posterior(planner, trials, untried)
-                pair = trials.challenge(first=rounds == 0 and not trials.clearly_ahead(), posterior=posterior)
-                separated = pair is None
-                if pair is None or trials.count + 2 > max_trials or out_of_time(trials.typical_seconds()):
-                    break
-                newcomer = _likelier_newcomer(posterior, pair, untried) if posterior else None
-                if newcomer is not None:
-                    run(pair[0], float("nan"), "remeasure")
-                    run(newcomer, float("nan"), "challenger")
-                else:
-                    for index in pair:
-                        run(index, float("nan"), "remeasure")
-                rounds += 1
-            # The leader stood apart from every other candidate before the budget kept for it was
-            # spent: the rest goes back to the search, once (at 256 candidates / 20 dry runs, up to
-            # 2 of the 4 kept were left unused). So does a last dry run that no round (two runs)
-            # fits: the reserve is kept only once the leader stops being clearly ahead, which can
-            # happen with one dry run left. A new leader found there is compared with the old on
-            # their measurements like any other pair.
-            odd_one_left = trials.noise_reported and max_trials - trials.count == 1
-            if released or not ((separated and held or odd_one_left) and trials.count < max_trials):
-                break
-            released = True
-    finally:
-        bar.close()
-    return trials.result(stop_reason, None, pruned_table(), len(candidates), memory_limit_bytes)
+    def _teach(self, learner: LearningPredictorLike, index: int, result: DryRunResult) -> None:
+        """Tell a learning predictor the step time of a successful run (derived from the throughput
+        and `batch_size` when the evaluator reports none) and predict every candidate again: the
+        trial table, the memory model and the planner's feature follow the refit."""
+        step = result.step_time_s or (self.batch_size / result.throughput if self.batch_size else None)
+        if not (step and observe(learner, self.candidates[index].strategy, float(step))):
+            return
+        self.predictions = predict_all(self.predictor, self.candidates, self.warned)
+        self.trials.predictions = self.predictions
+        self.feasibility.set_predictions(predicted_peaks(self.predictions))
+        self.prior = predicted_prior(self.predictions)
+        if self.planner is not None and self.prior is not None and hasattr(self.planner, "update_prior"):
+            self.planner.update_prior(self.prior)
+
+    def _count_for_patience(self, improved: bool, is_seed: bool) -> None:
+        """Count the last trial against patience unless it improved (then start again from 0).
+
+        Out of memory before anything ran is how the search finds the memory boundary (each one
+        rules out every candidate needing as much): it is not a trial without improvement, or a
+        model that needs a leaner strategy than predicted would stop the search before it reached
+        one. Exceptions do count: a model or loss that raises under every strategy should not cost
+        max_trials dry runs. Nor is a seed that ran: the seeds are chosen to cover the space
+        before the surrogate picks, not to improve (with 7 seeds and patience 6, `make demo`
+        stopped before its first surrogate-picked trial)."""
+        status = self.trials.rows[-1]["status"]
+        learning_memory = status == "oom" and not self.trials.runs
+        seed_ran = is_seed and status == "ok"
+        if improved:
+            self.since_improvement = 0
+        elif not (learning_memory or seed_ran):
+            self.since_improvement += 1
+
+    # -- the re-measurement ----------------------------------------------------------------------
+
+    def remeasure_phase(self) -> bool:
+        """Re-measure the leader against its likeliest challenger, interleaved, round after round;
+        True when the interval separated the leader from every other candidate before the rounds,
+        the budget or the time were spent. Nothing to do when the evaluator reports no noise."""
+        if not self.trials.noise_reported:
+            return False
+        for round_number in range(self.limits.remeasure_rounds):
+            untried = self.runnable(self.untried())
+            posterior = _posterior(self.planner, self.trials, untried)
+            pair = self.trials.challenge(first=round_number == 0 and not self.trials.clearly_ahead(),
+                                         posterior=posterior)
+            if pair is None:
+                return True
+            if self.trials.count + 2 > self.limits.max_trials or self.out_of_time(self.trials.typical_seconds()):
+                return False
+            self._remeasure_round(pair, posterior, untried)
+        return False
+
+    def _remeasure_round(self, pair: Tuple[int, int], posterior: Optional[Dict[int, Tuple[float, float]]],
+                         untried: Dict[int, float]) -> None:
+        """The leader again, and its challenger, or an untried candidate that the surrogate's
+        posterior gives better odds of beating the leader (its row's source: "challenger")."""
+        leader = pair[0]
+        newcomer = _likelier_newcomer(posterior, pair, untried) if posterior else None
+        if newcomer is not None:
+            self.run_trial(leader, float("nan"), "remeasure")
+            self.run_trial(newcomer, float("nan"), "challenger")
+        else:
+            for index in pair:
+                self.run_trial(index, float("nan"), "remeasure")
+
+    def gives_spare_runs_back(self, held: int, separated: bool) -> bool:
+        """Whether the search phase gets dry runs back (then, once, it runs again, and the
+        re-measurement after it).
+
+        The leader stood apart from every other candidate before the budget kept for it was
+        spent: the rest goes back to the search, once (at 256 candidates / 20 dry runs, up to 2 of
+        the 4 kept were left unused). So does a last dry run that no round (two runs) fits: the
+        reserve is kept only once the leader stops being clearly ahead, which can happen with one
+        dry run left. A new leader found there is compared with the old on their measurements like
+        any other pair."""
+        count, max_trials = self.trials.count, self.limits.max_trials
+        odd_one_left = self.trials.noise_reported and max_trials - count == 1
+        return ((separated and held > 0) or odd_one_left) and count < max_trials
+
+    # -- the answer ------------------------------------------------------------------------------
+
+    def result(self, stop_reason: Optional[str], failure: Optional[str]) -> SearchResult:
+        return self.trials.result(stop_reason, failure, self._pruned_table(), len(self.candidates),
+                                  self.memory_limit_bytes)
+
+    def _pruned_table(self) -> pd.DataFrame:
+        """The candidates never run because they are predicted not to fit, and why."""
+        labels = [c.label() for c in self.candidates]
+        rows = []
+        for i in self.every_candidate():
+            if i in self.trials.tried or self.feasibility.probability(i).p >= PRUNE_BELOW:
+                continue
+            p = self.feasibility.raw_predicted[i]
+            rows.append({"strategy": labels[i], "predicted_memory": int(p) if p is not None else None,
+                         "reason": self.feasibility.describe(i, labels)})
+        return pd.DataFrame(rows, columns=["strategy", "predicted_memory", "reason"])
 
 
-def _posterior(planner: Any, trials: "TrialLog", untried: Iterable[int] = ()
+def _posterior(planner: Any, trials: TrialLog, untried: Iterable[int] = ()
                ) -> Optional[Dict[int, Tuple[float, float]]]:
     """The surrogate's (mean, variance) of log-throughput of every candidate that can win and of
     `untried`, or None without a surrogate (a planner without `posterior`, or none built)."""
@@ -263,8 +393,6 @@ def _posterior(planner: Any, trials: "TrialLog", untried: Iterable[int] = ()
     except Exception as e:  # noqa: BLE001 - the measurements alone still choose the challenger
         logger.warning("the surrogate's posterior failed (%s); re-measuring by the measurements alone", e)
         return None
-
-
 def _likelier_newcomer(posterior: Dict[int, Tuple[float, float]], pair: Tuple[int, int],
                        untried: Dict[int, float]) -> Optional[int]:
     """An untried candidate likelier to beat the leader than the measured challenger is, or None.
@@ -297,13 +425,17 @@ def _remeasure_reserve(max_trials: int, rounds: int) -> int:
     return min(2 * rounds, 2 * (max_trials // 10))
 
 
-def _hebo_planner(labels: List[List[str]], choices: List[Tuple[int, ...]], prior: Optional[List[float]], seed: int):
+def _hebo_planner(labels: List[List[str]], choices: List[Tuple[int, ...]], prior: Optional[List[float]],
+                  seed: int) -> CandidatePlanner:
+    """The default planner (`bo.py`), imported only when a search needs one: it imports hebo."""
     from atorch.auto.search.bo import CandidatePlanner
 
     return CandidatePlanner(labels, choices, prior=prior, seed=seed)
 
 
 class _NoBar:
+    """The progress bar's interface, doing nothing (`progress=False`)."""
+
     def update(self, n: int) -> None:
         pass
 
@@ -315,6 +447,7 @@ class _NoBar:
 
 
 def _progress_bar(total: int, enabled: bool) -> Any:
+    """A tqdm bar of `total` trials when `enabled` (tqdm imported only then), else `_NoBar`."""
     if not enabled:
         return _NoBar()
     from tqdm.auto import tqdm
