@@ -356,6 +356,19 @@ def test_stops_on_patience_and_max_trials(dummy_opts):
     seeded = search_strategy(space, Recorder(table), max_trials=30, patience=2, random_samples=4,
                              planner_factory=FirstRemaining)
     assert (seeded.trials["source"] == "random").sum() == 4 and seeded.trials["source"].iloc[-1] != "random"
+    # Nor do seeds that ran out of memory, once something ran (a 7B model's default space at 64
+    # ranks: 8 seeds out of memory stopped a 30-run search after 15 dry runs, all of them seeds).
+    calls = []
+
+    def two_to_four_run_out(strategy: Strategy) -> DryRunResult:
+        calls.append(strategy)
+        return DryRunResult(0.0, None, "oom") if 2 <= len(calls) <= 4 else DryRunResult(1.0)
+
+    covering = search_strategy(space, two_to_four_run_out, max_trials=30, patience=2, random_samples=4,
+                               planner_factory=FirstRemaining)
+    assert covering.trials["status"].tolist()[:4] == ["ok", "oom", "oom", "oom"]
+    assert covering.trials["source"].tolist()[:4] == ["random"] * 4
+    assert covering.trials["source"].iloc[4] == "hebo-first"
     capped = search_strategy(space, Recorder(landscape(space, 3)), max_trials=2, patience=30,
                              planner_factory=FirstRemaining)
     assert len(capped.trials) == 2 and "max_trials=2" in capped.stop_reason
@@ -374,7 +387,8 @@ def test_stops_on_patience_and_max_trials(dummy_opts):
 def test_trial_table_and_result_fields(dummy_opts):
     space = space32()
     table = landscape(space, 4)
-    # 2 predicted-top + 4 covering the space (the widest dimension has 4 options), then HEBO.
+    # 2 predicted-top + 3 covering the space (the widest dimension has 4 options, but the seeds take
+    # at most a third of the 7 dry runs, or random_samples=3 if more), then HEBO.
     result = search_strategy(space, Recorder(table, memory={s: 123 for s in table}), max_trials=7,
                              predictor=lambda s: Estimate(456, 1.0 / table[s]), batch_size=8)
     assert isinstance(result, SearchResult)
@@ -384,11 +398,11 @@ def test_trial_table_and_result_fields(dummy_opts):
                                            "planner_seconds", "source"]
     assert result.trials["throughput_lo"].isna().all()     # a table evaluator reports no interval
     assert result.trials["trial"].tolist() == list(range(1, 8))
-    assert result.trials["source"].tolist()[:6] == ["predicted-top"] * 2 + ["random"] * 4
+    assert result.trials["source"].tolist()[:5] == ["predicted-top"] * 2 + ["random"] * 3
     assert (result.trials["measured_memory"] == 123).all() and (result.trials["predicted_memory"] == 456).all()
     assert result.trials["predicted_throughput"].iloc[0] == pytest.approx(8 * table[result.evaluated[0]])
     suggested = result.trials[result.trials["source"].str.startswith("hebo")]
-    assert len(suggested) == 1 and (suggested["planner_seconds"] > 0).all()
+    assert len(suggested) == 2 and (suggested["planner_seconds"] > 0).all()
     assert result.evaluated[0].describe() == result.trials["strategy"].iloc[0]
 
 

@@ -104,3 +104,15 @@ def test_tensor_splits_stay_inside_a_node_when_the_world_spans_several():
 def test_ranks_per_node_from_the_launcher(monkeypatch, local: str, world: int, expected: Optional[int]):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
     assert ranks_per_node(world) == expected
+
+
+def test_the_remeasurement_weighs_at_most_as_many_untried_candidates_as_a_suggestion():
+    from atorch.auto.search.bo import MAX_SCORED
+    from atorch.auto.search.search import _scored
+
+    few = {i: 0.5 for i in range(0, 2 * MAX_SCORED, 4)}
+    assert _scored(few, 0) == sorted(few)
+    many = {i: 0.5 for i in range(3 * MAX_SCORED)}
+    picked = _scored(many, 7)
+    assert len(picked) == len(set(picked)) == MAX_SCORED and picked == sorted(picked) and set(picked) <= set(many)
+    assert _scored(many, 7) == picked and _scored(many, 8) != picked    # seeded

@@ -161,7 +161,8 @@ class _Search:
         self.feasibility = Feasibility([c.choices for c in self.candidates], memory_saving_ranks(space),
                                        memory_limit_bytes, predicted_peaks(self.predictions))
         self.failures = FailureModel([c.choices for c in self.candidates])
-        self.seeding = Seeding(self.candidates, random_samples, np.random.default_rng(seed))
+        self.seeding = Seeding(self.candidates, random_samples, np.random.default_rng(seed),
+                               max_trials=limits.max_trials)
         self.make_planner = planner_factory or _hebo_planner
         self.option_labels = list(space.labels().values())
         self.choices = [c.choices for c in self.candidates]
@@ -305,15 +306,16 @@ class _Search:
         rules out every candidate needing as much): it is not a trial without improvement, or a
         model that needs a leaner strategy than predicted would stop the search before it reached
         one. Exceptions do count: a model or loss that raises under every strategy should not cost
-        max_trials dry runs. Nor is a seed that ran: the seeds are chosen to cover the space
-        before the surrogate picks, not to improve (with 7 seeds and patience 6, `make demo`
-        stopped before its first surrogate-picked trial)."""
+        max_trials dry runs. Nor is a seed that ran or ran out of memory: the seeds are chosen to
+        cover the space before the surrogate picks, not to improve (with 7 seeds and patience 6,
+        `make demo` stopped before its first surrogate-picked trial; on a 7B model's default space
+        at 64 ranks, 8 seeds out of memory stopped a 30-run search after 15, all seeds)."""
         status = self.trials.rows[-1]["status"]
         learning_memory = status == "oom" and not self.trials.runs
-        seed_ran = is_seed and status == "ok"
+        covering = is_seed and status in ("ok", "oom")
         if improved:
             self.since_improvement = 0
-        elif not (learning_memory or seed_ran):
+        elif not (learning_memory or covering):
             self.since_improvement += 1
 
     # -- the re-measurement ----------------------------------------------------------------------
@@ -326,7 +328,7 @@ class _Search:
             return False
         for round_number in range(self.limits.remeasure_rounds):
             untried = self.runnable(self.untried())
-            posterior = _posterior(self.planner, self.trials, untried)
+            posterior = _posterior(self.planner, self.trials, _scored(untried, self.seed + self.trials.count))
             pair = self.trials.challenge(first=round_number == 0 and not self.trials.clearly_ahead(),
                                          posterior=posterior)
             if pair is None:
@@ -393,6 +395,17 @@ def _posterior(planner: Any, trials: TrialLog, untried: Iterable[int] = ()
     except Exception as e:  # noqa: BLE001 - the measurements alone still choose the challenger
         logger.warning("the surrogate's posterior failed (%s); re-measuring by the measurements alone", e)
         return None
+def _scored(untried: Dict[int, float], seed: int) -> List[int]:
+    """The untried candidates whose posterior the re-measurement weighs against the measured
+    challenger: all of them up to the planner's `MAX_SCORED`, else a seeded random subset of that
+    size, as for a suggestion (the posterior of a 4,216-candidate default space took 1 s a round)."""
+    from atorch.auto.search.bo import MAX_SCORED
+
+    if len(untried) <= MAX_SCORED:
+        return sorted(untried)
+    return sorted(int(i) for i in np.random.default_rng(seed).choice(sorted(untried), MAX_SCORED, replace=False))
+
+
 def _likelier_newcomer(posterior: Dict[int, Tuple[float, float]], pair: Tuple[int, int],
                        untried: Dict[int, float]) -> Optional[int]:
     """An untried candidate likelier to beat the leader than the measured challenger is, or None.
