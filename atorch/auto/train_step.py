@@ -36,7 +36,7 @@ import itertools
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,7 @@ from atorch.auto.result import AutoAccelerateResult
 from atorch.distributed.agreement import agree_on_values
 from atorch.modules.pipeline.batches import cut_rows, find_batch_rows
 
-__all__ = ["StepStats", "clip_grad_norm_", "split_batch", "train_step", "train_step_stats"]
+__all__ = ["StepStats", "check_batch", "clip_grad_norm_", "split_batch", "train_step", "train_step_stats"]
 
 
 @dataclass(frozen=True)
@@ -137,6 +137,72 @@ def _check_max_norm(what: str, value: Any) -> None:
         raise ValueError(f"{what}={value!r} must be a number > 0, or None for no clipping")
 
 
+# -- the batch ----------------------------------------------------------------------------------
+
+_INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+# Causal language models by the names of their classes (Hugging Face's `*ForCausalLM`, `GPT2LMHeadModel`):
+# their loss shifts `labels` against their own logits, so labels must be token ids shaped like input_ids.
+# Other models' labels may be anything (a class per row, float regression targets, a decoder's tokens).
+_CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {str(value.dtype).replace('torch.', '')} tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def is_causal_lm(model: Any) -> bool:
+    """Whether `model`, under atorch's wrappers (DDP, DeepSpeed engines keep it as `.module`), is a causal LM."""
+    inner = model
+    for _ in range(4):
+        if any(cls.__name__.endswith(_CAUSAL_LM_SUFFIXES) for cls in type(inner).__mro__):
+            return True
+        wrapped = getattr(inner, "module", None)
+        if not isinstance(wrapped, nn.Module):
+            return False
+        inner = wrapped
+    return False
+
+
+def _check_token_tensor(key: str, value: Any) -> None:
+    if not isinstance(value, torch.Tensor) or value.dtype not in _INTEGER_DTYPES or value.dim() < 2:
+        raise ValueError(f"train_step: batch[{key!r}] is {_describe(value)}; {key} must be an integer tensor (token "
+                         f"ids, e.g. torch.long) of shape [rows, tokens]: return tensors from the dataset or "
+                         f"collate_fn (the result's dataloader stacks a dataset's tensors), with .long() for ids "
+                         f"stored as floats, and a row dimension for a single sample (ids[None])")
+
+
+def check_batch(batch: Any, causal_lm: bool) -> None:
+    """ValueError naming the key, its shape or type and what is expected, for a batch the model cannot train on.
+
+    Local and cheap (no collective, microseconds), before each forward: without it these failed deep
+    inside torch or transformers ("Expected tensor for argument #1 'indices' to have one of the following
+    scalar types", "cannot reshape tensor of 0 elements", "Expected input batch_size (32) to match target
+    batch_size (16)"). Checked: at least one row in any batch of tensors; in a dict, `input_ids` an integer
+    tensor of >= 2 dims; for a causal LM (`causal_lm`) also `labels`, shaped like input_ids. Every other key
+    and batch form (inputs_embeds, attention_mask, position_ids, a custom loss's keys, tuples) is the model's.
+    """
+    rows = find_batch_rows(batch)
+    if rows == 0:
+        raise ValueError("train_step: the batch has 0 rows (its first tensor's first dimension is 0); every "
+                         "rank needs at least one row per step: check the dataset's length and the dataloader's "
+                         "batch size, or skip empty batches before train_step on every rank alike")
+    if not isinstance(batch, Mapping):
+        return
+    ids = batch.get("input_ids")
+    if ids is not None:
+        _check_token_tensor("input_ids", ids)
+    labels = batch.get("labels")
+    if not causal_lm or labels is None:
+        return
+    _check_token_tensor("labels", labels)
+    if ids is not None and tuple(labels.shape) != tuple(ids.shape):
+        raise ValueError(f"train_step: batch['labels'] has shape {tuple(labels.shape)} but batch['input_ids'] has "
+                         f"shape {tuple(ids.shape)}; a causal LM predicts each next token of its input, so labels "
+                         "must have input_ids' shape (the same ids, with -100 where no token is predicted)")
+
+
 # -- micro-batches ----------------------------------------------------------------------------
 
 def _accumulation_steps(result: AutoAccelerateResult, requested: Optional[int]) -> int:
@@ -215,8 +281,10 @@ def _plain_step(result: AutoAccelerateResult, batch: Any, steps: int, max_grad_n
     fmt = result.model_input_format
     losses: List[torch.Tensor] = []
     micros, weights = micro_batches(result, batch, steps)
+    causal_lm = is_causal_lm(model)
     for i, micro in enumerate(micros):
         micro = result.prepare_input(micro)
+        check_batch(micro, causal_lm)
         with _no_sync(model, final=i == len(micros) - 1):
             loss = result.loss_func(micro, call_model(model, micro, fmt))
             _scaled(loss, steps, weights, i).backward()
@@ -278,11 +346,13 @@ def _deepspeed_step(result: AutoAccelerateResult, engine: Any, batch: Any, steps
     losses: List[torch.Tensor] = []
     try:
         micros, weights = micro_batches(result, batch, steps)
+        causal_lm = is_causal_lm(engine)
         for i, micro in enumerate(micros):
             # The boundary is set explicitly, so a step is one optimizer update whatever the engine's
             # configured gradient_accumulation_steps and its micro-step counter say.
             engine.set_gradient_accumulation_boundary(i == len(micros) - 1)
             micro = result.prepare_input(micro)
+            check_batch(micro, causal_lm)
             loss = result.loss_func(micro, call_model(engine, micro, fmt))
             engine.backward(_scaled(loss, steps, weights, i), scale_wrt_gas=False)
             engine.step()          # a no-op update off the boundary (DeepSpeed's own accumulation)
@@ -306,6 +376,10 @@ def _custom_step(result: AutoAccelerateResult, custom_step: Callable, batch: Any
     # clipping of the engine's ds_config (DeepSpeed 3D keeps a user's gradient_clipping).
     configured = float((result.deepspeed_config or {}).get("gradient_clipping") or 0.0)
     set_deepspeed_clipping(engine, max_grad_norm if max_grad_norm is not None else configured)
+    # DeepSpeed 3D takes a batch dict or the list of its micro-batch dicts; its stages compute a causal-LM loss.
+    for part in (batch if isinstance(batch, (list, tuple)) and all(isinstance(b, Mapping) for b in batch)
+                 else [batch]):
+        check_batch(part, causal_lm=True)
     loss = custom_step(result, batch)
     norm = _deepspeed_norm(engine) if max_grad_norm is not None else None
     return StepStats(loss, norm, steps)
@@ -327,7 +401,10 @@ def _pipeline_step(result: AutoAccelerateResult, pipeline: Any, batch: Any, step
         stash = [p.grad for p in params]
         for p in params:
             p.grad = None
-        losses.append(pipeline.forward_backward(result.prepare_input(micro)))
+        micro = result.prepare_input(micro)
+        # The native pipeline's default loss is the causal-LM loss (a loss_fn of the user's takes its own labels).
+        check_batch(micro, causal_lm=getattr(pipeline, "loss_fn", None) is None)
+        losses.append(pipeline.forward_backward(micro))
         with torch.no_grad():
             for p, old in zip(params, stash):
                 if old is not None:

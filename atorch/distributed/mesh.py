@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from atorch.distributed.process_group import device_type, rank as global_rank, world_size as global_world_size
+from atorch.distributed.process_group import (
+    device_type, groups_take_default_timeout, rank as global_rank, world_size as global_world_size,
+)
 from atorch.distributed.parallel_layout import Dims, ParallelLayout
 
 ParallelConfig = Tuple[Dims, Optional[List[int]]]
@@ -40,7 +42,10 @@ class ParallelMesh:
         order = list(layout.rank_order) if layout.rank_order is not None else list(range(layout.world_size))
         shape = tuple(size for _, size in reversed(layout.dims))
         mesh_tensor = torch.tensor(order, dtype=torch.int).reshape(shape)
-        mesh = DeviceMesh(device_type(), mesh_tensor, mesh_dim_names=tuple(reversed(layout.names)))
+        # DeviceMesh takes no timeout (torch 2.13): its groups take torch's default, set here to the default
+        # group's (ATORCH_COLLECTIVE_TIMEOUT), not torch's 30 minutes (process_group._set_torch_group_timeout).
+        with groups_take_default_timeout():
+            mesh = DeviceMesh(device_type(), mesh_tensor, mesh_dim_names=tuple(reversed(layout.names)))
         return cls(layout, mesh)
 
     # -- the named view ----------------------------------------------------------------------

@@ -8,6 +8,7 @@ their teardown with `on_destroy` instead of being imported here.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import gc
 import logging
@@ -15,7 +16,7 @@ import os
 import socket
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -116,9 +117,78 @@ def init_distributed(
     _import_dynamo_before_the_group_exists()
     store = _rendezvous_store(rank_, world, addr, port, join)
     dist.init_process_group(backend=backend, store=store, rank=rank_, world_size=world, timeout=collective)
+    _set_torch_group_timeout(collective)
     timeouts.install(store)
     _register_exit_teardown()
     return True
+
+
+# torch's timeouts for groups created without one, as they were before `init_distributed` replaced them
+# (`(default_pg_timeout, default_pg_nccl_timeout)` of torch.distributed.distributed_c10d); None: not replaced.
+_TORCH_GROUP_TIMEOUTS: Optional[Tuple[Any, Any]] = None
+
+
+def _set_torch_group_timeout(timeout: Optional[datetime.timedelta]) -> None:
+    """Make `timeout` torch's timeout for every process group created without one (None: torch's own again).
+
+    Why torch's default and not only `timeout=` at each `new_group`: groups atorch does not create
+    call by call take it too. `DeviceMesh` (the parallel groups of `ParallelMesh`) has no timeout
+    argument in torch 2.13; its `backend_override` options would carry one, but they must be an
+    Options object of the right backend per dimension and they stop a whole-world dimension from
+    reusing the default group. DeepSpeed creates its groups with `torch.distributed.new_group(ranks)`
+    (`deepspeed.utils.groups`, pipeline topology) and wraps the existing default group in
+    `deepspeed.init_distributed`, so they get this default as well. Without it, every group but the
+    default one waited torch's 30 minutes whatever `ATORCH_COLLECTIVE_TIMEOUT` said: a failed rank left
+    its tensor/data/pipeline peers waiting, and the diagnosis of `timeouts` never came.
+    The dry runner swaps this default for a candidate's shorter one and restores it afterwards.
+    """
+    global _TORCH_GROUP_TIMEOUTS
+    c10d = dist.distributed_c10d
+    if _TORCH_GROUP_TIMEOUTS is None:
+        if timeout is None:
+            return
+        _TORCH_GROUP_TIMEOUTS = (c10d.default_pg_timeout, c10d.default_pg_nccl_timeout)
+    if timeout is None:
+        c10d.default_pg_timeout, c10d.default_pg_nccl_timeout = _TORCH_GROUP_TIMEOUTS
+        _TORCH_GROUP_TIMEOUTS = None
+    else:
+        c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
+
+
+def default_group_timeout() -> datetime.timedelta:
+    """The timeout of the default process group, for the groups atorch creates next to it.
+
+    That is `ATORCH_COLLECTIVE_TIMEOUT` (or `init_distributed`'s `timeout`) after `init_distributed`,
+    the user's own after `dist.init_process_group(timeout=...)`, and a dry-run candidate's short one
+    while the dry runner has swapped in its world group. Falls back to `ATORCH_COLLECTIVE_TIMEOUT`
+    when the group does not say (no group yet, a backend without options).
+    """
+    if is_initialized():
+        try:
+            pg = dist.distributed_c10d._get_default_group()
+            backend = pg._get_backend(device())
+            value = backend.options._timeout    # type: ignore[attr-defined]
+            if isinstance(value, datetime.timedelta) and value.total_seconds() > 0:
+                return value
+        except (RuntimeError, AttributeError, ValueError):
+            pass
+    return timeouts.collective_timeout()
+
+
+@contextlib.contextmanager
+def groups_take_default_timeout() -> Iterator[None]:
+    """Inside the block, groups created without a timeout (a `DeviceMesh`'s) take the default group's.
+
+    `init_distributed` already made that torch's default; this also holds when the user initialized
+    torch directly and when the dry runner swapped in a candidate's world group.
+    """
+    c10d = dist.distributed_c10d
+    saved = (c10d.default_pg_timeout, c10d.default_pg_nccl_timeout)
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = default_group_timeout()
+    try:
+        yield
+    finally:
+        c10d.default_pg_timeout, c10d.default_pg_nccl_timeout = saved
 
 
 def _import_dynamo_before_the_group_exists() -> None:
@@ -363,6 +433,7 @@ def destroy_distributed() -> None:
     if is_initialized():
         dist.destroy_process_group()
     forget_library_groups(None)      # every group is gone: so are DeepSpeed's cached ones
+    _set_torch_group_timeout(None)
     timeouts.install(None)
     _unfill_single_process_env()
 

@@ -43,16 +43,27 @@ def _digest(lines: List[str]) -> int:
     return stable_int63("\n".join(lines))
 
 
-def _describe_layouts(layouts: List[List[str]]) -> str:
-    """What differs between the ranks' layouts: the parameter counts, and the first line that differs."""
+def _global_ranks(group: Optional[dist.ProcessGroup]) -> List[int]:
+    """The global ranks of `group`'s members, in the order of their ranks within it (None: the world).
+
+    Messages name global ranks: the ones the launcher's logs, `failed on ranks [...]` and the user know.
+    """
+    if group is None or group is dist.group.WORLD:
+        return list(range(dist.get_world_size()))
+    return dist.get_process_group_ranks(group)
+
+
+def _describe_layouts(layouts: List[List[str]], ranks: List[int]) -> str:
+    """What differs between the layouts of `ranks` (global, one per layout): the parameter counts, and the
+    first line that differs."""
     counts = [sum(not line.startswith("buffer ") for line in layout) for layout in layouts]
     parts = []
     if len(set(counts)) > 1:
-        parts.append(f"parameter counts by rank of the group: {', '.join(map(str, counts))}")
+        parts.append(f"parameter counts on ranks {ranks}: {', '.join(map(str, counts))}")
     longest = max(len(layout) for layout in layouts)
     i = next((i for i in range(longest) if len({tuple(layout[i:i + 1]) for layout in layouts}) > 1), 0)
     by_line: Dict[str, List[int]] = {}
-    for rank, layout in enumerate(layouts):
+    for rank, layout in zip(ranks, layouts):
         by_line.setdefault(layout[i] if i < len(layout) else "(none)", []).append(rank)
     parts.append(f"entry #{i} (name, shape, dtype): " + "; ".join(
         f"{line} on rank{'s' if len(ranks) > 1 else ''} {ranks}" for line, ranks in by_line.items()))
@@ -79,7 +90,7 @@ def layout_difference(model: nn.Module, group: Optional[dist.ProcessGroup],
     # Every rank saw the same digests, so every rank takes this branch: the variable-size gather is safe.
     layouts: List[Optional[List[str]]] = [None] * dist.get_world_size(group)
     dist.all_gather_object(layouts, lines, group=group)
-    return _describe_layouts([layout or [] for layout in layouts])
+    return _describe_layouts([layout or [] for layout in layouts], _global_ranks(group))
 
 
 @torch.no_grad()
@@ -105,7 +116,7 @@ def _checksum_difference(model: nn.Module, group: Optional[dist.ProcessGroup], d
     name = names[i] if i < len(names) else "(parameters)"
     values = ", ".join(f"{v:.6g}" for v in table[:, i, 0].tolist())
     more = f" and {len(differs) - 1} more" if len(differs) > 1 else ""
-    return f"{name}{more} (checksums by rank of the group: {values})"
+    return f"{name}{more} (checksums on ranks {_global_ranks(group)}: {values})"
 
 
 def first_difference(model: nn.Module, group: Optional[dist.ProcessGroup],

@@ -215,19 +215,19 @@ EXPECTED: Dict[str, Tuple[str, str]] = {
     "tensor_models_differ": ("ValueError", "tensor_parallel: the model's weights differ across ranks: "
                                            "model.embed_tokens.weight and "),
     "fsdp_models_differ": ("ValueError", "fsdp: the model's weights differ across ranks: model.embed_tokens.weight "
-                                         "and 15 more (checksums by rank of the group: "),
+                                         "and 15 more (checksums on ranks [0, 1]: "),
     "zero2_models_differ": ("ValueError", "or pass sync_module_states=True to broadcast data-rank 0's weights first"),
-    "fsdp_layers_differ": ("ValueError", "fsdp: the model differs across ranks: parameter counts by rank of the "
-                                         "group: 21, 30; entry #19 (name, shape, dtype): model.norm.weight (64,) "
+    "fsdp_layers_differ": ("ValueError", "fsdp: the model differs across ranks: parameter counts on ranks [0, 1]: "
+                                         "21, 30; entry #19 (name, shape, dtype): model.norm.weight (64,) "
                                          "float32 on rank [0]; model.layers.2.self_attn.q_proj.weight (64, 64) "
                                          "float32 on rank [1]; build the same model"),
-    "fsdp_sync_layers_differ": ("ValueError", "fsdp: the model differs across ranks: parameter counts by rank of "
-                                              "the group: 21, 30"),
+    "fsdp_sync_layers_differ": ("ValueError", "fsdp: the model differs across ranks: parameter counts on "
+                                              "ranks [0, 1]: 21, 30"),
     "zero2_widths_differ": ("ValueError", "zero2: the model differs across ranks: entry #5 (name, shape, dtype): "
                                           "model.layers.0.mlp.gate_proj.weight (128, 64) float32 on rank [0]; "
                                           "model.layers.0.mlp.gate_proj.weight (192, 64) float32 on rank [1]"),
-    "deepspeed_layers_differ": ("ValueError", "zero2: the model differs across ranks: parameter counts by rank of "
-                                              "the group: 21, 30"),
+    "deepspeed_layers_differ": ("ValueError", "zero2: the model differs across ranks: parameter counts on "
+                                              "ranks [0, 1]: 21, 30"),
     "tensor_layers_differ": ("ValueError", "tensor_parallel: the model differs across ranks: parameter counts"),
     "pipeline_last_batch_does_not_split": ("ValueError", "with dataloader_args['drop_last']=False the last batch of "
                                                          "each epoch has 1 rows per data-parallel rank (9 samples"),

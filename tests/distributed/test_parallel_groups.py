@@ -1,9 +1,11 @@
 """Parallel groups over 8 and 4 gloo ranks, init_distributed, and bad input before any collective."""
 
+import datetime
 import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ import torch.distributed as dist
 
 import atorch
 from atorch import distributed as adist
+from atorch.distributed import timeouts
 from atorch.testing import DistributedTestError, run_distributed
 
 
@@ -64,18 +67,57 @@ def _bad_inputs_raise_everywhere():
     t = torch.ones(1)
     dist.all_reduce(t)
     messages.append(float(t))
+    messages.append(_rank_two_skips_a_data_collective())
     return messages
 
 
-def test_bad_input_raises_on_every_rank_without_hanging():
-    results = run_distributed(_bad_inputs_raise_everywhere, 4, timeout=120)
+# Short, so the case costs seconds; the test's bound on the wait is generous (a loaded 2-core machine).
+SUBGROUP_TIMEOUT_S = 5
+
+
+def _rank_two_skips_a_data_collective():
+    """Rank 2 never enters an all_reduce on its data group [0, 2]: (outcome, seconds) on rank 0.
+
+    Before, the mesh's groups had torch's 30-minute timeout whatever ATORCH_COLLECTIVE_TIMEOUT said.
+    Rank 2 stays alive (no closed connection) until rank 0 is done: only the timeout can end the wait.
+    """
+    store = timeouts._store
+    assert store is not None
+    if adist.rank() == 2:
+        store.wait(["skipped_collective_done"], datetime.timedelta(seconds=60))
+        return None
+    start = time.monotonic()
+    try:
+        with timeouts.diagnose_collective_timeouts():
+            dist.all_reduce(torch.ones(1), group=adist.parallel_group("data"))   # ranks 1 and 3 complete it
+        outcome = "completed"
+    except timeouts.CollectiveTimeoutError as e:
+        outcome = str(e)
+    elapsed = time.monotonic() - start
+    if adist.rank() == 0:
+        store.set("skipped_collective_done", "1")
+    return outcome, elapsed
+
+
+def test_bad_input_raises_on_every_rank_without_hanging_and_subgroups_time_out():
+    results = run_distributed(_bad_inputs_raise_everywhere, 4, timeout=150,
+                              env={"ATORCH_COLLECTIVE_TIMEOUT": str(SUBGROUP_TIMEOUT_S)})
     for messages in results:
-        assert len(messages) == 7, messages
+        assert len(messages) == 8, messages
         assert "tensor=2 x data=3 = 6 does not equal world size 4" in messages[0]
         assert "size 0" in messages[1] and "duplicated" in messages[2]
         assert "non-empty" in messages[3] and "empty" in messages[4]
         assert "unknown parallel group 'pipeline'" in messages[5]
         assert messages[6] == 4.0
+    # The data group [0, 2] takes ATORCH_COLLECTIVE_TIMEOUT: rank 0 fails after it (plus the roll call's
+    # grace of the same length) with the diagnosis naming the collective and rank 2; [1, 3] is unaffected.
+    message, elapsed = results[0][7]
+    assert f"did not complete within ATORCH_COLLECTIVE_TIMEOUT={SUBGROUP_TIMEOUT_S} s" in message, message
+    assert "collective gloo:all_reduce" in message and "mesh_data" in message, message
+    assert "rank(s) [2] did not arrive" in message, message
+    assert elapsed < 60, f"rank 0 waited {elapsed:.0f} s"   # was torch's 1800 s
+    assert results[2][7] is None
+    assert [results[r][7][0] for r in (1, 3)] == ["completed", "completed"]
 
 
 def _fails_on_rank_one():

@@ -5,8 +5,8 @@ gradient (fp32, same kernels: atol 1e-6); 1F1B's chunk rule is torch's, refused 
 import pytest
 import torch
 
-from atorch.modules.pipeline.batches import causal_lm_loss
-from atorch.modules.pipeline.native import check_schedule_chunks, predicted_tokens, summed_token_loss
+from atorch.modules.pipeline.batches import CausalLMLoss, causal_lm_loss
+from atorch.modules.pipeline.native import NativePipeline, check_schedule_chunks, predicted_tokens, summed_token_loss
 
 
 def test_micro_batch_shares_add_up_to_the_batch_token_mean_with_padded_labels():
@@ -34,3 +34,18 @@ def test_1f1b_needs_a_micro_batch_per_stage():
     with pytest.raises(ValueError, match=r"schedule='1f1b' needs at least one micro-batch per stage, but chunks=3 is "
                                          r"fewer than the 4 pipeline stages; set chunks >= 4"):
         check_schedule_chunks("1f1b", 3, 4)
+
+
+def test_labels_of_another_sequence_length_name_both_shapes():
+    """Before: cross_entropy's "Expected input batch_size (30) to match target batch_size (62)" (token counts)."""
+    logits, labels = torch.randn(2, 16, 32), torch.randint(0, 32, (2, 32))
+    expected = r"the labels of shape \(2, 32\) do not fit the logits of shape \(2, 16, 32\): .* labels of shape \(2, 16\)"
+    for loss in (causal_lm_loss, CausalLMLoss(), summed_token_loss):
+        with pytest.raises(ValueError, match=expected):
+            loss(logits, labels)
+    # The native pipeline's last stage, where its logits (from the first stage's input_ids) meet this rank's labels.
+    pipeline = object.__new__(NativePipeline)
+    pipeline.loss_fn, pipeline.chunks, pipeline._batch_tokens = None, 2, torch.tensor(30)
+    with pytest.raises(ValueError, match=expected + r".*every rank of a pipeline must be given batches of the same"):
+        pipeline._micro_batch_loss(logits, labels)
+    assert pipeline._micro_batch_loss(logits, labels[:, :16]).shape == ()

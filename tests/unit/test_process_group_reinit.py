@@ -19,6 +19,24 @@ def test_init_reset_init_in_one_plain_process(monkeypatch):
     atorch.reset_distributed()
 
 
+def test_new_groups_take_the_collective_timeout_until_reset(monkeypatch):
+    """Groups created after init (a DeviceMesh's, DeepSpeed's) take ATORCH_COLLECTIVE_TIMEOUT, not torch's 30 min."""
+    import datetime
+
+    import torch
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("ATORCH_COLLECTIVE_TIMEOUT", "42")
+    before = dist.distributed_c10d.default_pg_timeout
+    atorch.init_distributed("gloo")
+    group = dist.new_group([0])            # no timeout given, as DeepSpeed and DeviceMesh create theirs
+    assert group._get_backend(torch.device("cpu")).options._timeout == datetime.timedelta(seconds=42)
+    assert atorch.distributed.process_group.default_group_timeout() == datetime.timedelta(seconds=42)
+    atorch.reset_distributed()
+    assert dist.distributed_c10d.default_pg_timeout == before       # torch's own again after the world is gone
+
+
 def test_a_users_own_settings_are_left_alone(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(atorch.distributed.find_free_port()))

@@ -35,7 +35,7 @@ def _result(engine, custom_step, gas=1, micro=None):
 def test_custom_step_clipping_is_set_at_every_call():
     engine = FakeEngine()
     result = _result(engine, lambda r, b: r.engine.train_batch(iter([b])))
-    batch = {"input_ids": torch.zeros(1, 4)}
+    batch = {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
     stats = train_step_stats(result, batch, max_grad_norm=1.0)
     assert (engine._config.gradient_clipping, engine.optimizer.clip_grad) == (1.0, 1.0)
     assert float(stats.grad_norm) == 2.0

@@ -19,6 +19,7 @@ from torch import nn
 
 from atorch.auto.model_context import ModelContext
 from atorch.distributed.parallel_layout import ParallelLayout
+from atorch.distributed.process_group import default_group_timeout
 from atorch.distributed.replicas import check_replicas_agree
 from atorch.auto.opt_lib.base import (
     CostContext,
@@ -336,7 +337,7 @@ def _tied_pair(build: StageBuild, stage: torch.nn.Module, layout: ParallelLayout
     last = build.plan.num_stages - 1
     mine = None
     for ranks in _first_last_pairs(layout, last):
-        group = dist.new_group(ranks=ranks)
+        group = dist.new_group(ranks=ranks, timeout=default_group_timeout())
         if dist.get_rank() in ranks:
             mine = group
     if build.stage_index == 0:

@@ -17,12 +17,26 @@ from torch import nn
 IGNORE_INDEX = -100  # the label value Hugging Face losses skip
 
 
+def check_labels_fit_logits(logits: torch.Tensor, labels: torch.Tensor, hint: str = "") -> None:
+    """ValueError naming both shapes unless `labels` has the shape of `logits` without its vocabulary dimension.
+
+    Without it, labels of another sequence length reached cross_entropy flattened and failed with
+    "Expected input batch_size (30) to match target batch_size (62)": token counts, not batch sizes.
+    """
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"the labels of shape {tuple(labels.shape)} do not fit the logits of shape "
+                         f"{tuple(logits.shape)}: a causal-LM loss needs labels of shape {tuple(logits.shape[:-1])} "
+                         f"(the logits' without the vocabulary dimension, i.e. input_ids' shape){hint}")
+
+
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Hugging Face's causal-LM loss: predict token t+1 from position t, mean (or with reduction="sum",
     sum) over non-ignored labels.
 
-    Logits are upcast to fp32 like the HF loss, so bf16 activations still give an fp32 loss.
+    Logits are upcast to fp32 like the HF loss, so bf16 activations still give an fp32 loss. Labels of
+    another shape than the logits' leading dims raise ValueError (`check_labels_fit_logits`).
     """
+    check_labels_fit_logits(logits, labels)
     shift_logits = logits[..., :-1, :].contiguous().float()
     shift_labels = labels[..., 1:].contiguous().to(shift_logits.device)
     return nn.functional.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1),
@@ -47,6 +61,7 @@ class CausalLMLoss:
             return causal_lm_loss(logits, labels)
         from atorch.modules.distributed_modules.cross_entropy import vocab_parallel_cross_entropy
 
+        check_labels_fit_logits(logits, labels)
         shift_logits = logits[..., :-1, :].contiguous()
         shift_labels = labels[..., 1:].contiguous().to(shift_logits.device)
         return vocab_parallel_cross_entropy(shift_logits, shift_labels, group=self.group, vocab_size=self.vocab_size,

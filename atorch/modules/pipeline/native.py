@@ -22,6 +22,7 @@ from torch import nn
 from atorch.modules.pipeline.batches import (
     IGNORE_INDEX,
     causal_lm_loss,
+    check_labels_fit_logits,
     check_pipeline_batch,
     hf_labels,
     pipeline_inputs,
@@ -59,6 +60,12 @@ def check_schedule_chunks(schedule: str, chunks: int, num_stages: int) -> None:
         raise ValueError(f"pipeline_parallel: schedule='1f1b' needs at least one micro-batch per stage, but chunks="
                          f"{chunks} is fewer than the {num_stages} pipeline stages; set chunks >= {num_stages} (None "
                          "gives one per stage), or use schedule='gpipe'")
+
+
+# Why a last stage's labels can disagree with its logits though its own batch is consistent.
+PIPELINE_LABELS_HINT = ("; on a pipeline's last stage the logits come from the input_ids that the pipeline's first "
+                        "stage (another rank) was given and the labels from this rank's batch: every rank of a "
+                        "pipeline must be given batches of the same shape (the result's dataloader does)")
 
 
 def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -222,6 +229,7 @@ class NativePipeline:
         """One micro-batch's share of the batch loss: the micro-batch losses (and their gradients) add up to it."""
         if self.loss_fn is not None:
             return self.loss_fn(logits, labels) / self.chunks
+        check_labels_fit_logits(logits, labels, PIPELINE_LABELS_HINT)
         return summed_token_loss(logits, labels) / self._batch_tokens.to(logits.device)
 
     def _new_schedule(self) -> Tuple[PipelineStage, PipelineScheduleSingle]:
