@@ -31,11 +31,11 @@ install: $(VENV)/.installed
 # The type check (mypy.ini: the whole package, the core interface strictly), then every test: the
 # pure-logic ones on both cores (pytest-xdist; 100 s instead of 157 s here), then the ones that spawn
 # ranks or launch jobs one at a time (each already uses the cores; side by side they would contend
-# with their own collective timeouts).
+# with their own collective timeouts); the 25 slowest are listed, to see where the suite's time goes.
 test: install
 	$(PY) -m mypy atorch
 	$(PY) -m pytest tests/unit -n 2
-	$(PY) -m pytest tests --ignore=tests/unit
+	$(PY) -m pytest tests --ignore=tests/unit --durations=25
 
 # Pure-logic tests only (milliseconds each).
 test-fast: install
