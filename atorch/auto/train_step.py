@@ -32,6 +32,7 @@ ranks (`_agree_on_first_call`) and later calls trust them (see `train_step`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import math
 import weakref
@@ -85,7 +86,7 @@ def train_step_stats(result: AutoAccelerateResult, batch: Any, *, gradient_accum
                      max_grad_norm: Optional[float] = None) -> StepStats:
     """`train_step`, also returning the gradient norm it clipped (see `StepStats`)."""
     _check_result("train_step", result)
-    _agree_on_first_call(result, gradient_accumulation_steps, max_grad_norm)
+    _agree_on_first_call(result, gradient_accumulation_steps, max_grad_norm, batch)
     steps = _accumulation_steps(result, gradient_accumulation_steps)
     if max_grad_norm is not None:
         _check_max_norm("train_step: max_grad_norm", max_grad_norm)
@@ -111,10 +112,11 @@ _agreed_results: Set[int] = set()
 
 
 def _agree_on_first_call(result: AutoAccelerateResult, gradient_accumulation_steps: Any,
-                         max_grad_norm: Any) -> None:
+                         max_grad_norm: Any, batch: Any) -> None:
     """At the first call on `result`, the ranks compare the options they were given (before checking
     them, so that a bad value on one rank is named as a difference instead of raising on that rank
-    alone); the same ValueError on every rank when they differ.
+    alone), and the batches of the ranks that hold one model replica together
+    (`_check_replica_peers_share_the_batch`); the same ValueError on every rank when they differ.
 
     Only the first call: every rank calls train_step equally often, so "the first call" is the same
     call everywhere, while "a call whose options changed on this rank" is not (a rank cannot know
@@ -127,8 +129,78 @@ def _agree_on_first_call(result: AutoAccelerateResult, gradient_accumulation_ste
     if isinstance(norm, (int, float)) and not isinstance(norm, bool):
         norm = float(norm)    # 1 and 1.0 clip alike
     agree_on_values("train_step", {"gradient_accumulation_steps": repr(steps), "max_grad_norm": repr(norm)})
+    _check_replica_peers_share_the_batch(result, batch)
     _agreed_results.add(key)
     weakref.finalize(result, _agreed_results.discard, key)
+
+
+# Dimensions whose ranks hold one model replica together: they must be fed the same batch.
+_REPLICA_SPLIT_DIMS = ("tensor", "pipeline")
+
+
+def _check_replica_peers_share_the_batch(result: AutoAccelerateResult, batch: Any) -> None:
+    """The ranks that hold one model replica together (tensor and pipeline peers) must be fed the same
+    batch; compared once, at the first call, by a digest of the batch (one all_gather_object).
+
+    `result.dataloader` does so (its sampler splits the data over the "data" dimension only). A loop
+    of the user's own with a `DistributedSampler` over the whole world feeds each tensor peer other
+    rows, and nothing fails: the tensor-parallel layers sum partial results computed from different
+    samples, and the model trains on that mix silently (a pipeline's last stage scores one rank's
+    logits against another's labels). Where the shapes differ it fails inside the backend instead,
+    with "Received data size doesn't match expected size" on one rank and a wait on the others."""
+    parallel = result.parallel
+    if parallel is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    split = [name for name in _REPLICA_SPLIT_DIMS if parallel.size_or_one(name) > 1]
+    if not split:
+        return
+    coords = parallel.layout.coords(dist.get_rank())
+    replica = tuple(sorted((name, c) for name, c in coords.items() if name not in _REPLICA_SPLIT_DIMS))
+    gathered: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (replica, batch_digest(batch)))
+    for members in _replicas_by_batch(gathered).values():
+        if len(members) > 1:
+            ranks = sorted(r for group in members.values() for r in group)
+            fed = "; ".join(f"ranks {group}" for group in members.values())
+            raise ValueError(
+                f"train_step: ranks {ranks} hold one model replica together ({' and '.join(split)} peers) but were "
+                f"given different batches (the same batch went to {fed}); feed every rank of a replica the same "
+                "batch: iterate result.dataloader, or shard your data over the 'data' dimension "
+                "(result.parallel.size('data') and the rank's 'data' coordinate), not over the world")
+
+
+def _replicas_by_batch(gathered: Sequence[Tuple[Any, str]]) -> Dict[Any, Dict[str, List[int]]]:
+    """{replica: {batch digest: [ranks]}} from each rank's (replica coordinates, batch digest)."""
+    out: Dict[Any, Dict[str, List[int]]] = {}
+    for rank, (replica, digest) in enumerate(gathered):
+        out.setdefault(replica, {}).setdefault(digest, []).append(rank)
+    return out
+
+
+def batch_digest(batch: Any) -> str:
+    """A digest of a batch: every tensor's place in it, shape, dtype and bytes, and the other values'
+    types (their text for plain scalars and strings). Tensors whose bytes cannot be read here (on
+    the meta device) count by their shape and dtype."""
+    digest = hashlib.blake2b(digest_size=16)
+
+    def visit(value: Any, path: str) -> None:
+        if isinstance(value, torch.Tensor):
+            digest.update(f"{path}:{tuple(value.shape)}:{value.dtype};".encode())
+            if value.device.type != "meta":
+                digest.update(value.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        elif isinstance(value, Mapping):
+            for key in sorted(value, key=str):
+                visit(value[key], f"{path}.{key}")
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                visit(item, f"{path}[{i}]")
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            digest.update(f"{path}={value!r};".encode())
+        else:
+            digest.update(f"{path}:{type(value).__qualname__};".encode())
+
+    visit(batch, "batch")
+    return digest.hexdigest()
 
 
 def _check_max_norm(what: str, value: Any) -> None:

@@ -172,8 +172,28 @@ def _train_last_batch(strategy: List[Any]) -> Dict[str, Any]:
     return {"losses": losses, "norms": norms, "micro_batches": micro}
 
 
+def _tensor_peers_fed_different_batches() -> Dict[str, Any]:
+    """Tensor peers given different rows (a DistributedSampler over the world, say): every rank raises the
+    same error at the first step, before training on a mix of the two."""
+    _, result, _ = auto_accelerate(
+        tiny_llama(seed=0), optim_func=torch.optim.SGD, dataset=dataset(), optim_args={"lr": LR},
+        model_input_format="unpack_dict", dataloader_args={"batch_size": GLOBAL_BATCH},
+        load_strategy=STRATEGIES["tensor_parallel"])
+    batch = next(iter(result.dataloader))
+    rows = {k: v.roll(dist.get_rank(), dims=0) for k, v in batch.items()}   # rank 1: the rows in another order
+    try:
+        train_step_stats(result, rows)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    del result
+    dist.barrier()
+    return {"error": error}
+
+
 def _train_all() -> Dict[str, Dict[str, Any]]:
     out = {name: _train(strategy) for name, strategy in STRATEGIES.items()}
+    out["tensor peers fed different batches"] = _tensor_peers_fed_different_batches()
     out.update({name: _train_last_batch(strategy) for name, strategy in LAST_BATCH_STRATEGIES.items()})
     out["last batch pipeline"] = _train_last_batch(LAST_BATCH_PIPELINE)
     return out
@@ -236,6 +256,13 @@ def test_a_pipeline_trains_the_epochs_smaller_last_batch_like_one_process(runs):
         run = per_rank["last batch pipeline"]
         assert run["losses"] == pytest.approx(list(losses), rel=REL), (rank, run["losses"], losses)
         assert run["norms"] == pytest.approx(list(norms), rel=REL), (rank, run["norms"], norms)
+
+
+def test_tensor_peers_fed_different_batches_raise_on_every_rank(runs):
+    errors = [per_rank["tensor peers fed different batches"]["error"] for per_rank in runs]
+    assert errors[0] is not None and errors == [errors[0]] * len(runs), errors
+    assert "ranks [0, 1] hold one model replica together (tensor peers)" in errors[0]
+    assert "iterate result.dataloader" in errors[0]
 
 
 def test_ddp_skips_the_gradient_sync_of_non_final_micro_steps(runs):

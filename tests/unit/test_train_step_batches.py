@@ -71,3 +71,20 @@ def test_other_models_labels_and_batch_forms_are_theirs():
         check_batch((torch.ones(0, 4),), causal_lm=False)
     assert is_causal_lm(tiny_llama()) and is_causal_lm(nn.parallel.DataParallel(tiny_llama()))
     assert not is_causal_lm(nn.Linear(2, 2))
+
+
+def test_the_batch_digest_tells_batches_apart_by_contents_shape_and_place():
+    from atorch.auto.train_step import batch_digest
+
+    ids = torch.arange(12).reshape(3, 4)
+    batch = {"input_ids": ids, "labels": ids.clone(), "n": 3}
+    assert batch_digest(batch) == batch_digest({"labels": ids.clone(), "n": 3, "input_ids": ids.clone()})
+    assert batch_digest(batch) != batch_digest({**batch, "labels": ids.roll(1, dims=0)})       # other rows
+    assert batch_digest(batch) != batch_digest({**batch, "labels": ids.reshape(4, 3)})         # same bytes
+    assert batch_digest(batch) != batch_digest({**batch, "labels": ids.to(torch.int32)})
+    assert batch_digest(batch) != batch_digest({"input_ids": ids.clone(), "targets": ids.clone(), "n": 3})
+    assert batch_digest(batch) != batch_digest({**batch, "n": 4})
+    assert batch_digest([ids, ids]) != batch_digest([ids, ids + 1])
+    meta = torch.empty(3, 4, device="meta")
+    assert batch_digest({"x": meta}) == batch_digest({"x": torch.empty(3, 4, device="meta")})
+    assert batch_digest(torch.zeros(2, 2, dtype=torch.bfloat16)) != batch_digest(torch.ones(2, 2, dtype=torch.bfloat16))
