@@ -93,7 +93,13 @@ def test_tensor_splits_stay_inside_a_node_when_the_world_spans_several():
         return {int(m) for c in space.candidates() for m in re.findall(r"tensor=(\d+)", c.label())}
 
     assert tensor_degrees(None) >= {2, 4, 8}
-    assert max(tensor_degrees(4)) == 4
+    assert tensor_degrees(4) == {2, 4}
+    # 3 nodes of 8 ranks, a model of 24 heads: splits of 3 and 6 divide the world and fit in a node's
+    # 8 ranks, but their runs of consecutive ranks cross nodes (ranks 6-8, 6-11).
+    wide = tiny_llama(num_attention_heads=24, num_key_value_heads=24, hidden_size=96, intermediate_size=192,
+                      vocab_size=240)
+    space = SearchSpace.default_for(wide, 24, "cpu", global_batch_size=24, ranks_per_node=8)
+    assert {int(m) for c in space.candidates() for m in re.findall(r"tensor=(\d+)", c.label())} == {2, 4, 8}
     # A restricted copy (the user's excluded/included) keeps the node size.
     space = SearchSpace.default_for(model, 16, "cpu", global_batch_size=16, ranks_per_node=4)
     assert space.restricted(excluded=["compile"]).ranks_per_node == 4

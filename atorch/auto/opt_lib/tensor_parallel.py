@@ -55,11 +55,12 @@ class TensorParallelOptimization(Optimization):
         spans several (`context.ranks_per_node`): a tensor split all-reduces activations in every
         block, forward and backward, and over the inter-node link it is slower than any other
         layout (Megatron-LM's guidance too), while those splits were 39% of a 7B model's space at
-        64 ranks."""
-        w = context.world_size
-        largest = min(w, context.ranks_per_node) if context.ranks_per_node else w
+        64 ranks. Inside one node means a size dividing the ranks per node: the tensor dimension
+        varies fastest, so its groups are runs of consecutive ranks, and a run of 6 of 3 nodes of 8
+        (ranks 6-11) spans two."""
+        w, per_node = context.world_size, context.ranks_per_node
         return [[("parallel_mode", ([("tensor", t), ("data", w // t)], None)), cls.name]
-                for t in range(2, largest + 1) if w % t == 0]
+                for t in range(2, w + 1) if w % t == 0 and (not per_node or per_node % t == 0)]
 
     @classmethod
     def memory_saving(cls, config: TensorParallelConfig) -> Dict[str, float]:
