@@ -212,10 +212,14 @@ def _check_max_norm(what: str, value: Any) -> None:
 # -- the batch ----------------------------------------------------------------------------------
 
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-# Causal language models by the names of their classes (Hugging Face's `*ForCausalLM`, `GPT2LMHeadModel`):
-# their loss shifts `labels` against their own logits, so labels must be token ids shaped like input_ids.
-# Other models' labels may be anything (a class per row, float regression targets, a decoder's tokens).
-_CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+# Causal language models by the names of their classes (Hugging Face's `*ForCausalLM` and the older
+# `*LMHeadModel`s that are causal): their loss takes token ids as labels. Not every `*LMHeadModel` is
+# (XLNet's labels are the `target_mapping` positions' tokens, [batch, num_predict]); other models' labels
+# may be anything (a class per row, float regression targets, a decoder's tokens).
+_CAUSAL_LM_SUFFIX = "ForCausalLM"
+_CAUSAL_LM_HEADS = frozenset({"GPT2LMHeadModel", "OpenAIGPTLMHeadModel", "CTRLLMHeadModel"})
+# The libraries whose models take `input_ids` as integer token ids of [batch, sequence, ...].
+_TOKEN_ID_LIBRARIES = ("transformers.", "peft.")
 
 
 def _describe(value: Any) -> str:
@@ -224,17 +228,31 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def is_causal_lm(model: Any) -> bool:
-    """Whether `model`, under atorch's wrappers (DDP, DeepSpeed engines keep it as `.module`), is a causal LM."""
+def _classes(model: Any) -> List[type]:
+    """The classes of `model` and of the modules atorch's wrappers hold it as (DDP and DeepSpeed engines:
+    `.module`; FSDP2 subclasses the model's own class in place)."""
+    classes: List[type] = []
     inner = model
     for _ in range(4):
-        if any(cls.__name__.endswith(_CAUSAL_LM_SUFFIXES) for cls in type(inner).__mro__):
-            return True
+        classes += type(inner).__mro__
         wrapped = getattr(inner, "module", None)
         if not isinstance(wrapped, nn.Module):
-            return False
+            break
         inner = wrapped
-    return False
+    return classes
+
+
+def is_causal_lm(model: Any) -> bool:
+    """Whether `model` (under atorch's wrappers) is a Hugging Face causal LM (see `_CAUSAL_LM_SUFFIX`)."""
+    return any(cls.__name__.endswith(_CAUSAL_LM_SUFFIX) or cls.__name__ in _CAUSAL_LM_HEADS
+               for cls in _classes(model))
+
+
+def takes_token_ids(model: Any) -> bool:
+    """Whether `model` (under atorch's wrappers) is a Hugging Face (or PEFT) model, whose `input_ids` are
+    integer token ids of at least 2 dims; a model of the user's own may mean anything by that key
+    (flat ids with `offsets` for an `EmbeddingBag`)."""
+    return any(cls.__module__.startswith(_TOKEN_ID_LIBRARIES) for cls in _classes(model))
 
 
 def _check_token_tensor(key: str, value: Any) -> None:
@@ -245,15 +263,17 @@ def _check_token_tensor(key: str, value: Any) -> None:
                          f"stored as floats, and a row dimension for a single sample (ids[None])")
 
 
-def check_batch(batch: Any, causal_lm: bool) -> None:
+def check_batch(batch: Any, causal_lm: bool, token_ids: bool = True) -> None:
     """ValueError naming the key, its shape or type and what is expected, for a batch the model cannot train on.
 
     Local and cheap (no collective, microseconds), before each forward: without it these failed deep
     inside torch or transformers ("Expected tensor for argument #1 'indices' to have one of the following
     scalar types", "cannot reshape tensor of 0 elements", "Expected input batch_size (32) to match target
-    batch_size (16)"). Checked: at least one row in any batch of tensors; in a dict, `input_ids` an integer
-    tensor of >= 2 dims; for a causal LM (`causal_lm`) also `labels`, shaped like input_ids. Every other key
-    and batch form (inputs_embeds, attention_mask, position_ids, a custom loss's keys, tuples) is the model's.
+    batch_size (16)"). Checked: at least one row in any batch of tensors; for a model that takes token ids
+    (`token_ids`: Hugging Face's), a dict's `input_ids` an integer tensor of >= 2 dims; for a causal LM
+    (`causal_lm`) also `labels` integer, and shaped like input_ids when both are [batch, sequence]
+    (a model with codebooks has labels of its own shape). Every other key and batch form (inputs_embeds,
+    attention_mask, position_ids, a custom loss's keys, tuples) is the model's.
     """
     rows = find_batch_rows(batch)
     if rows == 0:
@@ -262,14 +282,14 @@ def check_batch(batch: Any, causal_lm: bool) -> None:
                          "batch size, or skip empty batches before train_step on every rank alike")
     if not isinstance(batch, Mapping):
         return
-    ids = batch.get("input_ids")
+    ids = batch.get("input_ids") if token_ids or causal_lm else None
     if ids is not None:
         _check_token_tensor("input_ids", ids)
     labels = batch.get("labels")
     if not causal_lm or labels is None:
         return
     _check_token_tensor("labels", labels)
-    if ids is not None and tuple(labels.shape) != tuple(ids.shape):
+    if ids is not None and labels.dim() == ids.dim() == 2 and tuple(labels.shape) != tuple(ids.shape):
         raise ValueError(f"train_step: batch['labels'] has shape {tuple(labels.shape)} but batch['input_ids'] has "
                          f"shape {tuple(ids.shape)}; a causal LM predicts each next token of its input, so labels "
                          "must have input_ids' shape (the same ids, with -100 where no token is predicted)")
@@ -353,10 +373,10 @@ def _plain_step(result: AutoAccelerateResult, batch: Any, steps: int, max_grad_n
     fmt = result.model_input_format
     losses: List[torch.Tensor] = []
     micros, weights = micro_batches(result, batch, steps)
-    causal_lm = is_causal_lm(model)
+    causal_lm, token_ids = is_causal_lm(model), takes_token_ids(model)
     for i, micro in enumerate(micros):
         micro = result.prepare_input(micro)
-        check_batch(micro, causal_lm)
+        check_batch(micro, causal_lm, token_ids)
         with _no_sync(model, final=i == len(micros) - 1):
             loss = result.loss_func(micro, call_model(model, micro, fmt))
             _scaled(loss, steps, weights, i).backward()
@@ -418,13 +438,13 @@ def _deepspeed_step(result: AutoAccelerateResult, engine: Any, batch: Any, steps
     losses: List[torch.Tensor] = []
     try:
         micros, weights = micro_batches(result, batch, steps)
-        causal_lm = is_causal_lm(engine)
+        causal_lm, token_ids = is_causal_lm(engine), takes_token_ids(engine)
         for i, micro in enumerate(micros):
             # The boundary is set explicitly, so a step is one optimizer update whatever the engine's
             # configured gradient_accumulation_steps and its micro-step counter say.
             engine.set_gradient_accumulation_boundary(i == len(micros) - 1)
             micro = result.prepare_input(micro)
-            check_batch(micro, causal_lm)
+            check_batch(micro, causal_lm, token_ids)
             loss = result.loss_func(micro, call_model(engine, micro, fmt))
             engine.backward(_scaled(loss, steps, weights, i), scale_wrt_gas=False)
             engine.step()          # a no-op update off the boundary (DeepSpeed's own accumulation)
@@ -448,10 +468,11 @@ def _custom_step(result: AutoAccelerateResult, custom_step: Callable, batch: Any
     # clipping of the engine's ds_config (DeepSpeed 3D keeps a user's gradient_clipping).
     configured = float((result.deepspeed_config or {}).get("gradient_clipping") or 0.0)
     set_deepspeed_clipping(engine, max_grad_norm if max_grad_norm is not None else configured)
-    # DeepSpeed 3D takes a batch dict or the list of its micro-batch dicts; its stages compute a causal-LM loss.
+    # DeepSpeed 3D takes a batch dict or the list of its micro-batch dicts of a Hugging Face model's token
+    # ids. Its labels are left to its stages: a loss_func of the user's may take labels of any shape.
     for part in (batch if isinstance(batch, (list, tuple)) and all(isinstance(b, Mapping) for b in batch)
                  else [batch]):
-        check_batch(part, causal_lm=True)
+        check_batch(part, causal_lm=False, token_ids=True)
     loss = custom_step(result, batch)
     norm = _deepspeed_norm(engine) if max_grad_norm is not None else None
     return StepStats(loss, norm, steps)

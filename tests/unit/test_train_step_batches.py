@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from atorch.auto import auto_accelerate, train_step
-from atorch.auto.train_step import check_batch, is_causal_lm
+from atorch.auto.train_step import check_batch, is_causal_lm, takes_token_ids
 from atorch.testing.models import tiny_llama
 from atorch.testing.parity import TokenDataset
 
@@ -71,6 +71,29 @@ def test_other_models_labels_and_batch_forms_are_theirs():
         check_batch((torch.ones(0, 4),), causal_lm=False)
     assert is_causal_lm(tiny_llama()) and is_causal_lm(nn.parallel.DataParallel(tiny_llama()))
     assert not is_causal_lm(nn.Linear(2, 2))
+
+
+def _named(name: str, module: str) -> nn.Module:
+    """An instance of a module class called `name`, defined in `module` (a stand-in for a library's model)."""
+    return type(name, (nn.Linear,), {"__module__": module})(2, 2)
+
+
+def test_only_hugging_face_models_token_ids_and_causal_lms_labels_are_checked():
+    # A model of the user's own may mean anything by `input_ids` (flat ids with offsets for an EmbeddingBag).
+    bag = nn.EmbeddingBag(10, 4)
+    assert not takes_token_ids(bag) and not is_causal_lm(bag)
+    check_batch({"input_ids": torch.arange(10), "offsets": torch.tensor([0, 4])}, causal_lm=False,
+                token_ids=takes_token_ids(bag))
+    check_batch({"input_ids": torch.randn(2, 3)}, causal_lm=False, token_ids=False)
+    assert takes_token_ids(tiny_llama()) and takes_token_ids(nn.parallel.DataParallel(tiny_llama()))
+    # XLNet's LM head predicts the target_mapping positions: labels [batch, num_predict] are its own.
+    xlnet = _named("XLNetLMHeadModel", "transformers.models.xlnet.modeling_xlnet")
+    assert takes_token_ids(xlnet) and not is_causal_lm(xlnet)
+    ids = _ids()
+    check_batch({"input_ids": ids, "labels": ids[:, :1]}, causal_lm=is_causal_lm(xlnet), token_ids=True)
+    assert is_causal_lm(_named("GPT2LMHeadModel", "transformers.models.gpt2.modeling_gpt2"))
+    # A causal LM with codebooks (MusicGen): labels [batch, sequence, codebooks] against 2-D input_ids.
+    check_batch({"input_ids": ids, "labels": torch.randint(0, 9, (4, 8, 4))}, causal_lm=True)
 
 
 def test_the_batch_digest_tells_batches_apart_by_contents_shape_and_place():
