@@ -133,6 +133,15 @@ def test_setup_key_follows_what_changes_the_cost():
     # The optimizer: its state is memory, its step time.
     adamw = setup_key(b, 2, torch.device("cpu"), 8, 64, optimizer_description(torch.optim.AdamW, {"lr": 1e-3}))
     assert adamw != key and adamw == SetupKey.from_json(json.loads(json.dumps(adamw.to_json())))
+    # Nodes: times measured on one node do not stand for a job whose collectives cross the network.
+    nodes = setup_key(b, 16, torch.device("cpu"), 8, 64, ranks_per_node=8)
+    assert nodes.ranks_per_node == 8 and nodes != setup_key(b, 16, torch.device("cpu"), 8, 64)
+    assert nodes == SetupKey.from_json(json.loads(json.dumps(nodes.to_json())))
+    assert "ranks_per_node: cached 0, now 8" in nodes.differences(setup_key(b, 16, torch.device("cpu"), 8, 64))
+    # A cache written before the field was kept: one node.
+    old = key.to_json()
+    del old["ranks_per_node"]
+    assert SetupKey.from_json(old) == key
     assert adamw != setup_key(b, 2, torch.device("cpu"), 8, 64, optimizer_description(torch.optim.SGD, {"lr": 1e-3}))
     assert "torch.optim.adamw.AdamW" in adamw.optimizer and "AdamW" in "; ".join(
         setup_key(b, 2, torch.device("cpu"), 8, 64, optimizer_description(torch.optim.SGD, {})).differences(adamw))

@@ -190,7 +190,8 @@ def _open_cache(settings: SearchSettings, directory: str, ctx: ModelContext, wor
         return None
     path = settings.cache_path or os.path.join(directory, CACHE_FILE_NAME)
     return SearchCache.load(path, setup_key(ctx.model, world_size, ctx.device, batch_size, seq_len,
-                                            optimizer_description(ctx.optim_func, ctx.optim_args)))
+                                            optimizer_description(ctx.optim_func, ctx.optim_args),
+                                            ranks_per_node(world_size)))
 
 
 def _write_report_or_warn(result: SearchResult, directory: str, plot_name: str) -> Optional[Dict[str, str]]:

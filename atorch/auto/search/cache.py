@@ -55,6 +55,10 @@ class SetupKey:
     # The optimizer factory and its arguments (e.g. "torch.optim.adamw.AdamW {'lr': 0.001}"): its
     # state is part of the memory, its step part of the time. "" in caches written before it was kept.
     optimizer: str = ""
+    # Ranks per node when the job spans several nodes (0: one node). A strategy's collectives cross the
+    # network only then, so a time measured on one node does not stand for a multi-node job of the same
+    # world size (and its space differs: tensor splits stay inside a node). 0 in caches written before.
+    ranks_per_node: int = 0
 
     def to_json(self) -> Dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -69,7 +73,7 @@ class SetupKey:
         return cls(_text(data, "model_hash"), _integer(data.get("world_size"), "world_size"), _text(data, "device"),
                    tuple(sorted((str(k), str(v)) for k, v in data["versions"].items())),
                    _integer(data.get("global_batch"), "global_batch"), _integer(data.get("seq_len"), "seq_len"),
-                   str(data.get("optimizer", "")))
+                   str(data.get("optimizer", "")), _integer(data.get("ranks_per_node", 0), "ranks_per_node", least=0))
 
     def differences(self, cached: "SetupKey") -> List[str]:
         """What differs from `cached`, e.g. "world_size: cached 2, now 4"."""
@@ -78,9 +82,9 @@ class SetupKey:
 
 
 def setup_key(model: torch.nn.Module, world_size: int, device: torch.device, global_batch: int,
-              seq_len: int, optimizer: str = "") -> SetupKey:
+              seq_len: int, optimizer: str = "", ranks_per_node: Optional[int] = None) -> SetupKey:
     return SetupKey(model_config_hash(model), int(world_size), device_description(device), library_versions(),
-                    int(global_batch), int(seq_len), optimizer)
+                    int(global_batch), int(seq_len), optimizer, int(ranks_per_node or 0))
 
 
 def optimizer_description(optim_func: Any, optim_args: Mapping[str, Any]) -> str:
