@@ -36,7 +36,7 @@ import io
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Dict, Iterator, Mapping, Optional, Sequence, Tuple, cast
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
@@ -275,10 +275,7 @@ class CandidatePlanner:
             # Nothing to fit yet: the predictor's favourite (x P(fit)), else the likeliest to fit.
             index = remaining[int(np.argmax(self.prior[remaining] + fit[remaining]))]
             return Suggestion(index, time.perf_counter() - start, "prior" if self.has_prior else "order")
-        scored = remaining
-        if len(remaining) > MAX_SCORED:
-            rng = np.random.default_rng(self.seed + len(observed))
-            scored = sorted(int(i) for i in rng.choice(remaining, size=MAX_SCORED, replace=False))
+        scored = scored_candidates(remaining, self.seed + len(observed))
         model, codes = self._fitted(observed), cast(torch.Tensor, self.codes)   # set when _can_model
         with _quiet_hebo(self.seed + len(observed)), torch.no_grad():
             if self.acquisition == "lcb":
@@ -301,6 +298,15 @@ class CandidatePlanner:
         seconds = time.perf_counter() - start
         self.expected_seconds = seconds
         return Suggestion(scored[int(order[0])], seconds, "acquisition", len(scored))
+
+
+def scored_candidates(candidates: Sequence[int], seed: int) -> List[int]:
+    """The candidates a planner scores: all of `candidates` up to `MAX_SCORED`, else a seeded random
+    subset of that size (sorted), so the work per suggestion stays bounded in spaces of thousands."""
+    if len(candidates) <= MAX_SCORED:
+        return list(candidates)
+    rng = np.random.default_rng(seed)
+    return sorted(int(i) for i in rng.choice(list(candidates), size=MAX_SCORED, replace=False))
 
 
 def log_expected_improvement(best: float, mean: np.ndarray, var: np.ndarray) -> np.ndarray:

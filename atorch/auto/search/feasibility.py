@@ -132,9 +132,6 @@ class Feasibility:
                 return False
         return True
 
-    def oom_blocker(self, i: int) -> Optional[int]:
-        return next((j for j in self.oom if j != i and self.needs_at_least(i, j)), None)
-
     def _dominance_columns(self) -> Tuple[np.ndarray, np.ndarray]:
         """`needs_at_least` as arrays, for thousands of candidates at once: every candidate's option
         of each unordered dimension, and its saving score of each kind of each ordered dimension

@@ -397,13 +397,11 @@ def _posterior(planner: Any, trials: TrialLog, untried: Iterable[int] = ()
         return None
 def _scored(untried: Dict[int, float], seed: int) -> List[int]:
     """The untried candidates whose posterior the re-measurement weighs against the measured
-    challenger: all of them up to the planner's `MAX_SCORED`, else a seeded random subset of that
-    size, as for a suggestion (the posterior of a 4,216-candidate default space took 1 s a round)."""
-    from atorch.auto.search.bo import MAX_SCORED
+    challenger: as many as a suggestion scores (`bo.scored_candidates`; the posterior of a
+    4,216-candidate default space took 1 s a round)."""
+    from atorch.auto.search.bo import scored_candidates
 
-    if len(untried) <= MAX_SCORED:
-        return sorted(untried)
-    return sorted(int(i) for i in np.random.default_rng(seed).choice(sorted(untried), MAX_SCORED, replace=False))
+    return scored_candidates(sorted(untried), seed)
 
 
 def _likelier_newcomer(posterior: Dict[int, Tuple[float, float]], pair: Tuple[int, int],
