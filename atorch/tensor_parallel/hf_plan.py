@@ -196,12 +196,67 @@ def tpinfo_from_transformers_plan(model: nn.Module) -> TPInfo:
                          "rank. Pass your own TPInfo ('tensor_parallel', {'tpinfo': ...}) or leave tensor "
                          "parallelism out for this model")
     for attention in sorted(split_attention):
+        _cover_head_local_parameters(tpinfo, model, attention, modules, styled)
         tpinfo.parallel_drop(_suffix(attention))
         present = sorted(a for a in HEAD_ATTRS if _int_attr(modules[attention], a))
         if present:
             tpinfo.shrink({_suffix(attention): present})
     _add_dropouts(tpinfo, modules, split_attention, gathered_attention)
     return tpinfo
+
+
+def _cover_head_local_parameters(tpinfo: TPInfo, model: nn.Module, attention: str,
+                                 modules: Mapping[str, nn.Module], styled: Mapping[str, Tuple[str, str]]) -> None:
+    """Parameters inside an attention module whose heads are split, which the plan does not mention.
+
+    They act on this rank's heads only. A per-head norm shared by all heads (Phi's `q_layernorm`
+    with `qk_layernorm=True`, weights of `head_dim`) is replicated and its gradients summed over
+    the group, as the plans of Qwen3 and Gemma-3 say for their `q_norm`; left alone, each rank
+    kept its own partial gradient and the copies drifted apart without an error. Anything else
+    (Cohere's `q_norm` with `use_qk_norm=True` holds one weight row per head, [heads, head_dim])
+    would need a split the plan does not describe: refused, naming the module, rather than a
+    shape error in the first forward or silently wrong training.
+    """
+    module = modules[attention]
+    head_dim = _head_dim(module, getattr(model, "config", None))
+    own = [f"{name} {tuple(p.shape)}" for name, p in module.named_parameters(recurse=False)]
+    if own:
+        raise _uncovered(model, attention, attention, type(module).__name__, own)
+    covered = [name for name in styled if name == attention or name.startswith(attention + ".")]
+    for child_name, child in module.named_modules():
+        name = f"{attention}.{child_name}"
+        if not child_name or any(name == c or name.startswith(c + ".") for c in covered):
+            continue
+        params = list(child.named_parameters(recurse=False))
+        if not params:
+            continue
+        if head_dim and all(p.dim() == 1 and p.numel() == head_dim for _, p in params):
+            tpinfo.reduce_grads(_suffix(name))
+            covered.append(name)
+            continue
+        raise _uncovered(model, attention, name, type(child).__name__,
+                         [f"{n} {tuple(p.shape)}" for n, p in params], head_dim)
+
+
+def _head_dim(attention: nn.Module, config: Any) -> Optional[int]:
+    """The width of one head: the module's `head_dim`, else the config's (given, or hidden / heads)."""
+    for source in (attention, config):
+        value = getattr(source, "head_dim", None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0:
+        return hidden // heads
+    return None
+
+
+def _uncovered(model: nn.Module, attention: str, name: str, kind: str, params: List[str],
+               head_dim: Optional[int] = None) -> ValueError:
+    per_head = f" (not one weight of head_dim={head_dim} shared by the heads)" if head_dim else ""
+    return ValueError(f"tensor parallel: the transformers plan of {type(model).__name__} splits the heads of "
+                      f"{attention!r}, but not {name!r} ({kind}, parameters {params}{per_head}), which acts on "
+                      "them; atorch cannot tell how to split it. Leave tensor parallelism out for this model "
+                      "(fsdp shards it) or pass your own TPInfo ('tensor_parallel', {'tpinfo': ...})")
 
 
 def _check_expert_weight(name: str, style: str, experts: Set[str]) -> None:

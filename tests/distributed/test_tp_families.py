@@ -12,7 +12,10 @@ unsharded model itself, so both sides see identical inputs. Checked per family:
   (AdamW's normalization amplifies summation-order differences over the steps);
 - parameters per rank of the transformer blocks <= 1.1 x unsharded / 2 (replicated norms,
   biases of row-parallel layers and routers are the excess);
-- the gathered state dict has the unsharded model's keys and shapes.
+- the gathered state dict has the unsharded model's keys and shapes, and its trained weights are
+  plain training's within LR / 5 (a replicated weight whose gradient is not summed drifts by ~LR
+  a step; Phi with `qk_layernorm`, whose per-head norms transformers' plan leaves out, is checked
+  the same way).
 
 With `gather_logits=False` (llama, and gemma whose vocabulary of 1001 is padded to 1002), the
 model returns this rank's vocabulary slice and `vocab_parallel_cross_entropy` over the slices
@@ -40,6 +43,10 @@ from atorch.testing.tp_families import FAMILIES, MORE_PLAN_FAMILIES, build_famil
 
 LOGITS_REL, LOSS_REL, BLOCK_BYTES_SLACK = 1e-5, 1e-4, 1.1
 STEPS, BATCH, LR, TP = 3, 4, 1e-3, 2
+# Trained weights vs plain training's, absolute: a weight whose gradient is not summed over the group drifts
+# by about LR a step (3e-3 to 5e-3 after 3 steps); summation order alone moves most by ~1e-7, and weights whose
+# true gradient is zero (a key norm's bias, which the softmax cancels) by Adam-normalized float noise: 6e-5.
+PARAM_ABS = LR / 5
 GENERATE_FAMILIES = ("llama", "gpt2", "mixtral")
 SLICE_FAMILIES = ("llama", "gemma")
 
@@ -102,7 +109,34 @@ def _family(name: str, group: Any) -> Dict[str, Any]:
     merged, plain = gather_tp_state_dict(model), reference.state_dict()
     out["state_keys_match"] = list(merged) == list(plain)
     out["state_shapes_match"] = all(tuple(merged[k].shape) == tuple(v.shape) for k, v in plain.items() if k in merged)
+    out["param_err"] = _max_param_err(merged, plain)
     return out
+
+
+def _max_param_err(merged: Dict[str, torch.Tensor], plain: Dict[str, torch.Tensor]) -> float:
+    """The largest absolute difference of any trained weight from plain training's (a weight whose gradient
+    missed its sum over the group drifts by about LR a step; summation order alone moves it ~1e-7)."""
+    return max((merged[k].float() - v.float()).abs().max().item() for k, v in plain.items()
+               if k in merged and v.is_floating_point())
+
+
+def _per_head_norms(group: Any) -> Dict[str, Any]:
+    """Phi with `qk_layernorm`: its per-head norms are not in transformers' plan; trained, every weight
+    (the norms' included) must follow plain training (they drifted apart per rank, losses within 4e-5)."""
+    from transformers import AutoModelForCausalLM
+
+    from atorch.tensor_parallel import gather_tp_state_dict, shard_model, tpinfo_for_model
+
+    config = more_family_config("phi")
+    config.qk_layernorm = True
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model = shard_model(model, tpinfo_for_model(model), group, randomizer=_randomizer(group))
+    losses, reference_losses = _train(model, config.vocab_size), _train(reference, config.vocab_size)
+    return {"losses": losses, "reference_losses": reference_losses,
+            "param_err": _max_param_err(gather_tp_state_dict(model), reference.state_dict())}
 
 
 def _generate(name: str, group: Any) -> Dict[str, Any]:
@@ -170,7 +204,8 @@ def _run() -> Dict[str, Any]:
     return {"families": {name: _family(name, group) for name in FAMILIES},
             "generate": {name: _generate(name, group) for name in GENERATE_FAMILIES},
             "slices": {name: _slices(name, group) for name in SLICE_FAMILIES},
-            "more": {name: _more(name, group) for name in MORE_PLAN_FAMILIES}}
+            "more": {name: _more(name, group) for name in MORE_PLAN_FAMILIES},
+            "per_head_norms": _per_head_norms(group)}
 
 
 def test_every_family_matches_the_unsharded_model_and_generates_its_tokens():
@@ -186,6 +221,7 @@ def test_every_family_matches_the_unsharded_model_and_generates_its_tokens():
             assert r["block_bytes"] <= BLOCK_BYTES_SLACK * r["full_block_bytes"] / TP, (
                 what, r["block_bytes"], r["full_block_bytes"])
             assert r["state_keys_match"] and r["state_shapes_match"], what
+            assert r["param_err"] <= PARAM_ABS, (what, r["param_err"])
         for name, modes in result["generate"].items():
             for mode, tokens in modes.items():
                 assert tokens["tp"] == tokens["plain"], (name, mode, rank, tokens)
@@ -197,5 +233,8 @@ def test_every_family_matches_the_unsharded_model_and_generates_its_tokens():
         for name, r in result["more"].items():
             # Every block holds less than the unsharded one (PhiMoE's plan splits only its experts).
             assert r["logits_err"] <= LOGITS_REL and r["block_bytes"] < r["full_block_bytes"], (name, rank, r)
+        norms = result["per_head_norms"]
+        assert_close_losses(norms["losses"], norms["reference_losses"], rel=LOSS_REL, what=f"phi qk_layernorm {rank}")
+        assert norms["param_err"] <= PARAM_ABS, (rank, norms["param_err"])
     # The ranks agree with each other too (they each matched the reference, but say it).
     assert results[0]["generate"] == results[1]["generate"]

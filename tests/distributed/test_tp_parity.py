@@ -134,7 +134,7 @@ def _train_one(kind: str, dims: List[Tuple[str, int]], meta: bool, **tp_config: 
     inner = result.model.module if hasattr(result.model, "module") else result.model
     assert isinstance(inner.lm_head, ColumnParallelLinear), type(inner.lm_head)
     out: Dict[str, Any] = {"logits0": _eval_logits(inner, _probe()), "block_bytes": tp_param_bytes(_blocks(inner)),
-                           "strategy": chosen.names()}
+                           "strategy": chosen.names(), "summary": result.summaries.get("tensor_parallel")}
     losses = []
     for _, batch in zip(range(STEPS), result.dataloader):
         loss = train_step(result, batch)
@@ -145,7 +145,7 @@ def _train_one(kind: str, dims: List[Tuple[str, int]], meta: bool, **tp_config: 
     out["logits1"] = _eval_logits(inner, _probe())
     merged = gather_tp_state_dict(result.model)
     if dist.get_rank() != 0:  # rank 0 reports the large tensors; the others only what they all must agree on
-        out = {"losses": losses, "block_bytes": out["block_bytes"], "strategy": out["strategy"]}
+        out = {"losses": losses, "block_bytes": out["block_bytes"], "strategy": out["strategy"], "summary": out["summary"]}
     else:
         out["merged"] = merged
     del result, inner, merged
@@ -373,6 +373,12 @@ def _check_config(kind: str, dims: List[Tuple[str, int]], results: List[Dict[str
     # With a data dimension, resolve_strategy adds ddp (nothing else syncs gradients over "data").
     expected_names = ["parallel_mode", "tensor_parallel"] + (["ddp"] if dp > 1 else [])
     assert rank0["strategy"] == expected_names, rank0["strategy"]
+    for r in results:  # what tensor parallelism did, in result.summaries like every optimization
+        summary = r["summary"]
+        assert summary["size"] == tp and summary["logits"] == "gathered", (what, summary)
+        layers = _config(kind).num_hidden_layers   # per block: 2 row-parallel linears, 2 (gpt2) or 5 column
+        assert summary["modules"]["vocab"] == 1 and summary["modules"]["col"] >= 2 * layers + 1, (what, summary)
+        assert summary["modules"]["row"] == 2 * layers, (what, summary)
     assert _rel_err(rank0["logits0"], expected["logits0"]) <= LOGITS_REL, (what, _rel_err(rank0["logits0"],
                                                                                            expected["logits0"]))
     for r in results:

@@ -92,3 +92,17 @@ def test_a_stage_the_user_froze_entirely_is_refused_before_the_split():
     for param in model.parameters():
         param.requires_grad_(False)
     resolve_strategy(Strategy([*strategy, "lora"]), ValidationContext(world_size=4, model=model))
+
+
+@pytest.mark.parametrize("order", ["pipeline_first", "tensor_first"])
+def test_tensor_parallel_with_the_native_pipeline_points_to_deepspeed_3d(order):
+    """The README's tensor-parallel section once read as if the native pipeline split layers inside its stages."""
+    extra = [("tensor_parallel", None)]
+    dims = [("tensor", 2), ("pipeline", 2)]
+    with pytest.raises(ValueError, match=r"'pipeline_parallel' and 'tensor_parallel' cannot be combined: the native "
+                                         r"pipeline does not split layers .* use deepspeed_3d_parallel"):
+        if order == "pipeline_first":
+            _resolve(dims, extra=extra)
+        else:
+            resolve_strategy(Strategy([("parallel_mode", (dims, None)), *extra, ("pipeline_parallel", None)]),
+                             ValidationContext(world_size=4, model=_meta()))

@@ -128,3 +128,33 @@ def test_lora_layers_at_a_group_of_one_compute_base_plus_scaled_adapter():
         expected = full(x) + 2.0 * x @ layer.lora_A.t() @ layer.lora_B.t()
         torch.testing.assert_close(layer(x), expected)
         assert set(layer.shard_specs()) >= {"weight"}
+
+
+def _more_meta(model_type, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    config = more_family_config(model_type)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    with record_module_init():
+        return AutoModelForCausalLM.from_config(config)
+
+
+def test_per_head_norms_the_plan_leaves_out_get_their_gradients_summed():
+    """Phi's `qk_layernorm` norms (one weight of head_dim for all heads) act on this rank's heads only;
+    transformers' plan does not list them, and without the sum each rank trained its own copy."""
+    model = _more_meta("phi", qk_layernorm=True)
+    tpinfo = tpinfo_for_model(model)
+    assert set(tpinfo.grad_reduce) == {"self_attn.q_layernorm", "self_attn.k_layernorm"}
+    counts = _counts(resolve_tp_plan(model, tpinfo, 2, gather_logits=True))
+    assert counts[GRAD_REDUCE] == 2 * model.config.num_hidden_layers, counts
+    assert not tpinfo_for_model(_more_meta("phi")).grad_reduce      # without the norms: nothing to sum
+
+
+def test_a_weight_per_head_the_plan_leaves_out_is_refused_naming_it():
+    """Cohere's `use_qk_norm` holds one norm row per head ([heads, head_dim]): a split the plan does not
+    describe (it failed in the first forward with a shape error)."""
+    model = _more_meta("cohere", use_qk_norm=True)
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_norm' \(CohereLayerNorm, parameters "
+                                         r"\['weight \(4, 16\)'\].*Leave tensor parallelism out"):
+        tpinfo_for_model(model)

@@ -90,6 +90,12 @@ class PipelineParallelOptimization(Optimization):
     search_dimension = "parallel"
 
     @classmethod
+    def config_conflicts(cls, config: PipelineParallelConfig) -> Dict[str, str]:
+        """Partners outside `allowed_partners` a user is likely to try, with what to use instead."""
+        return {"tensor_parallel": "the native pipeline does not split layers inside its stages; use "
+                                   "deepspeed_3d_parallel for tensor x data x pipeline"}
+
+    @classmethod
     def search_choices(cls, context: ValidationContext) -> List[Any]:
         """The layouts of `search_layouts`, each with its chunks (the default, one per stage, when the
         batch is unknown); nothing when the training data is known and `apply` would refuse it

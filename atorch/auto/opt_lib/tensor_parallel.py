@@ -15,6 +15,7 @@ import torch.distributed as dist
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
 from atorch.tensor_parallel import TPInfo, apply_tensor_parallel, validate_tensor_parallel
+from atorch.tensor_parallel.plan import TPPlan
 from atorch.utils.meta_model_utils import DEFAULT_BASE_SEED
 
 
@@ -97,3 +98,13 @@ class TensorParallelOptimization(Optimization):
             gather_logits=config.gather_logits, device=ctx.device)
         ctx.model = built.model
         ctx.randomizer = built.randomizer
+        ctx.summaries[self.name] = tp_summary(built.plan)
+
+
+def tp_summary(plan: TPPlan) -> Dict[str, Any]:
+    """What tensor parallelism did, for `result.summaries`: its size, the modules per role, the head's output."""
+    roles: Dict[str, int] = {}
+    for action in plan.actions.values():
+        roles[action.kind] = roles.get(action.kind, 0) + 1
+    return {"size": plan.tp_size, "modules": dict(sorted(roles.items())),
+            "logits": "gathered" if plan.gather_logits else ("vocabulary slice" if plan.vocab_parallel_loss else "full")}
