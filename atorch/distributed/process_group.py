@@ -293,8 +293,7 @@ def _rendezvous_store(rank_: int, world: int, addr: str, port: int, join: dateti
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     is_agent_store = attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     try:
-        base = dist.TCPStore(addr, port, world, is_master=not is_agent_store and rank_ == 0, timeout=join,
-                             wait_for_workers=False)
+        base = _connect_store(addr, port, world, not is_agent_store and rank_ == 0, join)
     except (RuntimeError, dist.DistError) as e:
         if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
             raise timeouts.DistributedInitError(
@@ -316,6 +315,35 @@ def _rendezvous_store(rank_: int, world: int, addr: str, port: int, join: dateti
     # Where each rank runs, for the messages that name the ranks (and nodes) a collective lost.
     store.set(f"{timeouts.NODE_KEY}/{rank_}", timeouts.this_node())
     return store
+
+
+# Longest single connection attempt of a rank that is not the store's host (see `_connect_store`).
+_CONNECT_ATTEMPT_S = 5.0
+
+
+def _connect_store(addr: str, port: int, world: int, is_master: bool, join: datetime.timedelta) -> dist.TCPStore:
+    """The TCPStore at addr:port, hosting it on rank 0, within `join` (then its timeout for every operation).
+
+    A client rank does not hand `join` to torch's connect: torch retries a timed-out connect once
+    more with the same timeout after a random back-off, so a rank 0 that never came up failed the
+    others after more than twice `join` (23.5 s for ATORCH_INIT_TIMEOUT=10, 136 s for the default
+    60) while the message said "within 10 s". Short attempts under one deadline keep it to `join`
+    plus a fraction of one attempt.
+    """
+    if is_master:
+        return dist.TCPStore(addr, port, world, is_master=True, timeout=join, wait_for_workers=False)
+    deadline = time.monotonic() + join.total_seconds()
+    while True:
+        remaining = deadline - time.monotonic()
+        attempt = datetime.timedelta(seconds=max(0.5, min(_CONNECT_ATTEMPT_S, remaining / 3)))
+        try:
+            store = dist.TCPStore(addr, port, world, is_master=False, timeout=attempt, wait_for_workers=False)
+        except (RuntimeError, dist.DistError):
+            if time.monotonic() + attempt.total_seconds() >= deadline:
+                raise
+            continue
+        store.set_timeout(join)
+        return store
 
 
 def _check_in(store: dist.Store, rank_: int, world: int, where: str, join: datetime.timedelta) -> None:

@@ -107,3 +107,32 @@ def test_no_gloo_thread_outlives_the_reset_of_a_ddp_job():
     A fresh interpreter, since this pytest process may have imported torch._dynamo already."""
     threads = _threads_after(_DDP_JOB)
     assert "gloo" not in threads and "tcpstore" not in threads, threads
+
+
+def test_a_rank_that_cannot_reach_the_store_fails_within_the_init_timeout(monkeypatch):
+    """torch retries a timed-out connect once more with the same timeout (plus a back-off), so a rank
+    whose rank 0 never came up failed after more than twice ATORCH_INIT_TIMEOUT (23.5 s for 10)."""
+    import datetime
+
+    from atorch.distributed import process_group
+
+    now = [0.0]
+    attempts = []
+
+    class NeverReachable:
+        def __init__(self, *args, timeout, is_master, **kwargs):
+            attempts.append(timeout.total_seconds())
+            now[0] += 2.3 * timeout.total_seconds()     # what torch's client took: two tries and a back-off
+            raise dist.DistNetworkError("The client socket has timed out")
+
+    monkeypatch.setattr(process_group.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(process_group.dist, "TCPStore", NeverReachable)
+    join = datetime.timedelta(seconds=60)
+    try:
+        process_group._connect_store("127.0.0.1", 1, 2, False, join)
+    except dist.DistNetworkError:
+        pass
+    else:
+        raise AssertionError("no error")
+    assert now[0] <= 60 + 2.3 * 5, (now[0], attempts)       # the deadline, overrun by at most one attempt
+    assert max(attempts) <= process_group._CONNECT_ATTEMPT_S and len(attempts) > 1, attempts

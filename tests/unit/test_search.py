@@ -319,6 +319,30 @@ def test_time_limit_is_honoured(dummy_opts):
     assert "time_limit_s=35" in result.stop_reason
 
 
+def test_time_limit_counts_a_candidate_predicted_slow(dummy_opts):
+    """A dry run's length follows its step time: a candidate predicted 15x slower than those tried is
+    not started with time for a typical trial left (one overran time_limit_s=5 threefold) while
+    quicker ones still fit; without predictions an overrun is reported as one, not as "would be"."""
+    space = space32()
+    table = landscape(space, 2)
+    step = {s: 15.0 if "t_zero3" in s.names() else 1.0 for s in table}
+    now = [0.0]
+
+    def timed(strategy):   # a dry run lasts 1 (fake) second, 15 for the slow candidates
+        now[0] += step[strategy]
+        return DryRunResult(table[strategy])
+
+    result = search_strategy(space, timed, max_trials=30, patience=30, time_limit_s=12.0, clock=lambda: now[0],
+                             predictor=lambda s: Estimate(1000, step[s] / 100.0), planner_factory=FirstRemaining)
+    assert now[0] <= 12.0 and (result.trials["seconds"] == 1.0).all(), list(result.trials["seconds"])
+    assert len(result.trials) == 12 and "time_limit_s=12 would be exceeded" in result.stop_reason
+    now[0] = 0.0
+    result = search_strategy(space, timed, max_trials=30, patience=30, time_limit_s=12.0, clock=lambda: now[0],
+                             planner_factory=FirstRemaining)
+    assert list(result.trials["seconds"]) == [1.0, 1.0, 1.0, 15.0]   # the slow one unforeseen
+    assert result.stop_reason == "time_limit_s=12 exceeded: 18.0 s spent (a trial took longer than expected)"
+
+
 def test_time_limit_with_the_real_clock(dummy_opts):
     space = space32()
     table = landscape(space, 2)

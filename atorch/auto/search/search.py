@@ -185,11 +185,27 @@ class _Search:
         probs = self.feasibility.probabilities(list(indices))
         return {i: f.p * self.failures.p_runs(i) for i, f in probs.items() if f.p >= PRUNE_BELOW}
 
-    def out_of_time(self, planner_cost: float = 0.0) -> bool:
-        """Whether another trial (as long as the typical one so far, plus `planner_cost`) would
-        overrun time_limit_s."""
+    def out_of_time(self, planner_cost: float = 0.0, index: Optional[int] = None) -> bool:
+        """Whether another trial (of candidate `index`, or as long as the typical one so far), plus
+        `planner_cost`, would overrun time_limit_s."""
         limit = self.limits.time_limit_s
-        return limit is not None and self.clock() - self.start + self.trials.typical_seconds() + planner_cost > limit
+        return limit is not None and \
+            self.clock() - self.start + self.trials.expected_seconds(index) + planner_cost > limit
+
+    def within_time(self, remaining: Dict[int, float]) -> Dict[int, float]:
+        """The candidates of `remaining` whose trial is expected to end within time_limit_s (one
+        predicted much slower than those tried may not, while quicker ones still fit)."""
+        if self.limits.time_limit_s is None:
+            return remaining
+        return {i: p for i, p in remaining.items() if not self.out_of_time(index=i)}
+
+    def time_stop_reason(self) -> str:
+        """Why the search stopped on time: the limit ahead, or already passed (a trial took longer than expected)."""
+        limit = self.limits.time_limit_s
+        spent = self.clock() - self.start
+        if limit is not None and spent > limit:
+            return f"time_limit_s={limit:g} exceeded: {spent:.1f} s spent (a trial took longer than expected)"
+        return f"time_limit_s={limit:g} would be exceeded by another trial"
 
     # -- the search ------------------------------------------------------------------------------
 
@@ -234,7 +250,7 @@ class _Search:
                         f"{limits.patience} dry runs failed (not out of memory) before any ran (patience)"), 0
             pick = self.next_pick(remaining)
             if pick is None:
-                return f"time_limit_s={limits.time_limit_s:g} would be exceeded by another trial", 0
+                return self.time_stop_reason(), 0
             improved = self.run_trial(pick.index, pick.planner_s, pick.source)
             self._count_for_patience(improved, pick.is_seed)
 
@@ -249,13 +265,16 @@ class _Search:
     def next_pick(self, remaining: Dict[int, float]) -> Optional[_Pick]:
         """The next candidate among `remaining`: a seed while seeding lasts, then the planner's
         suggestion; None when it (and, for a suggestion, the planner's work) would overrun time_limit_s."""
+        remaining = self.within_time(remaining)
+        if not remaining:
+            return None
         seeded = self.seeding.next(remaining, self.predictions, self.trials.tried, list(self.trials.runs))
         if self.out_of_time(self.planner.expected_seconds if self.planner and seeded is None else 0.0):
             return None
         if seeded is not None:
             return _Pick(seeded[0], seeded[1], float("nan"), True)
         suggestion = self._suggest(remaining)
-        if self.out_of_time():     # the suggestion took longer than the planner expected
+        if self.out_of_time(index=suggestion.index):     # the suggestion took longer than the planner expected
             return None
         return _Pick(suggestion.index, f"hebo-{suggestion.how}", suggestion.seconds, False)
 
