@@ -17,27 +17,13 @@ import platform
 import sys
 from typing import Any, List, Optional
 
-RUN_HELP = """usage: atorch run [atorch options] [torchrun options] SCRIPT.py [script args]
-
-Launch SCRIPT on this node's processes (torch elastic underneath).
-
-atorch options:
-  --nproc_per_node N      processes on this node (e.g. one per GPU)
-  --nnodes N              nodes in the job (default 1)
-  --node_rank R           this node's rank (multi-node)
-  --master_addr HOST      rendezvous host (multi-node; default 127.0.0.1)
-  --master_port PORT      rendezvous port (default: a free port on one node, 29500 on several)
-  --fault_tolerant        restart the whole worker group after a failure (c10d rendezvous)
-  --max_restarts N        restarts allowed (default 3 with --fault_tolerant, else 0)
-
-Every other option before SCRIPT is torchrun's (python -m torch.distributed.run --help).
-"""
-
 
 def _run(argv: List[str]) -> int:
+    from atorch.distributed.run import run_help
+
     if not argv or argv[0] in ("-h", "--help"):
         # Asked for help: stdout, 0; no script to run is a usage error: stderr, 2 (as argparse does).
-        print(RUN_HELP, file=sys.stdout if argv else sys.stderr)
+        print(run_help("atorch run"), file=sys.stdout if argv else sys.stderr)
         if not argv:
             print("atorch run: error: give the training script to launch", file=sys.stderr)
         return 0 if argv else 2

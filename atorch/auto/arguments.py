@@ -99,6 +99,23 @@ def validate_arguments(
         if value is not None and (isinstance(value, (str, bytes)) or not isinstance(value, Iterable)
                                   or not all(isinstance(v, str) for v in value)):
             raise TypeError(f"{name}={value!r} must be a list of optimization names, e.g. ['fsdp', 'amp_native']")
+        _check_optimization_names(name, value)
+
+
+def _check_optimization_names(argument: str, names: Optional[Iterable[str]]) -> None:
+    """Every name of `excluded`/`included` is an optimization (or one of ATorch's that atorch does not
+    have): a typo raises even when `load_strategy` makes the list unused, so it does not go unnoticed
+    until the search is run."""
+    from atorch.auto.compat import ATORCH_ONLY_OPTIMIZATIONS
+    from atorch.auto.opt_lib.base import canonical_name
+
+    for name in names or ():
+        if name in ATORCH_ONLY_OPTIMIZATIONS:
+            continue
+        try:
+            canonical_name(name)
+        except ValueError as e:
+            raise ValueError(f"{argument}={list(names or ())!r}: {e}") from None
 
 
 def check_dry_run_batches(*, has_batches: bool, load_strategy_given: bool, ignore_dryrun_on_load_strategy: Any) -> None:

@@ -80,6 +80,29 @@ def _config_of(model_or_path: Union[nn.Module, str, os.PathLike], source: Dict[s
     return AutoConfig.from_pretrained(path)
 
 
+def _check_tensor_parallel(model_or_path: Union[nn.Module, str, os.PathLike], config: Any, tp_size: int) -> None:
+    """The checks each worker's sharding would make (heads divisible, a plan for the model), here, before
+    any worker starts: a ValueError now rather than a WorkerError after the workers have loaded the weights.
+    A folder's model is built on the meta device from its config (nothing is read); a model that cannot
+    be built that way is left to the workers."""
+    from atorch.tensor_parallel import validate_tensor_parallel
+
+    if isinstance(model_or_path, nn.Module):
+        model = model_or_path
+    else:
+        from transformers import AutoModelForCausalLM
+
+        try:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+        except Exception:  # noqa: BLE001 - not a causal LM transformers builds from its config: the workers decide
+            return
+    try:
+        validate_tensor_parallel(model, None, tp_size)
+    except ValueError as e:
+        raise ValueError(f"deploy: tensor_parallel_size={tp_size}: {e}") from None
+
+
 def _generation_config_of(model_or_path: Union[nn.Module, str, os.PathLike], source: Dict[str, Any],
                           config: Any) -> Any:
     """The generation defaults the workers' models have: the model object's, or the folder's
@@ -134,6 +157,8 @@ def deploy(model_or_path: Union[nn.Module, str, os.PathLike], tensor_parallel_si
         source["dtype"] = str(dtype).removeprefix("torch.")
     setup = {**source, "device": device, "fuse": fuse, "timeout_s": collective_timeout_s}
     config = _config_of(model_or_path, source)
+    if tensor_parallel_size > 1 and fuse is None:
+        _check_tensor_parallel(model_or_path, config, tensor_parallel_size)
     state = None
     if source["source"] == "module":
         state = {k: v.detach() for k, v in cast(nn.Module, model_or_path).state_dict().items()}

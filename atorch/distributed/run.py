@@ -45,6 +45,25 @@ DEFAULT_MASTER_PORT = 29500
 # init_distributed's 60 s on purpose: the nodes of a cluster job may start minutes apart (image pulls, queues).
 DEFAULT_LAUNCHER_JOIN_TIMEOUT_S = 600.0
 PROG = "atorch.distributed.run"
+
+
+def run_help(prog: str = PROG) -> str:
+    """The launcher's usage text (`atorch run --help`, `python -m atorch.distributed.run --help`)."""
+    return f"""usage: {prog} [atorch options] [torchrun options] SCRIPT.py [script args]
+
+Launch SCRIPT on this node's processes (torch elastic underneath).
+
+atorch options:
+  --nproc_per_node N      processes on this node (e.g. one per GPU)
+  --nnodes N              nodes in the job (default 1)
+  --node_rank R           this node's rank (multi-node)
+  --master_addr HOST      rendezvous host (multi-node; default 127.0.0.1)
+  --master_port PORT      rendezvous port (default: a free port on one node, 29500 on several)
+  --fault_tolerant        restart the whole worker group after a failure (c10d rendezvous)
+  --max_restarts N        restarts allowed (default 3 with --fault_tolerant, else 0)
+
+Every other option before SCRIPT is torchrun's (python -m torch.distributed.run --help).
+"""
 _NO_PYTHON_FLAGS = ("--no_python", "--no-python")
 _MODULE_FLAGS = ("-m", "--module")
 # atorch's own launcher flags that take no value (the others, and torch's, are looked up in torch's parser).
@@ -518,8 +537,11 @@ def main(argv: Optional[List[str]] = None, prog: str = PROG) -> None:
     `prog` names the launcher in messages (atorch.distributed.launch forwards its jobs here)."""
     from torch.distributed.run import parse_args as torch_parse_args
 
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(arg in ("-h", "--help") for arg in args[:_split_at_script(args)]):
+        print(run_help(prog))
+        raise SystemExit(0)
     try:
-        args = list(sys.argv[1:] if argv is None else argv)
         translated = translate_args(args)
         check_environment(args)
         torch_args = torch_parse_args(translated)

@@ -321,25 +321,25 @@ def learning_rate(args: argparse.Namespace, mode: str) -> float:
 
 
 def parameter_counts(model: nn.Module) -> dict:
-    """Total and trainable elements (this rank's view), and trainable tensors outside LoRA adapters."""
+    """Total and trainable elements (this rank's view), and trainable elements outside LoRA adapters."""
     total = trainable = outside = 0
     for name, p in model.named_parameters():
         total += p.numel()
         if p.requires_grad:
             trainable += p.numel()
-            outside += not any(marker in name for marker in LORA_PARAMETER_MARKERS)
-    return {"total": total, "trainable": trainable, "trainable_non_lora_tensors": outside}
+            outside += 0 if any(marker in name for marker in LORA_PARAMETER_MARKERS) else p.numel()
+    return {"total": total, "trainable": trainable, "trainable_non_lora": outside}
 
 
 def announce_parameters(model: nn.Module, lora_summary: Optional[dict] = None) -> None:
     """`params: total=... trainable=... trainable_non_lora=...` on rank 0.
 
     total/trainable come from the lora optimization's count (taken before sharding) when LoRA is
-    on, else from this rank's view of the model. `trainable_non_lora` counts trainable tensors
+    on, else from this rank's view of the model. `trainable_non_lora` counts trainable elements
     outside LoRA adapters, maximum over ranks: 0 is what LoRA promises.
     """
     counts = parameter_counts(model)
-    outside = torch.tensor([counts.pop("trainable_non_lora_tensors")], dtype=torch.int64, device=adist.device())
+    outside = torch.tensor([counts.pop("trainable_non_lora")], dtype=torch.int64, device=adist.device())
     if dist.is_initialized():
         dist.all_reduce(outside, op=dist.ReduceOp.MAX)
     if lora_summary is not None:

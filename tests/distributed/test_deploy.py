@@ -203,6 +203,16 @@ def test_bad_arguments_are_value_errors_before_any_process_starts(tmp_path):
         atorch.deploy(str(tmp_path))
     with pytest.raises(ValueError, match="neither a model object nor a directory"):
         atorch.deploy(str(tmp_path / "missing"))
+    # A split the model's heads refuse: before the workers load anything (it was a WorkerError after).
+    for source in (tiny_llama(), _saved_folder(tmp_path)):
+        with pytest.raises(ValueError, match=r"deploy: tensor_parallel_size=3: .*num_attention_heads=4"):
+            atorch.deploy(source, tensor_parallel_size=3)
+
+
+def _saved_folder(tmp_path):
+    folder = tmp_path / "hf"
+    tiny_llama().save_pretrained(folder)
+    return str(folder)
 
 
 def test_the_proxy_has_the_folders_generation_defaults(tmp_path):

@@ -220,3 +220,11 @@ def test_batch_stream_counts_epochs_and_batches():
     assert (stream.epoch, stream.batches_in_epoch) == (2, 1)
     with pytest.raises(RuntimeError, match="yields no batch"):
         next(eu.BatchStream(torch.utils.data.DataLoader([], batch_size=2)))
+
+
+def test_parameter_counts_are_elements_all_three():
+    """`params: total=... trainable=... trainable_non_lora=...`: the last counted tensors (21) next to two
+    counts of elements (213312)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model[1].weight.requires_grad_(False)
+    assert eu.parameter_counts(model) == {"total": 15 + 8, "trainable": 15 + 2, "trainable_non_lora": 15 + 2}

@@ -126,6 +126,17 @@ def test_env_run_help_and_unknown_command(capsys):
     assert main(["frobnicate"]) == 2
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["-h"], ["--nproc_per_node", "2", "--help"]])
+def test_the_launcher_module_prints_its_help(argv, capsys):
+    """`python -m atorch.distributed.run --help` failed with "no training script in ['--help']"."""
+    from atorch.distributed.run import main as run_main
+
+    with pytest.raises(SystemExit) as info:
+        run_main(argv)
+    out = capsys.readouterr().out
+    assert info.value.code == 0 and out.startswith("usage: atorch.distributed.run ") and "--fault_tolerant" in out
+
+
 def test_console_script_entry_point():
     out = subprocess.run([sys.executable, "-m", "atorch.cli", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "atorch plan" in out.stdout

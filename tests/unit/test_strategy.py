@@ -96,6 +96,11 @@ def test_auto_accelerate_logs_what_it_does_not_use_and_what_it_leaves_out(caplog
     messages = [r.getMessage() for r in caplog.records]
     assert any("excluded=['fsdp'] and included=None only restrict the automatic search" in m for m in messages)
     assert any("10 samples in global batches of 4: the last 2 are left out in each epoch" in m for m in messages)
+    # Unused, but a typo is still a typo (it only warned, and surfaced when the search was run).
+    for argument in ("excluded", "included"):
+        with pytest.raises(ValueError, match=rf"{argument}=\['fsdpp'\]: unknown optimization 'fsdpp'"):
+            auto_accelerate(tiny_llama(), torch.optim.AdamW, TokenDataset(n=10, seq_len=8),
+                            dataloader_args={"batch_size": 4}, load_strategy=["parallel_mode"], **{argument: ["fsdpp"]})
 
 
 # -- hashing agrees with ==, and never raises -------------------------------------------------------

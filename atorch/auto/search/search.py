@@ -35,7 +35,8 @@ predictor (the cost model); it never imports training code. Order of work:
    is then "challenger"), round after round until a 95%
    interval of their throughput ratio (`stats.py`) separates the leader from every other
    candidate or the rounds are spent; inside the noise, the one using at least 10% less memory
-   wins, else the higher measured mean. A leader ahead of everyone by more than `CLEAR_LEAD`
+   wins if it gives up little throughput (measured means within 1%, or, when it is the one
+   measured slower, an expected loss below 1%: `TrialLog.compare`), else the higher measured mean. A leader ahead of everyone by more than `CLEAR_LEAD`
    (with 95% confidence) is not re-measured, and no budget is kept for it meanwhile; budget kept
    for rounds that the separation made unnecessary goes back to the search (once). `SearchResult.comparison` holds the
    winner against the runner-up, `reason` says it in one line.
