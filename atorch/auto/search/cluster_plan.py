@@ -168,7 +168,7 @@ class ClusterPlan:
             lines.append("no candidate strategy fits in device memory")
         else:
             shown = self.table.head(top).copy()
-            shown["memory_gb"] = shown["memory_gb"].map(lambda v: f"{v:.1f}")
+            shown["memory_gb"] = shown["memory_gb"].map(lambda v: f"{v:.3g}")   # a tiny model's 0.0012, not 0.0
             shown["step_time_s"] = shown["step_time_s"].map(lambda v: f"{v:.3g}")
             shown["samples_per_s"] = shown["samples_per_s"].map(lambda v: f"{v:.4g}")
             lines.append(shown.to_string(index=False))
@@ -214,8 +214,9 @@ def plan_cluster(model_config: Any, world_size: int, device: str, global_batch: 
         row = {"strategy": candidate.label(), "memory_gb": est.peak_memory_bytes / 1e9,
                "step_time_s": est.step_time_s, "samples_per_s": est.throughput(global_batch)}
         if est.peak_memory_bytes > limit:
-            too_big.append({**row, "reason": f"predicted {est.peak_memory_bytes / 1e9:.1f} GB > "
-                                             f"{limit / 1e9:.1f} GB per device"})
+            # 4 digits: one decimal printed "predicted 80.0 GB > 80.0 GB" for 80.04 against 80.
+            too_big.append({**row, "reason": f"predicted {est.peak_memory_bytes / 1e9:.4g} GB > "
+                                             f"{limit / 1e9:.4g} GB per device"})
         else:
             rows.append(row)
     table = pd.DataFrame(rows, columns=["strategy", "memory_gb", "step_time_s", "samples_per_s"])
