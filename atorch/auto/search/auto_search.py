@@ -158,7 +158,7 @@ def search_for_context(ctx: ModelContext, excluded: Optional[Sequence[str]] = No
                 logger.info("searching %s (%d valid candidates), memory limit %s bytes per rank", space,
                             len(space.candidates()), memory_limit)
                 result = _search_or_confirm(space, _leader_evaluator(evaluate), cache, settings, predictor,
-                                            memory_limit, batch_size)
+                                            memory_limit, batch_size, memory_limit_source(settings, ctx.device))
             except BaseException as e:
                 _broadcast(("error", f"{type(e).__name__}: {e}"))
                 raise
@@ -213,11 +213,12 @@ def _write_report_or_warn(result: SearchResult, directory: str, plot_name: str) 
 
 def _search_or_confirm(space: SearchSpace, evaluate: Callable[[Strategy], DryRunResult],
                        cache: Optional[SearchCache], settings: SearchSettings, predictor: Callable[[Strategy], Any],
-                       memory_limit: int, batch_size: int) -> SearchResult:
+                       memory_limit: int, batch_size: int, limit_source: str = "") -> SearchResult:
     """Rank 0: one confirming dry run of the cached winner if there is one, else the search.
 
     A confirmation that fails (the winner no longer runs) falls back to a full search, which
-    still reuses the cached measurements of the other candidates.
+    still reuses the cached measurements of the other candidates. `limit_source` (`memory_limit_source`)
+    is said in the reason line next to the limit when candidates were not run for memory.
     """
     candidates = space.candidates()
     signature = space_signature([c.label() for c in candidates], memory_limit)
@@ -237,11 +238,15 @@ def _search_or_confirm(space: SearchSpace, evaluate: Callable[[Strategy], DryRun
                            confirmed.error)
             just_measured[best.to_json()] = confirmed
         served: List[bool] = []
-        evaluate = _cached_evaluator(evaluate, cache, served, just_measured)
+        evaluate = _cached_evaluator(evaluate, cache, served, just_measured, settings.memory_limit_bytes)
     result = search_strategy(
         space, evaluate, max_trials=settings.max_trials, random_samples=settings.random_samples,
         patience=settings.patience, predictor=predictor, memory_limit_bytes=memory_limit,
         time_limit_s=settings.time_limit_s, batch_size=batch_size, progress=True)
+    if limit_source and not result.pruned.empty:
+        from atorch.auto.search.report import explain
+
+        result.reason = explain(result, limit_source)     # search_strategy knows the limit, not where it came from
     if cache is not None:
         _mark_served(result, served, cache.path)
         cache.record_search(result.best, signature, _records(result.trials), _records(result.pruned), result.reason,
@@ -251,11 +256,17 @@ def _search_or_confirm(space: SearchSpace, evaluate: Callable[[Strategy], DryRun
 
 
 def _cached_evaluator(evaluate: Callable[[Strategy], DryRunResult], cache: SearchCache, served: List[bool],
-                      just_measured: Optional[Dict[str, DryRunResult]] = None) -> Callable[[Strategy], DryRunResult]:
+                      just_measured: Optional[Dict[str, DryRunResult]] = None,
+                      enforced_limit_bytes: Optional[int] = None) -> Callable[[Strategy], DryRunResult]:
     """Serves remembered successful results without a dry run; remembers (and saves) every new one.
     `served` gets one flag per call: whether the cache answered it. `just_measured` (strategy JSON ->
     result) holds dry runs of this process served as they are, failures included (a confirmation
     that just failed): they were measured now, so they are not counted as served by the cache.
+
+    `enforced_limit_bytes` is the memory limit this search's dry runs enforce (ATORCH_DEVICE_MEMORY_LIMIT,
+    None when unset): a remembered success whose measured peak is above it is served as the out-of-memory
+    result such a dry run gives, its peak kept for the memory model (`_served_under_limit`); it was measured
+    under another limit, and served as a success it could win a search it does not fit.
 
     Only a strategy's first evaluation in this search may come from the cache: the search asks
     again for a strategy only to re-measure it (the interleaved top-two comparison), and serving
@@ -276,13 +287,27 @@ def _cached_evaluator(evaluate: Callable[[Strategy], DryRunResult], cache: Searc
             return just_measured[key]
         served.append(cached is not None and cached.ok)
         if served[-1]:
-            return cast(DryRunResult, cached)
+            return _served_under_limit(cast(DryRunResult, cached), enforced_limit_bytes, cache.path)
         result = evaluate(strategy)
         cache.put(strategy, result)
         cache.save()      # after every trial: an interrupted search resumes from here
         return result
 
     return run
+
+
+def _served_under_limit(cached: DryRunResult, limit_bytes: Optional[int], path: str) -> DryRunResult:
+    """`cached`, or when its measured peak is above `limit_bytes`, the out-of-memory result a dry run
+    under that limit gives (the dry runner's tracker raises at the allocation that crosses it): status
+    "oom", throughput 0, the peak kept, so the search prunes what needs as much and learns the memory
+    scale from it. A result without a peak is served as it is (nothing says it does not fit). The dry
+    run also counts what of the user's model stayed on the device (`ModelSource.resident_bytes`,
+    normally nothing: it is offloaded); the remembered peak does not hold it."""
+    peak = cached.peak_memory_bytes
+    if limit_bytes is None or not cached.ok or peak is None or peak <= limit_bytes:
+        return cached
+    return DryRunResult(0.0, peak, f"oom: measured peak {peak} bytes (remembered in {path}) > memory limit "
+                                   f"{limit_bytes} bytes (ATORCH_DEVICE_MEMORY_LIMIT)")
 
 
 def _mark_served(result: SearchResult, served: List[bool], path: str) -> None:
@@ -382,6 +407,17 @@ def ranks_per_node(world_size: int) -> Optional[int]:
     if not local.isdigit() or not 0 < int(local) < world_size:
         return None
     return int(local)
+
+
+def memory_limit_source(settings: SearchSettings, device: torch.device) -> str:
+    """Where the search's memory limit comes from, for the reason line: the user's
+    ATORCH_DEVICE_MEMORY_LIMIT (with its value: the first thing to change when nothing fits), else the
+    device's memory (`device_memory_bytes`)."""
+    if settings.memory_limit_bytes is not None:
+        return f"ATORCH_DEVICE_MEMORY_LIMIT={settings.memory_limit_bytes}"
+    if torch.device(device).type == "cuda":
+        return "the device's memory; ATORCH_DEVICE_MEMORY_LIMIT sets another"
+    return f"{CPU_MEMORY_FRACTION:.0%} of host RAM over the local ranks; ATORCH_DEVICE_MEMORY_LIMIT sets another"
 
 
 def device_memory_bytes(device: torch.device) -> int:

@@ -4,9 +4,9 @@ A setup is (model config hash, world size, device kind and name, library version
 sequence length): `SetupKey`. The cache is one JSON file (never pickle: a results file must not
 be able to run code) holding one setup's dry-run results, keyed by the strategy's JSON, and the
 last completed search (its winner, trial table and reason). A file that cannot be read, is not
-this format, or was recorded for another setup is ignored with a warning that names it, and is
-replaced on the next save. Pure: no collectives and no training code; `auto_search` decides
-when to read and write it (rank 0 only).
+this format (an entry that is not a valid measurement included), or was recorded for another setup
+is ignored with a warning that names it, and is replaced on the next save. Pure: no collectives and
+no training code; `auto_search` decides when to read and write it (rank 0 only).
 """
 
 from __future__ import annotations
@@ -176,7 +176,11 @@ def result_to_json(result: DryRunResult) -> Dict[str, Any]:
 
 def result_from_json(data: Mapping[str, Any]) -> DryRunResult:
     """A remembered dry run; ValueError when the entry is not what `result_to_json` writes (a hand-edited
-    or damaged file must not reach the search as a measurement)."""
+    or damaged file must not reach the search as a measurement).
+
+    Every number is finite and >= 0; a success (no error) is a measurement, so its throughput, step
+    times and interval bounds are > 0, as a dry run reports them: a success with throughput 0 reached
+    the search as the candidate's failure ("evaluator reported throughput 0.0") and retired it."""
     if not isinstance(data, dict):
         raise ValueError(f"a result must be an object, got {type(data).__name__}")
     error = data.get("error")
@@ -188,19 +192,21 @@ def result_from_json(data: Mapping[str, Any]) -> DryRunResult:
     if not isinstance(steps, list) or (ci is not None and (not isinstance(ci, list) or len(ci) != 2)):
         raise ValueError("step_times_s must be a list and throughput_ci null or a [low, high] pair")
     step_time = data.get("step_time_s")
-    if ci is not None and _number(ci[0], "throughput_ci") > _number(ci[1], "throughput_ci"):
+    positive = error is None        # what a successful dry run measured is > 0
+    if ci is not None and _number(ci[0], "throughput_ci", positive) > _number(ci[1], "throughput_ci", positive):
         raise ValueError(f"throughput_ci={ci!r} is not a [low, high] pair")
-    return DryRunResult(_number(data.get("throughput"), "throughput"),
+    return DryRunResult(_number(data.get("throughput"), "throughput", positive),
                         None if peak is None else _integer(peak, "peak_memory_bytes", 0),
-                        error, None if step_time is None else _number(step_time, "step_time_s"),
-                        tuple(_number(t, "step_times_s") for t in steps),
-                        None if ci is None else (_number(ci[0], "throughput_ci"), _number(ci[1], "throughput_ci")))
+                        error, None if step_time is None else _number(step_time, "step_time_s", positive),
+                        tuple(_number(t, "step_times_s", positive) for t in steps),
+                        None if ci is None else (float(ci[0]), float(ci[1])))
 
 
-def _number(value: Any, name: str) -> float:
-    """`value` as a finite number >= 0."""
-    if not is_finite_number(value) or value < 0:
-        raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+def _number(value: Any, name: str, positive: bool = False) -> float:
+    """`value` as a finite number >= 0 (> 0 when `positive`: a successful run's measurement)."""
+    if not is_finite_number(value) or value < 0 or (positive and value == 0):
+        least = "> 0 in a successful result" if positive else ">= 0"
+        raise ValueError(f"{name}={value!r} must be a finite number {least}")
     return float(value)
 
 

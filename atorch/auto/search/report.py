@@ -11,6 +11,8 @@ import logging
 import os
 from typing import TYPE_CHECKING, Dict, Optional
 
+from atorch.auto.search.feasibility import _fmt     # the units of the pruned table's reasons
+
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
@@ -39,11 +41,13 @@ def trials_table(result: "SearchResult") -> str:
         return df.to_string(index=False)
 
 
-def explain(result: "SearchResult") -> str:
+def explain(result: "SearchResult", limit_source: str = "") -> str:
     """Why the winner won, in one line, e.g.
     "A: 1.12x B (95% CI 1.08-1.16) (...)" or "A and B within noise (1.01x, CI 0.97-1.05); chose A: 30% less memory"
-    after a re-measurement, else (an evaluator that reports no noise)
-    "parallel_mode(data=2)+amp_native+fsdp: 1.9x plain data-parallel; zero1 predicted 31.0 GB > 24.0 GB limit"."""
+    after a re-measurement, else (an evaluator that reports no noise) "parallel_mode(data=2)+amp_native+fsdp:
+    1.9x plain data-parallel; 1 candidate not run for memory: zero1 predicted 31.0 GB > 24.0 GB limit (...)".
+    `limit_source`: where the memory limit came from (e.g. "ATORCH_DEVICE_MEMORY_LIMIT=100000"), said
+    next to the limit when candidates were not run for it; "" when the caller does not know."""
     trials = result.trials
     parts = []
     if result.best is None:
@@ -71,9 +75,7 @@ def explain(result: "SearchResult") -> str:
         else:
             parts.append(f"{name}: the only strategy that ran ({result.best_throughput:.4g} samples/s)")
     if not result.pruned.empty:
-        first = result.pruned.iloc[0]
-        more = len(result.pruned) - 1
-        parts.append(f"{first['strategy']} {first['reason']}" + (f" (+{more} more not run)" if more else ""))
+        parts.append(_pruned_clause(result.pruned, limit_source))
     failed = trials[trials["status"] != "ok"] if not trials.empty else trials
     if result.best is not None and not failed.empty:
         parts.append(f"{len(failed)} trial(s) failed ({_counts(failed['status'].value_counts().to_dict())})")
@@ -86,6 +88,28 @@ def explain(result: "SearchResult") -> str:
                  + (f" ({runs} dry runs with re-measurements)" if runs != distinct else "")
                  + (f", stopped: {result.stop_reason}" if result.stop_reason else ""))
     return "; ".join(parts)
+
+
+def _pruned_clause(pruned: "pd.DataFrame", limit_source: str) -> str:
+    """The candidates not run for memory, by the leanest of them, e.g. "360 candidates not run for memory,
+    the leanest: A predicted 2.4 MB > 100.0 KB limit (P(fit) 0.000 < 0.05) (the limit:
+    ATORCH_DEVICE_MEMORY_LIMIT=100000)". The leanest one's need is the limit that would let something
+    run; the table's first row (plain data parallelism, the largest) says nothing about that."""
+    import numpy as np
+    import pandas as pd
+
+    column = pruned["predicted_memory"] if "predicted_memory" in pruned else pd.Series([None] * len(pruned))
+    predicted = pd.to_numeric(column, errors="coerce").to_numpy(dtype=float)
+    known = bool(np.isfinite(predicted).any())
+    at = int(np.nanargmin(np.where(np.isfinite(predicted), predicted, np.nan))) if known else 0
+    leanest = pruned.iloc[at]
+    reason = str(leanest.get("reason", "") or "")
+    if known and "predicted" not in reason:        # e.g. "needs at least the memory of B, which ran out of memory"
+        reason = f"(predicted {_fmt(predicted[at])}) {reason}"
+    count = len(pruned)
+    head = f"{count} candidates not run for memory, the leanest" if count > 1 else "1 candidate not run for memory"
+    source = f" (the limit: {limit_source})" if limit_source else ""
+    return f"{head}: {leanest.get('strategy', '?')} {reason}".rstrip() + source
 
 
 def _failed_after_running(trials: "pd.DataFrame") -> str:
