@@ -232,6 +232,10 @@ def test_second_search_runs_one_confirming_dry_run(tmp_path, monkeypatch):
         space, lambda s: DryRunResult(speed[s.describe()] / 3, 1000, None, 0.3, (0.3,) * 3, (30.0, 40.0)),
         SearchCache.load(path, KEY), settings, None, 10**9, 8)
     assert slow.best == first.best and "the machine or setup changed" in slow.reason
+    # ... and that it is now below the remembered runner-up, whose comparison with it is the old search's.
+    runner_up = sorted(speed, key=speed.get)[-2]
+    assert f"now below the remembered {runner_up} ({speed[runner_up]:.4g} samples/s" in slow.reason, slow.reason
+    assert "now below" not in second.reason
 
     # The remembered winner now fails: searched again, the other candidates served from the cache.
     speed_before = dict(speed)

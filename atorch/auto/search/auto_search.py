@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import pandas as pd
 import torch
@@ -37,6 +37,7 @@ from atorch.auto.search.search import TRIAL_COLUMNS, DryRunResult, SearchResult,
 from atorch.auto.search.space import SearchSpace
 from atorch.auto.strategy import Strategy
 from atorch.utils.env import check_output_location, env_float, env_int, env_str
+from atorch.utils.finite_numbers import is_finite_number
 
 logger = logging.getLogger(__name__)
 
@@ -346,14 +347,31 @@ def _confirmed_result(cache: SearchCache, best: Strategy, confirmed: DryRunResul
     interval = f" (95% CI {ci[0]:.4g}-{ci[1]:.4g})" if ci else ""
     drift = ""
     if remembered is not None and remembered.ok and not _overlap(confirmed.throughput_ci, remembered.throughput_ci):
-        drift = (f" (remembered {remembered.throughput:.4g} samples/s: the machine or setup changed since; "
-                 "ATORCH_SEARCH_CACHE=off searches again)")
+        drift = (f" (remembered {remembered.throughput:.4g} samples/s, outside this run's interval: the load "
+                 "between runs, or the machine or setup changed since; ATORCH_SEARCH_CACHE=off searches again)")
+    rival = _fastest_other(last.get("trials") or [], best.describe())
+    if rival is not None and confirmed.throughput < rival[1]:
+        # The old verdict below compared runs made together; this one is not one of them.
+        drift += (f"; now below the remembered {rival[0]} ({rival[1]:.4g} samples/s, measured in the earlier "
+                  "search: the comparison below is that search's)")
     reason = (f"{best.describe()}: remembered from {cache.path} and confirmed by 1 dry run, "
               f"{confirmed.throughput:.4g} samples/s{interval}{drift}; the search that chose it: "
               f"{last.get('reason', '')}")
     return SearchResult(best, confirmed.throughput, trials, pd.DataFrame(last.get("pruned") or []), [best],
                         "confirmed the cached winner (1 dry run)", int(last.get("num_candidates") or 0),
                         memory_limit, reason)
+
+
+def _fastest_other(trials: List[Dict[str, Any]], winner: str) -> Optional[Tuple[str, float]]:
+    """(strategy, throughput) of the fastest successful trial of the remembered search other than `winner`."""
+    best: Optional[Tuple[str, float]] = None
+    for row in trials:
+        value = row.get("throughput")
+        if row.get("status") != "ok" or row.get("strategy") == winner or not is_finite_number(value):
+            continue
+        if best is None or float(cast(float, value)) > best[1]:
+            best = (str(row.get("strategy")), float(cast(float, value)))
+    return best
 
 
 def _overlap(a: Optional[tuple], b: Optional[tuple]) -> bool:

@@ -283,13 +283,13 @@ class Feasibility:
         scale = self.scale()
         if pred is not None:
             scaled = f" (cost model x {scale:.2f}, the measured/predicted ratio)" if abs(scale - 1) > 0.01 else ""
-            head = f"predicted {_fmt(pred)}{scaled}"
+            head = f"predicted {format_bytes(pred)}{scaled}"
         else:
-            head = f"memory model {_fmt(f.predicted)}"
-        return f"{head} > {_fmt(self.limit)} limit (P(fit) {f.p:.3f} < {PRUNE_BELOW})"
+            head = f"memory model {format_bytes(f.predicted)}"
+        return f"{head} > {format_bytes(self.limit)} limit (P(fit) {f.p:.3f} < {PRUNE_BELOW})"
 
 
-def _fmt(n: Optional[float]) -> str:
+def format_bytes(n: Optional[float]) -> str:
     if n is None or n != n:
         return "?"
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):

@@ -11,7 +11,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Dict, Optional
 
-from atorch.auto.search.feasibility import _fmt     # the units of the pruned table's reasons
+from atorch.auto.search.feasibility import format_bytes     # the units of the pruned table's reasons
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -105,7 +105,7 @@ def _pruned_clause(pruned: "pd.DataFrame", limit_source: str) -> str:
     leanest = pruned.iloc[at]
     reason = str(leanest.get("reason", "") or "")
     if known and "predicted" not in reason:        # e.g. "needs at least the memory of B, which ran out of memory"
-        reason = f"(predicted {_fmt(predicted[at])}) {reason}"
+        reason = f"(predicted {format_bytes(predicted[at])}) {reason}"
     count = len(pruned)
     head = f"{count} candidates not run for memory, the leanest" if count > 1 else "1 candidate not run for memory"
     source = f" (the limit: {limit_source})" if limit_source else ""
