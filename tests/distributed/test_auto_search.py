@@ -193,6 +193,7 @@ def _search_under_memory_limit(tmp_dir):
            "model_bytes": model_bytes, "ddp_predicted": ddp,
            "trials": search.trials if search is not None else None,
            "pruned": search.pruned if search is not None else None,
+           "reason": search.reason if search is not None else None,
            "rss_before_kb": rss_before_kb, "rss_peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
            "user_bytes_at_build": user_bytes_at_build}
     model_source.ModelSource.build = build
@@ -220,6 +221,10 @@ def test_search_fits_a_model_whose_unsharded_state_does_not(tmp_path):
     # without amp / checkpointing), each with the reason it cannot fit.
     assert "parallel_mode(data=2)+ddp" in set(pruned["strategy"]) and len(pruned) >= 4
     assert pruned["reason"].str.len().gt(0).all(), pruned
+    # The reason line names the leanest candidate not run (what would fit a larger limit) and the limit's source.
+    leanest = pruned.loc[pd.to_numeric(pruned["predicted_memory"]).idxmin(), "strategy"]
+    assert f"candidates not run for memory, the leanest: {leanest} " in rank0["reason"], rank0["reason"]
+    assert f"(the limit: ATORCH_DEVICE_MEMORY_LIMIT={limit})" in rank0["reason"], rank0["reason"]
     trials = rank0["trials"]
     ok = trials[trials["status"] == "ok"]
     assert len(ok) >= 1 and (ok["measured_memory"] <= limit).all()
