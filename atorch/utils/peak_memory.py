@@ -17,7 +17,7 @@ a device would have failed.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -99,15 +99,14 @@ class _StorageCounter(TorchDispatchMode):
             _ACTIVE_COUNTERS.remove(self)
             _unpatch_storage_resize()
 
-    def _count(self, tensor: torch.Tensor) -> None:
+    def _count(self, tensor: torch.Tensor, inputs: Set[Optional[int]]) -> None:
         if is_traceable_wrapper_subclass(tensor):
             # DTensor and friends own no storage; their inner (local) tensors do.
-            attrs, _ = tensor.__tensor_flatten__()
-            for attr in attrs:
-                inner = getattr(tensor, attr)
-                if isinstance(inner, torch.Tensor):
-                    self._count(inner)
+            for inner in _inner_tensors(tensor):
+                self._count(inner, inputs)
             return
+        if _storage_key(tensor) in inputs:
+            return   # an in-place result or a view of an input's (inner) storage: nothing was allocated
         if tensor.device.type != "cpu" or tensor.is_meta:
             return
         try:
@@ -127,13 +126,30 @@ class _StorageCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         # Views and in-place results share an input's storage: nothing was allocated. Counting
-        # them would count a storage created before entry (a parameter `.t()` in a linear).
-        inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        # them would count a storage created before entry (a parameter `.t()` in a linear; the
+        # local shard under a DTensor that an in-place `addcdiv_` returns: per-tensor AdamW on
+        # FSDP2 shards read as 3 kept copies of every shard that were never allocated).
+        inputs: Set[Optional[int]] = set()
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                inputs.update(_storage_keys(t))
         for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and (is_traceable_wrapper_subclass(leaf)
-                                                   or _storage_key(leaf) not in inputs):
-                self._count(leaf)
+            if isinstance(leaf, torch.Tensor):
+                self._count(leaf, inputs)
         return out
+
+
+def _inner_tensors(tensor: torch.Tensor) -> List[torch.Tensor]:
+    """The tensors a wrapper subclass (DTensor and friends) holds, which own its storage."""
+    attrs, _ = tensor.__tensor_flatten__()
+    return [inner for inner in (getattr(tensor, attr) for attr in attrs) if isinstance(inner, torch.Tensor)]
+
+
+def _storage_keys(tensor: torch.Tensor) -> Set[Optional[int]]:
+    """The storage identities of a tensor, or of the inner tensors of a wrapper subclass."""
+    if is_traceable_wrapper_subclass(tensor):
+        return set().union(*(_storage_keys(inner) for inner in _inner_tensors(tensor)))
+    return {_storage_key(tensor)}
 
 
 def _storage_key(tensor: torch.Tensor) -> Optional[int]:

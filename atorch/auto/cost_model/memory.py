@@ -213,15 +213,15 @@ def _host_keys(traits: StrategyTraits) -> Tuple[str, ...]:
 # with PeakMemoryTracker on real tensors: tests/unit/test_cost_model_moments.py). The foreach
 # implementation (torch's default on CUDA) builds one list the size of every parameter (sqrt of
 # the second moment). The per-tensor one (the default on CPU) holds 2 temporaries of the
-# parameter it updates; on FSDP2's DTensor shards it also keeps 3 copies of every shard it has
-# updated until the step returns.
+# parameter it updates, FSDP2's DTensor shards included. (A tracker opened around the step alone
+# once counted the shards its in-place updates return as 3 new copies of every shard, and this
+# model copied that: torch FSDP2 candidates on CPU were predicted 1.1-1.7x over their measured
+# peak and pruned while they fit.)
 ADAM_FOREACH_COPIES = 1
 ADAM_PER_TENSOR_COPIES = 2
-ADAM_PER_TENSOR_DTENSOR_KEPT_COPIES = 3
 
 
-def adam_step_bytes(trainable_elements: float, largest_elements: float, state_bytes: int, foreach: bool,
-                    dtensor: bool) -> float:
+def adam_step_bytes(trainable_elements: float, largest_elements: float, state_bytes: int, foreach: bool) -> float:
     """Bytes torch's Adam/AdamW step allocates beyond the parameters, gradients and its state.
 
     `trainable_elements`: the rank's trainable parameter elements; `largest_elements`: its largest
@@ -229,9 +229,7 @@ def adam_step_bytes(trainable_elements: float, largest_elements: float, state_by
     """
     if foreach:
         return ADAM_FOREACH_COPIES * trainable_elements * state_bytes
-    largest = min(largest_elements, trainable_elements)
-    kept = ADAM_PER_TENSOR_DTENSOR_KEPT_COPIES * trainable_elements if dtensor else 0.0
-    return (kept + ADAM_PER_TENSOR_COPIES * largest) * state_bytes
+    return ADAM_PER_TENSOR_COPIES * min(largest_elements, trainable_elements) * state_bytes
 
 
 def _torch_adam_step_bytes(shape: ModelShape, traits: StrategyTraits, trainable: float, device_type: str) -> float:
@@ -243,8 +241,7 @@ def _torch_adam_step_bytes(shape: ModelShape, traits: StrategyTraits, trainable:
     largest = widest / traits.tensor / (traits.data if traits.sharding == "fsdp2" else 1)
     # CPU offload steps on host tensors: torch picks the per-tensor implementation there.
     on_host = device_type == "cpu" or traits.cpu_offload
-    return adam_step_bytes(trainable / shard, largest, traits.param_dtype_bytes, foreach=not on_host,
-                           dtensor=traits.sharding == "fsdp2")
+    return adam_step_bytes(trainable / shard, largest, traits.param_dtype_bytes, foreach=not on_host)
 
 
 def _replicated_states(shape: ModelShape, traits: StrategyTraits, params: float, trainable: float) -> Dict[str, float]:
