@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO engines (stages 1, 2 and 3) in the layout-independent checkpoint keys.
+"""DeepSpeed ZeRO engines (stages 1, 2 and 3) and DeepSpeed's BF16_Optimizer in the layout-independent
+checkpoint keys.
 
 Decision: DeepSpeed's own `engine.save_checkpoint` is not used. It writes pickles that its
 loader opens with `weights_only=False`, and its files are tied to the data-parallel size.
@@ -8,6 +9,12 @@ per parameter with DeepSpeed's public tensor-fragment API (`safe_get_full_*` /
 parameter's name, exactly like a torch optimizer's flattened state: a DeepSpeed checkpoint
 loads into DDP / FSDP and back, at any data-parallel size. The cost is one full tensor per
 parameter in memory at a time on every rank while saving and loading.
+
+DeepSpeed's BF16_Optimizer (bf16 at ZeRO stage 0, as DeepSpeed 3D's pipeline engine runs it, and
+ZeRO-1 with bf16 weights and fp32 gradient accumulation) keeps the same flat fp32 partitions over the
+data-parallel group and links its parameters to them as ZeRO-1/2 do, so it is read the same way,
+through its own names for the groups. Any other optimizer wrapper an engine may hold (DeepSpeed's
+FP16_Optimizer at stage 0) is refused when its state is asked for, rather than saved without it.
 """
 
 from __future__ import annotations
@@ -32,18 +39,25 @@ _COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 
 
 class DeepSpeedHandler(LayoutHandler):
-    """A DeepSpeed engine with a ZeRO stage 1, 2 or 3 optimizer."""
+    """A DeepSpeed engine with a ZeRO stage 1, 2 or 3 optimizer, DeepSpeed's BF16_Optimizer, or a torch optimizer."""
 
     name = "deepspeed"
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.stage = int(engine.zero_optimization_stage()) if hasattr(engine, "zero_optimization_stage") else 0
-        # DeepSpeed's ZeRO optimizer (untyped): its flat groups are read through attributes below.
-        self.zero: Any = engine.optimizer if self.stage in (1, 2, 3) else None
-        # Without ZeRO (DeepSpeed's pipeline engine at stage 0) the engine steps a torch optimizer.
-        self.plain_optim: Optional[torch.optim.Optimizer] = engine.optimizer if self.zero is None and isinstance(
-            engine.optimizer, torch.optim.Optimizer) else None
+        optimizer = getattr(engine, "optimizer", None)
+        # bf16 without ZeRO (DeepSpeed 3D's pipeline engine), or ZeRO-1 with fp32 gradient accumulation:
+        # flat fp32 master partitions like ZeRO-1/2's, under other attribute names (see `_groups`).
+        self.bf16_optim = _is_bf16_optimizer(optimizer)
+        # DeepSpeed's ZeRO optimizer or BF16_Optimizer (untyped): its flat groups are read through attributes below.
+        self.zero: Any = optimizer if self.stage in (1, 2, 3) or self.bf16_optim else None
+        # Without ZeRO (DeepSpeed's pipeline engine at stage 0, fp32) the engine steps a torch optimizer.
+        self.plain_optim: Optional[torch.optim.Optimizer] = optimizer if self.zero is None and isinstance(
+            optimizer, torch.optim.Optimizer) else None
+        # An optimizer wrapper none of the above reads (DeepSpeed's FP16_Optimizer at stage 0): its class name.
+        self.unreadable_optimizer: Optional[str] = type(optimizer).__name__ if optimizer is not None and \
+            self.zero is None and self.plain_optim is None else None
         self.entries, named_modules = _checkpoint_entries(engine.module)
         self.names: Dict[int, str] = {}
         for name, value, is_param in self.entries:
@@ -55,6 +69,22 @@ class DeepSpeedHandler(LayoutHandler):
     @property
     def has_optimizer(self) -> bool:
         return self.zero is not None or self.plain_optim is not None
+
+    def check_optimizer_readable(self, caller: str) -> None:
+        """Raise ValueError when the engine has an optimizer whose state this handler cannot read or write.
+
+        Saved or loaded without it, the checkpoint would drop the optimizer's state (and its fp32 master
+        weights) silently and the resumed run would train from a fresh optimizer. `caller` is
+        "save_checkpoint" or "load_checkpoint"; the same on every rank (one ds_config builds every engine).
+        """
+        if self.unreadable_optimizer is None:
+            return
+        flag, verb = ("save_optimizer", "save") if caller == "save_checkpoint" else ("load_optimizer", "restore")
+        raise ValueError(
+            f"{caller}: the DeepSpeed engine's optimizer is {self.unreadable_optimizer}, whose state (fp32 master "
+            f"weights and moments) atorch's checkpoints cannot {verb}; pass {flag}=False to {verb} the model's "
+            "weights alone (the optimizer then starts afresh). Checkpoints hold the optimizers of ZeRO stages 1 "
+            "to 3 (fp16 included), of bf16 (BF16_Optimizer) and of fp32 engines")
 
     # -- model -------------------------------------------------------------------------
     def model_state(self) -> Dict[str, torch.Tensor]:
@@ -88,6 +118,10 @@ class DeepSpeedHandler(LayoutHandler):
     def _groups(self) -> List[Tuple[Dict[str, Any], List[torch.nn.Parameter], torch.Tensor]]:
         """(inner param group, its model parameters, its flat fp32 partition) per ZeRO (sub-)group."""
         inner = self.zero.optimizer
+        if self.bf16_optim:
+            # One group per inner param group, as ZeRO-1/2, whatever the engine's ZeRO stage (0 or 1).
+            return [(group, list(self.zero.bf16_groups[i]), self.zero.fp32_groups_flat_partition[i])
+                    for i, group in enumerate(inner.param_groups)]
         if self.stage == 3:
             # ZeRO-3 splits groups into sub-groups and hands the optimizer one flat at a time.
             return [(inner.param_groups[self.zero.sub_group_to_group_id[i]], list(params),
@@ -200,6 +234,15 @@ class DeepSpeedHandler(LayoutHandler):
         for f, v in (state.get("loss_scaler") or {}).items():
             if scaler is not None and hasattr(scaler, f):
                 setattr(scaler, f, type(getattr(scaler, f))(v))
+
+
+def _is_bf16_optimizer(optimizer: Any) -> bool:
+    """Whether `optimizer` is DeepSpeed's BF16_Optimizer (False where DeepSpeed cannot be imported)."""
+    try:
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    except ImportError:
+        return False
+    return isinstance(optimizer, BF16_Optimizer)
 
 
 def _checkpoint_entries(module: nn.Module) -> Tuple[List[Tuple[str, torch.Tensor, bool]], List[Tuple[str, nn.Module]]]:

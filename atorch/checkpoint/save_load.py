@@ -136,11 +136,17 @@ class TrainingObjects:
             return self.global_batch_size // self.batches_per_step
         return loader_global_batch_size(self.dataloader) if self.dataloader is not None else None
 
-    def handler(self) -> LayoutHandler:
+    def handler(self, optimizer_for: Optional[str] = None) -> LayoutHandler:
+        """The layout handler of these objects. `optimizer_for` ("save_checkpoint" / "load_checkpoint", where the
+        optimizer's state is to be saved or restored): a DeepSpeed engine whose optimizer no handler can read
+        raises ValueError rather than have its state dropped silently."""
         if self.engine is not None:
             from atorch.checkpoint.deepspeed_layout import DeepSpeedHandler
 
-            return DeepSpeedHandler(self.engine)
+            handler = DeepSpeedHandler(self.engine)
+            if optimizer_for is not None:
+                handler.check_optimizer_readable(optimizer_for)
+            return handler
         return TorchHandler(self.model, self.optimizer)
 
 
@@ -341,7 +347,7 @@ def _agree_on_save_args(target: Any, path: Any, *, optimizer: Any, lr_scheduler:
                          checksum=checksum, tokenizer=tokenizer)
         final_dir = os.path.normpath(path)
         _check_save_path(final_dir)
-        handler = objs.handler()
+        handler = objs.handler("save_checkpoint" if save_optimizer else None)
     # Named without the path: the message must be the same on every rank, and the path may be what differs.
     # The path as given, not made absolute: nodes may run in different working directories or mount the
     # shared filesystem at different places, and only a path that differs as given is a mistake.
@@ -733,7 +739,7 @@ def _agree_on_load_args(target: Any, path: Any, *, optimizer: Any, lr_scheduler:
             raise ValueError(f"path={path!r}; pass the checkpoint directory (or its parent, whose 'latest' names it)")
         for name, flag in (("load_optimizer", load_optimizer), ("load_rng", load_rng), ("strict", strict)):
             _check_flag("load_checkpoint", name, flag)
-        handler = objs.handler()
+        handler = objs.handler("load_checkpoint" if load_optimizer else None)
     agree_on_values("load_checkpoint", {
         "path": os.fspath(path), "load_optimizer": _optimizer_flag(load_optimizer, handler),
         "load_rng": repr(load_rng), "strict": repr(strict)})
