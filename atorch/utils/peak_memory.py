@@ -141,7 +141,7 @@ class _StorageCounter(TorchDispatchMode):
 
 def _inner_tensors(tensor: torch.Tensor) -> List[torch.Tensor]:
     """The tensors a wrapper subclass (DTensor and friends) holds, which own its storage."""
-    attrs, _ = tensor.__tensor_flatten__()
+    attrs, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]  # on wrapper subclasses only
     return [inner for inner in (getattr(tensor, attr) for attr in attrs) if isinstance(inner, torch.Tensor)]
 
 
