@@ -158,6 +158,24 @@ def test_the_optimizer_step_follows_the_device_default():
     assert precision_mode(StrategyTraits.from_strategy(strategy, 8, shape)) == "fp32"
 
 
+def test_a_deepspeed_step_counts_the_users_optimizer_on_the_flat_partition():
+    """Inside a ZeRO engine the user's AdamW steps one flat fp32 partition: per tensor (CPU) that is two
+    copies of the whole partition (a ZeRO-2 bf16 step measured 4.9 MB above what was held, where only the
+    fp32 gradient copy, 2.0 MB, was counted); foreach (CUDA) one; DeepSpeed's CPU Adam (offload) none."""
+    shape = ModelShape.from_module(tiny_llama(num_hidden_layers=2))
+    bf16 = ("amp_native", {"dtype": torch.bfloat16})
+    for stage in ("zero1", "zero2", "fsdp"):
+        strategy = ["parallel_mode", bf16, (stage, {"use_ds_zero": True})]
+        partition = shape.num_params / 8 * 4
+        cpu = estimate(shape, strategy, 8, 32, 8, "cpu").breakdown
+        cuda = estimate(shape, strategy, 8, 32, 8, "cuda").breakdown
+        assert cpu["mem_optimizer_step"] == pytest.approx(2 * partition), stage
+        assert cuda["mem_optimizer_step"] == pytest.approx(partition), stage
+    offload = ["parallel_mode", bf16, ("zero2", {"use_ds_zero": True, "ds_config": {
+        "zero_optimization": {"offload_optimizer": {"device": "cpu"}}}})]
+    assert estimate(shape, offload, 8, 32, 8, "cuda").breakdown.get("mem_optimizer_step", 0.0) == 0.0
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_a_training_forward_with_the_kv_cache_saves_what_the_model_counts(arch):
     layers = 2

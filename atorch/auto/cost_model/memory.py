@@ -150,9 +150,12 @@ def memory_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int
         out = _fsdp2_states(shape, traits, params_per_rank, trainable)
     else:
         out = _replicated_states(shape, traits, params_per_rank, trainable)
-    if traits.sharding != "deepspeed" and traits.optimizer.step_temporaries:
-        # DeepSpeed's step: its fp32 gradient copy (step_grad_fp32); plain SGD updates in place.
-        out["optimizer_step"] = _torch_adam_step_bytes(shape, traits, trainable, device_type)
+    if traits.optimizer.step_temporaries:
+        # Plain SGD updates in place. DeepSpeed's CPU Adam (offload) steps in place in host memory.
+        if traits.sharding != "deepspeed":
+            out["optimizer_step"] = _torch_adam_step_bytes(shape, traits, trainable, device_type)
+        elif not traits.ds_offload_optimizer:
+            out["optimizer_step"] = _deepspeed_step_bytes(shape, traits, trainable, device_type)
     if traits.accumulation_steps > 1 and traits.pipeline_engine != "deepspeed":
         out["accumulated_grads"] = _accumulated_grad_bytes(traits, trainable)
     if traits.pipeline_engine == "native":
@@ -244,6 +247,26 @@ def _torch_adam_step_bytes(shape: ModelShape, traits: StrategyTraits, trainable:
     return adam_step_bytes(trainable / shard, largest, traits.param_dtype_bytes, foreach=not on_host)
 
 
+# DeepSpeed ZeRO-3's default `sub_group_size`: its optimizer steps one flat sub-group at a time.
+DS_SUB_GROUP_ELEMENTS = 1_000_000_000
+
+
+def _deepspeed_step_bytes(shape: ModelShape, traits: StrategyTraits, trainable: float, device_type: str) -> float:
+    """The user's torch optimizer stepping inside a DeepSpeed engine: on one flat fp32 master partition
+    per group (ZeRO, and bf16 at stage 0), so torch's per-tensor temporaries (CPU) are two copies of the
+    whole partition, not of the largest parameter (a ZeRO-2 bf16 step measured 4.9 MB above what was held,
+    where only the fp32 gradient copy, 2.0 MB, was counted: DeepSpeed candidates were predicted to fit and
+    ran out of memory); foreach (CUDA) holds one. In fp32 without ZeRO the optimizer steps the module's
+    own parameters, as outside DeepSpeed."""
+    state_shard = _ds_state_shard(traits)
+    if state_shard == 1 and traits.storage_bytes == 4:
+        return _torch_adam_step_bytes(shape, traits, trainable, device_type)
+    flat = trainable / state_shard
+    if traits.zero_stage >= 3:
+        flat = min(flat, DS_SUB_GROUP_ELEMENTS)
+    return adam_step_bytes(flat, flat, 4, foreach=device_type != "cpu")
+
+
 def _replicated_states(shape: ModelShape, traits: StrategyTraits, params: float, trainable: float) -> Dict[str, float]:
     pbytes = traits.param_dtype_bytes
     # torch's Adam keeps its two moments in the parameter dtype.
@@ -294,7 +317,7 @@ def _deepspeed_states(shape: ModelShape, traits: StrategyTraits, params: float, 
     # master weights and the optimizer state over the data ranks, next to a whole half gradient
     # buffer; in fp16 its FP16_Optimizer keeps them whole; in fp32 the user's optimizer steps the
     # module itself, with no master copy (measured on 4 ranks, DeepSpeed 0.19).
-    state_shard = d if stage >= 1 or (hbytes < 4 and traits.bf16) else 1
+    state_shard = _ds_state_shard(traits)
     out = {"params": params * hbytes / (d if stage >= 3 else 1),
            # the partition's reduced gradients, in the module dtype (stage 0: every gradient)
            "grads": trainable * hbytes / shard,
@@ -333,6 +356,12 @@ def _deepspeed_states(shape: ModelShape, traits: StrategyTraits, params: float, 
         # gradients are reduced.
         out["ds_reduce_bucket"] = bucket * hbytes
     return out
+
+
+def _ds_state_shard(traits: StrategyTraits) -> int:
+    """Over how many ranks a DeepSpeed engine splits the fp32 master weights and optimizer state
+    (`_deepspeed_states`: ZeRO's data ranks; at stage 0 too in bf16; else whole)."""
+    return traits.data if traits.zero_stage >= 1 or (traits.storage_bytes < 4 and traits.bf16) else 1
 
 
 def _accumulated_grad_bytes(traits: StrategyTraits, trainable: float) -> float:
