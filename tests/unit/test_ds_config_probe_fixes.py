@@ -5,6 +5,9 @@ compute_grad_norm=false (clipping is set at run time and needs the norm).
 Pure: no process group, no DeepSpeed import.
 """
 
+import sys
+import types
+
 import pytest
 import torch
 
@@ -89,3 +92,55 @@ def test_compute_grad_norm_other_than_true_is_refused_as_clipping_needs_it(value
     with pytest.raises(ValueError, match=f"deepspeed_3d_parallel: {expected}"):
         resolve_ds_config({"zero_optimization": {"stage": 1, "compute_grad_norm": value}}, 1, 1)
     _validate([("zero2", {"use_ds_zero": True, "ds_config": {"zero_optimization": {"compute_grad_norm": True}}})])
+
+
+def test_a_zero_engine_is_built_without_the_pipeline_grid_an_earlier_engine_left(monkeypatch):
+    """DeepSpeed keeps the mpu (a pipeline engine's grid) of the last engine given one in `deepspeed.utils.groups`;
+    a ZeRO engine built after DeepSpeed 3D in one process took its model-parallel size from it and failed
+    ('NoneType' object has no attribute 'get_model_parallel_rank')."""
+    from atorch.auto.model_context import ModelContext
+    from atorch.auto.opt_lib._sharding import build_deepspeed_engine
+    from atorch.distributed.process_group import forget_library_model_parallel
+
+    groups = types.ModuleType("deepspeed.utils.groups")
+    groups.mpu, groups.mesh_device, groups._WORLD_GROUP = object(), object(), "kept"
+    seen = {}
+
+    def initialize(model, optimizer, model_parameters, lr_scheduler, config, dist_init_required):
+        seen.update(mpu=groups.mpu, mesh=groups.mesh_device, config=config)
+        return model, optimizer, None, lr_scheduler
+
+    deepspeed = types.ModuleType("deepspeed")
+    deepspeed.initialize = initialize
+    monkeypatch.setitem(sys.modules, "deepspeed", deepspeed)
+    monkeypatch.setitem(sys.modules, "deepspeed.utils.groups", groups)
+    model = torch.nn.Linear(2, 2)
+    ctx = ModelContext(model=model, optim=torch.optim.SGD(model.parameters(), lr=0.1))
+    build_deepspeed_engine(ctx, "zero2", 2)
+    assert seen["mpu"] is None and seen["mesh"] is None and seen["config"]["zero_optimization"]["stage"] == 2
+    assert groups._WORLD_GROUP == "kept"   # only the layout is forgotten, not the groups it may reuse
+    monkeypatch.delitem(sys.modules, "deepspeed.utils.groups")
+    forget_library_model_parallel()        # a process that never imported DeepSpeed: nothing to forget
+
+
+def test_loading_another_optimizers_state_says_to_load_the_weights_only(tmp_path):
+    """A checkpoint of DeepSpeed's CPU Adam (offload) loaded into torch's AdamW was refused without saying what
+    to do; here SGD's state into AdamW, the same mismatch of hyperparameters, in one process."""
+    from atorch.auto.result import AutoAccelerateResult
+    from atorch.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+    def result(optim_cls):
+        model = torch.nn.Linear(4, 4)
+        return AutoAccelerateResult(model=model, optim=optim_cls(model.parameters(), lr=0.1), dataloader=None,
+                                    loss_func=lambda batch, out: out.sum(), prepare_input=lambda batch, device=None: batch)
+
+    saved = result(torch.optim.SGD)
+    path = save_checkpoint(saved, str(tmp_path / "ckpt"), step=1)
+    with pytest.raises(CheckpointError, match=r"no optimizer hyperparameters for \d+ entries, e.g. .*: a different "
+                                              r"model, or a different optimizer than the checkpoint's "
+                                              r"\(torch\.optim\.sgd\.SGD\).*pass load_optimizer=False to load the "
+                                              r"weights and start the optimizer fresh"):
+        load_checkpoint(result(torch.optim.AdamW), path)
+    fresh = result(torch.optim.AdamW)
+    assert not load_checkpoint(fresh, path, load_optimizer=False).optimizer_restored   # the advice works
+    assert torch.equal(fresh.model.weight, saved.model.weight)
