@@ -821,8 +821,12 @@ def _optimizer_targets(load: _LoadTargets, handler: LayoutHandler, meta: Dict[st
     problems = check_keys(load.optimizer, entries, OPTIM_PREFIX, strict=False)
     missing = sorted(k for k in local_values if k not in saved_values)
     if missing:
+        saved_class = (meta.get("optimizer") or {}).get("class", "an unrecorded class")
         problems.append(f"{os.path.join(ckpt_dir, META_NAME)}: no optimizer hyperparameters for "
-                        f"{len(missing)} entries, e.g. {missing[:3]} (a different model or optimizer)")
+                        f"{len(missing)} entries, e.g. {missing[:3]}: a different model, or a different optimizer "
+                        f"than the checkpoint's ({saved_class}), whose state does not carry over (e.g. DeepSpeed's "
+                        "CPU Adam, saved with offload, and torch's AdamW); pass load_optimizer=False to load the "
+                        "weights and start the optimizer fresh, or build the optimizer the checkpoint was saved with")
     load.optimizer_values = {k: v for k, v in saved_values.items() if k in local_values}
     return problems
 

@@ -512,6 +512,23 @@ def forget_library_groups(groups: Optional[Sequence[Any]]) -> None:
                 del value[key]
 
 
+def forget_library_model_parallel() -> None:
+    """Make DeepSpeed forget the model-parallel layout of the last engine built with one. Imports nothing.
+
+    Why: an engine given an `mpu` (DeepSpeed's pipeline engine passes its grid) or a device mesh
+    stores it in `deepspeed.utils.groups` (`mpu`, `mesh_device`) for the rest of the process, and
+    every later engine built without one takes its data-parallel group and model-parallel size
+    from there: a ZeRO engine after a DeepSpeed 3D one failed in its constructor
+    (`'NoneType' object has no attribute 'get_model_parallel_rank'`), or would reduce over the
+    old grid's data group. Call it before building an engine that has no model parallelism."""
+    ds_groups = sys.modules.get("deepspeed.utils.groups")
+    if ds_groups is None:
+        return
+    for name in ("mpu", "mesh_device"):
+        if getattr(ds_groups, name, None) is not None:
+            setattr(ds_groups, name, None)
+
+
 def _mesh_uses(value: Any, retired: Optional[set]) -> bool:
     """Whether `value` is a DeviceMesh with a process group in `retired` (None: any group)."""
     from torch.distributed.device_mesh import DeviceMesh

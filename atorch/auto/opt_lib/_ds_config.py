@@ -250,7 +250,60 @@ def _precision_enabled(cfg: Mapping[str, Any], key: str) -> Optional[bool]:
     enabled = section.get("enabled")
     if enabled in ("auto", None):
         return None
-    return bool(enabled)
+    if not isinstance(enabled, bool):
+        # bool("false") is True, while DeepSpeed reads the string as off: the two would disagree silently.
+        raise ValueError(f"ds_config {key}.enabled={enabled!r} must be true or false (a JSON boolean, not a string)")
+    return enabled
+
+
+# Sections whose `enabled` atorch or DeepSpeed reads as a switch: a string there ("false") would be read
+# differently by the two, so only a JSON boolean is accepted.
+DS_SWITCH_SECTIONS = ("bf16", "fp16", "amp", "torch_autocast")
+
+
+def check_switches(who: str, cfg: Mapping[str, Any], precision_hint: str) -> None:
+    """ValueError for what atorch reads from `cfg` that it would read differently from DeepSpeed, or that
+    trains differently from what the strategy says, before anything runs (pure, so on every rank alike):
+
+    - a section of `DS_SWITCH_SECTIONS` that is not a JSON object, or whose `enabled` is not a boolean;
+    - `torch_autocast` enabled: precision is the strategy's (`precision_hint` says where it is set);
+    - `zero_optimization.stage` that is not an int (`true` is not stage 1);
+    - `zero_optimization.compute_grad_norm=false` (`check_compute_grad_norm`).
+    """
+    for key in DS_SWITCH_SECTIONS:
+        if key in cfg and not isinstance(cfg[key], Mapping):
+            raise ValueError(f"{who}: ds_config {key}={cfg[key]!r} must be a section (a JSON object)")
+        enabled = (cfg.get(key) or {}).get("enabled")
+        if enabled is not None and not isinstance(enabled, bool):
+            raise ValueError(f"{who}: ds_config {key}.enabled={enabled!r} must be true or false (a JSON boolean; "
+                             f"DeepSpeed and atorch would read a string differently)")
+    if (cfg.get("torch_autocast") or {}).get("enabled"):
+        raise ValueError(f"{who}: ds_config torch_autocast.enabled=true is not supported: precision is set by "
+                         f"{precision_hint}; drop torch_autocast from ds_config")
+    zero = cfg.get("zero_optimization")
+    if zero is not None and not isinstance(zero, Mapping):
+        raise ValueError(f"{who}: ds_config zero_optimization={zero!r} must be a section (a JSON object)")
+    stage = (zero or {}).get("stage")
+    if stage is not None and (not isinstance(stage, int) or isinstance(stage, bool)):
+        raise ValueError(f"{who}: ds_config zero_optimization.stage={stage!r} must be an integer (0, 1, 2 or 3)")
+    check_compute_grad_norm(who, zero or {})
+
+
+def check_compute_grad_norm(who: str, zero: Mapping[str, Any]) -> None:
+    """ValueError for `zero_optimization.compute_grad_norm` other than true.
+
+    false makes DeepSpeed skip the global gradient norm, which its clipping divides by: atorch sets the
+    engine's clipping at run time (`train_step(..., max_grad_norm=)`, bypassing DeepSpeed's config check),
+    and the first clipped step then fails inside DeepSpeed (`float(None)`). Whether a later train_step
+    clips is not known here, and the norm it saves is one local norm and a scalar all-reduce per step,
+    so the key is refused rather than left to fail at a step.
+    """
+    value = zero.get("compute_grad_norm", True)
+    if value is True:
+        return
+    raise ValueError(f"{who}: ds_config zero_optimization.compute_grad_norm={value!r} is not supported: DeepSpeed "
+                     "then has no gradient norm to clip with, and train_step(..., max_grad_norm=...) clips through "
+                     "the engine (it would fail at the first clipped step); drop compute_grad_norm from ds_config")
 
 
 def zero_ds_config(who: str, raw: Any, *, stage: int, data_size: int, global_batch: Optional[int],
@@ -269,9 +322,7 @@ def zero_ds_config(who: str, raw: Any, *, stage: int, data_size: int, global_bat
     Everything else (offload, overlap, an `optimizer` section...) is the user's.
     """
     user = load_ds_config(who, raw)
-    for section in ("zero_optimization", "bf16", "fp16", "amp"):
-        if section in user and not isinstance(user[section], Mapping):
-            raise ValueError(f"{who}: ds_config {section}={user[section]!r} must be a section (a JSON object)")
+    check_switches(who, user, "amp_native (add ('amp_native', {'dtype': torch.bfloat16}))")
     user_stage = zero_stage_of(user, default=stage)
     if user_stage != stage:
         raise ValueError(f"{who}: ds_config zero_optimization.stage={user_stage!r} but {who} is DeepSpeed ZeRO stage "

@@ -31,6 +31,7 @@ from atorch.auto.opt_lib._ds_config import (
 )
 from atorch.auto.opt_lib._precision import cast_float_inputs, dtype_name
 from atorch.distributed.mesh import ParallelMesh
+from atorch.distributed.process_group import forget_library_model_parallel
 from atorch.distributed.replicas import check_layouts_agree, check_replicas_agree
 from atorch.auto.opt_lib.base import (ConfigAlias, CostContext, Optimization, Order, ValidationContext, WrapperOrder,
                                       is_false, is_true, short_value, shown_fields)
@@ -352,6 +353,9 @@ def build_deepspeed_engine(ctx: ModelContext, who: str, stage: int, ds_config: D
     if ctx.lr_scheduler_cls is not None and ctx.optim is not None:
         scheduler = ctx.lr_scheduler_cls(ctx.optim, **ctx.lr_scheduler_args)
     params = [p for p in ctx.model.parameters() if p.requires_grad] if ctx.optim is None else None
+    # Every rank is a data rank here (validate_deepspeed): no pipeline grid an earlier DeepSpeed 3D engine of
+    # this process left in DeepSpeed's globals may stand for this engine's groups.
+    forget_library_model_parallel()
     engine, optim, _, scheduler = deepspeed.initialize(model=ctx.model, optimizer=ctx.optim, model_parameters=params,
                                                        lr_scheduler=scheduler, config=config,
                                                        dist_init_required=False)
