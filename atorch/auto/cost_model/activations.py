@@ -130,14 +130,20 @@ def activation_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int
     else:
         per_block = block_activation_bytes(shape, traits, micro_batch, seq_len,
                                            kv_cache=shape.kv_cache and not traits.kv_cache_off)
-    softmax = loss_softmax_bytes(shape, traits, micro_batch, seq_len)
+    return blocks * per_block + last_stage_bytes(shape, traits, micro_batch, seq_len)
+
+
+def last_stage_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int) -> float:
+    """What of `activation_bytes` only the last stage saves: the final norm and the loss's softmax, and
+    under a pipeline schedule the logits it keeps for the micro-batch's backward (b*s*vocab in the
+    compute dtype)."""
+    mode = precision_mode(traits)
+    tokens = micro_batch * seq_len
     final = tokens * _final_norm_saved_bytes(shape, mode, frozen_head=bool(traits.lora_rank),
                                              fused_norm=traits.fused_norm)
     if traits.pipeline_engine is not None:
-        # The schedule keeps each in-flight micro-batch's stage output for its backward: on the
-        # last stage, the logits (b*s*vocab in the compute dtype).
         final += tokens * shape.vocab_size / traits.tensor * traits.compute_dtype_bytes
-    return blocks * per_block + final + softmax
+    return final + loss_softmax_bytes(shape, traits, micro_batch, seq_len)
 
 
 def loss_softmax_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int) -> float:
