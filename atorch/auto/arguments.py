@@ -107,15 +107,9 @@ def _check_optimization_names(argument: str, names: Optional[Iterable[str]]) -> 
     have): a typo raises even when `load_strategy` makes the list unused, so it does not go unnoticed
     until the search is run."""
     from atorch.auto.compat import ATORCH_ONLY_OPTIMIZATIONS
-    from atorch.auto.opt_lib.base import canonical_name
+    from atorch.auto.opt_lib.base import default_registry
 
-    for name in names or ():
-        if name in ATORCH_ONLY_OPTIMIZATIONS:
-            continue
-        try:
-            canonical_name(name)
-        except ValueError as e:
-            raise ValueError(f"{argument}={list(names or ())!r}: {e}") from None
+    default_registry().canonical_names(argument, names, ignore=ATORCH_ONLY_OPTIMIZATIONS)
 
 
 def check_dry_run_batches(*, has_batches: bool, load_strategy_given: bool, ignore_dryrun_on_load_strategy: Any) -> None:

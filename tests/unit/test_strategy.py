@@ -101,6 +101,11 @@ def test_auto_accelerate_logs_what_it_does_not_use_and_what_it_leaves_out(caplog
         with pytest.raises(ValueError, match=rf"{argument}=\['fsdpp'\]: unknown optimization 'fsdpp'"):
             auto_accelerate(tiny_llama(), torch.optim.AdamW, TokenDataset(n=10, seq_len=8),
                             dataloader_args={"batch_size": 4}, load_strategy=["parallel_mode"], **{argument: ["fsdpp"]})
+    # ATorch's optimizations that atorch does not have are names, not typos (their scripts exclude them).
+    status, _, _ = auto_accelerate(tiny_llama(), torch.optim.AdamW, TokenDataset(n=10, seq_len=8),
+                                   dataloader_args={"batch_size": 4}, load_strategy=["parallel_mode"],
+                                   excluded=["amp_apex_o1", "fsdp"])
+    assert status
 
 
 # -- hashing agrees with ==, and never raises -------------------------------------------------------

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, FrozenSet, List, Mapping, Optional, Tuple, Type
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, FrozenSet, Iterable, List, Mapping, Optional, Tuple, Type
 
 if TYPE_CHECKING:  # pragma: no cover
     from atorch.auto.model_context import ModelContext
@@ -429,6 +429,16 @@ class Registry:
         if name not in self.optimizations:
             raise ValueError(f"unknown optimization {name!r}; valid names are {sorted(self.optimizations)}")
         return name
+
+    def canonical_names(self, argument: str, names: Optional[Iterable[str]],
+                        ignore: Iterable[str] = ()) -> List[str]:
+        """`names` (the value of `argument`, e.g. `excluded`) as registered names, aliases resolved, those in
+        `ignore` left out; a name no optimization has is a ValueError naming the argument and its value."""
+        given, skipped = list(names or ()), set(ignore)
+        try:
+            return [self.canonical_name(name) for name in given if name not in skipped]
+        except ValueError as e:
+            raise ValueError(f"{argument}={given!r}: {e}") from None
 
     def get(self, name: str) -> Type[Optimization]:
         return self.optimizations[self.canonical_name(name)]

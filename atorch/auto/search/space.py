@@ -253,13 +253,7 @@ class SearchSpace:
     def _known_names(self, argument: str, names: Optional[Sequence[str]]) -> List[str]:
         """`names` as registered names (aliases resolved); a name no optimization has raises, since a typo
         in `excluded` would otherwise be ignored and one in `included` would leave no candidate."""
-        out = []
-        for name in names or ():
-            try:
-                out.append(self.registry.canonical_name(name))
-            except ValueError as e:
-                raise ValueError(f"{argument}={list(names or ())!r}: {e}") from None
-        return out
+        return self.registry.canonical_names(argument, names)
 
     @classmethod
     def default_for(cls, model: Any, world_size: int, device_type: str = "cpu", model_config: Any = None, *,
