@@ -241,19 +241,11 @@ def offload_devices(cfg: Mapping[str, Any]) -> Tuple[str, str]:
 
 
 def _precision_enabled(cfg: Mapping[str, Any], key: str) -> Optional[bool]:
-    """True/False when the user's config says so for `bf16`/`fp16`, None when it does not mention it."""
-    section = cfg.get(key)
-    if section is None:
-        return None
-    if not isinstance(section, Mapping):
-        raise ValueError(f"ds_config {key}={section!r} must be a section like {{'enabled': true}}")
-    enabled = section.get("enabled")
-    if enabled in ("auto", None):
-        return None
-    if not isinstance(enabled, bool):
-        # bool("false") is True, while DeepSpeed reads the string as off: the two would disagree silently.
-        raise ValueError(f"ds_config {key}.enabled={enabled!r} must be true or false (a JSON boolean, not a string)")
-    return enabled
+    """True/False when the user's config says so for `bf16`/`fp16`, None when it does not mention it.
+    `cfg` has passed `check_switches` (a section, a JSON boolean `enabled`) and `load_ds_config`
+    (no "auto" values)."""
+    enabled = (cfg.get(key) or {}).get("enabled")
+    return None if enabled is None else bool(enabled)
 
 
 # Sections whose `enabled` atorch or DeepSpeed reads as a switch: a string there ("false") would be read
