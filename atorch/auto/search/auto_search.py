@@ -243,11 +243,7 @@ def _search_or_confirm(space: SearchSpace, evaluate: Callable[[Strategy], DryRun
     result = search_strategy(
         space, evaluate, max_trials=settings.max_trials, random_samples=settings.random_samples,
         patience=settings.patience, predictor=predictor, memory_limit_bytes=memory_limit,
-        time_limit_s=settings.time_limit_s, batch_size=batch_size, progress=True)
-    if limit_source and not result.pruned.empty:
-        from atorch.auto.search.report import explain
-
-        result.reason = explain(result, limit_source)     # search_strategy knows the limit, not where it came from
+        time_limit_s=settings.time_limit_s, batch_size=batch_size, progress=True, memory_limit_source=limit_source)
     if cache is not None:
         _mark_served(result, served, cache.path)
         cache.record_search(result.best, signature, _records(result.trials), _records(result.pruned), result.reason,

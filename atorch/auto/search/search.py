@@ -78,8 +78,8 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
                     memory_limit_bytes: Optional[int] = None, time_limit_s: Optional[float] = None,
                     batch_size: Optional[int] = None, progress: bool = False,
                     clock: Callable[[], float] = time.monotonic,
-                    remeasure_rounds: int = REMEASURE_ROUNDS, planner_factory: Optional[Callable] = None
-                    ) -> SearchResult:
+                    remeasure_rounds: int = REMEASURE_ROUNDS, planner_factory: Optional[Callable] = None,
+                    memory_limit_source: str = "") -> SearchResult:
     """Search `space` for the highest-throughput strategy; see the module docstring.
 
     `batch_size` turns predicted step times into predicted samples/s for the table (ranking
@@ -88,11 +88,14 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
     `remeasure_rounds` (0 to turn it off) is the most rounds of interleaved re-measurement
     (leader, challenger) that close the search when the evaluator reports per-step times.
     `planner_factory(labels, choices, prior, seed)` replaces the HEBO planner (tests, benchmarks).
+    `memory_limit_source` says where `memory_limit_bytes` came from (e.g. "ATORCH_DEVICE_MEMORY_LIMIT=100000"),
+    for the reason line when candidates were not run for memory.
     """
     _check_arguments(max_trials, random_samples, patience, time_limit_s, memory_limit_bytes, remeasure_rounds)
     search = _Search(space, evaluator, _Limits(max_trials, patience, time_limit_s, remeasure_rounds),
                      predictor=predictor, memory_limit_bytes=memory_limit_bytes, batch_size=batch_size, clock=clock,
-                     random_samples=random_samples, seed=seed, planner_factory=planner_factory)
+                     random_samples=random_samples, seed=seed, planner_factory=planner_factory,
+                     memory_limit_source=memory_limit_source)
     if not search.runnable(search.every_candidate()):
         return search.result(None, "every candidate is predicted over the memory limit")
     search.start_planner()
@@ -145,7 +148,8 @@ class _Search:
 
     def __init__(self, space: SearchSpace, evaluator: Evaluator, limits: _Limits, *, predictor: Optional[Predictor],
                  memory_limit_bytes: Optional[int], batch_size: Optional[int], clock: Callable[[], float],
-                 random_samples: int, seed: int, planner_factory: Optional[Callable]) -> None:
+                 random_samples: int, seed: int, planner_factory: Optional[Callable],
+                 memory_limit_source: str = "") -> None:
         self.start = clock()
         self.candidates = space.candidates()
         if not self.candidates:
@@ -153,6 +157,7 @@ class _Search:
                              f"e.g. {next(iter(space.rejected.items()), None)})")
         self.evaluator, self.limits, self.clock = evaluator, limits, clock
         self.memory_limit_bytes, self.batch_size = memory_limit_bytes, batch_size
+        self.memory_limit_source = memory_limit_source
         self.predictor = predictor
         self.learner = predictor if isinstance(predictor, LearningPredictorLike) else None
         self.warned: Set[str] = set()         # predictor problems already logged (once per search)
@@ -389,7 +394,7 @@ class _Search:
 
     def result(self, stop_reason: Optional[str], failure: Optional[str]) -> SearchResult:
         return self.trials.result(stop_reason, failure, self._pruned_table(), len(self.candidates),
-                                  self.memory_limit_bytes)
+                                  self.memory_limit_bytes, self.memory_limit_source)
 
     def _pruned_table(self) -> pd.DataFrame:
         """The candidates never run because they are predicted not to fit, and why."""

@@ -389,7 +389,7 @@ class TrialLog:
         return Comparison(sb, sa, inv.ratio, inv.lo, inv.hi, chosen_by, saving, (eb.n, ea.n))
 
     def result(self, stop_reason: Optional[str], failure: Optional[str], pruned: pd.DataFrame, num_candidates: int,
-               memory_limit_bytes: Optional[int]) -> SearchResult:
+               memory_limit_bytes: Optional[int], memory_limit_source: str = "") -> SearchResult:
         from atorch.auto.search.report import explain
 
         trials = pd.DataFrame(self.rows, columns=TRIAL_COLUMNS)
@@ -404,7 +404,7 @@ class TrialLog:
         best_tp = self.mean_throughput(best_index) if best_index is not None else 0.0
         out = SearchResult(best, best_tp, trials, pruned, [self.candidates[i].strategy for i in self.order],
                            stop_reason or failure or "", num_candidates, memory_limit_bytes, comparison=comparison)
-        out.reason = explain(out)
+        out.reason = explain(out, memory_limit_source)
         return out
 
 
