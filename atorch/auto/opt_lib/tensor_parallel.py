@@ -7,6 +7,7 @@ config and hands it the tensor group and this rank's coordinates.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -103,8 +104,6 @@ class TensorParallelOptimization(Optimization):
 
 def tp_summary(plan: TPPlan) -> Dict[str, Any]:
     """What tensor parallelism did, for `result.summaries`: its size, the modules per role, the head's output."""
-    roles: Dict[str, int] = {}
-    for action in plan.actions.values():
-        roles[action.kind] = roles.get(action.kind, 0) + 1
+    roles = Counter(action.kind for action in plan.actions.values())
     return {"size": plan.tp_size, "modules": dict(sorted(roles.items())),
             "logits": "gathered" if plan.gather_logits else ("vocabulary slice" if plan.vocab_parallel_loss else "full")}
