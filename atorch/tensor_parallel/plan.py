@@ -312,6 +312,29 @@ def resolve_tp_plan(model: nn.Module, tpinfo: TPInfo, tp_size: int, world_size: 
     return TPPlan(tp_size, actions, shrink, head_name, vocab_parallel_loss, vocab_size, gathered, head_inputs)
 
 
+def whole_parameter_count(model: nn.Module, plan: TPPlan) -> int:
+    """Elements of `model`'s parameters that `plan` leaves whole on every tensor rank (each counted once).
+
+    Split: the weights of column- and row-parallel linears, a column-parallel bias (a row-parallel
+    one is added after the reduction, so it stays whole), vocabulary embeddings, and the experts'
+    `gate_up_proj` / `down_proj`. Everything else (norms, routers, a shared expert a plan leaves
+    out, learned position embeddings) is replicated: what the memory model counts once per rank.
+    """
+    modules = dict(model.named_modules())
+    split = set()
+    for name, action in plan.actions.items():
+        module = modules.get(name)
+        if module is None:
+            continue
+        if action.kind in (COL, VOCAB):
+            split |= {id(p) for p in (getattr(module, "weight", None), getattr(module, "bias", None)) if p is not None}
+        elif action.kind == ROW:
+            split.add(id(module.weight))
+        elif action.kind == EXPERTS:
+            split |= {id(getattr(module, k)) for k in EXPERT_WEIGHTS}
+    return sum(p.numel() for p in model.parameters() if id(p) not in split)
+
+
 def output_embedding(model: nn.Module) -> Optional[nn.Module]:
     """The model's LM head (`get_output_embeddings()`), or None for a model without one."""
     getter = getattr(model, "get_output_embeddings", None)

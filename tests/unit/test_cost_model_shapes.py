@@ -23,7 +23,7 @@ from atorch.auto.cost_model import shape as cost_shape
 from atorch.auto.cost_model.memory import _ds_persistent_elements
 from atorch.auto.cost_model.shape import _largest_param_elements, _parameter_sizes
 from atorch.auto.strategy import Strategy
-from atorch.testing.tp_families import FAMILIES, build_family
+from atorch.testing.tp_families import FAMILIES, build_family, family_config
 
 # Two-matrix MLPs (GELU or ReLU between an up and a down projection); every other family is gated.
 NOT_GATED = {"gpt2", "gpt_neox", "opt", "falcon", "bloom"}
@@ -283,3 +283,25 @@ def test_a_model_without_attention_heads_is_refused_with_what_is_missing():
     config = transformers.MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=64)
     with pytest.raises(ValueError, match=r"MambaConfig has none of \['num_attention_heads', 'n_head'\]"):
         ModelShape.from_config(config)
+
+
+TENSOR_2 = [("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"]
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES) + ["olmoe", "phimoe", "qwen2_moe"])
+def test_tensor_parallel_parameters_per_rank_are_what_the_plan_leaves(model_type):
+    """The memory model's parameters per rank under tensor=2 are the ones `apply_tensor_parallel` leaves on
+    a rank (one of 2 fake ranks): Qwen2-MoE's plan leaves its shared expert whole (22% of this model),
+    Mixtral's its routers, Gemma2's its four norms a block; the formula knew norms and biases only."""
+    from atorch.tensor_parallel import apply_tensor_parallel
+    from atorch.testing.fake_distributed import fake_process_group
+    from atorch.testing.tp_families import more_family_config
+
+    config = family_config(model_type) if model_type in FAMILIES else more_family_config(model_type)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    predicted = cost_model.estimate(ModelShape.from_module(model), TENSOR_2, 4, 16, 2, "cpu").breakdown["mem_params"]
+    with fake_process_group(0, 2):
+        sharded = apply_tensor_parallel(model, torch.distributed.group.WORLD).model
+        per_rank = sum(p.numel() * p.element_size() for p in sharded.parameters())
+    assert predicted == pytest.approx(per_rank, rel=0.002)     # a vocabulary padded to a multiple of 2

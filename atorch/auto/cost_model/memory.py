@@ -109,8 +109,11 @@ def _input_embedding_params(shape: ModelShape) -> int:
 
 
 def tensor_replicated_params(shape: ModelShape) -> float:
-    """Parameters tensor parallelism keeps whole on every rank: learned position embeddings (GPT-2's
-    `wpe`), the norms, and the biases of row-parallel linears (added after the reduction)."""
+    """Parameters tensor parallelism keeps whole on every rank: what the model's own plan leaves whole
+    where the shape was read off a model that has one; else by formula, learned position embeddings
+    (GPT-2's `wpe`), the norms, and the biases of row-parallel linears (added after the reduction)."""
+    if shape.tensor_whole_params >= 0:
+        return float(shape.tensor_whole_params)
     positions = max(0, _input_embedding_params(shape) - shape.vocab_size * shape.hidden_size)
     h = shape.hidden_size
     # Per block: two norms (Llama's RMSNorm: a weight; GPT-2's LayerNorm: weight and bias, and the

@@ -71,6 +71,10 @@ class ModelShape:
     # decides peft's default targets). (): LoRA is counted by Llama's and GPT-2's formula.
     linear_layers: Tuple[Tuple[str, int, int, int], ...] = ()
     model_type: str = ""
+    # Parameters atorch's tensor_parallel keeps whole on every rank under the model's own plan (its
+    # preset or transformers' plan: norms, routers, a shared expert the plan leaves out), when the
+    # model is known and has one; -1: `memory.tensor_replicated_params`' formula counts them.
+    tensor_whole_params: int = -1
 
     @property
     def compute_params(self) -> int:
@@ -236,7 +240,24 @@ def _module_layout(model: nn.Module, config: Any, num_layers: int) -> Dict[str, 
     fields["linear_layers"] = _linear_layers(model)
     model_type = getattr(_text_config(config), "model_type", None) or getattr(config, "model_type", None)
     fields["model_type"] = model_type if isinstance(model_type, str) else ""
+    fields["tensor_whole_params"] = _tensor_whole_params(model)
     return fields
+
+
+def _tensor_whole_params(model: nn.Module) -> int:
+    """What the model's tensor-parallel plan leaves whole (`ModelShape.tensor_whole_params`); -1 without a plan.
+
+    The plan is resolved for a tensor size of 1, which checks no divisibility: which modules are
+    split does not depend on the size (a size the model cannot take is refused when it is applied).
+    """
+    from atorch.tensor_parallel.plan import resolve_tp_plan, whole_parameter_count
+    from atorch.tensor_parallel.presets import tpinfo_for_model
+
+    try:
+        return whole_parameter_count(model, resolve_tp_plan(model, tpinfo_for_model(model), 1))
+    except ValueError as exc:   # no plan, or one atorch refuses: the formula stands in
+        _log_once(f"{type(model).__name__}: no tensor-parallel plan to count its replicated parameters ({exc})")
+        return -1
 
 
 def _linear_layers(model: nn.Module) -> Tuple[Tuple[str, int, int, int], ...]:
