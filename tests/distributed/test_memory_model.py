@@ -19,7 +19,7 @@ hide its model states (its reduce buffer was 1 GB before atorch sized it from th
 the tokens of the dataset and small bookkeeping tensors (about 20 KB against 0.4-4 MB).
 """
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -56,9 +56,16 @@ BACKENDS: Dict[str, List[Any]] = {
     "deepspeed zero3 bf16 offload_optimizer+param": ["amp_native", ("fsdp", {"use_ds_zero": True, "ds_config": {
         "zero_optimization": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}})],
     "lora+ddp": ["parallel_mode", "lora"],
+    "lora+fsdp2": ["parallel_mode", "lora", "fsdp"],
+    # Wider blocks and few tokens, so the parameters decide the peak: backward reduces only the
+    # adapters' gradients, and the last block's all-gather in forward is the largest moment.
+    "lora+fsdp2, hidden 256, 2 x 8 tokens": ["parallel_mode", "lora", "fsdp"],
     "tensor parallel": [TP2, "tensor_parallel"],
     "pipeline": [PP2, "pipeline_parallel"],
 }
+# (global batch, sequence length, tiny_llama overrides) of the backends measured on another shape.
+SIZES: Dict[str, Tuple[int, int, Dict[str, int]]] = {
+    "lora+fsdp2, hidden 256, 2 x 8 tokens": (2, 8, {"hidden_size": 256, "intermediate_size": 512})}
 
 
 def _optim_func(strategy: List[Any]) -> Any:
@@ -70,15 +77,16 @@ def _optim_func(strategy: List[Any]) -> Any:
     return torch.optim.AdamW
 
 
-def _measure(strategy: List[Any]) -> Dict[str, float]:
+def _measure(strategy: List[Any], batch_size: int = BATCH, seq: int = SEQ,
+             model_overrides: Optional[Dict[str, int]] = None) -> Dict[str, float]:
     """Bytes this rank holds after the second backward pass, and what the cost model predicts."""
     optim_func = _optim_func(strategy)
     with PeakMemoryTracker(torch.device("cpu")) as tracker:
-        model = tiny_llama(seed=0)
-        predicted = estimate(model, strategy, BATCH, SEQ, WORLD, "cpu")
+        model = tiny_llama(seed=0, **(model_overrides or {}))
+        predicted = estimate(model, strategy, batch_size, seq, WORLD, "cpu")
         status, result, _ = auto_accelerate(
-            model, optim_func=optim_func, dataset=TokenDataset(seq_len=SEQ), optim_args={"lr": 1e-3},
-            model_input_format="unpack_dict", dataloader_args={"batch_size": BATCH}, load_strategy=strategy)
+            model, optim_func=optim_func, dataset=TokenDataset(seq_len=seq), optim_args={"lr": 1e-3},
+            model_input_format="unpack_dict", dataloader_args={"batch_size": batch_size}, load_strategy=strategy)
         del model
         assert status
         engine, pipeline = result.args.get("engine"), result.args.get("pipeline")
@@ -102,7 +110,7 @@ def _measure(strategy: List[Any]) -> Dict[str, float]:
 
 
 def _measure_all() -> Dict[str, Dict[str, float]]:
-    return {name: _measure(strategy) for name, strategy in BACKENDS.items()}
+    return {name: _measure(strategy, *SIZES.get(name, (BATCH, SEQ, {}))) for name, strategy in BACKENDS.items()}
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,14 @@ RESIDENT_KEYS = MODEL_STATE_KEYS + ("ddp_buckets", "ds_reduce_buffer", "grad_fp3
 # micro-steps' forward and backward (`accumulated_grads`).
 FORWARD_END_KEYS = ("activations", "loss_softmax", "loss_buffers", "weight_casts", "gathered_params",
                     "ds_reduce_bucket", "accumulated_grads")
+# The last block's all-gather in forward, before the LM head's logits and loss exist: FSDP2 holds
+# the unit it gathers twice (its flat all-gather output and the unsharded parameters copied out of
+# it) and keeps the previous unit's flat output until this gather is issued, next to the gathered
+# root (`forward_gather`: the second copy and the previous output). Measured on 2 CPU ranks (the
+# live storages at the peak); it decides the peak of LoRA + FSDP2, whose backward reduces no
+# base-weight gradients.
+FORWARD_GATHER_KEYS = ("activations", "weight_casts", "gathered_params", "forward_gather", "ds_reduce_bucket",
+                       "accumulated_grads")
 # A block's backward: its unsharded gradients and their reduce-scatter copy (`unit_grads`), the
 # next block prefetched, a checkpointed block rebuilt, FSDP2's root unit holding the LM head's
 # unsharded gradient until the root reduces last.
@@ -60,9 +68,9 @@ BACKWARD_END_KEYS = ("grads",) + BACKWARD_KEYS
 GRADIENT_PHASE_KEYS = ("grads", "reduce_scatter", "step_grad_fp32")
 # The optimizer step: the gradients and the step's own temporaries (`optimizer_step`).
 STEP_PHASE_KEYS = ("grads", "step_grad_fp32", "optimizer_step")
-PHASES = (FORWARD_END_KEYS, BACKWARD_START_KEYS, BACKWARD_END_KEYS, GRADIENT_PHASE_KEYS, STEP_PHASE_KEYS)
+PHASES = (FORWARD_GATHER_KEYS, FORWARD_END_KEYS, BACKWARD_START_KEYS, BACKWARD_END_KEYS, GRADIENT_PHASE_KEYS, STEP_PHASE_KEYS)
 # Entries of the activation phases (forward and backward), for callers that want them summed.
-ACTIVATION_PHASE_KEYS = tuple(dict.fromkeys(FORWARD_END_KEYS + BACKWARD_KEYS))
+ACTIVATION_PHASE_KEYS = tuple(dict.fromkeys(FORWARD_GATHER_KEYS + FORWARD_END_KEYS + BACKWARD_KEYS))
 
 
 def peak_bytes(breakdown: Mapping[str, float], phases: Optional[Tuple[Tuple[str, ...], ...]] = None) -> int:
@@ -295,6 +303,7 @@ def _fsdp2_states(shape: ModelShape, traits: StrategyTraits, params: float, trai
         # The root unit stays gathered, and the current block; in backward, the next one prefetched.
         out["gathered_params"] = (root + block) * gathered_bytes
         out["prefetch"] = block * gathered_bytes
+        out["forward_gather"] = (block + max(root, block)) * gathered_bytes
     if not traits.lora_rank and not shape.head_frozen:
         # The root unit reduces last: the LM head's unsharded gradient lives through the blocks' backward.
         out["held_root_grads"] = shape.vocab_size * shape.hidden_size / t * gathered_bytes
@@ -302,7 +311,10 @@ def _fsdp2_states(shape: ModelShape, traits: StrategyTraits, params: float, trai
     # the flat fp32 reduce-scatter input. The largest unit (the root: embeddings and head) reduces
     # last, when the activations are gone; a block reduces while most activations are still alive
     # (checked against FSDPMemTracker at 1B-7B, benchmarks/memory_model.py).
-    per_param = gathered_bytes + 4
+    # FSDP2 reduces only the gradients that exist: under LoRA (frozen base weights) or with frozen
+    # parameters a unit's unsharded gradients and its reduce-scatter input shrink to its trainable
+    # share (spread evenly over the units, as `trainable` is).
+    per_param = (gathered_bytes + 4) * min(1.0, trainable / max(1.0, params))
     out["reduce_scatter"] = max(root, block) * per_param
     out["unit_grads"] = block * per_param
     return out
