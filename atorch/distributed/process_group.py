@@ -232,8 +232,9 @@ def _register_exit_teardown() -> None:
     so destroying atorch's groups there (parallel groups, the vote group, the default group)
     and dropping atorch's own references to them and to the rendezvous store joins the gloo
     workers while they can still take the GIL. A process that is failing (an uncaught
-    exception seen by atorch's excepthook) is left to exit at once: a group with a pending
-    collective would wait for that collective's timeout.
+    exception seen by atorch's excepthook) cannot destroy its groups (one with a pending
+    collective would wait for that collective's timeout): it leaves without finalization
+    (`_leave_failing_process`).
     """
     global _exit_teardown_registered
     if not _exit_teardown_registered:
@@ -243,12 +244,41 @@ def _register_exit_teardown() -> None:
 
 def _teardown_at_exit() -> None:
     if timeouts.failed_with_uncaught_exception():
+        _leave_failing_process()
         return
     if is_initialized():
         destroy_distributed()
     # Groups held only by reference cycles (a model wrapped by DDP/FSDP) go now, not in finalization:
     # also after the script's own reset_distributed(), which may have run while they were alive.
     gc.collect()
+
+
+def _leave_failing_process() -> None:
+    """End a process that an uncaught exception is ending, with Python's status 1, before finalization.
+
+    Its groups stay alive (see `_register_exit_teardown`), so gloo's worker threads meet the
+    interpreter's finalization as on the success path before its fix, and the process could
+    abort with SIGABRT after the traceback was printed (1 in 8 runs of a 2-rank tensor-parallel
+    job raising a ValueError; 2 in 6 in an outside probe): the launcher then reported a native
+    crash (exit 134, "failed with signal 6") where the script had raised. Finalization is what
+    races, so it is skipped: the work it would still do for such a process is done here first
+    (daemonic child processes such as DataLoader workers terminated, logging and the standard
+    streams flushed; non-daemon threads were joined before atexit handlers run).
+    """
+    if not dist.is_initialized():
+        return      # no gloo threads: the normal exit is safe
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.terminate()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):   # a closed or broken stream: nothing left to save
+            pass
+    os._exit(1)
 
 
 def _env_int(name: str, minimum: int) -> int:
