@@ -535,8 +535,6 @@ def main(argv: Optional[List[str]] = None, prog: str = PROG) -> None:
     """The launcher's command line (`argv` None: sys.argv[1:]); exits with the job's status.
 
     `prog` names the launcher in messages (atorch.distributed.launch forwards its jobs here)."""
-    from torch.distributed.run import parse_args as torch_parse_args
-
     args = list(sys.argv[1:] if argv is None else argv)
     if any(arg in ("-h", "--help") for arg in args[:_split_at_script(args)]):
         print(run_help(prog))
@@ -544,7 +542,7 @@ def main(argv: Optional[List[str]] = None, prog: str = PROG) -> None:
     try:
         translated = translate_args(args)
         check_environment(args)
-        torch_args = torch_parse_args(translated)
+        torch_args = _torch_parse_args(translated, prog)
         rdzv = prepare_rendezvous(torch_args, args[:_split_at_script(args)])
     except ValueError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
@@ -555,6 +553,17 @@ def main(argv: Optional[List[str]] = None, prog: str = PROG) -> None:
     code = run_job(torch_args, rdzv, prog)
     if code:
         raise SystemExit(code)
+
+
+def _torch_parse_args(translated: List[str], prog: str = PROG) -> argparse.Namespace:
+    """torchrun's parser over `translated`, its usage errors under this launcher's name (torch's own parser
+    names the file it was run as, `run.py`, and prints torchrun's usage); exits 2 on a usage error."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = prog
+    parser.usage = f"{prog} [atorch options] [torchrun options] SCRIPT.py [script args]   ({prog} --help)"
+    return parser.parse_args(translated)
 
 
 # -- ATorch's entry points (scripts and tests call these) ----------------------------------------
@@ -571,9 +580,7 @@ def parse_fault_tolerant_or_elastic_args(args: Optional[List[str]] = None, mode:
     argv = list(sys.argv[1:] if args is None else args)
     if mode == "fault_tolerant" and "--fault_tolerant" not in argv and "--fault-tolerant" not in argv:
         argv = ["--fault_tolerant", *argv]
-    from torch.distributed.run import parse_args as torch_parse_args
-
-    parsed = torch_parse_args(translate_args(argv))
+    parsed = _torch_parse_args(translate_args(argv))
     parsed.atorch_rendezvous = prepare_rendezvous(parsed, argv[:_split_at_script(argv)])
     return parsed
 

@@ -281,3 +281,16 @@ def test_an_unknown_rendezvous_backend_is_a_usage_error_listing_the_registered_o
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_an_unknown_launcher_flag_names_this_launcher(capsys, tmp_path):
+    """torchrun's own parser named the file it ran as (`run.py: error: unrecognized arguments: --bogus`)
+    under torchrun's 40-line usage; the error is the launcher's, with its one-line usage."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        run.main(["--nproc_per_node", "1", "--bogus", str(script)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "atorch.distributed.run: error: unrecognized arguments: --bogus" in err, err
+    assert "run.py" not in err and len(err.splitlines()) == 2, err
