@@ -197,7 +197,7 @@ def open_jsonl(path: Union[str, os.PathLike], json_key: str = "text", strict: bo
 
 
 def _kind(path: Path) -> Union[str, None]:
-    """"text" or "jsonl" by the file's suffix, in any case (UPPER.TXT is a text file), else None."""
+    """The reader `path` needs by its suffix, in any case (UPPER.TXT is a text file): "text", "jsonl" or None."""
     suffix = path.suffix.lower()
     return "text" if suffix in TEXT_SUFFIXES else "jsonl" if suffix in JSONL_SUFFIXES else None
 
