@@ -1,10 +1,12 @@
-"""The `atorch` command: `run` (the launcher), `plan` (strategies for a cluster), `merge`, `env`, `convert-strategy`.
+"""The `atorch` command: `run` (the launcher), `plan` (strategies for a cluster), `merge`, `env`, `convert-strategy`,
+`preprocess` (tokenize a corpus into Megatron .bin/.idx files).
 
     atorch run --nproc_per_node 8 train.py ARGS
     atorch plan --model llama2-7b --nproc 8 --nnodes 8 --device h100 --global-batch 512 --seq 4096
     atorch merge ckpt/step_1000 hf_model/ --tokenizer tok/
     atorch env
     atorch convert-strategy atorch_strategy.pkl strategy.json
+    atorch preprocess --input web.jsonl --output-prefix data/web --tokenizer tok/ --workers 8
 """
 
 from __future__ import annotations
@@ -175,7 +177,14 @@ def _destination_problem(dst: str) -> Optional[str]:
     return None
 
 
-COMMANDS = {"run": _run, "plan": _plan, "merge": _merge, "env": _env, "convert-strategy": _convert_strategy}
+def _preprocess(argv: List[str]) -> int:
+    from atorch.data.preprocess import main as preprocess_main
+
+    return preprocess_main(argv, prog="atorch preprocess")
+
+
+COMMANDS = {"run": _run, "plan": _plan, "merge": _merge, "env": _env, "convert-strategy": _convert_strategy,
+            "preprocess": _preprocess}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -130,14 +130,30 @@ def translate_atorch_kwargs(dataset: Any = None, load_strategy: Any = None, dist
 
 
 def check_sampler_cls(sampler_cls: Any) -> None:
-    """ValueError unless `sampler_cls` can be built as `cls(dataset, num_replicas=, rank=, ...)`."""
+    """ValueError unless `sampler_cls` can be built as `cls(dataset, num_replicas=, rank=, ...)`.
+
+    A class that wraps a sampler (`DistributedProxySampler(sampler, ...)`, or any whose first parameter is
+    named `sampler`) is refused: given the dataset in place of a sampler it would yield the dataset's
+    samples as indices, which fails only at the first batch.
+    """
+    from atorch.data.samplers import DistributedProxySampler
+
     name = getattr(sampler_cls, "__name__", repr(sampler_cls))
     if not callable(sampler_cls):
         raise ValueError(f"auto_accelerate: distributed_sampler_cls={sampler_cls!r} must be a sampler class taking "
                          "(dataset, num_replicas=, rank=, shuffle=, seed=)")
+    params: Optional[Mapping[str, inspect.Parameter]]
     try:
-        params: Mapping[str, inspect.Parameter] = inspect.signature(sampler_cls).parameters
-    except (TypeError, ValueError):  # a builtin: nothing to check
+        params = inspect.signature(sampler_cls).parameters
+    except (TypeError, ValueError):  # a builtin: nothing more to check
+        params = None
+    wraps_sampler = isinstance(sampler_cls, type) and issubclass(sampler_cls, DistributedProxySampler)
+    if wraps_sampler or next(iter(params or {}), None) == "sampler":
+        raise ValueError(f"auto_accelerate: distributed_sampler_cls {name} wraps a sampler, but atorch builds "
+                         "distributed_sampler_cls(dataset, num_replicas=, rank=, shuffle=, seed=, drop_last=) with the "
+                         f"dataset; pass a callable taking the dataset, e.g. distributed_sampler_cls=lambda dataset, "
+                         f"**kw: {name}(MySampler(dataset), **kw), or leave it out for DistributedSampler")
+    if params is None:
         return
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
+import warnings
 from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -79,7 +81,8 @@ class DatasetBlender(Dataset):
         weights: one non-negative weight per dataset (numbers, or a 1-d tensor or array of them),
             normalized to sum to 1. Default: each dataset's length, so every sample appears once.
         size: number of blended samples; default the sum of the dataset lengths. A dataset
-            asked for more samples than it has wraps around (starts its next epoch).
+            asked for more samples than it has wraps around (starts its next epoch, in the same
+            order: sample k is its item k % len), with a warning saying how many times it is read.
 
     The order is fixed by the weights alone (see `blend_schedule`); shuffle with the sampler.
     """
@@ -116,11 +119,32 @@ class DatasetBlender(Dataset):
         self.size = sum(lengths) if size is None else int(size)
         self.dataset_index, self.sample_index = blend_schedule(self.weights, self.size)
         self._lengths = lengths
+        self._warn_about_repeats()
+
+    def _warn_about_repeats(self) -> None:
+        """Warn when some dataset is read more than once: its samples then repeat, which a size or
+        weights chosen for one pass (weights=[1, 0] with the default size, the sum of all lengths) hide."""
+        counts = np.bincount(self.dataset_index, minlength=len(self.datasets))
+        repeated = [f"datasets[{d}] {counts[d] / n:.2f} times ({counts[d]} samples of its {n})"
+                    for d, n in enumerate(self._lengths) if counts[d] > n]
+        if not repeated:
+            return
+        more = f" and {len(repeated) - 5} more" if len(repeated) > 5 else ""
+        # The largest size that reads no weighted dataset more than once, give or take the schedule's 1 + w * K.
+        once = min(n / w for n, w in zip(self._lengths, self.weights) if w > 0)
+        shares = ", ".join(f"{w:.3g}" for w in self.weights)
+        warnings.warn(f"DatasetBlender: size={self.size} with weights [{shares}] reads "
+                      f"{', '.join(repeated[:5])}{more}; those samples repeat in the same order. Pass size <= about "
+                      f"{int(once)} (or other weights) to read each dataset at most once", stacklevel=3)
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, index: int) -> Any:
+        try:
+            index = operator.index(index)  # ints, numpy integers, 0-d integer tensors
+        except TypeError:
+            raise TypeError(f"DatasetBlender index must be an int, got {type(index).__name__} {index!r}") from None
         if not -self.size <= index < self.size:
             raise IndexError(f"sample {index} out of range for {self.size} blended samples")
         d = int(self.dataset_index[index])

@@ -7,20 +7,26 @@ pool, results kept in corpus order) and written as they arrive, so memory depend
 One worker is one process on purpose: the tokenizer's native call is ~94% of its CPU (reading and
 JSON ~1%, packing ids ~5%), so a tokenizing thread overlapped with the rest cost 2-3% more CPU per
 token and gained no wall time (benchmarks/RESULTS.md, "After the workers=1 change (session 4)").
+
+From the command line (`main`; `python -m atorch.data.preprocess` runs the same):
+
+    atorch preprocess --input web.jsonl more/ --output-prefix data/web --tokenizer tok/ --workers 8
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import itertools
 import logging
 import multiprocessing as mp
 import os
+import sys
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Deque, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Deque, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -232,7 +238,10 @@ class DatasetPreprocessor:
                    log_interval: int = 10000, progress_enabled: bool = True) -> PreprocessStats:
         """Tokenize `documents` into `<save_file_name>.bin` and `.idx`; return what was written.
 
-        `documents` is any iterable of str (one document each) or a path given to `open`.
+        `documents` is any iterable of str (one document each), a path given to `open`, a
+        `DocumentSource`, or a Hugging Face `datasets.Dataset`/`IterableDataset`, read by its "text"
+        column (another column: `open_hf_dataset(ds, text_key=...)`). A mapping is refused with a
+        TypeError: iterating a `DatasetDict` yields its split names, so pass one split (`dd["train"]`).
         Nothing appears under the final names unless the whole corpus succeeds. Raises
         ValueError for a corpus without any non-empty document. A document that cannot be
         encoded as UTF-8 (a lone surrogate) is skipped and counted like a bad input line, or
@@ -240,6 +249,8 @@ class DatasetPreprocessor:
         """
         if isinstance(documents, (str, os.PathLike)):
             documents = self.open(documents)
+        elif sources.is_hf_dataset(documents):
+            documents = self.open_hf_dataset(documents)
         elif not isinstance(documents, DocumentSource):
             # Checks each document (a str, encodable as UTF-8) and counts the unusable ones like a file's lines.
             documents = sources.open_documents(documents, self.strict)
@@ -359,3 +370,54 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=(
+        "Tokenize corpus files into Megatron-LM .bin/.idx files (DatasetPreprocessor). Text files hold one "
+        "document per line; JSON Lines files one object per line, the document under --json-key. Unusable lines "
+        "are counted and reported (--strict: the first one is an error)."))
+    parser.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                        help="corpus files (.txt, .jsonl, .json) and directories of them (read recursively, hidden "
+                             "files skipped), in the order given")
+    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    parser.add_argument("--tokenizer", required=True, help="a tokenizer directory (AutoTokenizer.from_pretrained)")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
+    parser.add_argument("--chunk-size", type=int, default=512, help="documents per task sent to a worker")
+    parser.add_argument("--json-key", default="text", help="the key holding the document in JSON lines")
+    parser.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
+                        help="append the end-of-document token to every document (default: yes)")
+    parser.add_argument("--eod-token-id", type=int, default=None, help="default: the tokenizer's eos_token_id")
+    parser.add_argument("--dataset-impl", choices=BINARIZATION_IMPLS, default="mmap",
+                        help="index layout (token dtype: the smallest that fits the vocabulary)")
+    parser.add_argument("--strict", action="store_true", help="stop at the first unusable input line")
+    parser.add_argument("--log-interval", type=int, default=10000, help="documents between progress reports")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None, prog: str = "atorch preprocess") -> int:
+    """The preprocessing command: parse `argv`, tokenize, print what was written. A bad argument or input
+    exits with status 2 and the reason (argparse's usage error); nothing is written then."""
+    parser = _parser(prog)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        preprocessor = DatasetPreprocessor(args.tokenizer, chunk_size=args.chunk_size,
+                                           binarization_impl=args.dataset_impl, append_eod=args.append_eod,
+                                           eod_token_id=args.eod_token_id, workers=args.workers, strict=args.strict)
+        documents = sources.open_paths(args.input, args.json_key, args.strict)
+        stats = preprocessor.preprocess(documents, args.output_prefix, log_interval=args.log_interval,
+                                        progress_enabled=sys.stderr.isatty())
+    except (ValueError, TypeError, OSError) as e:
+        parser.error(str(e))
+    skipped = f", skipped {stats.skipped_lines} unusable lines" if stats.skipped_lines else ""
+    print(f"wrote {stats.documents} documents, {stats.tokens} tokens to {stats.data_file} and {stats.index_file} "
+          f"({stats.empty_documents} empty documents{skipped})")
+    return 0
+
+
+if __name__ == "__main__":
+    # The module's own `main`, not this __main__ copy's: its classes are the ones worker processes unpickle.
+    from atorch.data.preprocess import main as _main
+
+    sys.exit(_main(prog="python -m atorch.data.preprocess"))

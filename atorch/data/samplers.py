@@ -6,6 +6,7 @@ output of an arbitrary sampler (weighted, grouped by length, ...) the same way.
 
 from __future__ import annotations
 
+import collections.abc
 import math
 import warnings
 from typing import Any, Iterator, List, Optional
@@ -27,7 +28,9 @@ class DistributedProxySampler(Sampler):
     the only ones seen twice); with `drop_last=True` the last `len % num_replicas` are dropped.
 
     The wrapped sampler must yield the same sequence on every rank (seed its generator);
-    its `set_epoch` is called too.
+    its `set_epoch` is called too. It is read again every epoch, so it must be re-iterable (a
+    Sampler, list or range; not a one-shot iterator). One without `len()` is counted as it is
+    read; only `len()` of the proxy (and of a DataLoader over it) then raises.
     """
 
     def __init__(self, sampler: Any, num_replicas: Optional[int] = None, rank: Optional[int] = None,
@@ -41,6 +44,10 @@ class DistributedProxySampler(Sampler):
                 raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+        if isinstance(sampler, collections.abc.Iterator):
+            # Its first epoch would consume it, and every later epoch would be empty.
+            raise ValueError(f"sampler is a one-shot iterator ({type(sampler).__name__}), but it is read again every "
+                             "epoch; pass something re-iterable: the list or range itself, or a torch Sampler")
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank={rank} is outside [0, num_replicas={num_replicas})")
         self.sampler = sampler
@@ -57,23 +64,33 @@ class DistributedProxySampler(Sampler):
         # InfiniteDataLoader refuses a loader without batches); but say so where it is set up.
         try:
             n = len(self.sampler)
-        except TypeError:  # no len() yet: checked at iteration
+        except TypeError:  # no len(): counted as each epoch is read
             return
         if self.drop_last and 0 < n < self.num_replicas:
             warnings.warn(f"DistributedProxySampler: drop_last=True with {n} samples over num_replicas="
                           f"{self.num_replicas} ranks drops them all; every rank gets 0 samples per epoch "
                           "(pass drop_last=False to pad instead)", stacklevel=3)
 
+    def _sampler_len(self) -> int:
+        try:
+            return len(self.sampler)
+        except TypeError:
+            raise TypeError(f"DistributedProxySampler: the wrapped sampler ({type(self.sampler).__name__}) has no "
+                            "len(), so the samples per rank are known only once an epoch is read; give it __len__ "
+                            "(len() of the proxy and of a DataLoader over it need it)") from None
+
+    def _per_rank(self, n: int) -> int:
+        return n // self.num_replicas if self.drop_last else math.ceil(n / self.num_replicas)
+
     @property
     def num_samples(self) -> int:
         """Items per rank per epoch."""
-        n = len(self.sampler)
-        return n // self.num_replicas if self.drop_last else math.ceil(n / self.num_replicas)
+        return self._per_rank(self._sampler_len())
 
     @property
     def padding(self) -> int:
         """Positions repeated per epoch to even out the ranks (0 with drop_last)."""
-        return 0 if self.drop_last else self.num_samples * self.num_replicas - len(self.sampler)
+        return 0 if self.drop_last else self.num_samples * self.num_replicas - self._sampler_len()
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -85,13 +102,17 @@ class DistributedProxySampler(Sampler):
 
     def __iter__(self) -> Iterator[Any]:
         items: List[Any] = list(self.sampler)
-        if len(items) != len(self.sampler):
-            raise ValueError(f"wrapped sampler yielded {len(items)} items but its len() is {len(self.sampler)}")
+        try:
+            expected: Optional[int] = len(self.sampler)
+        except TypeError:  # no len(): the epoch is what it yields (the same on every rank)
+            expected = None
+        if expected is not None and len(items) != expected:
+            raise ValueError(f"wrapped sampler yielded {len(items)} items but its len() is {expected}")
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + self.epoch)
             items = [items[i] for i in torch.randperm(len(items), generator=g).tolist()]
-        total = self.num_samples * self.num_replicas
+        total = self._per_rank(len(items)) * self.num_replicas
         if total > len(items):
             repeats = math.ceil((total - len(items)) / max(len(items), 1))
             items = items + (items * repeats)[: total - len(items)]

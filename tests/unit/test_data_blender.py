@@ -1,5 +1,7 @@
 """DatasetBlender: realized shares within 1% over every 1000-sample window, determinism, bad weights."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -68,17 +70,44 @@ def test_default_weights_take_every_sample_once():
 
 
 def test_explicit_weights_size_and_wrap_around():
-    blend = DatasetBlender([Tagged("small", 10), Tagged("big", 1000), Tagged("off", 5)], weights=[1, 1, 0],
-                           size=2000)
+    with pytest.warns(UserWarning, match=r"reads datasets\[0\] 100.00 times \(1000 samples of its 10\); those "
+                                         r"samples repeat in the same order\. Pass size <= about 20 "):
+        blend = DatasetBlender([Tagged("small", 10), Tagged("big", 1000), Tagged("off", 5)], weights=[1, 1, 0],
+                               size=2000)
     items = [blend[i] for i in range(len(blend))]
     names = [name for name, _ in items]
     assert names.count("small") == names.count("big") == 1000 and "off" not in names
     # The small dataset wraps around: 100 passes over its 10 samples, in order.
     assert [i for name, i in items if name == "small"] == list(range(10)) * 100
     # Deterministic: the same arguments give the same order.
-    again = DatasetBlender([Tagged("small", 10), Tagged("big", 1000), Tagged("off", 5)], weights=[1, 1, 0],
-                           size=2000)
+    with pytest.warns(UserWarning, match="repeat"):
+        again = DatasetBlender([Tagged("small", 10), Tagged("big", 1000), Tagged("off", 5)], weights=[1, 1, 0],
+                               size=2000)
     assert np.array_equal(again.dataset_index, blend.dataset_index)
+
+
+def test_a_dataset_read_more_than_once_is_named_in_a_warning():
+    datasets = [Tagged("a", 10), Tagged("b", 3)]
+    # A zero weight with the default size (the sum of ALL lengths) reads `a` 1.3 times: it used to say nothing.
+    with pytest.warns(UserWarning, match=r"size=13 with weights \[1, 0\] reads datasets\[0\] 1.30 times \(13 samples "
+                                         r"of its 10\).* size <= about 10 "):
+        blend = DatasetBlender(datasets, [1, 0])
+    assert [blend[i] for i in range(13)] == [("a", i % 10) for i in range(13)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # one pass over each dataset: no warning
+        DatasetBlender(datasets)
+        DatasetBlender(datasets, [1, 0], size=10)
+        DatasetBlender(datasets, [10, 3], size=13)
+
+
+def test_index_must_be_an_integer():
+    blend = DatasetBlender([Tagged("a", 10), Tagged("b", 3)])
+    assert blend[np.int64(1)] == blend[torch.tensor(1)] == blend[1]
+    # numpy's bare "only integers, slices ... are valid indices" named neither the blender nor the index.
+    with pytest.raises(TypeError, match=r"DatasetBlender index must be an int, got float 1.0"):
+        blend[1.0]
+    with pytest.raises(TypeError, match=r"got str '1'"):
+        blend["1"]
 
 
 @pytest.mark.parametrize("datasets, weights, message", [
@@ -96,6 +125,7 @@ def test_bad_weights_raise(datasets, weights, message):
         DatasetBlender(datasets, weights)
 
 
+@pytest.mark.filterwarnings("ignore:DatasetBlender.*repeat")  # a dataset read twice, on purpose
 def test_tensor_and_numpy_scalar_weights_count_as_numbers():
     datasets = [Tagged("a", 10), Tagged("b", 10)]
     expected = DatasetBlender(datasets, [0.25, 0.75], size=40)
@@ -111,6 +141,7 @@ def test_tensor_and_numpy_scalar_weights_count_as_numbers():
         DatasetBlender(datasets, torch.tensor([1 + 0j, 1 + 0j]))
 
 
+@pytest.mark.filterwarnings("ignore:DatasetBlender.*repeat")  # a dataset read twice, on purpose
 def test_huge_weights_do_not_overflow_the_normalization():
     # Their sum overflowed to inf and every share became 0; the error then showed [0.0, 0.0], not the input.
     datasets = [Tagged("a", 10), Tagged("b", 10)]
@@ -129,4 +160,5 @@ def test_bad_size_raises():
         DatasetBlender([Tagged("a", 3)], size=0)
     with pytest.raises(ValueError, match=r"size=5.5 must be an int"):   # was truncated to 5 without a word
         DatasetBlender([Tagged("a", 3)], size=5.5)
-    assert len(DatasetBlender([Tagged("a", 3)], [np.float32(1.0)], size=np.int64(4))) == 4
+    with pytest.warns(UserWarning, match="repeat"):
+        assert len(DatasetBlender([Tagged("a", 3)], [np.float32(1.0)], size=np.int64(4))) == 4

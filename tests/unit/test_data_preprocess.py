@@ -351,3 +351,65 @@ def test_json_array_file_is_refused_naming_it(tmp_path, tokenizer, content):
     path.write_text('["a", "list"]\n{"text": "doc"}\n')
     stats = DatasetPreprocessor(tokenizer).preprocess(path, tmp_path / "ok", progress_enabled=False)
     assert (stats.documents, stats.skipped_lines) == (1, 1)
+
+
+def test_a_mapping_is_refused_naming_what_to_pass(tmp_path, tokenizer):
+    p = DatasetPreprocessor(tokenizer)
+    # Iterating a dict yields its keys: a dict of columns was written as the one document 'text</s>'.
+    with pytest.raises(TypeError, match=r"documents is a dict with keys \['text'\]; a mapping's keys would be read "
+                                        r"as the documents: pass an iterable of str, e.g. documents\['text'\]"):
+        p.preprocess({"text": ["one", "two"]}, tmp_path / "d", progress_enabled=False)
+    with pytest.raises(TypeError, match=r"source is a dict with keys \['text'\]"):
+        p.open({"text": ["one"]})
+    # Rows (dicts) in a plain iterable: say which reader takes them.
+    with pytest.raises(TypeError, match=r"document 0 is dict, expected str: rows of a dataset\? read them with "
+                                        r"open_hf_dataset\(rows, text_key=\.\.\.\)"):
+        p.preprocess([{"text": "one"}], tmp_path / "r", progress_enabled=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_byte_order_mark_opening_a_file_is_dropped(tmp_path, tokenizer):
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_bytes(bom + b"first line\r\nsecond\n")
+    (tmp_path / "in" / "b.jsonl").write_bytes(bom + b'{"text": "json first"}\n{"text": "json second"}\n')
+    p = DatasetPreprocessor(tokenizer)
+    # The .txt kept the mark as the first token of its first document; the .jsonl skipped its whole first line.
+    stats = p.preprocess(tmp_path / "in", tmp_path / "out", progress_enabled=False)
+    assert stats.skipped_lines == 0
+    assert read_all(tmp_path / "out") == [encode(tokenizer, t) + [1] for t in
+                                          ("first line", "second", "json first", "json second")]
+    # Only at the start of a file: elsewhere it is text (U+FEFF), as with the utf-8-sig codec.
+    (tmp_path / "mid.txt").write_bytes(b"a\n" + bom + b"b\n")
+    assert list(p.open(tmp_path / "mid.txt")) == ["a", "\ufeffb"]
+
+
+def test_a_list_of_sentences_is_refused_saying_to_join_it(tmp_path, tokenizer):
+    path = tmp_path / "s.jsonl"
+    path.write_text(json.dumps({"text": ["One sentence.", "Another."]}) + "\n" + json.dumps({"text": "whole"}) + "\n")
+    p = DatasetPreprocessor(tokenizer)
+    stats = p.preprocess(path, tmp_path / "out", progress_enabled=False)
+    assert read_all(tmp_path / "out") == [encode(tokenizer, "whole") + [1]]
+    assert [(pr.line, pr.reason) for pr in stats.problems] == [
+        (1, "value of 'text' is a list of 2 str (split sentences?); a document is one str: join them first "
+            "(a .jsonl file: `jq -c '.text |= join(\" \")'`)")]
+    with pytest.raises(ValueError, match=r"s\.jsonl:1: value of 'text' is a list of 2 str"):
+        p.preprocess(p.open(path, strict=True), tmp_path / "strict", progress_enabled=False)
+
+
+def test_directories_match_suffixes_in_any_case_and_skip_hidden_files(tmp_path, tokenizer, caplog):
+    (tmp_path / "in" / ".git").mkdir(parents=True)
+    (tmp_path / "in" / "UPPER.TXT").write_text("upper\n")
+    (tmp_path / "in" / "b.JSONL").write_text(json.dumps({"text": "json"}) + "\n")
+    (tmp_path / "in" / ".hidden.txt").write_text("hidden\n")
+    (tmp_path / "in" / ".git" / "c.txt").write_text("in a hidden folder\n")
+    (tmp_path / "in" / "notes.md").write_text("ignored")
+    p = DatasetPreprocessor(tokenizer)
+    with caplog.at_level(logging.WARNING, logger="atorch.data.sources"):
+        assert list(p.open(tmp_path / "in")) == ["upper", "json"]
+    assert "ignoring 1 files that are not .txt/.jsonl/.json and 2 hidden files" in caplog.text
+    assert list(p.open(tmp_path / "in" / "UPPER.TXT")) == ["upper"]
+    (tmp_path / "hidden_only" / ".x").mkdir(parents=True)
+    (tmp_path / "hidden_only" / ".x" / "a.txt").write_text("x\n")
+    with pytest.raises(ValueError, match=r"has no .txt/.jsonl/.json files \(found 0 other files and 1 hidden ones\)"):
+        p.open(tmp_path / "hidden_only")

@@ -6,7 +6,8 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler, WeightedRandomSampler
+from torch.utils.data import (BatchSampler, DataLoader, RandomSampler, Sampler, SequentialSampler,
+                              WeightedRandomSampler)
 
 from atorch.data import DistributedProxySampler, InfiniteDataLoader
 
@@ -133,3 +134,63 @@ def test_drop_last_that_empties_every_rank_warns():
         warnings.simplefilter("error")
         DistributedProxySampler(SequentialSampler(range(3)), 5, 0, drop_last=False)  # padded: no warning
         DistributedProxySampler(SequentialSampler(range(5)), 5, 0, drop_last=True)
+
+
+def test_a_sampler_without_len_is_counted_as_it_is_read_and_a_one_shot_iterator_is_refused():
+    class NoLen(Sampler):
+        """Re-iterable, with no __len__ (torch's Sampler defines none)."""
+
+        def __iter__(self):
+            return iter(range(5))
+
+    for drop_last, per_rank in ((False, 3), (True, 2)):
+        proxies = [DistributedProxySampler(NoLen(), 2, r, shuffle=False, drop_last=drop_last) for r in range(2)]
+        for epoch in range(2):   # every epoch reads it again
+            for p in proxies:
+                p.set_epoch(epoch)
+            parts = [list(p) for p in proxies]
+            assert [len(p) for p in parts] == [per_rank] * 2
+            assert set(parts[0] + parts[1]) == set(range(2 * per_rank if drop_last else 5))
+    # It failed with a bare "object of type 'range_iterator' has no len()" at iteration.
+    with pytest.raises(TypeError, match=r"wrapped sampler \(NoLen\) has no len\(\).*give it __len__"):
+        len(proxies[0])
+    with pytest.raises(ValueError, match=r"sampler is a one-shot iterator \(range_iterator\).*read again every "
+                                         r"epoch; pass something re-iterable"):
+        DistributedProxySampler(iter(range(4)), 2, 0)
+
+
+def test_auto_accelerate_refuses_the_proxy_as_distributed_sampler_cls_and_the_suggested_wrapper_works():
+    from atorch.auto.compat import check_sampler_cls
+
+    # It passed the parameter-name check, then got the dataset as its sampler and failed at the first batch
+    # ("'<=' not supported between instances of 'int' and 'dict'").
+    with pytest.raises(ValueError, match=r"distributed_sampler_cls DistributedProxySampler wraps a sampler.*"
+                                         r"lambda dataset, \*\*kw: DistributedProxySampler\(MySampler\(dataset\)"):
+        check_sampler_cls(DistributedProxySampler)
+
+    class Subclass(DistributedProxySampler):
+        pass
+
+    def own(sampler, num_replicas=None, rank=None):
+        return DistributedProxySampler(sampler, num_replicas, rank)
+
+    for refused in (Subclass, own):
+        with pytest.raises(ValueError, match="wraps a sampler"):
+            check_sampler_cls(refused)
+
+    # The suggested wrapper, built by the engine (data rank 0 of 2 here) as auto_accelerate builds it.
+    from torch import nn
+
+    from atorch.auto.engine import _make_sampler
+    from atorch.auto.model_context import ModelContext
+
+    def wrapper(dataset, **kw):
+        return DistributedProxySampler(SequentialSampler(dataset), **kw)
+
+    check_sampler_cls(wrapper)
+    dataset = [{"x": i} for i in range(7)]
+    ctx = ModelContext(model=nn.Linear(2, 2), dataset=dataset, distributed_sampler_cls=wrapper)
+    sampler = _make_sampler(ctx, 2, shuffle=True, seed=3, drop_last=False)
+    other = wrapper(dataset, num_replicas=2, rank=1, shuffle=True, seed=3, drop_last=False)
+    assert (sampler.num_replicas, sampler.rank, sampler.seed) == (2, 0, 3)
+    assert sorted(set(list(sampler) + list(other))) == list(range(7)) and len(sampler) == len(other) == 4
