@@ -12,6 +12,8 @@ cuts them into fixed-length samples; `DatasetBlender`, `DistributedProxySampler`
     batches = InfiniteDataLoader(DataLoader(train, batch_size=8, sampler=sampler))
 """
 
+from typing import Any
+
 from atorch.data.batch_utils import data_to_device, expand_batch_dim
 from atorch.data.blender import DatasetBlender, blend_schedule
 from atorch.data.causal_lm import DatasetForCausalLM
@@ -23,7 +25,6 @@ from atorch.data.indexed_dataset import (
     best_fitting_dtype,
     open_indexed_dataset,
 )
-from atorch.data.preprocess import DatasetPreprocessor, PreprocessStats
 from atorch.data.samplers import DistributedProxySampler, InfiniteDataLoader
 from atorch.data.sources import DocumentSource, LineProblem, open_directory, open_hf_dataset, open_jsonl, open_text
 
@@ -34,3 +35,13 @@ __all__ = [
     "expand_batch_dim", "open_directory",
     "open_hf_dataset", "open_indexed_dataset", "open_jsonl", "open_text",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # `preprocess` is imported on first use, so `python -m atorch.data.preprocess` (the command) runs
+    # the module once, not after the package had already imported it (runpy's RuntimeWarning).
+    if name in ("DatasetPreprocessor", "PreprocessStats"):
+        from atorch.data import preprocess
+
+        return getattr(preprocess, name)
+    raise AttributeError(f"module 'atorch.data' has no attribute {name!r}")
