@@ -493,6 +493,7 @@ def _exit_code(exitcode: int) -> int:
 
 def run_job(args: argparse.Namespace, rdzv: Rendezvous, prog: str = PROG) -> int:
     """Run torchrun's parsed `args`; the exit status (0, the first failed worker's, or 1 for the launch)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
     from torch.distributed.run import run as torch_run
 
@@ -522,6 +523,12 @@ def run_job(args: argparse.Namespace, rdzv: Rendezvous, prog: str = PROG) -> int
         print(f"{prog}: error: worker rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) failed "
               f"with {how}{what}{gave_up}; the launcher exits with {code}", file=sys.stderr, flush=True)
         return code
+    except SignalException as e:
+        # SIGTERM/SIGINT to the launcher: torch elastic has stopped the workers; exit as a shell reports
+        # a process ended by that signal (143, 130), with one line instead of the agent's traceback.
+        print(f"{prog}: stopped by {e.sigval.name}; the workers were terminated; the launcher exits with "
+              f"{128 + int(e.sigval)}", file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
     except Exception as e:   # noqa: BLE001 - only rendezvous failures are turned into one line
         message = _rendezvous_failure(e, rdzv)
         if message is None:

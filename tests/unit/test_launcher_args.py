@@ -294,3 +294,21 @@ def test_an_unknown_launcher_flag_names_this_launcher(capsys, tmp_path):
     err = capsys.readouterr().err
     assert "atorch.distributed.run: error: unrecognized arguments: --bogus" in err, err
     assert "run.py" not in err and len(err.splitlines()) == 2, err
+
+
+def test_a_launcher_stopped_by_sigterm_exits_143_with_one_line(monkeypatch, capsys):
+    """torch elastic stops the workers and raises SignalException in the agent: the launcher printed its
+    30-line traceback and exited 1; it exits as a shell reports a process ended by the signal."""
+    import signal
+
+    import torch.distributed.run as torch_run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def stopped(args):
+        raise SignalException("Process 7 got signal: 15", sigval=signal.SIGTERM)
+
+    monkeypatch.setattr(torch_run, "run", stopped)
+    args, rdzv = _prepared(["--nproc_per_node", "2", "t.py"])
+    assert run.run_job(args, rdzv) == 143
+    err = capsys.readouterr().err
+    assert "stopped by SIGTERM" in err and "Traceback" not in err and err.count("\n") == 1, err
