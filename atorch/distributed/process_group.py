@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 import torch.distributed as dist
 
-from atorch.distributed import timeouts
+from atorch.distributed import launcher_watch, timeouts
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +120,7 @@ def init_distributed(
     _set_torch_group_timeout(collective)
     timeouts.install(store)
     _register_exit_teardown()
+    launcher_watch.watch_launcher()
     return True
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from atorch.distributed import slurm
+from atorch.distributed.launcher_watch import LAUNCHER_PID_ENV
 
 DEFAULT_FAULT_TOLERANT_RESTARTS = 3
 DEFAULT_MASTER_PORT = 29500
@@ -500,6 +501,7 @@ def run_job(args: argparse.Namespace, rdzv: Rendezvous, prog: str = PROG) -> int
     line = waiting_line(rdzv, prog)
     if line is not None:
         print(line, file=sys.stderr, flush=True)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())   # the workers stop if this process is killed
     problem = store_problem(rdzv)
     if problem is not None:
         print(f"{prog}: error: {problem}", file=sys.stderr, flush=True)
@@ -603,6 +605,7 @@ def elastic_run(args: argparse.Namespace) -> None:
     problem = store_problem(rdzv) if isinstance(rdzv, Rendezvous) else None
     if problem is not None:
         raise LaunchError(problem)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     torch_run(args)
 
 

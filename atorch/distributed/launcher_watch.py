@@ -1,0 +1,60 @@
+"""Stop a worker whose launcher is gone.
+
+torch elastic's agent (inside `atorch.distributed.run`) stops its workers when it is asked to
+(SIGTERM, SIGINT) but not when it is killed outright (SIGKILL, an out-of-memory kill of the
+launcher): its workers then run on as orphans, holding devices and ports, training to the end or
+waiting in a collective until its timeout. The launcher names itself to its workers
+(`ATORCH_LAUNCHER_PID`), and a worker that initializes atorch's process group watches its
+parent: once the launcher is gone the worker is sent SIGTERM (its handlers run, as when torch
+elastic stops it), and SIGKILL if it is still alive `GRACE_S` later. A poll of the parent pid
+rather than Linux's PR_SET_PDEATHSIG, which fires when the *thread* that started the process
+exits, and is Linux only.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Mapping, Optional
+
+LAUNCHER_PID_ENV = "ATORCH_LAUNCHER_PID"
+POLL_S = 1.0
+GRACE_S = 30.0
+
+_watching = False
+
+
+def launcher_pid(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """The launcher's pid when this process is one of its workers (its parent), else None."""
+    raw = (os.environ if env is None else env).get(LAUNCHER_PID_ENV, "")
+    try:
+        pid = int(raw)
+    except ValueError:
+        return None
+    return pid if pid > 1 and os.getppid() == pid else None
+
+
+def watch_launcher(env: Optional[Mapping[str, str]] = None) -> bool:
+    """Start watching the launcher (once per process); whether this process is watching it."""
+    global _watching
+    if _watching:
+        return True
+    pid = launcher_pid(env)
+    if pid is None:
+        return False
+    threading.Thread(target=_watch, args=(pid,), name="atorch-launcher-watch", daemon=True).start()
+    _watching = True
+    return True
+
+
+def _watch(pid: int) -> None:
+    while os.getppid() == pid:
+        time.sleep(POLL_S)
+    print(f"[atorch] worker pid {os.getpid()}: its launcher (pid {pid}) is gone; stopping this worker (SIGTERM)",
+          file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(GRACE_S)
+    os.kill(os.getpid(), signal.SIGKILL)
