@@ -11,6 +11,11 @@ rows or tokens per micro-batch (the same convention as DeepSpeed and accelerate)
 last, smaller batch (dataloader_args['drop_last']=False) is split as evenly as it goes, each
 micro-batch loss weighted by its share of the rows (`micro_batches`).
 
+`loss_weighting="tokens"` weights each micro-batch's token-mean loss by its share of the label
+tokens of the whole global batch instead, counted over the data ranks with one all-reduce per step
+(`_TokenShares`), so that padded batches of unequal lengths train exactly as single-process
+training on the global batch's token mean (Hugging Face Trainer's `average_tokens_across_devices`).
+
 Gradient sync is skipped on the non-final micro-steps where the wrapper allows it: DDP
 `no_sync()`, FSDP2 `set_requires_gradient_sync(False)`; DeepSpeed engines get their
 accumulation boundary set explicitly (ZeRO-1 then reduces once per step; ZeRO-2/3 reduce into
@@ -37,31 +42,42 @@ import itertools
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, cast
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from atorch.auto.model_context import call_model
+from atorch.auto.model_context import call_model, default_loss_func
 from atorch.auto.result import AutoAccelerateResult
 from atorch.distributed.agreement import agree_on_values
-from atorch.modules.pipeline.batches import cut_rows, find_batch_rows
+from atorch.modules.pipeline.batches import (
+    IGNORE_INDEX,
+    causal_lm_loss,
+    check_labels_fit_logits,
+    cut_rows,
+    find_batch_rows,
+)
 
-__all__ = ["StepStats", "check_batch", "clip_grad_norm_", "split_batch", "train_step", "train_step_stats"]
+__all__ = ["LOSS_WEIGHTINGS", "StepStats", "check_batch", "clip_grad_norm_", "split_batch", "train_step",
+           "train_step_stats"]
+
+# How train_step weights the micro-batch losses of one global batch (see `train_step`).
+LOSS_WEIGHTINGS = ("rows", "tokens")
 
 
 @dataclass(frozen=True)
 class StepStats:
     """What one optimizer step did."""
 
-    loss: torch.Tensor                  # mean of the micro-batch losses (detached)
+    loss: torch.Tensor                  # "rows": mean of this rank's micro-batch losses; "tokens": the global
+                                        # batch's token mean, the same on every rank (detached)
     grad_norm: Optional[torch.Tensor]   # global gradient norm before clipping; None when not clipped
     micro_batches: int
 
 
 def train_step(result: AutoAccelerateResult, batch: Any, *, gradient_accumulation_steps: Optional[int] = None,
-               max_grad_norm: Optional[float] = None) -> torch.Tensor:
+               max_grad_norm: Optional[float] = None, loss_weighting: str = "rows") -> torch.Tensor:
     """One optimizer step on `batch` for any strategy; returns the (detached) loss.
 
     `gradient_accumulation_steps`: micro-batches the per-rank `batch` is split into (default:
@@ -70,8 +86,21 @@ def train_step(result: AutoAccelerateResult, batch: Any, *, gradient_accumulatio
     (`loss.backward(); optim.step()`) work too; this helper also drives DeepSpeed engines and
     pipeline schedules, which step themselves.
 
-    Every rank must pass the same `gradient_accumulation_steps` and `max_grad_norm` at every call:
-    they decide the step's collectives, so ranks given different ones wait for each other until the
+    `loss_weighting`: how the losses of the global batch's micro-batches are combined.
+    "rows" (default): each micro-batch's loss counts by its rows and data ranks count alike (as DDP
+    and DeepSpeed average them); the global batch's mean when every row weighs alike (a row mean,
+    or as many label tokens in every micro-batch). Returns this rank's mean of its micro-batch losses.
+    "tokens": each micro-batch's loss, a Hugging Face causal LM's own token mean over its label
+    tokens (`labels[..., 1:] != -100`, or `shift_labels != -100` where the batch has them), is
+    weighted by its share of the label tokens of the whole global batch, counted over the data ranks
+    (one all-reduce per step), so the gradient is single-process training's gradient of the global
+    batch's token mean, however unequal the rows' lengths. Returns that global token mean, the same
+    on every rank (one more all-reduce). Needs `labels` in every batch and a causal LM computing
+    its own loss (no loss_func); not available under deepspeed_3d_parallel, whose engine averages
+    its micro-batch losses itself (ValueError on every rank).
+
+    Every rank must pass the same `gradient_accumulation_steps`, `max_grad_norm` and `loss_weighting` at
+    every call: they decide the step's collectives, so ranks given different ones wait for each other until the
     collective timeout (FSDP, tensor and pipeline parallelism) or train on silently with replicas that
     drift apart (DDP). The first call on each `result` compares them across ranks (one small vote) and
     raises the same ValueError on every rank when they differ; later calls are not compared, as a vote
@@ -79,25 +108,26 @@ def train_step(result: AutoAccelerateResult, batch: Any, *, gradient_accumulatio
     rank at the same step (e.g. from the step count, never from something only one rank reads).
     """
     return train_step_stats(result, batch, gradient_accumulation_steps=gradient_accumulation_steps,
-                            max_grad_norm=max_grad_norm).loss
+                            max_grad_norm=max_grad_norm, loss_weighting=loss_weighting).loss
 
 
 def train_step_stats(result: AutoAccelerateResult, batch: Any, *, gradient_accumulation_steps: Optional[int] = None,
-                     max_grad_norm: Optional[float] = None) -> StepStats:
+                     max_grad_norm: Optional[float] = None, loss_weighting: str = "rows") -> StepStats:
     """`train_step`, also returning the gradient norm it clipped (see `StepStats`)."""
     _check_result("train_step", result)
-    _agree_on_first_call(result, gradient_accumulation_steps, max_grad_norm, batch)
+    _agree_on_first_call(result, gradient_accumulation_steps, max_grad_norm, batch, loss_weighting)
     steps = _accumulation_steps(result, gradient_accumulation_steps)
     if max_grad_norm is not None:
         _check_max_norm("train_step: max_grad_norm", max_grad_norm)
+    by_tokens = _weights_by_tokens(result, loss_weighting)
     if result.pipeline is not None:
-        return _pipeline_step(result, result.pipeline, batch, steps, max_grad_norm)
+        return _pipeline_step(result, result.pipeline, batch, steps, max_grad_norm, by_tokens)
     if result.custom_train_step is not None:  # engines with their own schedule (deepspeed_3d_parallel)
         return _custom_step(result, result.custom_train_step, batch, steps, max_grad_norm)
     engine = result.engine
     if engine is not None:
-        return _deepspeed_step(result, engine, batch, steps, max_grad_norm)
-    return _plain_step(result, batch, steps, max_grad_norm)
+        return _deepspeed_step(result, engine, batch, steps, max_grad_norm, by_tokens)
+    return _plain_step(result, batch, steps, max_grad_norm, by_tokens)
 
 
 def _check_result(who: str, result: Any) -> None:
@@ -112,7 +142,7 @@ _agreed_results: Set[int] = set()
 
 
 def _agree_on_first_call(result: AutoAccelerateResult, gradient_accumulation_steps: Any,
-                         max_grad_norm: Any, batch: Any) -> None:
+                         max_grad_norm: Any, batch: Any, loss_weighting: Any = "rows") -> None:
     """At the first call on `result`, the ranks compare the options they were given (before checking
     them, so that a bad value on one rank is named as a difference instead of raising on that rank
     alone), and the batches of the ranks that hold one model replica together
@@ -128,7 +158,12 @@ def _agree_on_first_call(result: AutoAccelerateResult, gradient_accumulation_ste
     norm = max_grad_norm
     if isinstance(norm, (int, float)) and not isinstance(norm, bool):
         norm = float(norm)    # 1 and 1.0 clip alike
-    agree_on_values("train_step", {"gradient_accumulation_steps": repr(steps), "max_grad_norm": repr(norm)})
+    values = {"gradient_accumulation_steps": repr(steps), "max_grad_norm": repr(norm)}
+    if loss_weighting != "rows":
+        # Only where not the default, so the vote is the one it always was; a rank with the default shows as
+        # "(not given)" beside another's "'tokens'", which runs an all-reduce that the first would never join.
+        values["loss_weighting"] = repr(loss_weighting)
+    agree_on_values("train_step", values)
     _check_replica_peers_share_the_batch(result, batch)
     _agreed_results.add(key)
     weakref.finalize(result, _agreed_results.discard, key)
@@ -353,6 +388,133 @@ def _scaled(loss: torch.Tensor, steps: int, weights: Optional[List[float]], i: i
     return loss / steps if steps > 1 else loss
 
 
+# -- weighting by tokens ----------------------------------------------------------------------
+
+def _weights_by_tokens(result: AutoAccelerateResult, loss_weighting: Any) -> bool:
+    """Whether this step weights its micro-batch losses by label tokens (`loss_weighting="tokens"`).
+
+    ValueError for an unknown value, and for "tokens" where the loss is not one train_step can weight
+    by its tokens. These depend on the options, the strategy and the model only, the same on every
+    rank (the options were compared at the first call), so every rank raises before the step's collectives."""
+    if loss_weighting not in LOSS_WEIGHTINGS:
+        raise ValueError(f"train_step: loss_weighting={loss_weighting!r} must be one of {list(LOSS_WEIGHTINGS)}")
+    if loss_weighting == "rows":
+        return False
+    if result.pipeline is not None:
+        # pipeline_parallel always computes the causal-LM loss on its last stage (it refuses a loss_func).
+        if getattr(result.pipeline, "loss_fn", None) is not None:
+            raise ValueError("train_step: loss_weighting='tokens' needs the native pipeline's own causal-LM loss, but "
+                             "this pipeline has a loss_fn of its own; use loss_weighting='rows'")
+        return True
+    if result.custom_train_step is not None:
+        raise ValueError("train_step: loss_weighting='tokens' is not available under deepspeed_3d_parallel: its "
+                         "engine (train_batch) averages each micro-batch's loss itself, which train_step cannot "
+                         "reweight; use loss_weighting='rows', or pipeline_parallel (the native pipeline) with "
+                         "loss_weighting='tokens'")
+    model = result.model
+    if not is_causal_lm(model):
+        raise ValueError(f"train_step: loss_weighting='tokens' weights a causal language model's token-mean loss, but "
+                         f"the model is a {type(model).__name__}, not a Hugging Face causal LM (*ForCausalLM); use "
+                         "loss_weighting='rows', or weight the tokens in a loss_func of your own")
+    if not uses_the_models_loss(result):
+        raise ValueError("train_step: loss_weighting='tokens' weights the model's own causal-LM loss by its label "
+                         "tokens, but auto_accelerate was given a loss_func, whose loss train_step cannot count "
+                         "tokens for; drop loss_func (the model computes its loss from batch['labels']), or use "
+                         "loss_weighting='rows'")
+    return True
+
+
+def uses_the_models_loss(result: AutoAccelerateResult) -> bool:
+    """Whether `result.loss_func` returns the model output's own `.loss` (auto_accelerate got no loss_func).
+
+    Read from the closure `engine.assemble_result` builds (its `user_loss` is `default_loss_func` when
+    no loss_func was given), as the result keeps no field for it; any other loss_func counts as the
+    user's (pinned by tests/unit/test_train_step_tokens.py)."""
+    func = result.loss_func
+    names = getattr(getattr(func, "__code__", None), "co_freevars", ())
+    for name, cell in zip(names, getattr(func, "__closure__", None) or ()):
+        if name == "user_loss":
+            try:
+                return cell.cell_contents is default_loss_func
+            except ValueError:   # an empty cell
+                return False
+    return False
+
+
+def label_tokens(batch: Any) -> Optional[torch.Tensor]:
+    """The label tokens a Hugging Face causal LM's loss averages over in `batch`: `shift_labels != -100`
+    where the batch has them (transformers' ForCausalLMLoss then takes them as they are), else
+    `labels[..., 1:] != -100` (each position predicts the next token); None without labels."""
+    if not isinstance(batch, Mapping):
+        return None
+    shifted = batch.get("shift_labels")
+    if isinstance(shifted, torch.Tensor):
+        return (shifted != IGNORE_INDEX).sum()
+    labels = batch.get("labels")
+    if not isinstance(labels, torch.Tensor) or labels.dim() == 0:
+        return None
+    return (labels[..., 1:] != IGNORE_INDEX).sum()
+
+
+def _data_group(result: AutoAccelerateResult) -> Tuple[Any, int]:
+    """The group the gradients are averaged over ("data"; tensor and pipeline peers share the batch, so
+    they are not counted again) and its size; (None, 1) without data parallelism."""
+    parallel = result.parallel
+    size = parallel.size_or_one("data") if parallel is not None else 1
+    if parallel is None or size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return None, 1
+    return parallel.group("data"), size
+
+
+@dataclass(frozen=True)
+class _TokenShares:
+    """`loss_weighting="tokens"` for one step: each micro-batch's weight is its label tokens x the data
+    ranks / the global batch's label tokens. Its token-mean loss times that weight is its summed token
+    loss over the global count, times the data ranks that the gradient average (DDP, FSDP2, DeepSpeed
+    ZeRO, the native pipeline) divides by again: the gradients add up to the global token mean's."""
+
+    weights: List[torch.Tensor]
+    per_token: torch.Tensor   # data ranks / the global batch's label tokens: each label token's weight
+    group: Any
+    data_size: int
+
+    @classmethod
+    def count(cls, result: AutoAccelerateResult, micros: Sequence[Any]) -> "_TokenShares":
+        """Count the micro-batches' label tokens and their sum over the data ranks (one all-reduce, which
+        also carries whether any rank's batch lacks labels, so that every rank raises alike)."""
+        counts = [label_tokens(micro) for micro in micros]
+        device = result.device
+        local = torch.zeros(2, dtype=torch.int64, device=device)
+        for c in counts:
+            if c is None:
+                local[1] += 1
+            else:
+                local[0] += c.to(device)
+        group, size = _data_group(result)
+        if size > 1:
+            dist.all_reduce(local, group=group)
+        if int(local[1]) > 0:
+            raise ValueError("train_step: loss_weighting='tokens' counts the label tokens of every batch, but a "
+                             "batch has no 'labels' (on some rank); give each batch its labels (the token ids, with "
+                             "-100 where no token is predicted), or use loss_weighting='rows'")
+        per_token = size / local[0].clamp(min=1).double()   # no label token anywhere: every weight 0, no gradient
+        weights = [(c.to(device).double() * per_token).float() for c in counts if c is not None]
+        return cls(weights, per_token.float(), group, size)
+
+    def scale(self, loss: torch.Tensor, i: int) -> torch.Tensor:
+        """Micro-batch `i`'s token-mean loss times its weight. A micro-batch without label tokens has a
+        token mean of 0/0 (nan) and weight 0: it backpropagates zeros instead of nan * 0."""
+        weight = self.weights[i].to(loss.device)
+        return torch.where(weight > 0, loss * weight.to(loss.dtype), torch.zeros_like(loss))
+
+    def global_mean(self, scaled: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The global batch's token mean from this rank's scaled micro-batch losses (one all-reduce)."""
+        local = torch.stack([s.detach().float() for s in scaled]).sum() / self.data_size
+        if self.data_size > 1:
+            dist.all_reduce(local, group=self.group)
+        return local
+
+
 # -- plain models, DDP, FSDP2, tensor parallel ------------------------------------------------
 
 def _no_sync(model: nn.Module, final: bool) -> contextlib.AbstractContextManager:
@@ -368,19 +530,46 @@ def _no_sync(model: nn.Module, final: bool) -> contextlib.AbstractContextManager
     return contextlib.nullcontext()
 
 
-def _plain_step(result: AutoAccelerateResult, batch: Any, steps: int, max_grad_norm: Optional[float]) -> StepStats:
-    model = result.model
-    fmt = result.model_input_format
-    losses: List[torch.Tensor] = []
+def _prepared_micro_batches(result: AutoAccelerateResult, model: Any, batch: Any, steps: int,
+                            by_tokens: bool) -> Tuple[List[Any], Optional[List[float]], Optional[_TokenShares]]:
+    """The step's micro-batches, prepared and checked before any forward; their row weights (`micro_batches`),
+    and under `by_tokens` their token shares (which need every micro-batch's labels before the first backward)."""
     micros, weights = micro_batches(result, batch, steps)
     causal_lm, token_ids = is_causal_lm(model), takes_token_ids(model)
-    for i, micro in enumerate(micros):
+    prepared = []
+    for micro in micros:
         micro = result.prepare_input(micro)
         check_batch(micro, causal_lm, token_ids)
+        prepared.append(micro)
+    return prepared, weights, _TokenShares.count(result, prepared) if by_tokens else None
+
+
+def _micro_losses(result: AutoAccelerateResult, model: Any, micro: Any, steps: int, weights: Optional[List[float]],
+                  shares: Optional[_TokenShares], i: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(micro-batch `i`'s loss to backpropagate, what it reports: its loss, or under tokens its scaled
+    own loss, before any fp16 loss scaling)."""
+    output = call_model(model, micro, result.model_input_format)
+    loss = result.loss_func(micro, output)
+    if shares is None:
+        return _scaled(loss, steps, weights, i), loss.detach()
+    return shares.scale(loss, i), shares.scale(default_loss_func(micro, output).detach(), i)
+
+
+def _reported(losses: Sequence[torch.Tensor], weights: Optional[List[float]],
+              shares: Optional[_TokenShares]) -> torch.Tensor:
+    return _mean(losses, weights) if shares is None else shares.global_mean(losses)
+
+
+def _plain_step(result: AutoAccelerateResult, batch: Any, steps: int, max_grad_norm: Optional[float],
+                by_tokens: bool = False) -> StepStats:
+    model = result.model
+    losses: List[torch.Tensor] = []
+    micros, weights, shares = _prepared_micro_batches(result, model, batch, steps, by_tokens)
+    for i, micro in enumerate(micros):
         with _no_sync(model, final=i == len(micros) - 1):
-            loss = result.loss_func(micro, call_model(model, micro, fmt))
-            _scaled(loss, steps, weights, i).backward()
-        losses.append(loss.detach())
+            loss, reported = _micro_losses(result, model, micro, steps, weights, shares, i)
+            loss.backward()
+        losses.append(reported)
     # A training step needs the optimizer auto_accelerate built (without one this fails here, as it always did).
     optim = cast(torch.optim.Optimizer, result.optim)
     norm = None
@@ -391,7 +580,7 @@ def _plain_step(result: AutoAccelerateResult, batch: Any, steps: int, max_grad_n
     optim.zero_grad(set_to_none=True)
     if result.lr_scheduler is not None:
         result.lr_scheduler.step()
-    return StepStats(_mean(losses, weights), norm, len(micros))
+    return StepStats(_reported(losses, weights, shares), norm, len(micros))
 
 
 def _unscale_for_clipping(optim: Any) -> None:
@@ -432,27 +621,24 @@ def _deepspeed_norm(engine: Any) -> Optional[torch.Tensor]:
 
 
 def _deepspeed_step(result: AutoAccelerateResult, engine: Any, batch: Any, steps: int,
-                    max_grad_norm: Optional[float]) -> StepStats:
-    fmt = result.model_input_format
+                    max_grad_norm: Optional[float], by_tokens: bool = False) -> StepStats:
     set_deepspeed_clipping(engine, max_grad_norm)
     losses: List[torch.Tensor] = []
     try:
-        micros, weights = micro_batches(result, batch, steps)
-        causal_lm, token_ids = is_causal_lm(engine), takes_token_ids(engine)
+        micros, weights, shares = _prepared_micro_batches(result, engine, batch, steps, by_tokens)
         for i, micro in enumerate(micros):
             # The boundary is set explicitly, so a step is one optimizer update whatever the engine's
             # configured gradient_accumulation_steps and its micro-step counter say.
             engine.set_gradient_accumulation_boundary(i == len(micros) - 1)
-            micro = result.prepare_input(micro)
-            check_batch(micro, causal_lm, token_ids)
-            loss = result.loss_func(micro, call_model(engine, micro, fmt))
-            engine.backward(_scaled(loss, steps, weights, i), scale_wrt_gas=False)
+            loss, reported = _micro_losses(result, engine, micro, steps, weights, shares, i)
+            # scale_wrt_gas=False: the weights above already make the micro-batches add up to the step's loss.
+            engine.backward(loss, scale_wrt_gas=False)
             engine.step()          # a no-op update off the boundary (DeepSpeed's own accumulation)
-            losses.append(loss.detach())
+            losses.append(reported)
     finally:
         engine.set_gradient_accumulation_boundary(None)   # back to DeepSpeed's counter
-    return StepStats(_mean(losses, weights), _deepspeed_norm(engine) if max_grad_norm is not None else None,
-                     len(losses))
+    return StepStats(_reported(losses, weights, shares),
+                     _deepspeed_norm(engine) if max_grad_norm is not None else None, len(losses))
 
 
 def _custom_step(result: AutoAccelerateResult, custom_step: Callable, batch: Any, steps: int,
@@ -481,8 +667,9 @@ def _custom_step(result: AutoAccelerateResult, custom_step: Callable, batch: Any
 # -- the native pipeline ----------------------------------------------------------------------
 
 def _pipeline_step(result: AutoAccelerateResult, pipeline: Any, batch: Any, steps: int,
-                   max_grad_norm: Optional[float]) -> StepStats:
-    """`k` schedule steps on micro-batches, their gradients summed and divided by `k`.
+                   max_grad_norm: Optional[float], by_tokens: bool = False) -> StepStats:
+    """`k` schedule steps on micro-batches, their gradients summed and divided by `k` (under
+    `by_tokens`: each schedule step's loss is already its share of the global token mean, so summed only).
 
     Each schedule step computes its micro-batch's gradients from zero; the gradients of earlier
     micro-steps are set aside while it runs and added back after, so no schedule ever sees (or
@@ -490,19 +677,24 @@ def _pipeline_step(result: AutoAccelerateResult, pipeline: Any, batch: Any, step
     """
     params = [p for p in pipeline.stage_module.parameters() if p.requires_grad]
     losses: List[torch.Tensor] = []
+    micros = []
     for micro in split_batch(batch, steps):
-        stash = [p.grad for p in params]
-        for p in params:
-            p.grad = None
         micro = result.prepare_input(micro)
         # The native pipeline's default loss is the causal-LM loss (a loss_fn of the user's takes its own labels).
         check_batch(micro, causal_lm=getattr(pipeline, "loss_fn", None) is None)
-        losses.append(pipeline.forward_backward(micro))
-        with torch.no_grad():
-            for p, old in zip(params, stash):
-                if old is not None:
-                    p.grad = old if p.grad is None else p.grad.add_(old)
-    if steps > 1:
+        micros.append(micro)
+    shares = _TokenShares.count(result, micros) if by_tokens else None
+    with _pipeline_loss_over_global_tokens(pipeline, shares):
+        for micro in micros:
+            stash = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+            losses.append(pipeline.forward_backward(micro))
+            with torch.no_grad():
+                for p, old in zip(params, stash):
+                    if old is not None:
+                        p.grad = old if p.grad is None else p.grad.add_(old)
+    if steps > 1 and shares is None:
         with torch.no_grad():
             for p in params:
                 if p.grad is not None:
@@ -513,7 +705,32 @@ def _pipeline_step(result: AutoAccelerateResult, pipeline: Any, batch: Any, step
     optim.zero_grad(set_to_none=True)
     if result.lr_scheduler is not None:
         result.lr_scheduler.step()
-    return StepStats(_mean(losses), norm, steps)
+    return StepStats(_mean(losses) if shares is None else shares.global_mean(losses), norm, steps)
+
+
+@contextlib.contextmanager
+def _pipeline_loss_over_global_tokens(pipeline: Any, shares: Optional[_TokenShares]) -> Iterator[None]:
+    """Under `shares`, the pipeline's loss for the step: each chunk's summed token loss over the global
+    batch's label tokens / the data ranks (which its gradient average divides by again), instead of
+    over the per-rank batch's tokens.
+
+    The native pipeline divides by its own batch's count and has no argument for another, so its
+    `loss_fn` (None: its causal-LM loss, which `_weights_by_tokens` requires) is set for the step; the
+    pipeline divides a loss_fn's value by its chunks, which the scale multiplies back."""
+    if shares is None:
+        yield
+        return
+    scale = shares.per_token * pipeline.chunks
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        check_labels_fit_logits(logits, labels)
+        return causal_lm_loss(logits, labels, reduction="sum") * scale.to(logits.device)
+
+    pipeline.loss_fn = loss_fn
+    try:
+        yield
+    finally:
+        pipeline.loss_fn = None
 
 
 # -- the global gradient norm -----------------------------------------------------------------
