@@ -13,18 +13,33 @@ exits, and is Linux only.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
-from typing import Mapping, Optional
+from typing import Iterator, Mapping, Optional
 
 LAUNCHER_PID_ENV = "ATORCH_LAUNCHER_PID"
 POLL_S = 1.0
 GRACE_S = 30.0
 
 _watching = False
+
+
+@contextlib.contextmanager
+def naming_this_launcher() -> Iterator[None]:
+    """Name this process as the launcher in the environment its workers inherit, for the launch only."""
+    previous = os.environ.get(LAUNCHER_PID_ENV)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(LAUNCHER_PID_ENV, None)
+        else:
+            os.environ[LAUNCHER_PID_ENV] = previous
 
 
 def launcher_pid(env: Optional[Mapping[str, str]] = None) -> Optional[int]:

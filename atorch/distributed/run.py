@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from atorch.distributed import slurm
-from atorch.distributed.launcher_watch import LAUNCHER_PID_ENV
+from atorch.distributed.launcher_watch import naming_this_launcher
 
 DEFAULT_FAULT_TOLERANT_RESTARTS = 3
 DEFAULT_MASTER_PORT = 29500
@@ -501,13 +501,13 @@ def run_job(args: argparse.Namespace, rdzv: Rendezvous, prog: str = PROG) -> int
     line = waiting_line(rdzv, prog)
     if line is not None:
         print(line, file=sys.stderr, flush=True)
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())   # the workers stop if this process is killed
     problem = store_problem(rdzv)
     if problem is not None:
         print(f"{prog}: error: {problem}", file=sys.stderr, flush=True)
         return 1
     try:
-        record(torch_run)(args)   # record: the root cause's error file, as torchrun's main
+        with naming_this_launcher():   # the workers stop if this process is killed
+            record(torch_run)(args)   # record: the root cause's error file, as torchrun's main
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         code = _exit_code(failure.exitcode)
@@ -605,8 +605,8 @@ def elastic_run(args: argparse.Namespace) -> None:
     problem = store_problem(rdzv) if isinstance(rdzv, Rendezvous) else None
     if problem is not None:
         raise LaunchError(problem)
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
-    torch_run(args)
+    with naming_this_launcher():
+        torch_run(args)
 
 
 if __name__ == "__main__":

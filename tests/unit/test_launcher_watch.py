@@ -63,3 +63,12 @@ def test_only_a_child_of_the_named_launcher_watches_it(monkeypatch):
     assert launcher_pid() is None
     monkeypatch.delenv(LAUNCHER_PID_ENV)
     assert launcher_pid() is None
+
+
+def test_the_launcher_names_itself_for_the_launch_only(monkeypatch):
+    from atorch.distributed.launcher_watch import naming_this_launcher
+
+    monkeypatch.delenv(LAUNCHER_PID_ENV, raising=False)
+    with naming_this_launcher():
+        assert os.environ[LAUNCHER_PID_ENV] == str(os.getpid())
+    assert LAUNCHER_PID_ENV not in os.environ
