@@ -26,6 +26,7 @@ from atorch.auto.opt_lib.base import ValidationContext
 from atorch.auto.opt_lib.resolve import ResolvedOptimization, resolve_strategy, wrapper_phase
 from atorch.auto.result import AutoAccelerateResult
 from atorch.auto.strategy import Strategy, StrategyItem
+from atorch.data.samplers import record_set_epoch
 from atorch.distributed.agreement import agree_on_error
 
 logger = logging.getLogger(__name__)
@@ -136,7 +137,8 @@ def _make_sampler(ctx: ModelContext, dp: int, *, shuffle: bool, seed: int, drop_
         accepted = {}
     if accepted and not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
         kwargs = {k: v for k, v in kwargs.items() if k in accepted}
-    return sampler_cls(ctx.dataset, **kwargs)
+    # Whether the loop calls set_epoch decides the order a checkpoint at an epoch boundary resumes in.
+    return record_set_epoch(sampler_cls(ctx.dataset, **kwargs))
 
 
 def _global_batch(ctx: ModelContext) -> Optional[int]:

@@ -62,6 +62,7 @@ from atorch.checkpoint.state import (
 )
 from atorch.checkpoint.tokenizer_files import check_tokenizer, record_tokenizer
 from atorch.checkpoint.tp_lora import adapters_of
+from atorch.data.samplers import SET_EPOCH_CALLED
 from atorch.distributed.agreement import agree_on_error, agree_on_values
 
 if TYPE_CHECKING:
@@ -364,8 +365,22 @@ def _data_position_to_save(objs: TrainingObjects, step: Optional[int], data_posi
     with the epoch its sampler was last set to (which decides the resumed epoch's order)."""
     if data_position is None and step is not None and objs.dataloader is not None:
         data_position = _position_at_step(objs, step)
-        data_position = dataclasses.replace(data_position, sampler_epoch=_sampler_epoch(objs.dataloader))
+        sampler_epoch = _sampler_epoch(objs.dataloader)
+        if sampler_epoch is not None and data_position.batches_in_epoch == 0 \
+                and sampler_epoch == data_position.epoch - 1 and _sets_epochs(objs.dataloader):
+            # Saved right after an epoch's last batch, before the loop set the sampler to the next epoch:
+            # the resume starts that epoch, in the order the loop's next set_epoch would have given it
+            # (recording the finished epoch's made the resume replay its order).
+            sampler_epoch += 1
+        data_position = dataclasses.replace(data_position, sampler_epoch=sampler_epoch)
     return data_position
+
+
+def _sets_epochs(dataloader: Any) -> bool:
+    """Whether the loop sets the sampler's epoch: `set_epoch` was called on a sampler auto_accelerate built
+    (`record_set_epoch`); for another sampler, assumed (the documented loop calls it at every epoch)."""
+    called = getattr(getattr(dataloader, "sampler", None), SET_EPOCH_CALLED, None)
+    return True if called is None else bool(called)
 
 
 def _small_state(objs: TrainingObjects, handler: LayoutHandler, extra: Optional[Dict[str, Any]]) -> Dict[str, Any]:

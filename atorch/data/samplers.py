@@ -159,3 +159,31 @@ class InfiniteDataLoader:
         if self._iterator is None:
             self._iterator = self._passes()
         return next(self._iterator)
+
+
+# Set on a sampler by `record_set_epoch`: whether its set_epoch has been called since it was built.
+SET_EPOCH_CALLED = "_atorch_set_epoch_called"
+
+
+def record_set_epoch(sampler: Any) -> Any:
+    """Make `sampler` remember whether its `set_epoch` was ever called (`SET_EPOCH_CALLED`); returns it.
+
+    A checkpoint saved right after an epoch's last batch must tell a loop that sets the sampler to
+    each epoch (the resume starts the next epoch in the order `set_epoch(epoch + 1)` gives) from one
+    that never does (every pass in epoch 0's order): both show epoch 0 at the first boundary. The
+    instance's own `set_epoch` wraps the class's, so subclasses and user samplers are covered alike.
+    """
+    method = getattr(sampler, "set_epoch", None)
+    if method is None or getattr(sampler, SET_EPOCH_CALLED, None) is not None:
+        return sampler
+
+    def set_epoch(epoch: int) -> None:
+        setattr(sampler, SET_EPOCH_CALLED, True)
+        method(epoch)
+
+    try:
+        sampler.set_epoch = set_epoch
+        setattr(sampler, SET_EPOCH_CALLED, False)
+    except AttributeError:   # __slots__ or a read-only attribute: assumed set, as any unmarked sampler
+        pass
+    return sampler

@@ -262,6 +262,36 @@ def test_a_shuffled_loop_without_set_epoch_resumes_in_its_own_order(tmp_path):
     assert rest == uninterrupted[6:]
 
 
+@pytest.mark.parametrize("sets_epochs", [True, False])
+def test_a_save_after_an_epochs_last_batch_resumes_in_the_next_epochs_order(tmp_path, sets_epochs):
+    """Shuffled, 4 batches an epoch, saved at step 4 (right after epoch 0's last batch, before the loop's
+    set_epoch(1)): the sampler still said epoch 0, so a loop that sets the epoch resumed epoch 1 in epoch 0's
+    order (an outside probe: the resumed steps replayed steps 0-3). A loop that never sets it keeps epoch 0's."""
+    key = _sample_index()
+
+    def passes(run, epochs, first=0):
+        out = []
+        for epoch in range(first, first + epochs):
+            if sets_epochs:
+                run.sampler.set_epoch(epoch)
+            out += [[key[t] for t in _rows(b)] for b in run.dataloader]
+        return out
+
+    uninterrupted = passes(_build(0, batch=8, shuffle=True), 3)
+    run = _build(0, batch=8, shuffle=True)
+    if sets_epochs:
+        run.sampler.set_epoch(0)
+    for b in run.dataloader:
+        train_step(run, b)
+    save_checkpoint(run, str(tmp_path / "step_4"), step=4)
+    resumed = _build(1, batch=8, shuffle=True)
+    state = load_checkpoint(resumed, str(tmp_path / "step_4"))
+    assert (state.data_position.epoch, state.data_position.sampler_epoch) == (1, 1 if sets_epochs else 0)
+    rest = [[key[t] for t in _rows(b)] for b in resumed.dataloader] + passes(resumed, 1, first=2)
+    assert rest == uninterrupted[4:]
+    assert uninterrupted[4:8] != uninterrupted[:4] or not sets_epochs     # epoch 1's order is another
+
+
 @pytest.mark.parametrize("sampler", ["sequential", "distributed without set_epoch"])
 def test_a_loop_that_never_calls_set_epoch_gets_whole_passes_after_the_resumed_one(sampler):
     data = TokenDataset(n=16, seq_len=4)
