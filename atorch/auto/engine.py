@@ -51,18 +51,24 @@ def apply_strategy(ctx: ModelContext, strategy: Strategy) -> AutoAccelerateResul
 
 
 def apply_resolved(ctx: ModelContext, resolved: List[ResolvedOptimization]) -> AutoAccelerateResult:
+    """Apply `resolved` to `ctx` and assemble the result.
+
+    Every optimization's apply, the user's code, and every wrapper end in a vote (`agree_on_error`): a
+    failure on one rank after its last collective raises the same exception, naming the step that failed,
+    on every rank, instead of that rank voting at one point while the others vote at the next (each
+    raising a different error) or wait in the next step's collective.
+    """
     for r in resolved:
-        r.optimization.apply(ctx, r.config)
+        with agree_on_error(f"auto_accelerate: applying {r.name}"):
+            r.optimization.apply(ctx, r.config)
         ctx.applied.append(r.name)
-    # The user's code runs between the optimizations' collectives: each call ends in a vote, so a
-    # failure on one rank raises the same exception on every rank instead of leaving the others
-    # in the next optimization's collective.
     with agree_on_error("auto_accelerate: placing the model and calling optim_func"):
         place_model(ctx)
         if ctx.optim is None and ctx.optim_func is not None:
             ctx.optim = check_optimizer(ctx.optim_func(ctx.optim_params(), **ctx.optim_args), ctx.optim_func)
     for r in wrapper_phase(resolved):
-        r.optimization.apply_wrapper(ctx, r.config)
+        with agree_on_error(f"auto_accelerate: wrapping the model with {r.name} (after optim_func)"):
+            r.optimization.apply_wrapper(ctx, r.config)
     with agree_on_error("auto_accelerate: calling lr_scheduler_cls and building the dataloader"):
         if ctx.lr_scheduler is None and ctx.lr_scheduler_cls is not None and ctx.optim is not None:
             ctx.lr_scheduler = ctx.lr_scheduler_cls(ctx.optim, **ctx.lr_scheduler_args)

@@ -21,6 +21,7 @@ from torch import nn
 
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
+from atorch.modules.pipeline.native import PipelineStageModule
 from atorch.utils.lora_init import lora_a_init
 
 logger = logging.getLogger(__name__)
@@ -83,8 +84,19 @@ def _adaptable_layer_names(model: nn.Module) -> List[str]:
     return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if name and isinstance(m, adaptable)})
 
 
-def resolve_target_modules(model: nn.Module, config: LoraConfig, model_config: Any = None) -> Tuple[str, ...]:
-    """The target names for `model`, checked: each matches at least one layer, and only adaptable ones."""
+def target_layer_names(model: nn.Module, targets: Tuple[str, ...]) -> List[str]:
+    """The names of the layers of `model` that one of `targets` names (peft's matching rule)."""
+    return [name for name, _ in model.named_modules() if name and any(_matches(t, name) for t in targets)]
+
+
+def resolve_target_modules(model: nn.Module, config: LoraConfig, model_config: Any = None,
+                           on_stage: bool = False) -> Tuple[str, ...]:
+    """The target names for `model`, checked: each matches at least one layer, and only adaptable ones.
+
+    `on_stage`: `model` is one pipeline stage of a model validated whole (where every target matched a layer):
+    a target that matches nothing here is on another stage, which adapts it; at least one must be here, as a
+    stage without adapters has nothing to train.
+    """
     targets = config.target_modules
     if targets is None:
         targets = default_target_modules(model, model_config)
@@ -107,6 +119,13 @@ def resolve_target_modules(model: nn.Module, config: LoraConfig, model_config: A
             raise ValueError(
                 f"lora: target {target!r} matches {type(m).__name__} modules (e.g. {name!r}), which LoRA cannot "
                 f"adapt; adaptable layers are {[t.__name__ for t in adaptable]}, named {_adaptable_layer_names(model)}")
+    if unmatched and on_stage:
+        if len(unmatched) < len(targets):
+            return tuple(targets)    # peft adapts the targets here and skips those on other stages
+        stage = f"pipeline stage {getattr(model, 'stage_index', '?')} of {getattr(model, 'num_stages', '?')}"
+        raise ValueError(f"lora: none of the target module(s) {list(targets)} is on {stage}, whose adaptable layer "
+                         f"names are {_adaptable_layer_names(model)}: a stage without adapters has nothing to train; "
+                         "add a target that every stage holds (e.g. its attention projections) or use fewer stages")
     if unmatched:
         raise ValueError(f"lora: target module(s) {unmatched} match no layer of {type(model).__name__}; its "
                          f"adaptable layer names are {_adaptable_layer_names(model)}")
@@ -118,15 +137,17 @@ def _is_peft_model(model: nn.Module) -> bool:
     return peft_model is not None and isinstance(model, peft_model)
 
 
-def add_lora_adapters(model: nn.Module, config: LoraConfig, model_config: Any = None) -> nn.Module:
+def add_lora_adapters(model: nn.Module, config: LoraConfig, model_config: Any = None,
+                      on_stage: bool = False) -> nn.Module:
     """`peft.get_peft_model(model, ...)` for `config`, with the adapters initialized from `config.seed`.
 
     Freezes every base parameter; the returned model's trainable parameters are exactly the
-    adapters' `lora_A` / `lora_B` weights.
+    adapters' `lora_A` / `lora_B` weights. `on_stage`: `model` is a pipeline stage, which adapts the
+    targets it holds (see `resolve_target_modules`); its peft config names all of them, as every stage's does.
     """
     import peft
 
-    targets = resolve_target_modules(model, config, model_config)
+    targets = resolve_target_modules(model, config, model_config, on_stage)
     # transformers' Conv1D (GPT-2) stores its weight transposed; peft must be told, or it
     # corrects the flag itself with a warning on every call.
     conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
@@ -226,8 +247,10 @@ class LoraOptimization(Optimization):
             add_tp_lora_adapters(ctx.model, targets, config.r, config.alpha, config.dropout, config.seed)
             adapted = sorted(targets)
         else:
-            # A pipeline stage has no config of its own: the user's model's tells peft the model type.
-            ctx.model = add_lora_adapters(ctx.model, config, getattr(ctx.model, "config", None) or ctx.model_config)
+            # A pipeline stage has no config of its own: the user's model's tells peft the model type. Its
+            # targets were checked on the whole model; the stage adapts those it holds.
+            ctx.model = add_lora_adapters(ctx.model, config, getattr(ctx.model, "config", None) or ctx.model_config,
+                                          on_stage=isinstance(ctx.model, PipelineStageModule))
             adapted = sorted(cast(Any, ctx.model).peft_config["default"].target_modules)  # a peft PeftModel now
         trainable = sum(p.numel() for p in ctx.model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in ctx.model.parameters())

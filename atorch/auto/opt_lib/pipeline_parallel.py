@@ -30,6 +30,7 @@ from atorch.auto.opt_lib.base import (
     WrapperOrder,
     register,
 )
+from atorch.auto.opt_lib.lora import LoraConfig, resolve_target_modules, target_layer_names
 from atorch.modules.pipeline.batches import check_dataset_sample, check_no_router_aux_loss
 from atorch.modules.pipeline.native import (
     SCHEDULES,
@@ -173,8 +174,11 @@ class PipelineParallelOptimization(Optimization):
         if context.data is not None:
             _check_dataset_batches(context.data, pieces_take_position_ids(pieces))
         plan = plan_stages(context.model, pieces, sizes["pipeline"], config.partition_method)
-        if "lora" not in context.configs:       # LoRA adds trainable adapters to every stage
+        lora = context.configs.get("lora")
+        if lora is None:
             _check_every_stage_trains(context.model, plan)
+        else:        # only the adapters train: each stage adapts the lora targets it holds
+            _check_every_stage_adapts(context.model, plan, lora, context.model_config)
 
     def apply(self, ctx: ModelContext, config: PipelineParallelConfig) -> None:
         parallel = ctx.require_parallel(self.name)
@@ -208,7 +212,10 @@ class PipelineParallelOptimization(Optimization):
         build, parallel = self._build, ctx.require_parallel(self.name)
         if build is None:
             raise RuntimeError("pipeline_parallel: apply_wrapper ran before apply built the stage")
-        tied_group, tied_param = _tied_pair(build, ctx.model, parallel.layout)
+        # The tied pair's paths are the stage's own: resolved on the stage built in apply, not on ctx.model,
+        # which later optimizations may have wrapped (lora's PeftModel forwards `.model` to the stage itself,
+        # so "model.embed_tokens" would not resolve on it).
+        tied_group, tied_param = _tied_pair(build, build.module, parallel.layout)
         data_group = parallel.group("data") if parallel.size_or_one("data") > 1 else None
         ctx.pipeline = NativePipeline(ctx.model, build.stage_index, build.plan.num_stages, parallel.group("pipeline"),
                                       ctx.device, self._chunks, config.schedule, data_group=data_group,
@@ -301,6 +308,25 @@ def _check_every_stage_trains(model: nn.Module, plan: StagePlan) -> None:
                              "or add 'lora'")
 
 
+def _check_every_stage_adapts(model: nn.Module, plan: StagePlan, lora: LoraConfig, model_config: Any) -> None:
+    """Under lora each stage adapts the targets it holds (one on another stage is adapted there); a stage that
+    holds none has nothing for its optimizer: refused here, naming the stage and the layers the targets name."""
+    try:
+        targets = resolve_target_modules(model, lora, model_config)
+    except ValueError:
+        return       # lora's own validation names what is wrong with the targets
+    layers = target_layer_names(model, targets)
+    for stage in range(plan.num_stages):
+        paths = [piece.path for piece in plan.stage_pieces(stage)]
+        if not any(name == path or name.startswith(f"{path}.") for name in layers for path in paths):
+            shown = ", ".join(paths[:4]) + (f", ... ({len(paths)} pieces)" if len(paths) > 4 else "")
+            named = ", ".join(layers[:3]) + (f", ... ({len(layers)} layers)" if len(layers) > 3 else "")
+            raise ValueError(f"pipeline_parallel: stage {stage} of {plan.num_stages} ({shown}) holds none of lora's "
+                             f"target_modules {list(targets)} (they name {named}), so that stage has nothing to "
+                             "train; add a target the stage holds (e.g. its attention projections), or use fewer "
+                             "pipeline stages")
+
+
 def _check_last_batch_divides(data: DataSetup, dp: int, chunks: int, steps: int) -> None:
     """With dataloader_args['drop_last']=False the epoch's last, smaller batch must split into the chunks
     (times the gradient-accumulation `steps`) too, over `dp` data ranks: the schedule's micro-batch count is
@@ -335,6 +361,8 @@ def _tied_pair(build: StageBuild, stage: torch.nn.Module, layout: ParallelLayout
                ) -> Tuple[Optional[dist.ProcessGroup], Optional[torch.nn.Parameter]]:
     """(group, this stage's tied parameter) for the first/last stages of a split tied embedding/head.
 
+    `stage`: the unwrapped `PipelineStageModule`, whose submodules sit under the model's own paths. A layer an
+    optimization adapted in place (lora's layer around the embedding) still gives its base weight as `.weight`.
     Every rank creates every group (torch requires it), in the same order: one group per
     data coordinate, holding that replica's first and last stage.
     """
