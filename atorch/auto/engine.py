@@ -175,7 +175,8 @@ def assemble_result(ctx: ModelContext, strategy: Strategy) -> AutoAccelerateResu
 
     return AutoAccelerateResult(
         model=ctx.engine if ctx.engine is not None else ctx.model, optim=ctx.optim, dataloader=ctx.dataloader,
-        loss_func=loss_func, prepare_input=prepare_input, lr_scheduler=ctx.lr_scheduler, strategy=strategy,
+        loss_func=loss_func, prepare_input=prepare_input, user_loss_func=ctx.loss_func is not None,
+        lr_scheduler=ctx.lr_scheduler, strategy=strategy,
         device=ctx.device, model_input_format=ctx.model_input_format, parallel=ctx.parallel,
         data_parallel_size=ctx.data_parallel_size(), global_batch_size=_global_batch(ctx),
         sampler=ctx.sampler, engine=ctx.engine, deepspeed_config=ctx.deepspeed_config,

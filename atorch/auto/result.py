@@ -41,6 +41,8 @@ class AutoAccelerateResult:
     """loss_func(batch, output) -> the loss to call backward on (fp16 loss scaling included)."""
     prepare_input: Callable[..., Any]
     """prepare_input(batch, device=None) -> the batch on the model's device."""
+    user_loss_func: bool = False
+    """Whether auto_accelerate was given a loss_func (False: `loss_func` returns the model output's own loss)."""
     lr_scheduler: Any = None
     strategy: Strategy = field(default_factory=Strategy)
     """The strategy applied, in application order, with what `auto_accelerate` added (parallel_mode, ddp)."""

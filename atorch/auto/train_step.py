@@ -425,20 +425,8 @@ def _weights_by_tokens(result: AutoAccelerateResult, loss_weighting: Any) -> boo
 
 
 def uses_the_models_loss(result: AutoAccelerateResult) -> bool:
-    """Whether `result.loss_func` returns the model output's own `.loss` (auto_accelerate got no loss_func).
-
-    Read from the closure `engine.assemble_result` builds (its `user_loss` is `default_loss_func` when
-    no loss_func was given), as the result keeps no field for it; any other loss_func counts as the
-    user's (pinned by tests/unit/test_train_step_tokens.py)."""
-    func = result.loss_func
-    names = getattr(getattr(func, "__code__", None), "co_freevars", ())
-    for name, cell in zip(names, getattr(func, "__closure__", None) or ()):
-        if name == "user_loss":
-            try:
-                return cell.cell_contents is default_loss_func
-            except ValueError:   # an empty cell
-                return False
-    return False
+    """Whether `result.loss_func` returns the model output's own `.loss` (auto_accelerate got no loss_func)."""
+    return not result.user_loss_func
 
 
 def label_tokens(batch: Any) -> Optional[torch.Tensor]:
