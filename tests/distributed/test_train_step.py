@@ -121,11 +121,8 @@ def _train(strategy: List[Any]) -> Dict[str, Any]:
         norms.append(float(stats.grad_norm))
     out = {"losses": losses, "norms": norms, "ddp_reductions": reductions,
            "ddp": type(result.model).__name__ == "DistributedDataParallel"}
-    engine = result.args.get("engine")
-    if engine is not None and hasattr(engine, "destroy"):
-        engine.destroy()
-    del result, engine
-    dist.barrier()
+    _release(result)
+    del result
     return out
 
 
@@ -177,12 +174,17 @@ def _train_last_batch(strategy: List[Any]) -> Dict[str, Any]:
         losses.append(_global_loss(stats.loss, result))
         norms.append(float(stats.grad_norm))
         micro.append(stats.micro_batches)
+    _release(result)
+    del result
+    return {"losses": losses, "norms": norms, "micro_batches": micro}
+
+
+def _release(result: Any) -> None:
+    """Destroy a DeepSpeed engine the result holds, then wait for every rank."""
     engine = result.args.get("engine")
     if engine is not None and hasattr(engine, "destroy"):
         engine.destroy()
-    del result, engine
     dist.barrier()
-    return {"losses": losses, "norms": norms, "micro_batches": micro}
 
 
 def _tensor_peers_fed_different_batches() -> Dict[str, Any]:
@@ -283,11 +285,8 @@ def _train_weighted(strategy: List[Any], loss_weighting: str, compare_weights: b
         losses.append(float(stats.loss) if loss_weighting == "tokens" else _global_loss(stats.loss, result))
         norms.append(float(stats.grad_norm))
     error = _update_error(_trained_weights(result)) if compare_weights else None
-    engine = result.args.get("engine")
-    if engine is not None and hasattr(engine, "destroy"):
-        engine.destroy()
-    del result, engine
-    dist.barrier()
+    _release(result)
+    del result
     return {"losses": losses, "norms": norms, "update_error": error}
 
 
@@ -380,18 +379,11 @@ def test_ddp_skips_the_gradient_sync_of_non_final_micro_steps(runs):
         assert len(run["ddp_reductions"]) == STEPS * buckets, run["ddp_reductions"]
 
 
-@pytest.mark.parametrize("name", list(TOKEN_STRATEGIES))
-def test_weighting_by_tokens_trains_as_one_process_on_the_global_token_mean(name, runs):
-    _check_tokens(name, runs)
-
-
-@pytest.mark.heavy
-@pytest.mark.parametrize("name", list(TOKEN_STRATEGIES_2D))
-def test_2d_weighting_by_tokens_trains_as_one_process_on_the_global_token_mean(name, runs_2d):
-    _check_tokens(name, runs_2d)
-
-
-def _check_tokens(name: str, runs: List[Dict[str, Dict[str, Any]]]) -> None:
+@pytest.mark.parametrize("name", list(TOKEN_STRATEGIES) + [pytest.param(name, marks=pytest.mark.heavy)
+                                                              for name in TOKEN_STRATEGIES_2D])
+def test_weighting_by_tokens_trains_as_one_process_on_the_global_token_mean(name, request):
+    """The 2-rank strategies, and (heavy) the 4-rank tensor x data and pipeline x data ones."""
+    runs = request.getfixturevalue("runs_2d" if name in TOKEN_STRATEGIES_2D else "runs")
     losses, norms, _ = reference_tokens()
     for rank, per_rank in enumerate(runs):
         run = per_rank[name]
