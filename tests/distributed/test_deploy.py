@@ -77,6 +77,13 @@ def test_deployed_model_object_matches_unsharded_model_and_reports_a_dead_worker
         torch.testing.assert_close(out.logits, logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(deployed.forward(input_ids=ids, attention_mask=mask).logits, logits,
                                    rtol=1e-5, atol=1e-5)
+        # Outputs that hold a KV cache (transformers 5 names the field `cache`): the cache stays with the workers.
+        cached = deployed(ids, attention_mask=mask, use_cache=True)
+        torch.testing.assert_close(cached.logits, logits, rtol=1e-5, atol=1e-5)
+        scored = deployed.generate(ids, attention_mask=mask, return_dict_in_generate=True, output_scores=True, **GEN)
+        assert type(scored).__name__ == "GenerateDecoderOnlyOutput" and len(scored.scores) == GEN["max_new_tokens"]
+        assert torch.equal(scored.sequences, expected["greedy"])
+        assert all(getattr(o, name, None) is None for o in (cached, scored) for name in ("cache", "past_key_values"))
 
         # Sampling: one seed per call from the caller's RNG, so the caller's seed repeats it.
         sampled = []
