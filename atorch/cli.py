@@ -82,7 +82,8 @@ def _merge(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(prog="atorch merge",
                                      description="Write an atorch checkpoint as a Hugging Face model directory.")
     parser.add_argument("checkpoint", help="a checkpoint directory (or its parent with a `latest` pointer)")
-    parser.add_argument("out", help="the Hugging Face directory to write")
+    parser.add_argument("out", help="the Hugging Face directory to write: new, or an existing one (an earlier "
+                                    "model's config and weight files are replaced, other files are kept)")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer directory to copy into OUT")
     parser.add_argument("--max-shard-size", default="2GB")
     parser.add_argument("--lora", choices=("merge", "adapters"), default="merge")

@@ -123,7 +123,42 @@ def check_merge_output(out_dir: Any, ckpt_dir: Any = None, func: str = "merge_ch
         if merged is not None and os.path.realpath(merged) == os.path.realpath(out):
             why = f"is the checkpoint being merged (it holds {mf.MANIFEST_NAME})"
     raise ValueError(f"{out_arg}={out!r} {why}; merging would write config.json and the weights among checkpoint "
-                     "files. Merge into a new or empty directory (or one holding an earlier merged model)")
+                     "files. Merge into a directory outside the checkpoints (a new one, or one holding an earlier "
+                     "merged model)")
+
+
+def check_model_class(model_class: type, ckpt_dir: str, model_meta: Dict[str, Any]) -> None:
+    """Raise ValueError when `model_class` (a transformers class) cannot be built from the checkpoint's config.json:
+    its `config_class` is another architecture's (GPT2LMHeadModel for a Llama checkpoint), which would fail deep
+    inside transformers with an AttributeError on a config field. Classes without a `config_class` are not checked."""
+    from transformers import AutoConfig
+
+    expected = getattr(model_class, "config_class", None)
+    if not isinstance(expected, type):
+        return
+    config = AutoConfig.from_pretrained(ckpt_dir)
+    if isinstance(config, expected):
+        return
+    recorded = (model_meta.get("class") or "?").rpartition(".")[2]
+    architectures = getattr(config, "architectures", None) or []
+    raise ValueError(f"model_class={model_class.__name__} is built from a {expected.__name__}, but the checkpoint "
+                     f"{ckpt_dir} holds a {type(config).__name__} (model_type {getattr(config, 'model_type', None)!r}, "
+                     f"saved from {recorded}{f', architectures {architectures}' if architectures else ''}); pass "
+                     f"model_class=None to use the class the checkpoint recorded, or a class whose config_class is "
+                     f"{type(config).__name__}")
+
+
+def _check_checkpoint_root(path: str) -> None:
+    """Raise CheckpointError naming the checkpoints in `path` when it is a checkpoint root without a `latest`
+    pointer (a run that saved under its own names, or a `latest` removed): which one to merge is the user's call."""
+    if mf.is_checkpoint(path) or os.path.isfile(os.path.join(path, mf.LATEST_NAME)):
+        return
+    held = [p for p, _ in mf.list_checkpoints(path)]
+    if held:
+        names = [os.path.basename(p) for p in held]
+        shown = f"{names[:5]}{' ...' if len(names) > 5 else ''}"
+        raise CheckpointError(f"{path} is not a checkpoint but a directory of checkpoints {shown} without a "
+                              f"'{mf.LATEST_NAME}' pointer; give the one to merge, e.g. the newest: {held[-1]}")
 
 
 def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
@@ -139,14 +174,19 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
     embedding and output layer and an adapter sat on one of them: the two merged weights differ);
     "adapters" writes only the adapters (adapter_model.safetensors + adapter_config.json), which
     peft applies to the tied base model as training did. `dtype` casts floating weights.
-    `model_class` overrides the class recorded in the checkpoint (needed for custom classes).
-    `out_dir` may be new, empty, or hold an earlier merged model (its weight files are replaced);
-    a checkpoint, a directory inside one, or a checkpoint root (holding `latest` or checkpoints)
-    is refused with ValueError before anything is written. Returns `out_dir`.
+    `model_class` overrides the class recorded in the checkpoint (needed for custom classes); a
+    transformers class built from another architecture's config is refused with ValueError before
+    any tensor is read. `ckpt_dir`: a checkpoint, or a directory whose `latest` names one.
+    `out_dir` may be new or an existing directory: the merged files are written into it as
+    `save_pretrained` does, replacing an earlier model's (its config and every weight file, so a
+    stale shard is never loaded) and leaving other files there (a README, notes) as they are. A
+    file, a checkpoint, a directory inside one, or a checkpoint root (holding `latest` or
+    checkpoints) is refused with ValueError before anything is written. Returns `out_dir`.
     """
     mf.check_dir_arg("merge_checkpoint", "ckpt_dir", ckpt_dir)
     mf.check_dir_arg("merge_checkpoint", "out_dir", out_dir)
     check_merge_options(lora, max_shard_size, dtype, model_class, out_dir, ckpt_dir)
+    _check_checkpoint_root(os.fspath(ckpt_dir))
     ckpt_dir = mf.resolve_checkpoint_dir(os.fspath(ckpt_dir))
     manifest = verify_checkpoint(ckpt_dir, collective=False)
     meta = _read_meta(ckpt_dir)
@@ -161,6 +201,8 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
     if (peft_adapter or tp_lora) and not (is_hf and all(name in manifest.files for name in needed)):
         raise CheckpointError(f"{ckpt_dir}: a LoRA checkpoint needs {' and '.join(needed)} to be merged; this one "
                               "lacks them")
+    if is_hf and model_class is not None:
+        check_model_class(model_class, ckpt_dir, model_meta)
     # Everything but a LoRA model streams: one output shard in memory at a time.
     streams = not peft_adapter and not tp_lora
     state = None if streams else load_model_tensors(ckpt_dir, manifest)

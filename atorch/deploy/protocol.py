@@ -5,12 +5,16 @@ A message is one JSON frame followed by one raw frame per tensor, all through a
 that may cross, nested freely: None, bool, int, float, str, lists/tuples, dicts with str
 keys, tensors (any dtype, shape and device; they travel as contiguous CPU bytes), and
 transformers `ModelOutput`s (by class name, rebuilt only from `transformers` itself).
-Anything else is rejected with a TypeError naming where it was found.
+A model output's KV cache stays with the workers: a field holding one (a transformers `Cache`,
+or the legacy tuples of key/value tensors) is left out, whatever transformers names the field
+(`past_key_values` before 5.x, `cache` since). Anything else is rejected with a TypeError
+naming where it was found.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from multiprocessing.connection import Connection
 from typing import Any, Dict, List, Optional, Tuple, Union, cast
 
@@ -19,6 +23,9 @@ import torch
 _TENSOR = "__tensor__"
 _TUPLE = "__tuple__"
 _OUTPUT = "__model_output__"
+# The names transformers gives a model output's cache field (4.x: past_key_values; 5.x: cache; state-space
+# models: cache_params). A legacy tuple cache is recognized only under one of these names.
+CACHE_FIELDS = ("past_key_values", "cache", "cache_params")
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -37,7 +44,7 @@ def _encode(value: Any, tensors: List[torch.Tensor], where: str) -> Any:
                 "shape": list(value.shape)}
     output_cls = _model_output_class()
     if output_cls is not None and isinstance(value, output_cls):
-        fields = {k: v for k, v in cast(Any, value).items() if k != "past_key_values"}  # caches stay with the workers
+        fields = {k: v for k, v in cast(Any, value).items() if not is_cache(k, v)}  # caches stay with the workers
         return {_OUTPUT: type(value).__name__, "fields": _encode(fields, tensors, where)}
     if isinstance(value, dict):
         bad = [k for k in value if not isinstance(k, str)]
@@ -69,9 +76,31 @@ def _decode(value: Any, tensors: List[torch.Tensor], device: Optional[torch.devi
     return {k: _decode(v, tensors, device) for k, v in value.items()}
 
 
-def _model_output_class() -> Optional[type]:
-    import sys
+def is_cache(field: str, value: Any) -> bool:
+    """Whether a model output's `field` holds a KV cache: a transformers `Cache` (or a model's own transformers
+    class named `...Cache`) under any name, or legacy tuples of key/value tensors under a cache field's name.
 
+    Recognized by what it is, not by one field name: transformers 5 renamed `past_key_values` to `cache`, and a
+    cache must never be sent (it is large, it is not plain data, and the caller cannot use a shard's cache)."""
+    if value is None:
+        return False
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    base = getattr(cache_utils, "Cache", None)
+    if isinstance(base, type) and isinstance(value, base):
+        return True
+    cls = type(value)
+    if cls.__module__.startswith("transformers.") and cls.__name__.endswith("Cache"):
+        return True
+    return field in CACHE_FIELDS and _is_legacy_cache(value)
+
+
+def _is_legacy_cache(value: Any) -> bool:
+    """Tuples (one per layer) of tuples of tensors (key, value, ...): the cache format of transformers before 4.36."""
+    return isinstance(value, (tuple, list)) and len(value) > 0 and all(
+        isinstance(layer, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in layer) for layer in value)
+
+
+def _model_output_class() -> Optional[type]:
     utils = sys.modules.get("transformers.utils")
     return getattr(utils, "ModelOutput", None)
 

@@ -81,6 +81,23 @@ def load_model(setup: Dict[str, Any], state: Dict[str, torch.Tensor]) -> nn.Modu
     raise ValueError(f"deploy: unknown source kind {kind!r}")
 
 
+def check_deployable_checkpoint(ckpt_dir: str, model_meta: Dict[str, Any]) -> None:
+    """Raise ValueError for an atorch checkpoint the workers cannot serve, given its meta.json "model" record:
+    LoRA adapters of either kind (peft's, or tensor-parallel LoRA's `lora_A`/`lora_B` parameters, which no
+    transformers class has) must be merged into the weights first; a model without a config.json is not a
+    transformers model. Called by `deploy` before any worker starts, and by each worker."""
+    kind = "peft" if model_meta.get("peft_adapter") else "tensor-parallel" if model_meta.get("tp_lora") else None
+    if kind is not None:
+        raise ValueError(f"deploy: {ckpt_dir} is a {kind} LoRA checkpoint (adapters saved beside the base weights), "
+                         "which the workers cannot load into a transformers model; merge the adapters into the "
+                         f"weights first with `atorch merge {ckpt_dir} MERGED_DIR` (or atorch.checkpoint."
+                         "merge_checkpoint(ckpt_dir, out_dir), whose default lora='merge' folds them) and deploy "
+                         "MERGED_DIR")
+    if not model_meta.get("has_config"):
+        raise ValueError(f"deploy: {ckpt_dir} has no Hugging Face config.json; only transformers models can be "
+                         "deployed")
+
+
 def _load_atorch_checkpoint(path: str) -> nn.Module:
     """The whole model of an atorch checkpoint of any layout (its tensors are read full size, then sharded by us).
 
@@ -96,11 +113,7 @@ def _load_atorch_checkpoint(path: str) -> nn.Module:
     ckpt = mf.resolve_checkpoint_dir(path)
     manifest = verify_checkpoint(ckpt, collective=False)
     meta = _read_meta(ckpt).get("model") or {}
-    if meta.get("peft_adapter"):
-        raise ValueError(f"deploy: {ckpt} is a LoRA checkpoint; merge it first (atorch.checkpoint.merge_checkpoint "
-                         "with lora='merge') and deploy the merged folder")
-    if not meta.get("has_config"):
-        raise ValueError(f"deploy: {ckpt} has no Hugging Face config.json; only transformers models can be deployed")
+    check_deployable_checkpoint(ckpt, meta)
     config = AutoConfig.from_pretrained(ckpt)
     model = _resolve_model_class(meta, config, None, ckpt)(config)
     state = load_model_tensors(ckpt, manifest)

@@ -11,6 +11,12 @@ tokenizer), plus generate options among `ALLOWED_OPTIONS`; it answers
 `{"output_ids": [[...]], "text": [...]}`. GET /health answers `{"ok": true}` while the
 workers are alive.
 
+Limits, answered with a 400 before the workers see the request (the workers run one request at
+a time, so one long generation makes every other client wait): `max_new_tokens` at most
+`--max-new-tokens-limit` (default 256), and the prompt plus the new tokens within the model's
+`max_position_embeddings` when it has one. A request without `max_new_tokens` gets the model's
+generation-config value, else transformers' default of 20, cut to fit both limits.
+
 Standard library `http.server` (ThreadingHTTPServer), not FastAPI + uvicorn: nothing to
 install, and one endpoint needs no framework. Requests are handled in threads; the deployed
 model serializes them (see `atorch.deploy`). SIGTERM / SIGINT stop the server and close the
@@ -37,6 +43,8 @@ ALLOWED_OPTIONS = {"max_new_tokens": int, "min_new_tokens": int, "num_beams": in
                    "temperature": float, "top_k": int, "top_p": float, "no_repeat_ngram_size": int,
                    "repetition_penalty": float, "fused_no_repeat_ngram_blocking": bool}
 MAX_BODY_BYTES = 1 << 20
+DEFAULT_MAX_NEW_TOKENS_LIMIT = 256
+DEFAULT_NEW_TOKENS = 20     # what transformers generates when neither the request nor the model sets a length
 
 
 def tokenizer_folder(model: str) -> Optional[str]:
@@ -84,6 +92,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     as usage errors (exit 2) before any worker starts; return the model's config (None if unknown)."""
     if args.tensor_parallel_size < 1:
         parser.error(f"--tensor-parallel-size={args.tensor_parallel_size} must be >= 1")
+    if args.max_new_tokens_limit < 1:
+        parser.error(f"--max-new-tokens-limit={args.max_new_tokens_limit} must be >= 1")
     if args.model == "tiny":
         from atorch.testing import tiny_llama_config
 
@@ -110,6 +120,7 @@ class GenerateHandler(BaseHTTPRequestHandler):
     model: Any = None
     tokenizer: Any = None
     pad_token_id: int = 0
+    max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT
     # Seconds a connection may stay silent (a client that announces more body than it sends) before
     # its handler thread gives up; generation itself is not bounded by it.
     timeout = 60
@@ -177,32 +188,68 @@ class GenerateHandler(BaseHTTPRequestHandler):
                         raise ValueError(f"{key} must be a {kind.__name__}, got {value!r}")
                 options[key] = value
         check_option_ranges(options)
-        if "input_ids" in request:
-            ids = request["input_ids"]
-            # bool is an int subclass: true/false are not token ids.
-            if not (isinstance(ids, list) and ids and all(isinstance(r, list) and r for r in ids)
-                    and len({len(r) for r in ids}) == 1 and all(type(t) is int for r in ids for t in r)):
-                raise ValueError("input_ids must be a non-empty list of equally long, non-empty lists of ints "
-                                 "(not booleans)")
-            vocab = getattr(self.model.config, "vocab_size", None)
-            if vocab is not None and not all(0 <= t < vocab for r in ids for t in r):
-                raise ValueError(f"input_ids must be token ids in [0, {vocab})")
-            return torch.tensor(ids, dtype=torch.long), options
-        if "text" in request:
-            if self.tokenizer is None:
-                raise ValueError("this server has no tokenizer: send input_ids")
-            texts: List[str] = [request["text"]] if isinstance(request["text"], str) else request["text"]
-            if not isinstance(texts, list) or not texts or not all(isinstance(x, str) and x for x in texts):
-                raise ValueError("text must be a non-empty string or a non-empty list of them")
-            encoded = [self.tokenizer(t)["input_ids"] for t in texts]
-            if len({len(e) for e in encoded}) != 1:
-                raise ValueError("texts of different token lengths: send one text per request, or input_ids")
-            return torch.tensor(encoded, dtype=torch.long), options
-        raise ValueError("send input_ids (a list of token-id lists) or text")
+        config, generation = self.model.config, getattr(self.model, "generation_config", None)
+        ids = prompt_ids(request, getattr(config, "vocab_size", None), self.tokenizer)
+        options["max_new_tokens"] = settle_new_tokens(
+            ids.shape[1], options.get("max_new_tokens"), self.max_new_tokens_limit,
+            getattr(config, "max_position_embeddings", None), getattr(generation, "max_new_tokens", None))
+        return ids, options
+
+
+def prompt_ids(request: Dict[str, Any], vocab_size: Optional[int], tokenizer: Any) -> torch.Tensor:
+    """The request's prompt as a [rows, tokens] tensor: its `input_ids` (each in [0, vocab_size)), or its `text`
+    tokenized with `tokenizer` (None: text is refused)."""
+    if "input_ids" in request:
+        ids = request["input_ids"]
+        # bool is an int subclass: true/false are not token ids.
+        if not (isinstance(ids, list) and ids and all(isinstance(r, list) and r for r in ids)
+                and len({len(r) for r in ids}) == 1 and all(type(t) is int for r in ids for t in r)):
+            raise ValueError("input_ids must be a non-empty list of equally long, non-empty lists of ints "
+                             "(not booleans)")
+        if vocab_size is not None and not all(0 <= t < vocab_size for r in ids for t in r):
+            raise ValueError(f"input_ids must be token ids in [0, {vocab_size})")
+        return torch.tensor(ids, dtype=torch.long)
+    if "text" in request:
+        if tokenizer is None:
+            raise ValueError("this server has no tokenizer: send input_ids")
+        texts: List[str] = [request["text"]] if isinstance(request["text"], str) else request["text"]
+        if not isinstance(texts, list) or not texts or not all(isinstance(x, str) and x for x in texts):
+            raise ValueError("text must be a non-empty string or a non-empty list of them")
+        encoded = [tokenizer(t)["input_ids"] for t in texts]
+        if len({len(e) for e in encoded}) != 1:
+            raise ValueError("texts of different token lengths: send one text per request, or input_ids")
+        return torch.tensor(encoded, dtype=torch.long)
+    raise ValueError("send input_ids (a list of token-id lists) or text")
+
+
+def settle_new_tokens(prompt_len: int, requested: Optional[int], limit: int, max_positions: Optional[int],
+                      model_default: Optional[int]) -> int:
+    """The `max_new_tokens` to generate with; ValueError (a 400) for a request past the server's limits.
+
+    `requested`: the request's value (None: `model_default`, else `DEFAULT_NEW_TOKENS`, cut to fit). `limit`:
+    `--max-new-tokens-limit`. `max_positions`: the model's max_position_embeddings (None: no such bound); a
+    longer sequence would index past the position table or silently degrade, depending on the model.
+    """
+    if max_positions is not None and prompt_len >= max_positions:
+        raise ValueError(f"the prompt has {prompt_len} tokens; this model reads at most max_position_embeddings="
+                         f"{max_positions} tokens, new ones included: shorten the prompt")
+    if requested is None:
+        room = limit if max_positions is None else min(limit, max_positions - prompt_len)
+        return min(model_default or DEFAULT_NEW_TOKENS, room)
+    if requested > limit:
+        raise ValueError(f"max_new_tokens={requested} exceeds this server's limit of {limit} "
+                         "(--max-new-tokens-limit); ask for fewer tokens")
+    if max_positions is not None and prompt_len + requested > max_positions:
+        raise ValueError(f"the prompt's {prompt_len} tokens + max_new_tokens={requested} exceed this model's "
+                         f"max_position_embeddings={max_positions}; ask for at most {max_positions - prompt_len} "
+                         "new tokens or shorten the prompt")
+    return requested
 
 
 def check_option_ranges(options: Dict[str, Any]) -> None:
     """Values generate() would fail on deep in the workers (num_beams=0 divides by zero), refused as a 400."""
+    if options.get("max_new_tokens", 1) < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {options['max_new_tokens']}")
     if options.get("num_beams", 1) < 1:
         raise ValueError(f"num_beams must be >= 1, got {options['num_beams']}")
     top_p = options.get("top_p", 1.0)
@@ -217,6 +264,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--max-new-tokens-limit", type=int, default=DEFAULT_MAX_NEW_TOKENS_LIMIT,
+                        help="the most new tokens one request may ask for (a larger max_new_tokens is a 400): the "
+                             "workers serve one request at a time, so a long one makes every other client wait")
     args = parser.parse_args(argv)
     check_arguments(parser, args)
     tokenizer = load_tokenizer(args.model)   # before the workers: a broken tokenizer stops the server now
@@ -232,6 +282,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         parser.error(str(e))
     GenerateHandler.model = model
     GenerateHandler.tokenizer = tokenizer
+    GenerateHandler.max_new_tokens_limit = args.max_new_tokens_limit
     GenerateHandler.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     server = ThreadingHTTPServer((args.host, args.port), GenerateHandler)
     server.daemon_threads = True

@@ -77,6 +77,13 @@ def test_deployed_model_object_matches_unsharded_model_and_reports_a_dead_worker
         torch.testing.assert_close(out.logits, logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(deployed.forward(input_ids=ids, attention_mask=mask).logits, logits,
                                    rtol=1e-5, atol=1e-5)
+        # Outputs that hold a KV cache (transformers 5 names the field `cache`): the cache stays with the workers.
+        cached = deployed(ids, attention_mask=mask, use_cache=True)
+        torch.testing.assert_close(cached.logits, logits, rtol=1e-5, atol=1e-5)
+        scored = deployed.generate(ids, attention_mask=mask, return_dict_in_generate=True, output_scores=True, **GEN)
+        assert type(scored).__name__ == "GenerateDecoderOnlyOutput" and len(scored.scores) == GEN["max_new_tokens"]
+        assert torch.equal(scored.sequences, expected["greedy"])
+        assert all(getattr(o, name, None) is None for o in (cached, scored) for name in ("cache", "past_key_values"))
 
         # Sampling: one seed per call from the caller's RNG, so the caller's seed repeats it.
         sampled = []
@@ -192,7 +199,7 @@ def test_folder_and_checkpoint_sources_and_workers_die_with_a_killed_parent(tmp_
             child.wait()
 
 
-def test_bad_arguments_are_value_errors_before_any_process_starts(tmp_path):
+def test_bad_arguments_are_value_errors_before_any_process_starts(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive int, got 0"):
         atorch.deploy(tiny_llama(), tensor_parallel_size=0)
     with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"):
@@ -207,6 +214,35 @@ def test_bad_arguments_are_value_errors_before_any_process_starts(tmp_path):
     for source in (tiny_llama(), _saved_folder(tmp_path)):
         with pytest.raises(ValueError, match=r"deploy: tensor_parallel_size=3: .*num_attention_heads=4"):
             atorch.deploy(source, tensor_parallel_size=3)
+    # LoRA checkpoints of both kinds: refused here with the merge to run (tensor-parallel LoRA was a WorkerError
+    # "does not match LlamaForCausalLM: unexpected [...lora_B]" from the workers, peft's one after they started).
+    checkpoints = _lora_checkpoints(tmp_path)
+    monkeypatch.setattr(subprocess, "Popen", _no_worker)
+    for kind, ckpt in checkpoints.items():
+        for path in (ckpt, os.path.dirname(ckpt)):        # the checkpoint, and its root's `latest`
+            with pytest.raises(ValueError, match=rf"is a {kind} LoRA checkpoint .*`atorch merge {ckpt} MERGED_DIR`"):
+                atorch.deploy(path, tensor_parallel_size=2)
+
+
+def _no_worker(*args, **kwargs):
+    raise AssertionError("deploy started a worker for a source it must refuse")
+
+
+def _lora_checkpoints(tmp_path):
+    """{kind: checkpoint dir} of a peft LoRA tiny Llama and of one with a tensor-parallel LoRA adapter (plain
+    `lora_A`/`lora_B` parameters and a `lora_scaling` number, what meta.json records as `tp_lora`)."""
+    from peft import LoraConfig, get_peft_model
+
+    from atorch.checkpoint import save_checkpoint
+
+    peft_model = get_peft_model(tiny_llama(), LoraConfig(r=2, target_modules=["q_proj"]))
+    tp_model = tiny_llama()
+    proj = tp_model.model.layers[0].self_attn.q_proj
+    proj.lora_A = torch.nn.Parameter(torch.zeros(2, proj.in_features))
+    proj.lora_B = torch.nn.Parameter(torch.zeros(proj.out_features, 2))
+    proj.lora_scaling = 1.0
+    return {kind: save_checkpoint(m, str(tmp_path / kind / "step_1"), save_optimizer=False)
+            for kind, m in (("peft", peft_model), ("tensor-parallel", tp_model))}
 
 
 def _saved_folder(tmp_path):

@@ -16,6 +16,7 @@ def server(load_example):
     (["--model", "tiny", "--tensor-parallel-size", "3"],
      "--tensor-parallel-size=3 does not divide the model's num_attention_heads=4; use one of [1, 2, 4]"),
     (["--model", "tiny", "--tensor-parallel-size", "0"], "--tensor-parallel-size=0 must be >= 1"),
+    (["--model", "tiny", "--max-new-tokens-limit", "0"], "--max-new-tokens-limit=0 must be >= 1"),
 ])
 def test_bad_model_or_tensor_size_is_a_usage_error_before_any_worker(server, capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
@@ -61,8 +62,11 @@ def test_a_broken_tokenizer_stops_the_server_naming_the_folder(server, tmp_path)
         server.load_tokenizer(str(tmp_path / "m"))
 
 
-def parse(server, request):
-    handler = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(vocab_size=1024)), tokenizer=None)
+def parse(server, request, limit=8, positions=16, **model):
+    """`_parse` of a handler in front of a model with 1024 tokens and `positions` positions, limited to `limit` new
+    tokens."""
+    config = SimpleNamespace(vocab_size=1024, max_position_embeddings=positions)
+    handler = SimpleNamespace(model=SimpleNamespace(config=config, **model), tokenizer=None, max_new_tokens_limit=limit)
     return server.GenerateHandler._parse(handler, json.loads(json.dumps(request)))
 
 
@@ -72,6 +76,14 @@ def parse(server, request):
     ({"input_ids": [[5, 6]], "top_p": 0}, r"top_p must be in \(0, 1\], got 0"),
     ({"input_ids": [[5, 6]], "top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
     ({"input_ids": [[5, 6]], "top_p": -0.1}, r"top_p must be in \(0, 1\], got -0.1"),
+    # The server's limits: one long request held the workers while every other client waited, and a prompt
+    # past the model's positions was accepted.
+    ({"input_ids": [[5, 6]], "max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
+    ({"input_ids": [[5, 6]], "max_new_tokens": 9},
+     r"max_new_tokens=9 exceeds this server's limit of 8 \(--max-new-tokens-limit\)"),
+    ({"input_ids": [[5] * 12], "max_new_tokens": 5}, "the prompt's 12 tokens \\+ max_new_tokens=5 exceed this model's "
+     "max_position_embeddings=16; ask for at most 4 new tokens"),
+    ({"input_ids": [[5] * 16]}, "the prompt has 16 tokens; this model reads at most max_position_embeddings=16"),
 ])
 def test_requests_generate_cannot_run_are_refused_with_the_reason(server, request_, message):
     with pytest.raises(ValueError, match=message):
@@ -81,3 +93,18 @@ def test_requests_generate_cannot_run_are_refused_with_the_reason(server, reques
 def test_valid_requests_pass(server):
     ids, options = parse(server, {"input_ids": [[5, 6]], "num_beams": 2, "top_p": 1, "max_new_tokens": 3})
     assert ids.tolist() == [[5, 6]] and options == {"num_beams": 2, "top_p": 1, "max_new_tokens": 3}
+    assert parse(server, {"input_ids": [[5] * 12], "max_new_tokens": 4})[1]["max_new_tokens"] == 4   # 16 positions
+
+
+@pytest.mark.parametrize("prompt, limit, positions, model_default, expected", [
+    (2, 64, 256, None, 20),   # transformers' default
+    (2, 8, 256, None, 8),     # cut to the server's limit
+    (12, 64, 16, None, 4),    # cut to the positions left
+    (2, 64, None, 30, 30),    # the model's generation config; a model without a position bound
+])
+def test_a_request_without_max_new_tokens_gets_a_length_within_the_limits(server, prompt, limit, positions,
+                                                                          model_default, expected):
+    generation = SimpleNamespace(max_new_tokens=model_default)
+    _, options = parse(server, {"input_ids": [[5] * prompt]}, limit=limit, positions=positions,
+                       generation_config=generation)
+    assert options["max_new_tokens"] == expected

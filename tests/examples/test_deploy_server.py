@@ -42,7 +42,7 @@ def _alive(pid):
 @pytest.mark.heavy  # two worker processes import torch and transformers: tens of seconds under load
 def test_server_generates_the_unsharded_tokens_and_leaves_no_worker():
     proc = subprocess.Popen([sys.executable, str(SERVER), "--model", "tiny", "--tensor-parallel-size", "2",
-                             "--port", "0"], stdout=subprocess.PIPE, text=True)
+                             "--port", "0", "--max-new-tokens-limit", "64"], stdout=subprocess.PIPE, text=True)
     try:
         ready = json.loads(proc.stdout.readline())
         port, pids = ready["port"], ready["worker_pids"]
@@ -69,6 +69,17 @@ def test_server_generates_the_unsharded_tokens_and_leaves_no_worker():
                           ({"text": ""}, "non-empty string")):
             status, answer = _post(port, bad)
             assert status == 400 and says in answer["error"] and "Traceback" not in answer["error"], answer
+        # Limits (the workers run one request at a time): new tokens past --max-new-tokens-limit, and a prompt plus
+        # new tokens past the tiny model's max_position_embeddings=256, are a 400 before the workers see them.
+        long_prompt = [[5 + i % 700 for i in range(250)]]
+        for bad, says in (({"input_ids": prompt, "max_new_tokens": 3000}, "exceeds this server's limit of 64"),
+                          ({"input_ids": [[5] * 300], "max_new_tokens": 2}, "max_position_embeddings=256"),
+                          ({"input_ids": long_prompt, "max_new_tokens": 7}, "ask for at most 6 new tokens")):
+            status, answer = _post(port, bad)
+            assert status == 400 and says in answer["error"], answer
+        for body in ({"input_ids": long_prompt, "max_new_tokens": 6}, {"input_ids": long_prompt}):  # what fits runs
+            status, answer = _post(port, body)
+            assert status == 200 and 250 < len(answer["output_ids"][0]) <= 256, answer
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         assert "stopped" in proc.stdout.read()

@@ -201,6 +201,28 @@ def test_merge_input_errors(tmp_path):
         merge_checkpoint(ckpt, str(tmp_path / "o"), max_shard_size="lots")
     with pytest.raises(CheckpointError, match="not a checkpoint"):
         merge_checkpoint(str(tmp_path / "ckpt" / "dcp"), str(tmp_path / "o"))
+    # A class of another architecture: a ValueError naming both (it was AttributeError: 'LlamaConfig' object has
+    # no attribute 'embd_pdrop' from inside transformers), before any output exists.
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM
+
+    for cls, wants in ((GPT2LMHeadModel, "GPT2Config"), (Qwen2ForCausalLM, "Qwen2Config")):
+        with pytest.raises(ValueError, match=rf"model_class={cls.__name__} is built from a {wants}, but the "
+                                             rf"checkpoint .* holds a LlamaConfig .*pass model_class=None"):
+            merge_checkpoint(ckpt, str(tmp_path / "o"), model_class=cls)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "latest"]     # nothing written
+
+    class MyLlama(LlamaForCausalLM):      # a custom class of the same architecture is taken
+        pass
+
+    assert _load_hf(merge_checkpoint(ckpt, str(tmp_path / "mine"), model_class=MyLlama))
+    # A root of checkpoints without `latest`: the checkpoints are named, and which one to give.
+    root = tmp_path / "run"
+    for step in (1, 2):
+        save_checkpoint(tiny_llama(seed=0), str(root / f"step_{step}"), step=step)
+    (root / "latest").unlink()
+    with pytest.raises(CheckpointError, match=r"directory of checkpoints \['step_1', 'step_2'\] without a 'latest' "
+                                              rf"pointer; give the one to merge, e.g. the newest: {root / 'step_2'}"):
+        merge_checkpoint(str(root), str(tmp_path / "o"))
     assert parse_size("2GB") == 2 * 10**9 and parse_size("1MiB") == 2**20 and parse_size(123) == 123
     # Units without B read as with it (they raised KeyError, a traceback from `atorch merge`).
     assert parse_size("2G") == 2 * 10**9 and parse_size("512k") == 512_000 and parse_size("1Gi") == 2**30
