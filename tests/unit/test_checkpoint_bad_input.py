@@ -241,7 +241,7 @@ def test_merge_refuses_to_write_into_a_checkpoint_or_a_checkpoint_root(saved, tm
     (tmp_path / "sharded" / "latest").write_text("step_9\n")   # a root whose checkpoints are all gone
     for out, why in cases:
         why = why or "is a checkpoint root \\(it holds the 'latest' pointer\\)"
-        with pytest.raises(ValueError, match=rf"out_dir=.* {why}.*; merging would write .* new or empty directory"):
+        with pytest.raises(ValueError, match=rf"out_dir=.* {why}.*; merging would write .* outside the checkpoints"):
             merge_checkpoint(ckpt, out)
     with pytest.raises(ValueError, match="is a checkpoint root"):
         merge_checkpoint(str(root), str(root))          # the root, resolved through its latest pointer
