@@ -447,11 +447,10 @@ def label_tokens(batch: Any) -> Optional[torch.Tensor]:
 def _data_group(result: AutoAccelerateResult) -> Tuple[Any, int]:
     """The group the gradients are averaged over ("data"; tensor and pipeline peers share the batch, so
     they are not counted again) and its size; (None, 1) without data parallelism."""
-    parallel = result.parallel
-    size = parallel.size_or_one("data") if parallel is not None else 1
-    if parallel is None or size == 1 or not (dist.is_available() and dist.is_initialized()):
+    size = result.data_parallel_size
+    if result.parallel is None or size == 1 or not (dist.is_available() and dist.is_initialized()):
         return None, 1
-    return parallel.group("data"), size
+    return result.parallel.group("data"), size
 
 
 @dataclass(frozen=True)
