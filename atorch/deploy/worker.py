@@ -17,8 +17,6 @@ import importlib
 import os
 import signal
 import sys
-import threading
-import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Dict, Optional, cast
@@ -27,6 +25,7 @@ import torch
 from torch import nn
 
 from atorch.deploy import protocol
+from atorch.utils.parent_watch import on_parent_exit
 
 PARENT_POLL_S = 0.5
 
@@ -39,14 +38,7 @@ def watch_parent(parent_pid: int, use_pdeathsig: bool) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent_pid:
         os._exit(3)
-
-    def poll() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(3)
-            time.sleep(PARENT_POLL_S)
-
-    threading.Thread(target=poll, name="atorch-deploy-parent-watch", daemon=True).start()
+    on_parent_exit(parent_pid, lambda: os._exit(3), PARENT_POLL_S, "atorch-deploy-parent-watch")
 
 
 def _transformers_class(path: str) -> type:

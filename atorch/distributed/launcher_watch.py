@@ -6,9 +6,7 @@ launcher): its workers then run on as orphans, holding devices and ports, traini
 waiting in a collective until its timeout. The launcher names itself to its workers
 (`ATORCH_LAUNCHER_PID`), and a worker that initializes atorch's process group watches its
 parent: once the launcher is gone the worker is sent SIGTERM (its handlers run, as when torch
-elastic stops it), and SIGKILL if it is still alive `GRACE_S` later. A poll of the parent pid
-rather than Linux's PR_SET_PDEATHSIG, which fires when the *thread* that started the process
-exits, and is Linux only.
+elastic stops it), and SIGKILL if it is still alive `GRACE_S` later (`utils.parent_watch`).
 """
 
 from __future__ import annotations
@@ -17,9 +15,10 @@ import contextlib
 import os
 import signal
 import sys
-import threading
 import time
 from typing import Iterator, Mapping, Optional
+
+from atorch.utils.parent_watch import on_parent_exit
 
 LAUNCHER_PID_ENV = "ATORCH_LAUNCHER_PID"
 POLL_S = 1.0
@@ -60,14 +59,12 @@ def watch_launcher(env: Optional[Mapping[str, str]] = None) -> bool:
     pid = launcher_pid(env)
     if pid is None:
         return False
-    threading.Thread(target=_watch, args=(pid,), name="atorch-launcher-watch", daemon=True).start()
+    on_parent_exit(pid, lambda: _stop_this_worker(pid), POLL_S, "atorch-launcher-watch")
     _watching = True
     return True
 
 
-def _watch(pid: int) -> None:
-    while os.getppid() == pid:
-        time.sleep(POLL_S)
+def _stop_this_worker(pid: int) -> None:
     print(f"[atorch] worker pid {os.getpid()}: its launcher (pid {pid}) is gone; stopping this worker (SIGTERM)",
           file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGTERM)
