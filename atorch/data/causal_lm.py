@@ -1,12 +1,15 @@
 """Fixed-length causal-LM samples cut from a tokenized corpus (`.bin` + `.idx`).
 
 The documents of a split are concatenated (the EOD tokens written by the preprocessor keep
-them apart) and cut into `max_seq_length` tokens per sample. The sample index is built once,
-cached next to the data, and memory-mapped by every rank and DataLoader worker.
+them apart) and cut into `max_seq_length` tokens per sample. A document is what the file's
+document index (Megatron's `doc_idx`) says: one sequence in files written here, several in
+Megatron files written with `--split-sentences`. The sample index is built once, cached next to
+the data (or in `cache_dir`), and memory-mapped by every rank and DataLoader worker.
 """
 
 from __future__ import annotations
 
+import hashlib
 import numbers
 import os
 import uuid
@@ -19,7 +22,8 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from atorch.data.indexed_dataset import PathLike, check_token_id, is_int, open_indexed_dataset, strip_suffix
-from atorch.distributed import collective_device, local_rank
+from atorch.distributed import local_rank
+from atorch.distributed.agreement import agree, agree_on_error, agree_on_values
 
 
 def _save_atomically(path: Path, array: np.ndarray) -> None:
@@ -37,8 +41,9 @@ def _save_atomically(path: Path, array: np.ndarray) -> None:
 def build_once_per_node(is_built: Callable[[], bool], build: Callable[[], None], what: str) -> None:
     """Run `build` on the local rank 0 of each node (if `is_built()` is False); the others wait.
 
-    Without a process group, just builds. A failure on the builder is raised on every rank,
-    instead of leaving the others blocked at a barrier.
+    Without a process group, just builds. A failure on a builder is raised on every rank (the same
+    exception, naming the ranks that failed: `agreement.agree`), instead of leaving the others
+    blocked at a barrier; the vote doubles as the barrier.
     """
     if not (dist.is_available() and dist.is_initialized()):
         if not is_built():
@@ -48,18 +53,31 @@ def build_once_per_node(is_built: Callable[[], bool], build: Callable[[], None],
     if local_rank() == 0 and not is_built():
         try:
             build()
-        except Exception as e:  # noqa: BLE001 - reported to every rank below, then re-raised
+        except Exception as e:  # noqa: BLE001 - voted on below, then raised on every rank
             failure = e
-    failed = torch.tensor([1 if failure is not None else 0], device=collective_device())
-    # An all_reduce doubles as the barrier and tells everyone whether a builder failed.
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failure is not None:
-        raise failure
-    if int(failed.item()):
-        raise RuntimeError(f"building {what} failed on the local rank 0 of some node; see its error")
+    agree(f"building {what} on the local rank 0 of each node", failure)
 
 
 _PATH_SEPARATORS = tuple({"/", "\\", os.sep} | ({os.altsep} if os.altsep else set()))
+
+
+def _document_index(tokens: Any, data_name: str) -> Optional[np.ndarray]:
+    """The file's document index (Megatron's `doc_idx`: document d is sequences `[doc_idx[d], doc_idx[d+1])`),
+    or None for a file that records no document boundaries (`doc_idx` of `[0]`: an older builder's items
+    without `end_document`), read one sequence per document as before.
+
+    The index must start at 0 and end at the number of sequences, or it describes other sequences than
+    the file's (Megatron's reader asserts the same).
+    """
+    n = len(tokens)
+    doc_idx = tokens.doc_idx
+    if doc_idx.size <= 1:
+        return None
+    if int(doc_idx[0]) != 0 or int(doc_idx[-1]) != n:
+        raise ValueError(f"the document index of {data_name!r} runs from sequence {int(doc_idx[0])} to "
+                         f"{int(doc_idx[-1])} but the file holds sequences 0 to {n}: the .idx file is damaged or "
+                         "was not written with this .bin; write the corpus again")
+    return doc_idx
 
 
 def _weight_name(weight: float) -> str:
@@ -79,13 +97,20 @@ class DatasetForCausalLM(Dataset):
             are dropped.
         split_type: a name for the split ("train", "valid", ...); part of the cache file names, so
             without path separators.
-        start_weight, end_weight: the split as fractions of the N documents (sequences) in the
-            file. Splits with touching weights (0-0.9, 0.9-1) are disjoint and together complete.
+        start_weight, end_weight: the split as fractions of the N documents in the file. A document
+            is the sequences between two consecutive entries of the file's document index (Megatron's
+            `doc_idx`), kept together and in order, as Megatron's GPTDataset does: one sequence in files
+            from `DatasetPreprocessor`, several in Megatron files written with `--split-sentences`.
+            Splits with touching weights (0-0.9, 0.9-1) are disjoint and together complete.
         binarization_impl: "mmap", "lazy" or "cached", as the files were written.
         seed: None keeps the file order. An int shuffles the document order before concatenation
             and the sample order, deterministically.
         eod_token_id: insert this token after every document. Only for files written with
             `append_eod=False`; files from `DatasetPreprocessor` already end documents with EOD.
+        cache_dir: the directory of the sample index files; None (the default) puts them next to the
+            data, which must then be writable. Give one for data on read-only storage. Every rank of a
+            node must give the same one (its local rank 0 builds the index there); the file names then
+            carry a hash of the data's absolute path, so corpora of the same name do not collide.
 
     Each item is `{"input_ids": LongTensor[max_seq_length], "labels": LongTensor[max_seq_length]}`
     with `labels` a copy of `input_ids`: the Hugging Face convention, where the causal LM shifts
@@ -95,14 +120,36 @@ class DatasetForCausalLM(Dataset):
 
     The index (document order, document offsets, sample order) is written once, atomically, as
     `<data_name>_<split>_<seq>sl_<start>_<end>_<seed>s_{doc_order,doc_offsets,samples}.npy` (the weights
-    as `%g` when that is exact, else as their repr);
+    as `%g` when that is exact, else as their repr; `_docs` before the kind when a document of the
+    split holds other than one sequence);
     under torch.distributed the local rank 0 of each node builds it and the other ranks wait, so
-    every rank must construct the dataset (the constructor holds a collective).
+    every rank must construct the dataset (the constructor holds collectives), with the same
+    arguments: they are compared first, and a difference, or an error on any rank, raises the same
+    exception on every rank.
     """
 
     def __init__(self, data_name: PathLike, max_seq_length: int, split_type: str = "train",
                  start_weight: float = 0.0, end_weight: float = 1.0, binarization_impl: str = "mmap",
-                 seed: Optional[int] = None, eod_token_id: Optional[int] = None) -> None:
+                 seed: Optional[int] = None, eod_token_id: Optional[int] = None, *,
+                 cache_dir: Optional[PathLike] = None) -> None:
+        what = "DatasetForCausalLM"     # the same on every rank: the agreed messages must be too
+        with agree_on_error(what):
+            self._check_arguments(max_seq_length, split_type, start_weight, end_weight, seed, cache_dir)
+            self._open(data_name, max_seq_length, split_type, start_weight, end_weight, binarization_impl, seed,
+                       eod_token_id, cache_dir)
+        # Ranks building or reading different index files would wait for each other or read files never built.
+        agree_on_values(what, self._agreed_values(cache_dir))
+        stem = str(self.index_files["samples"])[:-len("_samples.npy")]
+        build_once_per_node(lambda: all(p.is_file() for p in self.index_files.values()), self._build_index,
+                            f"the sample index {stem}_*.npy")
+        with agree_on_error(f"{what}: reading the sample index {stem}_*.npy"):
+            self._load_index()
+            self._check_index_lengths()
+
+    @staticmethod
+    def _check_arguments(max_seq_length: Any, split_type: Any, start_weight: Any, end_weight: Any, seed: Any,
+                         cache_dir: Any) -> None:
+        """ValueError naming the first argument out of its range (local: the caller agrees on the outcome)."""
         for name, weight in (("start_weight", start_weight), ("end_weight", end_weight)):
             if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
                 raise ValueError(f"{name} must be a number in [0, 1], got {type(weight).__name__} {weight!r}")
@@ -116,6 +163,14 @@ class DatasetForCausalLM(Dataset):
             raise ValueError(f"max_seq_length must be an int >= 1, got {max_seq_length!r}")
         if seed is not None and (not is_int(seed) or seed < 0):
             raise ValueError(f"seed must be None (file order) or an int >= 0, got {seed!r}")
+        if cache_dir is not None and not (isinstance(cache_dir, (str, os.PathLike)) and os.path.isdir(cache_dir)):
+            raise ValueError(f"cache_dir={cache_dir!r} must be None (the index next to the data) or an existing "
+                             "directory; create it first")
+
+    def _open(self, data_name: PathLike, max_seq_length: int, split_type: str, start_weight: float,
+              end_weight: float, binarization_impl: str, seed: Optional[int], eod_token_id: Optional[int],
+              cache_dir: Optional[PathLike]) -> None:
+        """Open the files, find the split's documents and their lengths, and name the index files."""
         if eod_token_id is not None:
             eod_token_id = check_token_id("eod_token_id", eod_token_id)
         self.data_name = strip_suffix(data_name)
@@ -128,27 +183,68 @@ class DatasetForCausalLM(Dataset):
         if eod_token_id is not None and eod_token_id > np.iinfo(self.tokens.dtype).max:
             raise ValueError(f"eod_token_id={eod_token_id} does not fit the {self.tokens.dtype} tokens of "
                              f"{self.data_name!r} (at most {np.iinfo(self.tokens.dtype).max})")
-        n = len(self.tokens)
+        # Whether the file has a document index (else every sequence is a document); read through
+        # `self.tokens`, so that DataLoader workers reopen it instead of receiving a copy.
+        self._has_documents = _document_index(self.tokens, self.data_name) is not None
+        n = self._file_documents()
         # The same rounding for both ends, so touching splits share their boundary exactly.
         self.document_range: Tuple[int, int] = (int(round(start_weight * n)), int(round(end_weight * n)))
         lo, hi = self.document_range
         if hi <= lo:
             raise ValueError(f"split {split_type!r} (start_weight={start_weight}, end_weight={end_weight}) of the "
                              f"{n} documents in {self.data_name!r} is empty")
-        self._lengths = self.tokens.sizes[lo:hi].astype(np.int64) + (0 if eod_token_id is None else 1)
+        tokens, single = self._document_lengths()
+        self._lengths = tokens + (0 if eod_token_id is None else 1)
         self.num_tokens = int(self._lengths.sum())
         if self.max_seq_length > self.num_tokens:
             raise ValueError(f"max_seq_length={self.max_seq_length} is larger than split {split_type!r} of "
                              f"{self.data_name!r}, which holds {self.num_tokens} tokens (documents [{lo}, {hi}))")
-        eod = "" if eod_token_id is None else f"_eod{eod_token_id}"
-        stem = (f"{self.data_name}_{split_type}_{self.max_seq_length}sl_{_weight_name(start_weight)}_"
-                f"{_weight_name(end_weight)}_{seed}s{eod}")
-        self.index_files: Dict[str, Path] = {k: Path(f"{stem}_{k}.npy") for k in ("doc_order", "doc_offsets",
-                                                                                  "samples")}
-        build_once_per_node(lambda: all(p.is_file() for p in self.index_files.values()), self._build_index,
-                            f"the sample index {stem}_*.npy")
-        self._load_index()
-        self._check_index_lengths()
+        self.index_files: Dict[str, Path] = {k: Path(f"{self._index_stem(start_weight, end_weight, single, cache_dir)}"
+                                                     f"_{k}.npy") for k in ("doc_order", "doc_offsets", "samples")}
+
+    def _document_lengths(self) -> Tuple[np.ndarray, bool]:
+        """Tokens of each document of the split (its sequences together), and whether each is one sequence."""
+        lo, hi = self.document_range
+        if not self._has_documents:
+            return self.tokens.sizes[lo:hi].astype(np.int64), True
+        bounds = self.tokens.doc_idx[lo:hi + 1].astype(np.int64)
+        counts = np.diff(bounds)
+        if counts.size and int(counts.min()) < 0:
+            d = lo + int(np.argmax(counts < 0))
+            raise ValueError(f"the document index of {self.data_name!r} goes back from sequence {int(bounds[d - lo])} "
+                             f"to {int(bounds[d - lo + 1])} at document {d}: the .idx file is damaged; write the "
+                             "corpus again")
+        first = int(bounds[0])
+        ends = np.zeros(int(bounds[-1]) - first + 1, dtype=np.int64)
+        np.cumsum(self.tokens.sizes[first:int(bounds[-1])], out=ends[1:])
+        return ends[bounds[1:] - first] - ends[bounds[:-1] - first], bool(np.all(counts == 1))
+
+    def _index_stem(self, start_weight: float, end_weight: float, single: bool, cache_dir: Optional[PathLike]) -> str:
+        """The index files' path without `_<kind>.npy`. Files whose documents are one sequence each keep the
+        names of before documents were read from the document index (their index is the same); others get
+        `_docs`, so an index an older atorch built over their sequences is never read as theirs."""
+        eod = "" if self.eod_token_id is None else f"_eod{self.eod_token_id}"
+        docs = "" if single else "_docs"
+        prefix = self.data_name
+        if cache_dir is not None:
+            where = hashlib.sha1(os.path.abspath(self.data_name).encode("utf-8")).hexdigest()[:10]
+            prefix = os.path.join(os.fspath(cache_dir), f"{os.path.basename(self.data_name)}-{where}")
+        return (f"{prefix}_{self.split_type}_{self.max_seq_length}sl_{_weight_name(start_weight)}_"
+                f"{_weight_name(end_weight)}_{self.seed}s{eod}{docs}")
+
+    def _agreed_values(self, cache_dir: Optional[PathLike]) -> Dict[str, str]:
+        """What decides the index files, which every rank must share (the data's directory may differ
+        between nodes, e.g. local copies; its name and contents may not)."""
+        lo, hi = self.document_range
+        return {"data file name": os.path.basename(self.data_name), "max_seq_length": repr(self.max_seq_length),
+                "split_type": repr(self.split_type), "binarization_impl": repr(self.binarization_impl),
+                "split": f"documents [{lo}, {hi}) of {self._file_documents()}, {self.num_tokens} tokens",
+                "seed": repr(self.seed), "eod_token_id": repr(self.eod_token_id),
+                "cache_dir": "next to the data" if cache_dir is None else repr(os.fspath(cache_dir))}
+
+    def _file_documents(self) -> int:
+        """Documents in the whole file."""
+        return self.tokens.doc_idx.size - 1 if self._has_documents else len(self.tokens)
 
     @property
     def num_documents(self) -> int:
@@ -170,7 +266,11 @@ class DatasetForCausalLM(Dataset):
 
     def _load_index(self) -> None:
         # Plain ndarray views of the maps: np.memmap's Python-level indexing costs per sample read.
-        arrays = {k: np.load(p, mmap_mode="r").view(np.ndarray) for k, p in self.index_files.items()}
+        try:
+            arrays = {k: np.load(p, mmap_mode="r").view(np.ndarray) for k, p in self.index_files.items()}
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{e}: the local rank 0 of this node did not build this index; every rank of a "
+                                    "node must construct the dataset with the same data_name and cache_dir") from e
         expected = {"doc_order": self.num_documents, "doc_offsets": self.num_documents + 1,
                     "samples": self.num_tokens // self.max_seq_length}
         for key, size in expected.items():
@@ -229,13 +329,27 @@ class DatasetForCausalLM(Dataset):
             d += 1
         return np.concatenate(pieces).astype(np.int64)
 
-    def _document_tokens(self, sequence: int, offset: int, length: int) -> np.ndarray:
-        if self.eod_token_id is None:
-            return self.tokens.get(sequence, offset, length)
-        size = int(self.tokens.sizes[sequence])
-        stored = max(0, min(length, size - offset))
-        out = self.tokens.get(sequence, offset, stored) if stored else np.zeros(0, dtype=np.int64)
-        return np.append(out, self.eod_token_id) if offset + length > size else out
+    def _document_tokens(self, document: int, offset: int, length: int) -> np.ndarray:
+        """`length` tokens of `document` from `offset` (its sequences back to back, then the inserted EOD)."""
+        first, stop = ((int(self.tokens.doc_idx[document]), int(self.tokens.doc_idx[document + 1]))
+                       if self._has_documents else (document, document + 1))
+        if stop - first == 1 and self.eod_token_id is None:
+            return self.tokens.get(first, offset, length)
+        end = offset + length
+        ends = np.cumsum(self.tokens.sizes[first:stop], dtype=np.int64)
+        pieces = []
+        # The sequences overlapping [offset, end): from the one holding `offset` on.
+        for seq in range(first + int(np.searchsorted(ends, offset, side="right")), stop):
+            seq_start = int(ends[seq - first]) - int(self.tokens.sizes[seq])
+            if seq_start >= end:
+                break
+            lo, hi = max(offset, seq_start), min(end, int(ends[seq - first]))
+            if hi > lo:
+                pieces.append(self.tokens.get(seq, lo - seq_start, hi - lo).astype(np.int64))
+        size = int(ends[-1]) if ends.size else 0
+        if self.eod_token_id is not None and end > size:
+            pieces.append(np.array([self.eod_token_id], dtype=np.int64))
+        return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
 
     def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
         input_ids = torch.from_numpy(self.sample_tokens(index))

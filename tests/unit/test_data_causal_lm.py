@@ -202,3 +202,89 @@ def test_close_split_boundaries_get_distinct_cache_files(data):
              for lo, hi in ((0, 0.9), (0.9, 1.0), (0.25, 0.75), (1 / 3, 1))]
     assert names == ["d_r_4sl_0_0.9_Nones_samples.npy", "d_r_4sl_0.9_1_Nones_samples.npy",
                      "d_r_4sl_0.25_0.75_Nones_samples.npy", "d_r_4sl_0.3333333333333333_1_Nones_samples.npy"]
+
+
+# -- documents of several sequences (Megatron's --split-sentences) ---------------------------------------------
+
+def write_documents(prefix, documents, impl="mmap", doc_idx=None):
+    """A file whose documents hold several sequences (sentences): the sequences written one by one, then the
+    index's doc_idx (the last entries of both layouts, counted in the header) replaced by the documents' (or
+    by `doc_idx`)."""
+    write_docs(prefix, [sentence for document in documents for sentence in document], impl)
+    if doc_idx is None:
+        doc_idx = np.cumsum([0] + [len(document) for document in documents])
+    doc_idx = np.asarray(doc_idx, dtype=np.int64)
+    count_at = 26 if impl == "mmap" else 48   # after magic, version, dtype code (+ element size), sequence counts
+    path = f"{prefix}.idx"
+    with open(path, "rb") as f:
+        raw = f.read()
+    old = int(np.frombuffer(raw, dtype=np.uint64, count=1, offset=count_at)[0])
+    raw = raw[:count_at] + np.uint64(doc_idx.size).tobytes() + raw[count_at + 8:len(raw) - 8 * old] + doc_idx.tobytes()
+    with open(path, "wb") as f:
+        f.write(raw)
+    return str(prefix)
+
+
+def sentence_documents():
+    """4 documents of 3 sentences: document d, sentence s holds 100*d + 10*s + k; the last sentence ends with EOD."""
+    return [[[100 * d + 10 * s + k for k in range(3)] + ([EOD] if s == 2 else []) for s in range(3)]
+            for d in range(1, 5)]
+
+
+@pytest.mark.parametrize("impl", ["mmap", "lazy"])
+def test_documents_of_several_sequences_are_shuffled_and_split_whole(tmp_path, impl):
+    """A document is the sequences between doc_idx entries, kept together and in order: the file holds 4 documents
+    (not 12), a seed shuffles documents, not sentences, and a split ends at a document's end. Read as sequences,
+    samples mixed sentences of different documents, and the valid split started inside a document."""
+    documents = sentence_documents()
+    flat = [[t for sentence in document for t in sentence] for document in documents]
+    prefix = write_documents(tmp_path / "sent", documents, impl)
+    plain = DatasetForCausalLM(prefix, 5, binarization_impl=impl)
+    assert plain.num_documents == 4
+    assert stream(plain) == sum(flat, [])[:len(plain) * 5]
+
+    shuffled = DatasetForCausalLM(prefix, 5, binarization_impl=impl, seed=3)
+    order = np.load(shuffled.index_files["doc_order"]).tolist()
+    assert sorted(order) == [0, 1, 2, 3] and shuffled.index_files["samples"].name.endswith("_3s_docs_samples.npy")
+    shuffled_flat = sum((flat[d] for d in order), [])
+    samples = np.load(shuffled.index_files["samples"])
+    assert [shuffled.sample_tokens(i).tolist() for i in range(len(shuffled))] == \
+        [shuffled_flat[j * 5:(j + 1) * 5] for j in samples.tolist()]
+
+    train = DatasetForCausalLM(prefix, 2, "train", 0.0, 0.5, binarization_impl=impl)
+    valid = DatasetForCausalLM(prefix, 2, "valid", 0.5, 1.0, binarization_impl=impl)
+    assert (train.document_range, valid.document_range) == ((0, 2), (2, 4))
+    assert stream(train) == flat[0] + flat[1] and stream(valid) == flat[2] + flat[3]
+
+
+def test_an_inserted_eod_follows_a_documents_last_sequence(tmp_path):
+    prefix = write_documents(tmp_path / "raw", [[[5, 6], [7]], [[8], [9, 10, 11]]])
+    ds = DatasetForCausalLM(prefix, 3, eod_token_id=EOD)
+    assert stream(ds) == [5, 6, 7, EOD, 8, 9, 10, 11, EOD]
+    assert [ds.sample_tokens(i).tolist() for i in range(3)] == [[5, 6, 7], [EOD, 8, 9], [10, 11, EOD]]
+    assert pickle.loads(pickle.dumps(ds)).sample_tokens(2).tolist() == [10, 11, EOD]
+
+
+def test_a_document_index_that_does_not_fit_the_sequences_raises(tmp_path):
+    prefix = write_documents(tmp_path / "bad", [[[5, 6], [7]], [[8], [9, 10, 11]]])
+    raw = bytearray(open(f"{prefix}.idx", "rb").read())
+    raw[-8:] = np.int64(3).tobytes()             # the last document ends at sequence 3 of 4
+    open(f"{prefix}.idx", "wb").write(bytes(raw))
+    with pytest.raises(ValueError, match=r"document index of .*bad' runs from sequence 0 to 3 but the file holds "
+                                         r"sequences 0 to 4"):
+        DatasetForCausalLM(prefix, 2)
+    # No document recorded (an older builder's items without end_document): one document per sequence, as before.
+    prefix = write_documents(tmp_path / "none", [[[5, 6], [7]], [[8], [9, 10, 11]]], doc_idx=[0])
+    assert DatasetForCausalLM(prefix, 2).num_documents == 4
+
+
+def test_cache_dir_holds_the_index_of_read_only_data(tmp_path):
+    prefix = write_docs(tmp_path / "d", numbered_docs(10))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    ds = DatasetForCausalLM(prefix, 8, seed=1, cache_dir=cache)
+    assert all(p.parent == cache and p.name.startswith("d-") for p in ds.index_files.values())
+    assert not list(tmp_path.glob("*.npy"))
+    assert stream(ds) == stream(DatasetForCausalLM(prefix, 8, seed=1))
+    with pytest.raises(ValueError, match=r"cache_dir='.*missing' must be None .* or an existing directory"):
+        DatasetForCausalLM(prefix, 8, cache_dir=str(tmp_path / "missing"))
