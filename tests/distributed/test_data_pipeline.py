@@ -1,6 +1,6 @@
 """The data pipeline on 3 gloo ranks posing as 2 nodes (ranks 0-1 and rank 2): one index build per
-node, the same samples everywhere, sharded epochs that cover every sample, and a builder failure
-raised on every rank."""
+node, the same samples everywhere, sharded epochs that cover every sample, and a builder failure,
+arguments that differ between ranks or a bad argument on one rank raised the same on every rank."""
 
 import os
 
@@ -60,11 +60,20 @@ def _pipeline(prefix):
     except Exception as e:  # noqa: BLE001 - the message is the result
         failure = f"{type(e).__name__}: {e}"
     DatasetForCausalLM._build_index = real_build
+    # Ranks given different arguments built or read different index files (FileNotFoundError on rank 1);
+    # one rank's bad argument left the others with gloo's "Connection closed by peer".
+    disagreements = []
+    for kwargs in ({"max_seq_length": 16 + rank}, {"max_seq_length": 16, "end_weight": 1.5 if rank == 2 else 1.0}):
+        try:
+            DatasetForCausalLM(prefix, split_type="odd", seed=2, **kwargs)
+            disagreements.append(None)
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            disagreements.append(f"{type(e).__name__}: {e}")
     return {
         "builds": builds, "lengths": (len(train), len(valid)), "epochs": epochs, "batches_match": batches_match,
         "fingerprint": [train.sample_tokens(i).tolist() for i in (0, len(train) // 2, len(train) - 1)]
         + [valid.sample_tokens(0).tolist()],
-        "failure": failure,
+        "failure": failure, "disagreements": disagreements,
     }
 
 
@@ -92,10 +101,14 @@ def test_pipeline_on_two_nodes(tmp_path):
     assert [r["epochs"][0] for r in results] != [r["epochs"][1] for r in results]
     assert all(r["batches_match"] for r in results)
 
-    # A failing build reaches every rank as an exception instead of a hang at a barrier.
-    for rank, r in enumerate(results):
-        if LOCAL_RANKS[rank] == 0:
-            assert r["failure"] == "OSError: disk full"
-        else:
-            assert r["failure"].startswith("RuntimeError: building the sample index") and "failed on the local " \
-                "rank 0" in r["failure"], r["failure"]
+    # A failing build reaches every rank as the same exception instead of a hang at a barrier.
+    assert {r["failure"] for r in results} == {"OSError: building the sample index " + str(tmp_path / "corpus")
+                                               + "_boom_16sl_0_1_2s_*.npy on the local rank 0 of each node failed on "
+                                               "ranks [0, 2]: disk full"}, results[0]["failure"]
+    # Different arguments, or a bad one on one rank: the same actionable error on every rank.
+    assert len({str(r["disagreements"]) for r in results}) == 1, [r["disagreements"] for r in results]
+    differ, bad = results[0]["disagreements"]
+    assert differ.startswith("ValueError: DatasetForCausalLM") and "max_seq_length" in differ and "18" in differ, differ
+    assert bad.startswith("ValueError: DatasetForCausalLM failed on rank [2]: need 0 <= start_weight < end_weight "
+                          "<= 1"), bad
+    assert not list(tmp_path.glob("corpus_odd_*")), "an index was built for arguments the ranks did not agree on"
