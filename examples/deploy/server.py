@@ -14,8 +14,10 @@ workers are alive.
 Limits, answered with a 400 before the workers see the request (the workers run one request at
 a time, so one long generation makes every other client wait): `max_new_tokens` at most
 `--max-new-tokens-limit` (default 256), and the prompt plus the new tokens within the model's
-`max_position_embeddings` when it has one. A request without `max_new_tokens` gets the model's
-generation-config value, else transformers' default of 20, cut to fit both limits.
+`max_position_embeddings` when it has one; the sequences generated at once (rows x `num_beams`) at
+most `--max-sequences-limit` (default 16), since the workers' memory grows with them. A request
+without `max_new_tokens` gets the model's generation-config value, else transformers' default of 20,
+cut to fit both limits.
 
 Standard library `http.server` (ThreadingHTTPServer), not FastAPI + uvicorn: nothing to
 install, and one endpoint needs no framework. Requests are handled in threads; the deployed
@@ -44,6 +46,7 @@ ALLOWED_OPTIONS = {"max_new_tokens": int, "min_new_tokens": int, "num_beams": in
                    "repetition_penalty": float, "fused_no_repeat_ngram_blocking": bool}
 MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_NEW_TOKENS_LIMIT = 256
+DEFAULT_MAX_SEQUENCES_LIMIT = 16
 DEFAULT_NEW_TOKENS = 20     # what transformers generates when neither the request nor the model sets a length
 
 
@@ -92,8 +95,9 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     as usage errors (exit 2) before any worker starts; return the model's config (None if unknown)."""
     if args.tensor_parallel_size < 1:
         parser.error(f"--tensor-parallel-size={args.tensor_parallel_size} must be >= 1")
-    if args.max_new_tokens_limit < 1:
-        parser.error(f"--max-new-tokens-limit={args.max_new_tokens_limit} must be >= 1")
+    for flag in ("max_new_tokens_limit", "max_sequences_limit"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
     if args.model == "tiny":
         from atorch.testing import tiny_llama_config
 
@@ -121,6 +125,7 @@ class GenerateHandler(BaseHTTPRequestHandler):
     tokenizer: Any = None
     pad_token_id: int = 0
     max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS_LIMIT
+    max_sequences_limit: int = DEFAULT_MAX_SEQUENCES_LIMIT
     # Seconds a connection may stay silent (a client that announces more body than it sends) before
     # its handler thread gives up; generation itself is not bounded by it.
     timeout = 60
@@ -190,10 +195,22 @@ class GenerateHandler(BaseHTTPRequestHandler):
         check_option_ranges(options)
         config, generation = self.model.config, getattr(self.model, "generation_config", None)
         ids = prompt_ids(request, getattr(config, "vocab_size", None), self.tokenizer)
+        check_sequences(ids.shape[0], options.get("num_beams", 1), self.max_sequences_limit)
         options["max_new_tokens"] = settle_new_tokens(
             ids.shape[1], options.get("max_new_tokens"), self.max_new_tokens_limit,
             getattr(config, "max_position_embeddings", None), getattr(generation, "max_new_tokens", None))
+        if options.get("min_new_tokens", 0) > options["max_new_tokens"]:
+            raise ValueError(f"min_new_tokens={options['min_new_tokens']} exceeds max_new_tokens="
+                             f"{options['max_new_tokens']}")
         return ids, options
+
+
+def check_sequences(rows: int, num_beams: int, limit: int) -> None:
+    """ValueError (a 400) when a request would generate more than `limit` sequences at once (rows x beams):
+    the workers hold a KV cache per sequence, so an unbounded request could exhaust their memory."""
+    if rows * num_beams > limit:
+        raise ValueError(f"{rows} prompt row(s) x num_beams={num_beams} = {rows * num_beams} sequences exceed this "
+                         f"server's limit of {limit} (--max-sequences-limit); send fewer rows or beams")
 
 
 def prompt_ids(request: Dict[str, Any], vocab_size: Optional[int], tokenizer: Any) -> torch.Tensor:
@@ -250,8 +267,12 @@ def check_option_ranges(options: Dict[str, Any]) -> None:
     """Values generate() would fail on deep in the workers (num_beams=0 divides by zero), refused as a 400."""
     if options.get("max_new_tokens", 1) < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {options['max_new_tokens']}")
-    if options.get("num_beams", 1) < 1:
-        raise ValueError(f"num_beams must be >= 1, got {options['num_beams']}")
+    for key, least in (("num_beams", 1), ("min_new_tokens", 0), ("top_k", 0), ("no_repeat_ngram_size", 0)):
+        if options.get(key, least) < least:
+            raise ValueError(f"{key} must be >= {least}, got {options[key]}")
+    for key in ("temperature", "repetition_penalty"):
+        if options.get(key, 1.0) <= 0:
+            raise ValueError(f"{key} must be > 0, got {options[key]}")
     top_p = options.get("top_p", 1.0)
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
@@ -267,6 +288,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--max-new-tokens-limit", type=int, default=DEFAULT_MAX_NEW_TOKENS_LIMIT,
                         help="the most new tokens one request may ask for (a larger max_new_tokens is a 400): the "
                              "workers serve one request at a time, so a long one makes every other client wait")
+    parser.add_argument("--max-sequences-limit", type=int, default=DEFAULT_MAX_SEQUENCES_LIMIT,
+                        help="the most sequences one request may generate at once, prompt rows x num_beams (more "
+                             "is a 400): each holds a KV cache in the workers' memory")
     args = parser.parse_args(argv)
     check_arguments(parser, args)
     tokenizer = load_tokenizer(args.model)   # before the workers: a broken tokenizer stops the server now
@@ -283,6 +307,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     GenerateHandler.model = model
     GenerateHandler.tokenizer = tokenizer
     GenerateHandler.max_new_tokens_limit = args.max_new_tokens_limit
+    GenerateHandler.max_sequences_limit = args.max_sequences_limit
     GenerateHandler.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     server = ThreadingHTTPServer((args.host, args.port), GenerateHandler)
     server.daemon_threads = True

@@ -17,6 +17,7 @@ def server(load_example):
      "--tensor-parallel-size=3 does not divide the model's num_attention_heads=4; use one of [1, 2, 4]"),
     (["--model", "tiny", "--tensor-parallel-size", "0"], "--tensor-parallel-size=0 must be >= 1"),
     (["--model", "tiny", "--max-new-tokens-limit", "0"], "--max-new-tokens-limit=0 must be >= 1"),
+    (["--model", "tiny", "--max-sequences-limit", "0"], "--max-sequences-limit=0 must be >= 1"),
 ])
 def test_bad_model_or_tensor_size_is_a_usage_error_before_any_worker(server, capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
@@ -62,11 +63,12 @@ def test_a_broken_tokenizer_stops_the_server_naming_the_folder(server, tmp_path)
         server.load_tokenizer(str(tmp_path / "m"))
 
 
-def parse(server, request, limit=8, positions=16, **model):
+def parse(server, request, limit=8, positions=16, sequences=4, **model):
     """`_parse` of a handler in front of a model with 1024 tokens and `positions` positions, limited to `limit` new
-    tokens."""
+    tokens and `sequences` sequences at once."""
     config = SimpleNamespace(vocab_size=1024, max_position_embeddings=positions)
-    handler = SimpleNamespace(model=SimpleNamespace(config=config, **model), tokenizer=None, max_new_tokens_limit=limit)
+    handler = SimpleNamespace(model=SimpleNamespace(config=config, **model), tokenizer=None, max_new_tokens_limit=limit,
+                              max_sequences_limit=sequences)
     return server.GenerateHandler._parse(handler, json.loads(json.dumps(request)))
 
 
@@ -84,6 +86,16 @@ def parse(server, request, limit=8, positions=16, **model):
     ({"input_ids": [[5] * 12], "max_new_tokens": 5}, "the prompt's 12 tokens \\+ max_new_tokens=5 exceed this model's "
      "max_position_embeddings=16; ask for at most 4 new tokens"),
     ({"input_ids": [[5] * 16]}, "the prompt has 16 tokens; this model reads at most max_position_embeddings=16"),
+    # Unbounded rows x beams held a KV cache each in the workers' memory.
+    ({"input_ids": [[5, 6]] * 3, "num_beams": 2}, r"3 prompt row\(s\) x num_beams=2 = 6 sequences exceed this "
+     r"server's limit of 4 \(--max-sequences-limit\)"),
+    ({"input_ids": [[5, 6]] * 5}, r"5 prompt row\(s\) x num_beams=1 = 5 sequences exceed"),
+    ({"input_ids": [[5, 6]], "temperature": 0.0, "do_sample": True}, "temperature must be > 0, got 0.0"),
+    ({"input_ids": [[5, 6]], "top_k": -1}, "top_k must be >= 0, got -1"),
+    ({"input_ids": [[5, 6]], "repetition_penalty": 0}, "repetition_penalty must be > 0, got 0"),
+    ({"input_ids": [[5, 6]], "no_repeat_ngram_size": -2}, "no_repeat_ngram_size must be >= 0, got -2"),
+    ({"input_ids": [[5, 6]], "min_new_tokens": -1}, "min_new_tokens must be >= 0, got -1"),
+    ({"input_ids": [[5, 6]], "min_new_tokens": 5, "max_new_tokens": 3}, "min_new_tokens=5 exceeds max_new_tokens=3"),
 ])
 def test_requests_generate_cannot_run_are_refused_with_the_reason(server, request_, message):
     with pytest.raises(ValueError, match=message):
@@ -94,6 +106,7 @@ def test_valid_requests_pass(server):
     ids, options = parse(server, {"input_ids": [[5, 6]], "num_beams": 2, "top_p": 1, "max_new_tokens": 3})
     assert ids.tolist() == [[5, 6]] and options == {"num_beams": 2, "top_p": 1, "max_new_tokens": 3}
     assert parse(server, {"input_ids": [[5] * 12], "max_new_tokens": 4})[1]["max_new_tokens"] == 4   # 16 positions
+    assert parse(server, {"input_ids": [[5, 6]] * 2, "num_beams": 2})[0].shape == (2, 2)   # 4 sequences: the limit
 
 
 @pytest.mark.parametrize("prompt, limit, positions, model_default, expected", [
