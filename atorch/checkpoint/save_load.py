@@ -622,6 +622,21 @@ def _qualname(obj: Any) -> Optional[str]:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _model_class_name(model: nn.Module) -> Optional[str]:
+    """The model's class as `_qualname`, or the transformers class it derives from where a wrapper swapped the
+    instance's class for a subclass (FSDP2's `FSDP<Name>`, tensor parallelism's `SliceLogits<Name>`): merge
+    imports the recorded class by name, and only from transformers."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return _qualname(model)
+    if isinstance(model, PreTrainedModel):
+        for cls in type(model).__mro__:
+            if cls.__module__.startswith("transformers.") and issubclass(cls, PreTrainedModel):
+                return _qualname(cls)
+    return _qualname(model)
+
+
 def _meta(objs: TrainingObjects, handler: LayoutHandler, step: Optional[int], position: Optional[DataPosition],
           small_state: Dict[str, Any], has_optimizer: bool, optim_values: Dict[str, Any], world: int
           ) -> Dict[str, Any]:
@@ -634,7 +649,7 @@ def _meta(objs: TrainingObjects, handler: LayoutHandler, step: Optional[int], po
         DATASET_LENGTH: _dataset_length(objs.dataloader),
         "world_size": world, "parallel_dims": _parallel_dims(objs.parallel), "layout": handler.name,
         "strategy": objs.strategy,
-        "model": {"class": _qualname(hf_model) if hf_model is not None else _qualname(objs.model),
+        "model": {"class": _model_class_name(hf_model if hf_model is not None else objs.model),
                   "hf_prefix": hf_prefix, "has_config": hf_config is not None, **_lora_meta(objs.model)},
         "has_optimizer": has_optimizer,
         "optimizer": {"class": _qualname(objs.optimizer), "values": optim_values} if has_optimizer else None,

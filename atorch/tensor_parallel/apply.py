@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from atorch.distributed.replicas import check_replicas_agree
+from atorch.tensor_parallel.logits import gather_logits_for_generate
 from atorch.tensor_parallel.mappings import Group, group_size
 from atorch.tensor_parallel.plan import TPInfo, TPPlan, resolve_tp_plan
 from atorch.tensor_parallel.presets import tpinfo_for_model
@@ -50,7 +51,8 @@ def apply_tensor_parallel(model: nn.Module, group: Group, *, tpinfo: Optional[TP
     replays its streams). A real model must be identical on every rank of the group
     (checked with one checksum per rank); a meta model built under `record_module_init` gets
     the weights of `torch.manual_seed(base_seed); Model(config)`. `gather_logits`: see
-    `resolve_tp_plan` (True: the model returns full logits).
+    `resolve_tp_plan` (True: the model returns full logits; False: this rank's vocabulary slice, except
+    inside the model's own `generate`, which gathers: `logits.gather_logits_for_generate`).
     """
     randomizer = init_randomizer(base_seed, coords)
     if tpinfo is None:
@@ -65,4 +67,6 @@ def apply_tensor_parallel(model: nn.Module, group: Group, *, tpinfo: Optional[TP
         model = shard_model(model, tpinfo, group, randomizer=randomizer, gather_logits=gather_logits)
     plan = tp_plan_of(model)
     assert plan is not None
+    if plan.vocab_parallel_loss and not plan.gather_logits:
+        gather_logits_for_generate(model)
     return TensorParallelModel(model, plan, randomizer, group_size(group))

@@ -10,7 +10,6 @@ code through `shard_specs()`, like the other tensor-parallel layers.
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Dict
 
 import torch
@@ -18,18 +17,11 @@ from torch import nn
 
 from atorch.tensor_parallel.layers import ShardSpec, TensorParallelModule, _GroupRef, _sliced_parameter
 from atorch.tensor_parallel.mappings import Group, copy_to_group, group_rank, group_size, reduce_from_group
+from atorch.utils.module_utils import derived_class
 
 
 def _derived_class(base: type, mixin: type, prefix: str) -> type:
-    """`prefix + base.__name__`, subclassing (mixin, base); cached and importable from this module (pickle)."""
-    name = f"{prefix}{base.__name__}"
-    key = f"_{name}_{id(base):x}"
-    module = sys.modules[__name__]
-    cls = getattr(module, key, None)
-    if cls is None:
-        cls = type(name, (mixin, base), {"__module__": __name__, "__qualname__": key})
-        setattr(module, key, cls)
-    return cls
+    return derived_class(base, mixin, prefix, __name__)
 
 
 class TensorParallelExperts(TensorParallelModule):

@@ -6,6 +6,7 @@ the unit that FSDP wraps and activation checkpointing recomputes.
 
 from __future__ import annotations
 
+import sys
 from typing import Dict, Iterable, List, Optional, Sequence, Type, Union
 
 from torch import nn
@@ -90,3 +91,17 @@ def modules_of_classes(model: nn.Module, classes: Iterable[type]) -> List[nn.Mod
     if not classes:
         return []
     return [m for m in model.modules() if isinstance(m, classes)]
+
+
+def derived_class(base: type, mixin: type, prefix: str, home: str) -> type:
+    """`prefix + base.__name__`, subclassing (mixin, base), for swapping an instance's `__class__` (as FSDP2's
+    `fully_shard` does). Cached as an attribute of the module named `home` (the caller's `__name__`), whose
+    name the class carries, so that the same class is reused and pickle finds it."""
+    name = f"{prefix}{base.__name__}"
+    key = f"_{name}_{id(base):x}"
+    module = sys.modules[home]
+    cls = getattr(module, key, None)
+    if cls is None:
+        cls = type(name, (mixin, base), {"__module__": home, "__qualname__": key})
+        setattr(module, key, cls)
+    return cls

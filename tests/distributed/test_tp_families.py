@@ -19,7 +19,7 @@ unsharded model itself, so both sides see identical inputs. Checked per family:
 
 With `gather_logits=False` (llama, and gemma whose vocabulary of 1001 is padded to 1002), the
 model returns this rank's vocabulary slice and `vocab_parallel_cross_entropy` over the slices
-equals the unsharded loss (rel 1e-5).
+equals the unsharded loss (rel 1e-5); its `generate` still gives the unsharded model's tokens.
 
 More model types with a transformers plan (`MORE_PLAN_FAMILIES`: gemma3_text, olmo2, cohere,
 starcoder2, phi, granite, qwen2_moe, olmoe, glm4, smollm3, gptj, ernie4_5, exaone4, helium, seed_oss,
@@ -161,18 +161,23 @@ def _generate(name: str, group: Any) -> Dict[str, Any]:
 
 
 def _slices(name: str, group: Any) -> Dict[str, Any]:
-    from atorch.tensor_parallel import shard_model, tpinfo_for_model, vocab_parallel_cross_entropy
+    from atorch.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
 
     reference, config = build_family(name)
-    model = shard_model(build_family(name)[0], tpinfo_for_model(reference), group, gather_logits=False,
-                        randomizer=_randomizer(group))
+    model = apply_tensor_parallel(build_family(name)[0], group, gather_logits=False).model
     ids = TokenDataset(n=2, seq_len=12, seed=5, vocab_size=min(config.vocab_size, 1000)).tokens
     with torch.no_grad():
         out, expected = model(input_ids=ids, labels=ids), reference(input_ids=ids, labels=ids)
         loss = vocab_parallel_cross_entropy(out.logits[:, :-1], ids[:, 1:], group=group, vocab_size=config.vocab_size,
                                             reduction="mean")
+        # generate() gathers for itself: a slice's argmax was another token on each rank (and rank 0 stopped at
+        # an eos that rank 1 never picked, leaving its collectives unmatched).
+        tokens = [m.eval().generate(ids[:, :6], max_new_tokens=6, do_sample=False, pad_token_id=0).tolist()
+                  for m in (model, reference)]
+        after = model(input_ids=ids).logits.shape    # slices again once generate is over
     return {"shape": tuple(out.logits.shape), "loss": loss.item(), "model_loss": out.loss.item(),
-            "expected_loss": expected.loss.item(), "vocab": config.vocab_size}
+            "expected_loss": expected.loss.item(), "vocab": config.vocab_size, "generated": tokens,
+            "shape_after_generate": tuple(after)}
 
 
 def _more(model_type: str, group: Any) -> Dict[str, Any]:
@@ -227,7 +232,8 @@ def test_every_family_matches_the_unsharded_model_and_generates_its_tokens():
                 assert tokens["tp"] == tokens["plain"], (name, mode, rank, tokens)
                 assert len(tokens["tp"][0]) == 6 + 8, (name, mode, tokens)
         for name, r in result["slices"].items():
-            assert r["shape"] == (2, 12, -(-r["vocab"] // TP)), (name, r)
+            assert r["shape"] == r["shape_after_generate"] == (2, 12, -(-r["vocab"] // TP)), (name, r)
+            assert r["generated"][0] == r["generated"][1], (name, rank, r["generated"])
             for loss in (r["loss"], r["model_loss"]):
                 assert abs(loss - r["expected_loss"]) <= LOGITS_REL * r["expected_loss"], (name, rank, r)
         for name, r in result["more"].items():

@@ -365,3 +365,27 @@ def test_merging_into_a_directory_that_holds_an_earlier_model_replaces_its_weigh
                                                      "model.safetensors"]
     assert torch.equal(_logits(_load_hf(str(out))), _logits(a.eval()))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "hf", "latest"]   # no staging left behind
+
+
+class _Wrapper(nn.Module):
+    """Stands for a mixin that wrappers give a model by swapping its class (FSDP2's FSDP<Name>)."""
+
+
+def test_a_model_whose_class_a_wrapper_swapped_merges_as_its_transformers_class(tmp_path):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from atorch.utils.module_utils import derived_class
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=1, vocab_size=128, num_labels=3, pad_token_id=0)
+    model = LlamaForSequenceClassification(config).eval()
+    expected = model(X % 128).logits
+    model.__class__ = derived_class(type(model), _Wrapper, "Wrapped", __name__)
+    save_checkpoint(model, str(tmp_path / "ckpt"))
+    meta = json.loads((tmp_path / "ckpt" / "meta.json").read_text())
+    # Recorded as the transformers class: the merge builds that, not the causal LM of the config's type.
+    assert meta["model"]["class"].endswith("modeling_llama.LlamaForSequenceClassification"), meta["model"]
+    merge_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    merged = LlamaForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
+    torch.testing.assert_close(merged(X % 128).logits, expected)
