@@ -395,7 +395,12 @@ def make_predictor(model: Any, batch_size: int, seq_len: int, world_size: int,
 
 
 def infer_seq_len(dataset: Any) -> int:
-    """The sequence length of the dataset's first sample (its input_ids, else its first tensor); 1 if none."""
+    """The sequence length of the dataset's first sample (its input_ids, else its first tensor); 1 if none.
+
+    Token ids (integer tensors) are [..., seq]; a floating tensor is one sample's features ([features]: one
+    position) or a sequence of feature vectors ([seq, features]); any other layout (images) counts as one
+    position. The cost model multiplies per-position activations by it: reading a feature width as a length
+    predicted a small MLP's activations 3x over."""
     if dataset is None:
         return 1
     try:
@@ -410,7 +415,9 @@ def infer_seq_len(dataset: Any) -> int:
         tensors = [sample]
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.dim() >= 1:
-            return int(t.shape[-1])
+            if not t.is_floating_point():
+                return int(t.shape[-1])
+            return int(t.shape[0]) if t.dim() == 2 else 1
     return 1
 
 
