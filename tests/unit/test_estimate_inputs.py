@@ -106,3 +106,30 @@ def test_estimate_refuses_the_global_batches_auto_accelerate_refuses(batch, dims
     else:
         assert estimate(SHAPE, strategy, batch, 128, world).step_time_s > 0
     assert refused == (batch in (2, 13, 12, 3))
+
+
+def _qwen2_config():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                       num_hidden_layers=2, vocab_size=256, max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("strategy, batch, seq, world, text", [
+    (["fsdp", "zero2"], 8, 32, 2, "auto_accelerate would refuse this strategy: .*fsdp.*zero2|zero2.*fsdp"),
+    ([("gradient_accumulation", 16)], 8, 32, 2, "auto_accelerate would refuse this strategy: .*16"),
+    ([_pm(("tensor", 2))], 8, 32, 2, "auto_accelerate would refuse this strategy: .*tensor"),
+    ([_pm(("tensor", 8)), "tensor_parallel"], 8, 32, 8, "auto_accelerate would refuse this strategy: .*heads=4"),
+    (["fsdp"], 8, 10 ** 6, 2, r"seq_len=1000000 is longer than the model's max_position_embeddings=64"),
+])
+def test_given_a_model_or_config_estimate_refuses_what_auto_accelerate_refuses(strategy, batch, seq, world, text):
+    # An outside probe got numbers for each of these (a conflicting pair, accumulation steps the per-rank batch
+    # of 4 does not split into, a tensor dim nothing splits over, 8-way tensor over 4 heads, 1e6 tokens).
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(ValueError, match=text):
+        estimate(AutoModelForCausalLM.from_config(_qwen2_config()), strategy, batch, seq, world)
+    # A ModelShape is the planner's own path (its candidates are valid already): not re-validated.
+    from atorch.auto.cost_model import shape_of
+
+    assert estimate(shape_of(_qwen2_config(), 32), ["fsdp"], 8, 32, 2).step_time_s > 0

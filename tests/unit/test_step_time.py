@@ -18,7 +18,7 @@ from transformers import LlamaConfig
 CONFIG = tiny_llama_config(num_hidden_layers=8)
 # A 7B-shaped Llama (32 layers, hidden 4096) for the GPU rates: transfers and FLOPs of a real size.
 LLAMA_7B = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
-                       num_hidden_layers=32, vocab_size=32000)
+                       num_hidden_layers=32, vocab_size=32000, max_position_embeddings=4096)
 H100 = device_spec("h100").profile(multi_node=False)
 
 

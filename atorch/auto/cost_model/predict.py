@@ -56,7 +56,12 @@ def estimate(model_or_config: Union[nn.Module, Any, ModelShape], strategy: Strat
     use (0 or negative where it divides, negative, not finite), an unregistered optimization name;
     and for what `auto_accelerate` would refuse: parallel dims whose product is not `world_size`,
     more pipeline stages than layers, a global batch that does not split over the data ranks and
-    the pipeline's chunks (`validate_batch_layout`).
+    the pipeline's chunks (`validate_batch_layout`). Given a module or a transformers config (not a
+    `ModelShape`: the planner's own candidates are valid already), also what else `auto_accelerate` refuses
+    before applying: the strategy's combination and each optimization's checks (`resolve_strategy`: a
+    tensor size the heads do not split over, conflicting ZeRO items, accumulation steps the per-rank batch
+    does not split into, a parallel dim no optimization splits over) and a `seq_len` longer than the model's
+    positions (`check_sequence_length`): a prediction for a strategy that cannot run would mislead.
     """
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
@@ -71,6 +76,8 @@ def estimate(model_or_config: Union[nn.Module, Any, ModelShape], strategy: Strat
     shape = shape_of(model_or_config, seq_len)
     traits = StrategyTraits.from_strategy(s, world_size, shape, device_type, optimizer)
     _check_layout(s, traits, shape, batch_size, world_size)
+    if not isinstance(model_or_config, ModelShape):
+        _check_as_auto_accelerate(model_or_config, s, batch_size, seq_len, world_size, device_type)
     rates = dict(DEVICE_PROFILES.get(device_type, DEVICE_PROFILES["cuda"]))
     rates.update(profile or {})
 
@@ -79,6 +86,27 @@ def estimate(model_or_config: Union[nn.Module, Any, ModelShape], strategy: Strat
     time = time_breakdown(shape, traits, per_rank, seq_len, rates)
     return Estimate(peak_bytes(memory), sum(time.values()), {**{f"mem_{k}": v for k, v in memory.items()},
                                                              **{f"time_{k}": v for k, v in time.items()}})
+
+
+def _check_as_auto_accelerate(model_or_config: Any, strategy: Strategy, batch_size: int, seq_len: int,
+                              world_size: int, device_type: str) -> None:
+    """ValueError for what `auto_accelerate` refuses of this strategy and model before applying it (see `estimate`)."""
+    from atorch.auto.arguments import position_limit
+    from atorch.auto.opt_lib.base import ValidationContext
+    from atorch.auto.opt_lib.resolve import resolve_strategy
+
+    module = model_or_config if isinstance(model_or_config, nn.Module) else None
+    config = getattr(module, "config", None) if module is not None else model_or_config
+    limit = position_limit(config) if config is not None else None
+    if limit is not None and seq_len > limit[1]:
+        raise ValueError(f"seq_len={seq_len} is longer than the model's {limit[0]}={limit[1]} ({type(config).__name__}), "
+                         f"which auto_accelerate refuses; use seq_len <= {limit[1]}")
+    context = ValidationContext(world_size=world_size, model=module, model_config=config, device_type=device_type,
+                                global_batch_size=batch_size)
+    try:
+        resolve_strategy(strategy, context)
+    except ValueError as e:
+        raise ValueError(f"auto_accelerate would refuse this strategy: {e}") from None
 
 
 def _check_profile(profile: Optional[Mapping[str, float]]) -> None:
