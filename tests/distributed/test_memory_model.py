@@ -60,12 +60,21 @@ BACKENDS: Dict[str, List[Any]] = {
     # Wider blocks and few tokens, so the parameters decide the peak: backward reduces only the
     # adapters' gradients, and the last block's all-gather in forward is the largest moment.
     "lora+fsdp2, hidden 256, 2 x 8 tokens": ["parallel_mode", "lora", "fsdp"],
+    # Model states decide the peak, at the last blocks' backward: only the blocks already reduced
+    # hold gradient shards (the root reduces last), and without resharding every block is
+    # resharded by its own backward (predicted 1.19-1.22x measured when every shard and, under
+    # zero2, every gathered block were counted there).
+    "zero2+amp+ckpt, hidden 256, 4 layers, 2 x 8 tokens": ["parallel_mode", "amp_native", "zero2", "checkpoint"],
+    "fsdp2+ckpt, hidden 256, 2 x 8 tokens": ["parallel_mode", "fsdp", "checkpoint"],
     "tensor parallel": [TP2, "tensor_parallel"],
     "pipeline": [PP2, "pipeline_parallel"],
 }
 # (global batch, sequence length, tiny_llama overrides) of the backends measured on another shape.
 SIZES: Dict[str, Tuple[int, int, Dict[str, int]]] = {
-    "lora+fsdp2, hidden 256, 2 x 8 tokens": (2, 8, {"hidden_size": 256, "intermediate_size": 512})}
+    "lora+fsdp2, hidden 256, 2 x 8 tokens": (2, 8, {"hidden_size": 256, "intermediate_size": 512}),
+    "zero2+amp+ckpt, hidden 256, 4 layers, 2 x 8 tokens": (2, 8, {"hidden_size": 256, "intermediate_size": 512,
+                                                                 "num_hidden_layers": 4}),
+    "fsdp2+ckpt, hidden 256, 2 x 8 tokens": (2, 8, {"hidden_size": 256, "intermediate_size": 512})}
 
 
 def _optim_func(strategy: List[Any]) -> Any:
