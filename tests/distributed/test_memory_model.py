@@ -52,7 +52,7 @@ BACKENDS: Dict[str, List[Any]] = {
     # GPT-NeoX's fused query_key_value output instead of adding to it as on GPT-2 (1.18x measured
     # when GPT-2's cost was counted for it). Measured before any DeepSpeed ZeRO-3 engine: after one
     # in the same process this step holds 1.05 MB more (deepspeed zero3 bf16 then this case: 9,626,152
-    # B; alone or after the other backends: 8,577,576 B).
+    # B; alone or after the other backends: 8,577,576 B): F.linear stays DeepSpeed's zero3_linear_wrap.
     "lora+fsdp2, GPT-NeoX, 4 x 128 tokens": ["parallel_mode", "lora", "fsdp"],
     "deepspeed zero1 bf16": ["amp_native", ("zero1", {"use_ds_zero": True})],
     "deepspeed zero2 bf16": ["amp_native", ("zero2", {"use_ds_zero": True})],
