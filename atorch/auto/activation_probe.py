@@ -16,7 +16,9 @@ that block returns (nothing after it runs), and returns the bytes per sequence /
 stays below the cost model). The cost model multiplies its block formula by this scale for
 every strategy (`ModelShape.activation_scale`), so the strategy-dependent parts (precision,
 tensor sharding, fused modules, LoRA) keep their shape and the architecture-dependent level
-comes from the measurement.
+comes from the measurement. Where the model's config fills Hugging Face's key/value cache in a
+training forward, `block_activation_profile` also runs the block with it: what the cache's k/v
+copies cost depends on what else keeps k's and v's storages saved.
 
 Where it runs: on the model's own device with its own parameters (a CPU model computes one
 block for real: a 7B block at 1024 tokens is ~0.4 TFLOP a sequence, seconds here), or, for a
@@ -31,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional, Set
+from typing import Callable, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -129,10 +131,12 @@ def _quiet_fake_tensor_errors() -> Iterator[None]:
         fake_logger.setLevel(level)
 
 
-def measure_first_block(model: nn.Module, seq_len: int, batch: int = 1) -> BlockActivations:
+def measure_first_block(model: nn.Module, seq_len: int, batch: int = 1, use_cache: bool = False) -> BlockActivations:
     """Run `model`'s forward on `batch` sequences of `seq_len` tokens and count what its first block saves.
 
-    The tokens are all id 0, passed as `input_ids` (what a Hugging Face causal LM takes). Raises
+    The tokens are all id 0, passed as `input_ids` (what a Hugging Face causal LM takes), with
+    `use_cache` (Hugging Face's key/value cache filled by the forward, as a training forward with
+    the config's `use_cache` does; a forward that takes no `use_cache` runs without it). Raises
     ValueError when the model has no block stack or is already distributed; whatever its forward
     raises otherwise propagates (the caller decides).
     """
@@ -187,7 +191,7 @@ def measure_first_block(model: nn.Module, seq_len: int, batch: int = 1) -> Block
         with torch.random.fork_rng(devices=rng_devices), _train_mode(model), torch.enable_grad(), \
                 _quiet_fake_tensor_errors(), (fake if fake is not None else contextlib.nullcontext()), \
                 torch.autograd.graph.saved_tensors_hooks(pack, never_unpacked):
-            for kwargs in ({"use_cache": False}, {}):   # a non-Hugging Face forward may not take use_cache
+            for kwargs in ({"use_cache": use_cache}, {}):   # a non-Hugging Face forward may not take use_cache
                 try:
                     model(input_ids=tokens, **kwargs)
                 except _BlockDone:
@@ -236,6 +240,20 @@ def block_activation_scale(model: nn.Module, seq_len: int, formula: FormulaBytes
     `formula` is asked for the model as it is (no strategy): "half" when its parameters are
     half, else "fp32".
     """
+    return block_activation_profile(model, seq_len, formula)[0]
+
+
+def block_activation_profile(model: nn.Module, seq_len: int, formula: FormulaBytes,
+                             kv_cache: bool = False) -> Tuple[float, Optional[float]]:
+    """`block_activation_scale`, and with `kv_cache` the elements per token the first block saves more
+    with Hugging Face's key/value cache filled than without (None: not measured).
+
+    The cache's `torch.cat` copies k and v, and attention saves the copies instead of k and v;
+    what that costs depends on what else keeps k's and v's storages saved: GPT-2's q is a view of
+    the fused c_attn output, which stays saved (+2 x kv), while GPT-NeoX's q and k are fresh
+    rotary outputs and only v viewed the fused query_key_value output, which the copy frees
+    (-2 x hidden). Only the model's own block says which, so it is run both ways.
+    """
     name = type(model).__name__
     on_meta = any(p.device.type == "meta" for p in model.parameters())
     seq_len = max(1, min(int(seq_len), FAKE_PROBE_TOKENS if on_meta else PROBE_TOKENS))
@@ -247,7 +265,27 @@ def block_activation_scale(model: nn.Module, seq_len: int, formula: FormulaBytes
             _WARNED.add(name)
             logger.info("activation probe: %s not measured (%s: %s); the cost model keeps its block formula",
                         name, type(e).__name__, e)
-        return 1.0
+        return 1.0, None
+    # Under fake tensors (a meta model) the cache's copies do not show: the same bytes with and without
+    # it (GPT-2, GPT-NeoX), where real parameters show +2 x kv and -2 x hidden; the formula's term stays.
+    cache_elements = _cache_elements(model, seq_len, two) if kv_cache and not on_meta else None
+    return _clipped_scale(name, two, expected, seq_len), cache_elements
+
+
+def _cache_elements(model: nn.Module, seq_len: int, without: BlockActivations) -> Optional[float]:
+    """(Saved bytes with the cache - `without`) per token, in elements of the block's dtype; None if unmeasurable."""
+    try:
+        with_cache = measure_first_block(model, seq_len, batch=PROBE_BATCH, use_cache=True)
+    except Exception as e:  # noqa: BLE001 - as in block_activation_profile: the formula's term stays
+        logger.info("activation probe: %s not measured with its key/value cache (%s: %s); the cost model keeps "
+                    "its formula for the cache", type(model).__name__, type(e).__name__, e)
+        return None
+    element = torch.empty((), dtype=without.dtype).element_size()
+    return (with_cache.saved_bytes - without.saved_bytes) / (PROBE_BATCH * seq_len * element)
+
+
+def _clipped_scale(name: str, two: BlockActivations, expected: float, seq_len: int) -> float:
+    """Measured bytes per sequence / the formula's, clipped to `SCALE_RANGE` (logged); 1.0 when either is 0."""
     per_sequence = two.saved_bytes / PROBE_BATCH
     if not expected > 0 or per_sequence <= 0:
         return 1.0

@@ -15,9 +15,9 @@ from torch import nn
 from atorch.auto.activation_probe import find_blocks, never_unpacked
 
 
-def saved_by_every_block(model: nn.Module, batch: int, seq_len: int) -> int:
+def saved_by_every_block(model: nn.Module, batch: int, seq_len: int, use_cache: bool = False) -> int:
     """Bytes all blocks of `model` save in one forward of `batch` x `seq_len` token ids 0 (each storage
-    counted once, parameters excluded), with Hugging Face's key/value cache off."""
+    counted once, parameters excluded), with Hugging Face's key/value cache off (or filled: `use_cache`)."""
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     inside, total = [False], [0]
     seen: Set[int] = set()
@@ -36,7 +36,7 @@ def saved_by_every_block(model: nn.Module, batch: int, seq_len: int) -> int:
         hooks.append(block.register_forward_hook(lambda *_: inside.__setitem__(0, False)))
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, never_unpacked):
-            model(input_ids=torch.zeros(batch, seq_len, dtype=torch.long), use_cache=False)
+            model(input_ids=torch.zeros(batch, seq_len, dtype=torch.long), use_cache=use_cache)
     finally:
         for hook in hooks:
             hook.remove()

@@ -64,6 +64,22 @@ def test_calibrated_blocks_match_what_the_model_saves(arch):
     assert calibrated / measured == pytest.approx(1.0, abs=0.05), (arch, calibrated / measured)
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox"])
+def test_the_key_value_cache_is_counted_as_the_block_saves_it(arch):
+    """A training forward with the config's use_cache fills Hugging Face's cache, whose k/v copies attention
+    saves instead of k and v: GPT-2's fused c_attn output stays saved through q (+2 x kv a token),
+    GPT-NeoX's query_key_value output was saved only through v and is freed (-2 x hidden). The formula,
+    counted on GPT-2, had GPT-NeoX +2 x hidden: 1.30x its measured peak with LoRA + FSDP2 at 8 x 256."""
+    config = (tf.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128) if arch == "gpt2"
+              else OFF_FORMULA["gpt_neox"]())
+    model = _model(config)
+    measured = saved_by_every_block(model, 2, SEQ, use_cache=True)
+    shape = calibrated_shape(model, SEQ)
+    traits = StrategyTraits.from_strategy([], 1, shape, "cpu")
+    predicted = len(find_blocks(model)) * block_activation_bytes(shape, traits, 2, SEQ, kv_cache=True)
+    assert shape.kv_cache and predicted / measured == pytest.approx(1.0, abs=0.03), (arch, predicted / measured)
+
+
 def test_llama_keeps_its_formula():
     """The formula was counted on Llama's block: the probe confirms it rather than replacing it."""
     model = _model(tf.LlamaConfig(**SMALL, intermediate_size=128))

@@ -71,10 +71,15 @@ def test_zero_and_fsdp_memory_formulas():
     assert z1["optimizer"] == 2 * P and z1["grads"] == 4 * P and z1["ddp_buckets"] == 4 * P
     _, _, z2 = _breakdown(["parallel_mode", "zero2"])          # FSDP2 without reshard
     assert z2["optimizer"] == 2 * P and z2["grads"] == P and z2["params"] == P
-    assert z2["gathered_params"] == 4 * P and "ddp_buckets" not in z2
+    # every unit gathered from forward to backward; backward reshards the blocks one by one
+    assert z2["gathered_params"] + z2["gathered_blocks"] == 4 * P and "ddp_buckets" not in z2
+    assert 0 < z2["gathered_params"] < z2["gathered_blocks"]
     _, _, fs = _breakdown(["parallel_mode", "fsdp"])           # resharded after forward
     assert fs["optimizer"] == 2 * P and fs["grads"] == P and fs["params"] == P
-    assert fs["gathered_params"] < z2["gathered_params"]
+    assert fs["gathered_params"] == z2["gathered_params"] and "gathered_blocks" not in fs
+    # the root unit reduces last: its shards are not there while the blocks run backward
+    assert 0 < fs["backward_grads"] < fs["grads"] and 0 < z2["backward_grads"] < z2["grads"]
+    assert plain["backward_grads"] == plain["grads"]
     _, _, ds2 = _breakdown(["parallel_mode", ("zero2", {"use_ds_zero": True})])   # textbook ZeRO-2
     assert ds2["grads"] == P and ds2["params"] == 4 * P and "gathered_params" not in ds2
     _, _, half = _breakdown(["parallel_mode", "half"])

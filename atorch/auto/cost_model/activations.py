@@ -54,7 +54,9 @@ def _block_saved_bytes(shape: ModelShape, mode: str, seq_len: int, fused_attenti
     `torch.cat` copies k and v and attention saves the copies. Where q, k and v are views of one
     fused projection (GPT-2's c_attn) the projection stays saved through q, so the copies are 2 x
     kv more; with separate projections (Llama) they replace tensors that are then freed (measured:
-    the same bytes with and without the cache).
+    the same bytes with and without the cache). A model the activation probe ran with real
+    parameters has its own block's figure instead (`ModelShape.kv_cache_elements`): GPT-NeoX's
+    fused query_key_value output was saved only through v, which the copy replaces (-2 x hidden).
     """
     h, f, q = shape.hidden_size, shape.intermediate_size, shape.q_dim
     kv = (shape.kv_dim or h) if fused_attention else q
@@ -107,12 +109,19 @@ def block_activation_bytes(shape: ModelShape, traits: StrategyTraits, micro_batc
     """Bytes one decoder block saves for backward on one rank (what a checkpointed block rebuilds,
     without a cache: checkpointed blocks run with use_cache=False)."""
     mode = precision_mode(traits)
+    # The cache's cost measured on the model's own block replaces the formula's (counted on GPT-2).
+    cache_elements = shape.kv_cache_elements if kv_cache else None
     replicated, sharded = _block_saved_bytes(shape, mode, seq_len, traits.fused_attention or shape.fused_attention,
-                                             traits.fused_activation, traits.fused_norm, kv_cache)
+                                             traits.fused_activation, traits.fused_norm,
+                                             kv_cache and cache_elements is None)
     if traits.lora_rank:
         frozen_replicated, frozen_sharded = _frozen_inputs_bytes(shape, mode)
         replicated, sharded = replicated - frozen_replicated, sharded - frozen_sharded
-    return micro_batch * seq_len * (replicated + sharded / traits.tensor) * shape.activation_scale
+    saved = micro_batch * seq_len * (replicated + sharded / traits.tensor) * shape.activation_scale
+    if cache_elements is not None:
+        # k, v and the projection they view are split over the tensor ranks with the heads.
+        saved += micro_batch * seq_len * (4 if mode == "fp32" else 2) * cache_elements / traits.tensor
+    return max(0.0, saved)
 
 
 def activation_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int, seq_len: int) -> float:
@@ -174,38 +183,41 @@ def loss_buffer_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: in
     return max(tokens * v * 8.0, head_grad + tokens * v * (cb - 4))
 
 
-# (config content, probe tokens) -> the activation probe's scale for that config's block.
-_CONFIG_SCALES: "OrderedDict[Tuple[str, int], float]" = OrderedDict()
+# The activation probe's (scale, key/value cache elements per token) for a block.
+_Profile = Tuple[float, Optional[float]]
+# (config content, probe tokens) -> the activation probe's profile of that config's block.
+_CONFIG_SCALES: "OrderedDict[Tuple[str, int], _Profile]" = OrderedDict()
 _CONFIG_SCALES_MAX = 64
 
 
-def _config_activation_scale(config: Any, shape: ModelShape, seq_len: int) -> float:
+def _config_activation_scale(config: Any, shape: ModelShape, seq_len: int) -> _Profile:
     """The activation probe's measured / formula bytes for a transformers config's first block: its
     model built on the meta device and run under fake tensors (`activation_probe`; no memory, no
     compute), cached per config content and probe length; 1.0 for any other config.
 
     The meta model runs eager attention, so the formula it is compared with counts the attention
     matrix too; the scale then corrects the rest of the block (q/k norms, parallel attention,
-    non-gated MLPs, experts) for whichever attention the strategy uses.
+    non-gated MLPs, experts) for whichever attention the strategy uses. With the config's
+    `use_cache`, the block is also measured with the cache filled (`ModelShape.kv_cache_elements`).
     """
-    from atorch.auto.activation_probe import FAKE_PROBE_TOKENS, block_activation_scale
+    from atorch.auto.activation_probe import FAKE_PROBE_TOKENS, block_activation_profile
 
     key = _config_key(config)
     if key is None:
-        return 1.0
+        return 1.0, None
     cache_key = (key, max(1, min(int(seq_len), FAKE_PROBE_TOKENS)))
     if cache_key in _CONFIG_SCALES:
         _CONFIG_SCALES.move_to_end(cache_key)
         return _CONFIG_SCALES[cache_key]
     model = _meta_model(config, "counting the block activations of")
     if model is None:
-        return 1.0
+        return 1.0, None
     formula = _block_formula(dataclasses.replace(shape, fused_attention=False))
-    scale = block_activation_scale(model, cache_key[1], formula)
-    _CONFIG_SCALES[cache_key] = scale
+    profile = block_activation_profile(model, cache_key[1], formula, kv_cache=shape.kv_cache)
+    _CONFIG_SCALES[cache_key] = profile
     if len(_CONFIG_SCALES) > _CONFIG_SCALES_MAX:
         _CONFIG_SCALES.popitem(last=False)
-    return scale
+    return profile
 
 
 def shape_of(obj: Any, seq_len: Optional[int] = None) -> ModelShape:
@@ -219,11 +231,12 @@ def shape_of(obj: Any, seq_len: Optional[int] = None) -> ModelShape:
     shape = ModelShape.from_config(obj)
     if not seq_len:
         return shape
-    return dataclasses.replace(shape, activation_scale=_config_activation_scale(obj, shape, seq_len))
+    scale, cache_elements = _config_activation_scale(obj, shape, seq_len)
+    return dataclasses.replace(shape, activation_scale=scale, kv_cache_elements=cache_elements)
 
 
-# model -> {(seq_len, parameter count): scale}: one probe per model and sequence length.
-_SCALES: "weakref.WeakKeyDictionary[nn.Module, Dict[Tuple[int, int], float]]" = weakref.WeakKeyDictionary()
+# model -> {(seq_len, parameter count): profile}: one probe per model and sequence length.
+_SCALES: "weakref.WeakKeyDictionary[nn.Module, Dict[Tuple[int, int], _Profile]]" = weakref.WeakKeyDictionary()
 
 
 def _block_formula(shape: ModelShape) -> Callable[[int, str], float]:
@@ -237,12 +250,14 @@ def _block_formula(shape: ModelShape) -> Callable[[int, str], float]:
 
 def calibrated_shape(model: nn.Module, seq_len: int) -> ModelShape:
     """`ModelShape.from_module(model)` with its block activations measured on the model itself
-    (`activation_probe.block_activation_scale`, cached per model and sequence length)."""
-    from atorch.auto.activation_probe import block_activation_scale
+    (`activation_probe.block_activation_profile`, with the model's key/value cache too where its config
+    fills one; cached per model and sequence length)."""
+    from atorch.auto.activation_probe import block_activation_profile
 
     shape = ModelShape.from_module(model)
     key = (int(seq_len), shape.num_params)
     scales = _SCALES.setdefault(model, {})
     if key not in scales:
-        scales[key] = block_activation_scale(model, key[0], _block_formula(shape))
-    return dataclasses.replace(shape, activation_scale=scales[key])
+        scales[key] = block_activation_profile(model, key[0], _block_formula(shape), kv_cache=shape.kv_cache)
+    scale, cache_elements = scales[key]
+    return dataclasses.replace(shape, activation_scale=scale, kv_cache_elements=cache_elements)

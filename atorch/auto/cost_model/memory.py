@@ -7,6 +7,7 @@ entries. The peak (`peak_bytes`) is what is always held plus the largest of the 
 
 from __future__ import annotations
 
+import math
 from typing import Dict, Mapping, Optional, Tuple
 
 from atorch.auto.cost_model.activations import (activation_bytes, block_activation_bytes, last_stage_bytes,
@@ -48,29 +49,32 @@ RESIDENT_KEYS = MODEL_STATE_KEYS + ("ddp_buckets", "ds_reduce_buffer", "grad_fp3
 # Under gradient accumulation the gradients of the earlier micro-steps live through the later
 # micro-steps' forward and backward (`accumulated_grads`).
 FORWARD_END_KEYS = ("activations", "loss_softmax", "loss_buffers", "weight_casts", "gathered_params",
-                    "ds_reduce_bucket", "accumulated_grads")
+                    "gathered_blocks", "ds_reduce_bucket", "accumulated_grads")
 # The last block's all-gather in forward, before the LM head's logits and loss exist: FSDP2 holds
 # the unit it gathers twice (its flat all-gather output and the unsharded parameters copied out of
 # it) and keeps the previous unit's flat output until this gather is issued, next to the gathered
 # root (`forward_gather`: the second copy and the previous output). Measured on 2 CPU ranks (the
 # live storages at the peak); it decides the peak of LoRA + FSDP2, whose backward reduces no
 # base-weight gradients.
-FORWARD_GATHER_KEYS = ("activations", "weight_casts", "gathered_params", "forward_gather", "ds_reduce_bucket",
-                       "accumulated_grads")
-# A block's backward: its unsharded gradients and their reduce-scatter copy (`unit_grads`), the
-# next block prefetched, a checkpointed block rebuilt, FSDP2's root unit holding the LM head's
-# unsharded gradient until the root reduces last.
-BACKWARD_KEYS = ("weight_casts", "gathered_params", "prefetch", "ds_reduce_bucket", "unit_grads", "recompute",
-                 "held_root_grads")
-BACKWARD_START_KEYS = ("activations", "accumulated_grads") + BACKWARD_KEYS
-BACKWARD_END_KEYS = ("grads",) + BACKWARD_KEYS
+FORWARD_GATHER_KEYS = ("activations", "weight_casts", "gathered_params", "gathered_blocks", "forward_gather",
+                       "ds_reduce_bucket", "accumulated_grads")
+# A block's backward: its unsharded gradients and their reduce-scatter copy (`unit_grads`), a
+# checkpointed block rebuilt, FSDP2's root unit holding the LM head's unsharded gradient until the
+# root reduces last.
+BACKWARD_KEYS = ("weight_casts", "gathered_params", "ds_reduce_bucket", "unit_grads", "recompute", "held_root_grads")
+# The first block's backward: every activation, the next block prefetched (FSDP2 resharding after
+# forward), every block still gathered (FSDP2 without resharding, `gathered_blocks`).
+BACKWARD_START_KEYS = ("activations", "accumulated_grads", "prefetch", "gathered_blocks") + BACKWARD_KEYS
+# The last blocks' backward: the gradients that exist by then (`backward_grads`: all of them, but
+# under FSDP2 only the shards of the blocks already reduced, next to the prefetch; the root's reduce last).
+BACKWARD_END_KEYS = ("backward_grads",) + BACKWARD_KEYS
 # After backward: the root unit's reduce-scatter; DeepSpeed's fp32 gradient copy for the step.
 GRADIENT_PHASE_KEYS = ("grads", "reduce_scatter", "step_grad_fp32")
 # The optimizer step: the gradients and the step's own temporaries (`optimizer_step`).
 STEP_PHASE_KEYS = ("grads", "step_grad_fp32", "optimizer_step")
 PHASES = (FORWARD_GATHER_KEYS, FORWARD_END_KEYS, BACKWARD_START_KEYS, BACKWARD_END_KEYS, GRADIENT_PHASE_KEYS, STEP_PHASE_KEYS)
 # Entries of the activation phases (forward and backward), for callers that want them summed.
-ACTIVATION_PHASE_KEYS = tuple(dict.fromkeys(FORWARD_GATHER_KEYS + FORWARD_END_KEYS + BACKWARD_KEYS))
+ACTIVATION_PHASE_KEYS = tuple(dict.fromkeys(FORWARD_GATHER_KEYS + FORWARD_END_KEYS + BACKWARD_KEYS + ("prefetch",)))
 
 
 def peak_bytes(breakdown: Mapping[str, float], phases: Optional[Tuple[Tuple[str, ...], ...]] = None) -> int:
@@ -161,6 +165,8 @@ def memory_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int
         out = _fsdp2_states(shape, traits, params_per_rank, trainable)
     else:
         out = _replicated_states(shape, traits, params_per_rank, trainable)
+    if "grads" in out:
+        out.setdefault("backward_grads", out["grads"])
     if traits.optimizer.step_temporaries:
         # Plain SGD updates in place. DeepSpeed's CPU Adam (offload) steps in place in host memory.
         if traits.sharding != "deepspeed":
@@ -219,7 +225,8 @@ def _host_keys(traits: StrategyTraits) -> Tuple[str, ...]:
         moved = ("master", "optimizer", "grad_fp32", "ds_offload_host_buffers") if traits.ds_offload_optimizer else ()
         return moved + (("params",) if traits.ds_offload_params else ())
     if traits.cpu_offload:
-        return ("params", "grads", "master", "optimizer", "grad_fp32", "step_grad_fp32", "optimizer_step")
+        return ("params", "grads", "backward_grads", "master", "optimizer", "grad_fp32", "step_grad_fp32",
+                "optimizer_step")
     return ()
 
 
@@ -297,11 +304,14 @@ def _fsdp2_states(shape: ModelShape, traits: StrategyTraits, params: float, trai
     gathered_bytes = traits.compute_dtype_bytes if traits.compute_dtype_bytes < pbytes else pbytes
     root = shape.embedding_params / t
     block = shape.layer_params / t
-    if not traits.reshard_after_forward:   # every unit stays gathered from its forward to its backward
-        out["gathered_params"] = params * gathered_bytes
+    # The root unit stays gathered, and the block computing.
+    out["gathered_params"] = min(params, root + block) * gathered_bytes
+    if not traits.reshard_after_forward:
+        # Every unit stays gathered from its forward to its backward, which reshards each block
+        # after it: all of them at the first block's backward, none but the last at the end.
+        out["gathered_blocks"] = params * gathered_bytes - out["gathered_params"]
     else:
-        # The root unit stays gathered, and the current block; in backward, the next one prefetched.
-        out["gathered_params"] = (root + block) * gathered_bytes
+        # In backward, the next block prefetched.
         out["prefetch"] = block * gathered_bytes
         out["forward_gather"] = (block + max(root, block)) * gathered_bytes
     if not traits.lora_rank and not shape.head_frozen:
@@ -314,9 +324,20 @@ def _fsdp2_states(shape: ModelShape, traits: StrategyTraits, params: float, trai
     # FSDP2 reduces only the gradients that exist: under LoRA (frozen base weights) or with frozen
     # parameters a unit's unsharded gradients and its reduce-scatter input shrink to its trainable
     # share (spread evenly over the units, as `trainable` is).
-    per_param = (gathered_bytes + 4) * min(1.0, trainable / max(1.0, params))
+    share = min(1.0, trainable / max(1.0, params))
+    per_param = (gathered_bytes + 4) * share
     out["reduce_scatter"] = max(root, block) * per_param
     out["unit_grads"] = block * per_param
+    # Sharded gradients exist only for the units already reduced: while the last block runs backward,
+    # the later blocks' (the root reduces after it); one block earlier, one shard fewer next to the
+    # prefetched last block. Counting every shard there put FSDP2 + checkpointing 1.13-1.21x over
+    # its measured peak (GPT-2, GPT-NeoX at 4 x 16 tokens: the live storages at the peak, 2 CPU ranks).
+    blocks = math.ceil(shape.num_layers / traits.pipeline)
+    block_shard = block * gbytes / d * share
+    later = max(0, blocks - 1) * block_shard
+    if traits.reshard_after_forward and blocks >= 2:
+        later += max(0.0, out["prefetch"] - block_shard)
+    out["backward_grads"] = later
     return out
 
 

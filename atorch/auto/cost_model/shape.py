@@ -44,6 +44,10 @@ class ModelShape:
     # Measured / formula bytes a block saves for backward (`activation_probe`): the formula is
     # Llama's and GPT-2's; other architectures are measured on their own first block.
     activation_scale: float = 1.0
+    # Elements per token one block saves more (negative: fewer) when a training forward fills Hugging
+    # Face's cache (`kv_cache`), measured on the model's own first block (`activation_probe`); None:
+    # the formula's (`activations._block_saved_bytes`: GPT-2's + 2 x kv_dim, Llama's 0).
+    kv_cache_elements: Optional[float] = None
     # Width of one attention head; 0: hidden_size // num_heads. Gemma and Qwen3 set their own,
     # so their query and attention-output widths (num_heads * head_dim) differ from hidden_size.
     head_dim: int = 0
