@@ -571,10 +571,16 @@ def _plain_step(result: AutoAccelerateResult, batch: Any, steps: int, max_grad_n
 
 
 def _unscale_for_clipping(optim: Any) -> None:
-    """fp16 amp: divide the gradients by the loss scale before measuring them (once per step)."""
+    """fp16 amp: divide the gradients by the loss scale before measuring them (once per step: a second
+    call in the same step, e.g. `clip_grad_norm_` inside `train_step`, does nothing)."""
     scaler = getattr(optim, "scaler", None)
     inner = getattr(optim, "optimizer", None)
-    if scaler is not None and inner is not None and scaler.is_enabled():
+    if scaler is None or inner is None or not scaler.is_enabled():
+        return
+    from torch.amp.grad_scaler import OptState
+
+    state = scaler._per_optimizer_states[id(inner)]   # torch's own record of what this step did (no public query)
+    if state["stage"] is OptState.READY:
         scaler.unscale_(inner)   # the scaler remembers it, so its step() does not unscale twice
 
 
@@ -790,7 +796,8 @@ def clip_grad_norm_(result: AutoAccelerateResult, max_norm: float, norm_type: fl
     """Clip the gradients of `result.model` to a global norm of `max_norm`; return the norm before clipping.
 
     Collective over the groups the gradients are sharded over (every rank of them must call
-    it). Equal to `torch.nn.utils.clip_grad_norm_` on the gradients of the unsharded model.
+    it). Equal to `torch.nn.utils.clip_grad_norm_` on the gradients of the unsharded model; under fp16
+    `amp_native` the gradients are unscaled first (the optimizer's step then does not unscale them again).
     For DeepSpeed engines, which clip inside `engine.step()`, use `train_step(max_grad_norm=)`.
     """
     _check_result("clip_grad_norm_", result)
@@ -799,6 +806,9 @@ def clip_grad_norm_(result: AutoAccelerateResult, max_norm: float, norm_type: fl
         raise ValueError("clip_grad_norm_: a DeepSpeed engine clips in engine.step(); pass max_grad_norm to "
                          "atorch.auto.train_step instead")
     norm_type = float(norm_type)
+    # fp16 amp_native: the gradients carry the loss scale until the optimizer's step; a hand-written loop
+    # clipping them as they are measured the norm x 65536 and clipped 65536-fold too hard.
+    _unscale_for_clipping(result.optim)
     grads, groups, uncounted = _shard_roles(result)
     roles = sorted(groups)          # the same order on every rank: every rank holds the same kinds of shards
     device = grads[0][0].device if grads else torch.device("cpu")
