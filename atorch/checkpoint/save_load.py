@@ -864,10 +864,13 @@ def _optimizer_targets(load: _LoadTargets, handler: LayoutHandler, meta: Dict[st
 def _load_tensors(handler: LayoutHandler, load: _LoadTargets, dcp_dir: str, manifest: mf.Manifest) -> None:
     """Read the model's (and optimizer's) tensors in place, then hand them to the layout's model and optimizer."""
     _dcp_load({**load.model, **load.optimizer}, dcp_dir, manifest)
-    handler.load_model_state({k[len(MODEL_PREFIX):]: v for k, v in load.model.items()})
-    if load.restore_optimizer:
-        handler.load_optim_state({k[len(OPTIM_PREFIX):]: v for k, v in load.optimizer.items()},
-                                 load.optimizer_values)
+    # One rank failing to hand the state over (torch's optimizer-state loader raised IndexError on one rank of
+    # ZeRO-1 with a parameter group empty there) left the others waiting at the next vote: agree here.
+    with agree_on_error(f"load_checkpoint({os.path.dirname(dcp_dir)!r}): loading the model and optimizer state"):
+        handler.load_model_state({k[len(MODEL_PREFIX):]: v for k, v in load.model.items()})
+        if load.restore_optimizer:
+            handler.load_optim_state({k[len(OPTIM_PREFIX):]: v for k, v in load.optimizer.items()},
+                                     load.optimizer_values)
 
 
 def _restore_with_optimizer(objs: TrainingObjects, handler: LayoutHandler, meta: Dict[str, Any],

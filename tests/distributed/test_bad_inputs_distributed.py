@@ -90,7 +90,7 @@ PIPELINE_2 = [("parallel_mode", ([("pipeline", 2)], None)), ("pipeline_parallel"
 def _cases(root: str) -> List[Tuple[str, Callable[[], Any]]]:
     from atorch.checkpoint import load_checkpoint, save_checkpoint
     from atorch.checkpoint import manifest as mf
-    from atorch.checkpoint import save_load
+    from atorch.checkpoint import layout_handlers, save_load
     from atorch.testing import tiny_llama
     from atorch.testing.parity import TokenDataset
 
@@ -133,6 +133,11 @@ def _cases(root: str) -> List[Tuple[str, Callable[[], Any]]]:
         ("load_fails_on_rank_1_only", lambda: _patched(
             save_load, "set_rng_state", 1, KeyError("torch_cpu"), lambda: load_checkpoint(result, good))),
         ("load_missing_dir", lambda: load_checkpoint(result, os.path.join(root, "nothing"))),
+        # torch's optimizer-state loader raising on one rank (IndexError, ZeRO-1 with a parameter group empty
+        # there) left the other rank waiting at the next vote
+        ("load_optimizer_fails_on_rank_0_only", lambda: _patched(
+            layout_handlers.TorchHandler, "load_optim_state", 0, IndexError("list index out of range"),
+            lambda: load_checkpoint(result, good))),
         # found by the bad-input sweep (status=True, or silently accepted, before)
         ("optim_func_returns_none", lambda: _accelerate(optim_func=_returns_none_on(None))),
         ("optim_func_returns_none_on_rank_1", lambda: _accelerate(optim_func=_returns_none_on(1))),
@@ -199,6 +204,7 @@ EXPECTED: Dict[str, Tuple[str, str]] = {
     "save_fails_on_rank_1_only": ("PermissionError", "failed on rank [1]: [Errno 13] Permission denied"),
     "commit_fails_on_rank_0_only": ("OSError", "committing failed on rank [0]: [Errno 28] No space left"),
     "load_fails_on_rank_1_only": ("KeyError", "failed on rank [1]"),
+    "load_optimizer_fails_on_rank_0_only": ("IndexError", "loading the model and optimizer state failed on rank [0]"),
     "load_missing_dir": ("CheckpointError", "no such checkpoint"),
     "optim_func_returns_none": ("TypeError", "returned NoneType None; it must return a torch.optim.Optimizer"),
     "optim_func_returns_none_on_rank_1": ("TypeError", "failed on rank [1]: optim_func="),
