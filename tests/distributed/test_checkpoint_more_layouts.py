@@ -6,7 +6,8 @@ loads into torch FSDP2; the LoRA checkpoint merges to a plain model and to adapt
 Each layout: 4 steps straight vs 2 steps, save, a fresh model (other seed) and optimizer, load, 2 steps
 (one spawn: fresh objects, same processes; the new-process resume is test_checkpoint_layouts.py). Same
 layout on both sides, fp32: exact. Cross-layout continuation (DeepSpeed -> FSDP2): rel 1e-5, the two sum
-gradients in different orders.
+gradients in different orders. Last in the spawn: a DeepSpeed save where rank 0 alone fails to read its
+optimizer state raises on both ranks (rank 1 was left in DeepSpeed's all-reduce).
 """
 
 import os
@@ -73,7 +74,31 @@ def _round_trips(root: str) -> dict:
     out["from_parallelized"] = dict(expected=fsdp_weights, got=got, got_hf=full_weights(result))
     del result
     dist.barrier()
+    # Last: without the agreement rank 1 is left in a DeepSpeed gather while rank 0 goes on.
+    out["ds_state_failure"] = _save_failing_on_rank_0(build("ds_zero2_groups"), os.path.join(root, "ds_failure"))
     return portable(out)
+
+
+def _save_failing_on_rank_0(result, path: str) -> str:
+    """save_checkpoint of a DeepSpeed engine where rank 0 alone fails to read its optimizer state (a
+    local step, before DeepSpeed's gathering collectives): the error each rank raised."""
+    from atorch.checkpoint.deepspeed_layout import DeepSpeedHandler
+
+    original = DeepSpeedHandler._ensure_state
+
+    def fails_on_rank_0(self):
+        if dist.get_rank() == 0:
+            raise ValueError("injected: rank 0 cannot read its optimizer state")
+        original(self)
+
+    DeepSpeedHandler._ensure_state = fails_on_rank_0
+    try:
+        save_checkpoint(result, path, step=1)
+    except ValueError as e:
+        return str(e)
+    finally:
+        DeepSpeedHandler._ensure_state = original
+    return "saved"
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +117,14 @@ def test_save_load_continues_exactly(runs, layout):
         assert compare_weights(r["weights"], r["straight_weights"]) == [], layout
         # StepLR(step_size=2, gamma=0.5) after 2 steps, restored into the fresh optimizer.
         assert r["lr"] == [LR * SCHEDULER[1]["gamma"]] * len(r["lr"]), r["lr"]
+
+
+def test_a_deepspeed_optimizer_state_failure_on_one_rank_is_raised_on_every_rank(runs):
+    """Rank 0 failed before DeepSpeed's all-reduce of a parameter's state, rank 1 waited in it: agreed first."""
+    _, per_rank = runs
+    for rank_out in per_rank:
+        assert "failed on rank [0]" in rank_out["ds_state_failure"], rank_out["ds_state_failure"]
+        assert "injected: rank 0 cannot read its optimizer state" in rank_out["ds_state_failure"]
 
 
 def test_deepspeed_checkpoint_loads_into_torch_fsdp(runs):
