@@ -201,7 +201,7 @@ class DeepSpeedHandler(LayoutHandler):
             tensors, values = flatten_optimizer(self.plain_optim, self.names)
             return self.tp.to_global(tensors), values
         # Local; a rank that fails here would leave the others in the first gather below: agreed first.
-        with agree_on_error("save_checkpoint: reading the DeepSpeed optimizer state"):
+        with agree_on_error("checkpoint: reading the DeepSpeed optimizer state (to save it, or to load into it)"):
             plan = self._state_plan()
         tensors = {}
         values = {}
