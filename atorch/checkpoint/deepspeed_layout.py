@@ -32,6 +32,7 @@ from atorch.checkpoint.layout_handlers import (
     init_optimizer_state,
     load_flat_optimizer,
 )
+from atorch.distributed.agreement import agree_on_error
 
 # Loss-scaler fields of fp16 engines worth restoring (numbers only).
 _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis", "scale_factor", "scale_window")
@@ -152,13 +153,42 @@ class DeepSpeedHandler(LayoutHandler):
                 g["params"], g["lr"] = params, lr
             for flat, grad in saved_grads:
                 flat.grad = grad
-        link = getattr(self.zero, "_lazy_init_hp_params_optimizer_state", None)
-        if link is not None:  # stages 1 and 2 address the state through per-parameter views
-            link()
+        if self.stage != 3:
+            # Stages 1 and 2 (and BF16_Optimizer) address the state through per-parameter views, linked once,
+            # after the first group's step: ZeRO-1/2 step one group at a time, so with several groups
+            # every later group's parameters were linked to no state. Relinking every group is cheap and
+            # local (views of the flat state).
+            from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
+
+            for _, params, flat in groups:
+                lazy_init_hp_params_optimizer_state(params, flat, inner.state)
 
     def _state_keys(self, flat: torch.Tensor) -> List[str]:
         state = self.zero.optimizer.state.get(flat) or {}
         return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == flat.shape)
+
+    def _state_plan(self) -> List[Tuple[Dict[str, Any], List[torch.nn.Parameter], torch.Tensor, List[str]]]:
+        """(group, its parameters, its flat partition, the state keys to gather) per group, once every
+        parameter this rank holds a fragment of is checked to address each key (collective-free).
+
+        `safe_get_full_optimizer_state` raises on a rank whose fragment lacks the key, before the
+        all-reduce that the ranks without a fragment of that parameter are already waiting in.
+        """
+        self._ensure_state()
+        plan = []
+        for group, params, flat in self._groups():
+            keys = self._state_keys(flat)
+            for p in params:
+                mapping = getattr(p, "_hp_mapping", None)
+                linked = getattr(mapping, "optim_fragment", None)
+                missing = [k for k in keys if linked is not None and k not in linked]
+                if mapping is not None and (linked is None or missing):
+                    raise ValueError(
+                        f"the DeepSpeed optimizer state of {self.names[id(p)]!r} is not linked to its "
+                        f"parameter (missing {missing or keys}); the checkpoint cannot gather it. This is a "
+                        "bug in atorch's DeepSpeed checkpoint layout: please report it")
+            plan.append((group, params, flat, keys))
+        return plan
 
     def optim_state(self) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
         from deepspeed.utils import safe_get_full_optimizer_state
@@ -170,14 +200,16 @@ class DeepSpeedHandler(LayoutHandler):
             init_optimizer_state(self.plain_optim)
             tensors, values = flatten_optimizer(self.plain_optim, self.names)
             return self.tp.to_global(tensors), values
-        self._ensure_state()
+        # Local; a rank that fails here would leave the others in the first gather below: agreed first.
+        with agree_on_error("checkpoint: reading the DeepSpeed optimizer state (to save it, or to load into it)"):
+            plan = self._state_plan()
         tensors = {}
         values = {}
-        for group, params, flat in self._groups():
+        for group, params, flat, keys in plan:
             flat_state = self.zero.optimizer.state[flat]
             for p in params:
                 name = self.names[id(p)]
-                for key in self._state_keys(flat):
+                for key in keys:
                     tensors[f"state.{name}.{key}"] = safe_get_full_optimizer_state(p, key).reshape(_shape(p))
                 # Scalars (Adam's step) are one per flat partition; saved per parameter like torch does,
                 # as 0-dim tensors whatever the optimizer keeps (DeepSpeed's CPU Adam: a Python int).

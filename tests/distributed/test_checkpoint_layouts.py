@@ -52,14 +52,25 @@ def strategy_for(layout: str, world: int) -> list:
         "zero2": ["parallel_mode", "zero2"],
         "ds_zero1": ["parallel_mode", ("zero1", {"use_ds_zero": True})],
         "ds_zero3": ["parallel_mode", ("fsdp", {"use_ds_zero": True})],
+        # AdamW in two groups (see `decay_groups`): ZeRO-1/2 step and link each group's state separately.
+        "ds_zero2_groups": ["parallel_mode", ("zero2", {"use_ds_zero": True})],
         "lora_ddp": ["parallel_mode", ("lora", {"r": 4, "alpha": 8})],
     }[layout]
+
+
+def decay_groups(model: torch.nn.Module) -> List[dict]:
+    """AdamW's usual two parameter groups: weight decay on the matrices, none on norms and biases."""
+    named = list(model.named_parameters())
+    no_decay = [p for n, p in named if n.endswith("bias") or "norm" in n]
+    decay = [p for n, p in named if not (n.endswith("bias") or "norm" in n)]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def build(layout: str, seed: int = 0) -> AutoAccelerateResult:
     """A result for `layout` (see `strategy_for`) on the current world, through auto_accelerate."""
     status, result, _ = auto_accelerate(
         tiny_llama(seed=seed), optim_func=torch.optim.AdamW, dataset=TokenDataset(), optim_args={"lr": LR},
+        optim_param_func=decay_groups if layout.endswith("_groups") else None,
         model_input_format="unpack_dict", dataloader_args={"batch_size": GLOBAL_BATCH},
         lr_scheduler_cls=SCHEDULER[0], lr_scheduler_args=dict(SCHEDULER[1]),
         load_strategy=strategy_for(layout, dist.get_world_size()))

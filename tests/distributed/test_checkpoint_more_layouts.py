@@ -1,11 +1,13 @@
 """Save / load for the other layouts on 2 gloo ranks: torch zero1 (ZeroRedundancyOptimizer) and zero2
-(FSDP2 without resharding), DeepSpeed ZeRO-1 and ZeRO-3, and LoRA under DDP; a DeepSpeed checkpoint
+(FSDP2 without resharding), DeepSpeed ZeRO-1, ZeRO-2 with AdamW in two parameter groups (decay / no decay)
+and ZeRO-3, and LoRA under DDP; a DeepSpeed checkpoint
 loads into torch FSDP2; the LoRA checkpoint merges to a plain model and to adapters.
 
 Each layout: 4 steps straight vs 2 steps, save, a fresh model (other seed) and optimizer, load, 2 steps
 (one spawn: fresh objects, same processes; the new-process resume is test_checkpoint_layouts.py). Same
 layout on both sides, fp32: exact. Cross-layout continuation (DeepSpeed -> FSDP2): rel 1e-5, the two sum
-gradients in different orders.
+gradients in different orders. Last in the spawn: a DeepSpeed save where rank 0 alone fails to read its
+optimizer state raises on both ranks (rank 1 was left in DeepSpeed's all-reduce).
 """
 
 import os
@@ -20,7 +22,7 @@ from test_checkpoint_layouts import SCHEDULER, LR, build, compare_weights, full_
 
 pytestmark = pytest.mark.heavy
 
-LAYOUTS = ("zero1", "zero2", "ds_zero1", "ds_zero3", "lora_ddp")
+LAYOUTS = ("zero1", "zero2", "ds_zero1", "ds_zero2_groups", "ds_zero3", "lora_ddp")
 STEPS, SAVE_AT = 4, 2
 PROBE = torch.randint(4, 1000, (2, 12), generator=torch.Generator().manual_seed(3))
 
@@ -72,7 +74,31 @@ def _round_trips(root: str) -> dict:
     out["from_parallelized"] = dict(expected=fsdp_weights, got=got, got_hf=full_weights(result))
     del result
     dist.barrier()
+    # Last: without the agreement rank 1 is left in a DeepSpeed gather while rank 0 goes on.
+    out["ds_state_failure"] = _save_failing_on_rank_0(build("ds_zero2_groups"), os.path.join(root, "ds_failure"))
     return portable(out)
+
+
+def _save_failing_on_rank_0(result, path: str) -> str:
+    """save_checkpoint of a DeepSpeed engine where rank 0 alone fails to read its optimizer state (a
+    local step, before DeepSpeed's gathering collectives): the error each rank raised."""
+    from atorch.checkpoint.deepspeed_layout import DeepSpeedHandler
+
+    original = DeepSpeedHandler._ensure_state
+
+    def fails_on_rank_0(self):
+        if dist.get_rank() == 0:
+            raise ValueError("injected: rank 0 cannot read its optimizer state")
+        original(self)
+
+    DeepSpeedHandler._ensure_state = fails_on_rank_0
+    try:
+        save_checkpoint(result, path, step=1)
+    except ValueError as e:
+        return str(e)
+    finally:
+        DeepSpeedHandler._ensure_state = original
+    return "saved"
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +117,14 @@ def test_save_load_continues_exactly(runs, layout):
         assert compare_weights(r["weights"], r["straight_weights"]) == [], layout
         # StepLR(step_size=2, gamma=0.5) after 2 steps, restored into the fresh optimizer.
         assert r["lr"] == [LR * SCHEDULER[1]["gamma"]] * len(r["lr"]), r["lr"]
+
+
+def test_a_deepspeed_optimizer_state_failure_on_one_rank_is_raised_on_every_rank(runs):
+    """Rank 0 failed before DeepSpeed's all-reduce of a parameter's state, rank 1 waited in it: agreed first."""
+    _, per_rank = runs
+    for rank_out in per_rank:
+        assert "failed on rank [0]" in rank_out["ds_state_failure"], rank_out["ds_state_failure"]
+        assert "injected: rank 0 cannot read its optimizer state" in rank_out["ds_state_failure"]
 
 
 def test_deepspeed_checkpoint_loads_into_torch_fsdp(runs):

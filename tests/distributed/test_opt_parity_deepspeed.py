@@ -4,7 +4,8 @@
 DeepSpeed receives the user's torch AdamW as its client optimizer, so the update rule is the
 reference's; fp32 holds rel 1e-5 for the same reason as in test_opt_parity.py (observed ~1e-7).
 bf16 is DeepSpeed's bf16 mode (bf16 weights in compute, fp32 master copies), compared with
-the autocast reference at rel 2e-2 (observed ~1e-4). One spawn runs everything.
+the autocast reference at rel 2e-2 (observed ~1e-4). A torch Adagrad, which ZeRO rebuilds over its flat
+partitions, is the optimizer the LR scheduler drives; in several groups it is refused. One spawn runs everything.
 """
 
 import pytest
@@ -38,17 +39,18 @@ BF16 = {f"amp_native+{name}": [("amp_native", {"dtype": torch.bfloat16}), *strat
 GAMMA = 0.5
 
 
-def _scheduler_is_stepped_by_the_engine():
-    """An lr_scheduler_cls is built on the user's optimizer and stepped by engine.step()."""
+def _scheduler_is_stepped_by_the_engine(optim_func=torch.optim.AdamW):
+    """An lr_scheduler_cls is built on the user's optimizer and stepped by engine.step(); the learning
+    rates of the optimizer DeepSpeed steps (for Adagrad, the one ZeRO rebuilt over its flat partitions)."""
     status, result, _ = auto_accelerate(
-        tiny_llama(seed=0), optim_func=torch.optim.AdamW, dataset=dataset(), optim_args={"lr": 1e-3},
+        tiny_llama(seed=0), optim_func=optim_func, dataset=dataset(), optim_args={"lr": 1e-3},
         model_input_format="unpack_dict", dataloader_args={"batch_size": GLOBAL_BATCH},
         lr_scheduler_cls=torch.optim.lr_scheduler.StepLR, lr_scheduler_args={"step_size": 1, "gamma": GAMMA},
         load_strategy=[("zero2", {"use_ds_zero": True})])
     assert status
     for _, batch in zip(range(STEPS), result.dataloader):
         train_step(result, batch)
-    lrs = [g["lr"] for g in result.optim.param_groups]
+    lrs = [g["lr"] for g in result.args["engine"].optimizer.optimizer.param_groups]
     result.args["engine"].destroy()
     del result
     dist.barrier()
@@ -163,9 +165,26 @@ def _odd_sized_runs(root):
     return out
 
 
+def _adagrad_groups_refusal():
+    """torch Adagrad in two parameter groups under DeepSpeed ZeRO-2: the error auto_accelerate raises."""
+    def two_groups(model):
+        params = list(model.parameters())
+        return [{"params": params[:1], "weight_decay": 0.0}, {"params": params[1:], "weight_decay": 0.1}]
+
+    try:
+        auto_accelerate(tiny_llama(seed=0), optim_func=torch.optim.Adagrad, dataset=dataset(), optim_args={"lr": 1e-3},
+                        optim_param_func=two_groups, model_input_format="unpack_dict",
+                        dataloader_args={"batch_size": GLOBAL_BATCH}, load_strategy=[("zero2", {"use_ds_zero": True})])
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
 def _train_deepspeed(root):
     out = train_all({**FP32, **BF16})
     out["scheduler_lrs"] = _scheduler_is_stepped_by_the_engine()
+    out["scheduler_lrs_adagrad"] = _scheduler_is_stepped_by_the_engine(torch.optim.Adagrad)
+    out["adagrad_groups"] = _adagrad_groups_refusal()
     out["odd_sized"] = _odd_sized_runs(root)
     try:     # every rank raises the same dtype error without the cast: reported by its own test
         out["float_inputs_bf16"] = _float_inputs_in_bf16()
@@ -196,6 +215,16 @@ def test_deepspeed_bf16_parity(name, ds_runs):
 def test_deepspeed_engine_steps_the_lr_scheduler(ds_runs):
     for runs in ds_runs:
         assert runs["scheduler_lrs"] == pytest.approx([1e-3 * GAMMA ** STEPS]), runs["scheduler_lrs"]
+
+
+def test_deepspeed_rebuilt_adagrad_is_the_optimizer_the_scheduler_drives(ds_runs):
+    """ZeRO rebuilds torch Adagrad over its flat partitions; the scheduler was built on the user's
+    Adagrad, so the learning rate DeepSpeed stepped with never changed. Several groups cannot be rebuilt:
+    refused with what to do instead (they failed with an IndexError inside DeepSpeed's first step)."""
+    for runs in ds_runs:
+        assert runs["scheduler_lrs_adagrad"] == pytest.approx([1e-3 * GAMMA ** STEPS]), runs["scheduler_lrs_adagrad"]
+        assert "torch.optim.Adagrad given 2 parameter groups" in runs["adagrad_groups"], runs["adagrad_groups"]
+        assert "use another optimizer" in runs["adagrad_groups"], runs["adagrad_groups"]
 
 
 def test_deepspeed_bf16_casts_float_inputs_to_the_module_dtype(ds_runs):

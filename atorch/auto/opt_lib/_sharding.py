@@ -338,17 +338,41 @@ def deepspeed_config(ctx: ModelContext, who: str, stage: int, ds_config: DsConfi
                           trainable_elements=trainable)
 
 
+def check_adagrad_groups(who: str, optim: torch.optim.Optimizer) -> None:
+    """Refuse a torch Adagrad that DeepSpeed ZeRO cannot rebuild as given.
+
+    ZeRO (stages 1 to 3) builds a new `torch.optim.Adagrad(flat partitions, **optim.defaults)`: one
+    parameter group from the constructor's defaults. Several groups fail at the first step (IndexError
+    inside DeepSpeed, which steps one group per partition); a single group's own hyperparameters
+    (`optim_param_func` giving it another lr or weight_decay) would be dropped silently.
+    """
+    groups = optim.param_groups
+    differ = sorted(k for k in optim.defaults if any(g.get(k, optim.defaults[k]) != optim.defaults[k] for g in groups))
+    if len(groups) > 1 or differ:
+        what = f"{len(groups)} parameter groups" if len(groups) > 1 else f"a parameter group with its own {differ}"
+        raise ValueError(
+            f"{who} with use_ds_zero=True and torch.optim.Adagrad given {what}: DeepSpeed ZeRO rebuilds Adagrad "
+            "over its flat partitions as one group from the constructor's arguments, so per-group settings "
+            "cannot be kept (several groups fail inside DeepSpeed at the first step). Pass the settings to "
+            "Adagrad itself (optim_args) with no optim_param_func, use another optimizer (e.g. AdamW), or use "
+            "the torch implementation (use_ds_zero=False)")
+
+
 def build_deepspeed_engine(ctx: ModelContext, who: str, stage: int, ds_config: DsConfigSpec = None) -> Dict[str, Any]:
     """Wrapper phase: a DeepSpeed engine over the model and the user's optimizer (ZeRO `stage`).
 
     DeepSpeed reuses the process group atorch already created (dist_init_required=False). An
     LR scheduler is built here, on the user's optimizer, and handed to the engine, because
-    `engine.step()` is what steps it. With `optimizer` in ds_config, DeepSpeed builds the
+    `engine.step()` is what steps it; built again on the optimizer ZeRO rebuilds (torch Adagrad,
+    see `check_adagrad_groups`). With `optimizer` in ds_config, DeepSpeed builds the
     optimizer itself over the trainable parameters.
     """
     import deepspeed  # heavy; only when an engine is asked for
 
     config = deepspeed_config(ctx, who, stage, ds_config)
+    user_optim = ctx.optim
+    if isinstance(user_optim, torch.optim.Adagrad):
+        check_adagrad_groups(who, user_optim)   # the same on every rank: raised before DeepSpeed's collectives
     scheduler = None
     if ctx.lr_scheduler_cls is not None and ctx.optim is not None:
         scheduler = ctx.lr_scheduler_cls(ctx.optim, **ctx.lr_scheduler_args)
@@ -359,6 +383,14 @@ def build_deepspeed_engine(ctx: ModelContext, who: str, stage: int, ds_config: D
     engine, optim, _, scheduler = deepspeed.initialize(model=ctx.model, optimizer=ctx.optim, model_parameters=params,
                                                        lr_scheduler=scheduler, config=config,
                                                        dist_init_required=False)
+    inner = getattr(optim, "optimizer", None)
+    if scheduler is not None and ctx.lr_scheduler_cls is not None and user_optim is not None \
+            and isinstance(inner, torch.optim.Optimizer) and inner is not user_optim:
+        # ZeRO rebuilt the optimizer over its flat partitions (torch Adagrad, whose state is made at
+        # construction): the scheduler built above would drive the user's orphaned optimizer, so the
+        # learning rate DeepSpeed steps with would never change. Build it again on the one that steps.
+        scheduler = ctx.lr_scheduler_cls(inner, **ctx.lr_scheduler_args)
+        engine.lr_scheduler = scheduler
     ctx.engine = engine
     ctx.optim = optim
     ctx.lr_scheduler = scheduler
