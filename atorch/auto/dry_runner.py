@@ -319,6 +319,7 @@ def release_engine(candidate: Optional[ModelContext]) -> None:
         module = getattr(engine, "module", None)
         destroy()
         _clear_zero3_caches()
+        _restore_functional_linear()
         # ZeRO-3 still leaks after destroy(): hooks it leaves on the modules close over the engine
         # from C++ (DeepSpeed 0.19). Whatever keeps the engine, its optimizer and the model's modules
         # alive then holds no tensor: their attributes are dropped, and each ZeRO-3 parameter's
@@ -334,6 +335,19 @@ def release_engine(candidate: Optional[ModelContext]) -> None:
     except Exception as e:  # noqa: BLE001 - a teardown failure must not turn a measured trial into a failed one
         logger.warning("releasing the DeepSpeed engine of a dry run failed (%s: %s); its memory may stay allocated",
                        type(e).__name__, e)
+
+
+def _restore_functional_linear() -> None:
+    """Put back `torch.nn.functional.linear`, which building a ZeRO-3 engine replaces process-wide with
+    DeepSpeed's `zero3_linear_wrap` ("memory_efficient_linear", never undone by `destroy()`): every later
+    candidate of the search ran its linears through it and saved other tensors for backward (1.05 MB more on
+    a tiny GPT-NeoX than measured alone). A later ZeRO-3 engine installs it again."""
+    params_module = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    linear_module = sys.modules.get("deepspeed.runtime.zero.linear")
+    original = getattr(getattr(params_module, "InsertPostInitMethodToModuleSubClasses", None), "linear_bk", None)
+    wrapped = getattr(linear_module, "zero3_linear_wrap", None)
+    if original is not None and wrapped is not None and torch.nn.functional.linear is wrapped:
+        torch.nn.functional.linear = original
 
 
 def _clear_zero3_caches() -> None:
