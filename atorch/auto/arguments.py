@@ -85,6 +85,12 @@ def validate_arguments(
                          "lr_scheduler_cls (e.g. torch.optim.lr_scheduler.StepLR) or drop lr_scheduler_args")
     if lr_scheduler_cls is not None and optim_func is None:
         raise ValueError(f"lr_scheduler_cls={_name(lr_scheduler_cls)} needs an optimizer; pass optim_func too")
+    if isinstance(lr_scheduler_cls, type) and issubclass(lr_scheduler_cls, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        # train_step and DeepSpeed engines call step() without arguments, once per optimizer step.
+        raise ValueError(f"lr_scheduler_cls={_name(lr_scheduler_cls)} steps on a metric (step(metrics)), but "
+                         "train_step and DeepSpeed engines step the scheduler once per optimizer step without one; "
+                         "leave lr_scheduler_cls out and build it on result.optim yourself, calling "
+                         "scheduler.step(val_loss) in your loop")
     args = _check_mapping("dataloader_args", dataloader_args)
     global_batch = args.get("batch_size", DEFAULT_GLOBAL_BATCH)
     _check_batch_size(global_batch)

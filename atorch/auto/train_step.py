@@ -84,7 +84,8 @@ def train_step(result: AutoAccelerateResult, batch: Any, *, gradient_accumulatio
     what the `gradient_accumulation` optimization chose, else 1). `max_grad_norm`: clip the
     global gradient norm to this value before the step (default: no clipping). Plain loops
     (`loss.backward(); optim.step()`) work too; this helper also drives DeepSpeed engines and
-    pipeline schedules, which step themselves.
+    pipeline schedules, which step themselves. It also steps `result.lr_scheduler` once per call,
+    after the optimizer (DeepSpeed engines: inside `engine.step()`): do not step it again in the loop.
 
     `loss_weighting`: how the losses of the global batch's micro-batches are combined.
     "rows" (default): each micro-batch's loss counts by its rows and data ranks count alike (as DDP

@@ -226,6 +226,9 @@ CASES: List[Case] = [
          "lr_scheduler_cls"),
     Case("lr_scheduler_args_without_cls", _args(lr_scheduler_args={"step_size": 1}), ValueError,
          "lr_scheduler_args={'step_size': 1} were given without lr_scheduler_cls"),
+    # train_step's first call raised torch's bare "step() missing 1 required positional argument: 'metrics'"
+    Case("lr_scheduler_on_a_metric", _args(lr_scheduler_cls=torch.optim.lr_scheduler.ReduceLROnPlateau),
+         ValueError, r"lr_scheduler_cls=ReduceLROnPlateau steps on a metric"),
     # /proc: os.access says writable to root, yet no file can be created there
     Case("save_strategy_into_proc", _args(save_strategy_to_file="/proc/strategy.json"), ValueError,
          "save_strategy_to_file='/proc/strategy.json'"),
