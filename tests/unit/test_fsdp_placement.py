@@ -30,3 +30,25 @@ def test_padded_elements_counts_the_padded_rows_times_the_row():
 ])
 def test_the_shard_dimension(shape, ranks, expected):
     assert least_padded_placement(ranks)(nn.Parameter(torch.empty(shape, device="meta"))) == expected
+
+
+def test_a_parameter_two_blocks_share_is_refused_naming_it_before_any_collective():
+    import pytest
+    from torch import nn
+
+    from atorch.auto.opt_lib._sharding import check_no_parameter_spans_blocks
+
+    class Block(nn.Module):
+        def __init__(self, fc=None):
+            super().__init__()
+            self.fc = fc if fc is not None else nn.Linear(4, 4)
+
+    first = Block()
+    model = nn.Sequential(nn.Embedding(8, 4), nn.ModuleList([first, Block(first.fc), Block()]))
+    # ALBERT-style sharing failed deep in torch's second fully_shard ("Cannot concatenate overlapping meshes").
+    with pytest.raises(ValueError, match=r"fsdp: parameter '1.0.fc.weight' is shared by '1.0' and '1.1'"):
+        check_no_parameter_spans_blocks(model, list(model[1]), "fsdp")
+    # Blocks that share nothing, or a block nested in another (children are sharded first), pass.
+    check_no_parameter_spans_blocks(model, [model[1][0], model[1][2]], "fsdp")
+    outer = nn.Sequential(first)
+    check_no_parameter_spans_blocks(nn.Sequential(outer), [outer, first], "fsdp")

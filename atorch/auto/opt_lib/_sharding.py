@@ -168,6 +168,27 @@ def least_padded_placement(ranks: int) -> Callable[[nn.Parameter], Optional[Any]
     return placement
 
 
+def check_no_parameter_spans_blocks(model: nn.Module, blocks: Sequence[nn.Module], who: str) -> None:
+    """ValueError naming a parameter that two of `blocks` share (ALBERT-style weight sharing across layers),
+    neither inside the other: FSDP2 makes each block a unit of its own, and the second `fully_shard` of the
+    parameter failed deep in torch ("Cannot concatenate overlapping meshes")."""
+    names = {id(m): n or type(model).__name__ for n, m in model.named_modules()}
+    owner: Dict[int, nn.Module] = {}
+    param_names: Dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        param_names.setdefault(id(p), n)
+    for block in blocks:
+        for p in block.parameters():
+            first = owner.setdefault(id(p), block)
+            if first is block or any(m is block for m in first.modules()) or any(m is first for m in block.modules()):
+                continue
+            raise ValueError(
+                f"{who}: parameter {param_names.get(id(p), '?')!r} is shared by {names.get(id(first))!r} and "
+                f"{names.get(id(block))!r}; FSDP2 shards each block as a unit of its own and cannot shard one "
+                "parameter in two. Use ddp, zero1, or use_ds_zero=True (DeepSpeed ZeRO), or pass wrap_cls naming a "
+                "module that holds every block sharing it")
+
+
 def shard_with_fsdp2(ctx: ModelContext, who: str, *, wrap_cls: Optional[Sequence[ClassSpec]],
                      reshard_after_forward: bool, cpu_offload: bool, sync_module_states: bool) -> Dict[str, Any]:
     """`fully_shard` each transformer block, then the root, over the "data" mesh.
@@ -185,6 +206,9 @@ def shard_with_fsdp2(ctx: ModelContext, who: str, *, wrap_cls: Optional[Sequence
         raise ValueError(f"{who}: the model has parameters on the meta device; materialize it first (e.g. with "
                          "tensor_parallel) or build it on a real device")
     parallel = ctx.require_parallel(who)
+    classes = resolve_module_classes(model, wrap_cls, f"{who}: wrap_cls")
+    blocks = modules_of_classes(model, classes)
+    check_no_parameter_spans_blocks(model, blocks, who)   # the same on every rank, before any collective
     if sync_module_states:
         broadcast_module_states(model, ctx.device, parallel, who)
     else:
@@ -201,8 +225,6 @@ def shard_with_fsdp2(ctx: ModelContext, who: str, *, wrap_cls: Optional[Sequence
     if cpu_offload:
         # Pinned host memory only helps (and only exists) with a GPU on the other side.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda")
-    classes = resolve_module_classes(model, wrap_cls, f"{who}: wrap_cls")
-    blocks = modules_of_classes(model, classes)
     if not blocks:
         logger.warning("%s: no transformer block found (pass wrap_cls); the whole model is one FSDP unit, so its "
                        "parameters are all-gathered at once", who)
