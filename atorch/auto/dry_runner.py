@@ -220,7 +220,11 @@ def make_evaluator(ctx: ModelContext, config: DryRunConfig,
     `timeout_s`): a candidate that fails on one rank only (out of memory on the first pipeline
     stage) left the others waiting the whole `timeout_s` (300 s by default) in a collective, per
     candidate. gloo offers no way to wake them sooner (destroying or aborting the failed rank's
-    group does not: measured with torch 2.13, the peer still waits for its timeout).
+    group does not: measured with torch 2.13, the peer still waits for its timeout). Dropping the
+    group's last Python reference would (its sockets close; the peer gets "Connection closed by
+    peer" at once, measured), but a group DDP was built on keeps ~10 references from C++ after
+    the model and `destroy_process_group` are gone (torch 2.13), so it never closes. Before the
+    first clean dry run the wait is `timeout_s`; a rank still running after LONG_RUN_WARNING_S says so.
     """
     longest = 0.0
 
@@ -274,7 +278,7 @@ def _run_local(ctx: ModelContext, strategy: Strategy, config: DryRunConfig, sour
         # timeout rather than its own alarm; the alarm is for Python-level hangs.
         peer_wait = config.peer_wait_s if config.peer_wait_s is not None else config.timeout_s
         with _preserved_rng(ctx.device), _candidate_world(peer_wait) as world, \
-                _alarm(config.timeout_s + ALARM_GRACE_S):
+                _alarm(config.timeout_s + ALARM_GRACE_S), _long_run_warning(strategy, config, peer_wait):
             try:
                 losses = FiniteLossCheck()
                 with tracker:
@@ -527,6 +531,34 @@ def _alarm(timeout_s: float) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+# A dry run of a tiny model takes seconds; one still running after this long is usually a rank
+# waiting for a peer, and says so once rather than stay silent for the whole timeout.
+LONG_RUN_WARNING_S = 30.0
+
+
+@contextlib.contextmanager
+def _long_run_warning(strategy: Strategy, config: DryRunConfig, peer_wait_s: float) -> Iterator[None]:
+    """Warn once (from a timer thread: the main thread may be blocked inside a collective) when
+    the candidate is still running after LONG_RUN_WARNING_S, naming what bounds the wait."""
+    if config.timeout_s + ALARM_GRACE_S <= LONG_RUN_WARNING_S:
+        yield
+        return
+    rank = adist.rank()
+
+    def _warn() -> None:
+        logger.warning("rank %d: dry run of %s still running after %g s (a peer failed or is slow?); a collective "
+                       "gives up after %g s, the dry run after %g s (ATORCH_DRYRUN_TIMEOUT)", rank,
+                       strategy.describe(), LONG_RUN_WARNING_S, peer_wait_s, config.timeout_s)
+
+    timer = threading.Timer(LONG_RUN_WARNING_S, _warn)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 @contextlib.contextmanager

@@ -64,3 +64,18 @@ def test_the_check_reads_the_device_once_and_keeps_the_first_bad_step():
     with pytest.raises(NonFiniteLoss, match=r"non-finite loss \(inf\) at step 4 of 5"):
         check.check()
     FiniteLossCheck().check()     # no step: nothing to say
+
+
+def test_a_dry_run_still_running_after_a_while_says_so_and_what_bounds_its_wait(monkeypatch):
+    # A rank waiting in a collective for a failed peer was silent for the whole 300 s timeout.
+    import threading
+
+    import atorch.auto.dry_runner as dry_runner
+
+    fired, warnings = threading.Event(), []
+    monkeypatch.setattr(dry_runner, "LONG_RUN_WARNING_S", 0.0)
+    monkeypatch.setattr(dry_runner.logger, "warning", lambda *args: (warnings.append(args[0] % args[1:]), fired.set()))
+    with dry_runner._long_run_warning(Strategy(["amp_native"]), DryRunConfig(timeout_s=300), peer_wait_s=90):
+        assert fired.wait(timeout=60)     # the timer thread fires while the block still runs
+    assert "dry run of amp_native(bfloat16) still running after 0 s" in warnings[0], warnings
+    assert "a collective gives up after 90 s, the dry run after 300 s (ATORCH_DRYRUN_TIMEOUT)" in warnings[0], warnings
