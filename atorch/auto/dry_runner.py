@@ -6,7 +6,8 @@ ranks failed one rank's error: an out-of-memory error first, then an exception, 
 the lowest rank among equals, skipping ranks that only timed out waiting on a failed peer while
 another rank has an error of its own: `merge_outcomes`). A failure -- an exception, an
 out-of-memory error, the simulated device limit (`memory_limit_bytes`, from
-ATORCH_DEVICE_MEMORY_LIMIT), a timeout -- is a failed trial, never a crash of the search.
+ATORCH_DEVICE_MEMORY_LIMIT), a timeout, a NaN or infinite loss (checked once per run:
+`FiniteLossCheck`) -- is a failed trial, never a crash of the search nor a measured throughput.
 
 What is guaranteed, and how:
 - Fresh state per candidate, without a second copy of the weights: the user's weights wait in a
@@ -219,7 +220,11 @@ def make_evaluator(ctx: ModelContext, config: DryRunConfig,
     `timeout_s`): a candidate that fails on one rank only (out of memory on the first pipeline
     stage) left the others waiting the whole `timeout_s` (300 s by default) in a collective, per
     candidate. gloo offers no way to wake them sooner (destroying or aborting the failed rank's
-    group does not: measured with torch 2.13, the peer still waits for its timeout).
+    group does not: measured with torch 2.13, the peer still waits for its timeout). Dropping the
+    group's last Python reference would (its sockets close; the peer gets "Connection closed by
+    peer" at once, measured), but a group DDP was built on keeps ~10 references from C++ after
+    the model and `destroy_process_group` are gone (torch 2.13), so it never closes. Before the
+    first clean dry run the wait is `timeout_s`; a rank still running after LONG_RUN_WARNING_S says so.
     """
     longest = 0.0
 
@@ -273,19 +278,23 @@ def _run_local(ctx: ModelContext, strategy: Strategy, config: DryRunConfig, sour
         # timeout rather than its own alarm; the alarm is for Python-level hangs.
         peer_wait = config.peer_wait_s if config.peer_wait_s is not None else config.timeout_s
         with _preserved_rng(ctx.device), _candidate_world(peer_wait) as world, \
-                _alarm(config.timeout_s + ALARM_GRACE_S):
+                _alarm(config.timeout_s + ALARM_GRACE_S), _long_run_warning(strategy, config, peer_wait):
             try:
+                losses = FiniteLossCheck()
                 with tracker:
                     candidate = fresh_context(ctx, source)
                     result = apply_strategy(candidate, strategy)
                     batches = _cycle(result)
                     for _ in range(max(config.warmup_steps, MIN_MEMORY_STEPS)):
-                        train_step(result, next(batches))
+                        losses.record(train_step(result, next(batches)))
                 outcome.peak_memory_bytes = tracker.peak_bytes
-                outcome.step_times_s = time_steps(lambda: train_step(result, next(batches)), config, ctx.device)
+                outcome.step_times_s = time_steps(lambda: losses.record(train_step(result, next(batches))), config,
+                                                  ctx.device)
                 outcome.samples = int(result.global_batch_size or 0)
                 if world is not None:
-                    world["clean"] = True
+                    world["clean"] = True     # every collective completed, whatever the losses were
+                # Once per run, after the last collective: the ranks' verdicts are agreed by `_gather`.
+                losses.check()
             except DryRunTimeout:
                 outcome.error_kind, outcome.message = "timeout", f"exceeded {config.timeout_s:g} s"
             except Exception as e:  # noqa: BLE001 - every failure of a candidate is a failed trial
@@ -303,6 +312,49 @@ def _run_local(ctx: ModelContext, strategy: Strategy, config: DryRunConfig, sour
         outcome.error_kind, outcome.message = outcome.error_kind or "timeout", outcome.message or "cleanup"
     # The candidate's parallel groups lived on its own ModelContext (nothing process-wide to restore).
     return outcome
+
+
+class NonFiniteLoss(RuntimeError):
+    """A dry run's loss was NaN or infinite: the candidate does not train, whatever its speed."""
+
+
+class FiniteLossCheck:
+    """Remembers the first step whose loss is not finite, without a host sync per step.
+
+    Each `record` is a few device ops (the flag stays on the loss's device, so a timed GPU step is not
+    serialized by reading it); `check` reads it once, at the end of the run, and raises `NonFiniteLoss`
+    naming the step (1-based, warm-up steps included) and the loss. A strategy whose loss is NaN
+    (e.g. fp32 overflows that autocast avoids, or the reverse) must be a failed trial, never the fastest one.
+    """
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self._first_bad: Optional[torch.Tensor] = None     # 0: every loss so far finite, else the step
+        self._bad_loss: Optional[torch.Tensor] = None
+
+    def record(self, loss: Any) -> Any:
+        """Count one step's loss (a tensor, or a number); returns `loss` unchanged."""
+        self.steps += 1
+        if loss is None:     # a custom train step that returns no loss: nothing to check
+            return loss
+        value = torch.as_tensor(loss).detach()
+        total = value.float().sum()          # NaN or inf if any element is
+        if self._first_bad is None or self._bad_loss is None:
+            self._first_bad = torch.zeros((), dtype=torch.long, device=total.device)
+            self._bad_loss = torch.zeros((), dtype=torch.float32, device=total.device)
+        total = total.to(self._bad_loss.device)
+        first = (self._first_bad == 0) & ~torch.isfinite(total)
+        self._first_bad = torch.where(first, torch.full_like(self._first_bad, self.steps), self._first_bad)
+        self._bad_loss = torch.where(first, total, self._bad_loss)
+        return loss
+
+    def check(self) -> None:
+        if self._first_bad is None or self._bad_loss is None:
+            return
+        step = int(self._first_bad.item())
+        if step:
+            raise NonFiniteLoss(f"non-finite loss ({float(self._bad_loss.item())}) at step {step} of "
+                                f"{self.steps} (warm-up steps included): the candidate does not train")
 
 
 def release_engine(candidate: Optional[ModelContext]) -> None:
@@ -493,6 +545,34 @@ def _alarm(timeout_s: float) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+# A dry run of a tiny model takes seconds; one still running after this long is usually a rank
+# waiting for a peer, and says so once rather than stay silent for the whole timeout.
+LONG_RUN_WARNING_S = 30.0
+
+
+@contextlib.contextmanager
+def _long_run_warning(strategy: Strategy, config: DryRunConfig, peer_wait_s: float) -> Iterator[None]:
+    """Warn once (from a timer thread: the main thread may be blocked inside a collective) when
+    the candidate is still running after LONG_RUN_WARNING_S, naming what bounds the wait."""
+    if config.timeout_s + ALARM_GRACE_S <= LONG_RUN_WARNING_S:
+        yield
+        return
+    rank = adist.rank()
+
+    def _warn() -> None:
+        logger.warning("rank %d: dry run of %s still running after %g s (a peer failed or is slow?); a collective "
+                       "gives up after %g s, the dry run after %g s (ATORCH_DRYRUN_TIMEOUT)", rank,
+                       strategy.describe(), LONG_RUN_WARNING_S, peer_wait_s, config.timeout_s)
+
+    timer = threading.Timer(LONG_RUN_WARNING_S, _warn)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 @contextlib.contextmanager

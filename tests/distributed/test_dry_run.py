@@ -4,12 +4,13 @@ One spawn checks it all (a spawn costs 5-20 s here): every default-space strateg
 ranks return the same result (per-step times and the throughput interval included), the
 measured per-rank peak is within 15% of the cost model; while a candidate runs the user's model
 holds no weights, and afterwards it has its own Parameters back, bit for bit; then a failure on
-one rank only, a hang on one rank, and the simulated memory limit each become a failed trial,
+one rank only, a hang on one rank, a NaN loss on one rank, and the simulated memory limit each become a failed trial,
 and the ranks are still in step afterwards (a plain run succeeds); the search's evaluator makes a
 rank wait for a failed peer about 3 clean dry runs' time, not the whole timeout.
 """
 
 import os
+import re
 import time
 
 import pytest
@@ -64,7 +65,23 @@ def _register_test_optimizations() -> None:
             user_model = USER_MODEL_PROBES[0]
             USER_MODEL_PROBES.append(all(p.is_meta for p in user_model.parameters()) and ctx.model is not user_model)
 
+    class NanLossOnRank1(Optimization):
+        """The loss turns NaN on rank 1 only, from the candidate's 3rd step (a timed one)."""
+        name = "t_nan_loss_on_rank1"
+        order = 95
+
+        def apply(self, ctx, config):
+            calls = []
+
+            def loss_func(batch, output):
+                calls.append(1)
+                bad = torch.distributed.get_rank() == 1 and len(calls) >= 3
+                return output.loss * float("nan") if bad else output.loss
+
+            ctx.loss_func = loss_func
+
     register(FailOnRank1)
+    register(NanLossOnRank1)
     register(HangOnRank0)
     register(ProbeUserModel)
 
@@ -123,6 +140,7 @@ def _dry_runs():
     start = time.monotonic()
     out["fail_one_rank"] = dry_run(ctx, Strategy(["parallel_mode", "t_fail_on_rank1"]), short)
     out["hang_one_rank"] = dry_run(ctx, Strategy(["parallel_mode", "t_hang_on_rank0"]), short)
+    out["nan_one_rank"] = dry_run(ctx, Strategy(["parallel_mode", "t_nan_loss_on_rank1"]), short)
     out["oom"] = dry_run(ctx, Strategy(["parallel_mode"]),
                          DryRunConfig(warmup_steps=1, profile_steps=1, memory_limit_bytes=4_000_000))
     out["failure_seconds"] = time.monotonic() - start
@@ -159,7 +177,7 @@ def test_dry_runs_on_two_ranks():
     results = run_distributed(_dry_runs, 2, timeout=600)
     rank0, rank1 = results
     # Every rank sees exactly the same results.
-    for key in ("fail_one_rank", "hang_one_rank", "oom", "after_failures"):
+    for key in ("fail_one_rank", "hang_one_rank", "nan_one_rank", "oom", "after_failures"):
         assert rank0[key] == rank1[key], key
     for (name0, r0, _), (name1, r1, _) in zip(rank0["runs"], rank1["runs"]):
         assert name0 == name1 and r0 == r1, name0
@@ -192,6 +210,12 @@ def test_dry_runs_on_two_ranks():
     fail = rank0["fail_one_rank"]
     assert fail.status == "exception" and "rank 1" in fail.error and "injected failure" in fail.error
     assert rank0["hang_one_rank"].status == "timeout"
+    # A NaN loss on one rank is a failed trial for every rank, never a throughput (rank 1's NaN at step 3
+    # reaches rank 0's weights through DDP's gradient average: rank 0's loss is NaN from step 4, and the
+    # lowest failing rank is reported).
+    nan = rank0["nan_one_rank"]
+    assert nan.status == "exception" and nan.throughput == 0, nan
+    assert re.search(r"rank [01]: NonFiniteLoss: non-finite loss \(nan\) at step [34] of", nan.error), nan
     assert rank0["oom"].status == "oom" and "simulated device memory limit" in rank0["oom"].error
     # Two candidates bounded by the timeout (plus teardown), not by the 30 min process-group default.
     assert rank0["failure_seconds"] < 4 * CANDIDATE_TIMEOUT_S + 60

@@ -398,6 +398,20 @@ def test_stops_on_patience_and_max_trials(dummy_opts):
     assert len(capped.trials) == 2 and "max_trials=2" in capped.stop_reason
     with pytest.raises(ValueError, match="max_trials=0"):
         search_strategy(space, Recorder(table), max_trials=0)
+    # Counts are ints: NaN ran without limit, 1.5 ran 2 trials, True ran 1, "3" and None raised deep inside.
+    never = Recorder(table)
+    for name, bad in (("max_trials", float("nan")), ("max_trials", 1.5), ("max_trials", True), ("max_trials", "3"),
+                      ("max_trials", None), ("patience", 2.0), ("random_samples", None), ("remeasure_rounds", False)):
+        with pytest.raises(TypeError, match=rf"search_strategy: {name}={bad!r} must be an int, got "):
+            search_strategy(space, never, **{name: bad})
+    assert never.calls == []     # refused before any dry run
+    with pytest.raises(TypeError, match=r"SearchSpace: world_size='2' must be an int \(or None"):
+        SearchSpace({"amp": [None, "amp_native"]}, world_size="2")
+    for bad_size in (True, 2.0):
+        with pytest.raises(TypeError, match=r"world_size=.* must be an int"):
+            SearchSpace({"amp": [None, "amp_native"]}, world_size=bad_size)
+    with pytest.raises(ValueError, match=r"world_size=0 must be >= 1"):
+        SearchSpace({"amp": [None, "amp_native"]}, world_size=0)
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match=r"time_limit_s=.* must be > 0"):
             search_strategy(space, Recorder(table), time_limit_s=bad)

@@ -62,6 +62,11 @@ CORRUPT = {
     "winner not JSON": _file(last_search={"space": "s", "best": "garbage"}),
     "winner a list": _file(last_search={"space": "s", "best": [1, 2]}),
     "trials a string": _file(last_search={"space": "s", "best": None, "trials": "abc"}),
+    # Each row valid as an object, but a number that is text broke the report (naming its directory).
+    "trial throughput a string": _file(last_search={"space": "s", "best": None, "trials": [
+        {"trial": 1, "strategy": "x", "status": "ok", "throughput": "abc"}]}),
+    "trial seconds a bool": _file(last_search={"space": "s", "best": None, "trials": [{"trial": 1, "seconds": True}]}),
+    "pruned memory a list": _file(last_search={"space": "s", "best": None, "pruned": [{"predicted_memory": [1]}]}),
     "nested 100000 deep": "[" * 100_000 + "]" * 100_000,
     "not UTF-8": b"\xff\xfe{".decode("latin-1"),
 }
@@ -90,6 +95,45 @@ def test_a_remembered_winner_outside_the_space_is_not_confirmed(tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger="atorch.auto.search.cache"):
         assert again.cached_best("space", {FSDP}) is None       # e.g. a hand-edited winner
     assert path in caplog.text and "not a candidate" in caplog.text
+
+
+def test_unknown_numbers_in_a_trial_row_are_kept(tmp_path):
+    path = str(tmp_path / "cache.json")
+    cache = SearchCache(path, KEY)
+    row = {"trial": 1, "strategy": DDP.describe(), "status": "ok", "throughput": 5.0, "throughput_lo": None,
+           "seconds": float("nan"), "planner_seconds": None}
+    cache.record_search(DDP, "space", [row], [], "why", "stopped", 2)
+    cache.save()
+    assert SearchCache.load(path, KEY).cached_best("space") == DDP
+
+
+def _row(strategy, throughput, lo, hi):
+    return {"trial": 1, "strategy": strategy.describe(), "status": "ok", "throughput": throughput,
+            "throughput_lo": lo, "throughput_hi": hi}
+
+
+def test_a_remembered_winner_slower_than_another_of_its_search_is_not_confirmed(tmp_path, caplog):
+    # A well-formed file whose winner was swapped for a slower strategy of the same search was trusted.
+    path = str(tmp_path / "cache.json")
+    cache = SearchCache(path, KEY)
+    cache.record_search(FSDP, "space", [_row(FSDP, 40.2, 38.0, 42.0), _row(DDP, 862.9, 800.0, 900.0)], [], "why",
+                        "stopped", 2)
+    cache.save()
+    with caplog.at_level(logging.WARNING, logger="atorch.auto.search.cache"):
+        assert SearchCache.load(path, KEY).cached_best("space", {DDP, FSDP}) is None
+    assert path in caplog.text and f"{FSDP.describe()} is not the fastest of the search that chose it" in caplog.text
+    # Within noise of the fastest (chosen for its memory), or never measured beside another: trusted.
+    cache.record_search(FSDP, "space", [_row(FSDP, 850.0, 790.0, 905.0), _row(DDP, 862.9, 800.0, 900.0)], [], "why",
+                        "stopped", 2)
+    cache.save()
+    assert SearchCache.load(path, KEY).cached_best("space", {DDP, FSDP}) == FSDP
+    # A winner without a successful dry run in its own search's table is not trusted either.
+    cache.record_search(FSDP, "space", [_row(DDP, 862.9, 800.0, 900.0)], [], "why", "stopped", 2)
+    cache.save()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="atorch.auto.search.cache"):
+        assert SearchCache.load(path, KEY).cached_best("space") is None
+    assert "has no successful dry run in the trial table" in caplog.text
 
 
 def test_a_cache_that_cannot_be_written_is_warned_about_once_and_the_search_goes_on(tmp_path, caplog):

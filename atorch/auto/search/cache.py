@@ -4,8 +4,10 @@ A setup is (model config hash, world size, device kind and name, library version
 sequence length): `SetupKey`. The cache is one JSON file (never pickle: a results file must not
 be able to run code) holding one setup's dry-run results, keyed by the strategy's JSON, and the
 last completed search (its winner, trial table and reason). A file that cannot be read, is not
-this format (an entry that is not a valid measurement included), or was recorded for another setup
-is ignored with a warning that names it, and is replaced on the next save. Pure: no collectives and
+this format (an entry that is not a valid measurement included, or a trial row with a number that is
+not one), or was recorded for another setup is ignored with a warning that names it, and is replaced
+on the next save; a remembered winner that its own search measured slower than another strategy is
+not confirmed (the search runs again). Pure: no collectives and
 no training code; `auto_search` decides when to read and write it (rank 0 only).
 """
 
@@ -30,7 +32,7 @@ import torch
 from atorch.auto.devices import cpu_model_name
 from atorch.auto.search.search import DryRunResult
 from atorch.auto.strategy import Strategy
-from atorch.utils.finite_numbers import is_finite_number
+from atorch.utils.finite_numbers import finite_float, is_finite_number
 from atorch.utils.stable import stable_repr
 
 logger = logging.getLogger(__name__)
@@ -224,6 +226,11 @@ def _text(data: Mapping[str, Any], name: str) -> str:
     return value
 
 
+# The numeric columns of the trial and pruned tables (TRIAL_COLUMNS'); NaN or null: unknown.
+NUMERIC_ROW_COLUMNS = ("trial", "throughput", "throughput_lo", "throughput_hi", "predicted_throughput",
+                       "predicted_memory", "measured_memory", "seconds", "planner_seconds")
+
+
 def _last_search(data: Any) -> Optional[Dict[str, Any]]:
     """The remembered search, checked as far as `cached_best` and the confirmation read it; ValueError
     when it is damaged (its winner must parse as a strategy, its tables be lists of rows)."""
@@ -240,6 +247,14 @@ def _last_search(data: Any) -> Optional[Dict[str, Any]]:
         rows = data.get(name) or []
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
             raise ValueError(f"last_search.{name} must be a list of objects")
+        for i, row in enumerate(rows):
+            # The report draws these (a throughput of "abc" passed here, then broke the report
+            # with a warning that named the report's directory, not this file).
+            for column in NUMERIC_ROW_COLUMNS:
+                value = row.get(column)
+                if value is not None and not (is_finite_number(value) or (isinstance(value, float) and value != value)):
+                    raise ValueError(f"last_search.{name}[{i}].{column}={value!r} must be a finite number, NaN "
+                                     "or null")
     for name in ("space", "reason", "stop_reason"):
         if not isinstance(data.get(name, ""), str):
             raise ValueError(f"last_search.{name}={data[name]!r} must be a string")
@@ -318,6 +333,10 @@ class SearchCache:
             logger.warning("ignoring the winner remembered in %s: %s is not a candidate of this search's space",
                            self.path, best.describe())
             return None
+        why = _implausible_winner(best.describe(), last.get("trials") or [])
+        if why:
+            logger.warning("ignoring the winner remembered in %s: %s; searching again", self.path, why)
+            return None
         return best
 
     def save(self) -> None:
@@ -342,6 +361,30 @@ class SearchCache:
                            "its results", self.path, type(e).__name__, e)
             with contextlib.suppress(OSError):
                 os.remove(tmp)
+
+
+def _implausible_winner(best: str, trials: List[Dict[str, Any]]) -> str:
+    """Why `best` (a strategy's description) cannot be the winner of the search whose trial table is
+    `trials`, or "" when it can: another strategy's measured interval lies wholly above every one of
+    `best`'s (a winner is the fastest, or within noise of it: `Comparison`). A cache whose rows are each
+    valid but whose winner was swapped for a slower strategy was trusted and confirmed."""
+    def bound(row: Dict[str, Any], side: str) -> float:
+        value = finite_float(row.get(side))
+        return value if value is not None else float(row["throughput"])
+
+    ok = [r for r in trials if r.get("status") == "ok" and is_finite_number(r.get("throughput"))]
+    own = [r for r in ok if r.get("strategy") == best]
+    if not ok:
+        return ""           # nothing measured to compare with (an older or trimmed table)
+    if not own:
+        return f"{best} has no successful dry run in the trial table of the search that chose it"
+    best_hi = max(bound(r, "throughput_hi") for r in own)
+    others = [r for r in ok if r.get("strategy") != best]
+    faster = max(others, key=lambda r: bound(r, "throughput_lo"), default=None)
+    if faster is not None and bound(faster, "throughput_lo") > best_hi:
+        return (f"{best} is not the fastest of the search that chose it: {faster['strategy']} measured at least "
+                f"{bound(faster, 'throughput_lo'):.4g} samples/s, above {best}'s {best_hi:.4g}")
+    return ""
 
 
 def space_signature(labels: List[str], memory_limit_bytes: Optional[int]) -> str:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
@@ -105,6 +106,12 @@ def search_strategy(space: SearchSpace, evaluator: Evaluator, *, max_trials: int
 def _check_arguments(max_trials: int, random_samples: int, patience: int, time_limit_s: Optional[float],
                      memory_limit_bytes: Optional[int], remeasure_rounds: int) -> None:
     """Refuse settings no search can follow, before anything runs."""
+    # Counts must be ints: NaN passed `max_trials < 1` and meant no limit, 1.5 ran 2 trials, True
+    # ran 1, and "3" or None raised a bare TypeError from the comparison.
+    for name, value in (("max_trials", max_trials), ("random_samples", random_samples), ("patience", patience),
+                        ("remeasure_rounds", remeasure_rounds)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"search_strategy: {name}={value!r} must be an int, got {type(value).__name__}")
     if max_trials < 1:
         raise ValueError(f"max_trials={max_trials} must be >= 1")
     if random_samples < 0 or patience < 1:

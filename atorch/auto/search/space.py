@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -104,6 +105,12 @@ class SearchSpace:
         throughput of their own use it. Otherwise only the candidate without it is kept.
         `loss_func_given`: the user trains with a loss_func of their own (what validation sees).
         `excluded`: names no candidate may hold, also when resolution would add them (`ddp`)."""
+        if world_size is not None:
+            if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral):
+                raise TypeError(f"SearchSpace: world_size={world_size!r} must be an int (or None: inferred from the "
+                                f"parallel_mode choices), got {type(world_size).__name__}")
+            if world_size < 1:
+                raise ValueError(f"SearchSpace: world_size={world_size} must be >= 1")
         if not dimensions:
             raise ValueError("a search space needs at least one dimension, e.g. {'amp': [None, 'amp_native']}")
         self.dimensions: Dict[str, List[Choice]] = {}
