@@ -554,15 +554,16 @@ LONG_RUN_WARNING_S = 30.0
 
 @contextlib.contextmanager
 def _long_run_warning(strategy: Strategy, config: DryRunConfig, peer_wait_s: float) -> Iterator[None]:
-    """Warn once (from a timer thread: the main thread may be blocked inside a collective) when
-    the candidate is still running after LONG_RUN_WARNING_S, naming what bounds the wait."""
+    """Log once at INFO (rank 0 shows it; a large model's dry run may just be long) when the candidate is
+    still running after LONG_RUN_WARNING_S, naming what bounds the wait; from a timer thread, as the main
+    thread may be blocked inside a collective."""
     if config.timeout_s + ALARM_GRACE_S <= LONG_RUN_WARNING_S:
         yield
         return
     rank = adist.rank()
 
     def _warn() -> None:
-        logger.warning("rank %d: dry run of %s still running after %g s (a peer failed or is slow?); a collective "
+        logger.info("rank %d: dry run of %s still running after %g s (a peer failed or is slow?); a collective "
                        "gives up after %g s, the dry run after %g s (ATORCH_DRYRUN_TIMEOUT)", rank,
                        strategy.describe(), LONG_RUN_WARNING_S, peer_wait_s, config.timeout_s)
 
