@@ -18,7 +18,8 @@ maps module patterns of the base model (`layers.*.self_attn.q_proj`) to a style
 and adds what the plan leaves implicit: the input embedding (vocabulary-parallel when it is
 an `nn.Embedding`, also Gemma's scaled one), the LM head (column-parallel; full logits are
 gathered after the loss), the per-rank dropout stream of split attention modules, the shared
-stream of the other dropout modules, and the head-count attributes that split attention
+stream of the other dropout modules (the rest of the forward, functional dropout included, runs
+in that stream too: `randomizer.fork_model_rng`), and the head-count attributes that split attention
 modules reshape with. Plan entries that match no module of this instance (dense layers of
 an all-MoE model) are skipped; a style atorch cannot honour is a ValueError naming the
 module and the style.

@@ -347,6 +347,28 @@ def test_fork_swaps_the_default_generator_and_continues_the_stream():
         r.exit(t1)
 
 
+def test_a_stream_active_further_out_is_continued_when_entered_again():
+    # The model's forward runs in the replicated stream, the split attention in the per-rank one,
+    # and GPT-2's replicated resid_dropout inside that attention: it must continue the replicated
+    # stream (not draw from the per-rank one, not restart from the stored state).
+    r = MultiDimParallelRandomizer(3, {"tensor": 1})
+    torch.manual_seed(0)
+    outside = torch.get_rng_state()
+    with r.fork("tensor", replicated=True):
+        a = torch.rand(2)
+        with r.fork("tensor"):
+            p1 = torch.rand(2)
+            with r.fork("tensor", replicated=True):
+                b = torch.rand(2)
+            p2 = torch.rand(2)
+        c = torch.rand(2)
+    assert torch.equal(torch.get_rng_state(), outside)
+    replicated = torch.Generator().manual_seed(r.seed("tensor", True))
+    assert torch.equal(torch.cat([a, b, c]), torch.rand(6, generator=replicated))
+    parallel = torch.Generator().manual_seed(r.seed("tensor"))
+    assert torch.equal(torch.cat([p1, p2]), torch.rand(4, generator=parallel))
+
+
 def test_fork_module_rng_hooks_and_default_randomizer():
     drop = nn.Dropout(0.5)
     r = init_randomizer(11, {})
