@@ -286,8 +286,9 @@ def resolve_tp_plan(model: nn.Module, tpinfo: TPInfo, tp_size: int, world_size: 
     # Config sizes first: "num_key_value_heads=2" says more than the width of one projection.
     if any(a.kind in (COL, ROW, EXPERTS) for a in actions.values()):
         _check_config_divisibility(model, actions, tp_size)
-    for name, action in actions.items():
+    for name, action in list(actions.items()):
         _check_module_sizes(name, modules[name], action, tp_size)
+    _cover_split_attention(model, modules, actions)
 
     shrink: Dict[str, Dict[str, int]] = {}
     for suffix, attrs in tpinfo.shrink_attrs.items():
@@ -310,6 +311,84 @@ def resolve_tp_plan(model: nn.Module, tpinfo: TPInfo, tp_size: int, world_size: 
         head_inputs.update({name: (tuple(names), heads) for name in matched})
     vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
     return TPPlan(tp_size, actions, shrink, head_name, vocab_parallel_loss, vocab_size, gathered, head_inputs)
+
+
+def is_attention_name(name: str) -> bool:
+    """A module named like an attention module (`attn`, `self_attention`, ...), by its last name component."""
+    last = name.rpartition(".")[2].lower()
+    return "attn" in last or "attention" in last
+
+
+def head_dim_of(attention: nn.Module, config: Any) -> Optional[int]:
+    """The width of one head: the module's `head_dim`, else the config's (given, or hidden / heads)."""
+    for source in (attention, config):
+        value = getattr(source, "head_dim", None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0:
+        return hidden // heads
+    return None
+
+
+def head_local_parameters(attention: nn.Module, name: str, covered: Iterable[str], head_dim: Optional[int]
+                          ) -> Tuple[List[str], List[Tuple[str, str, List[str]]]]:
+    """Parameters inside `attention` (named `name`, its heads split) that no role in `covered` accounts for.
+
+    They act on this rank's heads only. Returns the children that are one norm shared by all heads
+    (their own parameters only, each 1-D of `head_dim`: Phi's `q_layernorm`), whose gradients must
+    be summed over the group, and (name, class, parameters) of everything else, which would need a
+    split nobody described: one weight row per head (Cohere's `q_norm`, [heads, head_dim]) or one
+    norm module per head in a list (StableLM's `q_layernorm.norms` with `qk_layernorm=True`), which
+    each rank would zip with its own heads starting from the first norm.
+    """
+    prefixes = [c + "." for c in covered]
+
+    def is_covered(full: str) -> bool:
+        return any(full.startswith(p) for p in prefixes)
+
+    shared: List[str] = []
+    rest: List[Tuple[str, str, List[str]]] = []
+    own = [f"{n} {tuple(p.shape)}" for n, p in attention.named_parameters(recurse=False)]
+    if own:
+        rest.append((name, type(attention).__name__, own))
+    for child_name, child in attention.named_children():
+        full = f"{name}.{child_name}"
+        params = [(n, p) for n, p in child.named_parameters() if not is_covered(f"{full}.{n}")]
+        if not params:
+            continue
+        if head_dim and all("." not in n and p.dim() == 1 and p.numel() == head_dim for n, p in params):
+            shared.append(full)
+        else:
+            rest.append((full, type(child).__name__, [f"{n} {tuple(p.shape)}" for n, p in params]))
+    return shared, rest
+
+
+def _cover_split_attention(model: nn.Module, modules: Mapping[str, nn.Module], actions: Dict[str, TPAction]) -> None:
+    """Sum the gradients of shared per-head norms inside attention modules whose heads the TPInfo splits
+    (column-parallel projections kept split), and refuse any other parameter there that no role covers."""
+    split: Dict[str, str] = {}
+    for name, action in actions.items():
+        parent = name.rpartition(".")[0]
+        if action.kind == COL and not action.option("gather_output", False) and parent and is_attention_name(parent):
+            split.setdefault(parent, name)
+    config = getattr(model, "config", None)
+    for attention, projection in split.items():
+        covered = [n for n, a in actions.items() if a.kind in (COL, ROW, VOCAB, EXPERTS, GRAD_REDUCE)
+                   and n.startswith(attention + ".")]
+        head_dim = head_dim_of(modules[attention], config)
+        shared, rest = head_local_parameters(modules[attention], attention, covered, head_dim)
+        if rest:
+            name, kind, params = rest[0]
+            per_head = f" (not one weight of head_dim={head_dim} shared by the heads)" if head_dim else ""
+            shown = params[:4] + (["..."] if len(params) > 4 else [])
+            raise ValueError(f"tensor parallel: the TPInfo splits the heads of {attention!r} (column-parallel "
+                             f"{projection!r}), but not {name!r} ({kind}, parameters {shown}{per_head}), which acts "
+                             "on them; atorch cannot tell how to split it. Leave the attention whole in the TPInfo "
+                             "(split only the MLP projections), or leave tensor parallelism out for this model "
+                             "(fsdp shards it)")
+        for name in shared:
+            actions.setdefault(name, TPAction(GRAD_REDUCE, name))
 
 
 def whole_parameter_count(model: nn.Module, plan: TPPlan) -> int:
