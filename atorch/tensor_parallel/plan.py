@@ -5,7 +5,8 @@ embedding, experts, replicated parameters whose gradients are summed, replicated
 dropout, attributes to divide, per-head inputs to slice). `resolve_tp_plan` matches it
 against a model (on the meta device or real) and checks everything that can be checked
 without a process group: every suffix matches, each match has the right type, and the
-tensor size divides heads, kv heads, hidden and intermediate sizes. It is pure: the
+tensor size divides hidden and intermediate sizes, and heads and kv heads where the plan splits
+attention's heads. It is pure: the
 sharding itself is `atorch.tensor_parallel.shard`.
 
 Usage::
@@ -487,10 +488,16 @@ def _check_config_divisibility(model: nn.Module, actions: Dict[str, TPAction], t
     if config is None:
         return
     sharded = [n for n, a in actions.items() if a.kind in (COL, ROW, EXPERTS)]
-    attention = [n for n in sharded if "attn" in n or "attention" in n] or sharded
+    # Head counts matter only where attention's projections split the heads over the ranks (a column
+    # split that keeps its output split, a row split of split input): a plan that leaves attention
+    # whole (DeepSeek-V3's MLA, GraniteMoE's experts-only plan) or gathers the projections' outputs
+    # (OLMo-3's) runs every head on every rank.
+    attention = [n for n in sharded if any(is_attention_name(part) for part in n.split(".")[:-1]) and (
+        (actions[n].kind == COL and not actions[n].option("gather_output", False))
+        or (actions[n].kind == ROW and actions[n].option("input_is_parallel", True)))]
     mlp = [n for n in sharded if "mlp" in n] or sharded
     for key, value in config_sizes(config).items():
-        if value % tp_size == 0:
+        if value % tp_size == 0 or ("heads" in key and not attention):
             continue
         where = attention if "heads" in key else mlp if "intermediate_size" in key else sharded
         # Name the projection whose heads are counted: the keys' for key/value heads, the queries' else.

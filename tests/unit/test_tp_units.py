@@ -133,6 +133,32 @@ def test_indivisible_sizes_name_the_module_and_numbers(overrides, tp, match):
         resolve_tp_plan(model, tpinfo_for_model(model), tp)
 
 
+def test_head_counts_are_required_only_where_the_heads_are_split():
+    """3 heads on 2 ranks: refused (naming the query projection) only by a plan that splits the heads. One that
+    leaves attention whole (DeepSeek-V3's MLA, GraniteMoE's experts-only plan) or gathers the projections'
+    outputs (OLMo-3's) runs every head on every rank, logits exact; they were refused naming
+    mlp.gate_proj or lm_head."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = _meta(LlamaForCausalLM, tiny_llama_config(hidden_size=48, num_attention_heads=3, num_key_value_heads=3))
+    with pytest.raises(ValueError, match=r"does not divide num_attention_heads=3 of LlamaConfig: sharding "
+                                         r"'model.layers.0.self_attn.q_proj' would split it unevenly"):
+        resolve_tp_plan(model, tpinfo_for_model(model), 2)
+    mlp_only = TPInfo().shard_col("mlp.gate_proj", "mlp.up_proj", "lm_head").shard_row("mlp.down_proj")
+    assert resolve_tp_plan(model, mlp_only, 2).actions
+    gathered = {"gather_output": True}
+    olmo3_like = TPInfo().shard_col({"self_attn.q_proj": gathered, "self_attn.k_proj": gathered,
+                                     "self_attn.v_proj": gathered}).shard_row({"self_attn.o_proj":
+                                                                               {"input_is_parallel": False}})
+    assert resolve_tp_plan(model, olmo3_like, 2).actions
+    config = AutoConfig.for_model("granitemoe", vocab_size=128, hidden_size=48, intermediate_size=64,
+                                  num_hidden_layers=1, num_attention_heads=3, num_key_value_heads=3,
+                                  num_local_experts=4, num_experts_per_tok=2, pad_token_id=0)
+    with record_module_init():
+        granite = AutoModelForCausalLM.from_config(config)
+    assert resolve_tp_plan(granite, tpinfo_for_model(granite), 2).actions
+
+
 def test_indivisible_hidden_size_of_a_custom_model():
     # HF configs already require hidden % heads == 0, so a custom model shows this check alone.
     class Custom(nn.Module):
