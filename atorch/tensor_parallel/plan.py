@@ -471,13 +471,20 @@ def _check_module_sizes(name: str, module: nn.Module, action: TPAction, tp_size:
 
 def config_sizes(config: Any) -> Dict[str, int]:
     """Head counts and widths of a model config that a tensor size must divide, under their Hugging Face
-    names (GPT-2 aliases included); sizes the config does not set are left out."""
+    names (GPT-2's `n_inner` and Falcon's `num_kv_heads` included); sizes the config does not set are left
+    out."""
     sizes: Dict[str, int] = {}
     for key in ("num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size",
                 "moe_intermediate_size"):
         value = getattr(config, key, None)
         if key == "intermediate_size" and value is None:
             value = getattr(config, "n_inner", None)
+        falcon_kv = getattr(config, "num_kv_heads", None)
+        if key == "num_key_value_heads" and value is None and isinstance(falcon_kv, int):
+            # Falcon, as its attention reads it: multi-query without the new architecture has one kv head.
+            multi_query = getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture",
+                                                                                False)
+            key, value = "num_kv_heads", 1 if multi_query else falcon_kv
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             sizes[key] = value
     return sizes
@@ -501,7 +508,8 @@ def _check_config_divisibility(model: nn.Module, actions: Dict[str, TPAction], t
             continue
         where = attention if "heads" in key else mlp if "intermediate_size" in key else sharded
         # Name the projection whose heads are counted: the keys' for key/value heads, the queries' else.
-        hints = _KV_PROJECTIONS if key == "num_key_value_heads" else _Q_PROJECTIONS if "heads" in key else ()
+        kv_heads = key in ("num_key_value_heads", "num_kv_heads")
+        hints = _KV_PROJECTIONS if kv_heads else _Q_PROJECTIONS if "heads" in key else ()
         module = next((n for n in where if any(h in n.rsplit(".", 1)[-1] for h in hints)), where[0])
         sizes = [d for d in range(2, value + 1) if value % d == 0]
         fix = (f"use a tensor size that divides {value} ({', '.join(map(str, sizes[:6]))}"

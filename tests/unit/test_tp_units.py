@@ -159,6 +159,24 @@ def test_head_counts_are_required_only_where_the_heads_are_split():
     assert resolve_tp_plan(granite, tpinfo_for_model(granite), 2).actions
 
 
+@pytest.mark.parametrize("heads,kv_heads,match", [
+    (4, 1, r"num_kv_heads=1 of FalconConfig: sharding 'transformer.h.0.self_attention.query_key_value' .*"
+           r"num_kv_heads=1 cannot be split across ranks"),
+    (6, 3, r"num_kv_heads=3 of FalconConfig: sharding 'transformer.h.0.self_attention."
+           r"query_key_value' would split it unevenly; use a tensor size that divides 3 \(3\)"),
+])
+def test_falcon_kv_heads_are_checked_from_its_config(heads, kv_heads, match):
+    """Falcon calls its kv heads `num_kv_heads`: unread, the refusal came from the preset's shrink of an
+    internal attribute ("TPInfo shrink: ...num_kv_heads=1"), which a user did not write."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(vocab_size=128, hidden_size=16 * heads, num_hidden_layers=1, num_attention_heads=heads,
+                          num_kv_heads=kv_heads, new_decoder_architecture=True, alibi=False, bias=False)
+    model = _meta(FalconForCausalLM, config)
+    with pytest.raises(ValueError, match=r"tensor parallel size 2 does not divide " + match):
+        resolve_tp_plan(model, tpinfo_for_model(model), 2)
+
+
 def test_indivisible_hidden_size_of_a_custom_model():
     # HF configs already require hidden % heads == 0, so a custom model shows this check alone.
     class Custom(nn.Module):
