@@ -18,7 +18,8 @@ maps module patterns of the base model (`layers.*.self_attn.q_proj`) to a style
 and adds what the plan leaves implicit: the input embedding (vocabulary-parallel when it is
 an `nn.Embedding`, also Gemma's scaled one), the LM head (column-parallel; full logits are
 gathered after the loss), the per-rank dropout stream of split attention modules, the shared
-stream of the other dropout modules, and the head-count attributes that split attention
+stream of the other dropout modules (the rest of the forward, functional dropout included, runs
+in that stream too: `randomizer.fork_model_rng`), and the head-count attributes that split attention
 modules reshape with. Plan entries that match no module of this instance (dense layers of
 an all-MoE model) are skipped; a style atorch cannot honour is a ValueError naming the
 module and the style.
@@ -32,7 +33,8 @@ from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 from torch import nn
 
-from atorch.tensor_parallel.plan import EXPERT_WEIGHTS, TPInfo, output_embedding
+from atorch.tensor_parallel.plan import (EXPERT_WEIGHTS, TPInfo, head_dim_of, head_local_parameters,
+                                         is_attention_name, output_embedding)
 
 # Styles translated to a role, by the kind of module they apply to.
 _LINEAR_STYLES = {
@@ -169,7 +171,7 @@ def tpinfo_from_transformers_plan(model: nn.Module) -> TPInfo:
             spec = {suffix: options} if options else suffix
             (tpinfo.shard_col if kind == "col" else tpinfo.shard_row)(spec)
             parent = name.rpartition(".")[0]
-            if kind == "col" and _is_attention(parent):
+            if kind == "col" and is_attention_name(parent):
                 (gathered_attention if options.get("gather_output") else split_attention).add(parent)
         else:
             raise ValueError(f"tensor parallel: cannot honour transformers plan entry {key!r} -> {style!r} on "
@@ -218,36 +220,16 @@ def _cover_head_local_parameters(tpinfo: TPInfo, model: nn.Module, attention: st
     shape error in the first forward or silently wrong training.
     """
     module = modules[attention]
-    head_dim = _head_dim(module, getattr(model, "config", None))
-    own = [f"{name} {tuple(p.shape)}" for name, p in module.named_parameters(recurse=False)]
-    if own:
-        raise _uncovered(model, attention, attention, type(module).__name__, own)
+    head_dim = head_dim_of(module, getattr(model, "config", None))
     covered = [name for name in styled if name == attention or name.startswith(attention + ".")]
-    for child_name, child in module.named_modules():
-        name = f"{attention}.{child_name}"
-        if not child_name or any(name == c or name.startswith(c + ".") for c in covered):
-            continue
-        params = list(child.named_parameters(recurse=False))
-        if not params:
-            continue
-        if head_dim and all(p.dim() == 1 and p.numel() == head_dim for _, p in params):
-            tpinfo.reduce_grads(_suffix(name))
-            covered.append(name)
-            continue
-        raise _uncovered(model, attention, name, type(child).__name__,
-                         [f"{n} {tuple(p.shape)}" for n, p in params], head_dim)
-
-
-def _head_dim(attention: nn.Module, config: Any) -> Optional[int]:
-    """The width of one head: the module's `head_dim`, else the config's (given, or hidden / heads)."""
-    for source in (attention, config):
-        value = getattr(source, "head_dim", None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
-    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0:
-        return hidden // heads
-    return None
+    if attention in covered:
+        return
+    shared, rest = head_local_parameters(module, attention, covered, head_dim)
+    if rest:
+        name, kind, params = rest[0]
+        raise _uncovered(model, attention, name, kind, params, head_dim if name != attention else None)
+    for name in shared:
+        tpinfo.reduce_grads(_suffix(name))
 
 
 def _uncovered(model: nn.Module, attention: str, name: str, kind: str, params: List[str],
@@ -269,11 +251,6 @@ def _check_expert_weight(name: str, style: str, experts: Set[str]) -> None:
 
 def _is_linear(module: Any) -> bool:
     return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and hasattr(module, "nf"))
-
-
-def _is_attention(name: str) -> bool:
-    last = name.rpartition(".")[2].lower()
-    return "attn" in last or "attention" in last
 
 
 def _int_attr(module: nn.Module, attr: str) -> bool:

@@ -5,7 +5,8 @@ embedding, experts, replicated parameters whose gradients are summed, replicated
 dropout, attributes to divide, per-head inputs to slice). `resolve_tp_plan` matches it
 against a model (on the meta device or real) and checks everything that can be checked
 without a process group: every suffix matches, each match has the right type, and the
-tensor size divides heads, kv heads, hidden and intermediate sizes. It is pure: the
+tensor size divides hidden and intermediate sizes, and heads and kv heads where the plan splits
+attention's heads. It is pure: the
 sharding itself is `atorch.tensor_parallel.shard`.
 
 Usage::
@@ -286,8 +287,9 @@ def resolve_tp_plan(model: nn.Module, tpinfo: TPInfo, tp_size: int, world_size: 
     # Config sizes first: "num_key_value_heads=2" says more than the width of one projection.
     if any(a.kind in (COL, ROW, EXPERTS) for a in actions.values()):
         _check_config_divisibility(model, actions, tp_size)
-    for name, action in actions.items():
+    for name, action in list(actions.items()):
         _check_module_sizes(name, modules[name], action, tp_size)
+    _cover_split_attention(model, modules, actions)
 
     shrink: Dict[str, Dict[str, int]] = {}
     for suffix, attrs in tpinfo.shrink_attrs.items():
@@ -310,6 +312,84 @@ def resolve_tp_plan(model: nn.Module, tpinfo: TPInfo, tp_size: int, world_size: 
         head_inputs.update({name: (tuple(names), heads) for name in matched})
     vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
     return TPPlan(tp_size, actions, shrink, head_name, vocab_parallel_loss, vocab_size, gathered, head_inputs)
+
+
+def is_attention_name(name: str) -> bool:
+    """A module named like an attention module (`attn`, `self_attention`, ...), by its last name component."""
+    last = name.rpartition(".")[2].lower()
+    return "attn" in last or "attention" in last
+
+
+def head_dim_of(attention: nn.Module, config: Any) -> Optional[int]:
+    """The width of one head: the module's `head_dim`, else the config's (given, or hidden / heads)."""
+    for source in (attention, config):
+        value = getattr(source, "head_dim", None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0:
+        return hidden // heads
+    return None
+
+
+def head_local_parameters(attention: nn.Module, name: str, covered: Iterable[str], head_dim: Optional[int]
+                          ) -> Tuple[List[str], List[Tuple[str, str, List[str]]]]:
+    """Parameters inside `attention` (named `name`, its heads split) that no role in `covered` accounts for.
+
+    They act on this rank's heads only. Returns the children that are one norm shared by all heads
+    (their own parameters only, each 1-D of `head_dim`: Phi's `q_layernorm`), whose gradients must
+    be summed over the group, and (name, class, parameters) of everything else, which would need a
+    split nobody described: one weight row per head (Cohere's `q_norm`, [heads, head_dim]) or one
+    norm module per head in a list (StableLM's `q_layernorm.norms` with `qk_layernorm=True`), which
+    each rank would zip with its own heads starting from the first norm.
+    """
+    prefixes = [c + "." for c in covered]
+
+    def is_covered(full: str) -> bool:
+        return any(full.startswith(p) for p in prefixes)
+
+    shared: List[str] = []
+    rest: List[Tuple[str, str, List[str]]] = []
+    own = [f"{n} {tuple(p.shape)}" for n, p in attention.named_parameters(recurse=False)]
+    if own:
+        rest.append((name, type(attention).__name__, own))
+    for child_name, child in attention.named_children():
+        full = f"{name}.{child_name}"
+        params = [(n, p) for n, p in child.named_parameters() if not is_covered(f"{full}.{n}")]
+        if not params:
+            continue
+        if head_dim and all("." not in n and p.dim() == 1 and p.numel() == head_dim for n, p in params):
+            shared.append(full)
+        else:
+            rest.append((full, type(child).__name__, [f"{n} {tuple(p.shape)}" for n, p in params]))
+    return shared, rest
+
+
+def _cover_split_attention(model: nn.Module, modules: Mapping[str, nn.Module], actions: Dict[str, TPAction]) -> None:
+    """Sum the gradients of shared per-head norms inside attention modules whose heads the TPInfo splits
+    (column-parallel projections kept split), and refuse any other parameter there that no role covers."""
+    split: Dict[str, str] = {}
+    for name, action in actions.items():
+        parent = name.rpartition(".")[0]
+        if action.kind == COL and not action.option("gather_output", False) and parent and is_attention_name(parent):
+            split.setdefault(parent, name)
+    config = getattr(model, "config", None)
+    for attention, projection in split.items():
+        covered = [n for n, a in actions.items() if a.kind in (COL, ROW, VOCAB, EXPERTS, GRAD_REDUCE)
+                   and n.startswith(attention + ".")]
+        head_dim = head_dim_of(modules[attention], config)
+        shared, rest = head_local_parameters(modules[attention], attention, covered, head_dim)
+        if rest:
+            name, kind, params = rest[0]
+            per_head = f" (not one weight of head_dim={head_dim} shared by the heads)" if head_dim else ""
+            shown = params[:4] + (["..."] if len(params) > 4 else [])
+            raise ValueError(f"tensor parallel: the TPInfo splits the heads of {attention!r} (column-parallel "
+                             f"{projection!r}), but not {name!r} ({kind}, parameters {shown}{per_head}), which acts "
+                             "on them; atorch cannot tell how to split it. Leave the attention whole in the TPInfo "
+                             "(split only the MLP projections), or leave tensor parallelism out for this model "
+                             "(fsdp shards it)")
+        for name in shared:
+            actions.setdefault(name, TPAction(GRAD_REDUCE, name))
 
 
 def whole_parameter_count(model: nn.Module, plan: TPPlan) -> int:
@@ -391,13 +471,20 @@ def _check_module_sizes(name: str, module: nn.Module, action: TPAction, tp_size:
 
 def config_sizes(config: Any) -> Dict[str, int]:
     """Head counts and widths of a model config that a tensor size must divide, under their Hugging Face
-    names (GPT-2 aliases included); sizes the config does not set are left out."""
+    names (GPT-2's `n_inner` and Falcon's `num_kv_heads` included); sizes the config does not set are left
+    out."""
     sizes: Dict[str, int] = {}
     for key in ("num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size",
                 "moe_intermediate_size"):
         value = getattr(config, key, None)
         if key == "intermediate_size" and value is None:
             value = getattr(config, "n_inner", None)
+        falcon_kv = getattr(config, "num_kv_heads", None)
+        if key == "num_key_value_heads" and value is None and isinstance(falcon_kv, int):
+            # Falcon, as its attention reads it: multi-query without the new architecture has one kv head.
+            multi_query = getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture",
+                                                                                False)
+            key, value = "num_kv_heads", 1 if multi_query else falcon_kv
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             sizes[key] = value
     return sizes
@@ -408,14 +495,21 @@ def _check_config_divisibility(model: nn.Module, actions: Dict[str, TPAction], t
     if config is None:
         return
     sharded = [n for n, a in actions.items() if a.kind in (COL, ROW, EXPERTS)]
-    attention = [n for n in sharded if "attn" in n or "attention" in n] or sharded
+    # Head counts matter only where attention's projections split the heads over the ranks (a column
+    # split that keeps its output split, a row split of split input): a plan that leaves attention
+    # whole (DeepSeek-V3's MLA, GraniteMoE's experts-only plan) or gathers the projections' outputs
+    # (OLMo-3's) runs every head on every rank.
+    attention = [n for n in sharded if any(is_attention_name(part) for part in n.split(".")[:-1]) and (
+        (actions[n].kind == COL and not actions[n].option("gather_output", False))
+        or (actions[n].kind == ROW and actions[n].option("input_is_parallel", True)))]
     mlp = [n for n in sharded if "mlp" in n] or sharded
     for key, value in config_sizes(config).items():
-        if value % tp_size == 0:
+        if value % tp_size == 0 or ("heads" in key and not attention):
             continue
         where = attention if "heads" in key else mlp if "intermediate_size" in key else sharded
         # Name the projection whose heads are counted: the keys' for key/value heads, the queries' else.
-        hints = _KV_PROJECTIONS if key == "num_key_value_heads" else _Q_PROJECTIONS if "heads" in key else ()
+        kv_heads = key in ("num_key_value_heads", "num_kv_heads")
+        hints = _KV_PROJECTIONS if kv_heads else _Q_PROJECTIONS if "heads" in key else ()
         module = next((n for n in where if any(h in n.rsplit(".", 1)[-1] for h in hints)), where[0])
         sizes = [d for d in range(2, value + 1) if value % d == 0]
         fix = (f"use a tensor size that divides {value} ({', '.join(map(str, sizes[:6]))}"

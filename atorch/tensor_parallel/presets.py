@@ -64,11 +64,10 @@ def gpt2_tpinfo(model: nn.Module) -> TPInfo:
 def opt_tpinfo(model: nn.Module) -> TPInfo:
     """OPT: separate q/k/v (attention reshapes with num_heads), fc1/fc2, LM head tied to embed_tokens.
 
-    OPT's residual and activation dropouts are functional (not modules), so under tensor
-    parallelism with dropout > 0 they draw from the default generator of each rank; training
-    with dropout needs the ranks' default generators seeded alike (the parity tests run OPT
-    without dropout). The attention-probability dropout is functional too, inside the split
-    attention module, which forks the per-rank stream.
+    OPT's residual and activation dropouts are functional (not modules): they draw from the
+    stream the tensor group shares, in which the sharded model's whole forward runs
+    (`randomizer.fork_model_rng`). The attention-probability dropout is functional too, inside
+    the split attention module, which forks the per-rank stream.
     """
     tpinfo = TPInfo()
     tpinfo.shard_col("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "fc1", *_head(model))

@@ -17,9 +17,18 @@ coordinates that are not zero, so a rank at coordinate 0 of a dimension of size 
 the same numbers as a process without that dimension: a single process can replay any
 rank's stream (the tensor-parallel parity tests do).
 
+Dropout is often functional (`F.dropout` inside an attention forward, Falcon's `dropout_add`),
+so hooks on dropout modules alone do not cover a model: `fork_model_rng` runs the whole root
+forward inside the replicated stream, and the modules that see split activations fork their
+per-rank stream inside it. Every draw that no split region claims is then identical across
+the tensor group, whatever each rank did to its own default generator (seeding with
+seed + rank, say), which is restored after the forward.
+
 Activation checkpointing that recomputes a forked module must save and restore the streams
-around the recomputation (`get_states` / `set_states`); torch's checkpoint only restores
-the default generators.
+around the recomputation (`get_states` / `set_states`), and continue the streams that were
+active when the block first ran (`active_streams` / `continuing`): torch's checkpoint
+restores the default generators to the forward's state, which is that of the innermost
+active stream.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Mapping, Optional, Tuple, cast
+from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, cast
 
 import torch
 from torch import nn
@@ -95,12 +104,19 @@ class MultiDimParallelRandomizer:
 
     # -- forking -----------------------------------------------------------------
     def enter(self, group: str = "tensor", replicated: bool = False) -> Optional[_Token]:
-        """Make the stream the default generators' state; returns the token for `exit` (None if already in it)."""
+        """Make the stream the default generators' state; returns the token for `exit` (None if already in it).
+
+        Entering a stream that is active further out (a replicated dropout inside the per-rank
+        attention, all inside the model's replicated stream) continues it from where it was
+        suspended: the stream in use is stored whenever another one is entered.
+        """
         key = (group, bool(replicated))
-        if key in self._active:
+        if self._active and self._active[-1] == key:
             # Re-entering the active stream must continue it, not restart it from its stored state.
             return None
         stream = self._stream(key)
+        if self._active:
+            self._suspend(self._active[-1])
         saved_cpu = torch.get_rng_state()
         torch.set_rng_state(stream.cpu_state)
         saved_cuda = None
@@ -110,8 +126,16 @@ class MultiDimParallelRandomizer:
         self._active.append(key)
         return _Token(key, saved_cpu, saved_cuda)
 
+    def _suspend(self, key: Tuple[str, bool]) -> None:
+        """Store the live state of `key`, the stream in use, before another one takes the default generators."""
+        stream = self._stream(key)
+        stream.cpu_state = torch.get_rng_state()
+        if _cuda_in_use():
+            stream.cuda_state = torch.cuda.get_rng_state()
+
     def exit(self, token: Optional[_Token]) -> None:
-        """Store the stream's advanced state and give the default generators theirs back."""
+        """Store the stream's advanced state and give the default generators back to the stream in use
+        further out (its stored state), or, outermost, to the state they had before."""
         if token is None:
             return
         if not self._active or self._active[-1] != token.key:
@@ -119,9 +143,16 @@ class MultiDimParallelRandomizer:
         self._active.pop()
         stream = self._streams[token.key]
         stream.cpu_state = torch.get_rng_state()
-        torch.set_rng_state(token.saved_cpu)
         if token.saved_cuda is not None:
             stream.cuda_state = torch.cuda.get_rng_state()
+        if self._active:
+            outer = self._stream(self._active[-1])
+            torch.set_rng_state(outer.cpu_state)
+            if token.saved_cuda is not None:
+                torch.cuda.set_rng_state(outer.cuda())
+            return
+        torch.set_rng_state(token.saved_cpu)
+        if token.saved_cuda is not None:
             torch.cuda.set_rng_state(token.saved_cuda)
 
     @contextlib.contextmanager
@@ -134,6 +165,30 @@ class MultiDimParallelRandomizer:
             self.exit(token)
 
     # -- state (checkpoints, activation recomputation) ----------------------------
+    def active_streams(self) -> Tuple[Tuple[str, bool], ...]:
+        """The streams entered and not yet exited, outermost first (what a recomputation must continue)."""
+        return tuple(self._active)
+
+    @contextlib.contextmanager
+    def continuing(self, keys: Iterable[Tuple[str, bool]]) -> Iterator[None]:
+        """Treat `keys` as active for the block without touching the default generators.
+
+        For a recomputation under activation checkpointing: torch has put the default generators
+        back to their state when the block first ran, which was the live state of the innermost
+        stream then active (the root model's replicated one). Entering that stream again would
+        restart it from its stored state, which is only written when the root forward ends; marked
+        active, a module forking it continues the default generators as it did in the forward.
+        """
+        added = [(str(g), bool(r)) for g, r in keys if (g, r) not in self._active]
+        self._active.extend(added)
+        try:
+            yield
+        finally:
+            for key in reversed(added):
+                if not self._active or self._active[-1] != key:
+                    raise RuntimeError(f"random stream {key} continued out of order; active streams: {self._active}")
+                self._active.pop()
+
     def get_states(self) -> Dict[str, Dict[str, Optional[torch.Tensor]]]:
         return {f"{g}|{int(r)}": {"cpu": s.cpu_state.clone(),
                                   "cuda": s.cuda_state.clone() if s.cuda_state is not None else None}
@@ -230,3 +285,22 @@ def fork_module_rng(module: nn.Module, randomizer: Optional[MultiDimParallelRand
 
     return [module.register_forward_pre_hook(enter),
             module.register_forward_hook(leave, always_call=True)]
+
+
+# Marks a model whose whole forward runs inside the replicated stream (set by fork_model_rng).
+_MODEL_FORK_ATTR = "_atorch_rng_model_fork"
+
+
+def fork_model_rng(model: nn.Module, randomizer: Optional[MultiDimParallelRandomizer] = None,
+                   group: str = "tensor") -> None:
+    """Run `model`'s whole forward (in training) inside the stream `group` shares; idempotent.
+
+    Draws outside the modules forked otherwise (functional dropout in an attention module the
+    plan leaves whole, a residual `dropout_add`) then give the same mask on every rank of the
+    group instead of each rank's own default generator's; the split modules' per-rank streams
+    nest inside. The default generators get the user's state back after the forward.
+    """
+    if model.__dict__.get(_MODEL_FORK_ATTR):
+        return
+    fork_module_rng(model, randomizer, group, replicated=True)
+    model.__dict__[_MODEL_FORK_ATTR] = True

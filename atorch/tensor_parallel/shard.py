@@ -43,7 +43,7 @@ from atorch.tensor_parallel.plan import (
     _linear_sizes,
     resolve_tp_plan,
 )
-from atorch.tensor_parallel.randomizer import MultiDimParallelRandomizer, fork_module_rng
+from atorch.tensor_parallel.randomizer import MultiDimParallelRandomizer, fork_model_rng, fork_module_rng
 from atorch.utils.meta_model_utils import (
     TP_MARK_ATTR,
     is_meta_module,
@@ -107,7 +107,7 @@ def shard_model(model: nn.Module, tpinfo: TPInfo, group: Group, *,
         _mark(model, plan)
         return model
     model = _apply_plan(model, "", plan.actions, plan.shrink, plan.head_inputs, group, randomizer, {})
-    _finish_root(model, plan, group)
+    _finish_root(model, plan, group, randomizer)
     return model
 
 
@@ -224,7 +224,11 @@ def _share_tied(full: nn.Module, layer: TensorParallelModule, shared: Dict[int, 
         setattr(layer, pname, existing)
 
 
-def _finish_root(model: nn.Module, plan: TPPlan, group: Group) -> None:
+def _finish_root(model: nn.Module, plan: TPPlan, group: Group,
+                 randomizer: Optional[MultiDimParallelRandomizer]) -> None:
+    # Draws that no forked module claims (functional dropout in a module the plan leaves whole)
+    # must agree across the group: the whole forward runs in the shared stream.
+    fork_model_rng(model, randomizer, "tensor")
     if plan.vocab_parallel_loss and hasattr(model, "loss_function"):
         # An HF model (it has loss_function) has a config, so plan.vocab_size is known; setattr because the
         # loss is a plain callable, not a Module or Tensor (nn.Module.__setattr__'s declared types).
@@ -269,7 +273,7 @@ def materialize_tp_module(module: nn.Module, base_seed: int, device: Optional[to
     real = materialize_module(module, base_seed, device=device, transform=shard, per_block=per_block,
                               block_classes=block_classes, init_fn=init_fn)
     if plan is not None:
-        _finish_root(real, plan, group)
+        _finish_root(real, plan, group, randomizer)
     return real
 
 

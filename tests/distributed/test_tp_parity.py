@@ -182,6 +182,7 @@ def _run_2_ranks() -> Dict[str, Any]:
 
     out: Dict[str, Any] = {"configs": [_train_one(kind, dims, meta) for kind, dims, meta in CONFIGS_2]}
     out["families"] = _run_families()
+    out["whole_dropout_diffs"] = _whole_module_dropout_diffs()
 
     # Bad input: the same ValueError on every rank, raised before any collective (the barrier
     # below would hang if one rank had gone on into a collective).
@@ -230,6 +231,37 @@ def _run_2_ranks() -> Dict[str, Any]:
     out["atorch_flow_equal"] = all(torch.equal(v, expected.state_dict()[k]) for k, v in replayed.state_dict().items())
     dist.barrier()
     return _portable(out)
+
+
+def _whole_module_dropout_diffs() -> Dict[str, float]:
+    """Max |difference| from rank 0, per gathered weight, after 2 AdamW steps with functional dropout in a
+    module the plan leaves whole (Llama's attention dropout; only the MLPs are split), each rank seeding its
+    default generator differently after the build and between steps (as scripts seeding seed + rank do).
+
+    The attention's dropout sees the replicated activation, so its mask must be the same on both ranks: drawn
+    from each rank's own default generator, the attention weights drifted apart (6e-3 after 3 steps)."""
+    from atorch.utils.manual_tp_utils import TPInfo, gather_tp_state_dict
+
+    torch.manual_seed(BASE_SEED)
+    model = LlamaForCausalLM(tiny_llama_config(attention_dropout=0.3))
+    tpinfo = TPInfo().shard_col("mlp.gate_proj", "mlp.up_proj").shard_row("mlp.down_proj")
+    torch.manual_seed(100 + dist.get_rank())
+    status, result, _ = auto_accelerate(
+        model, optim_func=torch.optim.AdamW, dataset=TokenDataset(), optim_args={"lr": LR},
+        model_input_format="unpack_dict", dataloader_args={"batch_size": 4},
+        load_strategy=[("parallel_mode", ([("tensor", 2)], None)), ("tensor_parallel", {"tpinfo": tpinfo})])
+    assert status
+    for _, batch in zip(range(2), result.dataloader):
+        train_step(result, batch)
+        torch.manual_seed(200 + dist.get_rank())
+    diffs = {}
+    for key, value in gather_tp_state_dict(result.model).items():
+        rank0 = value.clone()
+        dist.broadcast(rank0, src=0)
+        diffs[key] = (value - rank0).abs().max().item()
+    del result
+    dist.barrier()
+    return diffs
 
 
 FAMILIES = ("llama_gqa", "mistral", "qwen2", "gpt_neox")
@@ -419,6 +451,8 @@ def test_tp2_parity_errors_and_per_block_materialization():
                 assert err <= LOGITS_REL, (kind, when, err)
 
     for r in results:
+        drifted = {k: d for k, d in r["whole_dropout_diffs"].items() if d != 0}
+        assert len(r["whole_dropout_diffs"]) > 10 and not drifted, drifted
         errors = r["errors"]
         assert "num_attention_heads=3" in errors["heads"] and "tensor parallel size 2" in errors["heads"], errors
         assert "'mlp.no_such_proj' matches no module of LlamaForCausalLM" in errors["suffix"], errors

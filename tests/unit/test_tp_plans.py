@@ -158,3 +158,42 @@ def test_a_weight_per_head_the_plan_leaves_out_is_refused_naming_it():
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_norm' \(CohereLayerNorm, parameters "
                                          r"\['weight \(4, 16\)'\].*Leave tensor parallelism out"):
         tpinfo_for_model(model)
+
+
+def _stablelm_tpinfo():
+    """The README's route for a model without a plan: a hand-written TPInfo that splits StableLM's attention."""
+    from atorch.tensor_parallel import TPInfo
+
+    tpinfo = TPInfo().shard_col("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                                "mlp.up_proj", {"lm_head": {"gather_output": False}})
+    tpinfo.shard_row("self_attn.o_proj", "mlp.down_proj").shard_vocab("embed_tokens").parallel_drop("self_attn")
+    return tpinfo.shrink({"self_attn": {"num_heads", "num_key_value_heads"}})
+
+
+def test_a_hand_tpinfo_that_splits_heads_refuses_per_head_norms_and_sums_shared_ones():
+    """StableLM's `qk_layernorm` keeps one LayerNorm per head in a list: each rank zipped its own heads with
+    the first norms (logits 30% off) until the TPInfo path refused it, as the transformers-plan path refuses
+    Cohere's per-head `q_norm`. A norm shared by the heads (Phi's) gets its gradients summed, as there."""
+    from transformers import AutoModelForCausalLM, StableLmConfig
+
+    config = StableLmConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, qk_layernorm=True)
+    with record_module_init():
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"the TPInfo splits the heads of 'model\.layers\.0\.self_attn' "
+                                         r"\(column-parallel 'model\.layers\.0\.self_attn\.q_proj'\), but not "
+                                         r"'model\.layers\.0\.self_attn\.q_layernorm' \(StableLmLayerNormPerHead, "
+                                         r"parameters \['norms\.0\.weight \(16,\)'.*Leave the attention whole"):
+        resolve_tp_plan(model, _stablelm_tpinfo(), 2)
+    config.qk_layernorm = False
+    with record_module_init():
+        plain = AutoModelForCausalLM.from_config(config)
+    assert GRAD_REDUCE not in _counts(resolve_tp_plan(plain, _stablelm_tpinfo(), 2))
+
+    from atorch.tensor_parallel import TPInfo
+
+    phi = _more_meta("phi", qk_layernorm=True)
+    tpinfo = TPInfo().shard_col("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj").shard_row("self_attn.dense")
+    plan = resolve_tp_plan(phi, tpinfo, 2)
+    reduced = sorted(n for n, a in plan.actions.items() if a.kind == GRAD_REDUCE)
+    assert reduced == [f"model.layers.{i}.self_attn.{n}_layernorm" for i in range(2) for n in ("k", "q")], reduced

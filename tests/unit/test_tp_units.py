@@ -133,6 +133,50 @@ def test_indivisible_sizes_name_the_module_and_numbers(overrides, tp, match):
         resolve_tp_plan(model, tpinfo_for_model(model), tp)
 
 
+def test_head_counts_are_required_only_where_the_heads_are_split():
+    """3 heads on 2 ranks: refused (naming the query projection) only by a plan that splits the heads. One that
+    leaves attention whole (DeepSeek-V3's MLA, GraniteMoE's experts-only plan) or gathers the projections'
+    outputs (OLMo-3's) runs every head on every rank, logits exact; they were refused naming
+    mlp.gate_proj or lm_head."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = _meta(LlamaForCausalLM, tiny_llama_config(hidden_size=48, num_attention_heads=3, num_key_value_heads=3))
+    with pytest.raises(ValueError, match=r"does not divide num_attention_heads=3 of LlamaConfig: sharding "
+                                         r"'model.layers.0.self_attn.q_proj' would split it unevenly"):
+        resolve_tp_plan(model, tpinfo_for_model(model), 2)
+    mlp_only = TPInfo().shard_col("mlp.gate_proj", "mlp.up_proj", "lm_head").shard_row("mlp.down_proj")
+    assert resolve_tp_plan(model, mlp_only, 2).actions
+    gathered = {"gather_output": True}
+    olmo3_like = TPInfo().shard_col({"self_attn.q_proj": gathered, "self_attn.k_proj": gathered,
+                                     "self_attn.v_proj": gathered}).shard_row({"self_attn.o_proj":
+                                                                               {"input_is_parallel": False}})
+    assert resolve_tp_plan(model, olmo3_like, 2).actions
+    config = AutoConfig.for_model("granitemoe", vocab_size=128, hidden_size=48, intermediate_size=64,
+                                  num_hidden_layers=1, num_attention_heads=3, num_key_value_heads=3,
+                                  num_local_experts=4, num_experts_per_tok=2, pad_token_id=0)
+    with record_module_init():
+        granite = AutoModelForCausalLM.from_config(config)
+    assert resolve_tp_plan(granite, tpinfo_for_model(granite), 2).actions
+
+
+@pytest.mark.parametrize("heads,kv_heads,match", [
+    (4, 1, r"num_kv_heads=1 of FalconConfig: sharding 'transformer.h.0.self_attention.query_key_value' .*"
+           r"num_kv_heads=1 cannot be split across ranks"),
+    (6, 3, r"num_kv_heads=3 of FalconConfig: sharding 'transformer.h.0.self_attention."
+           r"query_key_value' would split it unevenly; use a tensor size that divides 3 \(3\)"),
+])
+def test_falcon_kv_heads_are_checked_from_its_config(heads, kv_heads, match):
+    """Falcon calls its kv heads `num_kv_heads`: unread, the refusal came from the preset's shrink of an
+    internal attribute ("TPInfo shrink: ...num_kv_heads=1"), which a user did not write."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(vocab_size=128, hidden_size=16 * heads, num_hidden_layers=1, num_attention_heads=heads,
+                          num_kv_heads=kv_heads, new_decoder_architecture=True, alibi=False, bias=False)
+    model = _meta(FalconForCausalLM, config)
+    with pytest.raises(ValueError, match=r"tensor parallel size 2 does not divide " + match):
+        resolve_tp_plan(model, tpinfo_for_model(model), 2)
+
+
 def test_indivisible_hidden_size_of_a_custom_model():
     # HF configs already require hidden % heads == 0, so a custom model shows this check alone.
     class Custom(nn.Module):
@@ -345,6 +389,28 @@ def test_fork_swaps_the_default_generator_and_continues_the_stream():
         t1 = r.enter("tensor")
         r.enter("tensor", True)
         r.exit(t1)
+
+
+def test_a_stream_active_further_out_is_continued_when_entered_again():
+    # The model's forward runs in the replicated stream, the split attention in the per-rank one,
+    # and GPT-2's replicated resid_dropout inside that attention: it must continue the replicated
+    # stream (not draw from the per-rank one, not restart from the stored state).
+    r = MultiDimParallelRandomizer(3, {"tensor": 1})
+    torch.manual_seed(0)
+    outside = torch.get_rng_state()
+    with r.fork("tensor", replicated=True):
+        a = torch.rand(2)
+        with r.fork("tensor"):
+            p1 = torch.rand(2)
+            with r.fork("tensor", replicated=True):
+                b = torch.rand(2)
+            p2 = torch.rand(2)
+        c = torch.rand(2)
+    assert torch.equal(torch.get_rng_state(), outside)
+    replicated = torch.Generator().manual_seed(r.seed("tensor", True))
+    assert torch.equal(torch.cat([a, b, c]), torch.rand(6, generator=replicated))
+    parallel = torch.Generator().manual_seed(r.seed("tensor"))
+    assert torch.equal(torch.cat([p1, p2]), torch.rand(4, generator=parallel))
 
 
 def test_fork_module_rng_hooks_and_default_randomizer():

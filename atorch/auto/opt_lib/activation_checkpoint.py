@@ -124,16 +124,20 @@ def _randomizer_replay_contexts(randomizer: Any) -> Tuple[contextlib.AbstractCon
     Tensor-parallel dropouts swap their own per-group stream into the default generator, so
     torch's restoring of the default generator is not enough: the streams are snapshotted
     when the block runs forward, set to that snapshot for the recomputation, and put back
-    afterwards so that later forwards continue where they were.
+    afterwards so that later forwards continue where they were. The streams active around the
+    block (the model's replicated one, `fork_model_rng`) are continued from the default
+    generator, which torch restores, as the forward continued them.
     """
     snapshot = randomizer.get_states()
+    active = randomizer.active_streams()
 
     @contextlib.contextmanager
     def replay() -> Iterator[None]:
         current = randomizer.get_states()
         randomizer.set_states(snapshot)
         try:
-            yield
+            with randomizer.continuing(active):
+                yield
         finally:
             randomizer.set_states(current)
 
