@@ -62,9 +62,10 @@ def test_server_generates_the_unsharded_tokens_and_leaves_no_worker():
         assert status == 400 and "max_new_tokens must be a int" in answer["error"]
         status, answer = _post(port, {"prompt": "x"})
         assert status == 400 and "unknown field(s) ['prompt']" in answer["error"]
-        # What the request asks cannot run, the workers are fine: 400 without the workers' traceback
-        # (503 is for a dead worker).
-        for bad, says in (({"input_ids": prompt, "max_new_tokens": 2, "repetition_penalty": 0.0}, "ValueError"),
+        # What the request asks cannot run, the workers are fine: 400 without a traceback (503 is for a dead
+        # worker); a repetition_penalty of 0, which the workers' generate refused, is now refused before them.
+        for bad, says in (({"input_ids": prompt, "max_new_tokens": 2, "repetition_penalty": 0.0},
+                           "repetition_penalty must be > 0"),
                           ({"input_ids": [[5, 5000]]}, "token ids in [0, 1024)"),
                           ({"text": ""}, "non-empty string")):
             status, answer = _post(port, bad)
