@@ -562,8 +562,7 @@ def _plain_step(result: AutoAccelerateResult, batch: Any, steps: int, max_grad_n
     optim = cast(torch.optim.Optimizer, result.optim)
     norm = None
     if max_grad_norm is not None:
-        _unscale_for_clipping(optim)
-        norm = clip_grad_norm_(result, max_grad_norm)
+        norm = clip_grad_norm_(result, max_grad_norm)   # unscales fp16 gradients first
     optim.step()
     optim.zero_grad(set_to_none=True)
     if result.lr_scheduler is not None:
@@ -573,7 +572,7 @@ def _plain_step(result: AutoAccelerateResult, batch: Any, steps: int, max_grad_n
 
 def _unscale_for_clipping(optim: Any) -> None:
     """fp16 amp: divide the gradients by the loss scale before measuring them (once per step: a second
-    call in the same step, e.g. `clip_grad_norm_` inside `train_step`, does nothing)."""
+    call in the same step does nothing)."""
     scaler = getattr(optim, "scaler", None)
     inner = getattr(optim, "optimizer", None)
     if scaler is None or inner is None or not scaler.is_enabled():

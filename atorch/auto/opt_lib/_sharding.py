@@ -172,18 +172,17 @@ def check_no_parameter_spans_blocks(model: nn.Module, blocks: Sequence[nn.Module
     """ValueError naming a parameter that two of `blocks` share (ALBERT-style weight sharing across layers),
     neither inside the other: FSDP2 makes each block a unit of its own, and the second `fully_shard` of the
     parameter failed deep in torch ("Cannot concatenate overlapping meshes")."""
-    names = {id(m): n or type(model).__name__ for n, m in model.named_modules()}
     owner: Dict[int, nn.Module] = {}
-    param_names: Dict[int, str] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        param_names.setdefault(id(p), n)
     for block in blocks:
         for p in block.parameters():
             first = owner.setdefault(id(p), block)
             if first is block or any(m is block for m in first.modules()) or any(m is first for m in block.modules()):
                 continue
+            # Names only for the message: the first name a shared parameter is reached by.
+            names = {id(m): n or type(model).__name__ for n, m in model.named_modules()}
+            name = next(n for n, q in model.named_parameters(remove_duplicate=False) if q is p)
             raise ValueError(
-                f"{who}: parameter {param_names.get(id(p), '?')!r} is shared by {names.get(id(first))!r} and "
+                f"{who}: parameter {name!r} is shared by {names.get(id(first))!r} and "
                 f"{names.get(id(block))!r}; FSDP2 shards each block as a unit of its own and cannot shard one "
                 "parameter in two. Use ddp, zero1, or use_ds_zero=True (DeepSpeed ZeRO), or pass wrap_cls naming a "
                 "module that holds every block sharing it")
