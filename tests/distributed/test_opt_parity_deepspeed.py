@@ -180,11 +180,23 @@ def _adagrad_groups_refusal():
     return "accepted"
 
 
+def _adafactor_refusal():
+    """torch Adafactor (a factored second moment per matrix) under DeepSpeed ZeRO-1: refused on every rank."""
+    try:
+        auto_accelerate(tiny_llama(seed=0), optim_func=torch.optim.Adafactor, dataset=dataset(),
+                        optim_args={"lr": 1e-3}, model_input_format="unpack_dict",
+                        dataloader_args={"batch_size": GLOBAL_BATCH}, load_strategy=[("zero1", {"use_ds_zero": True})])
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
 def _train_deepspeed(root):
     out = train_all({**FP32, **BF16})
     out["scheduler_lrs"] = _scheduler_is_stepped_by_the_engine()
     out["scheduler_lrs_adagrad"] = _scheduler_is_stepped_by_the_engine(torch.optim.Adagrad)
     out["adagrad_groups"] = _adagrad_groups_refusal()
+    out["adafactor"] = _adafactor_refusal()
     out["odd_sized"] = _odd_sized_runs(root)
     try:     # every rank raises the same dtype error without the cast: reported by its own test
         out["float_inputs_bf16"] = _float_inputs_in_bf16()
@@ -225,6 +237,14 @@ def test_deepspeed_rebuilt_adagrad_is_the_optimizer_the_scheduler_drives(ds_runs
         assert runs["scheduler_lrs_adagrad"] == pytest.approx([1e-3 * GAMMA ** STEPS]), runs["scheduler_lrs_adagrad"]
         assert "torch.optim.Adagrad given 2 parameter groups" in runs["adagrad_groups"], runs["adagrad_groups"]
         assert "use another optimizer" in runs["adagrad_groups"], runs["adagrad_groups"]
+
+
+def test_deepspeed_refuses_a_shape_dependent_optimizer_on_every_rank(ds_runs):
+    """DeepSpeed steps the client optimizer on flat 1-D partitions: torch Adafactor would silently fall
+    back to its unfactored update there (no hang: every rank returns the same message)."""
+    for runs in ds_runs:
+        assert "Adafactor factors its second moment" in runs["adafactor"], runs["adafactor"]
+        assert "use_ds_zero=False" in runs["adafactor"], runs["adafactor"]
 
 
 def test_deepspeed_bf16_casts_float_inputs_to_the_module_dtype(ds_runs):

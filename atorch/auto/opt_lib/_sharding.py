@@ -29,6 +29,7 @@ from atorch.auto.opt_lib._ds_config import (
     user_stage3_elements,
     zero_ds_config,
 )
+from atorch.auto.opt_lib._flat_partitions import check_flat_partition_optimizer
 from atorch.auto.opt_lib._precision import cast_float_inputs, dtype_name
 from atorch.distributed.mesh import ParallelMesh
 from atorch.distributed.process_group import forget_library_model_parallel
@@ -392,8 +393,11 @@ def build_deepspeed_engine(ctx: ModelContext, who: str, stage: int, ds_config: D
 
     config = deepspeed_config(ctx, who, stage, ds_config)
     user_optim = ctx.optim
+    if user_optim is not None:
+        # The same on every rank: raised before DeepSpeed's collectives.
+        check_flat_partition_optimizer(who, user_optim)
     if isinstance(user_optim, torch.optim.Adagrad):
-        check_adagrad_groups(who, user_optim)   # the same on every rank: raised before DeepSpeed's collectives
+        check_adagrad_groups(who, user_optim)
     scheduler = None
     if ctx.lr_scheduler_cls is not None and ctx.optim is not None:
         scheduler = ctx.lr_scheduler_cls(ctx.optim, **ctx.lr_scheduler_args)

@@ -37,6 +37,7 @@ from atorch.auto.opt_lib._ds_config import (
     with_derived_buckets,
     zero_stage_of,
 )
+from atorch.auto.opt_lib._flat_partitions import check_flat_partition_optimizer
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, WrapperOrder, register
 from atorch.modules.pipeline.batches import (
     check_dataset_sample,
@@ -338,6 +339,10 @@ class DeepSpeed3DParallelOptimization(Optimization):
         if ctx.lr_scheduler is None and ctx.lr_scheduler_cls is not None and ctx.optim is not None:
             # Built here so the engine steps it at each optimizer step.
             ctx.lr_scheduler = ctx.lr_scheduler_cls(ctx.optim, **ctx.lr_scheduler_args)
+        half = bool((ds_config.get("bf16") or {}).get("enabled")) or bool((ds_config.get("fp16") or {}).get("enabled"))
+        if ctx.optim is not None and (half or (ds_config.get("zero_optimization") or {}).get("stage", 0)):
+            # ZeRO-1 and DeepSpeed's half-precision optimizers step flat partitions of the parameters.
+            check_flat_partition_optimizer(WHO, ctx.optim)
         params = [q for q in ctx.model.parameters() if q.requires_grad] if ctx.optim is None else None
         engine, optim, _, scheduler = deepspeed.initialize(model=ctx.model, optimizer=ctx.optim,
                                                            model_parameters=params, lr_scheduler=ctx.lr_scheduler,
