@@ -194,12 +194,46 @@ class TorchHandler(LayoutHandler):
         if self._local_optim is None:
             return
         flat: Dict[str, Any] = {**self.tp.to_local(tensors), **values}
-        set_optimizer_state_dict(self.model, self._local_optim, flat,
-                                 options=self._options(flatten_optimizer_state_dict=True))
+        optim = self._local_optim
+        # A ZeroRedundancyOptimizer gives a rank an empty parameter group where all of the group's
+        # parameters are owned elsewhere (a small no-decay group on 2+ ranks). torch's flattened
+        # loader reads a group's hyperparameters from its first parameter and raises IndexError on an
+        # empty one, so it sees only the groups holding parameters; the empty ones are put back at
+        # their places (nothing of theirs was saved from this rank, and nothing steps them here).
+        empty = [(i, g) for i, g in enumerate(optim.param_groups) if not g["params"]]
+        if empty:
+            optim.param_groups = [g for g in optim.param_groups if g["params"]]
+        try:
+            set_optimizer_state_dict(self.model, optim, flat, options=self._options(flatten_optimizer_state_dict=True))
+        finally:
+            for i, group in empty:
+                optim.param_groups.insert(i, group)
+        for i, group in empty:
+            # Its hyperparameters (the scheduled lr) as saved by the ranks owning its parameters, so that
+            # the outer optimizer's groups read the same on every rank.
+            group.update(self._saved_hyperparameters(i, values))
         if self.optimizer is not None and self._local_optim is not self.optimizer:
             # ZeroRedundancyOptimizer copies its own param_groups into the local optimizer at
             # every step, so the restored hyperparameters (the scheduled lr) must go there too.
             _copy_hyperparameters(self._local_optim.param_groups, self.optimizer.param_groups)
+
+
+    def _saved_hyperparameters(self, index: int, values: Dict[str, Any]) -> Dict[str, Any]:
+        """Group `index`'s hyperparameters in `values` (flattened `param_groups.<fqn>.<key>`), found
+        through the outer optimizer's parameters of that group; {} if none is there."""
+        from torch.distributed.checkpoint.state_dict import _get_fqns  # private; how torch names them
+
+        if self.optimizer is None or index >= len(self.optimizer.param_groups):
+            return {}
+        outer = self.optimizer.param_groups[index]
+        names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
+        for param in outer["params"]:
+            for fqn in _get_fqns(self.model, names.get(id(param), "")) if id(param) in names else ():
+                found = {k: values[f"param_groups.{fqn}.{k}"] for k in outer if k != "params"
+                         and f"param_groups.{fqn}.{k}" in values}
+                if found:
+                    return found
+        return {}
 
 
 def _copy_hyperparameters(src: List[Dict[str, Any]], dst: List[Dict[str, Any]]) -> None:

@@ -857,15 +857,17 @@ def _optimizer_targets(load: _LoadTargets, handler: LayoutHandler, meta: Dict[st
                         f"than the checkpoint's ({saved_class}), whose state does not carry over (e.g. DeepSpeed's "
                         "CPU Adam, saved with offload, and torch's AdamW); pass load_optimizer=False to load the "
                         "weights and start the optimizer fresh, or build the optimizer the checkpoint was saved with")
-    load.optimizer_values = {k: v for k, v in saved_values.items() if k in local_values}
+    # Every parameter's group hyperparameters, not only this rank's: a ZeroRedundancyOptimizer's group can
+    # be empty on this rank and still needs its saved lr (see TorchHandler.load_optim_state).
+    load.optimizer_values = {k: v for k, v in saved_values.items() if k in local_values or k.startswith("param_groups.")}
     return problems
 
 
 def _load_tensors(handler: LayoutHandler, load: _LoadTargets, dcp_dir: str, manifest: mf.Manifest) -> None:
     """Read the model's (and optimizer's) tensors in place, then hand them to the layout's model and optimizer."""
     _dcp_load({**load.model, **load.optimizer}, dcp_dir, manifest)
-    # One rank failing to hand the state over (torch's optimizer-state loader raised IndexError on one rank of
-    # ZeRO-1 with a parameter group empty there) left the others waiting at the next vote: agree here.
+    # One rank failing to hand the state over (e.g. a state torch's loader refuses on that rank only) left the
+    # others waiting at the next vote: agree here.
     with agree_on_error(f"load_checkpoint({os.path.dirname(dcp_dir)!r}): loading the model and optimizer state"):
         handler.load_model_state({k[len(MODEL_PREFIX):]: v for k, v in load.model.items()})
         if load.restore_optimizer:

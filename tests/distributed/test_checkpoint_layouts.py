@@ -49,6 +49,8 @@ def strategy_for(layout: str, world: int) -> list:
         "tp2dp2": [("parallel_mode", ([("tensor", 2), ("data", world // 2)], None)), "tensor_parallel"],
         "ds_zero2": ["parallel_mode", ("zero2", {"use_ds_zero": True})],
         "zero1": ["parallel_mode", "zero1"],
+        # One group of a single parameter: ZeroRedundancyOptimizer leaves it empty on every other rank.
+        "zero1_small_group": ["parallel_mode", "zero1"],
         "zero2": ["parallel_mode", "zero2"],
         "ds_zero1": ["parallel_mode", ("zero1", {"use_ds_zero": True})],
         "ds_zero3": ["parallel_mode", ("fsdp", {"use_ds_zero": True})],
@@ -66,11 +68,23 @@ def decay_groups(model: torch.nn.Module) -> List[dict]:
     return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def final_norm_group(model: torch.nn.Module) -> List[dict]:
+    """The final norm's weight alone in a group without decay, everything else in another."""
+    named = list(model.named_parameters())
+    last = [p for n, p in named if n.endswith("model.norm.weight")]
+    assert len(last) == 1, [n for n, _ in named]
+    return [{"params": [p for p in model.parameters() if p is not last[0]], "weight_decay": 0.1},
+            {"params": last, "weight_decay": 0.0}]
+
+
+PARAM_GROUPS = {"_groups": decay_groups, "_small_group": final_norm_group}
+
+
 def build(layout: str, seed: int = 0) -> AutoAccelerateResult:
     """A result for `layout` (see `strategy_for`) on the current world, through auto_accelerate."""
     status, result, _ = auto_accelerate(
         tiny_llama(seed=seed), optim_func=torch.optim.AdamW, dataset=TokenDataset(), optim_args={"lr": LR},
-        optim_param_func=decay_groups if layout.endswith("_groups") else None,
+        optim_param_func=next((f for end, f in PARAM_GROUPS.items() if layout.endswith(end)), None),
         model_input_format="unpack_dict", dataloader_args={"batch_size": GLOBAL_BATCH},
         lr_scheduler_cls=SCHEDULER[0], lr_scheduler_args=dict(SCHEDULER[1]),
         load_strategy=strategy_for(layout, dist.get_world_size()))

@@ -1,4 +1,5 @@
-"""Save / load for the other layouts on 2 gloo ranks: torch zero1 (ZeroRedundancyOptimizer) and zero2
+"""Save / load for the other layouts on 2 gloo ranks: torch zero1 (ZeroRedundancyOptimizer, with a parameter
+group of one parameter, so empty on the other rank) and zero2
 (FSDP2 without resharding), DeepSpeed ZeRO-1, ZeRO-2 with AdamW in two parameter groups (decay / no decay)
 and ZeRO-3, and LoRA under DDP; a DeepSpeed checkpoint
 loads into torch FSDP2; the LoRA checkpoint merges to a plain model and to adapters.
@@ -22,7 +23,7 @@ from test_checkpoint_layouts import SCHEDULER, LR, build, compare_weights, full_
 
 pytestmark = pytest.mark.heavy
 
-LAYOUTS = ("zero1", "zero2", "ds_zero1", "ds_zero2_groups", "ds_zero3", "lora_ddp")
+LAYOUTS = ("zero1_small_group", "zero2", "ds_zero1", "ds_zero2_groups", "ds_zero3", "lora_ddp")
 STEPS, SAVE_AT = 4, 2
 PROBE = torch.randint(4, 1000, (2, 12), generator=torch.Generator().manual_seed(3))
 
