@@ -40,6 +40,7 @@ import contextlib
 import hashlib
 import itertools
 import math
+import re
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, cast
@@ -536,11 +537,32 @@ def _micro_losses(result: AutoAccelerateResult, model: Any, micro: Any, steps: i
                   shares: Optional[_TokenShares], i: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """(micro-batch `i`'s loss to backpropagate, what it reports: its loss, or under tokens its scaled
     own loss, before any fp16 loss scaling)."""
-    output = call_model(model, micro, result.model_input_format)
+    try:
+        output = call_model(model, micro, result.model_input_format)
+    except RuntimeError as e:
+        if "find_unused_parameters=True" not in str(e):
+            raise
+        raise _unused_parameters_error(model, str(e)) from e
     loss = result.loss_func(micro, output)
     if shares is None:
         return _scaled(loss, steps, weights, i), loss.detach()
     return shares.scale(loss, i), shares.scale(default_loss_func(micro, output).detach(), i)
+
+
+def _unused_parameters_error(model: Any, message: str) -> RuntimeError:
+    """DDP's "parameters that were not used in producing loss" error, said for atorch: torch's advice names
+    DDP's constructor argument, which atorch passes, and the parameters only by index."""
+    names = [n for n, p in getattr(model, "module", model).named_parameters() if p.requires_grad]
+    found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", message)
+    indices = [int(i) for i in found.group(1).split()] if found else []
+    unused = [names[i] for i in indices if 0 <= i < len(names)]
+    which = (f"{len(unused)} parameters took no part in the last step's loss ({', '.join(unused[:6])}"
+             f"{', ...' if len(unused) > 6 else ''})" if unused else "some parameters took no part in the last "
+             "step's loss")
+    return RuntimeError(f"DistributedDataParallel: {which}, so their gradients were never reduced. Make every "
+                        "parameter take part in the loss, freeze the unused ones (requires_grad=False) before "
+                        "auto_accelerate, or add ('ddp', {'find_unused_parameters': True}) to the strategy "
+                        "(atorch builds the DDP wrapper; slower: it walks the graph every step)")
 
 
 def _reported(losses: Sequence[torch.Tensor], weights: Optional[List[float]],

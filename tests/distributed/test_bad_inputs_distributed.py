@@ -107,7 +107,19 @@ def _cases(root: str) -> List[Tuple[str, Callable[[], Any]]]:
         batch = res.prepare_input(next(iter(res.dataloader)))
         return res.loss_func(batch, res.model(**batch))
 
+    def ddp_unused_parameter():
+        from atorch.auto import train_step
+
+        model = tiny_llama(seed=0)
+        model.model.unused = torch.nn.Linear(2, 2)     # registered, never called by forward
+        status, res, _ = _accelerate(model=model)
+        batches = iter(res.dataloader)
+        for _ in range(2):    # DDP notices at the forward after the first backward
+            train_step(res, next(batches))
+
     return [
+        # torch's advice names DDP's constructor argument, which atorch passes: the error says where it is here
+        ("ddp_unused_parameter", ddp_unused_parameter),
         ("batch_not_divisible_by_data", lambda: _accelerate(dataloader_args={"batch_size": 3})),
         ("batch_zero", lambda: _accelerate(dataloader_args={"batch_size": 0})),
         ("chunks_not_dividing_batch", lambda: _accelerate(
@@ -188,6 +200,11 @@ def _rank() -> int:
 
 # name -> (exception type name or "status=False", text the message must contain)
 EXPECTED: Dict[str, Tuple[str, str]] = {
+    "ddp_unused_parameter": ("RuntimeError", "DistributedDataParallel: 2 parameters took no part in the last step's "
+                                             "loss (model.unused.weight, model.unused.bias), so their gradients "
+                                             "were never reduced. Make every parameter take part in the loss, freeze "
+                                             "the unused ones (requires_grad=False) before auto_accelerate, or add "
+                                             "('ddp', {'find_unused_parameters': True}) to the strategy"),
     "batch_not_divisible_by_data": ("BatchLayoutError", "batch_size']=3"),
     "batch_zero": ("ValueError", "batch_size']=0"),
     "chunks_not_dividing_batch": ("BatchLayoutError", "chunks=3"),
