@@ -330,6 +330,8 @@ class DeepSpeed3DParallelOptimization(Optimization):
     def apply_wrapper(self, ctx: ModelContext, config: DeepSpeed3DParallelConfig) -> None:
         import deepspeed
 
+        from atorch.modules.pipeline.ds_pipe import refresh_partition_meta_per_instruction
+
         # ZeRO-1 over "data": its buckets sized from this stage's trainable elements (the user's
         # sizes win), as for the ZeRO engines; DeepSpeed's default is 5e8 elements whatever the model.
         ds_config = with_derived_buckets(self._ds_config, sum(q.numel() for q in ctx.model.parameters()
@@ -351,6 +353,7 @@ class DeepSpeed3DParallelOptimization(Optimization):
             # hf_batch_fn gives the stages input_ids and attention_mask, the loss labels: any other key is dropped.
             check_dataset_sample(ctx.dataset, takes_position_ids=False, who=WHO, tuples_pass=True)
         engine.set_batch_fn(config.batch_fn or hf_batch_fn)
+        refresh_partition_meta_per_instruction(engine)   # sequence lengths may vary under tensor parallelism too
         ctx.engine, ctx.optim, ctx.lr_scheduler = engine, optim, scheduler
         if ctx.dataset is not None and ctx.dataloader is None:
             ctx.dataloader, ctx.sampler = _micro_batch_loader(ctx, ds_config["train_micro_batch_size_per_gpu"])

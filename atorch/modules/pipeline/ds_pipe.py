@@ -179,6 +179,10 @@ class PipeModuleFromRecordedMeta(PipelineModule):
                 layers.append(LayerSpec(SourcedLayer, source, i))
         if logit_helper is not None and not per_module:
             layers.append(logit_helper)  # a function layer: DeepSpeed calls it last on the last stage
+        # DeepSpeed's engine otherwise sizes its activation and gradient buffers at the first micro-batch and
+        # reuses them: a later micro-batch of another sequence length (a pad-to-longest collator) then fails or
+        # trains on garbage. Dynamic shapes send each activation's shape along (a small message per micro-batch).
+        kwargs.setdefault("dynamic_shape", True)
         if "loss_fn" not in kwargs:
             vocab_size = getattr(getattr(meta_model, "config", None), "vocab_size", None)
             kwargs["loss_fn"] = CausalLMLoss(group, vocab_size)
@@ -209,6 +213,42 @@ class PipeModuleFromRecordedMeta(PipelineModule):
     def local_layers(self) -> List[PatchedLayer]:
         """The model pieces of this stage, in forward order."""
         return [f for f in self.forward_funcs if isinstance(f, PatchedLayer)]
+
+
+# DeepSpeed's PipelineEngine caches the metadata of a tensor-parallel partitioned activation (or gradient) at the
+# first micro-batch and never refreshes it, even with dynamic_shape; the metadata itself travels with every
+# micro-batch. Under tensor parallelism a micro-batch of another sequence length then rebuilt the activation at the
+# first one's shape ("ProcessGroupGloo::allgather: invalid tensor size").
+_PARTITION_META_CACHES = ("pipe_partition_input_meta_cache", "pipe_partition_output_meta_cache",
+                          "pipe_partition_grad_meta_cache", "grad_partition_grad_layer_meta_cache")
+
+
+def refresh_partition_meta_per_instruction(engine: Any) -> None:
+    """Make a dynamic-shape DeepSpeed `PipelineEngine` read the partition metadata of each micro-batch afresh.
+
+    Each instruction of its schedule (forward, backward, receive) fills a cache it finds empty from the
+    micro-batch's own metadata and uses it at once; emptying them before every instruction costs a copy of a few
+    integers to the CPU. Only engines that partition activations or gradients (tensor parallel, DeepSpeed's
+    default pipe_partitioned / grad_partitioned) with dynamic_shape are changed.
+    """
+    if not getattr(engine, "dynamic_shape", False) or not (getattr(engine, "is_pipe_partitioned", False)
+                                                           or getattr(engine, "is_grad_partitioned", False)):
+        return
+    missing = [name for name in _PARTITION_META_CACHES if not hasattr(engine, name)]
+    if missing or not isinstance(getattr(engine, "_INSTRUCTION_MAP", None), dict):
+        raise RuntimeError(f"this DeepSpeed's PipelineEngine lacks {missing or ['_INSTRUCTION_MAP']}: atorch cannot "
+                           "make it take varying sequence lengths under tensor parallelism; set ds_config "
+                           "pipeline.pipe_partitioned and pipeline.grad_partitioned to false")
+
+    def fresh(run: Callable[..., Any]) -> Callable[..., Any]:
+        def instruction(self: Any, **kwargs: Any) -> Any:
+            for name in _PARTITION_META_CACHES:
+                setattr(self, name, None)
+            return run(self, **kwargs)
+        return instruction
+
+    # The engine binds `_INSTRUCTION_MAP[type(cmd)]` to itself per instruction: an instance attribute wins.
+    engine._INSTRUCTION_MAP = {cmd: fresh(run) for cmd, run in type(engine)._INSTRUCTION_MAP.items()}
 
 
 def _atorch_tensor_group() -> Optional[torch.distributed.ProcessGroup]:

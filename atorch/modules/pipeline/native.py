@@ -12,6 +12,7 @@ DDP averages them.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -21,6 +22,7 @@ from torch import nn
 
 from atorch.modules.pipeline.batches import (
     IGNORE_INDEX,
+    POSITION_IDS_KEY,
     causal_lm_loss,
     check_labels_fit_logits,
     check_pipeline_batch,
@@ -62,10 +64,18 @@ def check_schedule_chunks(schedule: str, chunks: int, num_stages: int) -> None:
                          "gives one per stage), or use schedule='gpipe'")
 
 
-# Why a last stage's labels can disagree with its logits though its own batch is consistent.
+# Why a last stage's labels can disagree with its logits though its own batch is consistent (labels shaped like
+# its input_ids, checked before the schedule runs): the logits were computed from another rank's input_ids.
 PIPELINE_LABELS_HINT = ("; on a pipeline's last stage the logits come from the input_ids that the pipeline's first "
-                        "stage (another rank) was given and the labels from this rank's batch: every rank of a "
-                        "pipeline must be given batches of the same shape (the result's dataloader does)")
+                        "stage (another rank) was given and the labels from this rank's batch, so the ranks of this "
+                        "pipeline were given batches of different shapes at this step: give every rank of a pipeline "
+                        "the same batch (the result's dataloader does)")
+
+# How many (stage, schedule) pairs a NativePipeline keeps, one per recently seen batch shape (`_schedule_for`).
+# Each holds receive buffers for every micro-batch of its shape (about one step's inter-stage activations and
+# their gradients), so an unbounded cache grows with every new length a pad-to-longest collator produces; a few
+# cover the usual repeats (an epoch's full batches and its smaller last one, a handful of bucketed lengths).
+SCHEDULE_CACHE_SIZE = 4
 
 
 def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -218,12 +228,11 @@ class NativePipeline:
         self.loss_fn = loss_fn
         # The last stage's count of the current batch's predicted tokens (set by forward_backward).
         self._batch_tokens = torch.ones(())
-        # One stage and schedule per micro-batch size: torch.distributed.pipelining fixes the shapes
-        # it sends between stages at its first step, so an epoch's smaller last batch (drop_last=False)
-        # gets its own. Every stage of a pipeline sees the same batch, so all build it together.
-        self.stage, self.schedule = self._new_schedule()
-        # micro-batch rows -> schedule; the first step's is `schedule`
-        self._schedules: Dict[int, PipelineScheduleSingle] = {}
+        # One stage and schedule per batch shape: torch.distributed.pipelining fixes the shapes it sends
+        # between stages at a schedule's first step, so a batch of other rows (an epoch's smaller last batch)
+        # or another sequence length (a pad-to-longest collator) gets its own. Every stage of a pipeline sees the
+        # same batch, so all build (and evict) it together. Keyed by `_shape_key`, least recently used last.
+        self._schedules: OrderedDict[Tuple[Any, ...], PipelineScheduleSingle] = OrderedDict()
 
     def _micro_batch_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One micro-batch's share of the batch loss: the micro-batch losses (and their gradients) add up to it."""
@@ -242,12 +251,29 @@ class NativePipeline:
         return stage, schedule_cls(stage, n_microbatches=self.chunks, loss_fn=self._micro_batch_loss,
                                    scale_grads=False)
 
-    def _schedule_for(self, micro_rows: int) -> PipelineScheduleSingle:
-        if not self._schedules:
-            self._schedules[micro_rows] = self.schedule      # the first step fixes this one's shapes
-        if micro_rows not in self._schedules:
-            self._schedules[micro_rows] = self._new_schedule()[1]
-        return self._schedules[micro_rows]
+    @staticmethod
+    def _shape_key(batch: Mapping[str, torch.Tensor]) -> Tuple[Any, ...]:
+        """What fixes the tensors a stage sends and receives: the shape and dtype of input_ids (the mask's and
+        position_ids' follow them, `pipeline_inputs`) and whether position_ids are sent along."""
+        input_ids = batch["input_ids"]
+        return tuple(input_ids.shape), input_ids.dtype, POSITION_IDS_KEY in batch
+
+    def _schedule_for(self, batch: Mapping[str, torch.Tensor]) -> PipelineScheduleSingle:
+        """The schedule for `batch`'s shape, built on first use; at most `SCHEDULE_CACHE_SIZE` are kept.
+
+        A new one infers its shapes in its first step (one extra forward and backward of a micro-batch, with a
+        few small messages between the stages): pad batches to a few fixed lengths (e.g. pad_to_multiple_of)
+        where that matters. Every rank of the pipeline sees the same sequence of shapes, so all evict alike.
+        """
+        key = self._shape_key(batch)
+        schedule = self._schedules.get(key)
+        if schedule is None:
+            if len(self._schedules) >= SCHEDULE_CACHE_SIZE:
+                self._schedules.popitem(last=False)
+            schedule = self._new_schedule()[1]
+            self._schedules[key] = schedule
+        self._schedules.move_to_end(key)
+        return schedule
 
     @property
     def is_first(self) -> bool:
@@ -279,7 +305,7 @@ class NativePipeline:
         if target is not None:
             # clamp: a batch with no predicted token has loss 0 and no gradient (not 0 / 0).
             self._batch_tokens = predicted_tokens(target).clamp(min=1)
-        schedule = self._schedule_for(rows // self.chunks)
+        schedule = self._schedule_for(batch)
         schedule.step(*args, target=target, losses=losses if self.is_last else None, return_outputs=False)
         self._average_data_parallel_grads()
         if self.tied_param is not None and self.tied_param.grad is not None:
