@@ -321,7 +321,7 @@ class DeepSpeed3DParallelOptimization(Optimization):
                                                base_seed=config.base_seed,
                                                randomizer_coords=parallel.layout.coords(torch.distributed.get_rank()),
                                                **loss_kwargs)
-        _mark_tensor_parallel_params(ctx.model)
+        _mark_tensor_parallel_params(ctx.model, topology.get_coord(torch.distributed.get_rank()).model)
         # The pipeline engine places the stages and reduces gradients: no DDP, no _place_model.
         ctx.is_sharded = True
         ctx.dataloader_args["batch_size"] = ds_config["train_batch_size"]
@@ -390,18 +390,26 @@ def _check_fields(config: DeepSpeed3DParallelConfig) -> None:
                          f"{type(config.custom_patcher).__name__}")
 
 
-def _mark_tensor_parallel_params(module: nn.Module) -> None:
-    """Tag tensor-parallel shards the way DeepSpeed recognizes model-parallel parameters.
+def _mark_tensor_parallel_params(module: nn.Module, tensor_rank: int) -> None:
+    """Tag the parameters DeepSpeed is to count in its gradient norm (clipping) on this rank.
 
-    DeepSpeed's gradient-norm (clipping) counts a parameter on every model-parallel rank only
-    when it carries this attribute, and replicated ones on model-parallel rank 0 only.
+    DeepSpeed counts a parameter tagged `tensor_model_parallel` on every rank of its model-parallel group and any
+    other only on that group's rank 0, then sums over the group. Its pipeline grid's model-parallel group is the
+    whole data replica (every stage x tensor rank), so untagged, only stage 0's parameters counted: the norm
+    clipped with was stage 0's. Tagged here: a tensor-parallel shard (summed over the tensor ranks) and, on tensor
+    rank 0 of every stage, a replicated parameter (counted once), as Megatron counts; not the last stage's copy of
+    a tied weight (`ds_pipe_replicated`: the first stage counts it). DeepSpeed's bf16 and ZeRO norms apply the same
+    rule by the tensor rank themselves, and skip `ds_pipe_replicated`; the plain fp32 step needs the tags.
     """
     from atorch.modules.distributed_modules.layers import TensorParallelModule
 
+    shards = set()
     for sub in module.modules():
         if isinstance(sub, TensorParallelModule) and sub.tp_size > 1:
-            for name in sub.shard_specs():
-                setattr(getattr(sub, name), "tensor_model_parallel", True)
+            shards.update(id(getattr(sub, name)) for name in sub.shard_specs())
+    for param in module.parameters():
+        counted = (id(param) in shards or tensor_rank == 0) and not getattr(param, "ds_pipe_replicated", False)
+        setattr(param, "tensor_model_parallel", counted)
 
 
 def _micro_batch_loader(ctx: ModelContext, micro: int) -> Tuple[Any, Any]:
