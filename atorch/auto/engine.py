@@ -108,8 +108,10 @@ def place_model(ctx: ModelContext) -> None:
     ctx.model.to(ctx.device)
 
 
-def build_dataloader(ctx: ModelContext, global_batch: Optional[int] = None) -> Tuple[DataLoader, Sampler]:
-    """A DataLoader whose `batch_size` is the global one (or `global_batch`) divided over the data-parallel ranks."""
+def build_dataloader(ctx: ModelContext, global_batch: Optional[int] = None,
+                     micro_batches: int = 1) -> Tuple[DataLoader, Sampler]:
+    """A DataLoader whose `batch_size` is the global one (or `global_batch`) divided over the data-parallel ranks
+    and into `micro_batches` items (DeepSpeed 3D's engine pulls a step's micro-batches from the loader itself)."""
     args = dict(ctx.dataloader_args)
     batch = args.pop("batch_size", DEFAULT_GLOBAL_BATCH)
     global_batch = batch if global_batch is None else global_batch
@@ -121,7 +123,11 @@ def build_dataloader(ctx: ModelContext, global_batch: Optional[int] = None) -> T
     seed = args.pop("seed", 0)
     drop_last = args.pop("drop_last", True)
     sampler = _make_sampler(ctx, dp, shuffle=shuffle, seed=seed, drop_last=drop_last)
-    loader = DataLoader(ctx.dataset, batch_size=global_batch // dp, sampler=sampler, drop_last=drop_last, **args)
+    if (global_batch // dp) % micro_batches != 0:
+        raise ValueError(f"dataloader_args batch_size={global_batch} (global) does not split into {micro_batches} "
+                         f"micro-batches on each of {dp} data-parallel ranks")
+    loader = DataLoader(ctx.dataset, batch_size=global_batch // dp // micro_batches, sampler=sampler,
+                        drop_last=drop_last, **args)
     size = len(ctx.dataset) if hasattr(ctx.dataset, "__len__") else None
     if size is not None and size % global_batch and adist.rank() == 0:
         what = (f"the last {size % global_batch} are left out" if drop_last else

@@ -20,6 +20,12 @@ batch's token mean, however many tokens each micro-batch predicts):
 Losses within rel 1e-5 (fp32; only the micro-batch gradient sums change the order of summation; training
 without the position_ids, on 0..seq-1 and one causal mask per row, moves the first loss by rel 4e-3 (GPT-2)
 and 1e-3 (Llama); averaging the two micro-batches' token means instead moves GPT-2's by rel 7e-5).
+Batches whose sequence length changes from step to step (a pad-to-longest collate_fn over samples of unequal
+lengths, through the result's dataloader) train like one process too, rel 1e-5: the native pipeline over 7 steps
+of 5 lengths, one revisited after the pipeline's cache of 4 schedules evicted it (torch fixes the shapes it sends
+between stages at a schedule's first step: the second length crashed gloo, "Received data size doesn't match
+expected size"), and DeepSpeed 3D's pipeline engine, whose micro-batches each have their own length (it reused
+the first micro-batch's buffers: the labels of the second did not fit its logits).
 A dataset of tuples and a batch key the pipeline would drop are ValueErrors on every rank, the first from
 `auto_accelerate`, the second (added by a collate_fn, so only a batch shows it) from the first `train_step`,
 before the schedule's first send (a rank left in a collective would time the test out).
@@ -44,7 +50,7 @@ from atorch.modules.pipeline.batches import check_pipeline_batch, pipeline_input
 from atorch.modules.pipeline.native import build_stage_module
 from atorch.modules.pipeline.patchers import expand_patcher, get_custom_patcher, pieces_take_position_ids
 from atorch.testing import run_distributed, tiny_gpt2, tiny_llama
-from atorch.testing.parity import assert_close_losses
+from atorch.testing.parity import VarLenDataset, assert_close_losses, pad_to_longest, reference_losses
 
 ROWS, USEQ = 4, 12
 
@@ -259,6 +265,7 @@ def _train() -> Dict[str, Any]:
             out["position_ids first"] = train_step(result, _position_ids_first(next(batches))).item()
         del result, batches
         dist.barrier()
+    out.update(_train_on_varying_lengths())
     try:
         _accelerate("llama", Rows("tuple"), model_input_format="unpack_sequence")
     except ValueError as e:
@@ -281,6 +288,53 @@ def _train() -> Dict[str, Any]:
     except ValueError as e:
         out["errors"].append(str(e))
     return out
+
+
+# Longest sample of each native global batch (8 rows): 16 comes back after 8, 10 and 12 evicted it from the
+# pipeline's cache of 4 schedules; DeepSpeed's micro-batches (2 rows, 2 per step) each have their own.
+NATIVE_LONGEST, DS_LONGEST, DS_MICRO, DS_GAS = (16, 12, 16, 20, 8, 10, 12, 16), (16, 12, 20, 8, 10, 14), 2, 2
+
+
+def _train_on_varying_lengths() -> Dict[str, Any]:
+    from atorch.auto import train_step
+    from atorch.auto.opt_lib.ds_3d_parallel_optimization import DeepSpeed3DParallelConfig
+
+    status, result, _ = _accelerate("llama", VarLenDataset(NATIVE_LONGEST, GLOBAL_BATCH),
+                                    dataloader_args={"collate_fn": pad_to_longest})
+    assert status
+    native = [train_step(result, batch).item() for batch in result.dataloader]
+    cached = len(result.pipeline._schedules)
+    del result
+    dist.barrier()
+    from atorch.auto import auto_accelerate
+
+    ds_config = {"train_micro_batch_size_per_gpu": DS_MICRO, "gradient_accumulation_steps": DS_GAS,
+                 "steps_per_print": 10 ** 9, "torch_adam": True}
+    status, result, _ = auto_accelerate(
+        _model("llama"), optim_func=torch.optim.AdamW, optim_args={"lr": LR},
+        dataset=VarLenDataset(DS_LONGEST, DS_MICRO), dataloader_args={"collate_fn": pad_to_longest},
+        load_strategy=[("parallel_mode", ([("data", 1), ("pipeline", 2)], None)),
+                       ("deepspeed_3d_parallel", DeepSpeed3DParallelConfig(ds_config=ds_config))])
+    assert status
+    micro_batches = iter(result.dataloader)
+    deepspeed = [result.model.train_batch(micro_batches).item() for _ in range(len(DS_LONGEST) // DS_GAS)]
+    del result, micro_batches
+    dist.barrier()
+    return {"varying lengths": native, "schedules kept": cached, "varying lengths ds3d": deepspeed}
+
+
+def _reference_on_varying_lengths() -> Tuple[List[float], List[float]]:
+    """Plain training on the padded global batches; for DeepSpeed, on the mean of each step's micro-batch losses."""
+    data = VarLenDataset(NATIVE_LONGEST, GLOBAL_BATCH)
+    native = reference_losses(_model("llama"), [pad_to_longest([data[i] for i in range(k * GLOBAL_BATCH, (k + 1) *
+                                                                                        GLOBAL_BATCH)])
+                                                for k in range(len(NATIVE_LONGEST))], lr=LR)
+    data = VarLenDataset(DS_LONGEST, DS_MICRO)
+    micros = [pad_to_longest([data[i] for i in range(k * DS_MICRO, (k + 1) * DS_MICRO)])
+              for k in range(len(DS_LONGEST))]
+    deepspeed = reference_losses(_model("llama"), [micros[k:k + DS_GAS] for k in range(0, len(micros), DS_GAS)],
+                                 lr=LR)
+    return native, deepspeed
 
 
 def _position_ids_first(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -318,6 +372,11 @@ def test_pipeline_trains_on_position_ids_and_refuses_what_it_cannot_pass_on():
         got = last[f"{kind}/{layout}"] + ([last["position_ids first"]] if kind == "llama" else [])
         assert_close_losses(got, _reference(kind, layout), rel=REL, what=f"{kind} {layout}")
     assert results[0]["position_ids first"] == last["position_ids first"]   # every stage returns the loss
+    native, deepspeed = _reference_on_varying_lengths()
+    for r in results:       # every stage returns the loss
+        assert_close_losses(r["varying lengths"], native, rel=REL, what="native, varying lengths")
+        assert r["schedules kept"] == 4, r["schedules kept"]        # 5 lengths seen, the cache is bounded
+    assert_close_losses(last["varying lengths ds3d"], deepspeed, rel=REL, what="deepspeed_3d, varying lengths")
     for r in results:       # every rank raised both, the same
         tuple_error, key_error, deepspeed_error = r["errors"]
         assert "deepspeed_3d_parallel passes only ['input_ids', 'attention_mask', 'labels']" in deepspeed_error

@@ -225,3 +225,38 @@ def test_cost_traits_accumulate_one_micro_batch_per_stage_without_batch_keys():
     config = DeepSpeed3DParallelConfig(ds_config={"train_micro_batch_size_per_gpu": 2,
                                                   "gradient_accumulation_steps": 3})
     assert cls.cost_traits(config, context)["accumulation_steps"] == 3
+
+
+@pytest.mark.parametrize("size, data, drop_last, refused", [
+    (3, 1, True, True), (4, 1, True, False), (7, 2, True, True), (8, 2, True, False),
+    (3, 1, False, False),   # micro-batches of 2 and 1: a step's two
+    (3, 2, False, True),    # the sampler gives each data rank 2 samples: one micro-batch of a step's two
+])
+def test_a_dataset_that_cannot_fill_one_step_is_refused(size, data, drop_last, refused):
+    """The engine pulls gradient_accumulation_steps micro-batches per step: a dataset yielding fewer ran out on one
+    stage (a bare StopIteration there, the peers left waiting) after auto_accelerate had returned status True."""
+    from atorch.auto.opt_lib.ds_3d_parallel_optimization import check_dataset_fills_a_step
+    from atorch.testing.parity import TokenDataset
+
+    ds_config = resolve_ds_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}, data, 2)
+    if not refused:
+        check_dataset_fills_a_step(TokenDataset(n=size), drop_last, ds_config, data)
+        return
+    with pytest.raises(ValueError, match=rf"dataset has {size} samples, fewer than one global batch "
+                                         rf"\(train_batch_size={4 * data} = train_micro_batch_size_per_gpu=2 x "
+                                         rf"gradient_accumulation_steps=2 x data size {data}"):
+        check_dataset_fills_a_step(TokenDataset(n=size), drop_last, ds_config, data)
+
+
+def test_the_micro_batch_loader_logs_the_global_batch(caplog):
+    """Its items are micro-batches, but what an epoch leaves out is counted in global batches (micro x gas x data)."""
+    from atorch.auto.model_context import ModelContext
+    from atorch.auto.opt_lib.ds_3d_parallel_optimization import _micro_batch_loader
+    from atorch.testing.parity import TokenDataset
+
+    ctx = ModelContext(model=torch.nn.Linear(1, 1), dataset=TokenDataset(n=10), dataloader_args={"batch_size": 4})
+    with caplog.at_level("INFO"):
+        loader, _ = _micro_batch_loader(ctx, gas=2)
+    assert loader.batch_size == 2
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("10 samples in global batches of 4: the last 2 are left out" in m for m in messages), messages

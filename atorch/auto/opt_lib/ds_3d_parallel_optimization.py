@@ -307,6 +307,8 @@ class DeepSpeed3DParallelOptimization(Optimization):
                            "training on the default global batch of %d (%d row(s) per data rank); pass "
                            "dataloader_args={'batch_size': ...} to choose it", WHO, ds_config["train_batch_size"],
                            DEFAULT_ROWS_PER_DATA_RANK)
+        if ctx.dataset is not None and ctx.dataloader is None:   # atorch builds the loader (apply_wrapper)
+            check_dataset_fills_a_step(ctx.dataset, bool(ctx.dataloader_args.get("drop_last", True)), ds_config, d)
         if ctx.optim_func is not None and "optimizer" in ds_config:
             raise ValueError("deepspeed_3d_parallel: both optim_func and ds_config['optimizer'] are given; pass one")
         topology = build_topology(p, t, d)
@@ -356,7 +358,7 @@ class DeepSpeed3DParallelOptimization(Optimization):
         refresh_partition_meta_per_instruction(engine)   # sequence lengths may vary under tensor parallelism too
         ctx.engine, ctx.optim, ctx.lr_scheduler = engine, optim, scheduler
         if ctx.dataset is not None and ctx.dataloader is None:
-            ctx.dataloader, ctx.sampler = _micro_batch_loader(ctx, ds_config["train_micro_batch_size_per_gpu"])
+            ctx.dataloader, ctx.sampler = _micro_batch_loader(ctx, ds_config["gradient_accumulation_steps"])
         ctx.deepspeed_config = ds_config
         ctx.custom_train_step = ds3d_train_step
         ctx.gradient_accumulation_steps = ds_config["gradient_accumulation_steps"]
@@ -412,11 +414,37 @@ def _mark_tensor_parallel_params(module: nn.Module, tensor_rank: int) -> None:
         setattr(param, "tensor_model_parallel", counted)
 
 
-def _micro_batch_loader(ctx: ModelContext, micro: int) -> Tuple[Any, Any]:
-    """The dataloader of `auto_accelerate`, yielding micro-batches (`engine.train_batch` pulls gas of them)."""
+def _micro_batch_loader(ctx: ModelContext, gas: int) -> Tuple[Any, Any]:
+    """The dataloader of `auto_accelerate`, yielding micro-batches (`engine.train_batch` pulls gas of them): the
+    global batch (`dataloader_args["batch_size"]`, set to train_batch_size by `apply`) in `gas` items per data rank,
+    so that its log counts whole global batches."""
     from atorch.auto.engine import build_dataloader
 
-    return build_dataloader(ctx, global_batch=micro * ctx.data_parallel_size())
+    return build_dataloader(ctx, micro_batches=gas)
+
+
+def check_dataset_fills_a_step(dataset: Any, drop_last: bool, ds_config: Mapping[str, Any], data_size: int) -> None:
+    """ValueError when `dataset` cannot fill one step of `ds_config`: the dataloader gives each data rank fewer
+    than gradient_accumulation_steps micro-batches (with drop_last, the default: fewer samples than one global
+    batch), and the engine's first `train_batch` would run out of them on some stages only."""
+    size = len(dataset) if hasattr(dataset, "__len__") else None
+    if size is None:
+        return
+    total, micro = ds_config["train_batch_size"], ds_config["train_micro_batch_size_per_gpu"]
+    gas = ds_config["gradient_accumulation_steps"]
+    # What DistributedSampler and DataLoader give each data rank: whole micro-batches, or with drop_last=False
+    # every sample (the sampler repeating a few) in micro-batches of which the last may be smaller.
+    if drop_last:
+        items = size // data_size // micro
+    else:
+        per_rank = -(-size // data_size)          # ceil
+        items = -(-per_rank // micro)
+    if items >= gas:
+        return
+    raise ValueError(f"{WHO}: dataset has {size} samples, fewer than one global batch (train_batch_size={total} = "
+                     f"train_micro_batch_size_per_gpu={micro} x gradient_accumulation_steps={gas} x data size "
+                     f"{data_size}; dataloader_args['drop_last']={drop_last}): the dataloader would yield no whole "
+                     "step; give more samples or a smaller batch")
 
 
 def ds3d_train_step(result: Any, batch: Any) -> torch.Tensor:
