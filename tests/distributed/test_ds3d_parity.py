@@ -6,6 +6,13 @@ Tolerance rel 1e-4 (fp32): the pipeline sums micro-batch gradients and tensor pa
 all-reduces partial matmuls, so results differ from one process by summation order only;
 Adam's normalization can amplify that on near-zero gradients, hence 1e-4 rather than 1e-6.
 One spawn per world size runs every layout in sequence to amortize process start-up.
+
+The 4-rank spawn also clips, with SGD (lr 0.5; Adam's normalization hides a rescaled gradient), against plain
+training with `clip_grad_norm_(0.5)`, rel 1e-5: Llama on data 2 x pipeline 2 through `train_step(max_grad_norm=)`,
+and GPT-2 (tied wte / lm_head on the first and last stage) on tensor 2 x pipeline 2 through ds_config's
+`gradient_clipping`, on micro-batches padded each to its own longest sample, so their sequence lengths vary under
+tensor parallelism too. DeepSpeed's norm counted only stage 0's parameters (rel 3e-4 off after 4 steps; the tied
+case 7e-4), and a second sequence length failed in DeepSpeed's partitioned-activation all-gather.
 """
 
 import pytest
@@ -13,7 +20,14 @@ import torch
 import torch.distributed as dist
 
 from atorch.testing import run_distributed, tiny_gpt2, tiny_gpt2_config, tiny_llama, tiny_llama_config
-from atorch.testing.parity import TokenDataset, assert_close_losses, global_batches, reference_losses
+from atorch.testing.parity import (
+    TokenDataset,
+    VarLenDataset,
+    assert_close_losses,
+    global_batches,
+    pad_to_longest,
+    reference_losses,
+)
 
 STEPS, MICRO, GAS, LAYERS, SEED, LR = 5, 2, 2, 4, 1234, 1e-3
 REL = 1e-4
@@ -42,12 +56,12 @@ def _strategy(dims, name="deepspeed_3d_parallel", **overrides):
     return [("parallel_mode", (dims, None)), (name, cfg)]
 
 
-def _expect_value_error(model_kind, dims, match, layers=LAYERS, **overrides):
+def _expect_value_error(model_kind, dims, match, layers=LAYERS, dataset=None, **overrides):
     from atorch.auto import auto_accelerate
 
     try:
         auto_accelerate(_meta_model(model_kind, layers), optim_func=torch.optim.AdamW, optim_args={"lr": LR},
-                        load_strategy=_strategy(dims, **overrides))
+                        dataset=dataset, load_strategy=_strategy(dims, **overrides))
     except ValueError as e:
         assert match in str(e), str(e)
         return str(e)
@@ -69,6 +83,11 @@ def _bad_inputs_raise_everywhere():
         _expect_value_error("llama", [("tensor", 1), ("data", 2), ("pipeline", world // 2)],
                             "train_batch_size=6 != train_micro_batch_size_per_gpu=2",
                             ds_config={**_ds_config(), "train_batch_size": 6}),
+        # The engine's first step ran out of micro-batches on the first stage only (StopIteration there).
+        _expect_value_error("llama", [("tensor", 1), ("data", 2), ("pipeline", world // 2)],
+                            "dataset has 7 samples, fewer than one global batch (train_batch_size=8 = "
+                            "train_micro_batch_size_per_gpu=2 x gradient_accumulation_steps=2 x data size 2",
+                            dataset=TokenDataset(n=7)),
     ]
 
 
@@ -115,6 +134,54 @@ def _train_layouts(cases):
     return out, errors
 
 
+CLIP_LR, MAX_NORM, CLIP_STEPS, CLIP_REL = 0.5, 0.5, 4, 1e-5
+VARYING_LONGEST = (16, 12, 20, 8, 10, 14, 12, 18)   # each micro-batch's longest sample (2 rows), 2 per step
+
+
+def _train_clipped():
+    """SGD with clipping: Llama on data 2 x pipeline 2 by train_step(max_grad_norm=), tied GPT-2 on tensor 2 x
+    pipeline 2 by ds_config gradient_clipping on micro-batches of varying sequence length."""
+    from atorch.auto import auto_accelerate, train_step
+
+    out = {}
+    status, result, _ = auto_accelerate(
+        _meta_model("llama"), optim_func=torch.optim.SGD, optim_args={"lr": CLIP_LR}, dataset=TokenDataset(),
+        load_strategy=_strategy([("tensor", 1), ("data", 2), ("pipeline", 2)]))
+    assert status
+    data_iter = iter(result.dataloader)
+    out["llama"] = [train_step(result, [next(data_iter) for _ in range(GAS)], max_grad_norm=MAX_NORM).item()
+                    for _ in range(CLIP_STEPS)]
+    del result, data_iter
+    dist.barrier()
+    status, result, _ = auto_accelerate(
+        _meta_model("gpt2"), optim_func=torch.optim.SGD, optim_args={"lr": CLIP_LR},
+        dataset=VarLenDataset(VARYING_LONGEST, MICRO), dataloader_args={"collate_fn": pad_to_longest},
+        load_strategy=_strategy([("tensor", 2), ("data", 1), ("pipeline", 2)],
+                                ds_config={**_ds_config(), "gradient_clipping": MAX_NORM}))
+    assert status
+    data_iter = iter(result.dataloader)
+    out["gpt2"] = [result.model.train_batch(data_iter).item() for _ in range(len(VARYING_LONGEST) // GAS)]
+    del result, data_iter
+    dist.barrier()
+    return out
+
+
+def _train_layouts_and_clipped(cases):
+    return (*_train_layouts(cases), _train_clipped())
+
+
+def _clipped_references():
+    llama = reference_losses(tiny_llama(seed=SEED, num_hidden_layers=LAYERS),
+                             global_batches(TokenDataset(), MICRO * GAS * 2, CLIP_STEPS), optim_func=torch.optim.SGD,
+                             lr=CLIP_LR, max_grad_norm=MAX_NORM)
+    data = VarLenDataset(VARYING_LONGEST, MICRO)
+    micros = [pad_to_longest([data[i] for i in range(k * MICRO, (k + 1) * MICRO)]) for k in range(len(VARYING_LONGEST))]
+    steps = [micros[k:k + GAS] for k in range(0, len(micros), GAS)]
+    gpt2 = reference_losses(tiny_gpt2(seed=SEED, n_layer=LAYERS), steps, optim_func=torch.optim.SGD, lr=CLIP_LR,
+                            max_grad_norm=MAX_NORM)
+    return {"llama": llama, "gpt2": gpt2}
+
+
 def _reference(kind, data_size):
     model = tiny_llama(seed=SEED, num_hidden_layers=LAYERS) if kind == "llama" else \
         tiny_gpt2(seed=SEED, n_layer=LAYERS)
@@ -122,8 +189,8 @@ def _reference(kind, data_size):
 
 
 def _check(results):
-    for cases, errors in results:
-        assert len(errors) == 5, errors
+    for cases, errors, *_ in results:
+        assert len(errors) == 6, errors
         for case in cases:
             data_size = dict(case["dims"]).get("data", 1)
             assert case["global_batch"] == MICRO * GAS * data_size
@@ -141,7 +208,12 @@ def test_ds3d_4_ranks_layouts_match_single_process():
         # tied wte / lm_head over two stages, the user's logit_helper and batch_fn
         ("gpt2", [("tensor", 2), ("data", 1), ("pipeline", 2)], "deepspeed_3d_parallel", True),
     ]
-    _check(run_distributed(_train_layouts, 4, cases, timeout=480))
+    results = run_distributed(_train_layouts_and_clipped, 4, cases, timeout=600)
+    _check(results)
+    expected = _clipped_references()
+    for _, _, clipped in results:     # DeepSpeed's train_batch returns the loss on every stage
+        for kind in ("llama", "gpt2"):
+            assert_close_losses(clipped[kind], expected[kind], rel=CLIP_REL, what=f"ds3d clipped {kind}")
 
 
 @pytest.mark.heavy
