@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import nn
@@ -405,7 +405,7 @@ def _mark_tensor_parallel_params(module: nn.Module, tensor_rank: int) -> None:
     """
     from atorch.modules.distributed_modules.layers import TensorParallelModule
 
-    shards = set()
+    shards: Set[int] = set()
     for sub in module.modules():
         if isinstance(sub, TensorParallelModule) and sub.tp_size > 1:
             shards.update(id(getattr(sub, name)) for name in sub.shard_specs())
