@@ -21,7 +21,15 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from atorch.data.indexed_dataset import PathLike, check_token_id, is_int, open_indexed_dataset, strip_suffix
+from atorch.data.indexed_dataset import (
+    PathLike,
+    check_token_id,
+    data_path,
+    is_int,
+    open_indexed_dataset,
+    strip_suffix,
+    token_id_bounds,
+)
 from atorch.distributed import local_rank
 from atorch.distributed.agreement import agree, agree_on_error, agree_on_values
 
@@ -105,12 +113,19 @@ class DatasetForCausalLM(Dataset):
         binarization_impl: "mmap", "lazy" or "cached", as the files were written.
         seed: None keeps the file order. An int shuffles the document order before concatenation
             and the sample order, deterministically.
-        eod_token_id: insert this token after every document. Only for files written with
+        eod_token_id: insert this token after every non-empty document (none after an empty one, as
+            Megatron's and atorch's preprocessors append EOD). Only for files written with
             `append_eod=False`; files from `DatasetPreprocessor` already end documents with EOD.
         cache_dir: the directory of the sample index files; None (the default) puts them next to the
             data, which must then be writable. Give one for data on read-only storage. Every rank of a
             node must give the same one (its local rank 0 builds the index there); the file names then
             carry a hash of the data's absolute path, so corpora of the same name do not collide.
+        vocab_size: the model's vocabulary size, to refuse a corpus (or `eod_token_id`) with a token id
+            >= it at construction (ValueError naming the file, its largest id and `vocab_size`) instead
+            of an index error inside the embedding (a device-side assert on GPUs) at the first step.
+            Costs one read of the whole `.bin` (the local rank 0 of each node; `token_id_bounds`), skipped
+            when the file's dtype cannot hold an id >= vocab_size (uint16 and a vocabulary of 65536+).
+            None (the default): not checked.
 
     Each item is `{"input_ids": LongTensor[max_seq_length], "labels": LongTensor[max_seq_length]}`
     with `labels` a copy of `input_ids`: the Hugging Face convention, where the causal LM shifts
@@ -131,12 +146,15 @@ class DatasetForCausalLM(Dataset):
     def __init__(self, data_name: PathLike, max_seq_length: int, split_type: str = "train",
                  start_weight: float = 0.0, end_weight: float = 1.0, binarization_impl: str = "mmap",
                  seed: Optional[int] = None, eod_token_id: Optional[int] = None, *,
-                 cache_dir: Optional[PathLike] = None) -> None:
+                 cache_dir: Optional[PathLike] = None, vocab_size: Optional[int] = None) -> None:
         what = "DatasetForCausalLM"     # the same on every rank: the agreed messages must be too
         with agree_on_error(what):
-            self._check_arguments(max_seq_length, split_type, start_weight, end_weight, seed, cache_dir)
+            self._check_arguments(max_seq_length, split_type, start_weight, end_weight, seed, cache_dir, vocab_size)
             self._open(data_name, max_seq_length, split_type, start_weight, end_weight, binarization_impl, seed,
                        eod_token_id, cache_dir)
+            self.vocab_size = vocab_size
+            if vocab_size is not None:
+                self._check_vocabulary(vocab_size)
         # Ranks building or reading different index files would wait for each other or read files never built.
         agree_on_values(what, self._agreed_values(cache_dir))
         stem = str(self.index_files["samples"])[:-len("_samples.npy")]
@@ -148,7 +166,7 @@ class DatasetForCausalLM(Dataset):
 
     @staticmethod
     def _check_arguments(max_seq_length: Any, split_type: Any, start_weight: Any, end_weight: Any, seed: Any,
-                         cache_dir: Any) -> None:
+                         cache_dir: Any, vocab_size: Any = None) -> None:
         """ValueError naming the first argument out of its range (local: the caller agrees on the outcome)."""
         for name, weight in (("start_weight", start_weight), ("end_weight", end_weight)):
             if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
@@ -163,6 +181,8 @@ class DatasetForCausalLM(Dataset):
             raise ValueError(f"max_seq_length must be an int >= 1, got {max_seq_length!r}")
         if seed is not None and (not is_int(seed) or seed < 0):
             raise ValueError(f"seed must be None (file order) or an int >= 0, got {seed!r}")
+        if vocab_size is not None and (not is_int(vocab_size) or vocab_size < 1):
+            raise ValueError(f"vocab_size must be None (not checked) or an int >= 1, got {vocab_size!r}")
         if cache_dir is not None and not (isinstance(cache_dir, (str, os.PathLike)) and os.path.isdir(cache_dir)):
             raise ValueError(f"cache_dir={cache_dir!r} must be None (the index next to the data) or an existing "
                              "directory; create it first")
@@ -194,13 +214,38 @@ class DatasetForCausalLM(Dataset):
             raise ValueError(f"split {split_type!r} (start_weight={start_weight}, end_weight={end_weight}) of the "
                              f"{n} documents in {self.data_name!r} is empty")
         tokens, single = self._document_lengths()
-        self._lengths = tokens + (0 if eod_token_id is None else 1)
+        # An inserted EOD ends every non-empty document; an empty one gets none (Megatron's preprocessor writes
+        # none for it either), so it adds no lone-EOD sample.
+        self._lengths = tokens if eod_token_id is None else tokens + (tokens > 0)
+        self._eod_skips_empty = eod_token_id is not None and bool(np.any(tokens == 0))
         self.num_tokens = int(self._lengths.sum())
         if self.max_seq_length > self.num_tokens:
             raise ValueError(f"max_seq_length={self.max_seq_length} is larger than split {split_type!r} of "
                              f"{self.data_name!r}, which holds {self.num_tokens} tokens (documents [{lo}, {hi}))")
         self.index_files: Dict[str, Path] = {k: Path(f"{self._index_stem(start_weight, end_weight, single, cache_dir)}"
                                                      f"_{k}.npy") for k in ("doc_order", "doc_offsets", "samples")}
+
+    def _check_vocabulary(self, vocab_size: int) -> None:
+        """ValueError when `eod_token_id` or a token id of the file is outside [0, vocab_size)."""
+        where = f"{str(data_path(self.data_name))!r}"
+        if self.eod_token_id is not None and self.eod_token_id >= vocab_size:
+            raise ValueError(f"eod_token_id={self.eod_token_id} is outside the model's vocabulary: vocab_size="
+                             f"{vocab_size}")
+        dtype = self.tokens.dtype
+        if dtype.kind == "u" and np.iinfo(dtype).max < vocab_size:
+            return   # every id the file can hold is in the vocabulary: nothing to read
+        if dist.is_available() and dist.is_initialized() and local_rank() != 0:
+            return   # one read per node: local rank 0's failure is raised on every rank (agree_on_error)
+        bounds = token_id_bounds(self.tokens)
+        if bounds is None:
+            return
+        low, high = bounds
+        if high >= vocab_size:
+            raise ValueError(f"{where} holds token id {high}, but the model's vocab_size is {vocab_size} (ids must be "
+                             f"below it): the corpus was tokenized with another tokenizer; tokenize it again with the "
+                             "model's own")
+        if low < 0:
+            raise ValueError(f"{where} holds the negative token id {low}: the file is damaged or not token ids")
 
     def _document_lengths(self) -> Tuple[np.ndarray, bool]:
         """Tokens of each document of the split (its sequences together), and whether each is one sequence."""
@@ -223,7 +268,10 @@ class DatasetForCausalLM(Dataset):
         """The index files' path without `_<kind>.npy`. Files whose documents are one sequence each keep the
         names of before documents were read from the document index (their index is the same); others get
         `_docs`, so an index an older atorch built over their sequences is never read as theirs."""
+        # `-nonempty` where the split has empty documents: an older atorch gave each an EOD, and its index
+        # (other lengths) must not be read as this one.
         eod = "" if self.eod_token_id is None else f"_eod{self.eod_token_id}"
+        eod += "-nonempty" if self._eod_skips_empty else ""
         docs = "" if single else "_docs"
         prefix = self.data_name
         if cache_dir is not None:
@@ -239,7 +287,7 @@ class DatasetForCausalLM(Dataset):
         return {"data file name": os.path.basename(self.data_name), "max_seq_length": repr(self.max_seq_length),
                 "split_type": repr(self.split_type), "binarization_impl": repr(self.binarization_impl),
                 "split": f"documents [{lo}, {hi}) of {self._file_documents()}, {self.num_tokens} tokens",
-                "seed": repr(self.seed), "eod_token_id": repr(self.eod_token_id),
+                "seed": repr(self.seed), "eod_token_id": repr(self.eod_token_id), "vocab_size": repr(self.vocab_size),
                 "cache_dir": "next to the data" if cache_dir is None else repr(os.fspath(cache_dir))}
 
     def _file_documents(self) -> int:
@@ -347,7 +395,7 @@ class DatasetForCausalLM(Dataset):
             if hi > lo:
                 pieces.append(self.tokens.get(seq, lo - seq_start, hi - lo).astype(np.int64))
         size = int(ends[-1]) if ends.size else 0
-        if self.eod_token_id is not None and end > size:
+        if self.eod_token_id is not None and end > size > 0:
             pieces.append(np.array([self.eod_token_id], dtype=np.int64))
         return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
 

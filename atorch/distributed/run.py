@@ -6,12 +6,13 @@ A thin front end over torch elastic (`torch.distributed.run`), not a process man
   the static rendezvous that `--master_addr/--master_port` select fails to re-form a gloo
   group after a restart ("Connection refused" in connectFullMesh), while c10d re-forms it.
 - Without it, a crash fails the job at once (`--max_restarts` defaults to 0).
+- `--nnodes MIN:MAX` uses the c10d rendezvous as well: the static one waits for MAX nodes.
 - A single-node job without `--master_port` runs `--standalone`, so concurrent jobs on one
   machine never fight over the default port 29500.
 - Started by srun with one task per node (`srun --ntasks-per-node=1 atorch run ...`) and no
   placement flags, it takes `--nnodes`, `--node_rank` and the rendezvous (the step's first
   node, a port derived from the job id) from the step (atorch/distributed/slurm.py).
-- Usage mistakes (`--nproc_per_node 0`, `--nnodes 0`, a `--node_rank` outside `--nnodes`, a port
+- Usage mistakes (`--nproc_per_node 0` or `gpu` without CUDA, `--nnodes 0`, a `--node_rank` outside `--nnodes`, a port
   outside 1..65535, a missing script, a malformed ATORCH_*_TIMEOUT) exit with status 2 and one
   line naming the flag, before any process or socket is started.
 - The node that hosts the rendezvous store checks its port first: a port in use fails at once
@@ -31,11 +32,12 @@ import functools
 import math
 import os
 import shutil
+import signal
 import socket
 import sys
 import uuid
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, NoReturn, Optional, Tuple
 
 from atorch.distributed import slurm
 from atorch.distributed.launcher_watch import naming_this_launcher
@@ -45,6 +47,8 @@ DEFAULT_MASTER_PORT = 29500
 # How long nodes wait for each other when ATORCH_INIT_TIMEOUT is unset: torch's own default. Longer than
 # init_distributed's 60 s on purpose: the nodes of a cluster job may start minutes apart (image pulls, queues).
 DEFAULT_LAUNCHER_JOIN_TIMEOUT_S = 600.0
+# torch's c10d rendezvous' default `last_call_timeout` (seconds): how long it waits for more than MIN nodes.
+_C10D_LAST_CALL_S = 30
 PROG = "atorch.distributed.run"
 
 
@@ -56,7 +60,7 @@ Launch SCRIPT on this node's processes (torch elastic underneath).
 
 atorch options:
   --nproc_per_node N      processes on this node (e.g. one per GPU)
-  --nnodes N              nodes in the job (default 1)
+  --nnodes N              nodes in the job (default 1); MIN:MAX starts with MIN to MAX nodes (c10d rendezvous)
   --node_rank R           this node's rank (multi-node)
   --master_addr HOST      rendezvous host (multi-node; default 127.0.0.1)
   --master_port PORT      rendezvous port (default: a free port on one node, 29500 on several)
@@ -137,7 +141,7 @@ def translate_args(argv: List[str], env: Optional[Mapping[str, str]] = None) -> 
             print(f"atorch.distributed.run: Slurm step on {placement[0].split('=')[1]} nodes: {' '.join(placement)}",
                   file=sys.stderr, flush=True)
         argv = placement + argv
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = _FlagParser(add_help=False)
     parser.add_argument("--fault_tolerant", "--fault-tolerant", action="store_true")
     parser.add_argument("--max_restarts", "--max-restarts", type=int, default=None)
     parser.add_argument("--master_addr", "--master-addr", default=None)
@@ -146,10 +150,7 @@ def translate_args(argv: List[str], env: Optional[Mapping[str, str]] = None) -> 
     parser.add_argument("--rdzv_backend", "--rdzv-backend", default=None)
     parser.add_argument("--standalone", action="store_true")
     at = _split_at_script(argv)
-    try:
-        ours, rest = parser.parse_known_args(argv[:at])
-    except SystemExit as e:  # argparse's own message went to stderr; say it as one usage error
-        raise ValueError(f"bad launcher arguments {argv[:at]} (see the message above)") from e
+    ours, rest = parser.parse_known_args(argv[:at])
     _check_usage(ours, argv[:at])
     if ours.fault_tolerant:
         restarts = DEFAULT_FAULT_TOLERANT_RESTARTS if ours.max_restarts is None else ours.max_restarts
@@ -157,10 +158,12 @@ def translate_args(argv: List[str], env: Optional[Mapping[str, str]] = None) -> 
         restarts = 0 if ours.max_restarts is None else ours.max_restarts
     out = [f"--max_restarts={restarts}", f"--nnodes={ours.nnodes}"]
     single_node = ours.nnodes in ("1", "1:1")
+    min_nodes, max_nodes = _nnodes_range(ours.nnodes)
     if ours.rdzv_backend is not None or ours.standalone:
         out += [f"--rdzv_backend={ours.rdzv_backend}"] if ours.rdzv_backend else ["--standalone"]
         out += _master_args(ours)
-    elif ours.fault_tolerant and (ours.master_port is not None or not single_node):
+    elif (ours.fault_tolerant or min_nodes < max_nodes) and (ours.master_port is not None or not single_node):
+        # A node range needs c10d too: the static rendezvous of --master_addr/--master_port waits for MAX nodes.
         port = ours.master_port or DEFAULT_MASTER_PORT
         addr = ours.master_addr or "127.0.0.1"
         out += ["--rdzv_backend=c10d", f"--rdzv_endpoint={addr}:{port}", f"--rdzv_id=atorch-{port}"]
@@ -172,6 +175,14 @@ def translate_args(argv: List[str], env: Optional[Mapping[str, str]] = None) -> 
 
 
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+
+
+class _FlagParser(argparse.ArgumentParser):
+    """A parser of some of the launcher's flags whose mistakes (an ambiguous abbreviation such as `--nproc`)
+    raise ValueError, reported as one usage line under the launcher's name, not argparse's exit under `run.py`."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
 
 
 def _nnodes_range(text: str) -> Tuple[int, int]:
@@ -187,7 +198,7 @@ def _nnodes_range(text: str) -> Tuple[int, int]:
 
 def _check_usage(ours: argparse.Namespace, launcher_args: List[str]) -> None:
     """Usage errors naming the flag, before any process or socket is started."""
-    checker = argparse.ArgumentParser(add_help=False)
+    checker = _FlagParser(add_help=False)
     checker.add_argument("--nproc_per_node", "--nproc-per-node", default=None)
     checker.add_argument("--node_rank", "--node-rank", default=None)
     more, _ = checker.parse_known_args(launcher_args)
@@ -202,7 +213,12 @@ def _check_usage(ours: argparse.Namespace, launcher_args: List[str]) -> None:
         if nproc < 1:
             raise ValueError(f"--nproc_per_node={ours.nproc_per_node!r} must be a number of processes >= 1 "
                              f"(or one of {list(_NPROC_WORDS)})")
-    _, max_nodes = _nnodes_range(ours.nnodes)
+    _check_devices(ours.nproc_per_node)
+    min_nodes, max_nodes = _nnodes_range(ours.nnodes)
+    if min_nodes < max_nodes and ours.rdzv_backend == "static":
+        raise ValueError(f"--nnodes={ours.nnodes} (a range) needs an elastic rendezvous, but --rdzv_backend=static "
+                         f"waits for all {max_nodes} nodes; drop --rdzv_backend (atorch then uses c10d) or give "
+                         f"--nnodes {max_nodes}")
     if ours.node_rank is not None:
         try:
             node_rank = int(ours.node_rank)
@@ -218,6 +234,20 @@ def _check_usage(ours: argparse.Namespace, launcher_args: List[str]) -> None:
         # torch elastic would find out only once the agent starts, as a traceback with exit status 1.
         raise ValueError(f"--rdzv_backend={ours.rdzv_backend!r} is not a registered rendezvous backend; use one of "
                          f"{sorted(known)}")
+
+
+def _check_devices(nproc_per_node: Optional[str]) -> None:
+    """`--nproc_per_node gpu`/`xpu` (one worker per device) where there is no such device: torch elastic would
+    raise "Cuda is not available." as a traceback once the agent starts."""
+    import torch
+
+    available = {"gpu": ("CUDA", torch.cuda.is_available),
+                 "xpu": ("XPU", getattr(getattr(torch, "xpu", None), "is_available", lambda: False))}
+    if nproc_per_node in available:
+        name, is_available = available[nproc_per_node]
+        if not is_available():
+            raise ValueError(f"--nproc_per_node={nproc_per_node} starts one worker per {name} device, but this "
+                             f"machine has none that torch can use; give a number of workers, or 'cpu' or 'auto'")
 
 
 def registered_rendezvous_backends() -> Optional[List[str]]:
@@ -283,6 +313,7 @@ class Rendezvous:
     timeout_s: int          # how long a node waits for the others
     timeout_source: str     # where timeout_s came from, for messages
     hosts_store: Optional[bool]   # this node hosts the store (None: torch decides, trying to host first)
+    last_call_s: Optional[int] = None   # a node range: c10d starts once MIN joined and none joined for this long
 
     @property
     def endpoint(self) -> str:
@@ -378,6 +409,15 @@ def prepare_rendezvous(args: argparse.Namespace, launcher_args: List[str],
     key = "timeout" if args.rdzv_backend == "static" and not args.standalone else "join_timeout"
     if key in user_conf:
         timeout_s, source = max(1, math.ceil(float(user_conf[key]))), f"--rdzv_conf {key}"
+    last_call_s: Optional[int] = None
+    if args.rdzv_backend == "c10d" and min_nodes < max_nodes:
+        # c10d starts with fewer than MAX nodes only once no node joined for `last_call_timeout` (torch's 30 s)
+        # after MIN had; that must end before the join timeout does, or a short ATORCH_INIT_TIMEOUT fails a
+        # rendezvous that had its MIN nodes ("did not gather at least 1 nodes within 15 s").
+        last_call_s = max(1, min(_C10D_LAST_CALL_S, timeout_s // 2))
+        if "last_call_timeout" in user_conf:
+            last_call_s = max(1, math.ceil(float(user_conf["last_call_timeout"])))
+        conf["last_call_timeout"] = str(last_call_s)
     node_rank_given = _given(("--node_rank", "--node-rank"), launcher_args) or bool(environ.get("PET_NODE_RANK"))
     hosts: Optional[bool] = None
     host, port = "", 0
@@ -402,7 +442,7 @@ def prepare_rendezvous(args: argparse.Namespace, launcher_args: List[str],
         user_id = _given(("--rdzv_id", "--rdzv-id"), launcher_args) or bool(environ.get("PET_RDZV_ID"))
         if not user_id and args.rdzv_id == f"atorch-{port}":
             args.rdzv_id = _job_rendezvous_id(port, max_nodes, environ)
-    rdzv = Rendezvous(host, port, min_nodes, max_nodes, timeout_s, source, hosts)
+    rdzv = Rendezvous(host, port, min_nodes, max_nodes, timeout_s, source, hosts, last_call_s)
     if hosts and port > 0 and port_in_use(port):
         raise LaunchError(_port_message(rdzv))
     args.rdzv_conf = ",".join(f"{key}={value}" for key, value in conf.items())
@@ -425,7 +465,9 @@ def waiting_line(rdzv: Rendezvous, prog: str = PROG) -> Optional[str]:
         return None
     nodes = f"{rdzv.max_nodes}" if rdzv.min_nodes == rdzv.max_nodes else f"{rdzv.min_nodes} to {rdzv.max_nodes}"
     where = rdzv.endpoint or "the rendezvous"
-    return f"{prog}: waiting up to {rdzv.timeout_s} s ({rdzv.timeout_source}) for {nodes} nodes at {where}"
+    start = "" if rdzv.last_call_s is None else \
+        f"; starts once {rdzv.min_nodes} have joined and no other joined for {rdzv.last_call_s} s"
+    return f"{prog}: waiting up to {rdzv.timeout_s} s ({rdzv.timeout_source}) for {nodes} nodes at {where}{start}"
 
 
 def _timeout_message(rdzv: Rendezvous) -> str:
@@ -518,7 +560,10 @@ def run_job(args: argparse.Namespace, rdzv: Rendezvous, prog: str = PROG) -> int
             if restarts > 0 else ""
         # Exit status 2 is the command-line usage convention (argparse's): the worker has printed its own
         # one-line message, which torch elastic's failure table (no traceback to show) would only bury.
-        usage = all(f.exitcode == USAGE_EXIT_CODE for f in e.failures.values())
+        # The agent SIGTERMs the rest of the group when the first worker exits: a rank still on its way to its own
+        # exit 2 then shows -15, and its usage error is no less one.
+        usage = failure.exitcode == USAGE_EXIT_CODE and all(
+            f.exitcode in (USAGE_EXIT_CODE, -signal.SIGTERM) for f in e.failures.values())
         if not usage:
             print(e.format_msg(), file=sys.stderr)
         what = " (a usage error: the worker's message is above)" if usage else ""

@@ -54,7 +54,7 @@ def main(args: argparse.Namespace) -> None:
     # Fixed while the planner searches, so every candidate trains the same samples per step,
     # whatever data-parallel size it picks.
     global_batch = args.per_device_train_batch_size * adist.world_size()
-    dataset = eu.load_train_dataset(args, loaded.tokenizer, global_batch)
+    dataset = eu.load_train_dataset(args, loaded.tokenizer, global_batch, loaded.config.vocab_size)
     # Both counts now, on the unwrapped model; which one applies depends on the strategy found.
     flops_by_checkpointing = {enabled: TransformerFlops.from_model(loaded.model, args.block_size, enabled)
                               for enabled in (False, True)}

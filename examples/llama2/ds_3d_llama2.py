@@ -61,9 +61,9 @@ def build_strategy(args: argparse.Namespace, model_config: Any, tp: int, dp: int
 
 def main(args: argparse.Namespace) -> None:
     eu.validate_common_args(args)
-    for name in ("micro_batch_size", "accu_steps"):
+    for name in ("micro_batch_size", "accu_steps", "model_parallel_size", "pipeline_parallel_size"):
         if getattr(args, name) < 1:
-            raise eu.UsageError(f"--{name}={getattr(args, name)} must be >= 1")
+            raise eu.UsageError(f"{name.upper()} (--{name})={getattr(args, name)} must be >= 1")
     resume_from = eu.locate_resume(args)   # a wrong RESUME or MAX_STEPS fails here, on every rank
     if eu.nothing_to_train(args, resume_from):
         return
@@ -78,7 +78,7 @@ def main(args: argparse.Namespace) -> None:
         with record_module_init():   # meta tensors + the recipe to rebuild each piece where it lands
             model = AutoModelForCausalLM.from_config(loaded.config)
     global_batch = args.micro_batch_size * args.accu_steps * dp
-    dataset = eu.load_train_dataset(args, loaded.tokenizer, global_batch)
+    dataset = eu.load_train_dataset(args, loaded.tokenizer, global_batch, loaded.config.vocab_size)
     # Counted on the whole (meta or real) model: the pipeline keeps one stage per rank.
     flops = TransformerFlops.from_model(model, seq_len=args.block_size)
     lr = eu.learning_rate(args, loaded.mode)

@@ -358,6 +358,20 @@ def _is_preprocessed_prefix(path: str) -> Optional[str]:
     return prefix if data_path(prefix).is_file() and index_path(prefix).is_file() else None
 
 
+def _check_not_half_a_pair(path: str) -> None:
+    """A UsageError naming the missing file when DATASET_PATH names one file of a `.bin`/`.idx` pair (the file
+    itself, or their prefix) and the other is missing; it would otherwise be read as a text corpus."""
+    from atorch.data.indexed_dataset import data_path, index_path, strip_suffix
+
+    prefix = strip_suffix(path)
+    data, index = data_path(prefix), index_path(prefix)
+    names_the_pair = path != prefix or not Path(path).exists()
+    if names_the_pair and data.is_file() != index.is_file():
+        there, missing = (data, index) if data.is_file() else (index, data)
+        raise UsageError(f"DATASET_PATH (--dataset_path) {path!r}: {str(missing)!r} is missing next to {str(there)!r}; "
+                         "a preprocessed corpus is both files (copy the other, or preprocess the corpus again)")
+
+
 def _source_fingerprint(path: Path) -> List[Any]:
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     return [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
@@ -388,6 +402,7 @@ def tokenized_corpus(args: argparse.Namespace, tokenizer: Any) -> Tuple[str, str
         prefix = _is_preprocessed_prefix(args.dataset_path)
         if prefix is not None:
             return prefix, args.dataset_path
+        _check_not_half_a_pair(args.dataset_path)
         source = Path(args.dataset_path)
         if not source.exists():
             raise UsageError(f"DATASET_PATH (--dataset_path) {args.dataset_path!r} does not exist; give a .txt or "
@@ -421,26 +436,34 @@ def check_has_document(source: Path, tokenizer: Any) -> None:
     """
     from atorch.data import DatasetPreprocessor
 
-    documents = DatasetPreprocessor(tokenizer).open(source)
-    texts = iter(documents)
-    try:
-        if any(text and tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts):
-            return
-    finally:
-        getattr(texts, "close", lambda: None)()   # a generator holding the file open
+    preprocessor = DatasetPreprocessor(tokenizer)
+    try:   # the reader's ValueErrors (no corpus file in a directory, a JSON array, a suffix it cannot read) are usage
+        documents = preprocessor.open(source)
+        texts = iter(documents)
+        try:
+            if any(text and tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts):
+                return
+        finally:
+            getattr(texts, "close", lambda: None)()   # a generator holding the file open
+    except ValueError as e:
+        raise UsageError(f"DATASET_PATH (--dataset_path) {str(source)!r}: {e}") from e
     first = f"; first problem: {documents.problems[0]}" if documents.problems else ""
     raise UsageError(f"DATASET_PATH (--dataset_path) {str(source)!r} has no usable document ({documents.problem_count} "
                      f"unusable lines{first}); give .txt lines of text or .jsonl objects with a 'text' key")
 
 
-def load_train_dataset(args: argparse.Namespace, tokenizer: Any, global_batch_size: int) -> Any:
-    """`DatasetForCausalLM` of `--block_size` tokens per sample over the tokenized corpus."""
+def load_train_dataset(args: argparse.Namespace, tokenizer: Any, global_batch_size: int, vocab_size: int) -> Any:
+    """`DatasetForCausalLM` of `--block_size` tokens per sample over the tokenized corpus.
+
+    `vocab_size` (the model's): a preprocessed corpus with a token id >= it is refused here, naming the file and
+    the id (it would fail inside the embedding at the first step). The check reads the `.bin` once per node.
+    """
     from atorch.data import DatasetForCausalLM
 
     prefix, source = tokenized_corpus(args, tokenizer)
     try:
-        dataset = DatasetForCausalLM(prefix, max_seq_length=args.block_size, seed=args.seed)
-    except ValueError as e:  # e.g. a block longer than the whole corpus
+        dataset = DatasetForCausalLM(prefix, max_seq_length=args.block_size, seed=args.seed, vocab_size=vocab_size)
+    except ValueError as e:  # e.g. a block longer than the whole corpus, a token id outside the vocabulary
         raise UsageError(str(e)) from e
     if len(dataset) < global_batch_size:
         raise UsageError(f"the corpus {prefix!r} gives {len(dataset)} samples of {args.block_size} tokens, fewer than "
@@ -601,6 +624,8 @@ class ResumePoint:
     step: int
     lora_enabled: bool
     """Whether it was trained with LoRA adapters (its tensors are then the adapted model's)."""
+    data_position: Optional[dict] = None
+    """meta.json's data position (JSON), checked against this run's global batch before anything loads."""
 
 
 def _trained_with_lora(meta: dict) -> bool:
@@ -634,7 +659,9 @@ def locate_resume(args: argparse.Namespace) -> Optional[ResumePoint]:
     except mf.CheckpointError as e:
         raise UsageError(f"RESUME (--resume)={args.resume!r}: {e}") from None
     step = int(meta.get("step") or 0) if isinstance(meta, dict) else 0
-    point = ResumePoint(path, step, isinstance(meta, dict) and _trained_with_lora(meta))
+    position = meta.get("data_position") if isinstance(meta, dict) else None
+    point = ResumePoint(path, step, isinstance(meta, dict) and _trained_with_lora(meta),
+                        position if isinstance(position, dict) else None)
     if step > args.max_steps:
         raise UsageError(f"MAX_STEPS (--max_steps)={args.max_steps} is below the step {step} of the checkpoint "
                          f"{path}; MAX_STEPS counts every step, resumed ones included: give MAX_STEPS > {step} "
@@ -691,6 +718,7 @@ class Checkpointer:
         self.stream = BatchStream(self.result.dataloader)
         if self.resume_from is None:
             return 0
+        self._check_data_position(self.resume_from)
         state = load_checkpoint(self.result, self.resume_from.path, strict=self.strict)
         step = int(state.step or 0)
         self.state_step = step
@@ -705,6 +733,21 @@ class Checkpointer:
         if schedule is not None:
             print_rank0(f"resume: {schedule}")
         return step
+
+    def _loader_batch(self) -> int:
+        """Samples in one loader batch over every data-parallel rank: the unit of a saved data position."""
+        return self.result.dataloader.batch_size * self.result.args["data_parallel_size"]
+
+    def _check_data_position(self, point: ResumePoint) -> None:
+        """A UsageError (on every rank: it depends only on the checkpoint and the batch) when the checkpoint stopped
+        where this run's global batch cannot continue without repeating or skipping samples."""
+        from atorch.checkpoint.state import DataPosition, convert_position
+
+        if point.data_position:
+            try:
+                convert_position(DataPosition.from_json(point.data_position), self._loader_batch())
+            except ValueError as e:
+                raise UsageError(f"RESUME (--resume)={point.path!r}: {e}") from None
 
     def on_step_end(self, step: int) -> None:
         self.state_step = step
@@ -725,8 +768,7 @@ class Checkpointer:
             return
         assert self.stream is not None, "resume() sets the stream before training"
         # The position counts loader batches; one spans every data-parallel rank (micro-batches under 3D).
-        loader_batch = self.result.dataloader.batch_size * self.result.args["data_parallel_size"]
-        position = DataPosition(self.stream.epoch, self.stream.batches_in_epoch, loader_batch)
+        position = DataPosition(self.stream.epoch, self.stream.batches_in_epoch, self._loader_batch())
         path = save_checkpoint(self.result, str(self.directory / f"step_{step}"), step=step, data_position=position,
                                keep_last=self.args.save_total_limit, tokenizer=self.tokenizer)
         self.last_saved_step = step

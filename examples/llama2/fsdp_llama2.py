@@ -46,7 +46,7 @@ def main(args: argparse.Namespace) -> None:
     loaded = eu.load_model_and_tokenizer(args)
     # FSDP makes every rank a data-parallel rank: the global batch is per-device x world size.
     global_batch = args.per_device_train_batch_size * adist.world_size()
-    dataset = eu.load_train_dataset(args, loaded.tokenizer, global_batch)
+    dataset = eu.load_train_dataset(args, loaded.tokenizer, global_batch, loaded.config.vocab_size)
     # Counted on the unwrapped model: FSDP replaces parameters with shards.
     flops = TransformerFlops.from_model(loaded.model, seq_len=args.block_size, checkpointing_enabled=True)
     lr = eu.learning_rate(args, loaded.mode)

@@ -1,6 +1,7 @@
 """The data pipeline on 3 gloo ranks posing as 2 nodes (ranks 0-1 and rank 2): one index build per
 node, the same samples everywhere, sharded epochs that cover every sample, and a builder failure,
-arguments that differ between ranks or a bad argument on one rank raised the same on every rank."""
+arguments that differ between ranks, a bad argument on one rank or token ids outside the vocabulary (read
+once per node) raised the same on every rank."""
 
 import os
 
@@ -69,7 +70,25 @@ def _pipeline(prefix):
             disagreements.append(None)
         except Exception as e:  # noqa: BLE001 - the message is the result
             disagreements.append(f"{type(e).__name__}: {e}")
+    # A token id outside the model's vocabulary: read once per node (local ranks 0), refused on every rank.
+    from atorch.data import causal_lm
+
+    scans = []
+    real_bounds = causal_lm.token_id_bounds
+
+    def counting_bounds(tokens):
+        scans.append(tokens.prefix)
+        return real_bounds(tokens)
+
+    causal_lm.token_id_bounds = counting_bounds
+    try:
+        DatasetForCausalLM(prefix, 16, "vocab", seed=2, vocab_size=100)
+        vocab = None
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        vocab = f"{type(e).__name__}: {e}"
+    causal_lm.token_id_bounds = real_bounds
     return {
+        "vocab": vocab, "scans": len(scans),
         "builds": builds, "lengths": (len(train), len(valid)), "epochs": epochs, "batches_match": batches_match,
         "fingerprint": [train.sample_tokens(i).tolist() for i in (0, len(train) // 2, len(train) - 1)]
         + [valid.sample_tokens(0).tolist()],
@@ -112,3 +131,8 @@ def test_pipeline_on_two_nodes(tmp_path):
     assert bad.startswith("ValueError: DatasetForCausalLM failed on rank [2]: need 0 <= start_weight < end_weight "
                           "<= 1"), bad
     assert not list(tmp_path.glob("corpus_odd_*")), "an index was built for arguments the ranks did not agree on"
+    assert [r["scans"] for r in results] == [1, 0, 1]
+    assert len({r["vocab"] for r in results}) == 1, [r["vocab"] for r in results]
+    assert results[0]["vocab"].startswith("ValueError: DatasetForCausalLM failed on ranks [0, 2]: '" + prefix
+                                          + ".bin' holds token id "), results[0]["vocab"]
+    assert "but the model's vocab_size is 100" in results[0]["vocab"]

@@ -39,8 +39,11 @@ def _launch(tmp_path, *extra, env_extra=None):
 
 
 def test_launcher_runs_two_processes(tmp_path):
-    out = _launch(tmp_path)
+    # On a node range of which one node came (c10d; the static rendezvous waited for the 2nd node until the
+    # join timeout failed it): it starts once no other node joined for the last call, within ATORCH_INIT_TIMEOUT.
+    out = _launch(tmp_path, "--nnodes", "1:2", env_extra={"ATORCH_INIT_TIMEOUT": "6"})
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "for 1 to 2 nodes at 127.0.0.1:" in out.stderr and "no other joined for 3 s" in out.stderr, out.stderr
     assert "sum 3.0" in out.stdout
     assert sorted(p.name for p in tmp_path.glob("done.*")) == ["done.0", "done.1"]
 

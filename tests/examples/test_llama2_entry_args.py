@@ -202,7 +202,47 @@ def test_a_corpus_smaller_than_one_batch_is_a_usage_error(tmp_path):
     corpus.write_text("a short document\n")
     with pytest.raises(eu.UsageError, match="max_seq_length=64 is larger than split"):
         eu.load_train_dataset(args_for(tmp_path, "--dataset_path", str(corpus), "--block_size", "64"),
-                              load_tokenizer(), global_batch_size=8)
+                              load_tokenizer(), global_batch_size=8, vocab_size=1024)
+
+
+def test_a_preprocessed_corpus_with_ids_outside_the_models_vocabulary_is_a_usage_error(tmp_path):
+    """It loaded, then every rank failed inside the embedding ("index out of range"; a device assert on GPUs)."""
+    import numpy as np
+
+    from atorch.data import IndexedDatasetWriter
+    from atorch.testing.assets import load_tokenizer
+
+    with IndexedDatasetWriter(tmp_path / "big", np.uint16) as writer:
+        for start in range(0, 400, 40):
+            writer.add_sequence(np.arange(start, start + 40) * 12)    # ids up to 4788
+    for given in ("big", "big.bin"):
+        args = args_for(tmp_path, "--dataset_path", str(tmp_path / given), "--block_size", "8")
+        with pytest.raises(eu.UsageError, match=r"'.*big\.bin' holds token id 4788, but the model's vocab_size is "
+                                                "1024"):
+            eu.load_train_dataset(args, load_tokenizer(), global_batch_size=2, vocab_size=1024)
+    assert len(eu.load_train_dataset(args, load_tokenizer(), global_batch_size=2, vocab_size=4789)) == 50
+
+
+@pytest.mark.parametrize("files, given, message", [
+    ({"emptydir/": ""}, "emptydir", "'.*emptydir': corpus directory .* has no .txt/.jsonl/.json files"),
+    ({"array.json": '[{"text": "a"}]'}, "array.json", "'.*array.json': .*holds a JSON array"),
+    ({"x.bin": "ab"}, "x.bin", r"'.*x.bin': '.*x.idx' is missing next to '.*x.bin'"),
+    ({"x.bin": "ab"}, "x", r"'.*x': '.*x.idx' is missing next to '.*x.bin'"),
+    ({"x.idx": "ab"}, "x.idx", r"'.*x.idx': '.*x.bin' is missing next to '.*x.idx'"),
+])
+def test_a_corpus_of_the_wrong_shape_is_a_usage_error(tmp_path, files, given, message):
+    """A ValueError (a traceback on every rank, exit 1) before; `x.bin` without `x.idx` did not say the .idx
+    was missing, and the prefix `x` was said not to exist."""
+    from atorch.testing.assets import load_tokenizer
+
+    for name, text in files.items():
+        if name.endswith("/"):
+            (tmp_path / name).mkdir()
+        else:
+            (tmp_path / name).write_text(text)
+    args = args_for(tmp_path / "run", "--dataset_path", str(tmp_path / given))
+    with pytest.raises(eu.UsageError, match=r"DATASET_PATH \(--dataset_path\) " + message):
+        eu.tokenized_corpus(args, load_tokenizer())
 
 
 def test_warmup_cosine_schedule():

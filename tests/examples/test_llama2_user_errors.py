@@ -211,3 +211,36 @@ def test_a_resume_with_a_smaller_max_steps_keeps_the_planned_schedule(tmp_path):
     args = parse(fsdp_llama2, tmp_path, "--max_steps", "13")
     assert "keeps its horizon of 20 steps" in eu.follow_schedule(scheduler, args)
     assert scheduler.lr_lambdas[0].total == 20 and optimizer.param_groups[0]["lr"] == lr
+
+
+@pytest.mark.parametrize("name", ["model_parallel_size", "pipeline_parallel_size"])
+def test_ds_3d_parallel_sizes_below_one(tmp_path, name):
+    """MODEL_PARALLEL_SIZE=0 was 'world size 2 is not divisible by MODEL_PARALLEL_SIZE=0 x ...'."""
+    with pytest.raises(eu.UsageError, match=rf"{name.upper()} \(--{name}\)=0 must be >= 1"):
+        ds_3d_llama2.main(parse(ds_3d_llama2, tmp_path, f"--{name}", "0"))
+
+
+def test_resume_at_a_global_batch_that_cannot_continue_the_epoch(tmp_path, monkeypatch):
+    """A ValueError from deep inside load_checkpoint (a traceback, exit 1) before; now the usage one-liner,
+    before anything is loaded."""
+    from types import SimpleNamespace
+
+    import atorch.checkpoint
+
+    monkeypatch.setattr(atorch.checkpoint, "load_checkpoint", lambda *a, **k: pytest.fail("loaded the checkpoint"))
+    # Saved 2 global batches of 4 into epoch 1 (8 samples): a global batch of 3 would repeat or skip samples.
+    point = eu.ResumePoint(str(tmp_path / "step_10"), 10, False, {"epoch": 1, "batches_in_epoch": 2,
+                                                                  "global_batch_size": 4})
+    result = SimpleNamespace(dataloader=SimpleNamespace(batch_size=3), args={"data_parallel_size": 1})
+    checkpointer = eu.Checkpointer(parse(fsdp_llama2, tmp_path, "--max_steps", "14"), result, resume_from=point)
+    with pytest.raises(eu.UsageError, match=r"RESUME \(--resume\)='.*step_10': the checkpoint stopped 2 global batches "
+                                            r"of 4 samples \(8 samples\) into epoch 1, which is not a whole number"):
+        checkpointer.resume()
+    result.dataloader.batch_size, result.args["data_parallel_size"] = 1, 2   # 8 samples = 4 batches of 2
+    with pytest.raises(pytest.fail.Exception, match="loaded the checkpoint"):
+        checkpointer.resume()
+    # The position travels from meta.json to the resume point.
+    ckpt = fake_checkpoint(tmp_path / "ckpt" / "step_6", step=6)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    (ckpt / "meta.json").write_text(json.dumps({**meta, "data_position": point.data_position}))
+    assert eu.locate_resume(parse(fsdp_llama2, tmp_path, "--resume", str(ckpt))).data_position == point.data_position

@@ -75,6 +75,37 @@ def test_eod_inserted_for_files_without_it(tmp_path):
     assert DatasetForCausalLM(prefix, 2, eod_token_id=EOD).sample_tokens(1).tolist() == [7, EOD]
 
 
+def test_an_empty_document_gets_no_inserted_eod(tmp_path):
+    """As Megatron's preprocessor (and ours with append_eod) writes none for it: no lone-EOD samples."""
+    prefix = write_docs(tmp_path / "raw", [[], [1, 2], [], [], [3], []])
+    ds = DatasetForCausalLM(prefix, 1, eod_token_id=9)
+    assert stream(ds) == [1, 2, 9, 3, 9]
+    assert ds.index_files["samples"].name.endswith("_eod9-nonempty_samples.npy")   # not an older atorch's index
+    # Without empty documents the index (and its name) is the one it always was.
+    assert DatasetForCausalLM(write_docs(tmp_path / "full", [[1], [2]]), 1, eod_token_id=9).index_files[
+        "samples"].name.endswith("_eod9_samples.npy")
+
+
+@pytest.mark.parametrize("impl", ["mmap", "lazy", "cached"])
+def test_token_ids_outside_the_vocabulary_are_refused_at_construction(tmp_path, impl):
+    prefix = write_docs(tmp_path / "big", [[1, 2, 3], [5000, 4], [6]], impl)
+    with pytest.raises(ValueError, match=r"'.*big\.bin' holds token id 5000, but the model's vocab_size is 1024"):
+        DatasetForCausalLM(prefix, 2, binarization_impl=impl, vocab_size=1024)
+    assert len(DatasetForCausalLM(prefix, 2, binarization_impl=impl, vocab_size=5001)) == 3
+    with pytest.raises(ValueError, match="eod_token_id=5001 is outside the model's vocabulary: vocab_size=5001"):
+        DatasetForCausalLM(prefix, 2, binarization_impl=impl, eod_token_id=5001, vocab_size=5001)
+    with pytest.raises(ValueError, match="vocab_size must be None .* got 0"):
+        DatasetForCausalLM(prefix, 2, binarization_impl=impl, vocab_size=0)
+
+
+def test_the_vocabulary_check_reads_nothing_when_the_dtype_cannot_exceed_it(tmp_path, monkeypatch):
+    from atorch.data import causal_lm
+
+    prefix = write_docs(tmp_path / "d", [[1, 2, 3]])
+    monkeypatch.setattr(causal_lm, "token_id_bounds", lambda tokens: pytest.fail("read the .bin"))
+    DatasetForCausalLM(prefix, 2, vocab_size=65536)
+
+
 def test_splits_are_disjoint_and_complete(data):
     prefix, docs = data
     bounds = [0.0, 0.7, 0.9, 1.0]

@@ -244,3 +244,27 @@ def test_out_of_range_reads(tmp_path):
         ds[1]
     with pytest.raises(IndexError, match=r"tokens \[2, 5\) out of range for sequence 0"):
         ds.get(0, 2, 3)
+
+
+def test_writer_refuses_ids_it_would_store_as_other_ids(tmp_path):
+    """A cast would write 70000 as 4464 and -1 as 65535 in uint16, 1.7 as 1: ValueError naming the value."""
+    w = IndexedDatasetWriter(tmp_path / "x", np.uint16)
+    for tokens, message in (([70000, 5], r"token id 70000 does not fit the uint16 tokens of .* \(at most 65535\)"),
+                            ([5, -1], "token id -1 is negative"),
+                            (np.array([1.7, 2.2]), r"token ids must be integers, got 1.7 \(in a float64 array\)"),
+                            (np.array([1.0]), r"token ids must be integers, got 1.0"),
+                            (np.array([True]), "token ids must be integers, got True"),
+                            ([2 ** 70], f"token id {2 ** 70} does not fit")):
+        with pytest.raises(ValueError, match=message):
+            w.add_sequence(tokens)
+    w.add_sequence([])            # an empty sequence (a float64 array) is no bad id
+    w.add_sequence(np.array([65535, 0], dtype=np.int64))
+    w.finalize()
+    assert [s.tolist() for s in open_indexed_dataset(tmp_path / "x")] == [[], [65535, 0]]
+
+
+@pytest.mark.parametrize("prefix", ["out/", "out/.bin", "out/."])
+def test_writer_refuses_a_prefix_without_a_file_name(tmp_path, prefix):
+    with pytest.raises(ValueError, match="has no file name part; give a directory and a name"):
+        IndexedDatasetWriter(f"{tmp_path}/{prefix}", np.uint16)
+    assert not (tmp_path / "out").exists()

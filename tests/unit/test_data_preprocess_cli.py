@@ -50,3 +50,12 @@ def test_the_module_prints_its_help():
     assert "RuntimeWarning" not in done.stderr, done.stderr     # the package no longer imports it first
     assert "preprocess" in subprocess.run([sys.executable, "-m", "atorch.cli", "--help"], capture_output=True,
                                           text=True, timeout=120).stdout
+
+
+def test_an_output_prefix_without_a_file_name_is_a_usage_error(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("a line\n")
+    with pytest.raises(SystemExit) as exit_info:   # it wrote the hidden files out/.bin and out/.idx
+        main(["preprocess", "--input", str(tmp_path / "a.txt"), "--output-prefix", f"{tmp_path}/out/", "--tokenizer",
+              str(TOKENIZER_DIR)])
+    assert exit_info.value.code == 2 and "has no file name part" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

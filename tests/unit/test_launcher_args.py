@@ -259,6 +259,9 @@ def test_a_usage_error_in_the_workers_is_not_buried_under_the_failure_table(monk
     assert "failed with exit code 2 (a usage error: the worker's message is above); the launcher exits with 2" in err
     code, err = _job_failing_with(monkeypatch, tmp_path, capsys, [1, 2])   # a crash: the table, as torchrun's
     assert code in (1, 2) and "Root Cause" in err and "(a usage error" not in err, err
+    # The agent SIGTERMed the other rank before it reached its own exit 2: still the usage line, no table.
+    code, err = _job_failing_with(monkeypatch, tmp_path, capsys, [2, -15])
+    assert code == 2 and "Root Cause" not in err and "(a usage error: the worker's message is above)" in err, err
 
 
 
@@ -312,3 +315,40 @@ def test_a_launcher_stopped_by_sigterm_exits_143_with_one_line(monkeypatch, caps
     assert run.run_job(args, rdzv) == 143
     err = capsys.readouterr().err
     assert "stopped by SIGTERM" in err and "Traceback" not in err and err.count("\n") == 1, err
+
+
+def test_a_node_range_uses_the_c10d_rendezvous(monkeypatch):
+    """`--nnodes 1:2` ran the static rendezvous, which waits for all 2 nodes, while saying "1 to 2 nodes"."""
+    monkeypatch.setenv("ATORCH_INIT_TIMEOUT", "15")
+    argv = ["--nnodes", "1:2", "--nproc_per_node", "1", "t.py"]
+    assert "--rdzv_backend=c10d" in translate_args(argv, env={})
+    assert "--rdzv_endpoint=10.0.0.1:1234" in translate_args(["--master_addr", "10.0.0.1", "--master_port", "1234",
+                                                              *argv], env={})
+    args, rdzv = _prepared(["--node_rank", "1", *argv])
+    # One node starts once no other joined for the last call, which must end within the join timeout.
+    assert _conf(args)["last_call_timeout"] == "7" and _conf(args)["join_timeout"] == "15"
+    assert waiting_line(rdzv).endswith("for 1 to 2 nodes at 127.0.0.1:29500; starts once 1 have joined and no other "
+                                       "joined for 7 s")
+    monkeypatch.delenv("ATORCH_INIT_TIMEOUT")
+    assert _conf(_prepared(["--node_rank", "1", *argv])[0])["last_call_timeout"] == "30"   # torch's default
+    assert "last_call_timeout" not in _conf(_prepared(["--nnodes", "2", "--node_rank", "1", "t.py"])[0])
+    with pytest.raises(ValueError, match="--nnodes=1:2 .a range. needs an elastic rendezvous, but "
+                                         "--rdzv_backend=static waits for all 2 nodes"):
+        translate_args(["--rdzv_backend", "static", *argv], env={})
+
+
+def test_nproc_per_node_gpu_without_cuda_and_an_ambiguous_flag_are_usage_lines(monkeypatch, capsys, tmp_path):
+    """torch's "ValueError: Cuda is not available." traceback (exit 1); `run.py: error: ambiguous option`."""
+    import torch
+
+    script = tmp_path / "t.py"
+    script.write_text("")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv, message in ((["--nproc_per_node", "gpu"], "--nproc_per_node=gpu starts one worker per CUDA device, "
+                                                        "but this machine has none"),
+                          (["--nproc", "2"], "ambiguous option: --nproc could match")):
+        with pytest.raises(SystemExit) as exit_info:
+            run.main([*argv, str(script)])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.startswith(f"atorch.distributed.run: error: {message}"), err
+        assert err.count("\n") == 1 and "run.py" not in err, err
