@@ -270,7 +270,9 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
     per-rank values such as timings, of which the checkpoint keeps rank 0's). A path inside an existing
     checkpoint is refused. Each rank writes its own shards; the directory appears under `path`
     only when complete, `<parent>/latest` then names it, and with `keep_last=N` only the N
-    newest checkpoints in the parent directory are kept. `data_position` defaults to `step`
+    most recently saved checkpoints in the parent directory are kept (by commit time, not step: a run
+    restarted from an earlier checkpoint keeps its own new ones and rotates out the abandoned higher
+    steps; the one `latest` names is never deleted). `data_position` defaults to `step`
     optimizer steps into the result's dataloader (epoch = step // len(dataloader), the loop
     calling `sampler.set_epoch(epoch)` at each epoch). `extra` is any JSON data, returned by
     `load_checkpoint`. `save_optimizer=False` leaves the optimizer's state out: the checkpoint then
