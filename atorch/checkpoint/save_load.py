@@ -852,6 +852,11 @@ def _optimizer_targets(load: _LoadTargets, handler: LayoutHandler, meta: Dict[st
     saved_values = from_json_value(meta["optimizer"]["values"])
     problems = check_keys(load.optimizer, entries, OPTIM_PREFIX, strict=False)
     missing = sorted(k for k in local_values if k not in saved_values)
+    # `initial_lr` is the lr scheduler's, not the optimizer's: a scheduler's construction writes it into every
+    # group. A checkpoint saved without a scheduler lacks it, and this run's own value (its scheduler's base lr)
+    # is what that scheduler goes on from, so it is kept (the scheduler's state is kept too: _load_stateful).
+    scheduler_keys = [k for k in missing if k.startswith("param_groups.") and k.endswith(".initial_lr")]
+    missing = [k for k in missing if k not in scheduler_keys]
     if missing:
         saved_class = (meta.get("optimizer") or {}).get("class", "an unrecorded class")
         problems.append(f"{os.path.join(ckpt_dir, META_NAME)}: no optimizer hyperparameters for "
@@ -862,6 +867,7 @@ def _optimizer_targets(load: _LoadTargets, handler: LayoutHandler, meta: Dict[st
     # Every parameter's group hyperparameters, not only this rank's: a ZeroRedundancyOptimizer's group can
     # be empty on this rank and still needs its saved lr (see TorchHandler.load_optim_state).
     load.optimizer_values = {k: v for k, v in saved_values.items() if k in local_values or k.startswith("param_groups.")}
+    load.optimizer_values.update({k: local_values[k] for k in scheduler_keys})
     return problems
 
 

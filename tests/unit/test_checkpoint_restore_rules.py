@@ -64,6 +64,25 @@ def test_what_load_checkpoint_restores_under_load_optimizer(tmp_path, save_optim
     assert fresh.grad_scaler.get_scale() == 512.0
 
 
+def test_a_checkpoint_saved_without_an_lr_scheduler_loads_into_a_run_with_one(tmp_path):
+    """`initial_lr` is written into the groups by a scheduler's construction, not saved by a run without one:
+    its absence is no different optimizer. The optimizer's state and lr load; initial_lr stays this run's."""
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    optimizer.param_groups[0]["lr"] = 0.25
+    path = save_checkpoint(model, str(tmp_path / "ckpt"), step=1, optimizer=optimizer)
+
+    fresh = nn.Linear(4, 4)
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    scheduler = torch.optim.lr_scheduler.StepLR(fresh_optim, step_size=2, gamma=0.5)
+    state = load_checkpoint(fresh, path, optimizer=fresh_optim, lr_scheduler=scheduler)
+    assert state.optimizer_restored and torch.equal(fresh.weight, model.weight)
+    assert fresh_optim.param_groups[0]["lr"] == 0.25 and fresh_optim.param_groups[0]["initial_lr"] == 0.5
+    assert torch.equal(fresh_optim.state[fresh.weight]["exp_avg"], optimizer.state[model.weight]["exp_avg"])
+
+
 def test_a_checkpoint_whose_config_has_no_causal_lm_class_asks_for_model_class(tmp_path):
     """A custom module holding a T5 config (a piece of an encoder-decoder): no transformers class to build it by
     name, and T5 has no causal-LM class. The merge says to pass model_class=, not transformers' "Unrecognized
