@@ -83,6 +83,68 @@ def test_a_checkpoint_saved_without_an_lr_scheduler_loads_into_a_run_with_one(tm
     assert torch.equal(fresh_optim.state[fresh.weight]["exp_avg"], optimizer.state[model.weight]["exp_avg"])
 
 
+class _TiedHead(nn.Module):
+    """An embedding and an LM head sharing one weight, or (`tied=False`) kept as two copies the way a native
+    pipeline keeps a tied pair split over two stages (`tied_weight_names`, gradients summed every step)."""
+
+    def __init__(self, seed: int, tied: bool):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(8, 4)
+        self.head = nn.Linear(4, 8, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+        else:
+            self.head.weight.data.copy_(self.embed.weight.data)
+            self.tied_weight_names = ("embed.weight", "head.weight")
+
+    def train_step(self, optimizer):
+        self(torch.arange(8)).square().sum().backward()
+        if self.head.weight is not self.embed.weight:   # the pipeline's all-reduce of the tied pair
+            total = self.embed.weight.grad + self.head.weight.grad
+            self.embed.weight.grad, self.head.weight.grad = total, total.clone()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def forward(self, x):
+        return self.head(self.embed(x))
+
+
+def test_a_tied_weight_loads_between_a_pipeline_s_two_copies_and_one_shared_parameter(tmp_path, monkeypatch):
+    """A pipeline's checkpoint of a tied pair holds both copies' optimizer states (equal: same weight, same
+    summed gradient); the tied model takes one, and its checkpoint fills both copies. A checkpoint naming
+    the shared parameter twice is refused before the weights are touched when the tie is not known."""
+    copies = _TiedHead(0, tied=False)
+    copies_optim = torch.optim.AdamW(copies.parameters(), lr=0.1)
+    for _ in range(2):
+        copies.train_step(copies_optim)
+    split = save_checkpoint(copies, str(tmp_path / "split"), step=2, optimizer=copies_optim)
+
+    tied = _TiedHead(1, tied=True)
+    tied_optim = torch.optim.AdamW(tied.parameters(), lr=0.1)
+    load_checkpoint(tied, split, optimizer=tied_optim)
+    assert torch.equal(tied.embed.weight, copies.embed.weight) and len(tied_optim.state) == 1
+    assert torch.equal(tied_optim.state[tied.embed.weight]["exp_avg"], copies_optim.state[copies.head.weight]["exp_avg"])
+    tied.train_step(tied_optim)
+    shared = save_checkpoint(tied, str(tmp_path / "tied"), step=3, optimizer=tied_optim)
+
+    copies.train_step(copies_optim)
+    again = _TiedHead(2, tied=False)
+    again_optim = torch.optim.AdamW(again.parameters(), lr=0.1)
+    load_checkpoint(again, shared, optimizer=again_optim)
+    for p in (again.embed.weight, again.head.weight):
+        assert torch.equal(p, copies.embed.weight)
+        assert torch.equal(again_optim.state[p]["exp_avg_sq"], copies_optim.state[copies.embed.weight]["exp_avg_sq"])
+
+    monkeypatch.setattr(TorchHandler, "tied_weights", lambda self: [])
+    fresh = _TiedHead(3, tied=True)
+    before = fresh.embed.weight.detach().clone()
+    with pytest.raises(CheckpointError, match="param group 0 has 1 parameters, but the checkpoint's hyperparameters "
+                                              "name 2 .*tied"):
+        load_checkpoint(fresh, split, optimizer=torch.optim.AdamW(fresh.parameters(), lr=0.1))
+    assert torch.equal(fresh.embed.weight, before)
+
+
 def test_a_checkpoint_whose_config_has_no_causal_lm_class_asks_for_model_class(tmp_path):
     """A custom module holding a T5 config (a piece of an encoder-decoder): no transformers class to build it by
     name, and T5 has no causal-LM class. The merge says to pass model_class=, not transformers' "Unrecognized
