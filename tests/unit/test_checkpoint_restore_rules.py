@@ -124,7 +124,8 @@ def test_a_tied_weight_loads_between_a_pipeline_s_two_copies_and_one_shared_para
     tied_optim = torch.optim.AdamW(tied.parameters(), lr=0.1)
     load_checkpoint(tied, split, optimizer=tied_optim)
     assert torch.equal(tied.embed.weight, copies.embed.weight) and len(tied_optim.state) == 1
-    assert torch.equal(tied_optim.state[tied.embed.weight]["exp_avg"], copies_optim.state[copies.head.weight]["exp_avg"])
+    loaded, saved = tied_optim.state[tied.embed.weight], copies_optim.state[copies.head.weight]
+    assert torch.equal(loaded["exp_avg"], saved["exp_avg"])
     tied.train_step(tied_optim)
     shared = save_checkpoint(tied, str(tmp_path / "tied"), step=3, optimizer=tied_optim)
 
