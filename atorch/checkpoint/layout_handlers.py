@@ -117,6 +117,16 @@ class LayoutHandler(ABC):
     def has_optimizer(self) -> bool:
         return False
 
+    def tied_weights(self) -> List[Tuple[str, ...]]:
+        """Groups of names (common keys) that are one logical weight of the target: a Parameter shared by
+        several modules (a tied embedding/head), or a pipeline's two copies of one (see `_tie_groups`)."""
+        return []
+
+    def optim_load_problems(self, values: Dict[str, Any]) -> List[str]:
+        """What would make `load_optim_state` refuse `values` (the hyperparameters to install), found before
+        anything is loaded; [] when nothing would."""
+        return []
+
     def extra_state(self) -> Optional[Dict[str, Any]]:
         """Layout-specific counters (JSON data) to restore with the optimizer; None when there are none."""
         return None
@@ -218,6 +228,32 @@ class TorchHandler(LayoutHandler):
             _copy_hyperparameters(self._local_optim.param_groups, self.optimizer.param_groups)
 
 
+    def tied_weights(self) -> List[Tuple[str, ...]]:
+        return _tie_groups(self.model)
+
+    def optim_load_problems(self, values: Dict[str, Any]) -> List[str]:
+        """torch's flattened loader builds each group's parameter list from `values`: a shared parameter counts
+        once per name whose `param_groups.<name>.*` is there (two for a tied head loaded from a pipeline's
+        checkpoint holding both copies), and `Optimizer.load_state_dict` refuses a group of another size only
+        after the model was loaded. The same count, done first."""
+        from torch.distributed.checkpoint.state_dict import _verify_options  # private; how torch names them
+
+        optim = self._local_optim
+        if optim is None:
+            return []
+        info = _verify_options(self.model, (optim,), optim_only=True,
+                               options=self._options(flatten_optimizer_state_dict=True))
+        problems = []
+        for index, group in enumerate(optim.param_groups):
+            first_key = next((k for k in group if k != "params"), None)
+            names = [fqn for p in group["params"] for fqn in info.fqn_param_mapping[p]
+                     if fqn not in info.shared_params_mapping or f"{_PARAM_GROUPS}{fqn}.{first_key}" in values]
+            if group["params"] and len(names) != len(group["params"]):
+                problems.append(f"optimizer param group {index} has {len(group['params'])} parameters, but the "
+                                f"checkpoint's hyperparameters name {len(names)} of them ({sorted(names)[:6]}): "
+                                "the checkpoint's parameters are tied (shared) differently from this model's")
+        return problems
+
     def _saved_hyperparameters(self, index: int, values: Dict[str, Any]) -> Dict[str, Any]:
         """Group `index`'s hyperparameters in `values` (flattened `param_groups.<fqn>.<key>`), found
         through the outer optimizer's parameters of that group; {} if none is there."""
@@ -234,6 +270,24 @@ class TorchHandler(LayoutHandler):
                 if found:
                     return found
         return {}
+
+
+def _tie_groups(model: nn.Module) -> List[Tuple[str, ...]]:
+    """The names of each Parameter that several modules share (a tied embedding/head, in named_parameters
+    order), and the pair a pipeline stage records as split over two stages (`tied_weight_names`)."""
+    root = unwrap_model(model)
+    names: Dict[int, List[str]] = {}
+    for name, param in root.named_parameters(remove_duplicate=False):
+        for wrapper in _WRAPPER_NAMES:
+            name = name.replace(wrapper, "")
+        if name not in names.setdefault(id(param), []):
+            names[id(param)].append(name)
+    groups = [tuple(n) for n in names.values() if len(n) > 1]
+    for path, module in root.named_modules():
+        pair = getattr(module, "tied_weight_names", None)  # a native pipeline's PipelineStageModule
+        if pair:
+            groups.append(tuple(f"{path}.{n}" if path else n for n in pair))
+    return groups
 
 
 def _copy_hyperparameters(src: List[Dict[str, Any]], dst: List[Dict[str, Any]]) -> None:

@@ -441,7 +441,13 @@ def commit(staging: str, final_dir: str, manifest: Manifest) -> None:
 
 
 def rotate(parent: str, keep_last: int, protect: Sequence[str] = ()) -> List[str]:
-    """Delete the oldest complete checkpoints under `parent` so that `keep_last` remain; never `protect`."""
+    """Delete the least recently saved complete checkpoints under `parent` so that `keep_last` remain; never
+    `protect` or the one `latest` names (so more than `keep_last` may remain).
+
+    "Recently saved" is the manifest's `created` (the commit time), not the step: a run restarted from an
+    earlier checkpoint saves lower steps than the abandoned run left behind, and ordering by step would
+    delete the restarted run's own new checkpoints while keeping the abandoned ones.
+    """
     if keep_last < 1:
         raise ValueError(f"keep_last={keep_last}; it must be >= 1 (or None to keep every checkpoint)")
     protected = {os.path.normpath(os.path.abspath(p)) for p in protect}
@@ -451,7 +457,9 @@ def rotate(parent: str, keep_last: int, protect: Sequence[str] = ()) -> List[str
         latest = None  # a dangling pointer protects nothing
     if latest is not None:
         protected.add(os.path.normpath(os.path.abspath(latest)))
-    checkpoints = list_checkpoints(parent)
+    # Oldest commit first; equal times (a coarse clock) fall back to the step.
+    checkpoints = sorted(list_checkpoints(parent),
+                         key=lambda pm: (pm[1].created, pm[1].step if pm[1].step is not None else -1))
     removable = [p for p, _ in checkpoints[:max(0, len(checkpoints) - keep_last)]
                  if os.path.normpath(os.path.abspath(p)) not in protected]
     for path in removable:

@@ -270,7 +270,9 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
     per-rank values such as timings, of which the checkpoint keeps rank 0's). A path inside an existing
     checkpoint is refused. Each rank writes its own shards; the directory appears under `path`
     only when complete, `<parent>/latest` then names it, and with `keep_last=N` only the N
-    newest checkpoints in the parent directory are kept. `data_position` defaults to `step`
+    most recently saved checkpoints in the parent directory are kept (by commit time, not step: a run
+    restarted from an earlier checkpoint keeps its own new ones and rotates out the abandoned higher
+    steps; the one `latest` names is never deleted). `data_position` defaults to `step`
     optimizer steps into the result's dataloader (epoch = step // len(dataloader), the loop
     calling `sampler.set_epoch(epoch)` at each epoch). `extra` is any JSON data, returned by
     `load_checkpoint`. `save_optimizer=False` leaves the optimizer's state out: the checkpoint then
@@ -815,6 +817,8 @@ class _LoadTargets:
     optimizer_values: Dict[str, Any] = field(default_factory=dict)
     # load_optimizer, and the target has an optimizer (the ranks agreed on both).
     restore_optimizer: bool = False
+    # optimizer key -> the checkpoint key it is read from, where that is another name of the same tied weight.
+    optimizer_sources: Dict[str, str] = field(default_factory=dict)
 
 
 def _check_against_checkpoint(objs: TrainingObjects, handler: LayoutHandler, meta: Dict[str, Any],
@@ -848,8 +852,23 @@ def _optimizer_targets(load: _LoadTargets, handler: LayoutHandler, meta: Dict[st
     local_tensors, local_values = handler.optim_state()
     load.optimizer = {OPTIM_PREFIX + k: v for k, v in local_tensors.items()}
     saved_values = from_json_value(meta["optimizer"]["values"])
-    problems = check_keys(load.optimizer, entries, OPTIM_PREFIX, strict=False)
+    ties = handler.tied_weights()
+    saved_tensors = {k[len(OPTIM_PREFIX):] for k in entries if k.startswith(OPTIM_PREFIX)}
+    for key in local_tensors:
+        source = _tied_source(key, ties, saved_tensors) if OPTIM_PREFIX + key not in entries else None
+        if source is not None:
+            load.optimizer_sources[OPTIM_PREFIX + key] = OPTIM_PREFIX + source
+    problems = check_keys({load.optimizer_sources.get(k, k): v for k, v in load.optimizer.items()}, entries,
+                          OPTIM_PREFIX, strict=False)
+    tied_values = {k: saved_values[source] for k in local_values if k not in saved_values
+                   for source in [_tied_source(k, ties, saved_values)] if source is not None}
+    saved_values = {**saved_values, **tied_values}
     missing = sorted(k for k in local_values if k not in saved_values)
+    # `initial_lr` is the lr scheduler's, not the optimizer's: a scheduler's construction writes it into every
+    # group. A checkpoint saved without a scheduler lacks it, and this run's own value (its scheduler's base lr)
+    # is what that scheduler goes on from, so it is kept (the scheduler's state is kept too: _load_stateful).
+    scheduler_keys = [k for k in missing if k.startswith("param_groups.") and k.endswith(".initial_lr")]
+    missing = [k for k in missing if k not in scheduler_keys]
     if missing:
         saved_class = (meta.get("optimizer") or {}).get("class", "an unrecorded class")
         problems.append(f"{os.path.join(ckpt_dir, META_NAME)}: no optimizer hyperparameters for "
@@ -860,12 +879,55 @@ def _optimizer_targets(load: _LoadTargets, handler: LayoutHandler, meta: Dict[st
     # Every parameter's group hyperparameters, not only this rank's: a ZeroRedundancyOptimizer's group can
     # be empty on this rank and still needs its saved lr (see TorchHandler.load_optim_state).
     load.optimizer_values = {k: v for k, v in saved_values.items() if k in local_values or k.startswith("param_groups.")}
+    load.optimizer_values.update({k: local_values[k] for k in scheduler_keys})
+    for group in ties:
+        # A shared Parameter must be named once: torch's loader counts every name with hyperparameters.
+        own = [n for n in group if any(k.startswith(f"param_groups.{n}.") for k in local_values)]
+        if own:
+            load.optimizer_values = {k: v for k, v in load.optimizer_values.items() if not any(
+                k.startswith(f"param_groups.{n}.") for n in group if n not in own)}
+    # Checked now, not by torch after the model was loaded: a failed load changes nothing.
+    problems += [f"{os.path.join(ckpt_dir, META_NAME)}: {p}"
+                 for p in handler.optim_load_problems(load.optimizer_values)]
     return problems
+
+
+def _tied_source(key: str, ties: List[Tuple[str, ...]], saved: Any) -> Optional[str]:
+    """The key in `saved` holding `key`'s value under another name of the same tied weight, or None.
+
+    Exact: a tied weight is one logical weight in every layout. A native pipeline that splits a tied
+    embedding/head over two stages keeps two copies, initialised equal, and sums their gradients every step
+    (NativePipeline.forward_backward: both apply embedding + head gradient, as autograd gives the shared
+    Parameter of the unsplit model), with the same hyperparameters; the global clipping norm counts the pair
+    once. Both copies' optimizer states are therefore the tied parameter's: a pipeline's checkpoint loads
+    either copy's state into the tied model, and the tied model's state loads into both copies.
+    """
+    for group in ties:
+        for name in group:
+            for head in ("state.", "param_groups."):
+                if key.startswith(f"{head}{name}."):
+                    rest = key[len(head) + len(name) + 1:]
+                    for other in group:
+                        if other != name and f"{head}{other}.{rest}" in saved:
+                            return f"{head}{other}.{rest}"
+    return None
 
 
 def _load_tensors(handler: LayoutHandler, load: _LoadTargets, dcp_dir: str, manifest: mf.Manifest) -> None:
     """Read the model's (and optimizer's) tensors in place, then hand them to the layout's model and optimizer."""
-    _dcp_load({**load.model, **load.optimizer}, dcp_dir, manifest)
+    # Filled in place: a tied copy's tensor read under its other name is still the optimizer's own tensor; where
+    # this rank also holds the other copy (read under its own name), it is copied from that one after the read.
+    targets, copies = dict(load.model), []
+    for key, tensor in load.optimizer.items():
+        source = load.optimizer_sources.get(key, key)
+        if source != key and source in load.optimizer:
+            copies.append((tensor, load.optimizer[source]))
+        else:
+            targets[source] = tensor
+    _dcp_load(targets, dcp_dir, manifest)
+    with torch.no_grad():
+        for tensor, source_tensor in copies:
+            tensor.copy_(source_tensor)
     # One rank failing to hand the state over (e.g. a state torch's loader refuses on that rank only) left the
     # others waiting at the next vote: agree here.
     with agree_on_error(f"load_checkpoint({os.path.dirname(dcp_dir)!r}): loading the model and optimizer state"):

@@ -8,6 +8,10 @@ resharded) into a plain Hugging Face model with its optimizer and continues: the
 pipeline within rel 1e-4 (the bound of the pipeline parity tests: micro-batch sums and Adam's
 normalization of near-zero gradients; the bf16 pipeline against bf16 autocast within rel 2e-2, the bf16
 parity bound). The native checkpoint also merges for `from_pretrained`.
+
+A tied embedding/head (native_d2p2_tied), which the stages keep as two copies: its checkpoint loads with
+the optimizer into a tied one-process model and into FSDP2 over 4 ranks (continuing within rel 1e-4), and
+FSDP2's checkpoint of it, saved right after that load, resumes the pipeline with the straight losses exactly.
 """
 
 import os
@@ -25,6 +29,8 @@ pytestmark = pytest.mark.heavy
 LAYERS, LR, STEPS, SAVE_AT, MICRO, GAS = 4, 1e-3, 4, 2, 2, 2
 CASES = {
     "native_d2p2": ([("data", 2), ("pipeline", 2)], "pipeline_parallel", {"chunks": 2}),
+    # Tied embedding/head: the stages keep two copies (gradients summed), every other layout one parameter.
+    "native_d2p2_tied": ([("data", 2), ("pipeline", 2)], "pipeline_parallel", {"chunks": 2}),
     "ds3d_t2p2": ([("tensor", 2), ("data", 1), ("pipeline", 2)], "deepspeed_3d_parallel", {}),
     "ds3d_d2p2_zero1": ([("tensor", 1), ("data", 2), ("pipeline", 2)], "deepspeed_3d_parallel",
                         {"zero_optimization": {"stage": 1}}),
@@ -32,6 +38,7 @@ CASES = {
     "ds3d_d2p2_bf16": ([("tensor", 1), ("data", 2), ("pipeline", 2)], "deepspeed_3d_parallel",
                        {"bf16": {"enabled": True}}),
 }
+TIED = {"native_d2p2_tied"}
 # The one-process continuation of a bf16 pipeline runs under bf16 autocast: within the bf16 parity bound.
 ONE_PROCESS_REL = {"ds3d_d2p2_bf16": 2e-2}
 
@@ -41,16 +48,25 @@ def _global_batch(name: str) -> int:
     return 8 if kind == "pipeline_parallel" else MICRO * GAS * dict(dims)["data"]
 
 
-def _build(name: str):
+def _build(name: str, fsdp: bool = False):
+    """`name`'s layout, or (`fsdp`) its model under FSDP2 over all 4 ranks."""
     from atorch.auto import auto_accelerate
     from atorch.auto.opt_lib.ds_3d_parallel_optimization import DeepSpeed3DParallelConfig
     from atorch.utils.meta_model_utils import record_module_init
     from transformers import LlamaForCausalLM
 
     dims, kind, extra = CASES[name]
-    with record_module_init():
-        model = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=LAYERS))
-    if kind == "pipeline_parallel":
+    config = tiny_llama_config(num_hidden_layers=LAYERS, tie_word_embeddings=name in TIED)
+    if fsdp:  # FSDP2 takes a model built on a real device, the same on every rank (its weights are loaded next)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    else:
+        with record_module_init():
+            model = LlamaForCausalLM(config)
+    if fsdp:
+        dims, kind = [("data", 4)], "fsdp"
+        config, loader_args = None, {"batch_size": _global_batch(name)}
+    elif kind == "pipeline_parallel":
         config = extra
         loader_args = {"batch_size": _global_batch(name)}
     else:
@@ -60,7 +76,8 @@ def _build(name: str):
         loader_args = {}
     status, result, _ = auto_accelerate(model, optim_func=torch.optim.AdamW, optim_args={"lr": LR},
                                         dataset=TokenDataset(), dataloader_args=loader_args,
-                                        load_strategy=[("parallel_mode", (dims, None)), (kind, config)])
+                                        load_strategy=[("parallel_mode", (dims, None)),
+                                                       (kind, config) if config is not None else kind])
     assert status, name
     return result
 
@@ -72,7 +89,7 @@ def _train(result, name: str, steps: int, dataloader=None):
     loader = iter(dataloader if dataloader is not None else result.dataloader)
     losses = []
     for _ in range(steps):
-        if CASES[name][1] == "pipeline_parallel":
+        if CASES[name][1] == "pipeline_parallel" or adist.parallel_size_or_one("pipeline") == 1:
             loss = train_step(result, next(loader))
             data = adist.parallel_size_or_one("data")
             if data > 1:
@@ -106,7 +123,27 @@ def _pipeline_round_trips(root: str) -> dict:
         out[name] = dict(straight=straight, first=first, resumed=resumed, path=path)
         del result, state
         dist.barrier()
+        if name in TIED:
+            out[name].update(_tied_across_layouts(name, path))
     return out
+
+
+def _tied_across_layouts(name: str, path: str) -> dict:
+    """The tied pipeline's checkpoint with its optimizer into FSDP2 (one tied parameter), saved there at once,
+    and that checkpoint back into the pipeline (both copies from the one parameter's state); each continues."""
+    result = _build(name, fsdp=True)
+    state = load_checkpoint(result, path)
+    tied_path = save_checkpoint(result, os.path.join(os.path.dirname(os.path.dirname(path)), "tied_fsdp",
+                                                     f"step_{SAVE_AT}"), step=SAVE_AT)
+    from_pipeline = _train(result, name, STEPS - SAVE_AT, dataloader=state.dataloader)
+    del result, state
+    dist.barrier()
+    result = _build(name)
+    state = load_checkpoint(result, tied_path)
+    back = _train(result, name, STEPS - SAVE_AT, dataloader=state.dataloader)
+    del result, state
+    dist.barrier()
+    return {"fsdp_from_pipeline": from_pipeline, "pipeline_from_fsdp": back}
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +160,7 @@ def test_pipeline_checkpoint_resumes_exactly_and_loads_into_one_process(runs, na
         assert r["resumed"] == r["straight"][SAVE_AT:], (name, r["resumed"], r["straight"])
     # One process: the stages' checkpoint into a plain model + AdamW, then the same next global batches.
     expected = runs[0][name]["straight"][SAVE_AT:]
-    model = tiny_llama(seed=5, num_hidden_layers=LAYERS)
+    model = tiny_llama(seed=5, num_hidden_layers=LAYERS, tie_word_embeddings=name in TIED)
     optim = torch.optim.AdamW(model.parameters(), lr=LR)
     state = load_checkpoint(model, runs[0][name]["path"], optimizer=optim)
     assert state.optimizer_restored and not state.rng_restored  # 4 ranks saved, 1 loads
@@ -142,6 +179,14 @@ def test_pipeline_checkpoint_resumes_exactly_and_loads_into_one_process(runs, na
     rel = ONE_PROCESS_REL.get(name, 1e-4)
     for a, e in zip(losses, expected):
         assert abs(a - e) <= rel * abs(e), (name, losses, expected)
+    if name in TIED:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        for rank_out in runs:
+            # Into FSDP2: its arithmetic, within the one-process bound. Back into the pipeline: the copies' states
+            # were equal (one weight, one summed gradient), so both come back from the one parameter bit for bit.
+            for a, e in zip(rank_out[name]["fsdp_from_pipeline"], expected):
+                assert abs(a - e) <= 1e-4 * abs(e), (rank_out[name]["fsdp_from_pipeline"], expected)
+            assert rank_out[name]["pipeline_from_fsdp"] == expected, (rank_out[name]["pipeline_from_fsdp"], expected)
 
 
 def test_native_pipeline_checkpoint_merges_for_from_pretrained(runs, tmp_path):

@@ -131,6 +131,19 @@ def test_rotation_keeps_the_newest_and_never_latest_or_foreign_dirs(tmp_path):
         mf.rotate(parent, keep_last=0)
 
 
+def test_rotation_after_a_restart_from_an_earlier_step_keeps_the_most_recently_saved(tmp_path):
+    """A run restarted from step_5 saves lower steps than the abandoned run's step_10/11: keep_last counts
+    commits, so the restarted run's own checkpoints stay and the abandoned ones go."""
+    parent = str(tmp_path)
+    for step in (8, 9, 10, 11):
+        _make_checkpoint(parent, f"step_{step}", step)
+    for step in (5, 6):                               # the restarted run
+        path = _make_checkpoint(parent, f"step_{step}", step)
+        mf.write_latest(parent, f"step_{step}")
+        mf.rotate(parent, keep_last=2, protect=[path])
+    assert sorted(os.listdir(parent)) == ["latest", "step_5", "step_6"]
+
+
 def test_stale_staging_dirs_of_the_same_name_are_removed(tmp_path):
     parent = str(tmp_path)
     final = os.path.join(parent, "step_7")

@@ -64,6 +64,88 @@ def test_what_load_checkpoint_restores_under_load_optimizer(tmp_path, save_optim
     assert fresh.grad_scaler.get_scale() == 512.0
 
 
+def test_a_checkpoint_saved_without_an_lr_scheduler_loads_into_a_run_with_one(tmp_path):
+    """`initial_lr` is written into the groups by a scheduler's construction, not saved by a run without one:
+    its absence is no different optimizer. The optimizer's state and lr load; initial_lr stays this run's."""
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    optimizer.param_groups[0]["lr"] = 0.25
+    path = save_checkpoint(model, str(tmp_path / "ckpt"), step=1, optimizer=optimizer)
+
+    fresh = nn.Linear(4, 4)
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    scheduler = torch.optim.lr_scheduler.StepLR(fresh_optim, step_size=2, gamma=0.5)
+    state = load_checkpoint(fresh, path, optimizer=fresh_optim, lr_scheduler=scheduler)
+    assert state.optimizer_restored and torch.equal(fresh.weight, model.weight)
+    assert fresh_optim.param_groups[0]["lr"] == 0.25 and fresh_optim.param_groups[0]["initial_lr"] == 0.5
+    assert torch.equal(fresh_optim.state[fresh.weight]["exp_avg"], optimizer.state[model.weight]["exp_avg"])
+
+
+class _TiedHead(nn.Module):
+    """An embedding and an LM head sharing one weight, or (`tied=False`) kept as two copies the way a native
+    pipeline keeps a tied pair split over two stages (`tied_weight_names`, gradients summed every step)."""
+
+    def __init__(self, seed: int, tied: bool):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(8, 4)
+        self.head = nn.Linear(4, 8, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+        else:
+            self.head.weight.data.copy_(self.embed.weight.data)
+            self.tied_weight_names = ("embed.weight", "head.weight")
+
+    def train_step(self, optimizer):
+        self(torch.arange(8)).square().sum().backward()
+        if self.head.weight is not self.embed.weight:   # the pipeline's all-reduce of the tied pair
+            total = self.embed.weight.grad + self.head.weight.grad
+            self.embed.weight.grad, self.head.weight.grad = total, total.clone()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def forward(self, x):
+        return self.head(self.embed(x))
+
+
+def test_a_tied_weight_loads_between_a_pipeline_s_two_copies_and_one_shared_parameter(tmp_path, monkeypatch):
+    """A pipeline's checkpoint of a tied pair holds both copies' optimizer states (equal: same weight, same
+    summed gradient); the tied model takes one, and its checkpoint fills both copies. A checkpoint naming
+    the shared parameter twice is refused before the weights are touched when the tie is not known."""
+    copies = _TiedHead(0, tied=False)
+    copies_optim = torch.optim.AdamW(copies.parameters(), lr=0.1)
+    for _ in range(2):
+        copies.train_step(copies_optim)
+    split = save_checkpoint(copies, str(tmp_path / "split"), step=2, optimizer=copies_optim)
+
+    tied = _TiedHead(1, tied=True)
+    tied_optim = torch.optim.AdamW(tied.parameters(), lr=0.1)
+    load_checkpoint(tied, split, optimizer=tied_optim)
+    assert torch.equal(tied.embed.weight, copies.embed.weight) and len(tied_optim.state) == 1
+    loaded, saved = tied_optim.state[tied.embed.weight], copies_optim.state[copies.head.weight]
+    assert torch.equal(loaded["exp_avg"], saved["exp_avg"])
+    tied.train_step(tied_optim)
+    shared = save_checkpoint(tied, str(tmp_path / "tied"), step=3, optimizer=tied_optim)
+
+    copies.train_step(copies_optim)
+    again = _TiedHead(2, tied=False)
+    again_optim = torch.optim.AdamW(again.parameters(), lr=0.1)
+    load_checkpoint(again, shared, optimizer=again_optim)
+    for p in (again.embed.weight, again.head.weight):
+        assert torch.equal(p, copies.embed.weight)
+        assert torch.equal(again_optim.state[p]["exp_avg_sq"], copies_optim.state[copies.embed.weight]["exp_avg_sq"])
+
+    monkeypatch.setattr(TorchHandler, "tied_weights", lambda self: [])
+    fresh = _TiedHead(3, tied=True)
+    before = fresh.embed.weight.detach().clone()
+    with pytest.raises(CheckpointError, match="param group 0 has 1 parameters, but the checkpoint's hyperparameters "
+                                              "name 2 .*tied"):
+        load_checkpoint(fresh, split, optimizer=torch.optim.AdamW(fresh.parameters(), lr=0.1))
+    assert torch.equal(fresh.embed.weight, before)
+
+
 def test_a_checkpoint_whose_config_has_no_causal_lm_class_asks_for_model_class(tmp_path):
     """A custom module holding a T5 config (a piece of an encoder-decoder): no transformers class to build it by
     name, and T5 has no causal-LM class. The merge says to pass model_class=, not transformers' "Unrecognized

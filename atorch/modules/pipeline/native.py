@@ -129,6 +129,10 @@ class PipelineStageModule(nn.Module):
         self.hf_supports_sdpa = hf_supports_sdpa
         self._no_split_modules: List[str] = list(block_classes)
         self._piece_specs: List[PieceSpec] = [spec for spec, _ in pieces]
+        # (embedding weight, head weight) names of a tied pair split over two stages (build_stage_module sets
+        # it on every stage): one logical weight kept as two copies whose gradients are summed every step, so
+        # a checkpoint maps the copies' optimizer states onto the tied model's one parameter and back.
+        self.tied_weight_names: Optional[Tuple[str, str]] = None
         for spec, module in pieces:
             _attach(self, spec.path, module)
 
@@ -176,6 +180,8 @@ def build_stage_module(model: nn.Module, stage_index: int, num_stages: int,
     mine = [(spec, real.get_submodule(spec.path)) for spec in plan.stage_pieces(stage_index)]
     stage = PipelineStageModule(mine, stage_index, num_stages, blocks, hf_config=getattr(real, "config", None),
                                 hf_supports_sdpa=bool(getattr(real, "_supports_sdpa", False)))
+    if tied is not None:
+        stage.tied_weight_names = (f"{tied[0]}.weight", f"{tied[1]}.weight")
     return StageBuild(stage, plan, stage_index, tied, pieces_take_position_ids(pieces))
 
 
