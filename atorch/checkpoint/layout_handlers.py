@@ -227,7 +227,6 @@ class TorchHandler(LayoutHandler):
             # every step, so the restored hyperparameters (the scheduled lr) must go there too.
             _copy_hyperparameters(self._local_optim.param_groups, self.optimizer.param_groups)
 
-
     def tied_weights(self) -> List[Tuple[str, ...]]:
         return _tie_groups(self.model)
 
