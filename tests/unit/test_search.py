@@ -461,7 +461,7 @@ def test_report_table_plot_and_reason(dummy_opts, tmp_path):
     line = explain(result)
     assert line == result.reason and "\n" not in line
     ratio = table[ranked[0]] / table[plain]
-    assert line.startswith(f"{ranked[0].describe()}: {ratio:.2g}x plain data-parallel")
+    assert line.startswith(f"{ranked[0].describe()}: {ratio:.2f}x plain data-parallel")
     # The out-of-memory run (its peak under the limit: it needed at least the limit) nudges the scale.
     assert re.search(r"predicted 2.0 GB (\(cost model x 1.0\d, the measured/predicted ratio\) )?> 1.5 GB limit", line)
     assert "1 trial(s) failed (1 oom)" in line

@@ -139,6 +139,27 @@ def test_the_reason_names_the_leanest_candidate_not_run_and_the_limits_source():
             "memory of parallel_mode(data=2)+ddp") in explain(one)
 
 
+def test_without_predicted_memory_the_reason_does_not_call_the_first_pruned_the_leanest():
+    """No predictor: the pruned table's rows have no predicted memory, and its first row is plain data
+    parallelism, the largest candidate; the line gives it as an example."""
+    pruned = pd.DataFrame([{"strategy": "parallel_mode(data=4)+ddp", "predicted_memory": None,
+                            "reason": "needs at least the memory of B, which ran out of memory"}] * 2)
+    result = SearchResult(None, 0.0, pd.DataFrame(columns=["strategy", "status", "reason"]), pruned,
+                          num_candidates=3)
+    line = explain(result)
+    assert "the leanest" not in line
+    assert "2 candidates not run for memory, for example: parallel_mode(data=4)+ddp needs at least" in line
+
+
+def test_the_ratio_to_plain_data_parallel_has_two_decimals():
+    """1.02x was printed "1x" (format .2g), which reads as no gain at all."""
+    space = SearchSpace({"amp": [None, "amp_native"]}, world_size=2)
+    table = {c.strategy: 102.0 if c.choices[0] else 100.0 for c in space.candidates()}
+    result = search_strategy(space, lambda s: DryRunResult(table[s], 100), max_trials=2, random_samples=0,
+                             planner_factory=FirstRemaining, remeasure_rounds=0)
+    assert "1.02x plain data-parallel" in result.reason
+
+
 def test_a_search_where_nothing_fits_says_the_limit_is_atorch_device_memory_limit(tmp_path):
     space = SearchSpace({"amp": [None, "amp_native"], "zero": [None, "zero1", "fsdp"]}, world_size=1)
     need = {c.label(): 1_000_000 * (i + 2) for i, c in enumerate(space.candidates())}

@@ -65,7 +65,8 @@ def explain(result: "SearchResult", limit_source: str = "") -> str:
         baseline = ok[ok["strategy"].map(_is_plain_data_parallel)]
         if not baseline.empty and baseline.iloc[0]["strategy"] != name:
             ratio = result.best_throughput / float(baseline.iloc[0]["throughput"])
-            parts.append(f"{name}: {ratio:.2g}x plain data-parallel ({result.best_throughput:.4g} samples/s)")
+            # Two decimals, as `Comparison.line`: ".2g" printed 1.02x and 1.049x as "1x".
+            parts.append(f"{name}: {ratio:.2f}x plain data-parallel ({result.best_throughput:.4g} samples/s)")
         elif len(ok) > 1:
             runner_up = ok[ok["strategy"] != name].sort_values("throughput", ascending=False).iloc[0]
             ratio = result.best_throughput / float(runner_up["throughput"])
@@ -94,7 +95,8 @@ def _pruned_clause(pruned: "pd.DataFrame", limit_source: str) -> str:
     """The candidates not run for memory, by the leanest of them, e.g. "360 candidates not run for memory,
     the leanest: A predicted 2.4 MB > 100.0 KB limit (P(fit) 0.000 < 0.05) (the limit:
     ATORCH_DEVICE_MEMORY_LIMIT=100000)". The leanest one's need is the limit that would let something
-    run; the table's first row (plain data parallelism, the largest) says nothing about that."""
+    run; the table's first row (plain data parallelism, the largest) says nothing about that, so without
+    any predicted memory (no predictor) the line names it as an example, not as the leanest."""
     import numpy as np
     import pandas as pd
 
@@ -107,7 +109,8 @@ def _pruned_clause(pruned: "pd.DataFrame", limit_source: str) -> str:
     if known and "predicted" not in reason:        # e.g. "needs at least the memory of B, which ran out of memory"
         reason = f"(predicted {format_bytes(predicted[at])}) {reason}"
     count = len(pruned)
-    head = f"{count} candidates not run for memory, the leanest" if count > 1 else "1 candidate not run for memory"
+    head = f"{count} candidates not run for memory, {'the leanest' if known else 'for example'}" if count > 1 \
+        else "1 candidate not run for memory"
     source = f" (the limit: {limit_source})" if limit_source else ""
     return f"{head}: {leanest.get('strategy', '?')} {reason}".rstrip() + source
 

@@ -22,8 +22,10 @@ class DryRunResult:
     """What one dry run of a strategy measured. `error` is None on success, else "oom",
     "timeout" or "exception: <message>"; a failed run has throughput 0."""
 
-    # samples/s over the profiled steps. Given step_times_s and no throughput_ci, the search re-derives it
-    # from their outlier-free mean (the statistic of its intervals; the dry runner reports that already).
+    # samples/s over the profiled steps; must be finite and > 0 on success (else the run counts as failed:
+    # the samples per step are unknown, so step times alone cannot give it). Given step_times_s and no
+    # throughput_ci, the search rescales it to their outlier-free mean (the statistic of its intervals;
+    # the dry runner reports that already).
     throughput: float
     peak_memory_bytes: Optional[int] = None    # largest per-rank peak
     error: Optional[str] = None
