@@ -83,6 +83,28 @@ def test_failure_causes_are_ruled_out_by_a_run_and_confirmed_by_repeats():
     assert model.posterior((0, 1)) > 0.5
 
 
+def test_blame_of_a_shared_option_is_weak_when_failures_are_common_and_unrelated():
+    """Two failures share option 35 of dimension 0. Among rare failures that is a suspect; among
+    many failures sharing nothing (30% of candidates raising for reasons of their own) it is chance;
+    three failures concentrated on it, next to runs that succeed, still make it the cause."""
+    choices = [(i,) * 4 for i in range(30)] + [(35, j, j, j) for j in range(31, 35)]
+
+    def blame(ran, raised):
+        model = FailureModel(choices)
+        for i in ran:
+            model.observe(i, "ok")
+        for i in raised:
+            model.observe(i, "exception")
+        return model.posterior((0, 35)), model.rate
+
+    rare, rare_rate = blame(range(10), [30, 31])
+    common, common_rate = blame(range(10), [*range(10, 20), 30, 31])
+    concentrated, _ = blame(range(10, 30), [30, 31, 32])
+    assert common_rate > 0.3 > rare_rate
+    assert common < 0.05 < 0.15 < rare
+    assert concentrated > 0.95
+
+
 def test_a_load_spike_is_left_out_of_a_runs_variance_as_the_dry_runner_leaves_it_out_of_the_mean():
     """One step in ten at 2.5x: the dry runner's mean and interval leave it out; the search's
     variance of that run must describe the same mean, not be 5x wider."""

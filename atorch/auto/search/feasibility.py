@@ -298,11 +298,13 @@ def format_bytes(n: Optional[float]) -> str:
     return f"{int(n)} B"
 
 
-# The rate at which a candidate raises for a reason of its own (no option it shares with others):
+# The prior rate at which a candidate raises for a reason of its own (no option it shares with others):
 # the weight of the "no shared cause" explanation of a failure. At 0.1, one failure makes each of
 # its options and pairs a suspect of about 15% (in a space of ~60 options and pairs), two failures
-# sharing one about 60%, three about 95%.
+# sharing one about 60%, three about 95%. The rate is learned from the runs (`FailureModel.isolated_rate`):
+# this is the mean of its Beta prior, worth `ISOLATED_PRIOR_RUNS` dry runs.
 ISOLATED_FAILURE_RATE = 0.1
+ISOLATED_PRIOR_RUNS = 5.0
 
 
 class FailureModel:
@@ -312,7 +314,7 @@ class FailureModel:
     on a model it cannot trace) or a pair of options of two dimensions (an optimization with a
     tensor split). Each option and each such pair is a possible cause (every candidate with it
     raises), a priori one cause in the space (prior 1 / the number of options and pairs); a
-    failure can also be the candidate's own (`ISOLATED_FAILURE_RATE`). A possible cause seen in a
+    failure can also be the candidate's own, at a rate learned from the runs (`isolated_rate`). A possible cause seen in a
     candidate that ran (or ran out of memory: it got past building and its first steps) is ruled
     out; one seen only in f candidates that raised is a cause with posterior
     prior / (prior + (1 - prior) rate^f). A candidate runs when none of its options and pairs is a
@@ -328,6 +330,9 @@ class FailureModel:
         self.prior = 1.0 / max(len(every), 1)
         self.failures: Dict[tuple, int] = {}
         self.ruled_out: set = set()
+        self.raised: List[int] = []            # candidates whose dry run raised, once per dry run
+        self.runs = 0                          # dry runs that raised, ran or ran out of memory
+        self.rate = ISOLATED_FAILURE_RATE
 
     @staticmethod
     def _keys(choice: Sequence[int]) -> List[tuple]:
@@ -340,15 +345,49 @@ class FailureModel:
         if status == "exception":
             for k in self.keys[i]:
                 self.failures[k] = self.failures.get(k, 0) + 1
+            self.raised.append(i)
         elif status in ("ok", "oom"):
             self.ruled_out.update(self.keys[i])
+        else:
+            return
+        self.runs += 1
+        self.rate = self.isolated_rate()
+
+    def isolated_rate(self) -> float:
+        """The rate at which a dry run raises for a reason of its own, learned from the runs.
+
+        A Beta prior of mean `ISOLATED_FAILURE_RATE` worth `ISOLATED_PRIOR_RUNS` dry runs, updated by
+        the failures that no shared cause explains (each counts P(none of its options and pairs is a
+        cause)) over the dry runs: a few fixed-point steps, since the posteriors depend on the rate.
+        Many failures that share nothing (30% of candidates raising for reasons of their own) raise
+        the rate, and then an option or pair that two of them share by chance is weak evidence; a
+        fixed 0.1 blamed such options and steered the search away from good regions (raising30top,
+        session 23). Failures that concentrate on one option are explained by it and leave the rate low.
+        """
+        rate = ISOLATED_FAILURE_RATE
+        for _ in range(3):
+            self.rate = rate
+            unexplained = sum(self._p_isolated(i) for i in self.raised)
+            rate = (ISOLATED_FAILURE_RATE * ISOLATED_PRIOR_RUNS + unexplained) / (ISOLATED_PRIOR_RUNS + self.runs)
+        return rate
+
+    def _p_isolated(self, i: int) -> float:
+        """P(candidate i's failure is its own): a cause among its options and pairs (prior: as the
+        other failures left them) would make it raise surely, its own reason at `rate`."""
+        no_cause = 1.0
+        for k in self.keys[i]:
+            if k not in self.ruled_out:
+                others = self.failures.get(k, 0) - 1
+                no_cause *= 1.0 - self.prior / (self.prior + (1.0 - self.prior) * self.rate ** others)
+        own = self.rate * no_cause
+        return own / (own + 1.0 - no_cause) if own > 0 else 0.0
 
     def posterior(self, key: tuple) -> float:
         """Probability that an option (d, v) or a pair (d, v, e, w) makes every candidate with it raise."""
         f = self.failures.get(key, 0)
         if f == 0 or key in self.ruled_out:
             return 0.0
-        evidence = (1.0 - self.prior) * ISOLATED_FAILURE_RATE ** f
+        evidence = (1.0 - self.prior) * self.rate ** f
         return self.prior / (self.prior + evidence)
 
     def p_runs(self, i: int) -> float:
