@@ -237,15 +237,25 @@ def test_predicted_infeasible_candidates_are_never_run(dummy_opts):
     # Predicted 2x over the limit: far beyond the memory model's uncertainty (a candidate predicted
     # just over is only made unlikely, see test_search_feasibility.py).
     predictor = lambda s: Estimate(2 * limit if s in too_big else limit // 2, 1.0 / table[s])  # noqa: E731
-    evaluator = Recorder(table, memory={s: predictor(s).peak_memory_bytes for s in table})   # an accurate model
-    result = search_strategy(space, evaluator, max_trials=40, patience=40, predictor=predictor,
+    fits = 32 - len(too_big)
+    evaluator = Recorder(table, memory={s: predictor(s).peak_memory_bytes for s in table},   # an accurate model
+                         failures={s: "oom" for s in too_big})
+    result = search_strategy(space, evaluator, max_trials=fits, patience=40, predictor=predictor,
                              memory_limit_bytes=limit, planner_factory=FirstRemaining)
     assert not set(evaluator.calls) & too_big
-    assert len(evaluator.calls) == 32 - len(too_big)
+    assert len(evaluator.calls) == fits
     assert result.best == max((s for s in table if s not in too_big), key=table.get)
     assert len(result.pruned) == len(too_big)
     assert result.pruned["reason"].str.contains("> 10.0 KB limit").all()
     assert "limit" in result.reason and "\n" not in result.reason
+    # With budget left once every candidate that may fit ran, the pruned ones are tried, after them.
+    evaluator.calls.clear()
+    result = search_strategy(space, evaluator, max_trials=fits + 3, patience=40, predictor=predictor,
+                             memory_limit_bytes=limit, planner_factory=FirstRemaining)
+    assert not set(evaluator.calls[:fits]) & too_big and set(evaluator.calls[fits:]) <= too_big
+    assert len(evaluator.calls) == fits + 3 and len(result.pruned) == len(too_big) - 3
+    assert result.best == max((s for s in table if s not in too_big), key=table.get)
+    assert "3 dry run(s) went to candidates predicted not to fit in memory (0 ran)" in result.stop_reason
 
 
 def test_memory_predictions_are_corrected_by_measured_peaks(dummy_opts):
@@ -254,22 +264,30 @@ def test_memory_predictions_are_corrected_by_measured_peaks(dummy_opts):
     big = {s for s in table if "t_zero1" in s}                     # predicted 150, the rest 50
     predictor = lambda s: Estimate(150 if s in big else 50, 1.0 / table[s])  # noqa: E731
 
-    def run(factor, limit=100):
-        evaluator = Recorder(table, memory={s: int(predictor(s).peak_memory_bytes * factor) for s in table})
-        result = search_strategy(space, evaluator, max_trials=10, patience=10, predictor=predictor,
+    def run(factor, limit=100, budget=10, oom=True):
+        memory = {s: int(predictor(s).peak_memory_bytes * factor) for s in table}
+        evaluator = Recorder(table, memory=memory, failures={s: "oom" for s in table if oom and memory[s] > limit})
+        result = search_strategy(space, evaluator, max_trials=budget, patience=10, predictor=predictor,
                                  memory_limit_bytes=limit, planner_factory=FirstRemaining)
-        return evaluator.calls, result
+        # The budget left once every candidate that may fit ran goes to the others (they run out of memory).
+        retried = int((result.trials["source"] == "pruned-retry").sum())
+        assert all(s in evaluator.failures or not oom for s in evaluator.calls[len(evaluator.calls) - retried:])
+        return evaluator.calls[:len(evaluator.calls) - retried], result
 
     # The cost model overestimates every peak 2x: after the first trial "150" means 75 and fits.
     calls, result = run(0.5)
     assert len(calls) == 8 and result.pruned.empty and calls[0] not in big
     # It underestimates 1.6x: "50" means 80 (fits), "150" stays out, and the reason says why.
     calls, result = run(1.6)
-    assert len(calls) == 6 and not set(calls) & big
+    assert len(calls) == 6 and not set(calls) & big and len(result.evaluated) == 8
+    assert "2 dry run(s) went to candidates predicted not to fit in memory (0 ran)" in result.stop_reason
+    calls, result = run(1.6, budget=6)
+    assert len(result.pruned) == 2
     assert result.pruned["reason"].str.contains(r"cost model x 1\.[56]\d, the measured/predicted ratio").all()
-    # 2.5x: the measured peaks (125 for "50") soon say that nothing else fits a 99 limit.
-    calls, result = run(2.5, limit=99)
-    assert len(calls) <= 3 and "fits" in result.stop_reason and len(result.pruned) == 8 - len(calls)
+    # 2.5x: the measured peaks (125 for "50", reported by runs that succeed) soon say that nothing
+    # else fits a 99 limit.
+    calls, result = run(2.5, limit=99, oom=False)
+    assert len(calls) <= 3 and result.stop_reason.startswith("every candidate evaluated") and len(result.evaluated) == 8
 
 
 def test_survives_raising_and_failing_evaluators(dummy_opts):
@@ -453,7 +471,8 @@ def test_report_table_plot_and_reason(dummy_opts, tmp_path):
     ranked = sorted((s for s in table if "t_zero1" not in s), key=table.get, reverse=True)   # the ones that fit
     predictor = lambda s: Estimate(2 * 10**9 if "t_zero1" in s else 10**9, 1.0 / table[s])  # noqa: E731
     evaluator = Recorder(table, failures={ranked[1]: "oom"}, memory={s: predictor(s).peak_memory_bytes for s in table})
-    result = search_strategy(space, evaluator, max_trials=32, patience=32, predictor=predictor,
+    # 17 fit (ranked[1] runs out of memory): no budget is left for the 16 predicted not to fit.
+    result = search_strategy(space, evaluator, max_trials=17, patience=32, predictor=predictor,
                              memory_limit_bytes=int(1.5e9), planner_factory=FirstRemaining)
     text = trials_table(result)
     assert result.best.describe() in text and "oom" in text and "mem_MB" in text

@@ -105,6 +105,40 @@ def test_blame_of_a_shared_option_is_weak_when_failures_are_common_and_unrelated
     assert concentrated > 0.95
 
 
+class LeanestFirstPlanner:
+    """Suggests the candidate that saves the most memory first."""
+
+    def __init__(self, labels, choices, prior, seed):
+        self.expected_seconds, self.choices = 0.0, choices
+
+    def suggest(self, observed, remaining, log_fit=None):
+        return Suggestion(max(remaining, key=lambda i: (sum(self.choices[i]), -i)), 0.0, "leanest", len(remaining))
+
+
+def test_budget_left_when_nothing_may_fit_goes_to_the_candidates_not_run_for_memory():
+    """Memory that is not monotone: the leanest candidate runs out of memory, which rules out every
+    other by dominance, though they all fit. The search used to stop after that one dry run with the
+    budget unspent and no strategy; it now tries the pruned ones and says so."""
+    space = SearchSpace({"zero": [None, "zero1", "zero2", "fsdp"], "checkpoint": [None, "checkpoint"]}, world_size=2)
+    cands = space.candidates()
+    leanest = max(cands, key=lambda c: sum(c.choices)).strategy
+    table = {c.strategy: 10.0 + c.choices[0] + 2 * c.choices[1] for c in cands}
+    calls = []
+
+    def evaluator(s):
+        calls.append(s)
+        return DryRunResult(0.0, None, "oom") if s == leanest else DryRunResult(table[s], 50)
+
+    result = search_strategy(space, evaluator, max_trials=6, patience=6, random_samples=0, memory_limit_bytes=100,
+                             planner_factory=LeanestFirstPlanner, remeasure_rounds=0)
+    assert calls[0] == leanest and len(calls) == 6 and len(set(calls)) == 6
+    assert result.best is not None and result.best != leanest
+    assert result.trials["source"].iloc[1] == "pruned-retry"
+    assert result.trials["status"].iloc[1:].eq("ok").all()
+    assert "5 dry run(s) went to candidates predicted not to fit in memory (5 ran)" in result.stop_reason
+    assert "max_trials=6 reached" in result.stop_reason
+
+
 def test_a_load_spike_is_left_out_of_a_runs_variance_as_the_dry_runner_leaves_it_out_of_the_mean():
     """One step in ten at 2.5x: the dry runner's mean and interval leave it out; the search's
     variance of that run must describe the same mean, not be 5x wider."""

@@ -267,6 +267,26 @@ class Feasibility:
                 out[i] = modelled[i]
         return {i: out[i] for i in indices}
 
+    def retry_order(self, indices: Sequence[int], weights: Optional[Dict[int, float]] = None) -> List[int]:
+        """`indices` (candidates not run for memory) in the order to try them when nothing that may
+        fit is left: those pruned by the log-memory model first, the ones dominated by an out-of-memory
+        run last (dominance assumes memory monotone in the saving choices, and one run out of memory
+        may be transient), each group by the model's P(fit) ignoring dominance, times `weights[i]`
+        (e.g. P(does not raise)), highest first."""
+        indices = list(indices)
+        if not indices:
+            return []
+        rows = np.asarray(indices, dtype=int)
+        dominated = self._first_dominance(rows, self.oom, rows_need_more=True) >= 0
+        if self.limit is not None and self.informed:
+            mu, sd = self.model()
+            p = ndtr((math.log(self.limit) - mu[rows]) / sd[rows])
+        else:
+            p = np.ones(len(rows))
+        w = np.asarray([1.0 if weights is None else weights.get(i, 1.0) for i in indices])
+        score = p * w
+        return [indices[k] for k in sorted(range(len(rows)), key=lambda k: (bool(dominated[k]), -score[k], indices[k]))]
+
     def scale(self) -> float:
         """Measured over predicted peak, as the model has learned it (exp of the global bias)."""
         if not self.has_predictor:

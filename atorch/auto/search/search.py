@@ -27,7 +27,9 @@ predictor (the cost model); it never imports training code. Order of work:
 4. The search phase stops at its share of `max_trials`, after `patience` trials without
    improvement (an out-of-memory run before any candidate ran is not counted: it teaches
    memory; nor is a seed that ran: the seeds cover the space for the surrogate), when the next
-   trial would overrun `time_limit_s`, or when nothing is left.
+   trial would overrun `time_limit_s`, or when nothing is left. Nothing left that may fit but budget
+   left: the candidates not run for memory are tried, likeliest to fit first and those dominated by an
+   out-of-memory run last (`_pruned_to_retry`), and the stop reason says so.
 5. When the evaluator reports per-step times (its noise), the leader is re-measured
    interleaved with the candidate likeliest to beat it (counted in `max_trials`; the surrogate's
    posterior, which pools similar candidates, says who that is: a measured rival, or an untried
@@ -182,6 +184,7 @@ class _Search:
         self.seed = seed
         self.planner: Any = None              # built by `start_planner`, or by the first suggestion
         self.since_improvement = 0            # trials counted against patience (`_count_for_patience`)
+        self.retried: List[int] = []          # candidates not run for memory tried with budget left (`_pruned_to_retry`)
         self.bar: Any = _NoBar()
 
     # -- candidates and limits ------------------------------------------------------------------
@@ -240,7 +243,7 @@ class _Search:
             if self.gives_spare_runs_back(held, separated):
                 stop_reason, _ = self.search_phase(released=True)
                 self.remeasure_phase()
-            return stop_reason
+            return self._with_retries(stop_reason)
         finally:
             self.bar.close()
 
@@ -253,7 +256,7 @@ class _Search:
         while True:
             remaining = self.runnable(self.untried())
             reserve = self._reserve(released)
-            if not remaining:
+            if not remaining and len(self.trials.tried) >= len(self.candidates):
                 return "every candidate that fits evaluated", 0
             if self.trials.count >= limits.max_trials - reserve:
                 kept = f" ({reserve} kept for re-measuring the top candidates)" if reserve else ""
@@ -261,11 +264,50 @@ class _Search:
             if self.since_improvement >= limits.patience:
                 return (f"no improvement in {limits.patience} trials (patience)" if self.trials.runs else
                         f"{limits.patience} dry runs failed (not out of memory) before any ran (patience)"), 0
+            if not remaining:      # budget is left, and only candidates predicted not to fit
+                retry = self._pruned_to_retry()
+                if retry is None:
+                    return "every candidate that fits evaluated", 0
+                self._count_for_patience(self.run_trial(retry, float("nan"), "pruned-retry"), False)
+                continue
             pick = self.next_pick(remaining)
             if pick is None:
                 return self.time_stop_reason(), 0
             improved = self.run_trial(pick.index, pick.planner_s, pick.source)
             self._count_for_patience(improved, pick.is_seed)
+
+    def _pruned_to_retry(self) -> Optional[int]:
+        """The candidate not run for memory to try next when nothing that may fit is left but budget
+        is (None when another trial would overrun time_limit_s).
+
+        Only the candidates that ran are eligible to win, so a dry run the budget would leave unused
+        can only help; and pruning rests on a memory model and on dominance after a single run out of
+        memory, which a non-monotone or flaky memory breaks: one out-of-memory run pruned 53 of 64
+        candidates, 38 of which fit, and the search stopped after 11 distinct candidates of a budget
+        of 14 (session 23, finding 2). Order: `Feasibility.retry_order` (the model-pruned by P(fit)
+        times P(does not raise), then those dominated by an out-of-memory run: trying them is a
+        cheaper mistake than leaving budget unused). A candidate retried
+        this way that runs makes those needing no more memory runnable again (dominance)."""
+        pruned = list(self.within_time({i: 1.0 for i in self.untried()}))
+        if not pruned:
+            return None
+        pick = self.feasibility.retry_order(pruned, {i: self.failures.p_runs(i) for i in pruned})[0]
+        if not self.retried:
+            logger.info("every candidate that may fit in memory was evaluated with %d of max_trials=%d dry runs "
+                        "spent: trying the candidates predicted not to fit, likeliest to fit first",
+                        self.trials.count, self.limits.max_trials)
+        self.retried.append(pick)
+        return pick
+
+    def _with_retries(self, stop_reason: str) -> str:
+        """The stop reason, with what the dry runs on candidates predicted not to fit gave (when any ran)."""
+        if not self.retried:
+            return stop_reason
+        if stop_reason == "every candidate that fits evaluated":
+            stop_reason = "every candidate evaluated"
+        ran = sum(1 for i in self.retried if i in self.trials.runs)
+        return (f"{stop_reason}; once every candidate that may fit had run, {len(self.retried)} dry run(s) "
+                f"went to candidates predicted not to fit in memory ({ran} ran)")
 
     def _reserve(self, released: bool) -> int:
         """The dry runs the search phase keeps for re-measuring: once the evaluator has shown it
