@@ -322,9 +322,11 @@ def format_bytes(n: Optional[float]) -> str:
 # the weight of the "no shared cause" explanation of a failure. At 0.1, one failure makes each of
 # its options and pairs a suspect of about 15% (in a space of ~60 options and pairs), two failures
 # sharing one about 60%, three about 95%. The rate is learned from the runs (`FailureModel.isolated_rate`):
-# this is the mean of its Beta prior, worth `ISOLATED_PRIOR_RUNS` dry runs.
+# this is the mean of its Beta prior, worth `ISOLATED_PRIOR_RUNS` dry runs. A prior worth 5 runs
+# followed the first failures of a shared cause too readily (benchmarks/search.py failing-3%, 120 paired
+# searches: >= 0.98 of the best in 110 vs 112); at 15 it matched the fixed rate there (112).
 ISOLATED_FAILURE_RATE = 0.1
-ISOLATED_PRIOR_RUNS = 5.0
+ISOLATED_PRIOR_RUNS = 15.0
 
 
 class FailureModel:
@@ -334,9 +336,9 @@ class FailureModel:
     on a model it cannot trace) or a pair of options of two dimensions (an optimization with a
     tensor split). Each option and each such pair is a possible cause (every candidate with it
     raises), a priori one cause in the space (prior 1 / the number of options and pairs); a
-    failure can also be the candidate's own, at a rate learned from the runs (`isolated_rate`). A possible cause seen in a
-    candidate that ran (or ran out of memory: it got past building and its first steps) is ruled
-    out; one seen only in f candidates that raised is a cause with posterior
+    failure can also be the candidate's own, at a rate learned from the runs (`isolated_rate`). A
+    possible cause seen in a candidate that ran (or ran out of memory: it got past building and its
+    first steps) is ruled out; one seen only in f candidates that raised is a cause with posterior
     prior / (prior + (1 - prior) rate^f). A candidate runs when none of its options and pairs is a
     cause (taken as independent): P = prod(1 - posterior) over them, 1 for a candidate that
     shares nothing with a failure. (1 - the largest posterior alone learned slower: failing-3% in

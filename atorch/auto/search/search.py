@@ -184,7 +184,7 @@ class _Search:
         self.seed = seed
         self.planner: Any = None              # built by `start_planner`, or by the first suggestion
         self.since_improvement = 0            # trials counted against patience (`_count_for_patience`)
-        self.retried: List[int] = []          # candidates not run for memory tried with budget left (`_pruned_to_retry`)
+        self.retried: List[int] = []          # candidates not run for memory, tried later (`_pruned_to_retry`)
         self.bar: Any = _NoBar()
 
     # -- candidates and limits ------------------------------------------------------------------
