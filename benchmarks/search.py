@@ -101,17 +101,24 @@ PREDICTORS = ("none", "noisy", "anti")
 _SAVES = {"zero": ["none", "zero1", "zero2", "fsdp"], "checkpoint": ["none", "checkpoint"]}
 
 
+def model_world_and_parallel(size: int) -> Tuple[LlamaConfig, int, list]:
+    """The benchmark spaces' model config, world size (4 ranks for 64 candidates, else 8) and parallel
+    dimension (plain data parallel, or tensor 2 (/4/8) x data)."""
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                      num_attention_heads=16, num_key_value_heads=16)
+    world, tensors = (4, (2,)) if size == 64 else (8, (2, 4, 8))
+    parallel: list = [("parallel_mode", ([("data", world)], None))]
+    parallel += [[("parallel_mode", ([("tensor", t), ("data", world // t)], None)), "tensor_parallel"] for t in tensors]
+    return cfg, world, parallel
+
+
 def make_space(size: int, micro_batch: bool = False) -> SearchSpace:
     """The 64 or 256 candidates; with `micro_batch`, an ordinal micro-batch dimension (no
     accumulation, or 2/4/8 micro-batches per step at a global batch of 64) in place of
     module_replace (and the benchmark knob, and amp at 64), keeping the size."""
     if micro_batch:
         return _make_micro_space(size)
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-                      num_attention_heads=16, num_key_value_heads=16)
-    world, tensors = (4, (2,)) if size == 64 else (8, (2, 4, 8))
-    parallel = [("parallel_mode", ([("data", world)], None))]
-    parallel += [[("parallel_mode", ([("tensor", t), ("data", world // t)], None)), "tensor_parallel"] for t in tensors]
+    cfg, world, parallel = model_world_and_parallel(size)
     dims = {"amp": [None, "amp_native"], "zero": [None, "zero1", "zero2", "fsdp"], "checkpoint": [None, "checkpoint"],
             "module_replace": [None, "module_replace"]}
     if size == 256:
@@ -127,11 +134,7 @@ def make_space(size: int, micro_batch: bool = False) -> SearchSpace:
 
 
 def _make_micro_space(size: int) -> SearchSpace:
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-                      num_attention_heads=16, num_key_value_heads=16)
-    world, tensors = (4, (2,)) if size == 64 else (8, (2, 4, 8))
-    parallel = [("parallel_mode", ([("data", world)], None))]
-    parallel += [[("parallel_mode", ([("tensor", t), ("data", world // t)], None)), "tensor_parallel"] for t in tensors]
+    cfg, world, parallel = model_world_and_parallel(size)
     dims: Dict[str, list] = {} if size == 64 else {"amp": [None, "amp_native"]}
     dims.update({"zero": [None, "zero1", "zero2", "fsdp"], "checkpoint": [None, "checkpoint"],
                  "micro_batch": [None, *(("gradient_accumulation", {"steps": k}) for k in MICRO_STEPS)],

@@ -1,6 +1,6 @@
 # An outside probe's landscape families (session 23), copied into the repository unchanged: written by a
 # helper session that read only the search's public API; figures in benchmarks/RESULTS.md ("Session 23").
-# Run from the repository root: python benchmarks/search_outside_s23.py --size 64 --budget 14 --fams trap --n 10 --pred none
+# Changed since: the model and parallel dimension come from benchmarks/search.py. Run from the repository root: python benchmarks/search_outside_s23.py --size 64 --budget 14 --fams trap --n 10 --pred none
 """Independent landscape families for atorch.auto.search.search_strategy vs random search.
 Usage: python lands.py --size 64 --budget 14 --fams pair2,oomfringe --n 6 [--patience P] [--pred none,wrong]
 """
@@ -11,6 +11,7 @@ from atorch.auto.cost_model import Estimate
 from atorch.auto.opt_lib import registered_names
 from atorch.auto.opt_lib.base import Optimization, register
 from atorch.auto.search import DryRunResult, SearchSpace, search_strategy
+from search import model_world_and_parallel  # benchmarks/search.py (this script's directory is on sys.path)
 
 BATCH = 32
 def knob(name, order):
@@ -18,11 +19,7 @@ def knob(name, order):
         register(type("K_" + name, (Optimization,), {"name": name, "order": order}))
 
 def make_space(size):
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-                      num_attention_heads=16, num_key_value_heads=16)
-    world, tensors = (4, (2,)) if size == 64 else (8, (2, 4, 8))
-    parallel = [("parallel_mode", ([("data", world)], None))]
-    parallel += [[("parallel_mode", ([("tensor", t), ("data", world // t)], None)), "tensor_parallel"] for t in tensors]
+    cfg, world, parallel = model_world_and_parallel(size)   # benchmarks/search.py's (the probe's own copy before)
     dims = {"amp": [None, "amp_native"], "zero": [None, "zero1", "zero2", "fsdp"], "checkpoint": [None, "checkpoint"],
             "module_replace": [None, "module_replace"]}
     if size >= 256:
