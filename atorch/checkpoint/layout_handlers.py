@@ -235,13 +235,10 @@ class TorchHandler(LayoutHandler):
         once per name whose `param_groups.<name>.*` is there (two for a tied head loaded from a pipeline's
         checkpoint holding both copies), and `Optimizer.load_state_dict` refuses a group of another size only
         after the model was loaded. The same count, done first."""
-        from torch.distributed.checkpoint.state_dict import _verify_options  # private; how torch names them
-
         optim = self._local_optim
         if optim is None:
             return []
-        info = _verify_options(self.model, (optim,), optim_only=True,
-                               options=self._options(flatten_optimizer_state_dict=True))
+        info = self._state_dict_info(optim)
         problems = []
         for index, group in enumerate(optim.param_groups):
             first_key = next((k for k in group if k != "params"), None)
@@ -253,19 +250,25 @@ class TorchHandler(LayoutHandler):
                                 "the checkpoint's parameters are tied (shared) differently from this model's")
         return problems
 
+    def _state_dict_info(self, optim: torch.optim.Optimizer) -> Any:
+        """torch's own record of the model's parameter names (`fqn_param_mapping`: parameter -> the names its
+        flattened optimizer keys use; `shared_params_mapping`), as its state-dict functions build it."""
+        from torch.distributed.checkpoint.state_dict import _verify_options  # private; how torch names them
+
+        return _verify_options(self.model, (optim,), optim_only=True,
+                               options=self._options(flatten_optimizer_state_dict=True))
+
     def _saved_hyperparameters(self, index: int, values: Dict[str, Any]) -> Dict[str, Any]:
         """Group `index`'s hyperparameters in `values` (flattened `param_groups.<fqn>.<key>`), found
         through the outer optimizer's parameters of that group; {} if none is there."""
-        from torch.distributed.checkpoint.state_dict import _get_fqns  # private; how torch names them
-
-        if self.optimizer is None or index >= len(self.optimizer.param_groups):
+        if self.optimizer is None or self._local_optim is None or index >= len(self.optimizer.param_groups):
             return {}
         outer = self.optimizer.param_groups[index]
-        names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
+        names = self._state_dict_info(self._local_optim).fqn_param_mapping
         for param in outer["params"]:
-            for fqn in _get_fqns(self.model, names.get(id(param), "")) if id(param) in names else ():
-                found = {k: values[f"param_groups.{fqn}.{k}"] for k in outer if k != "params"
-                         and f"param_groups.{fqn}.{k}" in values}
+            for fqn in names.get(param, ()):
+                found = {k: values[f"{_PARAM_GROUPS}{fqn}.{k}"] for k in outer if k != "params"
+                         and f"{_PARAM_GROUPS}{fqn}.{k}" in values}
                 if found:
                     return found
         return {}
