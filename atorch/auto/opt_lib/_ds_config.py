@@ -248,6 +248,14 @@ def _precision_enabled(cfg: Mapping[str, Any], key: str) -> Optional[bool]:
     return None if enabled is None else bool(enabled)
 
 
+def half_dtype(config: Mapping[str, Any]) -> Optional[torch.dtype]:
+    """The half precision a resolved DeepSpeed config trains in (its module and flat partitions): bfloat16,
+    float16, or None for fp32."""
+    if _precision_enabled(config, "bf16"):
+        return torch.bfloat16
+    return torch.float16 if _precision_enabled(config, "fp16") else None
+
+
 # Sections whose `enabled` atorch or DeepSpeed reads as a switch: a string there ("false") would be read
 # differently by the two, so only a JSON boolean is accepted.
 DS_SWITCH_SECTIONS = ("bf16", "fp16", "amp", "torch_autocast")

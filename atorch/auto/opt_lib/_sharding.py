@@ -22,6 +22,7 @@ from torch import nn
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._ds_config import (
     DsConfigSpec,
+    half_dtype,
     load_ds_config,
     normalize_ds_config,
     offload_devices,
@@ -420,8 +421,7 @@ def build_deepspeed_engine(ctx: ModelContext, who: str, stage: int, ds_config: D
     ctx.optim = optim
     ctx.lr_scheduler = scheduler
     ctx.deepspeed_config = config
-    half = torch.bfloat16 if (config.get("bf16") or {}).get("enabled") else \
-        torch.float16 if (config.get("fp16") or {}).get("enabled") else None
+    half = half_dtype(config)
     if half is not None:
         cast_float_inputs(engine.module, half)   # DeepSpeed holds the module itself in `half`
     optimizer_device, param_device = offload_devices(config)

@@ -31,6 +31,7 @@ from atorch.auto.opt_lib._ds_config import (
     BATCH_KEYS,
     check_switches,
     complete_batch_sizes,
+    half_dtype,
     load_ds_config,
     merge_ds_config,
     user_bucket_elements,
@@ -260,16 +261,16 @@ class DeepSpeed3DParallelOptimization(Optimization):
         # the micro-batch and accumulation steps of the resolved ds_config.
         d, p = context.dims.get("data", 1), context.dims.get("pipeline", 1)
         ds = resolve_ds_config(config.ds_config, d, p, _batch_for_cost(config.ds_config, d, p))
-        half = bool((ds.get("bf16") or {}).get("enabled")) or bool((ds.get("fp16") or {}).get("enabled"))
+        half = half_dtype(ds)
         gas = ds["gradient_accumulation_steps"]
-        stage = (ds.get("zero_optimization") or {}).get("stage", 0)
+        stage = zero_stage_of(ds)
         out: Dict[str, Any] = {"sharding": "deepspeed", "zero_stage": stage,
                                "pipeline_engine": "deepspeed", "tensor_parallel": True, "ddp_wrap": False,
                                "accumulation_steps": gas, "pipeline_chunks": gas, "pipeline_schedule": "1f1b",
                                "ds_bucket_elements": user_bucket_elements(ds) or 0}
-        if half:
+        if half is not None:
             out["compute_dtype_bytes"] = 2
-            out["bf16"] = bool((ds.get("bf16") or {}).get("enabled"))
+            out["bf16"] = half is torch.bfloat16
         return out
 
     def validate(self, config: DeepSpeed3DParallelConfig, context: ValidationContext) -> None:
@@ -343,8 +344,7 @@ class DeepSpeed3DParallelOptimization(Optimization):
         if ctx.lr_scheduler is None and ctx.lr_scheduler_cls is not None and ctx.optim is not None:
             # Built here so the engine steps it at each optimizer step.
             ctx.lr_scheduler = ctx.lr_scheduler_cls(ctx.optim, **ctx.lr_scheduler_args)
-        half = bool((ds_config.get("bf16") or {}).get("enabled")) or bool((ds_config.get("fp16") or {}).get("enabled"))
-        if ctx.optim is not None and (half or (ds_config.get("zero_optimization") or {}).get("stage", 0)):
+        if ctx.optim is not None and (half_dtype(ds_config) is not None or zero_stage_of(ds_config)):
             # ZeRO-1 and DeepSpeed's half-precision optimizers step flat partitions of the parameters.
             check_flat_partition_optimizer(WHO, ctx.optim)
         params = [q for q in ctx.model.parameters() if q.requires_grad] if ctx.optim is None else None
