@@ -130,6 +130,20 @@ class DeepSpeedHandler(LayoutHandler):
         return [(group, list(self.zero.bit16_groups[i]), self.zero.single_partition_of_fp32_groups[i])
                 for i, group in enumerate(inner.param_groups)]
 
+    def param_group_names(self) -> List[List[str]]:
+        if not self.has_optimizer:
+            return []
+        if self.zero is None:
+            assert self.plain_optim is not None, "has_optimizer: a ZeRO or a plain optimizer"
+            return [[self.names[id(p)] for p in g["params"] if id(p) in self.names]
+                    for g in self.plain_optim.param_groups]
+        inner = self.zero.optimizer.param_groups
+        names: List[List[str]] = [[] for _ in inner]
+        for group, params, _ in self._groups():   # ZeRO-3's sub-groups add up to their group
+            index = next(i for i, g in enumerate(inner) if g is group)
+            names[index] += [self.names[id(p)] for p in params]
+        return names
+
     def _ensure_state(self) -> None:
         """Create the inner optimizer's state (built lazily at the first step) and link DeepSpeed's views of it."""
         inner = self.zero.optimizer

@@ -122,6 +122,11 @@ class LayoutHandler(ABC):
         several modules (a tied embedding/head), or a pipeline's two copies of one (see `_tie_groups`)."""
         return []
 
+    def param_group_names(self) -> List[List[str]]:
+        """The names (common keys) of the parameters in each of the optimizer's param groups, by group index;
+        a parameter shared by several modules under each of its names. [] without an optimizer."""
+        return []
+
     def optim_load_problems(self, values: Dict[str, Any]) -> List[str]:
         """What would make `load_optim_state` refuse `values` (the hyperparameters to install), found before
         anything is loaded; [] when nothing would."""
@@ -249,6 +254,14 @@ class TorchHandler(LayoutHandler):
                                 f"checkpoint's hyperparameters name {len(names)} of them ({sorted(names)[:6]}): "
                                 "the checkpoint's parameters are tied (shared) differently from this model's")
         return problems
+
+    def param_group_names(self) -> List[List[str]]:
+        if self._local_optim is None:
+            return []
+        names = self._state_dict_info(self._local_optim).fqn_param_mapping
+        # The outer optimizer's groups: a ZeroRedundancyOptimizer's local one holds only this rank's parameters.
+        groups = getattr(self.optimizer, "param_groups", None) or self._local_optim.param_groups
+        return [[fqn for p in group["params"] for fqn in sorted(names.get(p, ()))] for group in groups]
 
     def _state_dict_info(self, optim: torch.optim.Optimizer) -> Any:
         """torch's own record of the model's parameter names (`fqn_param_mapping`: parameter -> the names its

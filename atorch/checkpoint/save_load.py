@@ -306,8 +306,9 @@ def save_checkpoint(target: Any, path: str, *, step: Optional[int] = None,
     # A failure from here on (agreed, so raised on every rank at the same point) removes the staging directory.
     with _removing_staging_on_error(plan.staging, plan.rank):
         has_optimizer = save_optimizer and handler.has_optimizer
-        tensors, optim_values = _gather_state(handler, has_optimizer)
-        _write_rng_and_metadata(plan, objs, handler, data_position, small_state, has_optimizer, optim_values,
+        tensors, optim_values, optim_groups = _gather_state(handler, has_optimizer)
+        _write_rng_and_metadata(plan, objs, handler, data_position, small_state, has_optimizer,
+                                {"values": optim_values, "param_groups": optim_groups},
                                 tokenizer)
         if async_save:
             _write_in_background(plan, tensors)
@@ -412,29 +413,35 @@ def _create_staging(final_dir: str) -> str:
     return staging
 
 
-def _gather_state(handler: LayoutHandler, has_optimizer: bool) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """This rank's model (and optimizer) tensors keyed as in the checkpoint, and every rank's optimizer
-    hyperparameters (a collective when `has_optimizer`, which every rank agreed on)."""
+def _gather_state(handler: LayoutHandler, has_optimizer: bool
+                  ) -> Tuple[Dict[str, Any], Dict[str, Any], List[List[str]]]:
+    """This rank's model (and optimizer) tensors keyed as in the checkpoint, every rank's optimizer
+    hyperparameters and the names in each parameter group (by group index, merged over the ranks; a collective
+    when `has_optimizer`, which every rank agreed on)."""
     tensors = {MODEL_PREFIX + k: v for k, v in handler.model_state().items()}
     optim_values: Dict[str, Any] = {}
+    optim_groups: List[List[str]] = []
     if has_optimizer:
         optim_tensors, local_values = handler.optim_state()
         tensors.update({OPTIM_PREFIX + k: v for k, v in optim_tensors.items()})
         # A sharded optimizer (ZeRO-1, pipeline stages) knows only its own parameters'
         # hyperparameters: merge all ranks'.
-        for values in _all_gather(to_json_value(local_values, "optimizer")):
+        for values, groups in _all_gather((to_json_value(local_values, "optimizer"), handler.param_group_names())):
             optim_values.update(values)
-    return tensors, optim_values
+            optim_groups += [[] for _ in range(len(groups) - len(optim_groups))]
+            for merged, names in zip(optim_groups, groups):
+                merged += [n for n in names if n not in merged]
+    return tensors, optim_values, optim_groups
 
 
 def _write_rng_and_metadata(plan: _SavePlan, objs: TrainingObjects, handler: LayoutHandler,
                             data_position: Optional[DataPosition], small_state: Dict[str, Any], has_optimizer: bool,
-                            optim_values: Dict[str, Any], tokenizer: Any) -> None:
+                            optim_meta: Dict[str, Any], tokenizer: Any) -> None:
     """Write this rank's RNG states, and on rank 0 meta.json, the model's configs and the tokenizer (voted on)."""
     with agree_on_error(f"save_checkpoint({plan.final_dir!r}): writing RNG states and metadata"):
         _write_json(os.path.join(plan.staging, RNG_DIR, f"rank_{plan.rank:05d}.json"), _rank_rng_state(objs))
         if plan.rank == 0:
-            meta = _meta(objs, handler, plan.step, data_position, small_state, has_optimizer, optim_values,
+            meta = _meta(objs, handler, plan.step, data_position, small_state, has_optimizer, optim_meta,
                          plan.world)
             _write_json(os.path.join(plan.staging, META_NAME), meta)
             _write_model_configs(objs.model, plan.staging)
@@ -640,9 +647,10 @@ def _model_class_name(model: nn.Module) -> Optional[str]:
 
 
 def _meta(objs: TrainingObjects, handler: LayoutHandler, step: Optional[int], position: Optional[DataPosition],
-          small_state: Dict[str, Any], has_optimizer: bool, optim_values: Dict[str, Any], world: int
+          small_state: Dict[str, Any], has_optimizer: bool, optim_meta: Dict[str, Any], world: int
           ) -> Dict[str, Any]:
-    """meta.json: everything but tensors and RNG states (all values already JSON data)."""
+    """meta.json: everything but tensors and RNG states (all values already JSON data). `optim_meta`: the
+    optimizer's hyperparameters (`values`) and the parameter names of each of its groups (`param_groups`)."""
     hf_model, hf_prefix = find_hf_model(objs.model)
     hf_config = find_hf_config(objs.model)
     return {
@@ -654,7 +662,7 @@ def _meta(objs: TrainingObjects, handler: LayoutHandler, step: Optional[int], po
         "model": {"class": _model_class_name(hf_model if hf_model is not None else objs.model),
                   "hf_prefix": hf_prefix, "has_config": hf_config is not None, **_lora_meta(objs.model)},
         "has_optimizer": has_optimizer,
-        "optimizer": {"class": _qualname(objs.optimizer), "values": optim_values} if has_optimizer else None,
+        "optimizer": {"class": _qualname(objs.optimizer), **optim_meta} if has_optimizer else None,
         **small_state, "torch_version": torch.__version__, "created": time.time(),
     }
 
@@ -747,6 +755,7 @@ def load_checkpoint(target: Any, path: str, *, load_optimizer: bool = True, load
     position = _resume_position(meta, objs)
     targets = _check_against_checkpoint(objs, handler, meta, entries, ckpt_dir, load_optimizer=load_optimizer,
                                         strict=strict)
+    _read_tied_weights(handler, targets, entries, ckpt_dir, manifest)
     _load_tensors(handler, targets, os.path.join(ckpt_dir, DCP_DIR), manifest)
     if targets.restore_optimizer:
         _restore_with_optimizer(objs, handler, meta, ckpt_dir)
@@ -819,6 +828,8 @@ class _LoadTargets:
     restore_optimizer: bool = False
     # optimizer key -> the checkpoint key it is read from, where that is another name of the same tied weight.
     optimizer_sources: Dict[str, str] = field(default_factory=dict)
+    # model key -> its value, already read and checked (`_read_tied_weights`): copied in, not read again.
+    prefilled: Dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _check_against_checkpoint(objs: TrainingObjects, handler: LayoutHandler, meta: Dict[str, Any],
@@ -888,8 +899,44 @@ def _optimizer_targets(load: _LoadTargets, handler: LayoutHandler, meta: Dict[st
                 k.startswith(f"param_groups.{n}.") for n in group if n not in own)}
     # Checked now, not by torch after the model was loaded: a failed load changes nothing.
     problems += [f"{os.path.join(ckpt_dir, META_NAME)}: {p}"
-                 for p in handler.optim_load_problems(load.optimizer_values)]
+                 for p in handler.optim_load_problems(load.optimizer_values) +
+                 _param_group_problems(handler.param_group_names(), meta["optimizer"].get("param_groups"))]
     return problems
+
+
+def _param_group_problems(groups: List[List[str]], saved: Optional[List[List[str]]]) -> List[str]:
+    """The parameter groups of this rank's optimizer (names by group) against the checkpoint's: a parameter in a
+    group with others than it was saved with is the one problem (one message), [] when they match or the
+    checkpoint did not record its groups (an older atorch).
+
+    Hyperparameters are saved per parameter and restored per group from its first parameter (torch's flattened
+    loader and DeepSpeed's alike): a checkpoint of one group loaded into two (decay / no-decay) would give both
+    the first's weight decay, one of two groups into one group would drop the other's lr, silently.
+    """
+    if saved is None:
+        return []
+    saved_group = {name: index for index, names in enumerate(saved) for name in names}
+    owner: Dict[int, int] = {}    # saved group -> the group of this optimizer holding its parameters
+    matched: Dict[int, int] = {}  # group of this optimizer -> the saved group of its parameters
+    for index, names in enumerate(groups):
+        for name in names:
+            was = saved_group.get(name)
+            if was is None:
+                continue   # a parameter the checkpoint lacks: reported with the keys
+            if owner.setdefault(was, index) != index or matched.setdefault(index, was) != was:
+                return [f"optimizer parameter {name!r} is in param group {index} of this optimizer but was saved in "
+                        f"group {was}, with other parameters: this optimizer's groups are {_show_groups(groups)}, "
+                        f"the checkpoint's {_show_groups(saved)}. Each group's hyperparameters (lr, weight decay) "
+                        "are restored from its first parameter's, so the other parameters would train with another "
+                        "group's silently; build the optimizer with the checkpoint's groups to resume it, or pass "
+                        "load_optimizer=False to load the weights and start the optimizer fresh"]
+    return []
+
+
+def _show_groups(groups: List[List[str]]) -> str:
+    """Parameter groups for a message: a few names of each, with the count of the others."""
+    shown = [names[:3] + ([f"... {len(names) - 3} more"] if len(names) > 3 else []) for names in groups[:4]]
+    return str(shown) + (f" and {len(groups) - 4} more groups" if len(groups) > 4 else "")
 
 
 def _tied_source(key: str, ties: List[Tuple[str, ...]], saved: Any) -> Optional[str]:
@@ -913,11 +960,60 @@ def _tied_source(key: str, ties: List[Tuple[str, ...]], saved: Any) -> Optional[
     return None
 
 
+def _read_tied_weights(handler: LayoutHandler, load: _LoadTargets,
+                       entries: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], ckpt_dir: str,
+                       manifest: mf.Manifest) -> None:
+    """Read the checkpoint's tensors of each tied weight this rank holds, and refuse (every rank, nothing loaded)
+    a checkpoint where they differ; equal ones become `load.prefilled`.
+
+    A tied embedding/head is one Parameter here (or a native pipeline's two copies kept equal). A checkpoint of an
+    untied model holds two different tensors under its names: read in place, both would be written into the one
+    Parameter and the last would win, silently (with or without the optimizer). Each name is read into its own
+    buffer first (one read of the tied weight: the main read skips it). A collective: every rank takes part.
+    """
+    reads: Dict[str, torch.Tensor] = {}
+    groups: List[Tuple[List[str], List[str]]] = []   # (the group's names in the checkpoint, those this rank loads)
+    for group in handler.tied_weights():
+        saved = [n for n in group if MODEL_PREFIX + n in entries]
+        local = [n for n in group if MODEL_PREFIX + n in load.model]
+        if len(saved) > 1 and local:
+            like = load.model[MODEL_PREFIX + local[0]]
+            for name in saved:
+                reads.setdefault(MODEL_PREFIX + name, torch.empty_like(like))
+            groups.append((saved, local))
+    if not any(_all_gather(bool(reads))):
+        return
+    _dcp_load(reads, os.path.join(ckpt_dir, DCP_DIR), manifest)
+    with agree_on_error(f"load_checkpoint({ckpt_dir!r}): comparing the checkpoint's tensors of tied weights"):
+        problems = []
+        for saved, local in groups:
+            first = _local_tensor(reads[MODEL_PREFIX + saved[0]])
+            differ = [n for n in saved[1:] if not torch.equal(_local_tensor(reads[MODEL_PREFIX + n]), first)]
+            if differ:
+                problems.append(
+                    f"{DCP_DIR}/.metadata: the checkpoint holds {saved[0]!r} and {differ[0]!r} as two different "
+                    "tensors (saved from a model that keeps them apart, e.g. tie_word_embeddings=False), but this "
+                    "model ties them into one weight, which would silently keep whichever is read last; load it "
+                    "into a model built untied (e.g. tie_word_embeddings=False); to go on tied, load it untied and "
+                    f"copy the one to keep (e.g. {saved[0]!r}) into the other before tying them")
+        mf.raise_problems(ckpt_dir, problems)
+    for saved, local in groups:
+        for name in local:
+            load.prefilled[MODEL_PREFIX + name] = reads[MODEL_PREFIX + saved[0]]
+
+
+def _local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (its shard is compared with the same shard of another name), else `t`."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def _load_tensors(handler: LayoutHandler, load: _LoadTargets, dcp_dir: str, manifest: mf.Manifest) -> None:
     """Read the model's (and optimizer's) tensors in place, then hand them to the layout's model and optimizer."""
     # Filled in place: a tied copy's tensor read under its other name is still the optimizer's own tensor; where
     # this rank also holds the other copy (read under its own name), it is copied from that one after the read.
-    targets, copies = dict(load.model), []
+    targets = {k: v for k, v in load.model.items() if k not in load.prefilled}
+    copies = [(load.model[k], v) for k, v in load.prefilled.items()]
     for key, tensor in load.optimizer.items():
         source = load.optimizer_sources.get(key, key)
         if source != key and source in load.optimizer:

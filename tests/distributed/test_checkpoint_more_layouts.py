@@ -8,7 +8,8 @@ Each layout: 4 steps straight vs 2 steps, save, a fresh model (other seed) and o
 (one spawn: fresh objects, same processes; the new-process resume is test_checkpoint_layouts.py). Same
 layout on both sides, fp32: exact. Cross-layout continuation (DeepSpeed -> FSDP2): rel 1e-5, the two sum
 gradients in different orders. Last in the spawn: a DeepSpeed save where rank 0 alone fails to read its
-optimizer state raises on both ranks (rank 1 was left in DeepSpeed's all-reduce).
+optimizer state raises on both ranks (rank 1 was left in DeepSpeed's all-reduce). The two-group DeepSpeed
+checkpoint is refused by optimizers grouped otherwise (DeepSpeed's one group, torch ZeRO-1's final-norm split).
 """
 
 import os
@@ -75,6 +76,20 @@ def _round_trips(root: str) -> dict:
     out["from_parallelized"] = dict(expected=fsdp_weights, got=got, got_hf=full_weights(result))
     del result
     dist.barrier()
+    # The two-group DeepSpeed checkpoint into one group (DeepSpeed ZeRO-1) and into other groups (torch ZeRO-1):
+    # each group's hyperparameters would come from its first parameter, so both are refused before any load.
+    out["groups_mismatch"] = {}
+    for layout in ("ds_zero1", "zero1_small_group"):
+        result = build(layout, seed=77)
+        before = full_weights(result)
+        try:
+            load_checkpoint(result, os.path.join(root, "ds_zero2_groups"))
+            out["groups_mismatch"][layout] = "loaded"
+        except ValueError as e:
+            out["groups_mismatch"][layout] = str(e)
+        assert compare_weights(full_weights(result), before) == [], layout
+        del result
+        dist.barrier()
     # Last: without the agreement rank 1 is left in a DeepSpeed gather while rank 0 goes on.
     out["ds_state_failure"] = _save_failing_on_rank_0(build("ds_zero2_groups"), os.path.join(root, "ds_failure"))
     return portable(out)
@@ -126,6 +141,18 @@ def test_a_deepspeed_optimizer_state_failure_on_one_rank_is_raised_on_every_rank
     for rank_out in per_rank:
         assert "failed on rank [0]" in rank_out["ds_state_failure"], rank_out["ds_state_failure"]
         assert "injected: rank 0 cannot read its optimizer state" in rank_out["ds_state_failure"]
+
+
+def test_a_checkpoint_of_other_parameter_groups_is_refused_on_every_rank(runs):
+    """decay / no-decay groups saved by DeepSpeed ZeRO-2; loaded into one group (DeepSpeed) and into a split
+    at the final norm (torch ZeRO-1, whose small group is empty on rank 1): the same error on both ranks, naming
+    the first parameter whose group differs, nothing loaded."""
+    _, per_rank = runs
+    for rank_out in per_rank:
+        for layout, message in rank_out["groups_mismatch"].items():
+            assert "optimizer parameter 'model.layers.0." in message and "is in param group" in message, message
+            assert "the checkpoint's [['model.embed_tokens.weight'," in message and "load_optimizer=False" in message
+    assert per_rank[0]["groups_mismatch"] == per_rank[1]["groups_mismatch"]
 
 
 def test_deepspeed_checkpoint_loads_into_torch_fsdp(runs):

@@ -4,6 +4,7 @@ offending value."""
 
 import json
 import os
+import re
 import sys
 import types
 
@@ -144,6 +145,70 @@ def test_a_tied_weight_loads_between_a_pipeline_s_two_copies_and_one_shared_para
                                               "name 2 .*tied"):
         load_checkpoint(fresh, split, optimizer=torch.optim.AdamW(fresh.parameters(), lr=0.1))
     assert torch.equal(fresh.embed.weight, before)
+
+
+def test_an_untied_checkpoint_loads_into_a_tied_model_only_when_its_two_tensors_are_equal(tmp_path):
+    """An untied model's embedding and head are two tensors; a tied model (one shared Parameter, or a pipeline's
+    two copies) would take whichever is read last, silently. Refused by both names before anything is loaded, with
+    the optimizer or without; equal tensors load."""
+    untied = _TiedHead(0, tied=False)
+    del untied.tied_weight_names              # an ordinary untied model: its head trained apart from the embedding
+    with torch.no_grad():
+        untied.head.weight.add_(1.0)
+    untied_optim = torch.optim.AdamW(untied.parameters(), lr=0.1)
+    untied.train_step(untied_optim)
+    path = save_checkpoint(untied, str(tmp_path / "untied"), step=1, optimizer=untied_optim)
+    for target in (_TiedHead(1, tied=True), _TiedHead(1, tied=False)):   # shared Parameter; a pipeline's copies
+        before = [p.detach().clone() for p in target.parameters()]
+        for load_optimizer in (False, True):
+            with pytest.raises(CheckpointError, match="holds 'embed.weight' and 'head.weight' as two different "
+                                                      "tensors.*ties them.*tie_word_embeddings=False"):
+                load_checkpoint(target, path, load_optimizer=load_optimizer,
+                                optimizer=torch.optim.AdamW(target.parameters(), lr=0.1))
+        assert all(torch.equal(p, b) for p, b in zip(target.parameters(), before))
+
+    equal = _TiedHead(0, tied=False)
+    del equal.tied_weight_names
+    path = save_checkpoint(equal, str(tmp_path / "equal"), step=1)
+    tied = _TiedHead(1, tied=True)
+    load_checkpoint(tied, path)
+    assert torch.equal(tied.embed.weight, equal.embed.weight)
+
+
+def test_an_optimizer_grouped_differently_from_the_checkpoint_is_refused(tmp_path):
+    """Hyperparameters are restored per group from its first parameter's: one saved group loaded into decay /
+    no-decay groups would give the no-decay group the decay, two groups into one would drop the second's lr.
+    Refused naming the first parameter whose group differs and both groupings; the same grouping loads."""
+    def model_and_groups(split: bool, seed: int = 0):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        if not split:
+            return model, torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+        no_decay = [model[0].bias, model[1].weight, model[1].bias]
+        return model, torch.optim.AdamW([{"params": [model[0].weight]}, {"params": no_decay, "weight_decay": 0.0,
+                                                                         "lr": 0.2}], lr=0.1, weight_decay=0.5)
+
+    for saved_split in (False, True):
+        model, optimizer = model_and_groups(saved_split)
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        path = save_checkpoint(model, str(tmp_path / f"split_{saved_split}"), step=1, optimizer=optimizer)
+        other, other_optim = model_and_groups(not saved_split, seed=1)
+        before = other[0].weight.detach().clone(), [dict(g, params=None) for g in other_optim.param_groups]
+        one = "[['0.weight', '0.bias', '1.weight', '... 1 more']]"
+        two = "[['0.weight'], ['0.bias', '1.weight', '1.bias']]"
+        groups = (f"this optimizer's groups are {one if saved_split else two}, the checkpoint's "
+                  f"{two if saved_split else one}")
+        now, was = (0, 1) if saved_split else (1, 0)
+        with pytest.raises(CheckpointError, match=f"optimizer parameter '0.bias' is in param group {now} .*saved in "
+                                                  f"group {was}.*{re.escape(groups)}.*load_optimizer=False"):
+            load_checkpoint(other, path, optimizer=other_optim)
+        assert torch.equal(other[0].weight, before[0]) and [dict(g, params=None) for g in other_optim.param_groups] \
+            == before[1]
+        same, same_optim = model_and_groups(saved_split, seed=1)
+        load_checkpoint(same, path, optimizer=same_optim)
+        assert [g["lr"] for g in same_optim.param_groups] == [g["lr"] for g in optimizer.param_groups]
+        assert torch.equal(same_optim.state[same[1].bias]["exp_avg"], optimizer.state[model[1].bias]["exp_avg"])
 
 
 def test_a_checkpoint_whose_config_has_no_causal_lm_class_asks_for_model_class(tmp_path):
