@@ -26,7 +26,7 @@ from atorch.auto.opt_lib.base import ValidationContext
 from atorch.auto.opt_lib.resolve import ResolvedOptimization, resolve_strategy, wrapper_phase
 from atorch.auto.result import AutoAccelerateResult
 from atorch.auto.strategy import Strategy, StrategyItem
-from atorch.data.samplers import record_set_epoch
+from atorch.data.samplers import WholeStepsSampler, record_set_epoch
 from atorch.distributed.agreement import agree_on_error
 
 logger = logging.getLogger(__name__)
@@ -126,15 +126,21 @@ def build_dataloader(ctx: ModelContext, global_batch: Optional[int] = None,
     if (global_batch // dp) % micro_batches != 0:
         raise ValueError(f"dataloader_args batch_size={global_batch} (global) does not split into {micro_batches} "
                          f"micro-batches on each of {dp} data-parallel ranks")
-    loader = DataLoader(ctx.dataset, batch_size=global_batch // dp // micro_batches, sampler=sampler,
-                        drop_last=drop_last, **args)
+    # With drop_last, items that are micro-batches stop at the last whole step, as whole batches would: an engine
+    # taking `micro_batches` items per step (DeepSpeed 3D) would run out in the middle of an epoch's last step.
+    # (Without drop_last, DeepSpeed 3D refuses an epoch ending mid-step before training.)
+    whole_steps = micro_batches > 1 and drop_last and hasattr(sampler, "__len__")
+    loader = DataLoader(ctx.dataset, batch_size=global_batch // dp // micro_batches, drop_last=drop_last,
+                        sampler=WholeStepsSampler(sampler, global_batch // dp) if whole_steps else sampler, **args)
     size = len(ctx.dataset) if hasattr(ctx.dataset, "__len__") else None
     if size is not None and size % global_batch and adist.rank() == 0:
-        what = (f"the last {size % global_batch} are left out" if drop_last else
-                "the last global batch is smaller (the sampler repeats a few samples so that every data rank gets "
-                "the same number)")
-        logger.info("dataloader: %d samples in global batches of %d: %s in each epoch (dataloader_args['drop_last']="
-                    "%s)", size, global_batch, what, drop_last)
+        if drop_last:
+            logger.warning("dataloader: %d samples in global batches of %d: the last %d are left out in each epoch "
+                           "(dataloader_args['drop_last']=True)", size, global_batch, size % global_batch)
+        else:
+            logger.info("dataloader: %d samples in global batches of %d: the last global batch is smaller (the "
+                        "sampler repeats a few samples so that every data rank gets the same number) in each epoch "
+                        "(dataloader_args['drop_last']=False)", size, global_batch)
     return loader, sampler
 
 

@@ -7,6 +7,7 @@ output of an arbitrary sampler (weighted, grouped by length, ...) the same way.
 from __future__ import annotations
 
 import collections.abc
+import itertools
 import math
 import warnings
 from typing import Any, Iterator, List, Optional
@@ -16,6 +17,31 @@ from torch.utils.data import DataLoader, Sampler
 
 from atorch import distributed as adist
 from atorch.data.indexed_dataset import is_int
+
+
+class WholeStepsSampler(Sampler):
+    """The first indices of `sampler` that fill whole steps of `step` samples; the rest of each epoch is left out.
+
+    For a loader whose items are micro-batches of which an engine takes a fixed number per optimizer step
+    (DeepSpeed 3D's `train_batch` pulls gradient_accumulation_steps of them): an epoch ending mid-step would leave
+    the engine without its last micro-batches on some stages. Everything else (`set_epoch`, `epoch`,
+    `num_replicas`, ...) is the wrapped sampler's, so resuming and `set_epoch` see through it.
+    """
+
+    def __init__(self, sampler: Any, step: int) -> None:
+        self.sampler = sampler
+        self.step = int(step)
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.step * self.step
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.sampler), len(self))
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("sampler", "step"):   # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.sampler, name)
 
 
 class DistributedProxySampler(Sampler):

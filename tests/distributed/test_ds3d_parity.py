@@ -283,12 +283,37 @@ def _train_without_ds_config(global_batch):
            "global_batch": result.args["global_batch_size"]}
     del result, data_iter
     dist.barrier()
+    out["epoch"] = _epoch_ending_mid_step(global_batch)
+    return out
+
+
+def _epoch_ending_mid_step(global_batch):
+    """An epoch of 10 samples in global batches of 4: the loader holds 2 whole steps of micro-batches and nothing
+    else; the 2 samples left would start a third step the engine cannot finish (its stages run out of
+    micro-batches in the middle of it: a StopIteration on the first stage, the last left waiting), so the loader
+    leaves them out."""
+    from atorch.auto import auto_accelerate
+
+    status, result, _ = auto_accelerate(
+        _meta_model("llama"), optim_func=torch.optim.AdamW, optim_args={"lr": LR}, dataset=TokenDataset(n=10),
+        dataloader_args={"batch_size": global_batch}, load_strategy=_strategy([("pipeline", dist.get_world_size())],
+                                                                               ds_config=None))
+    assert status
+    engine, data_iter = result.model, iter(result.dataloader)
+    # The loop must count its steps: a stage that runs out of data raises StopIteration while its peers wait in
+    # the step's sends and receives (no way to stop a pipeline's step once begun).
+    steps = len(result.dataloader) // result.gradient_accumulation_steps
+    losses = [engine.train_batch(data_iter).item() for _ in range(steps)]
+    out = {"losses": losses, "items": len(result.dataloader), "left": len(list(data_iter))}
+    del engine, result, data_iter
+    dist.barrier()
     return out
 
 
 @pytest.mark.heavy
 def test_ds3d_without_ds_config_takes_the_dataloader_batch():
-    """The repro of a default ds_config overriding dataloader_args batch_size=4 with train_batch_size=1."""
+    """The repro of a default ds_config overriding dataloader_args batch_size=4 with train_batch_size=1; and an
+    epoch whose micro-batches are not a whole number of steps (the last incomplete step is left out)."""
     batch = 4
     for r in run_distributed(_train_without_ds_config, 2, batch, timeout=300):
         assert "dataloader_args batch_size=4 (global) differs from ds_config train_batch_size=8" in r["error"], r
@@ -296,3 +321,6 @@ def test_ds3d_without_ds_config_takes_the_dataloader_batch():
         reference = reference_losses(tiny_llama(seed=SEED, num_hidden_layers=LAYERS),
                                      global_batches(TokenDataset(), batch, 3), lr=LR)
         assert_close_losses(r["losses"], reference, rel=REL, what="ds3d pipeline 2 without ds_config")
+        # 2 whole steps of 2 micro-batches; nothing of a third was run.
+        assert (len(r["epoch"]["losses"]), r["epoch"]["items"], r["epoch"]["left"]) == (2, 4, 0), r["epoch"]
+        assert_close_losses(r["epoch"]["losses"], reference[:2], rel=REL, what="ds3d epoch ending mid-step")

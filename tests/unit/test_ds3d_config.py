@@ -231,6 +231,8 @@ def test_cost_traits_accumulate_one_micro_batch_per_stage_without_batch_keys():
     (3, 1, True, True), (4, 1, True, False), (7, 2, True, True), (8, 2, True, False),
     (3, 1, False, False),   # micro-batches of 2 and 1: a step's two
     (3, 2, False, True),    # the sampler gives each data rank 2 samples: one micro-batch of a step's two
+    (7, 1, True, False),    # 3 micro-batches: the loader leaves the last step's one out (drop_last)
+    (6, 1, False, "mid-step"),   # 3 micro-batches, all asked for: the last step would have one of two
 ])
 def test_a_dataset_that_cannot_fill_one_step_is_refused(size, data, drop_last, refused):
     """The engine pulls gradient_accumulation_steps micro-batches per step: a dataset yielding fewer ran out on one
@@ -241,6 +243,12 @@ def test_a_dataset_that_cannot_fill_one_step_is_refused(size, data, drop_last, r
     ds_config = resolve_ds_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}, data, 2)
     if not refused:
         check_dataset_fills_a_step(TokenDataset(n=size), drop_last, ds_config, data)
+        return
+    if refused == "mid-step":
+        with pytest.raises(ValueError, match=r"drop_last'\]=False the last step of each epoch has 1 micro-batch\(es\) "
+                                             r"per data rank \(6 samples.*gradient_accumulation_steps=2 micro-batches "
+                                             r"per step; set drop_last=True to leave the last 2 samples out"):
+            check_dataset_fills_a_step(TokenDataset(n=size), drop_last, ds_config, data)
         return
     with pytest.raises(ValueError, match=rf"dataset has {size} samples, fewer than one global batch "
                                          rf"\(train_batch_size={4 * data} = train_micro_batch_size_per_gpu=2 x "
@@ -256,7 +264,24 @@ def test_the_micro_batch_loader_logs_the_global_batch(caplog):
 
     ctx = ModelContext(model=torch.nn.Linear(1, 1), dataset=TokenDataset(n=10), dataloader_args={"batch_size": 4})
     with caplog.at_level("INFO"):
-        loader, _ = _micro_batch_loader(ctx, gas=2)
+        loader, sampler = _micro_batch_loader(ctx, gas=2)
     assert loader.batch_size == 2
-    messages = [r.getMessage() for r in caplog.records]
-    assert any("10 samples in global batches of 4: the last 2 are left out" in m for m in messages), messages
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("10 samples in global batches of 4: the last 2 are left out" in m for m in warnings), warnings
+    # The engine takes 2 micro-batches per step: the epoch's fifth, which would start a step it cannot finish, is
+    # left out with the samples the message counts (it used to be yielded, and the last train_batch ran out).
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        assert len(loader) == 4 and [len(b["input_ids"]) for b in loader] == [2, 2, 2, 2]
+    assert loader.sampler.epoch == 1 and loader.sampler.num_replicas == 1   # the wrapped sampler's
+
+
+def test_the_micro_batch_loader_keeps_every_sample_that_fills_whole_steps():
+    """A dataset that fills whole steps loses nothing."""
+    from atorch.auto.model_context import ModelContext
+    from atorch.auto.opt_lib.ds_3d_parallel_optimization import _micro_batch_loader
+    from atorch.testing.parity import TokenDataset
+
+    ctx = ModelContext(model=torch.nn.Linear(1, 1), dataset=TokenDataset(n=12), dataloader_args={"batch_size": 4})
+    loader, _ = _micro_batch_loader(ctx, gas=2)
+    assert len(loader) == 6 and sum(len(b["input_ids"]) for b in loader) == 12

@@ -426,7 +426,9 @@ def _micro_batch_loader(ctx: ModelContext, gas: int) -> Tuple[Any, Any]:
 def check_dataset_fills_a_step(dataset: Any, drop_last: bool, ds_config: Mapping[str, Any], data_size: int) -> None:
     """ValueError when `dataset` cannot fill one step of `ds_config`: the dataloader gives each data rank fewer
     than gradient_accumulation_steps micro-batches (with drop_last, the default: fewer samples than one global
-    batch), and the engine's first `train_batch` would run out of them on some stages only."""
+    batch), and the engine's first `train_batch` would run out of them on some stages only; or, with
+    drop_last=False, when an epoch ends in the middle of a step (its last `train_batch` would run out the same
+    way). Pure: every rank raises the same error before training."""
     size = len(dataset) if hasattr(dataset, "__len__") else None
     if size is None:
         return
@@ -439,8 +441,18 @@ def check_dataset_fills_a_step(dataset: Any, drop_last: bool, ds_config: Mapping
     else:
         per_rank = -(-size // data_size)          # ceil
         items = -(-per_rank // micro)
-    if items >= gas:
+    if items >= gas and (drop_last or items % gas == 0):
         return
+    if items >= gas:
+        # drop_last (the default) leaves the epoch's incomplete last step out (build_dataloader), as the other
+        # layouts leave out an incomplete last global batch; False asks to train every sample, which the engine can
+        # only do in whole steps (the native pipeline refuses a last batch that does not split the same way).
+        raise ValueError(f"{WHO}: with dataloader_args['drop_last']=False the last step of each epoch has "
+                         f"{items % gas} micro-batch(es) per data rank ({size} samples, train_batch_size={total} = "
+                         f"train_micro_batch_size_per_gpu={micro} x gradient_accumulation_steps={gas} x data size "
+                         f"{data_size}), but the engine takes gradient_accumulation_steps={gas} micro-batches per "
+                         f"step; set drop_last=True to leave the last {size % total} samples out of each epoch, or "
+                         "use a dataset length that fills whole steps")
     raise ValueError(f"{WHO}: dataset has {size} samples, fewer than one global batch (train_batch_size={total} = "
                      f"train_micro_batch_size_per_gpu={micro} x gradient_accumulation_steps={gas} x data size "
                      f"{data_size}; dataloader_args['drop_last']={drop_last}): the dataloader would yield no whole "
