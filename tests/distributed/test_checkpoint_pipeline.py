@@ -11,7 +11,8 @@ parity bound). The native checkpoint also merges for `from_pretrained`.
 
 A tied embedding/head (native_d2p2_tied), which the stages keep as two copies: its checkpoint loads with
 the optimizer into a tied one-process model and into FSDP2 over 4 ranks (continuing within rel 1e-4), and
-FSDP2's checkpoint of it, saved right after that load, resumes the pipeline with the straight losses exactly.
+FSDP2's checkpoint of it, saved right after that load, resumes the pipeline with the straight losses exactly;
+the untied pipeline's checkpoint (embedding and head differ) is refused by the tied pipeline on every rank.
 """
 
 import os
@@ -141,9 +142,21 @@ def _tied_across_layouts(name: str, path: str) -> dict:
     result = _build(name)
     state = load_checkpoint(result, tied_path)
     back = _train(result, name, STEPS - SAVE_AT, dataloader=state.dataloader)
-    del result, state
+    del state
     dist.barrier()
-    return {"fsdp_from_pipeline": from_pipeline, "pipeline_from_fsdp": back}
+    # The untied pipeline's checkpoint (its embedding and head differ) into the tied one: refused on every rank
+    # (each stage holds one copy), nothing loaded.
+    before = [p.detach().clone() for p in result.model.parameters()]
+    try:
+        load_checkpoint(result, os.path.join(os.path.dirname(os.path.dirname(path)), "native_d2p2",
+                                             f"step_{SAVE_AT}"), load_optimizer=False)
+        untied = "loaded"
+    except ValueError as e:
+        untied = str(e)
+    assert all(torch.equal(p, b) for p, b in zip(result.model.parameters(), before))
+    del result
+    dist.barrier()
+    return {"fsdp_from_pipeline": from_pipeline, "pipeline_from_fsdp": back, "untied_into_tied": untied}
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +200,9 @@ def test_pipeline_checkpoint_resumes_exactly_and_loads_into_one_process(runs, na
             for a, e in zip(rank_out[name]["fsdp_from_pipeline"], expected):
                 assert abs(a - e) <= 1e-4 * abs(e), (rank_out[name]["fsdp_from_pipeline"], expected)
             assert rank_out[name]["pipeline_from_fsdp"] == expected, (rank_out[name]["pipeline_from_fsdp"], expected)
+            assert "holds 'lm_head.weight' and 'model.embed_tokens.weight' as two different tensors" in \
+                rank_out[name]["untied_into_tied"] or "holds 'model.embed_tokens.weight' and 'lm_head.weight' as two" \
+                in rank_out[name]["untied_into_tied"], rank_out[name]["untied_into_tied"]
 
 
 def test_native_pipeline_checkpoint_merges_for_from_pretrained(runs, tmp_path):
