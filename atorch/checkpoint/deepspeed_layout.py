@@ -130,6 +130,15 @@ class DeepSpeedHandler(LayoutHandler):
         return [(group, list(self.zero.bit16_groups[i]), self.zero.single_partition_of_fp32_groups[i])
                 for i, group in enumerate(inner.param_groups)]
 
+    def tied_weights(self) -> List[Tuple[str, ...]]:
+        """The names of each Parameter the engine's module holds under several (a tied embedding/head): each is
+        read and written once per name (`model_state` gives separate full copies), so they must agree."""
+        names: Dict[int, List[str]] = {}
+        for name, value, is_param in self.entries:
+            if is_param:
+                names.setdefault(id(value), []).append(name)
+        return [tuple(group) for group in names.values() if len(group) > 1]
+
     def param_group_names(self) -> List[List[str]]:
         if not self.has_optimizer:
             return []

@@ -175,6 +175,34 @@ def test_an_untied_checkpoint_loads_into_a_tied_model_only_when_its_two_tensors_
     assert torch.equal(tied.embed.weight, equal.embed.weight)
 
 
+def test_a_deepspeed_engine_over_a_tied_model_refuses_an_untied_checkpoint(tmp_path):
+    """A DeepSpeed engine reads and writes a tied Parameter once per name (full fp32 copies), so an untied
+    checkpoint's head overwrote the embedding there too, silently; refused the same way, and a tied one loads."""
+    from atorch.auto import auto_accelerate
+    from atorch.testing.models import tiny_llama
+    from atorch.testing.parity import TokenDataset
+
+    untied, tied = tiny_llama(seed=0), tiny_llama(seed=2, tie_word_embeddings=True)
+    untied_path = save_checkpoint(untied, str(tmp_path / "untied"), step=1)
+    tied_path = save_checkpoint(tied, str(tmp_path / "tied"), step=1)
+    status, result, _ = auto_accelerate(tiny_llama(seed=1, tie_word_embeddings=True), torch.optim.AdamW,
+                                        TokenDataset(n=8, seq_len=8), dataloader_args={"batch_size": 4},
+                                        load_strategy=[("zero1", {"use_ds_zero": True})])
+    assert status
+    try:
+        model = result.engine.module
+        before = model.lm_head.weight.detach().clone()
+        with pytest.raises(CheckpointError, match="holds 'model.embed_tokens.weight' and 'lm_head.weight' as two "
+                                                  "different tensors"):
+            load_checkpoint(result, untied_path, load_optimizer=False)
+        assert torch.equal(model.lm_head.weight, before)
+        load_checkpoint(result, tied_path, load_optimizer=False)
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert torch.equal(model.lm_head.weight, tied.lm_head.weight)
+    finally:
+        result.engine.destroy()
+
+
 def test_an_optimizer_grouped_differently_from_the_checkpoint_is_refused(tmp_path):
     """Hyperparameters are restored per group from its first parameter's: one saved group loaded into decay /
     no-decay groups would give the no-decay group the decay, two groups into one would drop the second's lr.
