@@ -419,4 +419,3 @@ def test_savings_that_may_trade_off_are_never_compared():
     assert feas.probability(zero2_off).why != "dominated" and feas.probability(ds_zero2).why != "dominated"
     feas.observe(fsdp_off, "ok", 0.5)
     assert feas.probability(fsdp_off).p == 1.0 and feas.probability(fsdp).why != "dominates"
-
