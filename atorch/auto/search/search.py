@@ -13,8 +13,9 @@ predictor (the cost model); it never imports training code. Order of work:
 3. Then HEBO's acquisition over the remaining candidates picks each next one (`bo.py`): a GP
    on log-throughput with a main-effect + pairwise-interaction kernel, the prediction as a
    feature whose weight is learned, the measured noise as its noise floor; the acquisition
-   (an optimistic log-throughput) plus log P(fit), i.e. an optimistic throughput that counts
-   an out-of-memory run as 0. Failed trials are not throughput observations: an exception or
+   (expected improvement of log-throughput) times P(fit), an out-of-memory run counting as 0;
+   when nothing promises a measurable gain, the candidate with the most combinations of three
+   options never measured together (what a two-way model cannot see). Failed trials are not throughput observations: an exception or
    timeout retires that one candidate, an out-of-memory trial teaches feasibility (step 1);
    neither reaches the GP. An exception also makes the candidate's options and pairs of options
    suspects of raising wherever they appear (`feasibility.FailureModel`: compile failing on the
