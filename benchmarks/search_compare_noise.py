@@ -8,10 +8,11 @@ Each simulated search ends the way `search_strategy` does (the `TrialLog` the se
 `challenge` and `compare`): the process's first dry run is A's (or B's, or that of C, a slower
 candidate), then the slower candidates C and D, then the other of A and B; then up to `rounds`
 rounds of A, B re-measured interleaved, ending early when `TrialLog.challenge` finds the leader
-separated, and the reported comparison is `compare` of the top two. A dry run: 8 step times (the dry runner's pilot) with a relative spread
-`cv` around the run's rate, which is the candidate's true rate times exp(walk + jitter + cold):
-`walk` a random walk over trials (slow load drift, sd `drift` per trial), `jitter` independent
-per run (sd `jitter`), `cold` on the process's first dry run only (`cold_on` says whose).
+separated, and the reported comparison is `compare` of the top two. A dry run: 8 step times (the
+dry runner's pilot) with a relative spread `cv` around the run's rate, which is the candidate's
+true rate times exp(walk + jitter + cold): `walk` a random walk over trials (slow load drift, sd
+`drift` per trial), `jitter` independent per run (sd `jitter`), `cold` on the process's first dry
+run only (`cold_on` says whose).
 """
 
 from __future__ import annotations
