@@ -114,10 +114,10 @@ def test_pool_runs_between_and_within():
     # One run: its own variance. Unknown variance: no estimate.
     assert pool_runs([1.0], [0.01], [4]) == LogEstimate(1.0, 0.01, 4.0, 1)
     assert pool_runs([1.0], [None]) is None
-    # Two runs agreeing with their steps: the variances pool (df 1 + 8), var of the mean halves.
+    # Two runs agreeing with their steps: the per-run variance is the larger of the between-run
+    # spread and the steps' (never pooled with the steps' df: 1 df, as much as the runs give).
     est = pool_runs([1.00, 1.01], [0.0004, 0.0004], [4, 4])
-    pooled = (1 * 0.01 ** 2 / 2 + 8 * 0.0004) / 9
-    assert est.mean == pytest.approx(1.005) and est.df == 9 and est.var == pytest.approx(pooled / 2)
+    assert est.mean == pytest.approx(1.005) and est.df == 1 and est.var == pytest.approx(0.0004 / 2)
     # Two runs 30% apart while each claims 1%: the between-run spread wins, with its 1 df.
     far = pool_runs([1.0, 1.3], [0.0001, 0.0001], [4, 4])
     assert far.df == 1 and far.var == pytest.approx(0.3 ** 2 / 2 / 2)

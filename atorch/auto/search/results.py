@@ -79,6 +79,10 @@ class Comparison:
     chosen_by: str                     # "throughput", "memory" or "measured mean"
     memory_saving: Optional[float] = None    # fraction less peak memory than the runner-up (when it is leaner)
     runs: Tuple[int, int] = (1, 1)     # dry runs pooled for the winner and the runner-up
+    # The interval holds the between-run variance of re-measured candidates (`stats.between_run_variance`),
+    # so a candidate run once is not judged by its own steps alone.
+    between_runs: bool = False
+    cold_run: str = ""                 # the process's first dry run, left out of the pooling (said in the line)
 
     @property
     def separated(self) -> bool:
@@ -91,19 +95,23 @@ class Comparison:
             return f"{a}: {self.ratio:.2f}x the runner-up {b} (no interval: the evaluator reported no step times)"
         ci = f"95% CI {self.lo:.2f}-{cast(float, self.hi):.2f}"
         if self.separated:
-            return f"{a}: {self.ratio:.2f}x {b} ({ci}){self._single_run_note()}"
+            return f"{a}: {self.ratio:.2f}x {b} ({ci}){self._single_run_note()}{self._cold_note()}"
         saving = f"{self.memory_saving * 100:.0f}% less memory" if self.memory_saving is not None else "less memory"
         why = {"memory": saving, "measured mean": "higher measured mean"}[self.chosen_by]
         if self.chosen_by == "measured mean" and self.memory_saving is not None:
             why += f" and {saving}"
-        return f"{a} and {b} within noise ({self.ratio:.2f}x, {ci}); chose {a}: {why}"
+        return f"{a} and {b} within noise ({self.ratio:.2f}x, {ci}); chose {a}: {why}{self._cold_note()}"
+
+    def _cold_note(self) -> str:
+        return f"; {self.cold_run}" if self.cold_run else ""
 
     def _single_run_note(self) -> str:
         """A candidate measured once has an interval from the noise within its run only: a change of the
         machine's load between two runs (another job, thermal throttling) is not in it, and the
-        re-measured candidates pool their runs precisely to see that (`stats.pool_runs`)."""
+        re-measured candidates pool their runs precisely to see that (`stats.pool_runs`). No note when
+        the interval holds the between-run variance of other, re-measured candidates (`between_runs`)."""
         single = [who for who, n in zip(("the winner", "the runner-up"), self.runs) if n < 2]
-        if not single:
+        if not single or self.between_runs:
             return ""
         who = "each" if len(single) == 2 else single[0]
         return f"; one dry run of {who}: the interval holds the noise within a run, not load changes between runs"

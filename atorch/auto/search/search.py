@@ -35,9 +35,9 @@ predictor (the cost model); it never imports training code. Order of work:
    interleaved with the candidate likeliest to beat it (counted in `max_trials`; the surrogate's
    posterior, which pools similar candidates, says who that is: a measured rival, or an untried
    candidate when the posterior, times its chance to run, gives it better odds; its row's source
-   is then "challenger"), round after round until a 95%
-   interval of their throughput ratio (`stats.py`) separates the leader from every other
-   candidate or the rounds are spent; inside the noise, the one using at least 10% less memory
+   is then "challenger"), round after round until a 99% interval of their throughput ratio
+   (`stats.py`, `trials.LOOK_CONFIDENCE`; the one reported is 95%) separates the leader from
+   every other candidate or the rounds are spent; inside the noise, the one using at least 10% less memory
    wins if it gives up little throughput (measured means within 1%, or, when it is the one
    measured slower, an expected loss below 1%: `TrialLog.compare`), else the higher measured mean. A leader ahead of everyone by more than `CLEAR_LEAD`
    (with 95% confidence) is not re-measured, and no budget is kept for it meanwhile; budget kept

@@ -1,4 +1,5 @@
-"""Confidence intervals for dry-run measurements: a mean (Student t) and a throughput ratio (log delta method).
+"""Confidence intervals for dry-run measurements: a mean (Student t), a throughput ratio (log delta method),
+and the variance between dry runs of one candidate that the ratio's interval rests on.
 
 The search uses them to say whether its winner is really faster than the runner-up, and to
 give the surrogate each trial's measurement noise. Pure numpy/scipy, no torch.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
@@ -16,6 +18,7 @@ from scipy import stats as _st
 from atorch.auto.step_timing import summarize
 
 
+@lru_cache(maxsize=1024)
 def t_quantile(confidence: float, df: float) -> float:
     """Two-sided Student t quantile: half-width multiplier of a `confidence` interval with `df` degrees of freedom."""
     if not 0.0 < confidence < 1.0:
@@ -43,6 +46,9 @@ class LogEstimate:
     var: float          # variance of `mean` (not of one sample)
     df: float           # degrees of freedom of `var`; inf when the variance is taken as known
     n: int              # measurements (dry runs) pooled
+    # `var` rests on the between-run variance every re-measured candidate shares (`pool_runs`): the
+    # variance of a difference of two such estimates has that one estimate's df, not Welch's sum.
+    shared: bool = False
 
 
 def log_throughput_of_steps(step_times_s: Sequence[float]) -> Optional[LogEstimate]:
@@ -75,16 +81,46 @@ def relative_half_width_to_log_var(rel_half_width: float, confidence: float = 0.
     return (math.log1p(rel_half_width) / q) ** 2
 
 
+def between_run_variance(groups: Sequence[Sequence[float]]) -> Optional[Tuple[float, float]]:
+    """(variance of one run's log-throughput around its candidate's mean, degrees of freedom), pooled
+    over every candidate measured at least twice (`groups`: each candidate's log-throughputs); None
+    when none was.
+
+    Runs of one candidate differ by more than their steps predict (a load change between them,
+    thermal throttling, another job): repeated dry runs of one candidate on an idle machine
+    differed by up to 1.12x (benchmarks/real_landscape.json, median 1.05x), at a per-run interval
+    of +-2-3%. That spread is a property of the machine, not of a candidate, so the search
+    estimates it once from every re-measured candidate: sum of squared deviations from each
+    one's own mean over sum(n_i - 1). A ratio then uses the t quantile at those pooled degrees of
+    freedom (2 after one round of A, B re-measured once each: 4.3, not 12.7 at df 1 per candidate),
+    and a candidate measured once borrows it (its own interval cannot see a change between runs).
+    """
+    squares, df = 0.0, 0
+    for values in groups:
+        x = np.asarray([v for v in values if math.isfinite(v)], dtype=float)
+        if x.size >= 2:
+            squares += float(((x - x.mean()) ** 2).sum())
+            df += int(x.size) - 1
+    return (squares / df, float(df)) if df else None
+
+
 def pool_runs(log_means: Sequence[float], within_vars: Sequence[Optional[float]],
-              within_dfs: Sequence[float] = ()) -> Optional[LogEstimate]:
+              within_dfs: Sequence[float] = (), between: Optional[Tuple[float, float]] = None
+              ) -> Optional[LogEstimate]:
     """Pool several dry runs of one strategy into one LogEstimate.
 
     `within_vars[i]`: the variance of run i's mean from its own steps (None: unknown), with
-    `within_dfs` degrees of freedom (one per known variance). With one run, its own variance.
-    With several, the spread *between* runs is compared with the spread the steps predict (an F
-    test at 5%): when runs disagree beyond it (load changed between them), the between-run
-    variance is the honest one, with its few degrees of freedom; otherwise both estimates are
-    pooled, so 2 runs of 5 steps each give a usable interval instead of a t with 1 degree of freedom.
+    `within_dfs` degrees of freedom (one per known variance). `between`: the pooled
+    (variance of one run, df) of `between_run_variance` over every re-measured candidate; without
+    it, this candidate's own runs give it (with one run: its own variance, within only).
+
+    With a between-run variance, the variance of one run is the larger of it and the runs' mean
+    within variance (a candidate noisier step by step than those re-measured), at the between
+    estimate's degrees of freedom, and the mean's is that over n. There is no test of whether
+    runs disagree before pooling them with the steps' variance: with a between-run spread of
+    1-2% per run (steps +-0.9%) the F test at 5% that decided it before could not see it at 1-2
+    df, and pooling made 20% of simulated searches over identical candidates declare one faster
+    (benchmarks/search_compare_noise.py; this rule: 0.4-6%).
     """
     x = np.asarray(log_means, dtype=float)
     if x.size == 0:
@@ -92,19 +128,14 @@ def pool_runs(log_means: Sequence[float], within_vars: Sequence[Optional[float]]
     known = [v for v in within_vars if v is not None]
     within = float(np.mean(known)) if known else None
     df_w = float(sum(within_dfs)) if within_dfs else (math.inf if known else 0.0)
-    if x.size == 1:
+    if between is None and x.size >= 2:
+        between = between_run_variance([list(x)])
+    if between is None:
         if within is None:
             return None
-        return LogEstimate(float(x[0]), within, df_w, 1)
-    between = float(x.var(ddof=1))
-    df_b = float(x.size - 1)
-    if within is None or within <= 0 or not math.isfinite(df_w):
-        var_one, df = (between, df_b) if within is None else (max(between, within), df_b)
-    elif between / within > float(_st.f.ppf(0.95, df_b, df_w)):
-        var_one, df = between, df_b
-    else:
-        var_one, df = (df_b * between + df_w * within) / (df_b + df_w), df_b + df_w
-    return LogEstimate(float(x.mean()), var_one / x.size, df, int(x.size))
+        return LogEstimate(float(x.mean()), within / x.size, df_w, int(x.size))
+    per_run = max(between[0], within if within is not None else 0.0)
+    return LogEstimate(float(x.mean()), per_run / x.size, between[1], int(x.size), shared=True)
 
 
 @dataclass(frozen=True)
@@ -126,16 +157,20 @@ def ratio_ci(a: LogEstimate, b: LogEstimate, confidence: float = 0.95) -> RatioC
     """Throughput ratio A/B and its interval, by the delta method on log-throughput.
 
     log(A/B) = log A - log B with variance var_A + var_B; degrees of freedom by
-    Welch-Satterthwaite (the t interval is wider than the normal one when few runs back it).
+    Welch-Satterthwaite (the t interval is wider than the normal one when few runs back it), or,
+    when both rest on the same pooled between-run variance (`LogEstimate.shared`), its df.
     """
     diff = a.mean - b.mean
     var = a.var + b.var
     if var <= 0:
         r = math.exp(diff)
         return RatioCI(r, r, r, confidence)
-    terms = [(v, d) for v, d in ((a.var, a.df), (b.var, b.df)) if v > 0]
-    denom = sum(v * v / d for v, d in terms if math.isfinite(d) and d > 0)
-    df = (var * var / denom) if denom > 0 else math.inf
+    if a.shared and b.shared:
+        df = min(a.df, b.df)
+    else:
+        terms = [(v, d) for v, d in ((a.var, a.df), (b.var, b.df)) if v > 0]
+        denom = sum(v * v / d for v, d in terms if math.isfinite(d) and d > 0)
+        df = (var * var / denom) if denom > 0 else math.inf
     q = float(_st.norm.ppf(0.5 + confidence / 2.0)) if math.isinf(df) else t_quantile(confidence, df)
     half = q * math.sqrt(var)
     return RatioCI(math.exp(diff), math.exp(diff - half), math.exp(diff + half), confidence)
