@@ -232,6 +232,19 @@ class TorchHandler(LayoutHandler):
             # every step, so the restored hyperparameters (the scheduled lr) must go there too.
             _copy_hyperparameters(self._local_optim.param_groups, self.optimizer.param_groups)
 
+    def drop_optim_state(self, names: List[str]) -> None:
+        """Drop the optimizer state of the parameters `names` (flattened-key names): a checkpoint saved before
+        they had a gradient held none, and torch's loader gave them a fresh one (save_load._stateless_parameters)."""
+        optim = self._local_optim
+        if optim is None:
+            return
+        mapping = self._state_dict_info(optim).fqn_param_mapping
+        wanted = set(names)
+        for group in optim.param_groups:
+            for param in group["params"]:
+                if wanted.intersection(mapping.get(param, ())):
+                    optim.state.pop(param, None)
+
     def tied_weights(self) -> List[Tuple[str, ...]]:
         return _tie_groups(self.model)
 

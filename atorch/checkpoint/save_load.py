@@ -830,6 +830,9 @@ class _LoadTargets:
     optimizer_sources: Dict[str, str] = field(default_factory=dict)
     # model key -> its value, already read and checked (`_read_tied_weights`): copied in, not read again.
     prefilled: Dict[str, torch.Tensor] = field(default_factory=dict)
+    # Parameters the saving optimizer held without state (no gradient yet), whose fresh state is dropped after
+    # the load (see _stateless_parameters).
+    stateless: List[str] = field(default_factory=list)
 
 
 def _check_against_checkpoint(objs: TrainingObjects, handler: LayoutHandler, meta: Dict[str, Any],
@@ -869,8 +872,9 @@ def _optimizer_targets(load: _LoadTargets, handler: LayoutHandler, meta: Dict[st
         source = _tied_source(key, ties, saved_tensors) if OPTIM_PREFIX + key not in entries else None
         if source is not None:
             load.optimizer_sources[OPTIM_PREFIX + key] = OPTIM_PREFIX + source
-    problems = check_keys({load.optimizer_sources.get(k, k): v for k, v in load.optimizer.items()}, entries,
-                          OPTIM_PREFIX, strict=False)
+    load.stateless = _stateless_parameters(load, handler, local_values, saved_values, entries)
+    problems = check_keys({load.optimizer_sources.get(k, k): v for k, v in load.optimizer.items()
+                           if not _state_of(k, load.stateless)}, entries, OPTIM_PREFIX, strict=False)
     tied_values = {k: saved_values[source] for k in local_values if k not in saved_values
                    for source in [_tied_source(k, ties, saved_values)] if source is not None}
     saved_values = {**saved_values, **tied_values}
@@ -937,6 +941,30 @@ def _show_groups(groups: List[List[str]]) -> str:
     """Parameter groups for a message: a few names of each, with the count of the others."""
     shown = [names[:3] + ([f"... {len(names) - 3} more"] if len(names) > 3 else []) for names in groups[:4]]
     return str(shown) + (f" and {len(groups) - 4} more groups" if len(groups) > 4 else "")
+
+
+def _stateless_parameters(load: _LoadTargets, handler: LayoutHandler, local_values: Dict[str, Any],
+                          saved_values: Dict[str, Any], entries: Dict[str, Any]) -> List[str]:
+    """This rank's parameters that the checkpoint's optimizer held (their group hyperparameters were saved) but
+    without any state: they had no gradient yet when it was saved (an MoE expert no token reached, an unused
+    branch), and torch's optimizer creates state at a parameter's first step. torch's load template
+    (`get_optimizer_state_dict`) holds a fresh state for every parameter; those of these parameters are not
+    read, and are dropped after the load, so that the resumed optimizer is the saved one."""
+    if not isinstance(handler, TorchHandler):
+        return []
+    names = {k[len("param_groups."):].rsplit(".", 1)[0] for k in local_values if k.startswith("param_groups.")}
+    stateless = []
+    for name in sorted(names):
+        keys = [k for k in load.optimizer if _state_of(k, [name])]
+        held = any(k.startswith(f"param_groups.{name}.") for k in saved_values)
+        if keys and held and not any(load.optimizer_sources.get(k, k) in entries for k in keys):
+            stateless.append(name)
+    return stateless
+
+
+def _state_of(key: str, names: List[str]) -> bool:
+    """Whether the checkpoint key `key` (optim/state.<name>.<state>) is the state of one of the parameters `names`."""
+    return any(key.startswith(f"{OPTIM_PREFIX}state.{name}.") for name in names)
 
 
 def _tied_source(key: str, ties: List[Tuple[str, ...]], saved: Any) -> Optional[str]:
@@ -1015,6 +1043,8 @@ def _load_tensors(handler: LayoutHandler, load: _LoadTargets, dcp_dir: str, mani
     targets = {k: v for k, v in load.model.items() if k not in load.prefilled}
     copies = [(load.model[k], v) for k, v in load.prefilled.items()]
     for key, tensor in load.optimizer.items():
+        if _state_of(key, load.stateless):
+            continue   # not in the checkpoint: handed over as torch's fresh state, then dropped
         source = load.optimizer_sources.get(key, key)
         if source != key and source in load.optimizer:
             copies.append((tensor, load.optimizer[source]))
@@ -1031,6 +1061,8 @@ def _load_tensors(handler: LayoutHandler, load: _LoadTargets, dcp_dir: str, mani
         if load.restore_optimizer:
             handler.load_optim_state({k[len(OPTIM_PREFIX):]: v for k, v in load.optimizer.items()},
                                      load.optimizer_values)
+            if load.stateless:
+                cast(TorchHandler, handler).drop_optim_state(load.stateless)
 
 
 def _restore_with_optimizer(objs: TrainingObjects, handler: LayoutHandler, meta: Dict[str, Any],

@@ -10,6 +10,8 @@ layout on both sides, fp32: exact. Cross-layout continuation (DeepSpeed -> FSDP2
 gradients in different orders. Last in the spawn: a DeepSpeed save where rank 0 alone fails to read its
 optimizer state raises on both ranks (rank 1 was left in DeepSpeed's all-reduce). The two-group DeepSpeed
 checkpoint is refused by optimizers grouped otherwise (DeepSpeed's one group, torch ZeRO-1's final-norm split).
+A plain model with a layer no step reaches before the save (no optimizer state there) resumes exactly under
+DDP(find_unused_parameters), FSDP2 and zero2.
 """
 
 import os
@@ -90,9 +92,63 @@ def _round_trips(root: str) -> dict:
         assert compare_weights(full_weights(result), before) == [], layout
         del result
         dist.barrier()
+    out["late_layer"] = _late_layer_resumes(root)
     # Last: without the agreement rank 1 is left in a DeepSpeed gather while rank 0 goes on.
     out["ds_state_failure"] = _save_failing_on_rank_0(build("ds_zero2_groups"), os.path.join(root, "ds_failure"))
     return portable(out)
+
+
+class _LateLayer(torch.nn.Module):
+    """`late` first gets a gradient at step 3 (an MoE expert no token reached before, a branch not taken)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.late = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, use_late: bool) -> torch.Tensor:
+        y = self.used(x)
+        return self.late(y) if use_late else y
+
+
+LATE_STRATEGIES = {"ddp": [("ddp", {"find_unused_parameters": True})], "fsdp": ["fsdp"], "zero2": ["zero2"]}
+
+
+def _late_layer_resumes(root: str) -> dict:
+    """Per strategy: losses of 4 steps straight, and of 2 steps, save, fresh objects, load, 2 steps."""
+    from atorch.auto import auto_accelerate
+
+    batches = [torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * dist.get_rank() + i)) for i in range(4)]
+
+    def make(strategy, seed):
+        torch.manual_seed(seed)
+        status, result, _ = auto_accelerate(_LateLayer(), optim_func=torch.optim.AdamW, optim_args={"lr": 1e-2},
+                                            load_strategy=strategy)
+        assert status
+        return result
+
+    def step(result, i):
+        loss = result.model(batches[i], i >= 3).square().mean()
+        loss.backward()
+        result.optim.step()
+        result.optim.zero_grad()
+        return loss.item()
+
+    out = {}
+    for name, strategy in LATE_STRATEGIES.items():
+        result = make(strategy, 0)
+        straight = [step(result, i) for i in range(4)]
+        result = make(strategy, 0)
+        first = [step(result, i) for i in range(2)]
+        path = save_checkpoint(result, os.path.join(root, f"late_{name}"), step=2)
+        result = make(strategy, 1)
+        try:
+            load_checkpoint(result, path)
+        except Exception as e:   # reported per strategy, so that every strategy is tried
+            out[name] = f"{type(e).__name__}: {e}"
+            continue
+        out[name] = dict(straight=straight, resumed=first + [step(result, i) for i in range(2, 4)])
+        dist.barrier()
+    return out
 
 
 def _save_failing_on_rank_0(result, path: str) -> str:
@@ -133,6 +189,17 @@ def test_save_load_continues_exactly(runs, layout):
         assert compare_weights(r["weights"], r["straight_weights"]) == [], layout
         # StepLR(step_size=2, gamma=0.5) after 2 steps, restored into the fresh optimizer.
         assert r["lr"] == [LR * SCHEDULER[1]["gamma"]] * len(r["lr"]), r["lr"]
+
+
+@pytest.mark.parametrize("strategy", sorted(LATE_STRATEGIES))
+def test_a_layer_without_gradient_before_the_save_resumes_exactly(runs, strategy):
+    """It had no optimizer state in the checkpoint; the load leaves it none, and its first step is the
+    straight run's (AdamW's first-step bias correction)."""
+    _, per_rank = runs
+    for rank_out in per_rank:
+        r = rank_out["late_layer"][strategy]
+        assert isinstance(r, dict), r
+        assert r["resumed"] == r["straight"], r
 
 
 def test_a_deepspeed_optimizer_state_failure_on_one_rank_is_raised_on_every_rank(runs):

@@ -118,3 +118,38 @@ def test_single_process_resume_is_exact(tmp_path):
     assert first + rest == straight
     for a, b in zip(reference.parameters(), model2.parameters()):
         assert torch.equal(a, b)
+
+
+def test_resume_with_a_parameter_that_had_no_gradient_yet_is_exact(tmp_path):
+    """A parameter no step had reached when the checkpoint was saved (an MoE expert no token was routed to, a
+    branch not taken yet) has no optimizer state there; the checkpoint loads, that parameter gets no state (as
+    the saving run had), and the step that first reaches it matches the straight run exactly."""
+    torch.manual_seed(0)
+    batches = [torch.randn(4, 6) for _ in range(4)]
+
+    def make(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.ModuleDict({"used": torch.nn.Linear(6, 6), "late": torch.nn.Linear(6, 6)})
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(model, optim, i, x):
+        y = model["used"](x)
+        loss = (model["late"](y) if i >= 3 else y).square().mean()   # "late" first gets a gradient at step 3
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss.item()
+
+    reference, optim = make(0)
+    straight = [step(reference, optim, i, x) for i, x in enumerate(batches)]
+    model, optim = make(0)
+    first = [step(model, optim, i, x) for i, x in enumerate(batches[:2])]
+    save_checkpoint(model, str(tmp_path / "c"), step=2, optimizer=optim)
+    model2, optim2 = make(1)
+    state = load_checkpoint(model2, str(tmp_path / "c"), optimizer=optim2)
+    assert state.optimizer_restored
+    assert [p for p in model2.parameters() if p in optim2.state] == list(model2["used"].parameters())
+    rest = [step(model2, optim2, i, x) for i, x in enumerate(batches[2:], 2)]
+    assert first + rest == straight
+    for a, b in zip(reference.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
