@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from atorch.deploy import protocol
+from atorch.utils.module_utils import cast_floating
 from atorch.utils.parent_watch import on_parent_exit
 
 PARENT_POLL_S = 0.5
@@ -59,7 +60,7 @@ def load_model(setup: Dict[str, Any], state: Dict[str, torch.Tensor]) -> nn.Modu
         config._attn_implementation = setup.get("attn_implementation") or config._attn_implementation
         model = cls(config)
         if setup.get("dtype"):
-            model.to(getattr(torch, setup["dtype"]))
+            cast_floating(model, getattr(torch, setup["dtype"]))   # complex buffers stay complex
         model.load_state_dict(state, strict=True)
         return model
     if kind == "hf_folder":
@@ -69,7 +70,7 @@ def load_model(setup: Dict[str, Any], state: Dict[str, torch.Tensor]) -> nn.Modu
         return AutoModelForCausalLM.from_pretrained(setup["path"], **kwargs)
     if kind == "atorch_checkpoint":
         model = _load_atorch_checkpoint(setup["path"])
-        return model.to(getattr(torch, setup["dtype"])) if setup.get("dtype") else model
+        return cast_floating(model, getattr(torch, setup["dtype"])) if setup.get("dtype") else model
     raise ValueError(f"deploy: unknown source kind {kind!r}")
 
 

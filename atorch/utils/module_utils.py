@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from typing import Dict, Iterable, List, Optional, Sequence, Type, Union
 
+import torch
 from torch import nn
 
 
@@ -105,3 +106,12 @@ def derived_class(base: type, mixin: type, prefix: str, home: str) -> type:
         cls = type(name, (mixin, base), {"__module__": home, "__qualname__": key})
         setattr(module, key, cls)
     return cls
+
+
+def cast_floating(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast `module`'s floating-point parameters and buffers to `dtype`, in place; returns it.
+
+    Unlike `module.to(dtype)`, which casts complex tensors too (a rotary `freqs_cis` would lose its
+    imaginary part), complex and integer tensors keep their dtype, as `module.bfloat16()` does.
+    """
+    return module._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)

@@ -161,3 +161,44 @@ def test_a_half_model_gets_its_float_inputs_in_its_dtype():
     assert ctx.model(torch.randn(2, 8)).dtype is torch.bfloat16
     copied = pickle.loads(pickle.dumps(ctx.model))              # the hook does not stop a model from pickling
     assert copied(torch.randn(2, 8)).dtype is torch.bfloat16
+
+
+def test_half_casts_floating_tensors_only_and_keeps_a_complex_rope_table():
+    """A Meta-Llama-style rope table (`freqs_cis`, complex) stays complex under `half` (nn.Module.to(dtype) would
+    keep only its real part); float parameters and buffers are cast, integer buffers kept."""
+
+    class Rope(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+            self.register_buffer("freqs_cis", torch.polar(torch.ones(3, 2), torch.rand(3, 2) + 0.5), persistent=False)
+            self.register_buffer("positions", torch.arange(3))
+            self.register_buffer("scale", torch.full((4,), 0.5))
+
+        def forward(self, x):   # x: (3, 4), rotated pairwise by freqs_cis
+            rotated = torch.view_as_real(torch.view_as_complex(x.float().reshape(3, 2, 2)) * self.freqs_cis)
+            return self.linear(rotated.reshape(3, 4).type_as(x) * self.scale)
+
+    torch.manual_seed(0)
+    model, x = Rope(), torch.randn(3, 4)
+    expected = Rope()
+    expected.load_state_dict(model.state_dict())
+    expected.freqs_cis.copy_(model.freqs_cis)
+    expected.bfloat16()                                      # torch's own cast: floating tensors only
+    half = get_optimization("half")()
+    ctx = ModelContext(model=model)
+    half.apply(ctx, half.parse_config(torch.bfloat16))
+    assert model.freqs_cis.dtype is torch.complex64 and model.positions.dtype is torch.int64
+    assert model.linear.weight.dtype is torch.bfloat16 and model.scale.dtype is torch.bfloat16
+    assert torch.equal(model(x), expected(x.bfloat16()))
+
+
+def test_deploy_worker_casts_an_atorch_checkpoint_model_to_floating_dtype_only(monkeypatch):
+    """The deploy worker's `dtype` of a served model keeps complex buffers complex, like `half`."""
+    from atorch.deploy import worker
+
+    model = nn.Linear(2, 2)
+    model.register_buffer("freqs_cis", torch.polar(torch.ones(2), torch.ones(2)))
+    monkeypatch.setattr(worker, "_load_atorch_checkpoint", lambda path: model)
+    loaded = worker.load_model({"source": "atorch_checkpoint", "path": "x", "dtype": "bfloat16"}, {})
+    assert loaded.weight.dtype is torch.bfloat16 and loaded.freqs_cis.dtype is torch.complex64

@@ -16,6 +16,7 @@ import torch
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._precision import DescribedByDtype, cast_float_inputs, dtype_name, parse_half_dtype
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
+from atorch.utils.module_utils import cast_floating
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class HalfOptimization(DescribedByDtype, Optimization):
                              "half dtype and computed in the other; use the same dtype for both, or only one")
 
     def apply(self, ctx: ModelContext, config: HalfConfig) -> None:
-        # nn.Module.to(dtype) casts floating parameters and buffers only (token ids stay integer).
-        ctx.model.to(config.dtype)
+        # Floating parameters and buffers only: token ids stay integer, a complex rope table stays complex.
+        cast_floating(ctx.model, config.dtype)
         cast_float_inputs(ctx.model, config.dtype)     # float inputs (features, pixels) meet half weights
         ctx.half_dtype = config.dtype
