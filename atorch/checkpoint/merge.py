@@ -197,10 +197,17 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
     if lora == "adapters" and not (peft_adapter or tp_lora):
         raise ValueError(f"lora='adapters' but the checkpoint {ckpt_dir} has no LoRA adapters; merge it with "
                          "lora='merge' (the default) to write the whole model")
-    needed = [CONFIG_NAME] + ([ADAPTER_CONFIG_NAME] if peft_adapter else [])
-    if (peft_adapter or tp_lora) and not (is_hf and all(name in manifest.files for name in needed)):
-        raise CheckpointError(f"{ckpt_dir}: a LoRA checkpoint needs {' and '.join(needed)} to be merged; this one "
-                              "lacks them")
+    # peft LoRA on a plain nn.Module (no config.json) is rebuilt from model_class() and adapter_config.json.
+    plain_peft = bool(peft_adapter) and not is_hf
+    if plain_peft and model_class is None:
+        raise ValueError(f"{ckpt_dir} holds peft LoRA adapters on a model that is not a transformers model (no "
+                         f"{CONFIG_NAME}); pass model_class=<the model's class>, constructible without arguments, "
+                         "to merge it")
+    needed = ([CONFIG_NAME] if not plain_peft else []) + ([ADAPTER_CONFIG_NAME] if peft_adapter else [])
+    lacking = [name for name in needed if name not in manifest.files or (name == CONFIG_NAME and not is_hf)]
+    if (peft_adapter or tp_lora) and lacking:
+        raise CheckpointError(f"{ckpt_dir}: a LoRA checkpoint needs {' and '.join(lacking)} to be merged; this one "
+                              f"lacks {'it' if len(lacking) == 1 else 'them'}")
     if is_hf and model_class is not None:
         check_model_class(model_class, ckpt_dir, model_meta)
     # Everything but a LoRA model streams: one output shard in memory at a time.
@@ -218,7 +225,10 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
     target = staging
     os.makedirs(target)
     try:
-        if is_hf and streams:
+        if plain_peft:
+            _save_plain_peft(ckpt_dir, cast(Dict[str, torch.Tensor], state), target, lora, cast(type, model_class),
+                             str(peft_adapter))
+        elif is_hf and streams:
             _stream_hf(ckpt_dir, manifest, model_meta, target, max_shard_size, dtype, model_class)
         elif tp_lora and lora == "adapters":
             save_peft_adapters(cast(Dict[str, torch.Tensor], state), tp_lora, model_meta.get("hf_prefix") or "",
@@ -519,6 +529,33 @@ def _save_hf(ckpt_dir: str, model_meta: Dict[str, Any], state: Dict[str, torch.T
         model = _merge_peft(model)
     settle_word_embedding_tie(model, ckpt_dir)
     model.save_pretrained(out_dir, max_shard_size=max_shard_size, safe_serialization=True)
+
+
+def _save_plain_peft(ckpt_dir: str, state: Dict[str, torch.Tensor], out_dir: str, lora: str, model_class: type,
+                     adapter: str) -> None:
+    """peft LoRA on a plain nn.Module: `model_class()` wrapped by peft with the checkpoint's adapter_config.json and
+    loaded with its tensors; lora="merge" writes the merged model's state dict as model.safetensors (for
+    `model_class().load_state_dict`), lora="adapters" peft's adapter files (for `PeftModel.from_pretrained(
+    model_class(), out_dir)`, as peft supports custom modules)."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import save_file
+
+    try:
+        base = model_class()
+    except TypeError as e:
+        raise ValueError(f"model_class={model_class.__name__} cannot be built without arguments ({e}); a LoRA "
+                         f"checkpoint of a plain nn.Module ({ckpt_dir}) is merged by building model_class() and "
+                         "loading the checkpoint into it: pass a class whose constructor needs no arguments (e.g. a "
+                         "subclass that fixes them)") from e
+    model = get_peft_model(base, LoraConfig.from_pretrained(ckpt_dir), adapter_name=adapter)
+    model.load_state_dict(state, strict=True)
+    if lora == "adapters":
+        model.save_pretrained(out_dir, safe_serialization=True)
+        return
+    merged = model.merge_and_unload()
+    # Tied weights are written under each name (as the checkpoint holds them): safetensors refuses shared storage.
+    save_file({k: v.detach().clone().contiguous() for k, v in merged.state_dict().items()},
+              os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
 
 
 def _merge_peft(model: Any) -> Any:

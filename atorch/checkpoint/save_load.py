@@ -42,6 +42,7 @@ from atorch.checkpoint.layout_handlers import (
     find_hf_model,
     is_deepspeed_engine,
     peft_model_of,
+    unwrap_model,
 )
 from atorch.checkpoint.manifest import CheckpointError
 from atorch.checkpoint.safe_load import SafeFileSystemReader, load_dcp_metadata, tensor_entries
@@ -638,12 +639,24 @@ def _model_class_name(model: nn.Module) -> Optional[str]:
     try:
         from transformers import PreTrainedModel
     except ImportError:
-        return _qualname(model)
+        return _user_class_name(model)
     if isinstance(model, PreTrainedModel):
         for cls in type(model).__mro__:
             if cls.__module__.startswith("transformers.") and issubclass(cls, PreTrainedModel):
                 return _qualname(cls)
-    return _qualname(model)
+    return _user_class_name(model)
+
+
+def _user_class_name(model: nn.Module) -> Optional[str]:
+    """The user's class of a model that is not a transformers model, under DDP / DeepSpeed / compile wrappers,
+    peft's PeftModel, and FSDP2's swapped-in `FSDP<Name>` subclass."""
+    from torch.distributed.fsdp import FSDPModule
+
+    root = unwrap_model(model)
+    peft = peft_model_of(root)
+    if peft is not None:
+        root = cast(Any, peft).get_base_model()
+    return _qualname(next(c for c in type(root).__mro__ if not issubclass(c, FSDPModule)))
 
 
 def _meta(objs: TrainingObjects, handler: LayoutHandler, step: Optional[int], position: Optional[DataPosition],

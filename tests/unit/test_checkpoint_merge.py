@@ -389,3 +389,47 @@ def test_a_model_whose_class_a_wrapper_swapped_merges_as_its_transformers_class(
     merge_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
     merged = LlamaForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
     torch.testing.assert_close(merged(X % 128).logits, expected)
+
+
+class _PlainNet(nn.Module):
+    """Not a transformers model: no config.json in its checkpoint."""
+
+    def __init__(self):
+        super().__init__()
+        self.ff = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 6))
+        self.register_buffer("freqs", torch.arange(6.0))
+
+    def forward(self, x):
+        return self.ff(x) + self.freqs
+
+
+def test_lora_of_a_plain_module_merges_with_model_class_and_records_the_users_class(tmp_path):
+    """merge_checkpoint(model_class=...) of peft LoRA on a plain nn.Module: "merge" writes the merged state dict
+    (model_class().load_state_dict), "adapters" peft's adapter files (PeftModel.from_pretrained on model_class());
+    without model_class the refusal names it. meta.json records the user's class, not peft's or DDP's."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(_PlainNet(), LoraConfig(r=2, lora_alpha=4, target_modules=["ff.0"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()                                   # a trained adapter: not the identity
+    x = torch.randn(3, 6)
+    expected = model(x).detach()
+    ckpt = save_checkpoint(model, str(tmp_path / "c"), step=0)
+    meta = json.load(open(os.path.join(ckpt, "meta.json")))
+    assert meta["model"]["class"] == f"{__name__}._PlainNet", meta["model"]
+
+    with pytest.raises(ValueError, match="pass model_class="):
+        merge_checkpoint(ckpt, str(tmp_path / "none"))
+    merge_checkpoint(ckpt, str(tmp_path / "merged"), model_class=_PlainNet)
+    plain = _PlainNet()
+    plain.load_state_dict(load_file(str(tmp_path / "merged" / "model.safetensors")))
+    torch.testing.assert_close(plain(x), expected)
+    merge_checkpoint(ckpt, str(tmp_path / "adapters"), model_class=_PlainNet, lora="adapters")
+    base = _PlainNet()                                        # the base weights, unmerged
+    base.load_state_dict({k.replace(".base_layer", ""): v for k, v in model.get_base_model().state_dict().items()
+                          if "lora_" not in k})
+    reloaded = PeftModel.from_pretrained(base, str(tmp_path / "adapters"))
+    torch.testing.assert_close(reloaded(x), expected)
