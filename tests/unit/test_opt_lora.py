@@ -118,6 +118,30 @@ def test_target_errors_list_the_layer_names():
     _validate(Custom(), {"target_modules": ["proj"]})
 
 
+def test_never_called_layers_are_not_suggested_and_refused_as_targets():
+    """nn.MultiheadAttention reads out_proj.weight directly: an adapter on out_proj would never run (peft adds it
+    silently; alone it fails torch's backward). Bare index names ('0') are suggested with their parent ('ff.0')."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.ff = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+
+    class Plain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Block(), Block()])
+            self.head = nn.Linear(8, 4)
+
+    with pytest.raises(ValueError, match=r"adaptable layer names \['attn', 'ff.0', 'ff.2', 'head'\]$"):
+        _validate(Plain())
+    with pytest.raises(ValueError, match=r"target 'out_proj' matches 'layers.0.attn.out_proj', the output projection "
+                                         r"of nn.MultiheadAttention, .* never run"):
+        _validate(Plain(), {"target_modules": ["ff.0", "out_proj"]})
+    _validate(Plain(), {"target_modules": ["ff.0", "head"]})
+
+
 @pytest.mark.parametrize("raw,message", [
     ({"r": 0}, r"r=0; expected an integer >= 1"),
     ({"r": 2.5}, r"r=2.5; expected an integer >= 1"),

@@ -80,8 +80,23 @@ def default_target_modules(model: nn.Module, model_config: Any = None) -> Option
 
 
 def _adaptable_layer_names(model: nn.Module) -> List[str]:
-    adaptable = _adaptable_types()
-    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if name and isinstance(m, adaptable)})
+    """Target names for the adaptable layers whose forward runs: the last part of each name, or the last two where
+    the last is a bare index (`ff.0`, not `0`, which would match every child `0`); never called layers left out."""
+    adaptable, uncalled = _adaptable_types(), _uncalled_layers(model)
+    names = set()
+    for name, m in model.named_modules():
+        if name and isinstance(m, adaptable) and name not in uncalled:
+            parts = name.split(".")
+            names.add(".".join(parts[-2:]) if parts[-1].isdigit() and len(parts) > 1 else parts[-1])
+    return sorted(names)
+
+
+def _uncalled_layers(model: nn.Module) -> Dict[str, str]:
+    """Layers whose parent reads their weight directly and never calls their forward, so that a LoRA adapter there
+    would never run (name -> why): nn.MultiheadAttention's `out_proj` (F.multi_head_attention_forward)."""
+    return {f"{name}.out_proj" if name else "out_proj": "the output projection of nn.MultiheadAttention, whose "
+            "forward reads out_proj.weight directly and never calls out_proj"
+            for name, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
 
 
 def target_layer_names(model: nn.Module, targets: Tuple[str, ...]) -> List[str]:
@@ -105,7 +120,7 @@ def resolve_target_modules(model: nn.Module, config: LoraConfig, model_config: A
                 f"lora: peft has no default target modules for {type(model).__name__} (model type "
                 f"{_model_type(model, model_config)!r}); pass target_modules, e.g. some of its adaptable layer "
                 f"names {_adaptable_layer_names(model)}")
-    adaptable = _adaptable_types()
+    adaptable, uncalled = _adaptable_types(), _uncalled_layers(model)
     named = [(name, m) for name, m in model.named_modules() if name]
     unmatched = []
     for target in targets:
@@ -113,6 +128,11 @@ def resolve_target_modules(model: nn.Module, config: LoraConfig, model_config: A
         if not hits:
             unmatched.append(target)
             continue
+        never_called = [name for name, _ in hits if name in uncalled]
+        if never_called:
+            raise ValueError(
+                f"lora: target {target!r} matches {never_called[0]!r}, {uncalled[never_called[0]]}: an adapter there "
+                f"would never run and train nothing; choose other targets, e.g. among {_adaptable_layer_names(model)}")
         bad = [(name, m) for name, m in hits if not isinstance(m, adaptable)]
         if bad:
             name, m = bad[0]
