@@ -17,6 +17,7 @@ import sys
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from atorch import distributed as adist
@@ -62,6 +63,7 @@ def apply_resolved(ctx: ModelContext, resolved: List[ResolvedOptimization]) -> A
         with agree_on_error(f"auto_accelerate: applying {r.name}"):
             r.optimization.apply(ctx, r.config)
         ctx.applied.append(r.name)
+    warn_unsynced_batch_norm(ctx.model, ctx.data_parallel_size())
     with agree_on_error("auto_accelerate: placing the model and calling optim_func"):
         place_model(ctx)
         if ctx.optim is None and ctx.optim_func is not None:
@@ -82,6 +84,21 @@ def apply_resolved(ctx: ModelContext, resolved: List[ResolvedOptimization]) -> A
         enable_fused_generate(ctx.model)  # `generate(..., fused_no_repeat_ngram_blocking=True)`
     # `result.model.save_parallelized(dir, merge_checkpoints=...)` / `.from_parallelized(dir)`.
     return attach_checkpoint_methods(assemble_result(ctx, applied_strategy(resolved)))
+
+
+def warn_unsynced_batch_norm(model: nn.Module, data_parallel_size: int) -> None:
+    """Warn (once per auto_accelerate) that BatchNorm under data parallelism normalizes with each rank's own batch
+    statistics and keeps per-rank running statistics, unlike single-process training: atorch does not convert
+    it; torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) before auto_accelerate does."""
+    if data_parallel_size <= 1:
+        return
+    first = next(((name, m) for name, m in model.named_modules()
+                  if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)), None)
+    if first is not None:
+        logger.warning("%s (%s) and any other BatchNorm use per-rank batch statistics over %d data-parallel ranks "
+                       "(running_mean/var differ between ranks, not synchronized); for statistics over the global "
+                       "batch, convert before auto_accelerate: model = torch.nn.SyncBatchNorm.convert_sync_batchnorm("
+                       "model)", first[0] or "the model", type(first[1]).__name__, data_parallel_size)
 
 
 def applied_strategy(resolved: List[ResolvedOptimization]) -> Strategy:

@@ -93,3 +93,21 @@ def test_result_fields_have_their_real_types():
     assert hints["pipeline"] == Optional[NativePipeline]
     assert hints["randomizer"] == Optional[MultiDimParallelRandomizer]
     assert hints["engine"] == Optional[DeepSpeedEngine]
+
+
+def test_batch_norm_under_data_parallelism_is_warned_about_once_with_the_conversion(caplog):
+    """Per-rank batch statistics (running stats differ between ranks): one warning naming the first BatchNorm
+    and torch's conversion; none for one data-parallel rank or for SyncBatchNorm."""
+    from torch import nn
+
+    from atorch.auto.engine import warn_unsynced_batch_norm
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.BatchNorm1d(4))
+    with caplog.at_level(logging.WARNING, logger="atorch.auto.engine"):
+        warn_unsynced_batch_norm(model, 1)
+        warn_unsynced_batch_norm(nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(4))), 2)
+        assert not caplog.records
+        warn_unsynced_batch_norm(model, 2)
+    assert len(caplog.records) == 1
+    assert "1 (BatchNorm2d) and any other BatchNorm use per-rank batch statistics over 2" in caplog.text
+    assert "torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)" in caplog.text
