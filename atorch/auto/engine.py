@@ -95,10 +95,10 @@ def warn_unsynced_batch_norm(model: nn.Module, data_parallel_size: int) -> None:
     first = next(((name, m) for name, m in model.named_modules()
                   if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)), None)
     if first is not None:
-        logger.warning("%s (%s) and any other BatchNorm use per-rank batch statistics over %d data-parallel ranks "
+        logger.warning("BatchNorm %r (%s) and any others use per-rank batch statistics over %d data-parallel ranks "
                        "(running_mean/var differ between ranks, not synchronized); for statistics over the global "
                        "batch, convert before auto_accelerate: model = torch.nn.SyncBatchNorm.convert_sync_batchnorm("
-                       "model)", first[0] or "the model", type(first[1]).__name__, data_parallel_size)
+                       "model)", first[0], type(first[1]).__name__, data_parallel_size)
 
 
 def applied_strategy(resolved: List[ResolvedOptimization]) -> Strategy:

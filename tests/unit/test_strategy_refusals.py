@@ -109,5 +109,5 @@ def test_batch_norm_under_data_parallelism_is_warned_about_once_with_the_convers
         assert not caplog.records
         warn_unsynced_batch_norm(model, 2)
     assert len(caplog.records) == 1
-    assert "1 (BatchNorm2d) and any other BatchNorm use per-rank batch statistics over 2" in caplog.text
+    assert "BatchNorm '1' (BatchNorm2d) and any others use per-rank batch statistics over 2" in caplog.text
     assert "torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)" in caplog.text
