@@ -1,6 +1,7 @@
 """`lora`: only adapters train, peft defaults per model type, clear target errors, seeded adapters."""
 
 import copy
+import logging
 
 import peft
 import pytest
@@ -173,3 +174,26 @@ def test_already_a_peft_model_is_refused():
     model = add_lora_adapters(tiny_llama(), LoraConfig())
     with pytest.raises(ValueError, match="already a peft PeftModel"):
         _validate(model)
+
+
+def test_an_adapted_layer_that_does_not_run_in_the_first_forward_is_warned_about_once(caplog):
+    """Its adapter gets no gradient: named in one warning after the first forward; the hooks are then gone."""
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.skipped = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    model = add_lora_adapters(Branchy(), LoraConfig(target_modules=("proj", "skipped")))
+    with caplog.at_level(logging.WARNING, logger="atorch.auto.opt_lib.lora"):
+        model(torch.randn(2, 4))
+        model(torch.randn(2, 4))
+    assert len(caplog.records) == 1, caplog.text
+    assert "1 adapted layer(s) did not run in the first forward" in caplog.text
+    assert "['base_model.model.skipped']" in caplog.text
+    assert not any(m._forward_hooks for m in model.modules())
+    copy.deepcopy(model)

@@ -182,7 +182,38 @@ def add_lora_adapters(model: nn.Module, config: LoraConfig, model_config: Any = 
         torch.manual_seed(config.seed)
         peft_model = peft.get_peft_model(model, peft_config)
     _seed_adapters_by_path(peft_model, config.seed)
+    _UncalledAdapterCheck(peft_model)
     return peft_model
+
+
+class _UncalledAdapterCheck:
+    """Forward hooks until the model's first forward, then a warning naming the adapted layers that did not run
+    in it: their adapters got no gradient (a layer whose parent never calls it trains nothing). Plain objects,
+    not closures, so that the model still pickles."""
+
+    def __init__(self, model: nn.Module) -> None:
+        layers = {name: m for name, m in model.named_modules() if isinstance(getattr(m, "lora_A", None), nn.ModuleDict)}
+        self.pending = set(layers)
+        self.handles = [m.register_forward_hook(_MarkCalled(self, name)) for name, m in layers.items()]
+        self.handles.append(model.register_forward_hook(self))
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        for handle in self.handles:
+            handle.remove()
+        if self.pending:
+            shown = sorted(self.pending)
+            logger.warning("lora: %d adapted layer(s) did not run in the first forward, so their adapters got no "
+                           "gradient, e.g. %s; a layer whose parent never calls its forward trains nothing (choose "
+                           "other target_modules), one used conditionally (an MoE expert, a branch) trains once used",
+                           len(shown), shown[:5])
+
+
+class _MarkCalled:
+    def __init__(self, check: _UncalledAdapterCheck, name: str) -> None:
+        self.check, self.name = check, name
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.check.pending.discard(self.name)
 
 
 def _seed_adapters_by_path(peft_model: nn.Module, seed: int) -> None:
