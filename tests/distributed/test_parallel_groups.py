@@ -121,14 +121,22 @@ def test_bad_input_raises_on_every_rank_without_hanging_and_subgroups_time_out()
 
 
 def _fails_on_rank_one():
+    # What a rank sees: the caller's environment at the call, then env=; its output goes to the
+    # caller's (captured) stdout and stderr, whether it was spawned or forked.
+    seen = (os.environ.get("ATORCH_TEST_CALLER"), os.environ.get("ATORCH_TEST_ENV_ARG"))
+    print(f"rank {adist.rank()} says hello on stdout", flush=True)
+    print(f"rank {adist.rank()} says hello on stderr", file=sys.stderr, flush=True)
     if adist.rank() == 1:
-        raise RuntimeError("boom on rank one")
+        raise RuntimeError(f"boom on rank one, seeing {seen}")
     dist.barrier()  # rank 0 blocks here; the helper must kill it, not hang
 
 
-def test_spawn_helper_reports_tracebacks_and_kills_stuck_ranks():
-    with pytest.raises(DistributedTestError, match="boom on rank one"):
-        run_distributed(_fails_on_rank_one, 2, timeout=60)
+def test_spawn_helper_reports_tracebacks_and_kills_stuck_ranks(monkeypatch, capfd):
+    monkeypatch.setenv("ATORCH_TEST_CALLER", "set by the caller")
+    with pytest.raises(DistributedTestError, match=r"boom on rank one, seeing \('set by the caller', 'env='\)"):
+        run_distributed(_fails_on_rank_one, 2, timeout=60, env={"ATORCH_TEST_ENV_ARG": "env="})
+    out, err = capfd.readouterr()
+    assert "rank 1 says hello on stdout" in out and "rank 1 says hello on stderr" in err, (out, err)
 
 
 def test_init_distributed_in_a_plain_process(tmp_path):
