@@ -3,6 +3,8 @@
 Every child's traceback reaches the caller, and the whole group is killed at a timeout,
 so a distributed test can fail but never hang. Children are forked from a forkserver that has
 already imported torch, transformers and DeepSpeed (see `_start_method` for when it is not used).
+One thing forked ranks share that spawned ones did not: Python's str hash seed, so a set of strings
+iterates in the same order on every rank (a launcher's fresh interpreters may differ).
 """
 
 from __future__ import annotations
@@ -126,11 +128,26 @@ class _Stdio:
             os.close(fd)
 
 
+def _reseed_numpy() -> None:
+    """Give a forked rank numpy's global random state from fresh entropy, as a new interpreter has.
+
+    Python's `random` reseeds itself at fork; numpy's legacy global state would otherwise be the
+    server's, the same in every rank of every test. torch's default generator needs nothing: a new
+    interpreter starts it at a fixed seed, and the server never draws from it.
+    """
+    import sys
+
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed()
+
+
 def _child(fn: Callable, rank: int, world_size: int, port: int, backend: str, base_env: Dict[str, str],
            env: Dict[str, str], stdio: Optional[_Stdio], args: Sequence[Any], kwargs: Dict[str, Any],
            results: "mp.Queue") -> None:
-    if stdio is not None:
+    if stdio is not None:       # forked from the server
         stdio.install()
+        _reseed_numpy()
     # The caller's environment at start, as a spawned child inherits it (a forked one has the server's).
     os.environ.clear()
     os.environ.update(base_env)
