@@ -142,6 +142,19 @@ def _reseed_numpy() -> None:
         np.random.seed()
 
 
+def _exit_like_an_interpreter() -> None:
+    """Run what a spawned child's interpreter exit ran and a forked child's exit skips.
+
+    The forkserver ends a child with `os._exit` (as the "fork" start method does): no interpreter
+    finalization. A spawned child joined its non-daemon threads and then ran the atexit handlers,
+    among them atorch's: wait for an asynchronous checkpoint save, tear down the process groups.
+    """
+    import atexit
+
+    threading._shutdown()       # type: ignore[attr-defined]  # what interpreter exit calls first
+    atexit._run_exitfuncs()
+
+
 def _child(fn: Callable, rank: int, world_size: int, port: int, backend: str, base_env: Dict[str, str],
            env: Dict[str, str], stdio: Optional[_Stdio], args: Sequence[Any], kwargs: Dict[str, Any],
            results: "mp.Queue") -> None:
@@ -155,6 +168,15 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, backend: str, ba
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_PORT": str(port)})
+    try:
+        _run_rank(fn, rank, backend, args, kwargs, results)
+    finally:
+        if stdio is not None:
+            _exit_like_an_interpreter()
+
+
+def _run_rank(fn: Callable, rank: int, backend: str, args: Sequence[Any], kwargs: Dict[str, Any],
+              results: "mp.Queue") -> None:
     try:
         import torch
 

@@ -1,5 +1,6 @@
 """Parallel groups over 8 and 4 gloo ranks, init_distributed, and bad input before any collective."""
 
+import atexit
 import datetime
 import os
 import subprocess
@@ -17,7 +18,11 @@ from atorch.distributed import timeouts
 from atorch.testing import DistributedTestError, run_distributed
 
 
-def _groups_8_ranks():
+def _groups_8_ranks(marker_dir):
+    # The helper lets a rank exit as an interpreter does: its atexit handlers run (atorch's wait for
+    # an asynchronous save and its group teardown are some), also when the rank was forked.
+    marker = os.path.join(marker_dir, f"atexit ran on rank {adist.rank()}")
+    atexit.register(lambda: open(marker, "w").close())
     adist.create_parallel_group(([("tensor", 2), ("data", 2), ("pipeline", 2)], None))
     out = {}
     for name in ("tensor", "data", "pipeline"):
@@ -37,8 +42,9 @@ def _groups_8_ranks():
     return out
 
 
-def test_eight_rank_tables_are_real_groups():
-    results = run_distributed(_groups_8_ranks, 8)
+def test_eight_rank_tables_are_real_groups(tmp_path):
+    results = run_distributed(_groups_8_ranks, 8, str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == [f"atexit ran on rank {r}" for r in range(8)]
     expected = {
         "tensor": [[0, 1], [2, 3], [4, 5], [6, 7]],
         "data": [[0, 2], [1, 3], [4, 6], [5, 7]],
