@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import threading
 import time
@@ -184,7 +185,10 @@ def _run_rank(fn: Callable, rank: int, backend: str, args: Sequence[Any], kwargs
         from atorch.distributed import destroy_distributed, init_distributed
 
         init_distributed(backend)
-        value = fn(*args, **kwargs)
+        # Pickled here, by value: the queue's pickler (torch's reductions) would pass a tensor's storage
+        # as a file descriptor served by this process, which the caller could no longer fetch once this
+        # rank had exited (FileNotFoundError in the caller; seen with forked ranks, which exit fast).
+        value = pickle.dumps(fn(*args, **kwargs))
         results.put((rank, "ok", value))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, "error", traceback.format_exc()))
@@ -258,7 +262,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         elif missing:
             parts.append(f"--- ranks {missing} did not finish within {timeout:.0f} s (killed) ---")
         raise DistributedTestError(f"{fn.__name__} failed on {world_size} ranks:\n" + "\n".join(parts))
-    return [outcome[r] for r in range(world_size)]
+    return [pickle.loads(outcome[r]) for r in range(world_size)]
 
 
 def _drain(results: "mp.Queue", outcome: Dict[int, Any], errors: Dict[int, str], wait_s: float) -> None:
