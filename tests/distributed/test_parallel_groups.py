@@ -1,5 +1,6 @@
 """Parallel groups over 8 and 4 gloo ranks, init_distributed, and bad input before any collective."""
 
+import atexit
 import datetime
 import os
 import subprocess
@@ -17,7 +18,11 @@ from atorch.distributed import timeouts
 from atorch.testing import DistributedTestError, run_distributed
 
 
-def _groups_8_ranks():
+def _groups_8_ranks(marker_dir):
+    # The helper lets a rank exit as an interpreter does: its atexit handlers run (atorch's wait for
+    # an asynchronous save and its group teardown are some), also when the rank was forked.
+    marker = os.path.join(marker_dir, f"atexit ran on rank {adist.rank()}")
+    atexit.register(lambda: open(marker, "w").close())
     adist.create_parallel_group(([("tensor", 2), ("data", 2), ("pipeline", 2)], None))
     out = {}
     for name in ("tensor", "data", "pipeline"):
@@ -37,8 +42,9 @@ def _groups_8_ranks():
     return out
 
 
-def test_eight_rank_tables_are_real_groups():
-    results = run_distributed(_groups_8_ranks, 8)
+def test_eight_rank_tables_are_real_groups(tmp_path):
+    results = run_distributed(_groups_8_ranks, 8, str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == [f"atexit ran on rank {r}" for r in range(8)]
     expected = {
         "tensor": [[0, 1], [2, 3], [4, 5], [6, 7]],
         "data": [[0, 2], [1, 3], [4, 6], [5, 7]],
@@ -121,14 +127,22 @@ def test_bad_input_raises_on_every_rank_without_hanging_and_subgroups_time_out()
 
 
 def _fails_on_rank_one():
+    # What a rank sees: the caller's environment at the call, then env=; its output goes to the
+    # caller's (captured) stdout and stderr, whether it was spawned or forked.
+    seen = (os.environ.get("ATORCH_TEST_CALLER"), os.environ.get("ATORCH_TEST_ENV_ARG"))
+    print(f"rank {adist.rank()} says hello on stdout", flush=True)
+    print(f"rank {adist.rank()} says hello on stderr", file=sys.stderr, flush=True)
     if adist.rank() == 1:
-        raise RuntimeError("boom on rank one")
+        raise RuntimeError(f"boom on rank one, seeing {seen}")
     dist.barrier()  # rank 0 blocks here; the helper must kill it, not hang
 
 
-def test_spawn_helper_reports_tracebacks_and_kills_stuck_ranks():
-    with pytest.raises(DistributedTestError, match="boom on rank one"):
-        run_distributed(_fails_on_rank_one, 2, timeout=60)
+def test_spawn_helper_reports_tracebacks_and_kills_stuck_ranks(monkeypatch, capfd):
+    monkeypatch.setenv("ATORCH_TEST_CALLER", "set by the caller")
+    with pytest.raises(DistributedTestError, match=r"boom on rank one, seeing \('set by the caller', 'env='\)"):
+        run_distributed(_fails_on_rank_one, 2, timeout=60, env={"ATORCH_TEST_ENV_ARG": "env="})
+    out, err = capfd.readouterr()
+    assert "rank 1 says hello on stdout" in out and "rank 1 says hello on stderr" in err, (out, err)
 
 
 def test_init_distributed_in_a_plain_process(tmp_path):
