@@ -965,14 +965,17 @@ def _stateless_parameters(load: _LoadTargets, handler: LayoutHandler, local_valu
     read, and are dropped after the load, so that the resumed optimizer is the saved one."""
     if not isinstance(handler, TorchHandler):
         return []
-    names = {k[len("param_groups."):].rsplit(".", 1)[0] for k in local_values if k.startswith("param_groups.")}
-    stateless = []
-    for name in sorted(names):
-        keys = [k for k in load.optimizer if _state_of(k, [name])]
-        held = any(k.startswith(f"param_groups.{name}.") for k in saved_values)
-        if keys and held and not any(load.optimizer_sources.get(k, k) in entries for k in keys):
-            stateless.append(name)
-    return stateless
+    # Keys by parameter name, once (`param_groups.<name>.<hyperparameter>`, `optim/state.<name>.<state>`): a
+    # scan of every key per parameter was quadratic in the model's size.
+    groups, state = "param_groups.", f"{OPTIM_PREFIX}state."
+    names = {k[len(groups):].rsplit(".", 1)[0] for k in local_values if k.startswith(groups)}
+    held = {k[len(groups):].rsplit(".", 1)[0] for k in saved_values if k.startswith(groups)}
+    keys: Dict[str, List[str]] = {}
+    for k in load.optimizer:
+        if k.startswith(state):
+            keys.setdefault(k[len(state):].rsplit(".", 1)[0], []).append(k)
+    return [name for name in sorted(names & held)
+            if keys.get(name) and not any(load.optimizer_sources.get(k, k) in entries for k in keys[name])]
 
 
 def _state_of(key: str, names: List[str]) -> bool:
