@@ -4,7 +4,9 @@ families microbatch-3%, failing-3%, spikes-3%, flat-3%, needle-3%); each test in
 import math
 
 import numpy as np
+from transformers import LlamaConfig
 
+from atorch.auto.cost_model import estimate
 from atorch.auto.search import DryRunResult, SearchSpace, search_strategy
 from atorch.auto.search.bo import Suggestion
 from atorch.auto.search.feasibility import FailureModel, Feasibility
@@ -37,8 +39,9 @@ def micro_space() -> SearchSpace:
 
 
 def test_the_micro_batch_dimension_is_ordered_by_memory():
-    """More micro-batches per step (fewer rows each) never need more memory: an out-of-memory run
-    at a large micro-batch rules out the larger ones, and one that ran vouches for the smaller."""
+    """More micro-batches per step (fewer rows each) are declared to need no more memory: without a
+    predictor saying otherwise, an out-of-memory run at a large micro-batch rules out the larger ones,
+    and one that ran vouches for the smaller."""
     space = micro_space()
     assert memory_saving_ranks(space)[0] == [(0.0,), (1.0,), (2.0,)]
     cands = space.candidates()
@@ -48,6 +51,58 @@ def test_the_micro_batch_dimension_is_ordered_by_memory():
     feas.observe(index[(1, 1)], "ok", 90.0)            # ... and ran with checkpointing
     assert feas.probability(index[(0, 0)]).p == 0.0    # one micro-batch of 8 rows: no chance
     assert feas.probability(index[(2, 1)]).p == 1.0    # 4 micro-batches, checkpointed: fits
+
+
+def test_a_predictor_that_reverses_a_declared_saving_turns_that_dominance_off():
+    """Accumulation is declared a saving, but the cost model knows it can reverse (every micro-step's
+    gradients stay alive). Predicted 30% over the candidate without it, its out-of-memory run says nothing
+    certain about that one, which the log-memory model then finds likely to fit; where the predictor agrees
+    with the declared order, or scatters more than the contradiction, dominance still decides."""
+    space = micro_space()
+    cands = space.candidates()
+    index = {c.choices: i for i, c in enumerate(cands)}
+    reversed_peaks = [100.0 * (1.3 if c.choices[0] else 1.0) * (0.6 if c.choices[1] else 1.0) for c in cands]
+    feas = Feasibility([c.choices for c in cands], memory_saving_ranks(space), limit=110.0,
+                       predicted_peaks=reversed_peaks)
+    feas.observe(index[(1, 0)], "oom", 130.0)
+    none = feas.probability(index[(0, 0)])
+    assert none.why == "model" and none.p > 0.5
+    assert feas.needs_at_least(index[(0, 0)], index[(1, 0)])                # declared ...
+    assert not feas.ruled_out_by(index[(0, 0)], index[(1, 0)])              # ... and contradicted
+    agreeing = [100.0 * (0.8 if c.choices[0] else 1.0) for c in cands]
+    feas = Feasibility([c.choices for c in cands], memory_saving_ranks(space), limit=110.0, predicted_peaks=agreeing)
+    feas.observe(index[(1, 0)], "oom", 130.0)
+    assert feas.probability(index[(0, 0)]).p == 0.0 and feas.probability(index[(0, 0)]).why == "dominated"
+    # A predictor whose measured errors are as large as the contradiction cannot overrule the order.
+    rng = np.random.default_rng(0)
+    choices = [(m, u) for m in (0, 1) for u in range(10)]            # accumulation x an unordered knob
+    predicted = [100.0 * (1.3 if m else 1.0) for m, _ in choices]
+    feas = Feasibility(choices, [[(0.0,), (1.0,)], None], limit=110.0, predicted_peaks=predicted)
+    for k in range(2, 20):
+        if k != 10:
+            feas.observe(k, "ok", 0.7 * predicted[k] * math.exp(rng.normal(0, 0.3)))   # peaks scatter 30%
+    feas.observe(10, "oom", 130.0)                                   # two steps of the first knob's option
+    assert feas.probability(0).why == "dominated"
+
+
+def test_the_cost_model_reverses_accumulation_under_sharding_and_the_search_follows_it():
+    """On a 1B Llama over 8 GPUs with checkpointed blocks the cost model predicts two accumulation steps
+    above one (the accumulated gradients outweigh half the activations): an out-of-memory run with two
+    steps must not rule out the candidate with one, which is predicted to fit."""
+    config = LlamaConfig(hidden_size=2048, intermediate_size=5504, num_hidden_layers=16, num_attention_heads=16,
+                         num_key_value_heads=16, vocab_size=32000)
+    space = SearchSpace({"micro_batch": [None, ("gradient_accumulation", 2)], "checkpoint": ["checkpoint"],
+                         "amp": ["amp_native"], "zero": ["zero2", ("fsdp", {"cpu_offload": True})]},
+                        world_size=8, model_config=config, device_type="cuda", global_batch_size=64)
+    cands = space.candidates()
+    peaks = [estimate(config, c.strategy, 64, 1024, 8, "cuda").peak_memory_bytes for c in cands]
+    index = {c.choices: i for i, c in enumerate(cands)}
+    one, two = index[(0, 0, 0, 1)], index[(1, 0, 0, 1)]
+    assert peaks[two] > 1.2 * peaks[one]
+    limit = (peaks[one] + peaks[two]) / 2
+    feas = Feasibility([c.choices for c in cands], memory_saving_ranks(space), limit=limit, predicted_peaks=peaks)
+    feas.observe(two, "oom", None)
+    assert feas.probability(one).why == "model" and feas.probability(one).p > 0.5
 
 
 def test_an_option_that_raises_is_learned_and_avoided():

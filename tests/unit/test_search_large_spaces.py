@@ -49,7 +49,7 @@ def _reference(feas: Feasibility, i: int):
         return 1.0, "ran", None
     if i in feas.oom:
         return 0.0, "ran out of memory", None
-    blocker = next((j for j in feas.oom if feas.needs_at_least(i, j)), None)
+    blocker = next((j for j in feas.oom if feas.ruled_out_by(i, j)), None)
     if blocker is not None:
         return 0.0, "dominated", blocker
     saver = next((j for j in feas.ok if feas.needs_at_least(j, i)), None)

@@ -55,9 +55,13 @@ class GradientAccumulationOptimization(Optimization):
     @classmethod
     def memory_saving(cls, config: GradientAccumulationConfig) -> Dict[str, float]:
         # At a fixed batch per step, `steps` micro-batches of 1/steps the rows each hold the
-        # activations of one micro-batch: more steps never need more memory. Left unordered, a
-        # large micro-batch that ran out of memory taught the search nothing about the larger ones
-        # (benchmarks/search.py, family microbatch-3%).
+        # activations of one micro-batch; but the earlier micro-steps' gradients stay alive (under
+        # FSDP2 unsharded, in fp32), so with checkpointed blocks more steps can need *more* memory
+        # (the cost model's `_accumulated_grad_bytes`; benchmarks/declared_savings.py). Declared a
+        # saving all the same: left unordered, a large micro-batch that ran out of memory taught the
+        # search nothing about the larger ones (benchmarks/search.py, family microbatch-3%); where
+        # the cost model predicts the reverse, the search does not let the order rule a candidate
+        # out (`feasibility.CONTRADICTION_SDS`).
         return {"micro_batches": math.log2(max(int(config.steps), 1))}
 
     @classmethod

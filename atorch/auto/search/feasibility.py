@@ -6,7 +6,15 @@ the throughput surrogate. It learns it here instead, from three sources:
 - **Dominance** (certain): memory is monotone in the memory-saving choices
   (`space.memory_saving_ranks`). A candidate that saves no more memory than one that ran out
   of memory (every ordered choice saves no more, every unordered one equal) does not fit
-  (P = 0); one that saves at least as much as one that ran fine does (P = 1).
+  (P = 0); one that saves at least as much as one that ran fine does (P = 1). A declared saving
+  can reverse: more accumulation steps hold fewer activations but keep every micro-step's
+  gradients alive (under FSDP2 unsharded, in fp32), which for a large model with checkpointed
+  blocks is more memory, not less. So an out-of-memory run rules a candidate out only when the
+  predictor does not put that candidate below it by more than twice its measured error
+  (`CONTRADICTION_SDS`); the log-memory model decides the rest. The other direction stays
+  certain: vouching wrongly costs one dry run that corrects it, ruling out wrongly loses the
+  candidate, and a predictor wrong about the best few (predicting them over the limit while
+  what they save says they fit) must not take that rescue away.
 - **A log-memory model** (uncertain): log peak = log predicted peak (0 without a predictor)
   + a global bias + one effect per option + a per-candidate residual, a Bayesian linear model
   whose posterior is updated by every measured peak (a run that fits reports its peak; one that
@@ -46,6 +54,11 @@ PRIOR_SD_WITHOUT = {"bias": 30.0, "option": 0.3, "residual": 0.05}
 # of 0 a step was as likely to add memory as to save it, so after two out-of-memory runs the
 # leanest candidates were predicted at the level of those runs and pruned, though they fit.
 PRIOR_MEAN_SAVING_STEP = -0.2
+# A predictor contradicting a declared ordering (predicting the candidate that should need more memory below
+# the other) by more than this many residual standard deviations of its own measured errors keeps an
+# out-of-memory run of the other from ruling it out: the cost model knows where a saving reverses
+# (accumulated FSDP2 gradients); a predictor that scatters this much cannot overrule the declared order.
+CONTRADICTION_SDS = 2.0
 # A choice's memory-saving score: one number, or one per kind of saving.
 RankScore = Union[float, Sequence[float]]
 # Weight of the residual prior, in pseudo-observations.
@@ -84,6 +97,7 @@ class Feasibility:
         self.oom: List[int] = []
         self.ok: List[int] = []
         self.peaks: Dict[int, float] = {}      # measured log-peaks (ok runs, and oom runs over the limit)
+        self._residual_sd = 0.0                # the log-memory model's residual sd (`model`)
         self._design = self._one_hot()
         self._unordered, self._savings = self._dominance_columns()
         self.set_predictions(predicted_peaks)
@@ -123,7 +137,7 @@ class Feasibility:
     # -- dominance -----------------------------------------------------------------------------
 
     def needs_at_least(self, i: int, j: int) -> bool:
-        """Whether candidate i needs at least the memory of candidate j (by dominance only)."""
+        """Whether candidate i needs at least the memory of candidate j by the declared savings."""
         for a, b, r in zip(self.choices[i], self.choices[j], self.ranks):
             if r is None:
                 if a != b:
@@ -131,6 +145,19 @@ class Feasibility:
             elif any(x > y for x, y in zip(r[a], r[b])):   # i saves more of some kind than j
                 return False
         return True
+
+    def ruled_out_by(self, i: int, j: int) -> bool:
+        """Whether an out-of-memory run of j rules candidate i out: i needs at least j's memory, and the
+        predictor does not say otherwise beyond its error (`CONTRADICTION_SDS`)."""
+        if not self.needs_at_least(i, j):
+            return False
+        return not self.has_predictor or bool(self.offset[i] >= self.offset[j] - self._contradiction_margin())
+
+    def _contradiction_margin(self) -> float:
+        """How far (log scale) the predictor may put a candidate below one it should need at least the
+        memory of before the pair's dominance is off: `CONTRADICTION_SDS` residual sds of the model."""
+        self.model()
+        return CONTRADICTION_SDS * self._residual_sd
 
     def _dominance_columns(self) -> Tuple[np.ndarray, np.ndarray]:
         """`needs_at_least` as arrays, for thousands of candidates at once: every candidate's option
@@ -148,8 +175,9 @@ class Feasibility:
                 np.stack(savings, axis=1) if savings else np.zeros((n, 0)))
 
     def _first_dominance(self, rows: np.ndarray, others: List[int], rows_need_more: bool) -> np.ndarray:
-        """Per row, the position in `others` of the first candidate it needs at least the memory of
-        (`rows_need_more`) or that needs at least its memory (otherwise); -1 where none."""
+        """Per row, the position in `others` (out-of-memory runs) of the first that rules it out
+        (`rows_need_more`, `ruled_out_by`), or in `others` (runs that fit) of the first that needs
+        at least its memory (otherwise, `needs_at_least`); -1 where none."""
         if not others or not len(rows):
             return np.full(len(rows), -1)
         cols = np.asarray(others)
@@ -157,6 +185,8 @@ class Feasibility:
         a, b = self._savings[rows][:, None, :], self._savings[cols][None, :, :]
         leaner = np.all(a <= b, axis=2) if rows_need_more else np.all(b <= a, axis=2)
         hit = same & leaner
+        if rows_need_more and self.has_predictor:     # `ruled_out_by`: not contradicted beyond the error
+            hit &= self.offset[rows][:, None] >= self.offset[cols][None, :] - self._contradiction_margin()
         return np.where(hit.any(axis=1), hit.argmax(axis=1), -1)
 
     # -- the log-memory model -------------------------------------------------------------------
@@ -224,6 +254,7 @@ class Feasibility:
             mu = self.offset + self._design @ mean
             var = np.einsum("ij,jk,ik->i", self._design, cov, self._design) + resid_var
             self._posterior = (mu, np.sqrt(var))
+            self._residual_sd = math.sqrt(resid_var)
         return self._posterior
 
     @property
