@@ -77,6 +77,9 @@ class Family:
     shape: str = "base"     # "base", "microbatch", "flat" or "needle" (see `Landscape`)
     failing: bool = False   # a whole option (or pair of options) raises: 10-25% of the candidates
     spikes: float = 0.0     # probability that a timed step is a load spike (x U(2, 3))
+    # microbatch shape only: accumulating keeps a gradient copy alive (not sharded by ZeRO), so more
+    # micro-batches can need more memory, against the order the options declare (the cost model knows)
+    accumulated_grads: bool = False
 
 
 FAMILIES = {
@@ -90,6 +93,7 @@ FAMILIES = {
     "spikes-3%": Family(0.25, 0.12, 0.5, 0.03, spikes=0.1),
     "flat-3%": Family(0.25, 0.12, 0.5, 0.03, shape="flat"),
     "needle-3%": Family(0.10, 0.0, 0.0, 0.03, shape="needle"),
+    "microgradients-3%": Family(0.25, 0.12, 0.5, 0.03, shape="microbatch", accumulated_grads=True),
 }
 # The micro-batch family's global batch (the per-rank batch is this / the data-parallel size).
 MICRO_GLOBAL_BATCH = 64
@@ -233,6 +237,9 @@ class Landscape:
         half = rng.uniform(0.5, 4.0)                   # rows per micro-batch at half the peak rate
         static, act = 30e9, rng.uniform(1.0, 3.0) * 1e9          # bytes; activation bytes per row
         ckpt = rng.uniform(0.15, 0.4)
+        # With accumulated gradients: a whole unsharded copy of U(0.2, 0.8) of the static state, once
+        # accumulating (drawn for this family only: the microbatch family's landscapes are unchanged).
+        grads = static * rng.uniform(0.2, 0.8) if self.family.accumulated_grads else 0.0
         for c in cands:
             ch = c.choices
             v = sum(main[d][i] for d, i in enumerate(ch) if d != mb)
@@ -240,7 +247,8 @@ class Landscape:
             t = tensor[ch[par]]
             rows = MICRO_GLOBAL_BATCH * t / world / steps[ch[mb]]
             self.log_tp[c.strategy] = float(v + math.log(rows / (rows + half))) + math.log(100.0)
-            self.mem[c.strategy] = (static * mem_factor[zero][ch[zero]] + act * rows * (ckpt if ch[ck] else 1.0)) / t
+            self.mem[c.strategy] = (static * mem_factor[zero][ch[zero]] + act * rows * (ckpt if ch[ck] else 1.0)
+                                    + (grads if ch[mb] else 0.0)) / t
         return float(rng.uniform(0.15, 0.5))
 
     def _flatten(self, rng: np.random.Generator) -> None:
