@@ -15,6 +15,8 @@ tensor parallelism too. DeepSpeed's norm counted only stage 0's parameters (rel 
 case 7e-4), and a second sequence length failed in DeepSpeed's partitioned-activation all-gather.
 """
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -290,8 +292,8 @@ def _train_without_ds_config(global_batch):
 def _epoch_ending_mid_step(global_batch):
     """An epoch of 10 samples in global batches of 4: the loader holds 2 whole steps of micro-batches and nothing
     else; the 2 samples left would start a third step the engine cannot finish (its stages run out of
-    micro-batches in the middle of it: a StopIteration on the first stage, the last left waiting), so the loader
-    leaves them out."""
+    micro-batches in the middle of it), so the loader leaves them out. A loop calling train_batch until
+    StopIteration ends on every stage after those 2 steps, as does one over an iterator ending mid-step."""
     from atorch.auto import auto_accelerate
 
     status, result, _ = auto_accelerate(
@@ -300,12 +302,28 @@ def _epoch_ending_mid_step(global_batch):
                                                                                ds_config=None))
     assert status
     engine, data_iter = result.model, iter(result.dataloader)
-    # The loop must count its steps: a stage that runs out of data raises StopIteration while its peers wait in
-    # the step's sends and receives (no way to stop a pipeline's step once begun).
-    steps = len(result.dataloader) // result.gradient_accumulation_steps
-    losses = [engine.train_batch(data_iter).item() for _ in range(steps)]
+    # A loop until StopIteration: the first stage reads before sending anything, the last only after receiving,
+    # so without the ranks agreeing on the end of the data the last stage waited forever in the third step.
+    losses = []
+    while True:
+        try:
+            losses.append(engine.train_batch(data_iter).item())
+        except StopIteration:
+            break
     out = {"losses": losses, "items": len(result.dataloader), "left": len(list(data_iter))}
-    del engine, result, data_iter
+    # An iterator (the user's own) ending one micro-batch into a step: every rank stops, none waits.
+    items = list(result.dataloader)
+    partial = iter(items[:result.gradient_accumulation_steps + 1])
+    out["partial"] = [engine.train_batch(partial).item()]
+    try:
+        engine.train_batch(partial)
+        out["partial"].append("no StopIteration")
+    except StopIteration:
+        pass
+    # ... and the engine trains on: a StopIteration from inside train_batch left its timer started, and the next
+    # epoch's first step failed ("train_batch timer has already been started").
+    out["next_epoch"] = engine.train_batch(iter(result.dataloader)).item()
+    del engine, result, data_iter, partial, items
     dist.barrier()
     return out
 
@@ -323,4 +341,5 @@ def test_ds3d_without_ds_config_takes_the_dataloader_batch():
         assert_close_losses(r["losses"], reference, rel=REL, what="ds3d pipeline 2 without ds_config")
         # 2 whole steps of 2 micro-batches; nothing of a third was run.
         assert (len(r["epoch"]["losses"]), r["epoch"]["items"], r["epoch"]["left"]) == (2, 4, 0), r["epoch"]
+        assert len(r["epoch"]["partial"]) == 1 and math.isfinite(r["epoch"]["next_epoch"]), r["epoch"]
         assert_close_losses(r["epoch"]["losses"], reference[:2], rel=REL, what="ds3d epoch ending mid-step")

@@ -355,6 +355,7 @@ class DeepSpeed3DParallelOptimization(Optimization):
             # hf_batch_fn gives the stages input_ids and attention_mask, the loss labels: any other key is dropped.
             check_dataset_sample(ctx.dataset, takes_position_ids=False, who=WHO, tuples_pass=True)
         engine.set_batch_fn(config.batch_fn or hf_batch_fn)
+        agree_on_the_end_of_data(engine, ds_config["gradient_accumulation_steps"])
         refresh_partition_meta_per_instruction(engine)   # sequence lengths may vary under tensor parallelism too
         ctx.engine, ctx.optim, ctx.lr_scheduler = engine, optim, scheduler
         if ctx.dataset is not None and ctx.dataloader is None:
@@ -363,6 +364,45 @@ class DeepSpeed3DParallelOptimization(Optimization):
         ctx.custom_train_step = ds3d_train_step
         ctx.gradient_accumulation_steps = ds_config["gradient_accumulation_steps"]
         ctx.micro_batch_size = ds_config["train_micro_batch_size_per_gpu"]
+
+
+def agree_on_the_end_of_data(engine: Any, gas: int) -> None:
+    """Make `engine.train_batch(data_iter)` raise StopIteration on every rank when any rank's iterator
+    cannot give a whole step.
+
+    DeepSpeed's pipeline schedule reads a micro-batch on the first stage before anything is sent, and on the
+    last stage only after receiving the first activations: at the end of the data the first stage raised
+    StopIteration at once while the last waited for activations that never came (a loop calling train_batch
+    until StopIteration hung there). Each rank now takes the step's `gas` micro-batches from its iterator
+    first, and the ranks agree with one all-reduce of one number per step (every data replica too: a replica
+    that stopped alone would leave the others in the gradient all-reduce). A rank with fewer than `gas` left
+    drops them, with a warning. Without an iterator (DeepSpeed then uses the one set before, or a middle stage
+    that reads nothing) the rank counts as having a whole step.
+    """
+    import torch.distributed as dist
+
+    train_batch = engine.train_batch
+
+    def agreed_train_batch(data_iter: Any = None) -> Any:
+        if data_iter is None:
+            return train_batch()
+        step = []
+        for _ in range(gas):
+            try:
+                step.append(next(data_iter))
+            except StopIteration:
+                break
+        have = torch.tensor([len(step)], dtype=torch.int64, device=engine.device)
+        dist.all_reduce(have, op=dist.ReduceOp.MIN)
+        if int(have.item()) < gas:
+            if step:
+                logger.warning("%s: the data ran out in the middle of a step (%d of gradient_accumulation_steps=%d "
+                               "micro-batches on this rank); those are left out and every rank stops with "
+                               "StopIteration", WHO, len(step), gas)
+            raise StopIteration
+        return train_batch(iter(step))
+
+    engine.train_batch = agreed_train_batch
 
 
 def check_precision_on_device(ds_config: Mapping[str, Any], device_type: str) -> None:
