@@ -377,7 +377,7 @@ def agree_on_the_end_of_data(engine: Any, gas: int) -> None:
     first, and the ranks agree with one all-reduce of one number per step (every data replica too: a replica
     that stopped alone would leave the others in the gradient all-reduce). A rank with fewer than `gas` left
     drops them, with a warning. Without an iterator (DeepSpeed then uses the one set before, or a middle stage
-    that reads nothing) the rank counts as having a whole step.
+    that reads nothing) the rank counts as having a whole step. `ds3d_train_step` calls the class's method.
     """
     import torch.distributed as dist
 
@@ -522,7 +522,9 @@ def ds3d_train_step(result: Any, batch: Any) -> torch.Tensor:
         micro_batches = split_micro_batches(batch, gas)
     else:
         raise ValueError(f"deepspeed_3d_parallel train_step: batch must be a dict or a list of {gas} micro-batch dicts")
-    return engine.train_batch(iter(micro_batches))
+    # The class's train_batch, not `agree_on_the_end_of_data`'s: every rank that gets here holds a whole step
+    # (checked above), so the agreement's all-reduce and host sync would buy nothing on this per-step path.
+    return type(engine).train_batch(engine, iter(micro_batches))
 
 
 # ---- presets, importable from here as the documented interface ------------------------------

@@ -97,7 +97,6 @@ class Feasibility:
         self.oom: List[int] = []
         self.ok: List[int] = []
         self.peaks: Dict[int, float] = {}      # measured log-peaks (ok runs, and oom runs over the limit)
-        self._residual_sd = 0.0                # the log-memory model's residual sd (`model`)
         self._design = self._one_hot()
         self._unordered, self._savings = self._dominance_columns()
         self.set_predictions(predicted_peaks)
@@ -111,7 +110,8 @@ class Feasibility:
         self.has_predictor = all(p is not None and p > 0 for p in peaks) and n > 0
         self.offset = np.log(np.asarray([float(p or 1.0) for p in peaks])) if self.has_predictor else np.zeros(n)
         self.raw_predicted = [None if p is None else float(p) for p in peaks]
-        self._posterior: Optional[Tuple[np.ndarray, np.ndarray]] = None
+        # The log-memory model's (median log-peak, its sd) per candidate, and its residual sd: `_fitted_model`.
+        self._posterior: Optional[Tuple[np.ndarray, np.ndarray, float]] = None
 
     def observe(self, i: int, status: str, peak_bytes: Optional[float]) -> None:
         """One dry run of candidate i: status "ok", "oom" or another failure (ignored here)."""
@@ -156,8 +156,7 @@ class Feasibility:
     def _contradiction_margin(self) -> float:
         """How far (log scale) the predictor may put a candidate below one it should need at least the
         memory of before the pair's dominance is off: `CONTRADICTION_SDS` residual sds of the model."""
-        self.model()
-        return CONTRADICTION_SDS * self._residual_sd
+        return CONTRADICTION_SDS * self._fitted_model()[2]
 
     def _dominance_columns(self) -> Tuple[np.ndarray, np.ndarray]:
         """`needs_at_least` as arrays, for thousands of candidates at once: every candidate's option
@@ -249,12 +248,16 @@ class Feasibility:
 
     def model(self) -> Tuple[np.ndarray, np.ndarray]:
         """(median predicted log-peak, its standard deviation) of every candidate."""
+        mu, sd, _ = self._fitted_model()
+        return mu, sd
+
+    def _fitted_model(self) -> Tuple[np.ndarray, np.ndarray, float]:
+        """`model`'s answer and the residual sd, fitted once per change of the peaks or predictions."""
         if self._posterior is None:
             mean, cov, resid_var = self._fit()
             mu = self.offset + self._design @ mean
             var = np.einsum("ij,jk,ik->i", self._design, cov, self._design) + resid_var
-            self._posterior = (mu, np.sqrt(var))
-            self._residual_sd = math.sqrt(resid_var)
+            self._posterior = (mu, np.sqrt(var), math.sqrt(resid_var))
         return self._posterior
 
     @property
