@@ -37,20 +37,24 @@ def contradictions(name: str, model: torch.nn.Module, world: int, batch: int, se
     peaks = [estimate(model, c.strategy, batch, seq, world, "cuda").peak_memory_bytes for c in cands]
     order = Feasibility([c.choices for c in cands], memory_saving_ranks(space), None)
     names, labels = list(space.dimensions), space.labels()
-    groups: Dict[Tuple[str, ...], List[float]] = collections.defaultdict(list)
+    groups: Dict[Tuple[str, ...], List[Tuple[float, str]]] = collections.defaultdict(list)
     for i, more in enumerate(cands):          # `more` is declared to need at least `less`'s memory
         for j, less in enumerate(cands):
             if i != j and order.needs_at_least(i, j) and peaks[i] < peaks[j] / 1.001:
                 diff = tuple(f"{names[d]}: {labels[names[d]][more.choices[d]]} -> {labels[names[d]][less.choices[d]]}"
                              for d in range(len(names)) if more.choices[d] != less.choices[d])
-                groups[diff].append(peaks[j] / peaks[i])
+                same = [labels[names[d]][c] for d, c in enumerate(more.choices) if c == less.choices[d]]
+                shared = ", ".join(label for label in same if label != "none")
+                groups[diff].append((peaks[j] / peaks[i], shared))
     total = sum(len(v) for v in groups.values())
     print(f"\n{name}, {world} ranks, global batch {batch} x {seq}: {len(cands)} candidates, {total} pairs predicted "
           "against the declared order")
-    print("| choices that differ (declared to need more -> less) | pairs | worst predicted ratio |")
-    print("|---|---|---|")
-    for diff, ratios in sorted(groups.items(), key=lambda kv: -len(kv[1])):
-        print(f"| {'; '.join(diff)} | {len(ratios)} | {max(ratios):.2f} |")
+    print("| choices that differ (declared to need more -> less) | pairs | worst predicted ratio | worst pair's other "
+          "choices |")
+    print("|---|---|---|---|")
+    for diff, pairs in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        ratio, shared = max(pairs)
+        print(f"| {'; '.join(diff)} | {len(pairs)} | {ratio:.2f} | {shared} |")
 
 
 def main() -> None:

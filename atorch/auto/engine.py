@@ -210,6 +210,7 @@ def assemble_result(ctx: ModelContext, strategy: Strategy) -> AutoAccelerateResu
         data_parallel_size=ctx.data_parallel_size(), global_batch_size=_global_batch(ctx),
         sampler=ctx.sampler, engine=ctx.engine, deepspeed_config=ctx.deepspeed_config,
         autocast_dtype=ctx.autocast_dtype, grad_scaler=ctx.grad_scaler, custom_train_step=ctx.custom_train_step,
-        gradient_accumulation_steps=ctx.gradient_accumulation_steps, micro_batch_size=ctx.micro_batch_size,
+        gradient_accumulation_steps=ctx.gradient_accumulation_steps, sync_each_micro_step=ctx.sync_each_micro_step,
+        micro_batch_size=ctx.micro_batch_size,
         pipeline=ctx.pipeline, pipeline_stage=ctx.pipeline_stage, randomizer=ctx.randomizer,
         summaries=dict(ctx.summaries), applied=list(ctx.applied))

@@ -200,6 +200,8 @@ class ModelContext:
     """[pipeline_parallel] this rank's stage index."""
     gradient_accumulation_steps: int = 1
     """[gradient_accumulation, deepspeed_3d_parallel] micro-batches per optimizer step."""
+    sync_each_micro_step: Optional[bool] = None
+    """[gradient_accumulation] reduce gradients in every micro-step; None: per wrapper (`train_step`)."""
     micro_batch_size: Optional[int] = None
     """[deepspeed_3d_parallel] rows per micro-batch on one data rank."""
     randomizer: Any = None

@@ -61,6 +61,9 @@ class AutoAccelerateResult:
     custom_train_step: Optional[Callable[["AutoAccelerateResult", Any], torch.Tensor]] = None
     """Set by pipelines, whose schedule runs forward, backward and the step itself (`train_step` calls it)."""
     gradient_accumulation_steps: int = 1
+    sync_each_micro_step: Optional[bool] = None
+    """Whether `train_step` reduces gradients in every micro-step (gradient_accumulation's option);
+    None: under torch FSDP2 yes (sharded gradients), elsewhere only in the last."""
     micro_batch_size: Optional[int] = None
     pipeline: Optional["NativePipeline"] = None
     """The native pipeline's schedule runner (pipeline_parallel)."""

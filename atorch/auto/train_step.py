@@ -16,11 +16,13 @@ tokens of the whole global batch instead, counted over the data ranks with one a
 (`_TokenShares`), so that padded batches of unequal lengths train exactly as single-process
 training on the global batch's token mean (Hugging Face Trainer's `average_tokens_across_devices`).
 
-Gradient sync is skipped on the non-final micro-steps where the wrapper allows it: DDP
-`no_sync()`, FSDP2 `set_requires_gradient_sync(False)`; DeepSpeed engines get their
-accumulation boundary set explicitly (ZeRO-1 then reduces once per step; ZeRO-2/3 reduce into
-partitions as they go, which is DeepSpeed's own design). The native pipeline averages over
-"data" inside each schedule step, so it syncs every micro-step.
+Gradient sync follows `result.sync_each_micro_step` (the `gradient_accumulation` option): by default
+FSDP2 reduce-scatters every micro-step (its gradients stay sharded) and DDP skips the non-final
+micro-steps' sync (`no_sync()`; its gradients are whole either way); False skips FSDP2's too
+(`set_requires_gradient_sync(False)`: unsharded gradients, one reduce-scatter per step), True keeps
+DDP's. DeepSpeed engines get their accumulation boundary set explicitly (ZeRO-1 then reduces once
+per step; ZeRO-2/3 reduce into partitions as they go, which is DeepSpeed's own design). The native
+pipeline averages over "data" inside each schedule step, so it syncs every micro-step.
 
 Clipping (`max_grad_norm`) uses the true global norm: each gradient's local square sum is
 reduced over exactly the groups it is sharded over (FSDP2/DTensor shard dims, atorch's
@@ -506,15 +508,17 @@ class _TokenShares:
 
 # -- plain models, DDP, FSDP2, tensor parallel ------------------------------------------------
 
-def _no_sync(model: nn.Module, final: bool) -> contextlib.AbstractContextManager:
-    """Skip the gradient reduction of a non-final micro-step where the wrapper allows it."""
+def _no_sync(model: nn.Module, final: bool, sync_each: Optional[bool]) -> contextlib.AbstractContextManager:
+    """Skip the gradient reduction of a non-final micro-step where the wrapper allows it and the
+    strategy asks for it (`sync_each`: gradient_accumulation's `sync_each_micro_step`; None: FSDP2
+    reduces every micro-step, keeping its gradients sharded, DDP only in the last)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(final)   # recursive: every FSDP unit below the root
+        model.set_requires_gradient_sync(final or sync_each is not False)   # recursive: every unit below the root
         return contextlib.nullcontext()
-    if isinstance(model, DistributedDataParallel) and not final:
+    if isinstance(model, DistributedDataParallel) and not final and not sync_each:
         return model.no_sync()
     return contextlib.nullcontext()
 
@@ -576,7 +580,7 @@ def _plain_step(result: AutoAccelerateResult, batch: Any, steps: int, max_grad_n
     losses: List[torch.Tensor] = []
     micros, weights, shares = _prepared_micro_batches(result, model, batch, steps, by_tokens)
     for i, micro in enumerate(micros):
-        with _no_sync(model, final=i == len(micros) - 1):
+        with _no_sync(model, final=i == len(micros) - 1, sync_each=result.sync_each_micro_step):
             loss, reported = _micro_losses(result, model, micro, steps, weights, shares, i)
             loss.backward()
         losses.append(reported)

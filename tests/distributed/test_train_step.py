@@ -8,6 +8,10 @@ reference step (asserted), so clipping changes every update, and with SGD (whose
 proportional to the gradient, unlike Adam's) a wrong norm or a missed scaling changes the
 losses that follow.
 
+FSDP2 reduce-scatters in every micro-step by default and DDP only in the last; each is also trained the
+other way (`sync_each_micro_step`), with the same parity, and the sync is observed: DDP's bucket
+reductions are counted, and FSDP2's gradients at the start of each micro-step are sharded or absent.
+
 Tolerance rel 1e-5, fp32: the micro-batch losses are means over equal row counts, so the
 accumulated gradient is the full-batch mean gradient up to the summation order (observed
 differences ~1e-7, as in test_opt_parity.py); the norm is the same sum of squares over
@@ -51,6 +55,10 @@ STRATEGIES: Dict[str, List[Any]] = {
     "tensor_parallel": [GA, ("parallel_mode", ([("tensor", 2), ("data", 1)], None)), "tensor_parallel"],
     "pipeline": [GA, ("parallel_mode", ([("data", 1), ("pipeline", 2)], None)), "pipeline_parallel"],
     "zero2(deepspeed)": [GA, ("zero2", {"use_ds_zero": True})],
+    # The other side of each wrapper's default: FSDP2 reduce-scatters once a step (unsharded gradients in
+    # between), DDP all-reduces every micro-step.
+    "fsdp sync once": [("gradient_accumulation", {"steps": ACCUMULATION, "sync_each_micro_step": False}), "fsdp"],
+    "ddp sync each": [("gradient_accumulation", {"steps": ACCUMULATION, "sync_each_micro_step": True})],
 }
 
 
@@ -107,19 +115,39 @@ def _count_ddp_reductions(model: Any) -> List[int]:
     return calls
 
 
+def _record_gradients_at_each_forward(model: Any) -> List[Tuple[int, int]]:
+    """(gradient elements this rank holds, parameter elements in all) at the start of every forward:
+    what the earlier micro-steps of a step left behind."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    seen: List[Tuple[int, int]] = []
+    params = list(model.parameters())
+
+    def hook(module, args, kwargs=None):
+        held = sum(local(p.grad).numel() for p in params if p.grad is not None)
+        seen.append((held, sum(p.numel() for p in params)))
+
+    model.register_forward_pre_hook(hook)
+    return seen
+
+
 def _train(strategy: List[Any]) -> Dict[str, Any]:
     status, result, _ = auto_accelerate(
         tiny_llama(seed=0), optim_func=torch.optim.SGD, dataset=dataset(), optim_args={"lr": LR},
         model_input_format="unpack_dict", dataloader_args={"batch_size": GLOBAL_BATCH}, load_strategy=strategy)
     assert status, f"auto_accelerate returned status=False for {strategy}"
     reductions = _count_ddp_reductions(result.model)
+    grads_at_forward = _record_gradients_at_each_forward(result.model)
     losses, norms = [], []
     for _, batch in zip(range(STEPS), result.dataloader):
         stats = train_step_stats(result, batch, max_grad_norm=MAX_NORM)
         assert stats.micro_batches == ACCUMULATION
         losses.append(_global_loss(stats.loss, result))
         norms.append(float(stats.grad_norm))
-    out = {"losses": losses, "norms": norms, "ddp_reductions": reductions,
+    out = {"losses": losses, "norms": norms, "ddp_reductions": reductions, "grads_at_forward": grads_at_forward,
            "ddp": type(result.model).__name__ == "DistributedDataParallel"}
     _release(result)
     del result
@@ -377,6 +405,26 @@ def test_ddp_skips_the_gradient_sync_of_non_final_micro_steps(runs):
         buckets = max(run["ddp_reductions"]) + 1
         # One reduction per bucket and optimizer step (without no_sync: one per micro-step).
         assert len(run["ddp_reductions"]) == STEPS * buckets, run["ddp_reductions"]
+        # ... unless asked to sync every micro-step.
+        each = per_rank["ddp sync each"]["ddp_reductions"]
+        assert len(each) == STEPS * buckets * ACCUMULATION, each
+
+
+def test_fsdp2_accumulates_sharded_gradients_unless_told_to_sync_once(runs):
+    """By default FSDP2 reduce-scatters every micro-step: the second micro-step starts with this rank's
+    shards of the first one's gradients (1/WORLD of the elements). With sync_each_micro_step=False
+    FSDP2 keeps the unsharded gradients inside its units until the last micro-step: no `.grad` yet."""
+    for per_rank in runs:
+        for name in ("fsdp", "zero2(fsdp2)"):
+            seen = per_rank[name]["grads_at_forward"]
+            assert len(seen) == STEPS * ACCUMULATION, seen
+            for step in range(STEPS):
+                first, second = seen[step * ACCUMULATION], seen[step * ACCUMULATION + 1]
+                assert first[0] == 0, (name, seen)       # zero_grad(set_to_none=True) after each step
+                held, total = second
+                assert total / WORLD <= held < total / WORLD * 1.05, (name, seen)   # shards, padded
+        once = per_rank["fsdp sync once"]["grads_at_forward"]
+        assert len(once) == STEPS * ACCUMULATION and all(held == 0 for held, _ in once), once
 
 
 @pytest.mark.parametrize("name", list(TOKEN_STRATEGIES) + [pytest.param(name, marks=pytest.mark.heavy)

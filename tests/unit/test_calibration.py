@@ -96,9 +96,14 @@ def test_cost_model_predictor_with_gradient_accumulation():
     assert ga.breakdown["time_overhead"] == pytest.approx(4 * plain.breakdown["time_overhead"])
     assert ga.breakdown["time_communication"] == pytest.approx(plain.breakdown["time_communication"])  # no_sync
     fsdp = predict(Strategy(["parallel_mode", "fsdp", ("gradient_accumulation", 2)]))
+    fsdp_once = predict(Strategy(["parallel_mode", "fsdp",
+                                  ("gradient_accumulation", {"steps": 2, "sync_each_micro_step": False})]))
     fsdp_micro = estimate(config, Strategy(["parallel_mode", "fsdp"]), 8, 64, 2)
-    # FSDP2 gathers the parameters forward and backward in each micro-step, and reduce-scatters once: 5 vs 3.
-    assert fsdp.breakdown["time_communication"] == pytest.approx(5 / 3 * fsdp_micro.breakdown["time_communication"])
+    # FSDP2 gathers the parameters forward and backward in each micro-step and reduce-scatters in each
+    # (the default), 6 collectives' volume vs 3; or once (sync_each_micro_step=False): 5 vs 3.
+    assert fsdp.breakdown["time_communication"] == pytest.approx(2 * fsdp_micro.breakdown["time_communication"])
+    assert fsdp_once.breakdown["time_communication"] == pytest.approx(
+        5 / 3 * fsdp_micro.breakdown["time_communication"])
     assert ga.step_time_s == pytest.approx(sum(ga.breakdown[k] for k in COMPONENTS))
 
 

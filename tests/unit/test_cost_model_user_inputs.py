@@ -83,20 +83,46 @@ def test_frozen_parameters_get_no_gradients_or_optimizer_state():
     assert StrategyTraits.from_strategy(["parallel_mode"], 2, shape).trainable_fraction == pytest.approx(share)
 
 
-@pytest.mark.parametrize("strategy, grads", [
-    (["parallel_mode"], lambda m: m["grads"]),                                    # DDP under no_sync: every .grad
-    (["parallel_mode", "zero1"], lambda m: m["grads"]),
-    (["parallel_mode", "fsdp"], lambda m: m["grads"] * 2),                        # unsharded, not 1/data
-    (["parallel_mode", "amp_native", "fsdp"], lambda m: m["grads"] * 2),          # in the fp32 reduce dtype
-    (["amp_native", ("zero1", {"use_ds_zero": True})], lambda m: m["grads"] * 2),  # the whole half .grad
-    (["amp_native", ("zero2", {"use_ds_zero": True})], lambda m: m["grads"]),      # reduced into the partition
+NO_SYNC = {"steps": 2, "sync_each_micro_step": False}
+
+
+@pytest.mark.parametrize("strategy, accumulation, grads", [
+    (["parallel_mode"], 2, lambda m: m["grads"]),                                    # DDP under no_sync: every .grad
+    (["parallel_mode", "zero1"], 2, lambda m: m["grads"]),
+    (["parallel_mode", "fsdp"], 2, lambda m: m["grads"]),                 # reduce-scattered each micro-step: 1/data
+    (["parallel_mode", "amp_native", "zero2"], 2, lambda m: m["grads"]),
+    (["parallel_mode", "fsdp"], NO_SYNC, lambda m: m["grads"] * 2),                  # unsharded, not 1/data
+    (["parallel_mode", "amp_native", "fsdp"], NO_SYNC, lambda m: m["grads"] * 2),    # in the fp32 reduce dtype
+    (["amp_native", ("zero1", {"use_ds_zero": True})], 2, lambda m: m["grads"] * 2),  # the whole half .grad
+    (["amp_native", ("zero2", {"use_ds_zero": True})], 2, lambda m: m["grads"]),      # reduced into the partition
 ])
-def test_accumulation_keeps_the_earlier_micro_steps_gradients(strategy, grads):
+def test_accumulation_keeps_the_earlier_micro_steps_gradients(strategy, accumulation, grads):
     model = tiny_llama(seed=0)
     once = _memory(model, strategy)
-    accumulating = _memory(model, strategy + [("gradient_accumulation", 2)])
+    accumulating = _memory(model, strategy + [("gradient_accumulation", accumulation)])
     assert "accumulated_grads" not in once
     assert accumulating["accumulated_grads"] == pytest.approx(grads(once))
+
+
+def test_fsdp2_accumulation_trades_sharded_gradients_for_one_reduce_scatter_per_step():
+    """FSDP2 reduce-scatters in every micro-step by default: 1/data of the gradients accumulate, at the
+    price of `steps` reductions a step; sync_each_micro_step=False keeps them unsharded, one reduction.
+    DDP is the other way round: its gradients are whole either way, syncing each micro-step only costs."""
+    model = tiny_llama(seed=0)
+
+    def comm(strategy):
+        return estimate(model, strategy, BATCH, SEQ, 2, "cpu").breakdown["time_communication"]
+
+    for wrapper in ("fsdp", "zero2"):
+        synced = _memory(model, ["parallel_mode", wrapper, ("gradient_accumulation", 4)])
+        unsynced = _memory(model, ["parallel_mode", wrapper, ("gradient_accumulation", {**NO_SYNC, "steps": 4})])
+        assert unsynced["accumulated_grads"] == pytest.approx(2 * synced["accumulated_grads"])
+        assert comm(["parallel_mode", wrapper, ("gradient_accumulation", 4)]) > \
+            comm(["parallel_mode", wrapper, ("gradient_accumulation", {**NO_SYNC, "steps": 4})])
+    ddp = _memory(model, ["parallel_mode", ("gradient_accumulation", 4)])
+    each = ("gradient_accumulation", {"steps": 4, "sync_each_micro_step": True})
+    assert _memory(model, ["parallel_mode", each]) == ddp
+    assert comm(["parallel_mode", each]) > comm(["parallel_mode", ("gradient_accumulation", 4)])
 
 
 def test_accumulation_splits_a_native_pipelines_chunks_further():

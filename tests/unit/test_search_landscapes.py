@@ -4,6 +4,7 @@ families microbatch-3%, failing-3%, spikes-3%, flat-3%, needle-3%); each test in
 import math
 
 import numpy as np
+import pytest
 from transformers import LlamaConfig
 
 from atorch.auto.cost_model import estimate
@@ -53,6 +54,24 @@ def test_the_micro_batch_dimension_is_ordered_by_memory():
     assert feas.probability(index[(2, 1)]).p == 1.0    # 4 micro-batches, checkpointed: fits
 
 
+def test_accumulation_that_syncs_once_is_not_declared_a_saving_over_none():
+    """Without its per-micro-step sync FSDP2 accumulates unsharded gradients, which can outweigh the
+    activations saved: such a choice is declared to save memory only over fewer steps synced the same
+    way and over nothing that syncs each micro-step."""
+    once = {"sync_each_micro_step": False}
+    space = SearchSpace({"micro_batch": [None, ("gradient_accumulation", 2),
+                                         ("gradient_accumulation", {"steps": 2, **once}),
+                                         ("gradient_accumulation", {"steps": 4, **once})]},
+                        world_size=2, global_batch_size=8)
+    cands = space.candidates()
+    index = {c.choices[0]: i for i, c in enumerate(cands)}
+    feas = Feasibility([c.choices for c in cands], memory_saving_ranks(space), limit=100.0)
+    none, two, two_once, four_once = (index[k] for k in range(4))
+    assert feas.needs_at_least(none, two) and feas.needs_at_least(two_once, two)
+    assert feas.needs_at_least(two_once, four_once)
+    assert not feas.needs_at_least(none, two_once) and not feas.needs_at_least(none, four_once)
+
+
 def test_a_predictor_that_reverses_a_declared_saving_turns_that_dominance_off():
     """Accumulation is declared a saving, but the cost model knows it can reverse (every micro-step's
     gradients stay alive). Predicted 30% over the candidate without it, its out-of-memory run says nothing
@@ -85,24 +104,34 @@ def test_a_predictor_that_reverses_a_declared_saving_turns_that_dominance_off():
     assert feas.probability(0).why == "dominated"
 
 
-def test_the_cost_model_reverses_accumulation_under_sharding_and_the_search_follows_it():
-    """On a 1B Llama over 8 GPUs with checkpointed blocks the cost model predicts two accumulation steps
-    above one (the accumulated gradients outweigh half the activations): an out-of-memory run with two
-    steps must not rule out the candidate with one, which is predicted to fit."""
+@pytest.mark.parametrize("two_steps", [("gradient_accumulation", 2),
+                                       ("gradient_accumulation", {"steps": 2, "sync_each_micro_step": False})])
+def test_the_cost_model_reverses_accumulation_under_sharding_and_the_search_follows_it(two_steps):
+    """On a 1B Llama over 8 GPUs with checkpointed blocks, FSDP2 accumulating without its per-micro-step
+    reduce-scatter keeps unsharded fp32 gradients: the cost model predicts two accumulation steps above
+    one, and an out-of-memory run with two steps must not rule out the candidate with one, which is
+    predicted to fit. With the default sync the accumulated gradients are shards, the prediction agrees
+    with the declared order, and the out-of-memory run rules the candidate with one step out."""
     config = LlamaConfig(hidden_size=2048, intermediate_size=5504, num_hidden_layers=16, num_attention_heads=16,
                          num_key_value_heads=16, vocab_size=32000)
-    space = SearchSpace({"micro_batch": [None, ("gradient_accumulation", 2)], "checkpoint": ["checkpoint"],
+    space = SearchSpace({"micro_batch": [None, two_steps], "checkpoint": ["checkpoint"],
                          "amp": ["amp_native"], "zero": ["zero2", ("fsdp", {"cpu_offload": True})]},
                         world_size=8, model_config=config, device_type="cuda", global_batch_size=64)
     cands = space.candidates()
     peaks = [estimate(config, c.strategy, 64, 1024, 8, "cuda").peak_memory_bytes for c in cands]
     index = {c.choices: i for i, c in enumerate(cands)}
     one, two = index[(0, 0, 0, 1)], index[(1, 0, 0, 1)]
-    assert peaks[two] > 1.2 * peaks[one]
+    synced = isinstance(two_steps[1], int)
     limit = (peaks[one] + peaks[two]) / 2
     feas = Feasibility([c.choices for c in cands], memory_saving_ranks(space), limit=limit, predicted_peaks=peaks)
     feas.observe(two, "oom", None)
-    assert feas.probability(one).why == "model" and feas.probability(one).p > 0.5
+    if synced:
+        assert peaks[two] < peaks[one]
+        assert feas.probability(one).why == "dominated" and feas.probability(one).p == 0.0
+    else:
+        assert peaks[two] > 1.2 * peaks[one]
+        assert not feas.needs_at_least(one, two)       # not declared a saving over none ...
+        assert feas.probability(one).why == "model" and feas.probability(one).p > 0.5
 
 
 def test_an_option_that_raises_is_learned_and_avoided():

@@ -364,6 +364,36 @@ def test_gradient_accumulation_validation():
     resolve([("gradient_accumulation", 3)], batch=None)       # unknown batch: checked when applied
 
 
+@pytest.mark.parametrize("strategy, error", [
+    ([("zero2", {"use_ds_zero": True})], r"does not apply to DeepSpeed's ZeRO engine \(zero2 with use_ds_zero=True\)"),
+    ([("fsdp", {"use_ds_zero": True})], r"\(fsdp with use_ds_zero=True\), which decides when it reduces"),
+    ([("zero1", {"use_ds_zero": True})], "zero1 with use_ds_zero=True"),
+])
+@pytest.mark.parametrize("sync", [True, False])
+def test_accumulation_sync_is_refused_where_deepspeed_decides_it(strategy, error, sync):
+    context = ValidationContext(world_size=2, global_batch_size=8)
+    with pytest.raises(ValueError, match=f"sync_each_micro_step={sync} .*{error}"):
+        resolve_strategy(Strategy([("gradient_accumulation", {"steps": 2, "sync_each_micro_step": sync}),
+                                   *strategy]), context)
+    resolve_strategy(Strategy([("gradient_accumulation", 2), *strategy]), context)      # unset: DeepSpeed's way
+
+
+def test_accumulation_sync_choices_elsewhere():
+    context = ValidationContext(world_size=2, global_batch_size=8)
+    pp = [("parallel_mode", ([("data", 1), ("pipeline", 2)], None)), "pipeline_parallel"]
+    with pytest.raises(ValueError, match="sync_each_micro_step=False is not possible with pipeline_parallel"):
+        resolve_strategy(Strategy([("gradient_accumulation", {"steps": 2, "sync_each_micro_step": False}), *pp]),
+                         context)
+    for sync in (True, False):
+        for strategy in ([], ["fsdp"], ["zero2"], ["zero1"]):
+            resolved = resolve_strategy(Strategy([("gradient_accumulation", {"steps": 2, "sync_each_micro_step": sync}),
+                                                  *strategy]), context)
+            assert resolved[1].config.sync_each_micro_step is sync
+    resolve_strategy(Strategy([("gradient_accumulation", {"steps": 2, "sync_each_micro_step": True}), *pp]), context)
+    with pytest.raises(ValueError, match="sync_each_micro_step='yes' must be True, False or None"):
+        resolve_strategy(Strategy([("gradient_accumulation", {"steps": 2, "sync_each_micro_step": "yes"})]), context)
+
+
 # -- micro-batch splitting ---------------------------------------------------------------------
 
 def test_split_batch_shapes():

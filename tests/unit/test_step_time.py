@@ -47,11 +47,16 @@ def test_gradient_accumulation_pays_per_micro_step_overhead_and_fsdp_gathers():
     assert ga.breakdown["time_compute"] == pytest.approx(plain.breakdown["time_compute"])   # the same tokens
     layer_overhead = plain.breakdown["time_overhead"] - H100["step_overhead_s"]
     assert ga.breakdown["time_overhead"] - H100["step_overhead_s"] == pytest.approx(8 * layer_overhead)
-    # 2 gathers per micro-step and one reduce-scatter per step: 17 transfers where one step has 3.
+    # 2 gathers and a reduce-scatter per micro-step (the default: gradients stay sharded): 24 transfers
+    # where one step has 3; reduce-scattering once per step (sync_each_micro_step=False): 17.
+    once = estimate(LLAMA_7B, base + [("gradient_accumulation", {"steps": 8, "sync_each_micro_step": False})], 64,
+                    4096, 8, "cuda", profile=H100)
     bytes_plain = plain.breakdown["time_communication"] - 3 * 32 * H100["comm_latency_s"]
-    bytes_ga = ga.breakdown["time_communication"] - 17 * 32 * H100["comm_latency_s"]
-    assert bytes_ga == pytest.approx(17 / 3 * bytes_plain)
-    assert ga.step_time_s > plain.step_time_s
+    bytes_ga = ga.breakdown["time_communication"] - 24 * 32 * H100["comm_latency_s"]
+    bytes_once = once.breakdown["time_communication"] - 17 * 32 * H100["comm_latency_s"]
+    assert bytes_ga == pytest.approx(8 * bytes_plain)
+    assert bytes_once == pytest.approx(17 / 3 * bytes_plain)
+    assert ga.step_time_s > once.step_time_s > plain.step_time_s
     # DDP reduces once per step (no_sync on the other micro-steps).
     ddp = estimate(LLAMA_7B, ["parallel_mode"], 64, 4096, 8, "cuda", profile=H100)
     ddp_ga = estimate(LLAMA_7B, ["parallel_mode", ("gradient_accumulation", 8)], 64, 4096, 8, "cuda", profile=H100)

@@ -405,13 +405,15 @@ def _accumulated_grad_bytes(traits: StrategyTraits, trainable: float) -> float:
     micro-step's forward and backward (measured on 2 ranks: tests/distributed/test_memory_model.py).
 
     - replicated (DDP under `no_sync`, torch ZeRO-1): every parameter's `.grad`;
-    - torch FSDP2 without gradient sync: every unit's unsharded gradient, accumulated in the
-      reduce dtype (fp32 under amp), not 1/data of it;
+    - torch FSDP2 reduce-scattering every micro-step (the default): the sharded gradients, 1/data;
+    - torch FSDP2 without gradient sync (`sync_each_micro_step=False`): every unit's unsharded
+      gradient, accumulated in the reduce dtype (fp32 under amp), not 1/data of it;
     - DeepSpeed ZeRO-1 (and DeepSpeed's stage 0): the whole half `.grad` until the accumulation
       boundary; stages 2-3 reduce every micro-step into the rank's partition.
     """
     if traits.sharding == "fsdp2":
-        return trainable * (4 if traits.autocast else traits.param_dtype_bytes)
+        grad_bytes = trainable * (4 if traits.autocast else traits.param_dtype_bytes)
+        return grad_bytes / traits.data if traits.fsdp2_syncs_each_micro_step else grad_bytes
     if traits.sharding == "deepspeed":
         if traits.ds_offload_optimizer and traits.zero_stage >= 1:
             return 0.0          # reduced into the fp32 partition on the host

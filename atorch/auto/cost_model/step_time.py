@@ -103,8 +103,9 @@ def _communication(shape: ModelShape, traits: StrategyTraits, stage: float, toke
     """(seconds moving bytes, number of collectives) of one step of a rank holding `stage` parameters.
 
     Data parallel: FSDP2 / ZeRO-3 gather parameters in every pass (forward and backward) and
-    reduce-scatter once per step (atorch skips the reduction on accumulation's other micro-steps;
-    DeepSpeed ZeRO-2/3 reduce every pass); DDP and ZeRO-1/2 reduce once per step. Tensor parallel:
+    reduce-scatter in every accumulation micro-step (once per step with `sync_each_micro_step=False`;
+    DeepSpeed ZeRO-2/3 reduce every pass); DDP and ZeRO-1/2 reduce once per step (DDP every
+    micro-step with `sync_each_micro_step=True`). Tensor parallel:
     Megatron's 2 all-reduces forward and 2 backward per layer and pass. Pipeline: each micro-batch's
     activations forward and their gradients back, once per stage boundary.
     """
@@ -116,8 +117,12 @@ def _communication(shape: ModelShape, traits: StrategyTraits, stage: float, toke
     if d > 1:
         ring = (d - 1) / d
         bw = _bandwidth(rates, d * t * p)     # data ranks lie outermost: the group spans the whole job
-        deepspeed_reduces_each_pass = traits.sharding == "deepspeed" and traits.zero_stage >= 2
-        reductions = passes if deepspeed_reduces_each_pass else 1
+        if traits.sharding == "deepspeed" and traits.zero_stage >= 2:
+            reductions = passes
+        elif traits.fsdp2_syncs_each_micro_step or (traits.sharding != "deepspeed" and traits.accumulation_sync):
+            reductions = max(1, traits.accumulation_steps)
+        else:
+            reductions = 1
         if traits.param_shard > 1:        # FSDP: all-gather forward, all-gather backward, reduce-scatter
             comm += (2 * passes + reductions) * ring * grad_bytes / bw
             collectives += (2 * passes + reductions) * layers

@@ -54,6 +54,7 @@ class StrategyTraits:
     pipeline_chunks: int = 1            # micro-batches per step per data rank
     pipeline_schedule: str = "gpipe"    # "gpipe" keeps every micro-batch's activations, "1f1b" at most `pipeline`
     accumulation_steps: int = 1         # the micro-batch is global batch / data / accumulation_steps
+    accumulation_sync: Optional[bool] = None   # gradient_accumulation's sync_each_micro_step (None: per wrapper)
     # what the model computes
     checkpoint: bool = False
     fused_attention: bool = False       # module_replace: sdpa, no b*heads*s^2 matrix
@@ -112,6 +113,12 @@ class StrategyTraits:
         return dataclasses.replace(traits, trainable_fraction=trainable, optimizer=optimizer or ADAM)
 
     # -- derived views, in ZeRO's terms ---------------------------------------------------------
+    @property
+    def fsdp2_syncs_each_micro_step(self) -> bool:
+        """Torch FSDP2 reduce-scatters in every accumulation micro-step (the default: its gradients stay
+        sharded) rather than keeping unsharded gradients until the last (`sync_each_micro_step=False`)."""
+        return self.sharding == "fsdp2" and self.accumulation_sync is not False
+
     @property
     def optimizer_shard(self) -> int:
         """Ranks the optimizer state is split over."""

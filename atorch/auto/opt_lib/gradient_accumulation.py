@@ -2,17 +2,29 @@
 
 The global batch per optimizer step stays `dataloader_args["batch_size"]`: the per-rank batch
 the dataloader yields is cut into `steps` equal micro-batches whose gradients accumulate
-(`atorch.auto.train_step` does it, without gradient sync on the non-final micro-steps where
-the wrapper allows it). Training is unchanged; activation memory is that of one micro-batch,
-traded for `steps` smaller forward/backward passes. This is the search's micro-batch
+(`atorch.auto.train_step` does it). Training is unchanged; activation memory is that of one
+micro-batch, traded for `steps` smaller forward/backward passes. This is the search's micro-batch
 dimension. `deepspeed_3d_parallel` has its own `gradient_accumulation_steps` (its ds_config).
+
+When the gradients are reduced over the data ranks (`sync_each_micro_step`) is a trade of memory
+for communication, and the default follows the wrapper's gradients:
+- torch FSDP2 (`fsdp`, `zero2`) reduce-scatters every micro-step, so the accumulated gradients stay
+  sharded (1/data of them, as ZeRO-2/3 promise; torch's and DeepSpeed's own behaviour). Skipping the
+  sync keeps every unit's unsharded gradient, in fp32 under amp, through the step: for a 7B model on
+  16 ranks that is more memory than the micro-batches save (benchmarks/declared_savings.py).
+  `sync_each_micro_step=False` asks for it all the same: one reduce-scatter per step instead of
+  `steps`, where the memory is there.
+- DDP and torch ZeRO-1 keep whole gradients either way: the sync runs once per step (`no_sync` on the
+  others); True reduces every micro-step, which costs communication and saves nothing.
+- DeepSpeed engines decide themselves (ZeRO-1 at the accumulation boundary, ZeRO-2/3 every micro-step)
+  and the native pipeline reduces inside each schedule step: an explicit value is refused there.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, ValidationContext, register
@@ -28,6 +40,14 @@ MAX_SEARCH_CHOICES = 6
 class GradientAccumulationConfig:
     steps: int
     """Micro-batches per optimizer step; must divide the per-rank batch (global batch / data-parallel size)."""
+    sync_each_micro_step: Optional[bool] = None
+    """Reduce the gradients over the data ranks in every micro-step (True) or only in the last (False);
+    None: True under torch FSDP2 (sharded gradients), False under DDP and torch ZeRO-1 (module docstring)."""
+
+    def __post_init__(self) -> None:
+        if self.sync_each_micro_step is not None and not isinstance(self.sync_each_micro_step, bool):
+            raise ValueError(f"gradient_accumulation: sync_each_micro_step={self.sync_each_micro_step!r} must be "
+                             "True, False or None (None: per wrapper, see the gradient_accumulation docs)")
 
 
 def _per_rank_batch(global_batch: int, data: int, steps: int, pipeline_chunks: int = 1) -> None:
@@ -55,19 +75,22 @@ class GradientAccumulationOptimization(Optimization):
     @classmethod
     def memory_saving(cls, config: GradientAccumulationConfig) -> Dict[str, float]:
         # At a fixed batch per step, `steps` micro-batches of 1/steps the rows each hold the
-        # activations of one micro-batch; but the earlier micro-steps' gradients stay alive (under
-        # FSDP2 unsharded, in fp32), so with checkpointed blocks more steps can need *more* memory
-        # (the cost model's `_accumulated_grad_bytes`; benchmarks/declared_savings.py). Declared a
-        # saving all the same: left unordered, a large micro-batch that ran out of memory taught the
-        # search nothing about the larger ones (benchmarks/search.py, family microbatch-3%); where
-        # the cost model predicts the reverse, the search does not let the order rule a candidate
-        # out (`feasibility.CONTRADICTION_SDS`).
-        return {"micro_batches": math.log2(max(int(config.steps), 1))}
+        # activations of one micro-batch, next to the gradients the earlier micro-steps leave: their
+        # shards under FSDP2 (the default sync), whole under DDP (as at the end of any backward). With
+        # sync_each_micro_step=False FSDP2 keeps them unsharded (fp32 under amp), which can outweigh the
+        # activations saved (a 7B on 16 ranks: 2.8x; benchmarks/declared_savings.py): no saving is
+        # declared over the choices that sync (a negative score in a kind of its own), only over fewer
+        # steps synced the same way. Where the cost model predicts a declared saving reversed all
+        # the same, the search does not let the order rule a candidate out (`feasibility.CONTRADICTION_SDS`).
+        saving = {"micro_batches": math.log2(max(int(config.steps), 1))}
+        if config.sync_each_micro_step is False:
+            saving["unsharded_accumulation"] = -1.0
+        return saving
 
     @classmethod
     def cost_traits(cls, config: GradientAccumulationConfig, context: CostContext) -> Dict[str, Any]:
         # Activations of one micro-batch at a time; the same global batch per step.
-        return {"accumulation_steps": config.steps}
+        return {"accumulation_steps": config.steps, "accumulation_sync": config.sync_each_micro_step}
 
     @classmethod
     def parse_config(cls, raw: Any) -> GradientAccumulationConfig:
@@ -98,12 +121,29 @@ class GradientAccumulationOptimization(Optimization):
         if context.global_batch_size is not None:
             sizes = context.parallel_sizes()
             _per_rank_batch(context.global_batch_size, sizes.get("data", 1), steps, _pipeline_chunks(context, sizes))
+        _check_sync_choice(config.sync_each_micro_step, context)
 
     def apply(self, ctx: ModelContext, config: GradientAccumulationConfig) -> None:
         global_batch = ctx.dataloader_args.get("batch_size")
         if global_batch is not None:   # also checked here: validation may not have known the batch size
             _per_rank_batch(int(global_batch), ctx.data_parallel_size(), config.steps)
         ctx.gradient_accumulation_steps = config.steps
+        ctx.sync_each_micro_step = config.sync_each_micro_step
+
+
+def _check_sync_choice(sync: Optional[bool], context: ValidationContext) -> None:
+    """Refuse an explicit `sync_each_micro_step` where the engine decides when gradients are reduced."""
+    if sync is None:
+        return
+    for name in ("zero1", "zero2", "fsdp"):
+        if getattr(context.configs.get(name), "use_ds_zero", False):
+            raise ValueError(f"gradient_accumulation: sync_each_micro_step={sync} does not apply to DeepSpeed's "
+                             f"ZeRO engine ({name} with use_ds_zero=True), which decides when it reduces (stage 1 "
+                             "once per step, stages 2-3 in every micro-step); leave it unset")
+    if sync is False and "pipeline_parallel" in context.configs:
+        raise ValueError("gradient_accumulation: sync_each_micro_step=False is not possible with "
+                         "pipeline_parallel: the pipeline's schedule reduces the gradients over the data ranks in "
+                         "every micro-step; leave it unset")
 
 
 def search_step_counts(layout_rows: List[int], limit: int = MAX_SEARCH_CHOICES) -> List[int]:

@@ -8,13 +8,14 @@ the throughput surrogate. It learns it here instead, from three sources:
   of memory (every ordered choice saves no more, every unordered one equal) does not fit
   (P = 0); one that saves at least as much as one that ran fine does (P = 1). A declared saving
   can reverse: more accumulation steps hold fewer activations but keep every micro-step's
-  gradients alive (under FSDP2 unsharded, in fp32), which for a large model with checkpointed
-  blocks is more memory, not less. So an out-of-memory run rules a candidate out only when the
-  predictor does not put that candidate below it by more than twice its measured error
-  (`CONTRADICTION_SDS`); the log-memory model decides the rest. The other direction stays
-  certain: vouching wrongly costs one dry run that corrects it, ruling out wrongly loses the
-  candidate, and a predictor wrong about the best few (predicting them over the limit while
-  what they save says they fit) must not take that rescue away.
+  gradients alive (whole under DDP and DeepSpeed ZeRO-1; unsharded fp32 under FSDP2 synced once
+  a step), which for a large model with checkpointed blocks is more memory, not less. So an
+  out-of-memory run rules a candidate out only when the predictor does not put that candidate below
+  it by more than twice its measured error (`CONTRADICTION_SDS`); the log-memory model decides
+  the rest. The other direction stays certain: vouching wrongly costs one dry run that corrects
+  it, ruling out wrongly loses the candidate, and a predictor wrong about the best few
+  (predicting them over the limit while what they save says they fit) must not take that rescue
+  away.
 - **A log-memory model** (uncertain): log peak = log predicted peak (0 without a predictor)
   + a global bias + one effect per option + a per-candidate residual, a Bayesian linear model
   whose posterior is updated by every measured peak (a run that fits reports its peak; one that
@@ -57,7 +58,7 @@ PRIOR_MEAN_SAVING_STEP = -0.2
 # A predictor contradicting a declared ordering (predicting the candidate that should need more memory below
 # the other) by more than this many residual standard deviations of its own measured errors keeps an
 # out-of-memory run of the other from ruling it out: the cost model knows where a saving reverses
-# (accumulated FSDP2 gradients); a predictor that scatters this much cannot overrule the declared order.
+# (accumulated whole gradients); a predictor that scatters this much cannot overrule the declared order.
 CONTRADICTION_SDS = 2.0
 # A choice's memory-saving score: one number, or one per kind of saving.
 RankScore = Union[float, Sequence[float]]
