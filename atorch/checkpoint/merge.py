@@ -17,7 +17,7 @@ import re
 import shutil
 import uuid
 import warnings
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, TypeVar, Union, cast
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar, Union, cast
 
 import torch
 from torch import nn
@@ -227,7 +227,7 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, tokenizer: Any = None,
     try:
         if plain_peft:
             _save_plain_peft(ckpt_dir, cast(Dict[str, torch.Tensor], state), target, lora, cast(type, model_class),
-                             str(peft_adapter))
+                             str(peft_adapter), max_shard_size)
         elif is_hf and streams:
             _stream_hf(ckpt_dir, manifest, model_meta, target, max_shard_size, dtype, model_class)
         elif tp_lora and lora == "adapters":
@@ -308,7 +308,6 @@ def stream_safetensors(ckpt_dir: str, manifest: mf.Manifest, out_dir: str, max_s
     plus DCP's read buffer of one tensor chunk (at most the largest tensor).
     """
     import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
 
     dcp_dir = os.path.join(ckpt_dir, DCP_DIR)
     entries = {k: v for k, v in tensor_entries(load_dcp_metadata(os.path.join(dcp_dir, ".metadata"))).items()
@@ -329,13 +328,29 @@ def stream_safetensors(ckpt_dir: str, manifest: mf.Manifest, out_dir: str, max_s
 
     ordered = ((key, entries[key]) for key in sorted(entries, key=lambda k: out_name[k]))
     plan = [list(group) for group in group_by_bytes(ordered, parse_size(max_shard_size), out_bytes)]
-    weight_map: Dict[str, str] = {}
-    total = 0
-    for i, keys in enumerate(plan):
+
+    def read(keys: List[str]) -> Dict[str, torch.Tensor]:
         shard = {k: torch.empty(entries[k][0], dtype=entries[k][1]) for k in keys}
         with _quiet_single_process_dcp(), raise_checkpoint_errors():
             dcp.load(shard, storage_reader=SafeFileSystemReader(dcp_dir, allowed_files=allowed), no_dist=True)
-        shard = {out_name[k]: v.to(out_dtype(v.dtype)).contiguous() for k, v in shard.items()}
+        return {out_name[k]: v.to(out_dtype(v.dtype)).contiguous() for k, v in shard.items()}
+
+    write_safetensors_shards(plan, read, out_dir)
+
+
+def write_safetensors_shards(plan: Sequence[List[str]], read: Callable[[List[str]], Dict[str, torch.Tensor]],
+                             out_dir: str) -> None:
+    """Write `read(keys)` for each group of keys in `plan`, one group at a time (each freed before the
+    next is read): `model.safetensors` for one group, else `model-0000i-of-0000n.safetensors` files and
+    `model.safetensors.index.json`, the layout `from_pretrained` and `load_sharded_checkpoint` read.
+    Written by hand rather than with huggingface_hub's splitter: the groups are planned before any
+    tensor exists (from DCP metadata), and a shard must be read only when it is written."""
+    from safetensors.torch import save_file
+
+    weight_map: Dict[str, str] = {}
+    total = 0
+    for i, keys in enumerate(plan):
+        shard = read(keys)
         name = ("model.safetensors" if len(plan) == 1
                 else f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors")
         save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
@@ -532,13 +547,13 @@ def _save_hf(ckpt_dir: str, model_meta: Dict[str, Any], state: Dict[str, torch.T
 
 
 def _save_plain_peft(ckpt_dir: str, state: Dict[str, torch.Tensor], out_dir: str, lora: str, model_class: type,
-                     adapter: str) -> None:
+                     adapter: str, max_shard_size: Union[int, str]) -> None:
     """peft LoRA on a plain nn.Module: `model_class()` wrapped by peft with the checkpoint's adapter_config.json and
-    loaded with its tensors; lora="merge" writes the merged model's state dict as model.safetensors (for
-    `model_class().load_state_dict`), lora="adapters" peft's adapter files (for `PeftModel.from_pretrained(
-    model_class(), out_dir)`, as peft supports custom modules)."""
+    loaded with its tensors; lora="merge" writes the merged model's state dict as model.safetensors, or in shards
+    of `max_shard_size` with an index (for `model_class().load_state_dict`, or transformers'
+    `load_sharded_checkpoint(model_class(), out_dir)`), lora="adapters" peft's adapter files (for
+    `PeftModel.from_pretrained(model_class(), out_dir)`, as peft supports custom modules)."""
     from peft import LoraConfig, get_peft_model
-    from safetensors.torch import save_file
 
     try:
         base = model_class()
@@ -552,10 +567,10 @@ def _save_plain_peft(ckpt_dir: str, state: Dict[str, torch.Tensor], out_dir: str
     if lora == "adapters":
         model.save_pretrained(out_dir, safe_serialization=True)
         return
-    merged = model.merge_and_unload()
+    merged = model.merge_and_unload().state_dict()
+    plan = [list(group) for group in group_by_bytes(merged.items(), parse_size(max_shard_size))]
     # Tied weights are written under each name (as the checkpoint holds them): safetensors refuses shared storage.
-    save_file({k: v.detach().clone().contiguous() for k, v in merged.state_dict().items()},
-              os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    write_safetensors_shards(plan, lambda keys: {k: merged[k].detach().clone().contiguous() for k in keys}, out_dir)
 
 
 def _merge_peft(model: Any) -> Any:

@@ -427,6 +427,19 @@ def test_lora_of_a_plain_module_merges_with_model_class_and_records_the_users_cl
     plain = _PlainNet()
     plain.load_state_dict(load_file(str(tmp_path / "merged" / "model.safetensors")))
     torch.testing.assert_close(plain(x), expected)
+    # max_shard_size holds here too: shards and an index, which transformers' loader reads into any module.
+    try:
+        from transformers.trainer_utils import load_sharded_checkpoint      # transformers >= 5
+    except ImportError:
+        from transformers.modeling_utils import load_sharded_checkpoint
+
+    merge_checkpoint(ckpt, str(tmp_path / "sharded"), model_class=_PlainNet, max_shard_size=100)
+    files = sorted(os.listdir(tmp_path / "sharded"))
+    assert "model.safetensors.index.json" in files and "model.safetensors" not in files
+    assert sum(f.endswith(".safetensors") for f in files) >= 3, files
+    plain = _PlainNet()
+    load_sharded_checkpoint(plain, str(tmp_path / "sharded"))
+    torch.testing.assert_close(plain(x), expected)
     merge_checkpoint(ckpt, str(tmp_path / "adapters"), model_class=_PlainNet, lora="adapters")
     base = _PlainNet()                                        # the base weights, unmerged
     base.load_state_dict({k.replace(".base_layer", ""): v for k, v in model.get_base_model().state_dict().items()
