@@ -18,6 +18,8 @@ see `_step_outside_peak`), measured and predicted
 
     python benchmarks/memory_model.py                      # the table of benchmarks/RESULTS.md
     python benchmarks/memory_model.py --models 1b --worlds 8 --strategies fsdp+amp
+    python benchmarks/memory_model.py --models 1b --worlds 8 \
+        --strategies "fsdp+amp+checkpoint+accumulate2,fsdp+amp+checkpoint+accumulate2 sync once"
     python benchmarks/memory_model.py --save m.json; python benchmarks/memory_model.py --load m.json  # re-predict
 """
 
@@ -85,7 +87,16 @@ STRATEGIES: Dict[str, List[Any]] = {
     "zero2+amp": ["parallel_mode", "module_replace", "amp_native", "zero2"],
     "fsdp fp32": ["parallel_mode", "module_replace", "fsdp"],
     "fsdp+amp+checkpoint": ["parallel_mode", "module_replace", "amp_native", "fsdp", "checkpoint"],
+    # Two micro-batches per step: FSDP2 reduce-scatters in each (the default), or once a step, keeping
+    # every unit's unsharded fp32 gradient through the second micro-step.
+    "fsdp+amp+checkpoint+accumulate2": ["parallel_mode", "module_replace", "amp_native", "fsdp", "checkpoint",
+                                        ("gradient_accumulation", 2)],
+    "fsdp+amp+checkpoint+accumulate2 sync once": [
+        "parallel_mode", "module_replace", "amp_native", "fsdp", "checkpoint",
+        ("gradient_accumulation", {"steps": 2, "sync_each_micro_step": False})],
 }
+# Strategies run by default (the accumulation rows are asked for by name: --strategies).
+DEFAULT_STRATEGIES = ("fsdp+amp", "zero2+amp", "fsdp fp32", "fsdp+amp+checkpoint")
 
 
 @dataclass
@@ -148,10 +159,18 @@ def _step_outside_peak(tracker: Any, optim: torch.optim.Optimizer) -> None:
     tracker._peak_mem, tracker._peak_mem_snap = peak, peak_snap
 
 
+def _accumulation_steps(strategy: List[Any]) -> int:
+    for item in strategy:
+        if isinstance(item, tuple) and item[0] == "gradient_accumulation":
+            return item[1] if isinstance(item[1], int) else item[1]["steps"]
+    return 1
+
+
 def predict(row: Row, micro_batch: int, seq: int) -> Row:
-    """`row` with the cost model's current predictions."""
+    """`row` with the cost model's current predictions (`micro_batch` rows per micro-step and rank)."""
     config, strategy = llama_config(row.model), STRATEGIES[row.strategy]
-    predicted = estimate(config, strategy, micro_batch * row.world, seq, row.world, "cuda")
+    global_batch = micro_batch * _accumulation_steps(strategy) * row.world
+    predicted = estimate(config, strategy, global_batch, seq, row.world, "cuda")
     bd = predicted.breakdown
     states = sum(bd.get(f"mem_{k}", 0.0) for k in ("params", "grads", "master", "optimizer"))
     memory = {k[len("mem_"):]: v for k, v in bd.items() if k.startswith("mem_")}
@@ -162,7 +181,10 @@ def predict(row: Row, micro_batch: int, seq: int) -> Row:
 
 def measure(model_name: str, world: int, strategy_name: str, micro_batch: int, seq: int) -> Row:
     """One rank (rank 0) of `world` fake ranks: model states after backward, and the peak, in bytes."""
+    from atorch.auto.train_step import _no_sync
+
     config, strategy = llama_config(model_name), STRATEGIES[strategy_name]
+    micro_steps = _accumulation_steps(strategy)
     start = time.monotonic()
     with fake_process_group(0, world):
         mode = FakeTensorMode()
@@ -181,8 +203,12 @@ def measure(model_name: str, world: int, strategy_name: str, micro_batch: int, s
             tracker.track_inputs((ids,))
         with mode, tracker:
             for step in range(2):
-                loss = result.model(input_ids=ids, labels=ids).loss
-                loss.backward()
+                for micro in range(micro_steps):    # train_step's gradient sync, on a micro-batch of `ids`
+                    if micro:
+                        tracker.reset_mod_stats()   # FSDPMemTracker: one forward per module between resets
+                    with _no_sync(result.model, micro == micro_steps - 1, result.sync_each_micro_step):
+                        loss = result.model(input_ids=ids, labels=ids).loss
+                        loss.backward()
                 if step == 1:
                     states = _states(tracker.get_tracker_snapshot())
                 _step_outside_peak(tracker, result.optim)
@@ -198,7 +224,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="1b,3b,7b")
     parser.add_argument("--worlds", default="8,64")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES))
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--save", help="write the measured rows to this JSON file")

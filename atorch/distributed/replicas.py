@@ -93,6 +93,15 @@ def layout_difference(model: nn.Module, group: Optional[dist.ProcessGroup],
     return _describe_layouts([layout or [] for layout in layouts], _global_ranks(group))
 
 
+def _has_values(model: nn.Module) -> bool:
+    """Whether the parameters hold data to compare: not on the meta device, not fake tensors (a model
+    built under FakeTensorMode, as the memory benchmarks do at scale: only its layout can be checked).
+    Every rank of one job builds its model alike, so every rank takes the same branch."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not any(p.is_meta or is_fake(p) for p in model.parameters())
+
+
 @torch.no_grad()
 def _checksum_difference(model: nn.Module, group: Optional[dist.ProcessGroup], device: torch.device) -> Optional[str]:
     """`first_difference` for ranks known to hold the same layout (the gathered tables have one size)."""
@@ -151,12 +160,15 @@ def check_layouts_agree(model: nn.Module, group: Optional[dist.ProcessGroup], de
 def check_replicas_agree(model: nn.Module, group: Optional[dist.ProcessGroup], device: Optional[torch.device],
                          who: str, remedy: str) -> None:
     """Raise the same ValueError on every rank of `group` when the model differs across it: in its layout
-    (names, shapes, dtypes), or in its parameters' values (then with `remedy`). Collective."""
+    (names, shapes, dtypes), or in its parameters' values (then with `remedy`; not for parameters without
+    data: meta or fake tensors). Collective."""
     if _single_rank(group):
         return
     if device is None:
         device = collective_device(group)
     check_layouts_agree(model, group, device, who)
+    if not _has_values(model):
+        return
     where = _checksum_difference(model, group, device)
     if where is not None:
         raise ValueError(f"{who}: the model's weights differ across ranks: {where}; {remedy}")

@@ -34,3 +34,29 @@ def test_auto_accelerate_runs_under_a_fake_process_group():
         result.model(input_ids=ids, labels=ids).loss.backward()
         del result
     assert not dist.is_initialized()
+
+
+def test_auto_accelerate_shards_a_model_built_under_fake_tensor_mode():
+    """The memory benchmarks' way at scale (benchmarks/memory_model.py): the model's parameters are fake
+    tensors, which have no values for the replica check to compare; FSDP2 shards them and a step runs
+    on shapes alone, with torch's memory tracker counting it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from atorch.auto import auto_accelerate
+    from atorch.testing import tiny_llama
+
+    with fake_process_group(0, 8):
+        mode = FakeTensorMode()
+        with mode:
+            model = tiny_llama()
+            ids = torch.randint(0, 100, (1, 8))
+        ok, result, _ = auto_accelerate(model, torch.optim.AdamW, load_strategy=["parallel_mode", "fsdp"])
+        assert ok
+        tracker = FSDPMemTracker(result.model, result.optim)
+        with mode, tracker:
+            result.model(input_ids=ids, labels=ids).loss.backward()
+        peak = max(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values())
+        assert peak > sum(p.numel() for p in model.parameters()) * 4 / 8      # at least the fp32 shards
+        del result, tracker
+    assert not dist.is_initialized()
