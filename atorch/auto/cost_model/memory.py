@@ -402,7 +402,7 @@ def _ds_state_shard(traits: StrategyTraits) -> int:
 
 def _accumulated_grad_bytes(traits: StrategyTraits, trainable: float) -> float:
     """Gradient bytes the earlier micro-steps of an accumulating step leave alive through the next
-    micro-step's forward and backward (measured on 2 ranks: tests/distributed/test_memory_model.py).
+    micro-step's forward and backward (measured on 2 ranks: tests/distributed/test_memory_model_inputs.py).
 
     - replicated (DDP under `no_sync`, torch ZeRO-1): every parameter's `.grad`;
     - torch FSDP2 reduce-scattering every micro-step (the default): the sharded gradients, 1/data;
