@@ -125,6 +125,29 @@ def test_fsdp2_accumulation_trades_sharded_gradients_for_one_reduce_scatter_per_
     assert comm(["parallel_mode", each]) > comm(["parallel_mode", ("gradient_accumulation", 4)])
 
 
+def test_fsdp2_cpu_offload_accumulates_the_reduced_shards_on_the_host():
+    """CPUOffloadPolicy: each micro-step's reduce-scatter copies the gradient shard to the host and
+    accumulates it there (nothing on the device, one copy per micro-step); synced once a step, the unsharded
+    gradients accumulate on the device, copied once."""
+    from atorch.auto.cost_model import estimate as full_estimate
+
+    model = tiny_llama(seed=0)
+    offload = ["parallel_mode", "amp_native", ("fsdp", {"cpu_offload": True})]
+
+    def on_gpu(accumulation):
+        est = full_estimate(model, offload + [("gradient_accumulation", accumulation)], BATCH, SEQ, 2, "cuda")
+        return {k[len("mem_"):]: v for k, v in est.breakdown.items() if k.startswith("mem_")}, est
+
+    each, each_est = on_gpu(4)
+    once, once_est = on_gpu({"steps": 4, "sync_each_micro_step": False})
+    assert "accumulated_grads" not in each and each["host_accumulated_grads"] > 0
+    assert "host_accumulated_grads" not in once and once["accumulated_grads"] == pytest.approx(
+        2 * each["host_accumulated_grads"])
+    assert each_est.peak_memory_bytes < once_est.peak_memory_bytes
+    # Offload copies are counted with the communication: 4 reduce-scatters and 4 copies back vs 1 and 1.
+    assert each_est.breakdown["time_communication"] > once_est.breakdown["time_communication"]
+
+
 def test_accumulation_splits_a_native_pipelines_chunks_further():
     from atorch.auto.cost_model import micro_batch_size
 

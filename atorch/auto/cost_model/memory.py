@@ -214,7 +214,9 @@ def _host_keys(traits: StrategyTraits) -> Tuple[str, ...]:
     """Breakdown entries CPU offload keeps in host memory instead of the device's.
 
     - torch FSDP2 `CPUOffloadPolicy`: the sharded parameters, gradients and optimizer state (the
-      optimizer steps on the host, its temporaries too); units are gathered onto the device.
+      optimizer steps on the host, its temporaries too), and the gradient shards accumulation
+      reduce-scatters in each micro-step; units are gathered onto the device (and, synced once a
+      step, so are their accumulated unsharded gradients).
     - DeepSpeed `offload_optimizer`: the fp32 master partition, Adam state and the fp32 gradient
       partition DeepSpeed reduces into; the half module (stages 1-2) or its partitions (stage 3)
       and the reduce bucket stay on the device. `offload_param` (stage 3) moves the partitions too.
@@ -225,8 +227,9 @@ def _host_keys(traits: StrategyTraits) -> Tuple[str, ...]:
         moved = ("master", "optimizer", "grad_fp32", "ds_offload_host_buffers") if traits.ds_offload_optimizer else ()
         return moved + (("params",) if traits.ds_offload_params else ())
     if traits.cpu_offload:
+        accumulated = ("accumulated_grads",) if traits.fsdp2_syncs_each_micro_step else ()
         return ("params", "grads", "backward_grads", "master", "optimizer", "grad_fp32", "step_grad_fp32",
-                "optimizer_step")
+                "optimizer_step") + accumulated
     return ()
 
 

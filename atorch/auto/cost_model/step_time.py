@@ -142,7 +142,8 @@ def _offload_seconds(traits: StrategyTraits, stage: float, passes: int, rates: M
     """Host <-> device copies and the host's optimizer step of CPU offload (0 where the host is the device).
 
     torch FSDP2's CPUOffloadPolicy: the parameter shard copied to the device for each pass's
-    gathers, its gradient shard back, the optimizer stepping on the host. DeepSpeed's
+    gathers, its gradient shard back after each reduce-scatter (every accumulation micro-step by
+    default), the optimizer stepping on the host. DeepSpeed's
     offload_optimizer: the gradient partition to the host, the updated half partition back, CPU
     Adam on the host; offload_param: the half parameter partition to the device for each gather.
     """
@@ -154,7 +155,8 @@ def _offload_seconds(traits: StrategyTraits, stage: float, passes: int, rates: M
     optimizer_rate = rates.get("host_optimizer_params_per_s", 0.0)
     step = trainable / optimizer_rate if optimizer_rate else 0.0
     if traits.cpu_offload:
-        copies = shard * traits.param_dtype_bytes * 2 * passes + trainable * 4
+        reductions = max(1, traits.accumulation_steps) if traits.fsdp2_syncs_each_micro_step else 1
+        copies = shard * traits.param_dtype_bytes * 2 * passes + trainable * 4 * reductions
         return copies / host_bw + step
     seconds = 0.0
     if traits.ds_offload_optimizer:
