@@ -160,10 +160,14 @@ def _step_outside_peak(tracker: Any, optim: torch.optim.Optimizer) -> None:
 
 
 def _accumulation_steps(strategy: List[Any]) -> int:
-    for item in strategy:
-        if isinstance(item, tuple) and item[0] == "gradient_accumulation":
-            return item[1] if isinstance(item[1], int) else item[1]["steps"]
-    return 1
+    """Micro-steps per step of `strategy`, as its `gradient_accumulation` config parses (1 without one)."""
+    from atorch.auto.opt_lib.base import get_optimization
+    from atorch.auto.strategy import Strategy
+
+    accumulation = get_optimization("gradient_accumulation")
+    configs = [accumulation.parse_config(item.config) for item in Strategy.from_any(strategy)
+               if item.name == accumulation.name]
+    return configs[0].steps if configs else 1
 
 
 def predict(row: Row, micro_batch: int, seq: int) -> Row:

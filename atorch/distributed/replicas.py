@@ -104,7 +104,10 @@ def _has_values(model: nn.Module) -> bool:
 
 @torch.no_grad()
 def _checksum_difference(model: nn.Module, group: Optional[dist.ProcessGroup], device: torch.device) -> Optional[str]:
-    """`first_difference` for ranks known to hold the same layout (the gathered tables have one size)."""
+    """`first_difference` for ranks known to hold the same layout (the gathered tables have one size); None
+    without values to compare (`_has_values`: every rank then returns before the gather)."""
+    if not _has_values(model):
+        return None
     names: List[str] = []
     stats = []
     for name, p in model.named_parameters():
@@ -167,8 +170,6 @@ def check_replicas_agree(model: nn.Module, group: Optional[dist.ProcessGroup], d
     if device is None:
         device = collective_device(group)
     check_layouts_agree(model, group, device, who)
-    if not _has_values(model):
-        return
     where = _checksum_difference(model, group, device)
     if where is not None:
         raise ValueError(f"{who}: the model's weights differ across ranks: {where}; {remedy}")

@@ -298,10 +298,15 @@ def _replicated_states(shape: ModelShape, traits: StrategyTraits, params: float,
     return out
 
 
+def _fsdp2_grad_dtype_bytes(traits: StrategyTraits) -> int:
+    """Bytes per element of FSDP2's gradients: MixedPrecisionPolicy(reduce_dtype=fp32) under amp (fp32 next
+    to the fp32 shards), else the parameters' dtype."""
+    return 4 if traits.autocast else traits.param_dtype_bytes
+
+
 def _fsdp2_states(shape: ModelShape, traits: StrategyTraits, params: float, trainable: float) -> Dict[str, float]:
     d, t, pbytes = traits.data, traits.tensor, traits.param_dtype_bytes
-    # MixedPrecisionPolicy(reduce_dtype=fp32) under amp: sharded gradients in fp32 next to fp32 shards.
-    gbytes = 4 if traits.autocast else pbytes
+    gbytes = _fsdp2_grad_dtype_bytes(traits)
     out = {"params": params * pbytes / d, "grads": trainable * gbytes / d,
            "optimizer": trainable * traits.optimizer.state_copies * pbytes / d}
     gathered_bytes = traits.compute_dtype_bytes if traits.compute_dtype_bytes < pbytes else pbytes
@@ -415,7 +420,7 @@ def _accumulated_grad_bytes(traits: StrategyTraits, trainable: float) -> float:
       boundary; stages 2-3 reduce every micro-step into the rank's partition.
     """
     if traits.sharding == "fsdp2":
-        grad_bytes = trainable * (4 if traits.autocast else traits.param_dtype_bytes)
+        grad_bytes = trainable * _fsdp2_grad_dtype_bytes(traits)
         return grad_bytes / traits.data if traits.fsdp2_syncs_each_micro_step else grad_bytes
     if traits.sharding == "deepspeed":
         if traits.ds_offload_optimizer and traits.zero_stage >= 1:

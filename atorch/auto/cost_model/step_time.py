@@ -117,12 +117,7 @@ def _communication(shape: ModelShape, traits: StrategyTraits, stage: float, toke
     if d > 1:
         ring = (d - 1) / d
         bw = _bandwidth(rates, d * t * p)     # data ranks lie outermost: the group spans the whole job
-        if traits.sharding == "deepspeed" and traits.zero_stage >= 2:
-            reductions = passes
-        elif traits.fsdp2_syncs_each_micro_step or (traits.sharding != "deepspeed" and traits.accumulation_sync):
-            reductions = max(1, traits.accumulation_steps)
-        else:
-            reductions = 1
+        reductions = _gradient_reductions(traits, passes)
         if traits.param_shard > 1:        # FSDP: all-gather forward, all-gather backward, reduce-scatter
             comm += (2 * passes + reductions) * ring * grad_bytes / bw
             collectives += (2 * passes + reductions) * layers
@@ -136,6 +131,17 @@ def _communication(shape: ModelShape, traits: StrategyTraits, stage: float, toke
         comm += 2 * act / _bandwidth(rates, t * p) * pipeline_bubble(traits)
         collectives += 2 * passes
     return comm, collectives
+
+
+def _gradient_reductions(traits: StrategyTraits, passes: int) -> int:
+    """Gradient reductions over the data ranks per step: DeepSpeed ZeRO-2/3 reduce every pass, torch FSDP2
+    every accumulation micro-step (unless `sync_each_micro_step=False`), DDP and torch ZeRO-1 once per
+    step (every micro-step with `sync_each_micro_step=True`)."""
+    if traits.sharding == "deepspeed" and traits.zero_stage >= 2:
+        return passes
+    if traits.fsdp2_syncs_each_micro_step or (traits.sharding != "deepspeed" and traits.accumulation_sync):
+        return max(1, traits.accumulation_steps)
+    return 1
 
 
 def _offload_seconds(traits: StrategyTraits, stage: float, passes: int, rates: Mapping[str, float]) -> float:
@@ -155,8 +161,7 @@ def _offload_seconds(traits: StrategyTraits, stage: float, passes: int, rates: M
     optimizer_rate = rates.get("host_optimizer_params_per_s", 0.0)
     step = trainable / optimizer_rate if optimizer_rate else 0.0
     if traits.cpu_offload:
-        reductions = max(1, traits.accumulation_steps) if traits.fsdp2_syncs_each_micro_step else 1
-        copies = shard * traits.param_dtype_bytes * 2 * passes + trainable * 4 * reductions
+        copies = shard * traits.param_dtype_bytes * 2 * passes + trainable * 4 * _gradient_reductions(traits, passes)
         return copies / host_bw + step
     seconds = 0.0
     if traits.ds_offload_optimizer:
