@@ -427,12 +427,59 @@ def _gather_state(handler: LayoutHandler, has_optimizer: bool
         tensors.update({OPTIM_PREFIX + k: v for k, v in optim_tensors.items()})
         # A sharded optimizer (ZeRO-1, pipeline stages) knows only its own parameters'
         # hyperparameters: merge all ranks'.
-        for values, groups in _all_gather((to_json_value(local_values, "optimizer"), handler.param_group_names())):
+        gathered = _all_gather((to_json_value(local_values, "optimizer"), handler.param_group_names()))
+        for values, _ in gathered:
             optim_values.update(values)
-            optim_groups += [[] for _ in range(len(groups) - len(optim_groups))]
-            for merged, names in zip(optim_groups, groups):
-                merged += [n for n in names if n not in merged]
+        optim_groups = merge_param_groups(gathered)
     return tensors, optim_values, optim_groups
+
+
+def merge_param_groups(per_rank: List[Tuple[Dict[str, Any], List[List[str]]]]) -> List[List[str]]:
+    """One list of parameter names per optimizer group, merged over the ranks' (values, groups): each rank's
+    flattened hyperparameters (`param_groups.<name>.<key>`) and the names in each of its groups.
+
+    Ranks with as many groups as each other are merged by index. A pipeline stage can have fewer: an
+    `optim_param_func` that leaves out a group with no parameter on this stage (the embedding's own learning
+    rate on a stage without the embedding; DeepSpeed refuses empty groups). By index, the later stages' groups
+    would then be merged into the wrong ones, and loading the checkpoint into another layout (one process, a
+    merge) refused as "grouped differently" a model grouped exactly as it was. So when the counts differ,
+    a group joins the merged group with the same hyperparameters (the first such one it has not joined yet);
+    a group whose hyperparameters no merged group has starts a new one."""
+    counts = {len(groups) for _, groups in per_rank}
+    merged: List[List[str]] = []
+    if len(counts) <= 1:
+        for _, groups in per_rank:
+            merged += [[] for _ in range(len(groups) - len(merged))]
+            for into, names in zip(merged, groups):
+                into += [n for n in names if n not in into]
+        return merged
+    settings: List[Optional[str]] = []     # each merged group's hyperparameters (JSON), None when unknown
+    for values, groups in per_rank:
+        joined: set = set()
+        for names in groups:
+            if not names:
+                continue                   # an empty group: nothing to record
+            key = _group_settings(values, names)
+            index = next((i for i, k in enumerate(settings) if key is not None and k == key and i not in joined),
+                         None)
+            if index is None:
+                merged.append([])
+                settings.append(key)
+                index = len(merged) - 1
+            joined.add(index)
+            merged[index] += [n for n in names if n not in merged[index]]
+    return merged
+
+
+def _group_settings(values: Dict[str, Any], names: List[str]) -> Optional[str]:
+    """A group's hyperparameters as JSON, from the first of its parameters that has them in `values`; None when
+    none has."""
+    for name in names:
+        prefix = f"param_groups.{name}."
+        found = {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}
+        if found:
+            return json.dumps(found, sort_keys=True, default=str)
+    return None
 
 
 def _write_rng_and_metadata(plan: _SavePlan, objs: TrainingObjects, handler: LayoutHandler,
@@ -906,7 +953,8 @@ def _optimizer_targets(load: _LoadTargets, handler: LayoutHandler, meta: Dict[st
                         "weights and start the optimizer fresh, or build the optimizer the checkpoint was saved with")
     # Every parameter's group hyperparameters, not only this rank's: a ZeroRedundancyOptimizer's group can
     # be empty on this rank and still needs its saved lr (see TorchHandler.load_optim_state).
-    load.optimizer_values = {k: v for k, v in saved_values.items() if k in local_values or k.startswith("param_groups.")}
+    load.optimizer_values = {k: v for k, v in saved_values.items()
+                             if k in local_values or k.startswith("param_groups.")}
     load.optimizer_values.update({k: local_values[k] for k in scheduler_keys})
     for group in ties:
         # A shared Parameter must be named once: torch's loader counts every name with hyperparameters.

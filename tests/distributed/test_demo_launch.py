@@ -41,7 +41,8 @@ def _run_demo(report_dir: Path) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "atorch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(find_free_port()), str(DEMO), "--steps", "5", "--report_dir", str(report_dir)]
     out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    assert out.returncode == 0, f"demo exited {out.returncode}\nstdout:\n{out.stdout[-4000:]}\nstderr:\n{out.stderr[-4000:]}"
+    assert out.returncode == 0, \
+        f"demo exited {out.returncode}\nstdout:\n{out.stdout[-4000:]}\nstderr:\n{out.stderr[-4000:]}"
     return out
 
 

@@ -350,3 +350,31 @@ def test_a_malformed_manifest_entry_is_shown(tmp_path):
     with pytest.raises(CheckpointError, match=r"must have an integer size and one checksum .*; it holds "
                                               r"\{'size': 'twelve', 'xxh3_128': '00'\}"):
         mf.Manifest.read(ckpt)
+
+
+def test_parameter_groups_merge_by_index_or_by_their_hyperparameters():
+    """Ranks with as many groups as each other merge by index (ZeRO-1 shards of the same groups). A pipeline
+    stage with fewer groups (one left out as empty there) joins each group to the one with its hyperparameters,
+    in order among equal ones, so the recorded grouping is the model's."""
+    from atorch.checkpoint.save_load import _param_group_problems, merge_param_groups
+
+    def values(groups):
+        return {f"param_groups.{n}.{k}": v for names, settings in groups for n in names for k, v in settings.items()}
+
+    emb, decay, no_decay = {"lr": 5.0, "weight_decay": 0.1}, {"lr": 1.0, "weight_decay": 0.1}, {"lr": 1.0,
+                                                                                              "weight_decay": 0.0}
+    stage0 = [(["embed"], emb), (["l0.w"], decay), (["l0.norm"], no_decay)]
+    stage1 = [(["l1.w", "head"], decay), (["l1.norm", "norm"], no_decay)]
+    ranks = [(values(s), [names for names, _ in s]) for s in (stage0, stage1)]
+    merged = merge_param_groups(ranks)
+    assert merged == [["embed"], ["l0.w", "l1.w", "head"], ["l0.norm", "l1.norm", "norm"]]
+    one_process = [["embed"], ["l0.w", "l1.w", "head"], ["l0.norm", "l1.norm", "norm"]]
+    assert _param_group_problems(one_process, merged) == []
+    assert _param_group_problems([["embed", "l0.w", "l1.w", "head"], ["l0.norm", "l1.norm", "norm"]], merged)
+    # Same counts: by index, whatever the hyperparameters (two shards of one optimizer's groups).
+    shards = [(values([(["a"], decay), (["b"], no_decay)]), [["a"], ["b"]]),
+              (values([(["c"], decay), ([], no_decay)]), [["c"], []])]
+    assert merge_param_groups(shards) == [["a", "c"], ["b"]]
+    # Two groups with equal hyperparameters on one stage stay two groups (in order) when counts differ.
+    twins = [(values([(["x"], decay), (["y"], decay)]), [["x"], ["y"]]), (values([(["z"], decay)]), [["z"]])]
+    assert merge_param_groups(twins) == [["x", "z"], ["y"]]
