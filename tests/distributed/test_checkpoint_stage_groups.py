@@ -6,7 +6,7 @@ parameter (DeepSpeed refuses empty groups): on a 2-stage pipeline, stage 0 then 
 were grouped together; merged by group index, stage 1's decay group joined stage 0's embedding group, and
 loading the checkpoint into one process grouped exactly like the pipeline was refused as "grouped
 differently". Here the one process loads it with the pipeline's hyperparameters per group and continues
-like the pipeline; an optimizer grouped otherwise is still refused.
+like the pipeline, the pipeline resumes from it exactly, and an optimizer grouped otherwise is still refused.
 """
 
 import os
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from atorch.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from atorch.testing import run_distributed, tiny_llama
+from atorch.testing import run_distributed, tiny_llama, tiny_llama_config
 from atorch.testing.parity import TokenDataset, global_batches
 
 pytestmark = pytest.mark.heavy
@@ -39,16 +39,18 @@ def _pipeline_saves(root: str) -> dict:
     from atorch.utils.meta_model_utils import record_module_init
     from transformers import LlamaForCausalLM
 
-    from atorch.testing import tiny_llama_config
+    def build():
+        with record_module_init():
+            model = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=LAYERS))
+        status, result, _ = auto_accelerate(model, optim_func=torch.optim.AdamW, optim_args={"lr": LR},
+                                            optim_param_func=stage_groups, dataset=TokenDataset(),
+                                            dataloader_args={"batch_size": BATCH},
+                                            load_strategy=[("parallel_mode", ([("pipeline", 2)], None)),
+                                                           ("pipeline_parallel", {"chunks": 2})])
+        assert status
+        return result
 
-    with record_module_init():
-        model = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=LAYERS))
-    status, result, _ = auto_accelerate(model, optim_func=torch.optim.AdamW, optim_args={"lr": LR},
-                                        optim_param_func=stage_groups, dataset=TokenDataset(),
-                                        dataloader_args={"batch_size": BATCH},
-                                        load_strategy=[("parallel_mode", ([("pipeline", 2)], None)),
-                                                       ("pipeline_parallel", {"chunks": 2})])
-    assert status
+    result = build()
     groups = len(result.optim.param_groups)
     loader, losses = iter(result.dataloader), []
     for step in range(STEPS):
@@ -57,7 +59,14 @@ def _pipeline_saves(root: str) -> dict:
         losses.append(float(train_step(result, next(loader))))
     del result
     dist.barrier()
-    return {"groups": groups, "losses": losses, "path": path}
+    # The same layout resumes from it (each stage's groups against the recorded ones).
+    result = build()
+    state = load_checkpoint(result, path)
+    loader = iter(state.dataloader)
+    resumed = [float(train_step(result, next(loader))) for _ in range(STEPS - SAVE_AT)]
+    del result, state
+    dist.barrier()
+    return {"groups": groups, "losses": losses, "resumed": resumed, "path": path}
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +76,8 @@ def runs(tmp_path_factory):
 
 def test_stages_with_different_group_counts_load_into_one_process_grouped_the_same(runs):
     assert [r["groups"] for r in runs] == [3, 2]        # the embedding's group exists on stage 0 only
+    for r in runs:
+        assert r["resumed"] == r["losses"][SAVE_AT:], r   # the pipeline itself resumes exactly
     path = runs[0]["path"]
     model = tiny_llama(seed=5, num_hidden_layers=LAYERS)
     optim = torch.optim.AdamW(stage_groups(model), lr=LR)
