@@ -16,16 +16,33 @@ from torch import nn
 def find_transformer_block_classes(model: nn.Module) -> List[Type[nn.Module]]:
     """The classes of the repeated transformer blocks of `model` (e.g. `LlamaDecoderLayer`).
 
-    Hugging Face models name them in `_no_split_modules` (the unit they never split over
-    devices, which is exactly one block); only names that match a submodule class are kept.
-    Other models: the class of the children of the largest `nn.ModuleList` whose children
-    all share one class (the layer stack). Returns [] when neither applies.
+    Hugging Face models name them in `_no_split_modules` (the units they never split over
+    devices); only names that match a submodule class are kept, and of those only classes that
+    stand in a layer stack (an element of an `nn.ModuleList` or `nn.Sequential`). Encoders also
+    name their embeddings there (BERT: `BertEmbeddings`, `BertLayer`): taken as a block, the
+    embedding became an FSDP unit of its own, which a tied MLM head (in the root unit) cannot
+    share ("shared with a parameter already managed by another FSDP group"), and the activation
+    probe measured the embedding as "the first block". Other models, and those whose named
+    classes are all outside a stack: the class of the children of the largest `nn.ModuleList`
+    whose children all share one class (the layer stack); failing that, the named classes as
+    they are. Returns [] when nothing applies.
     """
     classes = _classes_from_no_split_modules(model)
-    if classes:
-        return classes
+    stacked = _in_a_layer_stack(model, classes)
+    if stacked:
+        return stacked
     block = _class_of_largest_uniform_module_list(model)
-    return [block] if block is not None else []
+    if block is not None:
+        return [block]
+    return classes
+
+
+def _in_a_layer_stack(model: nn.Module, classes: Sequence[Type[nn.Module]]) -> List[Type[nn.Module]]:
+    """Those of `classes` (in their order) with an instance that is an element of an `nn.ModuleList` or
+    `nn.Sequential`."""
+    stacked = {type(child) for module in model.modules() if isinstance(module, (nn.ModuleList, nn.Sequential))
+               for child in module.children()}
+    return [cls for cls in classes if cls in stacked]
 
 
 def _classes_from_no_split_modules(model: nn.Module) -> List[Type[nn.Module]]:

@@ -188,6 +188,28 @@ def check_no_parameter_spans_blocks(model: nn.Module, blocks: Sequence[nn.Module
                 f"{names.get(id(block))!r}; FSDP2 shards each block as a unit of its own and cannot shard one "
                 "parameter in two. Use ddp, zero1, or use_ds_zero=True (DeepSpeed ZeRO), or pass wrap_cls naming a "
                 "module that holds every block sharing it")
+    _check_no_block_shares_with_the_root(model, blocks, who)
+
+
+def _check_no_block_shares_with_the_root(model: nn.Module, blocks: Sequence[nn.Module], who: str) -> None:
+    """ValueError naming a parameter that one of `blocks` shares with a module outside every block (a tied
+    embedding and head where the embedding is a block: the root unit holds the head). torch's own error came
+    from inside the root's `fully_shard`, after the blocks were sharded ("shared with a parameter already
+    managed by another FSDP group")."""
+    inside = {id(m) for block in blocks for m in block.modules()}
+    outside = {id(p): n for n, m in model.named_modules() if id(m) not in inside
+               for p in m.parameters(recurse=False)}
+    if not outside:
+        return
+    for block in blocks:
+        for name, p in block.named_parameters():
+            if id(p) in outside:
+                block_name = next(n for n, m in model.named_modules() if m is block)
+                raise ValueError(
+                    f"{who}: parameter {block_name + '.' + name!r} of the wrapped block {block_name!r} "
+                    f"({type(block).__name__}) is also used by {outside[id(p)] or type(model).__name__!r}, outside "
+                    "every wrapped block (a tied embedding and head?); FSDP2 cannot shard one parameter in two units. "
+                    f"Pass wrap_cls without {type(block).__name__}, or use ddp, zero1 or use_ds_zero=True")
 
 
 def shard_with_fsdp2(ctx: ModelContext, who: str, *, wrap_cls: Optional[Sequence[ClassSpec]],
@@ -229,6 +251,7 @@ def shard_with_fsdp2(ctx: ModelContext, who: str, *, wrap_cls: Optional[Sequence
     if not blocks:
         logger.warning("%s: no transformer block found (pass wrap_cls); the whole model is one FSDP unit, so its "
                        "parameters are all-gathered at once", who)
+    wrapped = sorted({type(b).__name__ for b in blocks})   # before fully_shard renames them (FSDPLlamaDecoderLayer)
     # Children first: a nested block must own its parameters before an enclosing unit is made.
     for block in reversed(blocks):
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
@@ -236,7 +259,7 @@ def shard_with_fsdp2(ctx: ModelContext, who: str, *, wrap_cls: Optional[Sequence
     # (the LM head), so resharding it would only add an all-gather.
     fully_shard(model, reshard_after_forward=False, **kwargs)
     ctx.is_sharded = True
-    return {"backend": "torch_fsdp2", "wrapped_classes": sorted({type(b).__name__ for b in blocks}),
+    return {"backend": "torch_fsdp2", "wrapped_classes": wrapped,
             "units": len(blocks) + 1, "reshard_after_forward": reshard_after_forward,
             "mixed_precision": dtype_name(ctx.autocast_dtype) if ctx.autocast_dtype is not None else None,
             "cpu_offload": cpu_offload}
