@@ -531,3 +531,29 @@ def test_auto_search_predicts_with_a_cost_model_that_learns_from_its_dry_runs():
     predictor.observe(amp, 3 * before_amp)
     predictor.observe(plain, 3 * before_plain)
     assert predictor(amp).step_time_s > 2 * before_amp and predictor(plain).step_time_s > 2 * before_plain
+
+
+def test_a_model_the_cost_model_cannot_describe_is_searched_on_dry_runs_alone(caplog):
+    """Mamba's config has no attention heads, so the cost model has no formula for it: the automatic mode
+    failed outright ("MambaConfig has none of ['num_attention_heads', 'n_head']"). Now the search runs without
+    predictions (said once), as benchmarks/search.py's `none` predictor. A vision config without a vocabulary
+    (ViT) is described: no token embedding."""
+    import logging
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageClassification
+
+    from atorch.auto.cost_model import shape_of
+    from atorch.auto.search.auto_search import make_predictor
+
+    mamba = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "mamba", vocab_size=100, hidden_size=32, num_hidden_layers=2, state_size=4, expand=2))
+    with caplog.at_level(logging.WARNING, logger="atorch.auto.search.auto_search"):
+        assert make_predictor(mamba, 8, 16, 2, torch.device("cpu")) is None
+    assert "the cost model cannot describe MambaForCausalLM" in caplog.text and "num_attention_heads" in caplog.text
+    vit = AutoModelForImageClassification.from_config(AutoConfig.for_model(
+        "vit", image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, num_labels=4))
+    shape = shape_of(vit)
+    assert shape.vocab_size == 0 and shape.num_layers == 2 and shape.hidden_size == 32
+    assert make_predictor(vit, 8, 1, 2, torch.device("cpu")) is not None

@@ -140,7 +140,7 @@ def _formula_shape(config: Any) -> ModelShape:
     h = _config_int(config, ("hidden_size", "n_embd", "d_model"))
     layers = _config_int(config, ("num_hidden_layers", "n_layer", "num_layers"))
     heads = _config_int(config, ("num_attention_heads", "n_head"))
-    vocab = _config_int(config, ("vocab_size",))
+    vocab = _config_int(config, ("vocab_size",), default=0)   # 0: no token embedding (ViT, an audio encoder)
     ffn = _config_int(config, _FFN_NAMES, default=4 * h) or 4 * h
     kv_heads = _config_int(config, ("num_key_value_heads", "num_kv_heads"), default=heads) or heads
     if _config_attr(config, "multi_query", False) is True and \

@@ -213,7 +213,8 @@ def _write_report_or_warn(result: SearchResult, directory: str, plot_name: str) 
 
 
 def _search_or_confirm(space: SearchSpace, evaluate: Callable[[Strategy], DryRunResult],
-                       cache: Optional[SearchCache], settings: SearchSettings, predictor: Callable[[Strategy], Any],
+                       cache: Optional[SearchCache], settings: SearchSettings,
+                       predictor: Optional[Callable[[Strategy], Any]],
                        memory_limit: int, batch_size: int, limit_source: str = "") -> SearchResult:
     """Rank 0: one confirming dry run of the cached winner if there is one, else the search.
 
@@ -379,8 +380,8 @@ def _records(frame: pd.DataFrame) -> list:
     return json.loads(frame.to_json(orient="records")) if len(frame) else []
 
 
-def make_predictor(model: Any, batch_size: int, seq_len: int, world_size: int,
-                   device: torch.device, optimizer: Optional[OptimizerStates] = None) -> Callable[[Strategy], Any]:
+def make_predictor(model: Any, batch_size: int, seq_len: int, world_size: int, device: torch.device,
+                   optimizer: Optional[OptimizerStates] = None) -> Optional[Callable[[Strategy], Any]]:
     """The cost model bound to this run's model shape, batch and world (gradient accumulation
     included), refitted on every dry run of the search (`LearningPredictor`: per-option
     corrections learned from the candidates that ran move the ranking of those that have not;
@@ -390,8 +391,16 @@ def make_predictor(model: Any, batch_size: int, seq_len: int, world_size: int,
     per parameter (Adam's by default)."""
     from atorch.auto.calibration import LearningPredictor, cost_model_predictor
 
-    return LearningPredictor(cost_model_predictor(model, batch_size, seq_len, world_size, device,
-                                                  optimizer=optimizer))
+    try:
+        predictor = cost_model_predictor(model, batch_size, seq_len, world_size, device, optimizer=optimizer)
+    except ValueError as e:
+        # A layout the cost model has no formula for (a config without attention heads, as Mamba's): the search
+        # still runs, on measurements alone (the `none` predictor of benchmarks/search.py), and learns memory
+        # from the measured peaks. The same on every rank: the shape is read from the same model and config.
+        logger.warning("the cost model cannot describe %s (%s): the search runs without its predictions, on dry "
+                       "runs alone", type(model).__name__, e)
+        return None
+    return LearningPredictor(predictor)
 
 
 def infer_seq_len(dataset: Any) -> int:
