@@ -77,11 +77,16 @@ def _inferred_format(model: Any, batch: Any) -> str:
 
 
 def _forward_of(model: Any) -> Callable:
-    """The user's forward under atorch's wrappers (DDP, DeepSpeed engines keep the module as `.module`)."""
+    """The user's forward under atorch's wrappers: DDP and DeepSpeed engines keep the module as `.module`, and
+    `lora`'s peft `PeftModel` forwards `(*args, **kwargs)` to the model `get_base_model()` returns (its own
+    signature names nothing, so a Hugging Face batch looked like keys the forward does not take)."""
     inner = model
-    for _ in range(4):
+    for _ in range(6):
         wrapped = getattr(inner, "module", None)
         if not isinstance(wrapped, nn.Module):
+            base = getattr(inner, "get_base_model", None)
+            wrapped = base() if callable(base) else None
+        if not isinstance(wrapped, nn.Module) or wrapped is inner:
             break
         inner = wrapped
     return getattr(inner, "forward", inner)

@@ -61,3 +61,28 @@ def test_hugging_face_dict_batches_train_with_the_default_format():
     assert status
     losses = [float(train_step(result, batch)) for batch in result.dataloader]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_a_dict_batch_reaches_the_model_under_lora_s_peft_wrapper():
+    """`lora` wraps the model in peft's `PeftModel`, whose forward is `(*args, **kwargs)`: the default format
+    looked at that signature (under DDP's `.module`), saw no parameter named input_ids or labels and refused a
+    Hugging Face batch ("not all parameters of DistributedDataParallel.forward (['args', 'kwargs'])"). The
+    forward inferred from is the base model's (`get_base_model()`)."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(tiny_llama(), LoraConfig(r=2, target_modules=["q_proj"]))
+    assert type(peft_model).__name__ == "PeftModel"
+
+    class Wrapper(nn.Module):   # as DDP keeps it
+        def __init__(self, module: nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    batch = {"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.zeros(2, 8, dtype=torch.long)}
+    assert infer_input_format(Wrapper(peft_model), batch) == "unpack_dict"
+    assert infer_input_format(peft_model, batch) == "unpack_dict"
+    with pytest.raises(ValueError, match="model_input_format=None: the batch is a dict with keys"):
+        infer_input_format(Wrapper(peft_model), {"pixels": torch.zeros(2)})
