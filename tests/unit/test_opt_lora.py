@@ -197,3 +197,27 @@ def test_an_adapted_layer_that_does_not_run_in_the_first_forward_is_warned_about
     assert "['base_model.model.skipped']" in caplog.text
     assert not any(m._forward_hooks for m in model.modules())
     copy.deepcopy(model)
+
+
+def test_a_frozen_task_head_without_an_adapter_is_warned_about(caplog):
+    """LoRA freezes the base model, the task head included: a classifier head new for the task (random, as
+    from_pretrained adds it for fine-tuning) would never train. Warned, naming the head and the remedy; not
+    when the head has an adapter, nor for a model without such a head."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    def bert_classifier():
+        torch.manual_seed(0)
+        return AutoModelForSequenceClassification.from_config(AutoConfig.for_model(
+            "bert", vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=64, num_labels=3))
+
+    with caplog.at_level(logging.WARNING, logger="atorch.auto.opt_lib.lora"):
+        _apply(bert_classifier())
+    assert "lora: the task head 'base_model.model.classifier' (Linear) has no adapter and stays frozen" in caplog.text
+    assert "add 'classifier' to target_modules" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="atorch.auto.opt_lib.lora"):
+        ctx = _apply(bert_classifier(), {"target_modules": ["query", "value", "classifier"]})
+        _apply(tiny_llama())
+    assert "task head" not in caplog.text
+    assert any(p.requires_grad for n, p in ctx.model.named_parameters() if "classifier" in n)

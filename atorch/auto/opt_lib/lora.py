@@ -186,6 +186,25 @@ def add_lora_adapters(model: nn.Module, config: LoraConfig, model_config: Any = 
     return peft_model
 
 
+# transformers' task heads (sequence / token classification, question answering) under the model's own root.
+TASK_HEAD_NAMES = ("classifier", "score", "qa_outputs")
+
+
+def _warn_frozen_task_heads(model: nn.Module) -> None:
+    """Warn about a task head (`TASK_HEAD_NAMES`) with no adapter and nothing trainable: LoRA freezes it with the
+    base model, so it keeps the weights it was loaded with, and a head new for this task (what from_pretrained
+    adds for fine-tuning a classifier: random) never trains. peft's `modules_to_save` is not offered here."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] not in TASK_HEAD_NAMES or name.count(".") > 2:   # base_model.model.<head>
+            continue
+        params = list(module.parameters())
+        if not params or any(p.requires_grad for p in params):
+            continue
+        logger.warning("lora: the task head %r (%s) has no adapter and stays frozen with the base model: it keeps "
+                       "the weights it was loaded with, so a head new for this task never trains; add %r to "
+                       "target_modules to adapt it", name, type(module).__name__, name.rsplit(".", 1)[-1])
+
+
 class _UncalledAdapterCheck:
     """Forward hooks until the model's first forward, then a warning naming the adapted layers that did not run
     in it: their adapters got no gradient (a layer whose parent never calls it trains nothing). Plain objects,
@@ -303,6 +322,7 @@ class LoraOptimization(Optimization):
             ctx.model = add_lora_adapters(ctx.model, config, getattr(ctx.model, "config", None) or ctx.model_config,
                                           on_stage=isinstance(ctx.model, PipelineStageModule))
             adapted = sorted(cast(Any, ctx.model).peft_config["default"].target_modules)  # a peft PeftModel now
+        _warn_frozen_task_heads(ctx.model)
         trainable = sum(p.numel() for p in ctx.model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in ctx.model.parameters())
         summary: Dict[str, Any] = {"trainable_params": trainable, "total_params": total,
