@@ -22,25 +22,23 @@ def find_transformer_block_classes(model: nn.Module) -> List[Type[nn.Module]]:
     name their embeddings there (BERT: `BertEmbeddings`, `BertLayer`): taken as a block, the
     embedding became an FSDP unit of its own, which a tied MLM head (in the root unit) cannot
     share ("shared with a parameter already managed by another FSDP group"), and the activation
-    probe measured the embedding as "the first block". Other models, and those whose named
-    classes are all outside a stack: the class of the children of the largest `nn.ModuleList`
-    whose children all share one class (the layer stack); failing that, the named classes as
-    they are. Returns [] when nothing applies.
+    probe measured the embedding as "the first block". Named classes none of which stands in a
+    stack are kept as they are. Models naming none: the class of the children of the largest
+    `nn.ModuleList` whose children all share one class (the layer stack). Returns [] when
+    neither applies.
     """
     classes = _classes_from_no_split_modules(model)
-    stacked = _in_a_layer_stack(model, classes)
-    if stacked:
-        return stacked
+    if classes:
+        return _in_a_layer_stack(model, classes) or classes
     block = _class_of_largest_uniform_module_list(model)
-    if block is not None:
-        return [block]
-    return classes
+    return [block] if block is not None else []
 
 
 def _in_a_layer_stack(model: nn.Module, classes: Sequence[Type[nn.Module]]) -> List[Type[nn.Module]]:
-    """Those of `classes` (in their order) with an instance that is an element of an `nn.ModuleList` or
-    `nn.Sequential`."""
-    stacked = {type(child) for module in model.modules() if isinstance(module, (nn.ModuleList, nn.Sequential))
+    """Those of `classes` (in their order) with an instance that is an element of an `nn.ModuleList`,
+    `nn.Sequential` or `nn.ModuleDict`."""
+    containers = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+    stacked = {type(child) for module in model.modules() if isinstance(module, containers)
                for child in module.children()}
     return [cls for cls in classes if cls in stacked]
 

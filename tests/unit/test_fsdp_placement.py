@@ -66,8 +66,8 @@ def test_an_encoder_s_embedding_is_not_a_block():
     """BERT-family encoders name their embeddings in `_no_split_modules` with their layers. As a block the
     embedding became an FSDP unit of its own, and the tied MLM head in the root unit made `fully_shard` fail
     (the automatic search's zero2/fsdp candidates raised on BERT); the activation probe measured it as the
-    first block. Blocks are the named classes that stand in a layer stack; a model naming none that does
-    (ViLT: its embeddings and an attention inside a layer) gets its layer stack's class."""
+    first block. Blocks are the named classes that stand in a layer stack (a model naming none that does keeps
+    what it names: ViLT's embeddings and an attention inside a layer)."""
     from transformers import AutoConfig, AutoModel, AutoModelForImageClassification
 
     from atorch.auto.opt_lib._sharding import check_no_parameter_spans_blocks
@@ -83,7 +83,7 @@ def test_an_encoder_s_embedding_is_not_a_block():
     vilt = AutoModel.from_config(AutoConfig.for_model(
         "vilt", vocab_size=100, max_position_embeddings=64, image_size=32, patch_size=8, hidden_size=32,
         num_hidden_layers=2, num_attention_heads=4, intermediate_size=64))
-    assert [c.__name__ for c in find_transformer_block_classes(vilt)] == ["ViltLayer"]
+    assert [c.__name__ for c in find_transformer_block_classes(vilt)] == ["ViltEmbeddings", "ViltSelfAttention"]
 
 
 def test_a_block_sharing_a_parameter_with_the_root_is_refused_naming_both():
