@@ -24,7 +24,7 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -455,7 +455,7 @@ def merge_param_groups(per_rank: List[Tuple[Dict[str, Any], List[List[str]]]]) -
         return merged
     settings: List[Optional[str]] = []     # each merged group's hyperparameters (JSON), None when unknown
     for values, groups in per_rank:
-        joined: set = set()
+        joined: Set[int] = set()          # merged groups this rank's groups have joined
         for names in groups:
             if not names:
                 continue                   # an empty group: nothing to record

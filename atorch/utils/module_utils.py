@@ -18,7 +18,7 @@ def find_transformer_block_classes(model: nn.Module) -> List[Type[nn.Module]]:
 
     Hugging Face models name them in `_no_split_modules` (the units they never split over
     devices); only names that match a submodule class are kept, and of those only classes that
-    stand in a layer stack (an element of an `nn.ModuleList` or `nn.Sequential`). Encoders also
+    stand in a layer stack (an element of an `nn.ModuleList`, `nn.Sequential` or `nn.ModuleDict`). Encoders also
     name their embeddings there (BERT: `BertEmbeddings`, `BertLayer`): taken as a block, the
     embedding became an FSDP unit of its own, which a tied MLM head (in the root unit) cannot
     share ("shared with a parameter already managed by another FSDP group"), and the activation
