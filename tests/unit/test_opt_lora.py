@@ -211,8 +211,13 @@ def test_a_frozen_task_head_without_an_adapter_is_warned_about(caplog):
             "bert", vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
             max_position_embeddings=64, num_labels=3))
 
+    from atorch.auto.opt_lib import lora
+
+    lora._WARNED_HEADS.clear()
     with caplog.at_level(logging.WARNING, logger="atorch.auto.opt_lib.lora"):
         _apply(bert_classifier())
+        _apply(bert_classifier())            # once per model class and head: a search applies lora per dry run
+    assert caplog.text.count("has no adapter and stays frozen") == 1
     assert "lora: the task head 'base_model.model.classifier' (Linear) has no adapter and stays frozen" in caplog.text
     assert "add 'classifier' to target_modules" in caplog.text
     caplog.clear()

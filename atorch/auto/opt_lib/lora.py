@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, cast
+from typing import Any, Dict, List, Optional, Set, Tuple, cast
 
 import torch
 from torch import nn
@@ -188,6 +188,8 @@ def add_lora_adapters(model: nn.Module, config: LoraConfig, model_config: Any = 
 
 # transformers' task heads (sequence / token classification, question answering) under the model's own root.
 TASK_HEAD_NAMES = ("classifier", "score", "qa_outputs")
+# (model class, head) pairs already warned about: the automatic search applies lora once per dry run.
+_WARNED_HEADS: Set[Tuple[str, str]] = set()
 
 
 def _warn_frozen_task_heads(model: nn.Module) -> None:
@@ -198,8 +200,12 @@ def _warn_frozen_task_heads(model: nn.Module) -> None:
         if name.rsplit(".", 1)[-1] not in TASK_HEAD_NAMES or name.count(".") > 2:   # base_model.model.<head>
             continue
         params = list(module.parameters())
-        if not params or any(p.requires_grad for p in params):
+        get_base = getattr(model, "get_base_model", None)   # peft's PeftModel
+        base = get_base() if callable(get_base) else model
+        key = (type(base).__name__, name)
+        if not params or any(p.requires_grad for p in params) or key in _WARNED_HEADS:
             continue
+        _WARNED_HEADS.add(key)
         logger.warning("lora: the task head %r (%s) has no adapter and stays frozen with the base model: it keeps "
                        "the weights it was loaded with, so a head new for this task never trains; add %r to "
                        "target_modules to adapt it", name, type(module).__name__, name.rsplit(".", 1)[-1])
