@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 # The size the bundled tokenizer was trained to (scripts/train_tokenizer.py); the small corpus filled only 845 entries
 # (ids 0..844), so every id it produces fits; the tokenizer never produces ids 845..1023.
@@ -34,6 +34,22 @@ def tiny_gpt2_config(n_layer: int = 2, **overrides) -> GPT2Config:
     config = GPT2Config(**kwargs)
     config._attn_implementation = overrides.get("attn_implementation", "eager")
     return config
+
+
+def tiny_bert_config(num_hidden_layers: int = 2, **overrides) -> BertConfig:
+    """An encoder whose masked-LM head is tied to its word embedding (BERT names its embedding in
+    `_no_split_modules` next to its layers), without dropout so that runs compare exactly."""
+    kwargs: Dict[str, Any] = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=num_hidden_layers, num_attention_heads=4,
+                                  max_position_embeddings=256, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    kwargs.update(overrides)
+    return BertConfig(**kwargs)
+
+
+def tiny_bert_mlm(seed: int = 0, **overrides) -> BertForMaskedLM:
+    torch.manual_seed(seed)
+    return BertForMaskedLM(tiny_bert_config(**overrides))
 
 
 def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:

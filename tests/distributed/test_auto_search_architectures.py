@@ -15,7 +15,7 @@ from typing import Any, Dict
 import pytest
 import torch
 
-from atorch.testing import run_distributed
+from atorch.testing import run_distributed, tiny_bert_mlm
 
 pytestmark = [pytest.mark.distributed, pytest.mark.heavy]
 
@@ -42,7 +42,7 @@ class Samples(torch.utils.data.Dataset):
 
 
 def _model(kind: str) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageClassification, AutoModelForMaskedLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageClassification
 
     torch.manual_seed(0)
     if kind == "mamba":
@@ -52,9 +52,7 @@ def _model(kind: str) -> torch.nn.Module:
         return AutoModelForImageClassification.from_config(AutoConfig.for_model(
             "vit", image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
             intermediate_size=64, num_labels=4))
-    return AutoModelForMaskedLM.from_config(AutoConfig.for_model(
-        "bert", vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=64))
+    return tiny_bert_mlm()
 
 
 def _search(kinds) -> Dict[str, Any]:

@@ -14,23 +14,14 @@ from typing import Any, Dict, List
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, AutoModelForMaskedLM
 
-from atorch.testing import run_distributed
+from atorch.testing import run_distributed, tiny_bert_mlm
 from atorch.testing.parity import TokenDataset, assert_close_losses, global_batches, reference_losses
 
 pytestmark = pytest.mark.distributed
 
-STEPS, BATCH, LR, REL, WORLD, VOCAB = 3, 4, 1e-3, 1e-5, 2, 128
+STEPS, BATCH, LR, REL, WORLD = 3, 4, 1e-3, 1e-5, 2
 STRATEGIES = {"fsdp": ["parallel_mode", "fsdp", "checkpoint"], "zero2": ["parallel_mode", "zero2", "checkpoint"]}
-
-
-def _bert() -> torch.nn.Module:
-    config = AutoConfig.for_model("bert", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
-                                  num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
-                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    torch.manual_seed(0)
-    return AutoModelForMaskedLM.from_config(config)
 
 
 def _job() -> Dict[str, Any]:
@@ -38,8 +29,8 @@ def _job() -> Dict[str, Any]:
 
     out: Dict[str, Any] = {}
     for name, strategy in STRATEGIES.items():
-        status, result, _ = auto_accelerate(_bert(), optim_func=torch.optim.AdamW, optim_args={"lr": LR},
-                                            dataset=TokenDataset(n=STEPS * BATCH, vocab_size=VOCAB),
+        status, result, _ = auto_accelerate(tiny_bert_mlm(), optim_func=torch.optim.AdamW, optim_args={"lr": LR},
+                                            dataset=TokenDataset(n=STEPS * BATCH),
                                             dataloader_args={"batch_size": BATCH}, load_strategy=strategy,
                                             ignore_dryrun_on_load_strategy=True)
         assert status, name
@@ -65,7 +56,7 @@ def runs():
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_bert_with_a_tied_head_shards_and_trains_like_one_process(runs, name):
-    expected = reference_losses(_bert(), global_batches(TokenDataset(n=STEPS * BATCH, vocab_size=VOCAB), BATCH, STEPS),
+    expected = reference_losses(tiny_bert_mlm(), global_batches(TokenDataset(n=STEPS * BATCH), BATCH, STEPS),
                                 lr=LR)
     for rank_out in runs:
         got = rank_out[name]

@@ -54,14 +54,6 @@ def test_a_parameter_two_blocks_share_is_refused_naming_it_before_any_collective
     check_no_parameter_spans_blocks(nn.Sequential(outer), [outer, first], "fsdp")
 
 
-def _tiny_bert_mlm():
-    from transformers import AutoConfig, AutoModelForMaskedLM
-
-    return AutoModelForMaskedLM.from_config(AutoConfig.for_model(
-        "bert", vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=64))
-
-
 def test_an_encoder_s_embedding_is_not_a_block():
     """BERT-family encoders name their embeddings in `_no_split_modules` with their layers. As a block the
     embedding became an FSDP unit of its own, and the tied MLM head in the root unit made `fully_shard` fail
@@ -71,9 +63,10 @@ def test_an_encoder_s_embedding_is_not_a_block():
     from transformers import AutoConfig, AutoModel, AutoModelForImageClassification
 
     from atorch.auto.opt_lib._sharding import check_no_parameter_spans_blocks
+    from atorch.testing import tiny_bert_mlm
     from atorch.utils.module_utils import find_transformer_block_classes, modules_of_classes
 
-    bert = _tiny_bert_mlm()
+    bert = tiny_bert_mlm()
     assert [c.__name__ for c in find_transformer_block_classes(bert)] == ["BertLayer"]
     check_no_parameter_spans_blocks(bert, modules_of_classes(bert, find_transformer_block_classes(bert)), "fsdp")
     vit = AutoModelForImageClassification.from_config(AutoConfig.for_model(
@@ -92,9 +85,10 @@ def test_a_block_sharing_a_parameter_with_the_root_is_refused_naming_both():
     import pytest
 
     from atorch.auto.opt_lib._sharding import check_no_parameter_spans_blocks
+    from atorch.testing import tiny_bert_mlm
     from atorch.utils.module_utils import modules_of_classes, resolve_module_classes
 
-    bert = _tiny_bert_mlm()
+    bert = tiny_bert_mlm()
     blocks = modules_of_classes(bert, resolve_module_classes(bert, ["BertEmbeddings", "BertLayer"]))
     with pytest.raises(ValueError, match=r"zero2: parameter 'bert\.embeddings\.word_embeddings\.weight' of the wrapped "
                                          r"block 'bert\.embeddings' \(BertEmbeddings\) is also used by "

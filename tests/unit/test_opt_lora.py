@@ -203,13 +203,13 @@ def test_a_frozen_task_head_without_an_adapter_is_warned_about(caplog):
     """LoRA freezes the base model, the task head included: a classifier head new for the task (random, as
     from_pretrained adds it for fine-tuning) would never train. Warned, naming the head and the remedy; not
     when the head has an adapter, nor for a model without such a head."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers import BertForSequenceClassification
+
+    from atorch.testing import tiny_bert_config
 
     def bert_classifier():
         torch.manual_seed(0)
-        return AutoModelForSequenceClassification.from_config(AutoConfig.for_model(
-            "bert", vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-            max_position_embeddings=64, num_labels=3))
+        return BertForSequenceClassification(tiny_bert_config(num_labels=3))
 
     from atorch.auto.opt_lib import lora
 
