@@ -196,19 +196,20 @@ def _warn_frozen_task_heads(model: nn.Module) -> None:
     """Warn about a task head (`TASK_HEAD_NAMES`) with no adapter and nothing trainable: LoRA freezes it with the
     base model, so it keeps the weights it was loaded with, and a head new for this task (what from_pretrained
     adds for fine-tuning a classifier: random) never trains. peft's `modules_to_save` is not offered here."""
+    get_base = getattr(model, "get_base_model", None)   # peft's PeftModel
+    model_class = type(get_base() if callable(get_base) else model).__name__
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] not in TASK_HEAD_NAMES or name.count(".") > 2:   # base_model.model.<head>
+        head = name.rsplit(".", 1)[-1]
+        if head not in TASK_HEAD_NAMES or name.count(".") > 2:   # base_model.model.<head>
             continue
         params = list(module.parameters())
-        get_base = getattr(model, "get_base_model", None)   # peft's PeftModel
-        base = get_base() if callable(get_base) else model
-        key = (type(base).__name__, name)
+        key = (model_class, name)
         if not params or any(p.requires_grad for p in params) or key in _WARNED_HEADS:
             continue
         _WARNED_HEADS.add(key)
         logger.warning("lora: the task head %r (%s) has no adapter and stays frozen with the base model: it keeps "
                        "the weights it was loaded with, so a head new for this task never trains; add %r to "
-                       "target_modules to adapt it", name, type(module).__name__, name.rsplit(".", 1)[-1])
+                       "target_modules to adapt it", name, type(module).__name__, head)
 
 
 class _UncalledAdapterCheck:
