@@ -3,9 +3,10 @@
 One spawn builds every backend through `auto_accelerate` (DDP, half, torch ZeRO-1, FSDP2
 with and without resharding, FSDP2 mixed precision, FSDP2 CPU offload, DeepSpeed ZeRO 1/2/3
 in bf16, DeepSpeed's optimizer offload (ZeRO-2) and optimizer + parameter offload (ZeRO-3)
-with its CPU Adam, LoRA, tensor parallel, the native pipeline) and measures, right after the second
-backward pass (optimizer state allocated, gradients present, activations freed), the bytes a
-rank holds with the storage accounting of `PeakMemoryTracker.live_bytes` (a TorchDispatchMode
+with its CPU Adam, LoRA (with and without a head trained whole), tensor parallel, the native
+pipeline) and measures, right after the second backward pass (optimizer state allocated,
+gradients present, activations freed), the bytes a rank holds with the storage accounting of
+`PeakMemoryTracker.live_bytes` (a TorchDispatchMode
 over torch's tensor storages): every tensor storage created since before the model was built
 and still alive (storages FSDP2 frees by resizing them to 0 count as freed) -- parameters,
 gradients, optimizer state, DeepSpeed's flat buffers and master partitions, DDP's buckets (which
@@ -66,6 +67,11 @@ BACKENDS: Dict[str, List[Any]] = {
         "zero_optimization": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}})],
     "lora+ddp": ["parallel_mode", "lora"],
     "lora+fsdp2": ["parallel_mode", "lora", "fsdp"],
+    # modules_to_save: peft trains a copy of the LM head whole (gradients, Adam state) beside the frozen one.
+    "lora+ddp, lm_head saved": ["parallel_mode", ("lora", {"modules_to_save": ["lm_head"]})],
+    "lora+fsdp2, lm_head saved": ["parallel_mode", ("lora", {"modules_to_save": ["lm_head"]}), "fsdp"],
+    "lora+deepspeed zero2 bf16, lm_head saved": ["amp_native", ("lora", {"modules_to_save": ["lm_head"]}),
+                                                 ("zero2", {"use_ds_zero": True})],
     # Wider blocks and few tokens, so the parameters decide the peak: backward reduces only the
     # adapters' gradients, and the last block's all-gather in forward is the largest moment.
     "lora+fsdp2, hidden 256, 2 x 8 tokens": ["parallel_mode", "lora", "fsdp"],

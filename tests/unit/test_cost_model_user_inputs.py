@@ -197,6 +197,32 @@ def test_lora_adapters_are_counted_on_the_models_own_linears():
                                               for t in ("q_proj", "v_proj"))
 
 
+def test_lora_modules_to_save_count_the_trained_copy_and_the_head_gradient():
+    """peft trains a copy of each module in `modules_to_save`: its weights join the adapters as trainable
+    parameters (gradients, optimizer state), and a saved LM head gets its gradient back; unknown names add nothing."""
+    from atorch.auto.cost_model import lora_params
+    from atorch.auto.cost_model.traits import head_trains
+
+    model = tiny_llama(seed=0)
+    shape = ModelShape.from_module(model)
+
+    def traits(saved):
+        return StrategyTraits.from_strategy(["parallel_mode", ("lora", {"r": 4, "modules_to_save": saved})], 1, shape)
+
+    plain = StrategyTraits.from_strategy(["parallel_mode", ("lora", {"r": 4})], 1, shape)
+    head = model.lm_head.weight.numel()
+    assert lora_params(shape, traits(["lm_head"])) == lora_params(shape, plain) + head
+    assert lora_params(shape, traits(["model.embed_tokens"])) == lora_params(shape, plain) + head
+    assert head_trains(shape, traits(["lm_head"])) and not head_trains(shape, plain)
+    assert not head_trains(shape, traits(["embed_tokens"]))
+    base = _memory(model, ["parallel_mode", ("lora", {"r": 4})])
+    saved = _memory(model, ["parallel_mode", ("lora", {"r": 4, "modules_to_save": ["lm_head"]})])
+    # fp32 DDP, AdamW: the copy's weights, its gradient and two moments
+    assert saved["params"] - base["params"] == pytest.approx(4 * head)
+    assert saved["optimizer"] - base["optimizer"] == pytest.approx(8 * head)
+    assert saved["grads"] - base["grads"] == pytest.approx(4 * head)
+
+
 def test_tensor_parallelism_keeps_positions_norms_and_row_biases_whole():
     from transformers.pytorch_utils import Conv1D
 

@@ -150,7 +150,9 @@ def test_never_called_layers_are_not_suggested_and_refused_as_targets():
     ({"dropout": 1.0}, r"dropout=1.0; expected a probability in \[0, 1\)"),
     ({"target_modules": []}, r"target_modules=\(\); expected None or a non-empty list"),
     ({"rank": 4}, r"unknown config key\(s\) \['rank'\]; valid keys are \['r', 'alpha', 'target_modules', "
-                  r"'dropout', 'seed'\]"),
+                  r"'dropout', 'seed', 'modules_to_save'\]"),
+    ({"modules_to_save": []}, r"modules_to_save=\(\); expected None or a non-empty list of module names"),
+    ({"modules_to_save": ["lm_head", ""]}, r"modules_to_save=\('lm_head', ''\); expected None or a non-empty list"),
 ])
 def test_config_errors(raw, message):
     with pytest.raises(ValueError, match=message):
@@ -219,10 +221,65 @@ def test_a_frozen_task_head_without_an_adapter_is_warned_about(caplog):
         _apply(bert_classifier())            # once per model class and head: a search applies lora per dry run
     assert caplog.text.count("has no adapter and stays frozen") == 1
     assert "lora: the task head 'base_model.model.classifier' (Linear) has no adapter and stays frozen" in caplog.text
-    assert "add 'classifier' to target_modules" in caplog.text
+    assert "add 'classifier' to modules_to_save to train it whole (or to target_modules to adapt it)" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="atorch.auto.opt_lib.lora"):
         ctx = _apply(bert_classifier(), {"target_modules": ["query", "value", "classifier"]})
+        saved = _apply(bert_classifier(), {"target_modules": ["query", "value"], "modules_to_save": ["classifier"]})
         _apply(tiny_llama())
     assert "task head" not in caplog.text
     assert any(p.requires_grad for n, p in ctx.model.named_parameters() if "classifier" in n)
+    assert any(p.requires_grad for n, p in saved.model.named_parameters() if "classifier" in n)
+
+
+def _seq_cls_llama():
+    from transformers import LlamaForSequenceClassification
+
+    config = copy.deepcopy(tiny_llama().config)
+    config.num_labels, config.pad_token_id = 3, 0
+    torch.manual_seed(0)
+    return LlamaForSequenceClassification(config)
+
+
+def test_modules_to_save_trains_the_head_whole_and_only_it_besides_the_adapters():
+    """peft's `modules_to_save`: a trainable copy of the head (the loaded one kept frozen beside it); one
+    optimizer step moves the copy and the adapters' B, nothing of the base model."""
+    model = _seq_cls_llama()
+    ctx = _apply(model, {"modules_to_save": ["score"]})
+    assert ctx.summaries["lora"]["modules_to_save"] == ["score"]
+    trainable = {n for n, p in ctx.model.named_parameters() if p.requires_grad}
+    assert "base_model.model.score.modules_to_save.default.weight" in trainable
+    assert {n for n in trainable if "lora_" not in n} == {"base_model.model.score.modules_to_save.default.weight"}
+    before = {n: p.detach().clone() for n, p in ctx.model.named_parameters()}
+    optim = torch.optim.SGD(ctx.optim_params(), lr=0.5)
+    x = _batch()["input_ids"]
+    loss = call_model(ctx.model, {"input_ids": x, "labels": torch.tensor([0, 2])}, "unpack_dict").loss
+    loss.backward()
+    optim.step()
+    moved = {n for n, p in ctx.model.named_parameters() if not torch.equal(p, before[n])}
+    assert "base_model.model.score.modules_to_save.default.weight" in moved
+    assert all(n in trainable for n in moved), sorted(moved - trainable)
+    assert "base_model.model.score.original_module.weight" not in moved
+
+
+@pytest.mark.parametrize("saved,message", [
+    (["scores"], r"modules_to_save 'scores' matches no module of LlamaForSequenceClassification; name a module to "
+                 r"train whole, e.g. one of \['model', 'model.embed_tokens', .*'score'\]"),
+    (["proj"], r"modules_to_save 'proj' would also make peft train 'model.layers.0.self_attn.q_proj' whole"),
+    (["self_attn"], r"modules_to_save 'self_attn' \('model.layers.0.self_attn'\) overlaps the adapted layer "
+                    r"'model.layers.0.self_attn.q_proj'"),
+    (["q_proj"], r"modules_to_save 'q_proj' \('model.layers.0.self_attn.q_proj'\) overlaps the adapted layer"),
+    (["rotary_emb"], r"modules_to_save 'rotary_emb' matches 'model.rotary_emb' \(LlamaRotaryEmbedding\), which has no "
+                     r"parameters to train"),
+])
+def test_modules_to_save_that_peft_would_apply_otherwise_than_meant_are_refused(saved, message):
+    # peft skips an unmatched name silently and matches by plain suffix: each refused before anything is applied.
+    with pytest.raises(ValueError, match=message):
+        _validate(_seq_cls_llama(), {"modules_to_save": saved})
+
+
+def test_modules_to_save_with_tensor_parallel_is_refused():
+    pm = ("parallel_mode", ([("tensor", 2)], None))
+    with pytest.raises(ValueError, match=r"lora: modules_to_save=\['lm_head'\] with tensor_parallel is not supported"):
+        resolve_strategy(Strategy([pm, "tensor_parallel", ("lora", {"modules_to_save": "lm_head"})]),
+                         ValidationContext(world_size=2, model=tiny_llama()))

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from torch import nn
 
 from atorch.auto.cost_model.shape import ModelShape, _config_key, _meta_model
-from atorch.auto.cost_model.traits import StrategyTraits, precision_mode
+from atorch.auto.cost_model.traits import StrategyTraits, head_trains, precision_mode
 
 
 def _block_saved_bytes(shape: ModelShape, mode: str, seq_len: int, fused_attention: bool,
@@ -148,7 +148,8 @@ def last_stage_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int
     compute dtype)."""
     mode = precision_mode(traits)
     tokens = micro_batch * seq_len
-    final = tokens * _final_norm_saved_bytes(shape, mode, frozen_head=bool(traits.lora_rank),
+    frozen_head = bool(traits.lora_rank) and not head_trains(shape, traits)
+    final = tokens * _final_norm_saved_bytes(shape, mode, frozen_head=frozen_head,
                                              fused_norm=traits.fused_norm)
     if traits.pipeline_engine is not None:
         final += tokens * shape.vocab_size / traits.tensor * traits.compute_dtype_bytes

@@ -13,7 +13,7 @@ from typing import Dict, Mapping, Optional, Tuple
 from atorch.auto.cost_model.activations import (activation_bytes, block_activation_bytes, last_stage_bytes,
                                                 loss_buffer_bytes, loss_softmax_bytes)
 from atorch.auto.cost_model.shape import ModelShape, _largest_param_elements, _parameter_sizes
-from atorch.auto.cost_model.traits import StrategyTraits, lora_params, precision_mode
+from atorch.auto.cost_model.traits import StrategyTraits, head_trains, lora_params, lora_saved_leaves, precision_mode
 
 ADAM_STATE_BYTES_PER_PARAM = 8       # exp_avg + exp_avg_sq in fp32 (other optimizers: `traits.optimizer`)
 
@@ -186,7 +186,7 @@ def memory_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int
         out["loss_softmax"] = loss_softmax_bytes(shape, traits, micro_batch, seq_len)
         out["activations"] -= out["loss_softmax"]
     head_grad = 0.0
-    if not traits.lora_rank and not shape.head_frozen:
+    if head_trains(shape, traits):
         # The LM head's whole (unsharded) weight gradient, in the dtype backward produces it
         # (the compute dtype under FSDP2/DeepSpeed mixed precision); under autocast the half
         # gradient of the cast weight is accumulated into the fp32 one.
@@ -260,8 +260,10 @@ def _torch_adam_step_bytes(shape: ModelShape, traits: StrategyTraits, trainable:
     """`adam_step_bytes` for the rank's local optimizer (torch's default implementation on `device_type`)."""
     shard = traits.optimizer_shard
     widest = _largest_param_elements(shape)
-    if traits.lora_rank:
-        widest = shape.hidden_size * traits.lora_rank
+    if traits.lora_rank:     # an adapter's A or B, or a copy LoRA trains whole (modules_to_save)
+        saved = lora_saved_leaves(traits)
+        widest = max([shape.hidden_size * traits.lora_rank,
+                      *(n_in * n_out for leaf, n_in, n_out, _ in shape.linear_layers if leaf in saved)])
     largest = widest / traits.tensor / (traits.data if traits.sharding == "fsdp2" else 1)
     # CPU offload steps on host tensors: torch picks the per-tensor implementation there.
     on_host = device_type == "cpu" or traits.cpu_offload
@@ -322,7 +324,7 @@ def _fsdp2_states(shape: ModelShape, traits: StrategyTraits, params: float, trai
         # In backward, the next block prefetched.
         out["prefetch"] = block * gathered_bytes
         out["forward_gather"] = (block + max(root, block)) * gathered_bytes
-    if not traits.lora_rank and not shape.head_frozen:
+    if head_trains(shape, traits):
         # The root unit reduces last: the LM head's unsharded gradient lives through the blocks' backward.
         out["held_root_grads"] = shape.vocab_size * shape.hidden_size / t * gathered_bytes
     # A unit's backward leaves its unsharded gradients (in the compute dtype) and copies them into

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Set, Tuple
 
 from atorch.auto.cost_model.optimizer import ADAM, OptimizerStates
 from atorch.auto.cost_model.shape import ModelShape
@@ -63,6 +63,7 @@ class StrategyTraits:
     kv_cache_off: bool = False          # compile: sets the model's use_cache to False
     lora_rank: int = 0                  # lora: adapters of this rank, base weights frozen
     lora_targets: Optional[Tuple[str, ...]] = None
+    lora_modules_to_save: Optional[Tuple[str, ...]] = None   # lora: modules trained whole (peft adds a trainable copy)
     trainable_fraction: float = 1.0     # derived: trainable / total parameters (lora, parameters the user froze)
     optimizer: OptimizerStates = ADAM   # derived: what the user's optimizer keeps per trainable parameter
     # how fast it computes
@@ -179,8 +180,41 @@ def _lora_targets(shape: ModelShape, traits: StrategyTraits) -> Optional[Tuple[s
     return tuple(targets) if targets else None
 
 
+# Leaf names of a token embedding: peft's copy of one in `modules_to_save` is vocab x hidden.
+_EMBEDDING_LEAVES = frozenset({"embed_tokens", "wte", "word_embeddings", "embed_in", "tok_embeddings"})
+
+
+def lora_saved_leaves(traits: StrategyTraits) -> Set[str]:
+    return {t.rpartition(".")[2] for t in traits.lora_modules_to_save or ()} if traits.lora_rank else set()
+
+
+def lora_saved_params(shape: ModelShape, traits: StrategyTraits) -> float:
+    """Parameters of the trainable copies peft makes of LoRA's `modules_to_save`: the model's linear layers of
+    those leaf names (`ModelShape.linear_layers`, weights only) and a token embedding under its usual names; a
+    module the shape does not list (a norm, a custom head) is not counted. Never tensor-sharded (refused there)."""
+    leaves = lora_saved_leaves(traits)
+    if not leaves:
+        return 0.0
+    total = sum(count * n_in * n_out for leaf, n_in, n_out, count in shape.linear_layers if leaf in leaves)
+    if leaves & _EMBEDDING_LEAVES:
+        total += shape.vocab_size * shape.hidden_size
+    return float(total)
+
+
+def head_trains(shape: ModelShape, traits: StrategyTraits) -> bool:
+    """Whether the LM head's weight gets a gradient: not frozen by the user, and under LoRA only when
+    `modules_to_save` names it (a linear layer of the model whose output is the vocabulary)."""
+    if shape.head_frozen:
+        return False
+    if not traits.lora_rank:
+        return True
+    leaves = lora_saved_leaves(traits)
+    return any(leaf in leaves and n_out == shape.vocab_size for leaf, _, n_out, _ in shape.linear_layers)
+
+
 def lora_params(shape: ModelShape, traits: StrategyTraits, tensor: int = 1) -> float:
-    """Adapter parameters (per rank of a `tensor`-way split): rank x (in + out) per adapted linear.
+    """Trainable parameters LoRA adds (per rank of a `tensor`-way split): rank x (in + out) per adapted
+    linear, plus the copies of `modules_to_save` (`lora_saved_params`).
 
     Counted on the model's own linear layers where the shape knows them (leaf names matched as
     peft matches them; its default targets for the model's type). Under tensor parallelism a
@@ -198,8 +232,8 @@ def lora_params(shape: ModelShape, traits: StrategyTraits, tensor: int = 1) -> f
             if leaf in targets:
                 row = leaf in _ROW_PARALLEL_LEAVES
                 total += count * r * (n_in / (tensor if row else 1) + n_out / (1 if row else tensor))
-        return total
-    return _lora_formula_params(shape, traits) / tensor
+        return total + lora_saved_params(shape, traits)
+    return _lora_formula_params(shape, traits) / tensor + lora_saved_params(shape, traits)
 
 
 def _lora_formula_params(shape: ModelShape, traits: StrategyTraits) -> int:

@@ -43,12 +43,18 @@ class LoraConfig:
     seed: int = 0
     """Seed of the adapter initialization, so every rank starts from the same adapters even where no
     wrapper broadcasts them (sharded training) and whatever the ranks' random state."""
+    modules_to_save: Optional[Tuple[str, ...]] = None
+    """Modules trained whole besides the adapters (peft's `modules_to_save`): a task head new for fine-tuning
+    (`score`, `classifier`), or the LM head. peft trains a copy and keeps the loaded module beside it; a
+    merged checkpoint holds the trained copy."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.target_modules, str):
-            object.__setattr__(self, "target_modules", (self.target_modules,))
-        elif isinstance(self.target_modules, list):
-            object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        for name in ("target_modules", "modules_to_save"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, (value,))
+            elif isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
 
 
 def _adaptable_types() -> Tuple[type, ...]:
@@ -152,6 +158,36 @@ def resolve_target_modules(model: nn.Module, config: LoraConfig, model_config: A
     return tuple(targets)
 
 
+def check_modules_to_save(model: nn.Module, saved: Tuple[str, ...], targets: Tuple[str, ...]) -> None:
+    """Refuse `modules_to_save` names that peft would not apply as meant: peft matches them by plain suffix
+    (`name.endswith(target)`) and skips a name that matches nothing without a word, so a typo would leave the
+    head frozen. Each name must match a module with parameters at a dotted boundary (as `target_modules` are
+    matched), match nothing more by peft's looser rule (`proj` would wrap every `q_proj`), and neither hold
+    nor sit inside an adapted layer (peft would wrap the adapters into the copy)."""
+    named = [(name, m) for name, m in model.named_modules() if name]
+    adapted = [name for name, _ in named if any(_matches(t, name) for t in targets)]
+    for target in saved:
+        hits = [(name, m) for name, m in named if _matches(target, name)]
+        loose = [name for name, _ in named if name.endswith(target) and not _matches(target, name)]
+        if not hits and not loose:
+            shown = [name for name, m in named if name.count(".") <= 1 and any(True for _ in m.parameters())]
+            raise ValueError(f"lora: modules_to_save {target!r} matches no module of {type(model).__name__}; name a "
+                             f"module to train whole, e.g. one of {shown[:12]}")
+        if loose:
+            raise ValueError(f"lora: modules_to_save {target!r} would also make peft train {loose[0]!r} whole (peft "
+                             f"matches these names by suffix, and {len(loose)} module name(s) end with it); give a "
+                             "longer name, e.g. the full module path")
+        for name, m in hits:
+            if not any(True for _ in m.parameters()):
+                raise ValueError(f"lora: modules_to_save {target!r} matches {name!r} ({type(m).__name__}), which "
+                                 "has no parameters to train")
+            overlap = [a for a in adapted if a == name or a.startswith(name + ".") or name.startswith(a + ".")]
+            if overlap:
+                raise ValueError(f"lora: modules_to_save {target!r} ({name!r}) overlaps the adapted layer "
+                                 f"{overlap[0]!r}: a module is either adapted (target_modules) or trained whole "
+                                 "(modules_to_save), not both")
+
+
 def _is_peft_model(model: nn.Module) -> bool:
     peft_model = getattr(sys.modules.get("peft"), "PeftModel", None)
     return peft_model is not None and isinstance(model, peft_model)
@@ -174,8 +210,10 @@ def add_lora_adapters(model: nn.Module, config: LoraConfig, model_config: Any = 
     fan_in_fan_out = conv1d is not None and any(
         isinstance(m, conv1d) for name, m in model.named_modules() if any(_matches(t, name) for t in targets))
     # peft uses lora_alpha only in alpha / r, so a float works; its annotation says int.
+    saved = list(config.modules_to_save) if config.modules_to_save else None
     peft_config = peft.LoraConfig(r=config.r, lora_alpha=config.alpha, target_modules=list(targets),  # type: ignore[arg-type]
-                                  lora_dropout=config.dropout, fan_in_fan_out=fan_in_fan_out)
+                                  lora_dropout=config.dropout, fan_in_fan_out=fan_in_fan_out,
+                                  modules_to_save=saved)
     cuda_devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     # A private random stream: the adapters do not depend on (or disturb) the caller's RNG state.
     with torch.random.fork_rng(devices=cuda_devices):
@@ -195,7 +233,7 @@ _WARNED_HEADS: Set[Tuple[str, str]] = set()
 def _warn_frozen_task_heads(model: nn.Module) -> None:
     """Warn about a task head (`TASK_HEAD_NAMES`) with no adapter and nothing trainable: LoRA freezes it with the
     base model, so it keeps the weights it was loaded with, and a head new for this task (what from_pretrained
-    adds for fine-tuning a classifier: random) never trains. peft's `modules_to_save` is not offered here."""
+    adds for fine-tuning a classifier: random) never trains. Naming it in `modules_to_save` trains it whole."""
     get_base = getattr(model, "get_base_model", None)   # peft's PeftModel
     model_class = type(get_base() if callable(get_base) else model).__name__
     for name, module in model.named_modules():
@@ -209,7 +247,8 @@ def _warn_frozen_task_heads(model: nn.Module) -> None:
         _WARNED_HEADS.add(key)
         logger.warning("lora: the task head %r (%s) has no adapter and stays frozen with the base model: it keeps "
                        "the weights it was loaded with, so a head new for this task never trains; add %r to "
-                       "target_modules to adapt it", name, type(module).__name__, head)
+                       "modules_to_save to train it whole (or to target_modules to adapt it)", name,
+                       type(module).__name__, head)
 
 
 class _UncalledAdapterCheck:
@@ -287,7 +326,8 @@ class LoraOptimization(Optimization):
     @classmethod
     def cost_traits(cls, config: LoraConfig, context: CostContext) -> Dict[str, Any]:
         # Frozen base weights: no gradients or optimizer state; only the adapters train.
-        return {"lora_rank": config.r, "lora_targets": config.target_modules}
+        return {"lora_rank": config.r, "lora_targets": config.target_modules,
+                "lora_modules_to_save": config.modules_to_save}
 
     def validate(self, config: LoraConfig, context: ValidationContext) -> None:
         if not isinstance(config.r, int) or isinstance(config.r, bool) or config.r < 1:
@@ -300,6 +340,14 @@ class LoraOptimization(Optimization):
                 not config.target_modules or not all(isinstance(t, str) and t for t in config.target_modules)):
             raise ValueError(f"lora: target_modules={config.target_modules!r}; expected None or a non-empty list "
                              "of layer names")
+        if config.modules_to_save is not None and (
+                not config.modules_to_save or not all(isinstance(t, str) and t for t in config.modules_to_save)):
+            raise ValueError(f"lora: modules_to_save={config.modules_to_save!r}; expected None or a non-empty list "
+                             "of module names")
+        if "tensor_parallel" in context.configs and config.modules_to_save:
+            raise ValueError(f"lora: modules_to_save={list(config.modules_to_save)} with tensor_parallel is not "
+                             "supported (the adapters there are atorch's own layers, which train no module whole); "
+                             "drop tensor_parallel or modules_to_save")
         if "tensor_parallel" in context.configs and config.dropout != 0.0:
             raise ValueError(f"lora: dropout={config.dropout} with tensor_parallel is not supported; use dropout=0.0")
         if context.model is None:
@@ -308,6 +356,8 @@ class LoraOptimization(Optimization):
             raise ValueError(f"lora: the model is already a peft {type(context.model).__name__}; pass the base "
                              "model to auto_accelerate, or drop lora from the strategy to train the adapters it has")
         targets = resolve_target_modules(context.model, config, context.model_config)
+        if config.modules_to_save:
+            check_modules_to_save(context.model, config.modules_to_save, targets)
         if "tensor_parallel" in context.configs:
             _check_tensor_parallel_targets(context.model, targets)
 
@@ -334,6 +384,8 @@ class LoraOptimization(Optimization):
         total = sum(p.numel() for p in ctx.model.parameters())
         summary: Dict[str, Any] = {"trainable_params": trainable, "total_params": total,
                                    "target_modules": adapted}
+        if config.modules_to_save:
+            summary["modules_to_save"] = sorted(config.modules_to_save)
         ctx.summaries["lora"] = summary
         logger.info("lora: training %d of %d parameters (%.2f%%), adapters on %s", trainable, total,
                     100.0 * trainable / max(total, 1), summary["target_modules"])
