@@ -547,3 +547,41 @@ def test_the_comparison_line_prints_ratios_to_two_decimals_and_every_reason():
     assert tie == (f"{a.describe()} and {b.describe()} within noise (1.00x, 95% CI 0.96-1.04); "
                    f"chose {a.describe()}: higher measured mean and 50% less memory")
     assert Comparison(a, b, 1.0, 0.97, 1.05, "memory", 0.3, (2, 2)).line().endswith(": 30% less memory")
+
+
+def test_a_wide_within_noise_interval_says_it_rests_on_few_repeats():
+    """At one repeated dry run the between-run variance has 1 degree of freedom (t = 12.7): `make demo` read
+    "within noise (1.02x, 95% CI 0.66-1.58)" with nothing saying why. Said up to 2 repeats, not from 3, and
+    only of an interval wider than 1.1x end to end."""
+    from atorch.auto.search.results import Comparison
+
+    a, b = Strategy(["amp_native", "fsdp"]), Strategy(["amp_native"])
+    one = Comparison(a, b, 1.02, 0.66, 1.58, "measured mean", runs=(1, 2), between_runs=True, between_df=1.0).line()
+    assert one.endswith("; the interval is wide: the noise between dry runs rests on 1 repeated run (a larger "
+                        "max_trials re-measures more)")
+    two = Comparison(a, b, 1.02, 0.8, 1.3, "measured mean", runs=(2, 2), between_runs=True, between_df=2.0).line()
+    assert "rests on 2 repeated runs" in two
+    assert "is wide" not in Comparison(a, b, 1.02, 0.95, 1.1, "measured mean", runs=(2, 3), between_runs=True,
+                                       between_df=3.0).line()
+    assert "is wide" not in Comparison(a, b, 1.0, 0.97, 1.05, "measured mean", runs=(1, 2), between_runs=True,
+                                       between_df=1.0).line()
+    assert "is wide" not in Comparison(a, b, 1.3, 1.1, 1.5, "throughput", runs=(2, 2), between_runs=True,
+                                       between_df=1.0).line()
+
+
+def test_the_comparison_reports_the_degrees_of_freedom_of_its_between_run_variance():
+    """The comparison carries the degrees of freedom its between-run variance rests on (the repeats of
+    re-measured candidates, the cold first dry run left out)."""
+    calls: List[Strategy] = []
+
+    def evaluator(s: Strategy) -> DryRunResult:     # every candidate alike: the leader is never clearly ahead
+        calls.append(s)
+        return DryRunResult(100.0, 1000, step_times_s=steps_for(100.0, 0.01, seed=len(calls)))
+
+    result = search_strategy(space16(), evaluator, max_trials=10, patience=99, random_samples=0,
+                             planner_factory=RecordingPlanner)
+    # Each candidate's warm runs (the process's first dry run left out where its candidate ran again) less one.
+    warm = {s: calls.count(s) - (1 if s == calls[0] and calls.count(s) > 1 else 0) for s in set(calls)}
+    expected = sum(n - 1 for n in warm.values() if n > 1)
+    assert expected >= 1, calls
+    assert result.comparison is not None and result.comparison.between_df == expected

@@ -66,6 +66,12 @@ Predictor = Callable[[Strategy], Any]          # -> an object with peak_memory_b
 Evaluator = Callable[[Strategy], DryRunResult]
 
 
+# Below this many degrees of freedom of the between-run variance a "within noise" line says why its interval is wide.
+FEW_REPEATS = 3
+# An interval wider than this (hi / lo) is called wide; the issue's example of "within noise" is 0.97-1.05.
+WIDE_INTERVAL = 1.1
+
+
 @dataclass
 class Comparison:
     """The winner against the runner-up after re-measurement: throughput ratio winner/runner-up
@@ -83,6 +89,7 @@ class Comparison:
     # so a candidate run once is not judged by its own steps alone.
     between_runs: bool = False
     cold_run: str = ""                 # the process's first dry run, left out of the pooling (said in the line)
+    between_df: Optional[float] = None   # degrees of freedom of that between-run variance (repeats pooled)
 
     @property
     def separated(self) -> bool:
@@ -100,7 +107,19 @@ class Comparison:
         why = {"memory": saving, "measured mean": "higher measured mean"}[self.chosen_by]
         if self.chosen_by == "measured mean" and self.memory_saving is not None:
             why += f" and {saving}"
-        return f"{a} and {b} within noise ({self.ratio:.2f}x, {ci}); chose {a}: {why}{self._cold_note()}"
+        return f"{a} and {b} within noise ({self.ratio:.2f}x, {ci}); chose {a}: {why}{self._cold_note()}" \
+            f"{self._few_repeats_note()}"
+
+    def _few_repeats_note(self) -> str:
+        """Why an interval is wide (hi / lo over WIDE_INTERVAL) when the between-run variance rests on one or two
+        repeated dry runs: its t quantile is 12.7 at one degree of freedom, 4.3 at two, 2.8 at four (each
+        repeat adds one)."""
+        if self.between_df is None or self.between_df >= FEW_REPEATS or self.lo is None or self.hi is None \
+                or self.hi <= WIDE_INTERVAL * self.lo:
+            return ""
+        n = int(self.between_df)
+        return (f"; the interval is wide: the noise between dry runs rests on {n} repeated run{'s' if n > 1 else ''} "
+                "(a larger max_trials re-measures more)")
 
     def _cold_note(self) -> str:
         return f"; {self.cold_run}" if self.cold_run else ""

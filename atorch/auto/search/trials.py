@@ -447,7 +447,9 @@ class TrialLog:
         cold = [(i, r) for i, r in ((a, self.cold_run(a)), (b, self.cold_run(b))) if r is not None]
         text = "".join(f"the first dry run ({self.candidates[i].strategy.describe()}, {r.throughput:.4g} samples/s) "
                        "left out as a cold start" for i, r in cold)
-        return {"between_runs": self.between() is not None, "cold_run": text}
+        between = self.between()
+        return {"between_runs": between is not None, "cold_run": text,
+                "between_df": between[1] if between is not None else None}
 
     def result(self, stop_reason: Optional[str], failure: Optional[str], pruned: pd.DataFrame, num_candidates: int,
                memory_limit_bytes: Optional[int], memory_limit_source: str = "") -> SearchResult:
