@@ -283,3 +283,58 @@ def test_modules_to_save_with_tensor_parallel_is_refused():
     with pytest.raises(ValueError, match=r"lora: modules_to_save=\['lm_head'\] with tensor_parallel is not supported"):
         resolve_strategy(Strategy([pm, "tensor_parallel", ("lora", {"modules_to_save": "lm_head"})]),
                          ValidationContext(world_size=2, model=tiny_llama()))
+
+
+def _qwen3_moe(mlp_only_layers):
+    from transformers import AutoModelForCausalLM
+
+    from atorch.testing.tp_families import family_config
+
+    config = family_config("qwen3_moe")
+    config.mlp_only_layers = mlp_only_layers
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
+MOE_TARGETS = ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def test_expert_names_on_fused_experts_follow_peft_on_every_layout(caplog):
+    """transformers 5 fuses a MoE layer's experts into stacked weights; peft maps the expert projection names
+    onto them. An all-MoE model was refused ("match no layer"); a model part without a config (a pipeline
+    stage) adapted the dense MLP instead. Both now adapt what peft adapts on the whole model."""
+    from atorch.auto.opt_lib import lora
+
+    _validate(_qwen3_moe([]), {"target_modules": MOE_TARGETS})      # every layer MoE: accepted
+    whole = _qwen3_moe([1])
+    lora._WARNED_EXPERTS.clear()
+    with caplog.at_level(logging.WARNING, logger="atorch.auto.opt_lib.lora"):
+        reference = add_lora_adapters(copy.deepcopy(whole), LoraConfig(target_modules=tuple(MOE_TARGETS)))
+        part = nn.Module()              # what a stage holds, without the model's config
+        part.layers = copy.deepcopy(whole.model.layers)
+        staged = add_lora_adapters(part, LoraConfig(target_modules=tuple(MOE_TARGETS)), model_config=whole.config,
+                                   on_stage=True)
+    assert caplog.text.count("get no adapter") == 1, caplog.text
+    assert "the 3 dense layer(s) of those names get no adapter, e.g. 'model.layers.1.mlp.gate_proj'" in caplog.text
+
+    def adapted(model, prefix):
+        return sorted({n.split(".lora_")[0].replace(prefix, "") for n, p in model.named_parameters() if p.requires_grad})
+
+    assert adapted(staged, "base_model.model.") == adapted(reference, "base_model.model.model.")
+    assert "layers.0.mlp.experts" in adapted(staged, "base_model.model.")
+    assert staged.peft_config["default"].target_parameters == {"gate_up_proj", "down_proj"}
+
+
+def test_expert_names_that_peft_cannot_map_or_tensor_parallel_cannot_adapt_are_refused():
+    with pytest.raises(ValueError, match=r"lora: target_modules \['gate_proj'\]: Cannot convert PEFT target\(s\) "
+                                         r"gate_proj without also targeting up_proj"):
+        _validate(_qwen3_moe([]), {"target_modules": ["gate_proj"]})
+    pm = ("parallel_mode", ([("tensor", 2)], None))
+    with pytest.raises(ValueError, match=r"lora with tensor_parallel adapts linear layers; peft maps the targets "
+                                         r"\['down_proj', 'gate_proj', 'up_proj'\] to the fused expert weights "
+                                         r"\['down_proj', 'gate_up_proj'\] of Qwen3MoeForCausalLM"):
+        resolve_strategy(Strategy([pm, "tensor_parallel", ("lora", {"target_modules": MOE_TARGETS})]),
+                         ValidationContext(world_size=2, model=_qwen3_moe([1])))
+    # The attention projections alone stay adaptable under tensor parallelism.
+    resolve_strategy(Strategy([pm, "tensor_parallel", ("lora", {"target_modules": ["q_proj", "v_proj"]})]),
+                     ValidationContext(world_size=2, model=_qwen3_moe([1])))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Set, Tuple, cast
 
 import torch
@@ -110,6 +111,64 @@ def target_layer_names(model: nn.Module, targets: Tuple[str, ...]) -> List[str]:
     return [name for name, _ in model.named_modules() if name and any(_matches(t, name) for t in targets)]
 
 
+def convert_like_peft(peft_config: Any, model: nn.Module, model_config: Any = None) -> None:
+    """Apply, in place, peft's rewrite of LoRA targets for the mixture-of-experts models whose experts
+    transformers 5 fuses into stacked parameters (Mixtral, Qwen2/3-MoE, OLMoE, ...): the expert projection
+    names (`gate_proj`, `up_proj`, `down_proj`, Mixtral's `w1`...) become `target_parameters` on the fused
+    expert weights, and leave `target_modules`. `get_peft_model` does this itself on a whole transformers
+    model, but not on a pipeline stage (no config of its own), which then adapted the dense MLPs of a mixed
+    model instead of the experts and saved a checkpoint that could not be merged. Applied here on every
+    layout (with the user's model config for a stage), the same names adapt the same weights everywhere;
+    applied again by peft it changes nothing. A no-op where peft has no rewrite (dense models, older peft)."""
+    try:
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:
+        return
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) is None:
+        config = model_config
+    if getattr(config, "model_type", None) is None:
+        return
+    # peft reads the model type off `model.config`, and the modules only for a string (regex) target.
+    view = SimpleNamespace(config=config, named_modules=model.named_modules, named_parameters=model.named_parameters)
+    convert_peft_config_for_transformers(peft_config, cast(nn.Module, view), None)
+
+
+def expert_targets(model: nn.Module, targets: Tuple[str, ...], model_config: Any = None,
+                   r: int = 8, alpha: float = 16) -> Tuple[Set[str], Set[str]]:
+    """(the target names peft moves onto fused expert weights, the parameter names it adapts instead): see
+    `convert_like_peft`; two empty sets for a model without such a rewrite."""
+    import peft
+
+    probe = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets))  # type: ignore[arg-type]
+    try:
+        convert_like_peft(probe, model, model_config)
+    except ValueError as e:     # e.g. gate_proj without up_proj, which transformers fuses into one weight
+        raise ValueError(f"lora: target_modules {list(targets)}: {e}") from e
+    kept = set(probe.target_modules or ())
+    return {t for t in targets if t not in kept}, set(probe.target_parameters or ())
+
+
+# (model type, moved names) already warned about: the automatic search applies lora once per dry run, and a
+# pipeline stage checks its targets again.
+_WARNED_EXPERTS: Set[Tuple[str, Tuple[str, ...]]] = set()
+
+
+def _warn_dense_layers_left(model: nn.Module, moved: Set[str], params: Set[str], model_config: Any = None) -> None:
+    """Warn when names peft moved onto fused expert weights also name dense linear layers (a model mixing
+    MoE and dense MLPs): peft adapts only the experts for them (it maps any name ending in one of them), and
+    so does atorch on every layout."""
+    dense = [name for name, m in model.named_modules()
+             if name and isinstance(m, nn.Linear) and any(_matches(t, name) for t in moved)]
+    key = (str(_model_type(model, model_config) or type(model).__name__), tuple(sorted(moved)))
+    if not dense or key in _WARNED_EXPERTS:
+        return
+    _WARNED_EXPERTS.add(key)
+    logger.warning("lora: peft maps the targets %s to the fused expert weights %s of this mixture-of-experts model "
+                   "(its rewrite for transformers 5, which fuses the experts); the %d dense layer(s) of those names "
+                   "get no adapter, e.g. %r", sorted(moved), sorted(params), len(dense), dense[0])
+
+
 def resolve_target_modules(model: nn.Module, config: LoraConfig, model_config: Any = None,
                            on_stage: bool = False) -> Tuple[str, ...]:
     """The target names for `model`, checked: each matches at least one layer, and only adaptable ones.
@@ -128,8 +187,20 @@ def resolve_target_modules(model: nn.Module, config: LoraConfig, model_config: A
                 f"names {_adaptable_layer_names(model)}")
     adaptable, uncalled = _adaptable_types(), _uncalled_layers(model)
     named = [(name, m) for name, m in model.named_modules() if name]
+    moved, expert_params = expert_targets(model, tuple(targets), model_config)
+    if moved:
+        param_names = [name for name, _ in model.named_parameters()]
+        held = [p for p in sorted(expert_params) if any(_matches(p, name) for name in param_names)]
+        if not held and not on_stage:
+            raise ValueError(f"lora: peft maps the targets {sorted(moved)} to the fused expert weights "
+                             f"{sorted(expert_params)}, which {type(model).__name__} does not have")
+        _warn_dense_layers_left(model, moved, expert_params, model_config)
+        if on_stage and held:
+            return tuple(targets)    # the stage holds experts to adapt
     unmatched = []
     for target in targets:
+        if target in moved:
+            continue
         hits = [(name, m) for name, m in named if _matches(target, name)]
         if not hits:
             unmatched.append(target)
@@ -146,7 +217,7 @@ def resolve_target_modules(model: nn.Module, config: LoraConfig, model_config: A
                 f"lora: target {target!r} matches {type(m).__name__} modules (e.g. {name!r}), which LoRA cannot "
                 f"adapt; adaptable layers are {[t.__name__ for t in adaptable]}, named {_adaptable_layer_names(model)}")
     if unmatched and on_stage:
-        if len(unmatched) < len(targets):
+        if len(unmatched) < len(targets) - len(moved):
             return tuple(targets)    # peft adapts the targets here and skips those on other stages
         stage = f"pipeline stage {getattr(model, 'stage_index', '?')} of {getattr(model, 'num_stages', '?')}"
         raise ValueError(f"lora: none of the target module(s) {list(targets)} is on {stage}, whose adaptable layer "
@@ -214,6 +285,7 @@ def add_lora_adapters(model: nn.Module, config: LoraConfig, model_config: Any = 
     peft_config = peft.LoraConfig(r=config.r, lora_alpha=config.alpha, target_modules=list(targets),  # type: ignore[arg-type]
                                   lora_dropout=config.dropout, fan_in_fan_out=fan_in_fan_out,
                                   modules_to_save=saved)
+    convert_like_peft(peft_config, model, model_config)
     cuda_devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     # A private random stream: the adapters do not depend on (or disturb) the caller's RNG state.
     with torch.random.fork_rng(devices=cuda_devices):
@@ -359,6 +431,12 @@ class LoraOptimization(Optimization):
         if config.modules_to_save:
             check_modules_to_save(context.model, config.modules_to_save, targets)
         if "tensor_parallel" in context.configs:
+            moved, params = expert_targets(context.model, targets, context.model_config)
+            if moved:
+                raise ValueError(f"lora with tensor_parallel adapts linear layers; peft maps the targets "
+                                 f"{sorted(moved)} to the fused expert weights {sorted(params)} of {type(context.model).__name__}, "
+                                 "which tensor-parallel LoRA cannot adapt: target the attention projections only, "
+                                 "or drop tensor_parallel")
             _check_tensor_parallel_targets(context.model, targets)
 
     def apply(self, ctx: ModelContext, config: LoraConfig) -> None:
@@ -372,18 +450,22 @@ class LoraOptimization(Optimization):
                 raise ValueError(f"lora: peft has no default target modules for {type(ctx.model).__name__}; pass "
                                  "target_modules")
             add_tp_lora_adapters(ctx.model, targets, config.r, config.alpha, config.dropout, config.seed)
-            adapted = sorted(targets)
+            adapted, expert_weights = sorted(targets), []
         else:
             # A pipeline stage has no config of its own: the user's model's tells peft the model type. Its
             # targets were checked on the whole model; the stage adapts those it holds.
             ctx.model = add_lora_adapters(ctx.model, config, getattr(ctx.model, "config", None) or ctx.model_config,
                                           on_stage=isinstance(ctx.model, PipelineStageModule))
-            adapted = sorted(cast(Any, ctx.model).peft_config["default"].target_modules)  # a peft PeftModel now
+            peft_config = cast(Any, ctx.model).peft_config["default"]   # a peft PeftModel now
+            adapted = sorted(peft_config.target_modules)
+            expert_weights = sorted(peft_config.target_parameters or ())
         _warn_frozen_task_heads(ctx.model)
         trainable = sum(p.numel() for p in ctx.model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in ctx.model.parameters())
         summary: Dict[str, Any] = {"trainable_params": trainable, "total_params": total,
                                    "target_modules": adapted}
+        if expert_weights:      # peft's rewrite for fused experts (`convert_like_peft`)
+            summary["target_parameters"] = expert_weights
         if config.modules_to_save:
             summary["modules_to_save"] = sorted(config.modules_to_save)
         ctx.summaries["lora"] = summary
