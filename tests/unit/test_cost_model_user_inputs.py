@@ -223,6 +223,26 @@ def test_lora_modules_to_save_count_the_trained_copy_and_the_head_gradient():
     assert saved["grads"] - base["grads"] == pytest.approx(4 * head)
 
 
+def test_lora_on_fused_experts_counts_peft_s_expert_adapters_not_the_dense_layers():
+    """transformers 5 fuses a MoE layer's experts into 3-D weights; peft adapts those for the expert projection
+    names (A: rank x experts by d2, B: d1 by rank x experts; gate_up_proj fused from two names at twice the
+    rank), and the dense MLP layers of those names get none."""
+    from transformers import AutoModelForCausalLM
+
+    from atorch.auto.cost_model import lora_params
+    from atorch.auto.opt_lib.lora import LoraConfig, add_lora_adapters
+    from atorch.testing.tp_families import family_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config("qwen3_moe"), attn_implementation="eager")  # layer 1 dense
+    shape = ModelShape.from_module(model)
+    assert {leaf for leaf, *_ in shape.expert_weights} == {"gate_up_proj", "down_proj"}
+    targets = ("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj")
+    traits = StrategyTraits.from_strategy(["parallel_mode", ("lora", {"r": 4, "target_modules": targets})], 1, shape)
+    adapted = add_lora_adapters(model, LoraConfig(r=4, target_modules=targets))
+    assert lora_params(shape, traits) == sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+
+
 def test_tensor_parallelism_keeps_positions_norms_and_row_biases_whole():
     from transformers.pytorch_utils import Conv1D
 

@@ -75,6 +75,10 @@ class ModelShape:
     # decides peft's default targets). (): LoRA is counted by Llama's and GPT-2's formula.
     linear_layers: Tuple[Tuple[str, int, int, int], ...] = ()
     model_type: str = ""
+    # The mixture-of-experts weights transformers 5 fuses into one 3-D parameter per projection, which
+    # peft's LoRA adapts as a whole (its `target_parameters`): (leaf name, experts, dim 1, dim 2, how
+    # many), e.g. ("gate_up_proj", 128, 1536, 2048, 48).
+    expert_weights: Tuple[Tuple[str, int, int, int, int], ...] = ()
     # Parameters atorch's tensor_parallel keeps whole on every rank under the model's own plan (its
     # preset or transformers' plan: norms, routers, a shared expert the plan leaves out), when the
     # model is known and has one; -1: `memory.tensor_replicated_params`' formula counts them.
@@ -242,6 +246,7 @@ def _module_layout(model: nn.Module, config: Any, num_layers: int) -> Dict[str, 
         fields["gated"] = bool(names & _GATE_NAMES)
     fields["python_gelu"] = _has_python_gelu(model)
     fields["linear_layers"] = _linear_layers(model)
+    fields["expert_weights"] = _expert_weights(model)
     model_type = getattr(_text_config(config), "model_type", None) or getattr(config, "model_type", None)
     fields["model_type"] = model_type if isinstance(model_type, str) else ""
     fields["tensor_whole_params"] = _tensor_whole_params(model)
@@ -262,6 +267,18 @@ def _tensor_whole_params(model: nn.Module) -> int:
     except ValueError as exc:   # no plan, or one atorch refuses: the formula stands in
         _log_once(f"{type(model).__name__}: no tensor-parallel plan to count its replicated parameters ({exc})")
         return -1
+
+
+def _expert_weights(model: nn.Module) -> Tuple[Tuple[str, int, int, int, int], ...]:
+    """(leaf name, experts, dim 1, dim 2, count) of the 3-D parameters inside `experts` modules: the fused
+    expert projections (`ModelShape.expert_weights`)."""
+    counts: Dict[Tuple[str, int, int, int], int] = {}
+    for name, param in model.named_parameters():
+        if param.dim() == 3 and ".experts." in f".{name}":
+            e, d1, d2 = (int(d) for d in param.shape)
+            key = (name.rpartition(".")[2], e, d1, d2)
+            counts[key] = counts.get(key, 0) + 1
+    return tuple(sorted((leaf, e, d1, d2, count) for (leaf, e, d1, d2), count in counts.items()))
 
 
 def _linear_layers(model: nn.Module) -> Tuple[Tuple[str, int, int, int], ...]:

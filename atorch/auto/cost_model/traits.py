@@ -6,8 +6,11 @@ The memory and time formulas read only these fields, never optimization names.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Set, Tuple
+from types import SimpleNamespace
+from typing import Any, Dict, FrozenSet, Optional, Set, Tuple, cast
 
 from atorch.auto.cost_model.optimizer import ADAM, OptimizerStates
 from atorch.auto.cost_model.shape import ModelShape
@@ -212,6 +215,31 @@ def head_trains(shape: ModelShape, traits: StrategyTraits) -> bool:
     return any(leaf in leaves and n_out == shape.vocab_size for leaf, _, n_out, _ in shape.linear_layers)
 
 
+@functools.lru_cache(maxsize=64)
+def peft_expert_targets(model_type: str, targets: Tuple[str, ...]) -> Tuple[FrozenSet[str], Dict[str, int]]:
+    """(the target leaf names peft moves onto fused expert weights for `model_type`, {expert weight leaf: rank
+    multiple}): peft's own rewrite (`opt_lib.lora.convert_like_peft`), read without a model; a weight fused from
+    two projections (gate and up) gets twice the rank. Nothing for a model type peft does not rewrite."""
+    try:
+        import peft
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:
+        return frozenset(), {}
+    probe = peft.LoraConfig(r=1, lora_alpha=1, target_modules=list(targets))
+    view = SimpleNamespace(config=SimpleNamespace(model_type=model_type))
+    try:
+        convert_peft_config_for_transformers(probe, cast(Any, view), None)
+    except (ValueError, AttributeError):    # refused when lora is applied (`lora.expert_targets`)
+        return frozenset(), {}
+    moved = frozenset(targets) - frozenset(probe.target_modules or ())
+    ranks = {leaf: 1 for leaf in probe.target_parameters or ()}
+    for pattern, rank in (probe.rank_pattern or {}).items():
+        for leaf in ranks:
+            if re.fullmatch(pattern, f"experts.{leaf}"):
+                ranks[leaf] = int(rank)
+    return moved, ranks
+
+
 def lora_params(shape: ModelShape, traits: StrategyTraits, tensor: int = 1) -> float:
     """Trainable parameters LoRA adds (per rank of a `tensor`-way split): rank x (in + out) per adapted
     linear, plus the copies of `modules_to_save` (`lora_saved_params`).
@@ -227,11 +255,16 @@ def lora_params(shape: ModelShape, traits: StrategyTraits, tensor: int = 1) -> f
     r = traits.lora_rank
     targets = _lora_targets(shape, traits) if shape.linear_layers else None
     if targets:
+        moved, expert_ranks = peft_expert_targets(shape.model_type, targets) if shape.expert_weights else (set(), {})
         total = 0.0
         for leaf, n_in, n_out, count in shape.linear_layers:
-            if leaf in targets:
+            if leaf in targets and leaf not in moved:   # peft adapts the experts for a moved name, not a dense layer
                 row = leaf in _ROW_PARALLEL_LEAVES
                 total += count * r * (n_in / (tensor if row else 1) + n_out / (1 if row else tensor))
+        # A fused expert weight (E, d1, d2): peft's A is (rank x E, d2) and B (d1, rank x E).
+        for leaf, experts, d1, d2, count in shape.expert_weights:
+            if leaf in expert_ranks:
+                total += count * r * expert_ranks[leaf] * experts * (d1 + d2)
         return total + lora_saved_params(shape, traits)
     return _lora_formula_params(shape, traits) / tensor + lora_saved_params(shape, traits)
 
