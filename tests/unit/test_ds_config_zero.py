@@ -230,6 +230,23 @@ def test_who_builds_the_optimizer_is_checked_when_applied():
     prepare_deepspeed(ctx(None), "zero2", {**OFFLOAD, "optimizer": {"type": "AdamW"}})
 
 
+def test_a_scheduler_given_twice_is_refused():
+    """DeepSpeed runs a scheduler built from lr_scheduler_cls and drops ds_config's: a WarmupLR there never ran."""
+    from atorch.auto.model_context import ModelContext
+    from atorch.auto.opt_lib._ds_config import check_one_scheduler
+    from atorch.auto.opt_lib._sharding import prepare_deepspeed
+
+    warmup = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}}}
+    context = ModelContext(model=torch.nn.Linear(2, 2), optim_func=torch.optim.AdamW,
+                           lr_scheduler_cls=torch.optim.lr_scheduler.StepLR)
+    with pytest.raises(ValueError, match=r"zero2: both lr_scheduler_cls=StepLR and ds_config\['scheduler'\] \(type "
+                                         r"'WarmupLR'\) are given; DeepSpeed would run the first and ignore the "
+                                         r"second: pass one"):
+        prepare_deepspeed(context, "zero2", warmup)
+    check_one_scheduler("zero2", warmup, None)          # either alone is fine
+    check_one_scheduler("zero2", {}, torch.optim.lr_scheduler.StepLR)
+
+
 def test_buckets_follow_the_model_size_and_the_users_values_win():
     def zero(user, trainable):
         return zero_ds_config("zero2", user, stage=2, data_size=2, global_batch=8, accumulation_steps=1,

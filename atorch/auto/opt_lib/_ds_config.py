@@ -422,3 +422,15 @@ def _check_batch(who: str, user: Dict[str, Any], derived: Mapping[str, Any], dat
                                  "batch keys from ds_config (atorch derives them) or change batch_size")
     # Without a dataloader the user's (consistent) batch keys stand: DeepSpeed only logs them.
     user.update(train_batch_size=total, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas)
+
+
+def check_one_scheduler(who: str, ds_config: Mapping[str, Any], lr_scheduler_cls: Any) -> None:
+    """Refuse an LR scheduler given twice: DeepSpeed drops ds_config's `scheduler` when it is handed one built
+    from `lr_scheduler_cls`, so a warm-up configured there would silently never run."""
+    if "scheduler" not in ds_config or lr_scheduler_cls is None:
+        return
+    section = ds_config["scheduler"]
+    kind = section.get("type", "?") if isinstance(section, Mapping) else section
+    name = getattr(lr_scheduler_cls, "__name__", repr(lr_scheduler_cls))
+    raise ValueError(f"{who}: both lr_scheduler_cls={name} and ds_config['scheduler'] (type {kind!r}) are given; "
+                     "DeepSpeed would run the first and ignore the second: pass one")

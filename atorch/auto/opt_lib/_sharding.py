@@ -22,6 +22,7 @@ from torch import nn
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._ds_config import (
     DsConfigSpec,
+    check_one_scheduler,
     half_dtype,
     load_ds_config,
     normalize_ds_config,
@@ -346,6 +347,7 @@ def prepare_deepspeed(ctx: ModelContext, who: str, ds_config: DsConfigSpec) -> N
     """Apply phase: check who builds the optimizer, claim gradient sync and precision before the
     optimizer and wrappers run."""
     user = load_ds_config(who, ds_config)
+    check_one_scheduler(who, user, ctx.lr_scheduler_cls)
     if "optimizer" in user:
         if ctx.optim_func is not None:
             raise ValueError(f"{who}: both optim_func and ds_config['optimizer'] are given; pass one (DeepSpeed "

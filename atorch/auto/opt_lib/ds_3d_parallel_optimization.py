@@ -29,6 +29,7 @@ from torch import nn
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._ds_config import (
     BATCH_KEYS,
+    check_one_scheduler,
     check_switches,
     complete_batch_sizes,
     half_dtype,
@@ -312,6 +313,7 @@ class DeepSpeed3DParallelOptimization(Optimization):
             check_dataset_fills_a_step(ctx.dataset, bool(ctx.dataloader_args.get("drop_last", True)), ds_config, d)
         if ctx.optim_func is not None and "optimizer" in ds_config:
             raise ValueError("deepspeed_3d_parallel: both optim_func and ds_config['optimizer'] are given; pass one")
+        check_one_scheduler(WHO, ds_config, ctx.lr_scheduler_cls)
         topology = build_topology(p, t, d)
         check_topology_matches_atorch(topology, parallel.layout)
         tensor_group = parallel.group("tensor") if t > 1 else None
