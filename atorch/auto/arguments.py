@@ -42,6 +42,32 @@ _RESERVED_DATALOADER_KEYS = ("dataset", "sampler", "batch_sampler")
 _POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx")
 
 
+def _check_not_wrapped(model: nn.Module) -> None:
+    """Refuse a model the user already wrapped for distributed training: atorch wraps it itself, so DDP inside
+    DDP reduced every gradient twice, and a model sharded by FSDP2's `fully_shard` (DTensor parameters) failed
+    later with a misleading message (weights "differ across ranks") or inside DDP."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        raise TypeError(f"model is already a DistributedDataParallel (around {type(model.module).__name__}); pass "
+                        "model.module: auto_accelerate wraps the model for the strategy it applies")
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            raise TypeError(f"model is already sharded by torch's fully_shard ({name or 'the root'}: "
+                            f"{type(module).__name__}); pass the model before fully_shard: auto_accelerate shards "
+                            "it itself under zero2 / fsdp")
+        if isinstance(module, DistributedDataParallel) or type(module).__name__ == "FullyShardedDataParallel":
+            raise TypeError(f"model holds {name!r}, already wrapped in {type(module).__name__}; pass the module it "
+                            "wraps: auto_accelerate wraps the model for the strategy it applies")
+    dtensors = [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
+    if dtensors:
+        raise TypeError(f"model has DTensor parameters (e.g. {dtensors[0]!r}): it is already sharded (fully_shard, "
+                        "or a tensor-parallel plan applied); pass the plain model: auto_accelerate shards it for the "
+                        "strategy it applies")
+
+
 def validate_arguments(
     *,
     model: Any,
@@ -63,6 +89,7 @@ def validate_arguments(
     """Raise ValueError/TypeError naming the first argument of `auto_accelerate` that cannot work."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {_describe(model)}")
+    _check_not_wrapped(model)
     for name, value in (("loss_func", loss_func), ("prepare_input", prepare_input),
                         ("optim_param_func", optim_param_func)):
         _check_callable(name, value)
