@@ -119,6 +119,11 @@ def train_step_stats(result: AutoAccelerateResult, batch: Any, *, gradient_accum
                      max_grad_norm: Optional[float] = None, loss_weighting: str = "rows") -> StepStats:
     """`train_step`, also returning the gradient norm it clipped (see `StepStats`)."""
     _check_result("train_step", result)
+    if result.optim is None and result.engine is None and result.custom_train_step is None:
+        # Before the forward: failing at optim.step() left this step's gradients in every .grad.
+        raise ValueError("train_step needs an optimizer, and auto_accelerate was called without optim_func: pass "
+                         "optim_func (e.g. torch.optim.AdamW) to auto_accelerate, or run forward and backward on "
+                         "result.model yourself")
     _agree_on_first_call(result, gradient_accumulation_steps, max_grad_norm, batch, loss_weighting)
     steps = _accumulation_steps(result, gradient_accumulation_steps)
     if max_grad_norm is not None:
@@ -584,8 +589,7 @@ def _plain_step(result: AutoAccelerateResult, batch: Any, steps: int, max_grad_n
             loss, reported = _micro_losses(result, model, micro, steps, weights, shares, i)
             loss.backward()
         losses.append(reported)
-    # A training step needs the optimizer auto_accelerate built (without one this fails here, as it always did).
-    optim = cast(torch.optim.Optimizer, result.optim)
+    optim = cast(torch.optim.Optimizer, result.optim)      # checked by train_step_stats
     norm = None
     if max_grad_norm is not None:
         norm = clip_grad_norm_(result, max_grad_norm)   # unscales fp16 gradients first
