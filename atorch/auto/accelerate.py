@@ -13,9 +13,10 @@ The work itself is in `atorch.auto.engine` (apply) and `atorch.auto.search` (the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -280,6 +281,39 @@ def _agree_between_ranks(ctx: ModelContext, strategy: Optional[Strategy]) -> Non
         if f"{_SAMPLER}:" in str(e):
             raise ValueError(f"{e} ({_SAMPLER_NOTE})") from None
         raise
+    agree_on_values("auto_accelerate", _training_texts(ctx), why="so they would train their copies of the "
+                    "model differently (each rank's optimizer steps its own replica or shard)")
+
+
+def _training_texts(ctx: ModelContext) -> Dict[str, str]:
+    """How each rank updates the model (optimizer, its arguments, the LR scheduler, the loss), as texts
+    comparable across processes (`stable_text`): given different ones, data-parallel replicas drift apart
+    with no error anywhere (lr 1e-3 on one rank and 1e-1 on the other: the weights differed by 0.3 after 3
+    steps)."""
+    return {"optim_func": stable_text(ctx.optim_func), "optim_args": stable_text(ctx.optim_args),
+            "lr_scheduler_cls": stable_text(ctx.lr_scheduler_cls),
+            "lr_scheduler_args": stable_text(ctx.lr_scheduler_args), "loss_func": stable_text(ctx.loss_func)}
+
+
+def stable_text(value: Any) -> str:
+    """`value` as a text that is the same in every process given the same value: a function or class by its
+    qualified name (its repr holds a memory address), a partial with its arguments, a mapping sorted, numbers
+    and strings by repr, any other object by its type (its contents are not compared)."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return repr(value)
+    if isinstance(value, functools.partial):
+        args = [stable_text(a) for a in value.args]
+        args += [f"{k}={stable_text(v)}" for k, v in sorted(value.keywords.items())]
+        return f"partial({stable_text(value.func)}, {', '.join(args)})"
+    if isinstance(value, Mapping):
+        items = sorted(value.items(), key=lambda kv: str(kv[0]))
+        return "{" + ", ".join(f"{k!r}: {stable_text(v)}" for k, v in items) + "}"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(stable_text(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    if isinstance(value, type) or (callable(value) and hasattr(value, "__qualname__")):
+        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"
 
 
 # What decides which samples each data rank reads and how many steps an epoch has (`engine.build_dataloader`

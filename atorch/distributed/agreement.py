@@ -144,7 +144,11 @@ def agree_on_error(what: str, group: Optional[dist.ProcessGroup] = None) -> Iter
     agree(what, error, group)
 
 
-def agree_on_values(what: str, values: Mapping[str, str], group: Optional[dist.ProcessGroup] = None) -> None:
+DIFFERENT_COLLECTIVES = "so they would run different collectives"
+
+
+def agree_on_values(what: str, values: Mapping[str, str], group: Optional[dist.ProcessGroup] = None,
+                    why: str = DIFFERENT_COLLECTIVES) -> None:
     """Every rank calls this with its own `values` (a name -> a short text of what this rank was
     given); when any name's text differs between ranks, every rank raises the same ValueError naming
     it and what each rank had.
@@ -153,6 +157,7 @@ def agree_on_values(what: str, values: Mapping[str, str], group: Optional[dist.P
     strategies or batch sizes, ranks run different collectives and wait for each other until the
     collective timeout, or fail inside the backend with a message about sizes ("Received data size
     doesn't match expected size") that names neither input. One `all_gather_object` of the texts.
+    `why`: what the difference would do, said in the error.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
@@ -171,7 +176,7 @@ def agree_on_values(what: str, values: Mapping[str, str], group: Optional[dist.P
             differences.append(f"{name}: " + "; ".join(f"{text} on rank{'s' if len(ranks) > 1 else ''} {ranks}"
                                                       for text, ranks in by_text.items()))
     if differences:
-        error = ValueError(f"{what}: the ranks were given different {', '.join(differing)}, so they would run "
-                           "different collectives; give every rank the same. " + " | ".join(differences))
+        error = ValueError(f"{what}: the ranks were given different {', '.join(differing)}, {why}; give every "
+                           "rank the same. " + " | ".join(differences))
         setattr(error, _AGREED, True)
         raise error

@@ -41,6 +41,10 @@ def _accelerate(**overrides: Any):
     return auto_accelerate(kwargs.pop("model", None) or tiny_llama(seed=0), **kwargs)
 
 
+def _scaled_loss(batch: Any, output: Any) -> torch.Tensor:
+    return output.loss * 10
+
+
 def _on_rank(rank: int, exc: BaseException) -> Callable:
     """An optimizer factory that raises `exc` on `rank` only."""
     def factory(params, lr):
@@ -161,6 +165,11 @@ def _cases(root: str) -> List[Tuple[str, Callable[[], Any]]]:
         ("strategies_differ", lambda: _accelerate(
             load_strategy=["amp_native", "fsdp"] if _rank() == 0 else ["fsdp"])),
         ("batch_sizes_differ", lambda: _accelerate(dataloader_args={"batch_size": 4 if _rank() == 0 else 8})),
+        # No collective differs: the replicas silently drifted apart (weights 0.3 apart after 3 steps).
+        ("learning_rates_differ", lambda: _accelerate(optim_args={"lr": 1e-3 if _rank() == 0 else 1e-1})),
+        ("optimizers_differ", lambda: _accelerate(optim_func=torch.optim.AdamW if _rank() == 0 else torch.optim.SGD,
+                                                  optim_args={"lr": 1e-3})),
+        ("loss_func_on_rank_0_only", lambda: _accelerate(loss_func=_scaled_loss if _rank() == 0 else None)),
         # stages and slices are cut from each rank's own model: models built without a common seed
         # trained on silently (a stage's data replicas never agreed); found by the combination sweep
         ("pipeline_models_differ", lambda: _accelerate(model=tiny_llama(seed=_rank()), load_strategy=PIPELINE_2)),
@@ -233,6 +242,13 @@ EXPECTED: Dict[str, Tuple[str, str]] = {
                                         "give every rank the same. load_strategy: amp_native(bfloat16)+fsdp on rank "
                                         "[0]; fsdp on rank [1]"),
     "batch_sizes_differ": ("ValueError", "dataloader_args['batch_size']: 4 on rank [0]; 8 on rank [1]"),
+    "learning_rates_differ": ("ValueError", "given different optim_args, so they would train their copies of the "
+                                            "model differently (each rank's optimizer steps its own replica or "
+                                            "shard); give every rank the same. optim_args: {'lr': 0.001} on rank "
+                                            "[0]; {'lr': 0.1} on rank [1]"),
+    "optimizers_differ": ("ValueError", "optim_func: torch.optim.adamw.AdamW on rank [0]; torch.optim.sgd.SGD on "
+                                        "rank [1]"),
+    "loss_func_on_rank_0_only": ("ValueError", f"loss_func: {__name__}._scaled_loss on rank [0]; None on rank [1]"),
     "pipeline_models_differ": ("ValueError", "pipeline_parallel: the model's weights differ across ranks: "
                                              "model.embed_tokens.weight and "),
     "tensor_models_differ": ("ValueError", "tensor_parallel: the model's weights differ across ranks: "
