@@ -119,16 +119,16 @@ def train_step_stats(result: AutoAccelerateResult, batch: Any, *, gradient_accum
                      max_grad_norm: Optional[float] = None, loss_weighting: str = "rows") -> StepStats:
     """`train_step`, also returning the gradient norm it clipped (see `StepStats`)."""
     _check_result("train_step", result)
-    if result.optim is None and result.engine is None and result.custom_train_step is None:
-        # Before the forward: failing at optim.step() left this step's gradients in every .grad.
-        raise ValueError("train_step needs an optimizer, and auto_accelerate was called without optim_func: pass "
-                         "optim_func (e.g. torch.optim.AdamW) to auto_accelerate, or run forward and backward on "
-                         "result.model yourself")
     _agree_on_first_call(result, gradient_accumulation_steps, max_grad_norm, batch, loss_weighting)
     steps = _accumulation_steps(result, gradient_accumulation_steps)
     if max_grad_norm is not None:
         _check_max_norm("train_step: max_grad_norm", max_grad_norm)
     by_tokens = _weights_by_tokens(result, loss_weighting)
+    if result.optim is None and result.engine is None and result.custom_train_step is None:
+        # Before the forward: failing at optim.step() left this step's gradients in every .grad.
+        raise ValueError("train_step needs an optimizer, and auto_accelerate was called without optim_func: pass "
+                         "optim_func (e.g. torch.optim.AdamW) to auto_accelerate, or run forward and backward on "
+                         "result.model yourself")
     if result.pipeline is not None:
         return _pipeline_step(result, result.pipeline, batch, steps, max_grad_norm, by_tokens)
     if result.custom_train_step is not None:  # engines with their own schedule (deepspeed_3d_parallel)
@@ -286,6 +286,17 @@ def _classes(model: Any) -> List[type]:
     return classes
 
 
+def _model_name(model: Any) -> str:
+    """The user's model class under atorch's wrappers (`.module`), e.g. LlamaForCausalLM."""
+    for _ in range(4):
+        inner = getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            break
+        model = inner
+    base = getattr(model, "get_base_model", None)     # peft
+    return type(base() if callable(base) else model).__name__
+
+
 def is_causal_lm(model: Any) -> bool:
     """Whether `model` (under atorch's wrappers) is a Hugging Face causal LM (see `_CAUSAL_LM_SUFFIX`)."""
     return any(cls.__name__.endswith(_CAUSAL_LM_SUFFIX) or cls.__name__ in _CAUSAL_LM_HEADS
@@ -337,6 +348,62 @@ def check_batch(batch: Any, causal_lm: bool, token_ids: bool = True) -> None:
         raise ValueError(f"train_step: batch['labels'] has shape {tuple(labels.shape)} but batch['input_ids'] has "
                          f"shape {tuple(ids.shape)}; a causal LM predicts each next token of its input, so labels "
                          "must have input_ids' shape (the same ids, with -100 where no token is predicted)")
+
+
+def token_limits(model: Any) -> Tuple[Optional[int], Optional[Tuple[str, int]]]:
+    """(vocabulary size, (position field, longest sequence)) of a Hugging Face model under atorch's wrappers
+    (DDP, DeepSpeed engines: `.module`; peft), read off its (text) config; None for what it does not declare."""
+    from atorch.auto.arguments import position_limit
+
+    inner, config = model, None
+    for _ in range(4):
+        config = getattr(inner, "config", None)
+        if config is not None and hasattr(config, "to_dict"):
+            break
+        inner = getattr(inner, "module", None)
+        if not isinstance(inner, nn.Module):
+            return None, None
+    if config is None or not hasattr(config, "to_dict"):
+        return None, None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    vocab = vocab if isinstance(vocab, int) and vocab > 0 else None
+    # An embedding larger than the config says (padded, or resized without updating it) embeds those ids too;
+    # a tensor-parallel shard holds fewer rows than the vocabulary, so the larger of the two.
+    embeddings = getattr(inner, "get_input_embeddings", None)
+    try:
+        rows = getattr(embeddings() if callable(embeddings) else None, "num_embeddings", None)
+    except (NotImplementedError, AttributeError):
+        rows = None
+    if vocab is not None and isinstance(rows, int):
+        vocab = max(vocab, rows)
+    return vocab, position_limit(text)
+
+
+def check_token_range(batch: Any, model_name: str, limits: Tuple[Optional[int], Optional[Tuple[str, int]]]) -> None:
+    """ValueError for `input_ids` the model cannot embed: an id outside its vocabulary (torch's "index out of
+    range in self" on CPU, a device-side assert that ends the process on a GPU) or a sequence longer than its
+    position embeddings (GPT-2's learned positions fail the same way; a rotary model trains silently beyond
+    the positions it was trained on). The arguments check reads dataset[0] only; this sees every batch. A
+    batch still on the host only: on a GPU the reduction would wait for the device every step."""
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    if not isinstance(ids, torch.Tensor) or ids.device.type != "cpu" or ids.dtype not in _INTEGER_DTYPES \
+            or ids.numel() == 0:
+        return
+    vocab, positions = limits
+    if positions is not None and ids.dim() >= 2 and ids.shape[-1] > positions[1]:
+        raise ValueError(f"train_step: batch['input_ids'] has {ids.shape[-1]} tokens per row, more than "
+                         f"{model_name}'s {positions[0]}={positions[1]}; cut the sequences to at most "
+                         f"{positions[1]} tokens (the dataset or collate_fn)")
+    if vocab is None:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if high >= vocab or low < 0:
+        bad = high if high >= vocab else low
+        raise ValueError(f"train_step: batch['input_ids'] holds token id {bad}, outside {model_name}'s vocabulary "
+                         f"of {vocab} ids (config.vocab_size); a tokenizer with more tokens than the model needs "
+                         "model.resize_token_embeddings(len(tokenizer)) before auto_accelerate, and padding or "
+                         "ignored positions belong in labels (-100), not in input_ids")
 
 
 # -- micro-batches ----------------------------------------------------------------------------
@@ -534,8 +601,10 @@ def _prepared_micro_batches(result: AutoAccelerateResult, model: Any, batch: Any
     and under `by_tokens` their token shares (which need every micro-batch's labels before the first backward)."""
     micros, weights = micro_batches(result, batch, steps)
     causal_lm, token_ids = is_causal_lm(model), takes_token_ids(model)
+    limits, name = token_limits(model) if token_ids else (None, None), _model_name(model)
     prepared = []
     for micro in micros:
+        check_token_range(micro, name, limits)
         micro = result.prepare_input(micro)
         check_batch(micro, causal_lm, token_ids)
         prepared.append(micro)
@@ -682,6 +751,7 @@ def _custom_step(result: AutoAccelerateResult, custom_step: Callable, batch: Any
     for part in (batch if isinstance(batch, (list, tuple)) and all(isinstance(b, Mapping) for b in batch)
                  else [batch]):
         check_batch(part, causal_lm=False, token_ids=True)
+        check_token_range(part, _model_name(engine), token_limits(engine))
     loss = custom_step(result, batch)
     norm = _deepspeed_norm(engine) if max_grad_norm is not None else None
     return StepStats(loss, norm, steps)
@@ -701,7 +771,9 @@ def _pipeline_step(result: AutoAccelerateResult, pipeline: Any, batch: Any, step
     params = [p for p in pipeline.stage_module.parameters() if p.requires_grad]
     losses: List[torch.Tensor] = []
     micros = []
+    limits, name = token_limits(pipeline.stage_module), _model_name(pipeline.stage_module)
     for micro in split_batch(batch, steps):
+        check_token_range(micro, name, limits)
         micro = result.prepare_input(micro)
         # The native pipeline's default loss is the causal-LM loss (a loss_fn of the user's takes its own labels).
         check_batch(micro, causal_lm=getattr(pipeline, "loss_fn", None) is None)
