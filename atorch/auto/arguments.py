@@ -125,7 +125,7 @@ def validate_arguments(
     if dataset is not None:
         _check_dataset(dataset, global_batch, args.get("drop_last", True))
         check_sequence_length(model, dataset)
-        check_sample_format(dataset, model_input_format, args, prepare_input)
+        check_sample_format(dataset, model_input_format, args, prepare_input, model)
     _check_report_path(report_path)
     _check_output_path("save_strategy_to_file", save_strategy_to_file, created_dir=_report_directory(report_path))
     for name, value in (("excluded", excluded), ("included", included)):
@@ -225,16 +225,18 @@ def check_optimizer(optim: Any, func: Any) -> Any:
 
 
 def check_sample_format(dataset: Any, model_input_format: Optional[str], dataloader_args: Mapping[str, Any],
-                        prepare_input: Any) -> None:
+                        prepare_input: Any, model: Optional[nn.Module] = None) -> None:
     """dataset[0] has the shape `model_input_format` unpacks (a dict for 'unpack_dict', a sequence for
-    'unpack_sequence'); skipped when a collate_fn or prepare_input may reshape the batch."""
-    if model_input_format is None or dataset is None or prepare_input is not None \
-            or dataloader_args.get("collate_fn") is not None:
+    'unpack_sequence'), and for a Hugging Face model taking `input_ids` one it can be called with (`model`);
+    skipped when a collate_fn or prepare_input may reshape the batch."""
+    if dataset is None or prepare_input is not None or dataloader_args.get("collate_fn") is not None:
         return
     try:
         sample = dataset[0]
     except Exception:  # noqa: BLE001 - a dataset that cannot index 0 is checked by the dataloader instead
         return
+    if model is not None:
+        _check_token_model_sample(model, sample, model_input_format)
     if model_input_format == "unpack_dict" and not isinstance(sample, Mapping):
         raise TypeError(f"model_input_format='unpack_dict' calls model(**batch), but dataset[0] is "
                         f"{_describe(sample)}; return a dict such as {{'input_ids': ..., 'labels': ...}} from the "
@@ -244,6 +246,34 @@ def check_sample_format(dataset: Any, model_input_format: Optional[str], dataloa
         raise TypeError(f"model_input_format='unpack_sequence' calls model(*batch), but dataset[0] is "
                         f"{_describe(sample)}; return a tuple or list of model inputs from the dataset, or pass "
                         "collate_fn in dataloader_args or prepare_input")
+
+
+def _check_token_model_sample(model: nn.Module, sample: Any, model_input_format: Optional[str]) -> None:
+    """For a Hugging Face model whose forward takes `input_ids`: a tuple sample under the default format is
+    passed whole (model(batch)) and failed inside the embedding ("argument 'indices' must be Tensor, not
+    list"); a dict naming none of the forward's inputs (untokenized {'text': ...}) failed inside transformers
+    ("You must specify exactly one of input_ids or inputs_embeds")."""
+    if not type(model).__module__.startswith("transformers."):
+        return
+    try:
+        accepted = set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return
+    if "input_ids" not in accepted:
+        return
+    name = type(model).__name__
+    if model_input_format is None and isinstance(sample, (tuple, list)):
+        raise TypeError(f"dataset[0] is {_describe(sample)}, and with model_input_format=None a batch that is not a "
+                        f"dict is passed to the model as one argument, which {name} cannot take: return a dict such "
+                        "as {'input_ids': ..., 'labels': ...} from the dataset, or pass "
+                        "model_input_format='unpack_sequence' to call model(*batch)")
+    if isinstance(sample, Mapping) and model_input_format in (None, "unpack_dict") and not set(sample) & accepted:
+        texts = [k for k, v in sample.items() if isinstance(v, str)]
+        hint = (f" ({texts[0]!r} holds text: tokenize it first, e.g. with the model's tokenizer in the dataset or "
+                "`atorch preprocess` for a Megatron-format corpus)" if texts else "")
+        raise TypeError(f"dataset[0] has keys {sorted(map(str, sample))[:8]}, none of which {name}.forward takes; it "
+                        f"needs 'input_ids' (token ids) and, to compute a loss, 'labels'{hint}; or pass a collate_fn "
+                        "in dataloader_args (or prepare_input) that builds them")
 
 
 def check_optim_params_in_model(model: nn.Module, optim_param_func: Callable[[nn.Module], Any]) -> None:

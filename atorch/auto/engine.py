@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler, default_collate
 
 from atorch import distributed as adist
 from atorch.auto.arguments import DEFAULT_GLOBAL_BATCH, check_loss, check_optimizer
@@ -125,6 +125,21 @@ def place_model(ctx: ModelContext) -> None:
     ctx.model.to(ctx.device)
 
 
+def stack_samples(samples: List[Any]) -> Any:
+    """torch's default collate (stack each field), saying what to do when samples of one batch differ in length:
+    torch's "stack expects each tensor to be equal size" names neither the dataset nor a remedy. Module level,
+    so DataLoader workers can pickle it."""
+    try:
+        return default_collate(samples)
+    except RuntimeError as e:
+        if "stack expects each tensor to be equal size" not in str(e):
+            raise
+        raise ValueError(f"dataloader: the samples of one batch differ in length ({e}); pad them to one length in "
+                         "the dataset, or pass dataloader_args={'collate_fn': ...} that pads each batch (e.g. "
+                         "transformers' DataCollatorForSeq2Seq, or one padding input_ids with the pad token and "
+                         "labels with -100)") from e
+
+
 def build_dataloader(ctx: ModelContext, global_batch: Optional[int] = None,
                      micro_batches: int = 1) -> Tuple[DataLoader, Sampler]:
     """A DataLoader whose `batch_size` is the global one (or `global_batch`) divided over the data-parallel ranks
@@ -147,6 +162,8 @@ def build_dataloader(ctx: ModelContext, global_batch: Optional[int] = None,
     # taking `micro_batches` items per step (DeepSpeed 3D) would run out in the middle of an epoch's last step.
     # (Without drop_last, DeepSpeed 3D refuses an epoch ending mid-step before training.)
     whole_steps = micro_batches > 1 and drop_last and hasattr(sampler, "__len__")
+    if args.get("collate_fn") is None:
+        args["collate_fn"] = stack_samples
     loader = DataLoader(ctx.dataset, batch_size=global_batch // dp // micro_batches, drop_last=drop_last,
                         sampler=WholeStepsSampler(sampler, global_batch // dp) if whole_steps else sampler, **args)
     size = len(ctx.dataset) if hasattr(ctx.dataset, "__len__") else None
