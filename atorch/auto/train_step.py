@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
+import logging
 import math
 import re
 import weakref
@@ -61,6 +62,8 @@ from atorch.modules.pipeline.batches import (
     cut_rows,
     find_batch_rows,
 )
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["LOSS_WEIGHTINGS", "StepStats", "check_batch", "clip_grad_norm_", "split_batch", "train_step",
            "train_step_stats"]
@@ -196,13 +199,16 @@ def _check_replica_peers_share_the_batch(result: AutoAccelerateResult, batch: An
     if parallel is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     split = [name for name in _REPLICA_SPLIT_DIMS if parallel.size_or_one(name) > 1]
-    if not split:
+    replicas = dist.get_world_size() // max(1, math.prod(parallel.size_or_one(name) for name in _REPLICA_SPLIT_DIMS))
+    if not split and replicas < 2:
         return
     coords = parallel.layout.coords(dist.get_rank())
     replica = tuple(sorted((name, c) for name, c in coords.items() if name not in _REPLICA_SPLIT_DIMS))
     gathered: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (replica, batch_digest(batch)))
-    for members in _replicas_by_batch(gathered).values():
+    by_replica = _replicas_by_batch(gathered)
+    _warn_if_every_replica_has_one_batch(by_replica)
+    for members in by_replica.values():
         if len(members) > 1:
             ranks = sorted(r for group in members.values() for r in group)
             fed = "; ".join(f"ranks {group}" for group in members.values())
@@ -211,6 +217,21 @@ def _check_replica_peers_share_the_batch(result: AutoAccelerateResult, batch: An
                 f"given different batches (the same batch went to {fed}); feed every rank of a replica the same "
                 "batch: iterate result.dataloader, or shard your data over the 'data' dimension "
                 "(result.parallel.size('data') and the rank's 'data' coordinate), not over the world")
+
+
+def _warn_if_every_replica_has_one_batch(by_replica: Dict[Any, Dict[str, List[int]]]) -> None:
+    """Warn (rank 0) when every data-parallel replica was given the same batch at the first step: a loader of
+    the user's own that yields the whole global batch on every rank trains like one replica at the cost of
+    all of them, and its resume position counts rows no rank skipped. A warning, not an error: a synthetic
+    constant batch (a throughput test) is the same everywhere on purpose."""
+    digests = {digest for members in by_replica.values() for digest in members}
+    if len(by_replica) < 2 or len(digests) != 1 or dist.get_rank() != 0:
+        return
+    logger.warning("train_step: all %d data-parallel replicas were given the same batch at the first step, so they "
+                   "compute the same gradients: each should get its own rows (result.dataloader does; a loader of "
+                   "your own needs a DistributedSampler over the data dimension: num_replicas="
+                   "result.data_parallel_size and the rank's 'data' coordinate, with the per-rank batch size "
+                   "global batch / data_parallel_size)", len(by_replica))
 
 
 def _replicas_by_batch(gathered: Sequence[Tuple[Any, str]]) -> Dict[Any, Dict[str, List[int]]]:

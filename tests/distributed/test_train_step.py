@@ -234,6 +234,37 @@ def _tensor_peers_fed_different_batches() -> Dict[str, Any]:
     return {"error": error}
 
 
+def _data_ranks_fed_one_batch() -> Dict[str, Any]:
+    """Both DDP ranks given the whole global batch (a loader of the user's own without a sampler): it trains, like
+    one replica at the cost of two; rank 0 warns once, at the first step. Then each rank its own rows: no warning."""
+    import logging
+
+    _, result, _ = auto_accelerate(
+        tiny_llama(seed=0), optim_func=torch.optim.SGD, dataset=dataset(), optim_args={"lr": LR},
+        model_input_format="unpack_dict", dataloader_args={"batch_size": GLOBAL_BATCH},
+        load_strategy=STRATEGIES["ddp"])
+    records: List[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())     # type: ignore[method-assign]
+    logging.getLogger("atorch.auto.train_step").addHandler(handler)
+    try:
+        whole = global_batches(dataset(), GLOBAL_BATCH, 1)[0]
+        train_step_stats(result, whole)
+        train_step_stats(result, whole)
+        same = list(records)
+        records.clear()
+        _, own, _ = auto_accelerate(
+            tiny_llama(seed=0), optim_func=torch.optim.SGD, dataset=dataset(), optim_args={"lr": LR},
+            model_input_format="unpack_dict", dataloader_args={"batch_size": GLOBAL_BATCH},
+            load_strategy=STRATEGIES["ddp"])
+        train_step_stats(own, next(iter(own.dataloader)))
+    finally:
+        logging.getLogger("atorch.auto.train_step").removeHandler(handler)
+    del result, own
+    dist.barrier()
+    return {"same": same, "own": list(records)}
+
+
 class PaddedTokenDataset(TokenDataset):
     """TokenDataset rows right-padded to `PADDED_LENGTHS[i % 8]` real tokens (pad id 3, labels -100, attention 0).
 
@@ -321,6 +352,7 @@ def _train_weighted(strategy: List[Any], loss_weighting: str, compare_weights: b
 def _train_all() -> Dict[str, Dict[str, Any]]:
     out = {name: _train(strategy) for name, strategy in STRATEGIES.items()}
     out["tensor peers fed different batches"] = _tensor_peers_fed_different_batches()
+    out["data ranks fed one batch"] = _data_ranks_fed_one_batch()
     out.update({name: _train_last_batch(strategy) for name, strategy in LAST_BATCH_STRATEGIES.items()})
     out["last batch pipeline"] = _train_last_batch(LAST_BATCH_PIPELINE)
     out.update({name: _train_weighted(strategy, "tokens") for name, strategy in TOKEN_STRATEGIES.items()})
@@ -396,6 +428,14 @@ def test_tensor_peers_fed_different_batches_raise_on_every_rank(runs):
     assert errors[0] is not None and errors == [errors[0]] * len(runs), errors
     assert "ranks [0, 1] hold one model replica together (tensor peers)" in errors[0]
     assert "iterate result.dataloader" in errors[0]
+
+
+def test_data_ranks_fed_the_same_batch_are_warned_about_once(runs):
+    warned = [m for m in runs[0]["data ranks fed one batch"]["same"] if "were given the same batch" in m]
+    assert len(warned) == 1, runs[0]["data ranks fed one batch"]
+    assert warned[0].startswith("train_step: all 2 data-parallel replicas were given the same batch at the first step")
+    assert not any("same batch" in m for m in runs[1]["data ranks fed one batch"]["same"])   # rank 0 says it
+    assert not any("same batch" in m for per_rank in runs for m in per_rank["data ranks fed one batch"]["own"])
 
 
 def test_ddp_skips_the_gradient_sync_of_non_final_micro_steps(runs):
