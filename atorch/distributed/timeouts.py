@@ -11,6 +11,10 @@
 The roll call: every rank whose collective timed out writes `<pg>/<sequence number>/<rank>`
 into the store, waits a grace period (the skew between ranks entering the collective, at most
 the timeout), and lists the ranks of the group that did not write: those never reached it.
+What a rank writes is the collective it was in at that sequence number (name, input sizes and
+dtypes), so that ranks that all arrived but in different collectives (one that runs on some
+ranks only, e.g. a save behind `if rank == 0`) or with different tensor sizes are told apart
+from a slow or lost transfer, where every rank agrees.
 """
 
 from __future__ import annotations
@@ -38,6 +42,17 @@ _TIMEOUT_MARKERS = ("Timed out waiting", "timed out", "Timeout", "timeout")
 _PEER_LOST_MARKERS = ("closed by peer", "Connection reset", "pair closure", "Broken pipe", "Connection refused")
 NODE_KEY = "atorch/node"
 _MAX_GRACE_S = 30.0
+# Collectives whose input tensors have the same sizes and dtypes on every rank of the group (names after
+# the backend's "gloo:"/"nccl:" prefix). An allow-list: the others (scatter, gather, all_to_all with uneven
+# splits, ...) may differ legitimately, and a size difference there says nothing about the timeout.
+_SAME_INPUT_ON_EVERY_RANK = frozenset({
+    "all_reduce", "allreduce", "all_reduce_coalesced", "allreduce_coalesced", "broadcast", "_broadcast_oop",
+    "reduce", "_reduce_oop", "all_gather", "allgather", "_all_gather_base", "_allgather_base",
+    "all_gather_into_tensor_coalesced", "allgather_into_tensor_coalesced", "reduce_scatter",
+    "_reduce_scatter_base", "reduce_scatter_tensor_coalesced",
+})
+# Longest rendering of one rank's tensor sizes in a message (a coalesced collective lists hundreds).
+_MAX_SIZES_CHARS = 120
 
 
 # The longest timeout accepted: far beyond any job, well inside timedelta and the process groups' limits.
@@ -132,7 +147,8 @@ def _pending_collective() -> Optional[Dict[str, Any]]:
     if ranks is None and pg_desc == "default_pg" and dist.is_initialized():
         ranks = list(range(dist.get_world_size()))
     return {"name": entry.get("profiling_name"), "seq": entry.get("collective_seq_id"),
-            "pg": pg_desc or pg_name, "pg_id": pg_name, "sizes": entry.get("input_sizes"), "ranks": ranks}
+            "pg": pg_desc or pg_name, "pg_id": pg_name, "sizes": entry.get("input_sizes"),
+            "dtypes": entry.get("input_dtypes"), "ranks": ranks}
 
 
 def _ranks_of_group_named(name: str) -> Optional[List[int]]:
@@ -150,23 +166,95 @@ def _ranks_of_group_named(name: str) -> Optional[List[int]]:
     return None
 
 
-def roll_call(store: dist.Store, key: str, ranks: Sequence[int], me: int, grace_s: float) -> List[int]:
-    """Ranks of `ranks` that did not write `key/<rank>` within `grace_s` (this rank writes its own)."""
-    store.set(f"{key}/{me}", "1")
+def roll_call(store: dist.Store, key: str, ranks: Sequence[int], me: int, grace_s: float,
+              doing: Optional[Dict[str, Any]] = None) -> Dict[int, Dict[str, Any]]:
+    """What each rank of `ranks` that wrote `key/<rank>` within `grace_s` was doing; this rank writes `doing`.
+
+    The ranks absent from the answer never reached the collective. A rank's answer is the collective it
+    was in at this sequence number ({"name", "sizes", "dtypes"}, as far as its flight recorder knew;
+    empty when it knew nothing), so the caller can tell ranks in different collectives apart.
+    """
+    store.set(f"{key}/{me}", json.dumps(doing or {}))
     deadline = time.monotonic() + grace_s
-    missing = list(ranks)
     while True:
-        missing = [r for r in ranks if not store.check([f"{key}/{r}"])]
-        if not missing or time.monotonic() >= deadline:
-            return missing
+        arrived = [r for r in ranks if store.check([f"{key}/{r}"])]
+        if len(arrived) == len(ranks) or time.monotonic() >= deadline:
+            break
         time.sleep(0.2)
+    answers: Dict[int, Dict[str, Any]] = {}
+    for r in arrived:
+        try:
+            answer = json.loads(store.get(f"{key}/{r}").decode())
+        except ValueError:   # not JSON: a rank that knew nothing to tell
+            answer = {}
+        answers[r] = answer if isinstance(answer, dict) else {}
+    return answers
+
+
+def _by_rank(values: Dict[int, str]) -> str:
+    """'A on rank(s) [0]; B on rank(s) [1, 2]': ranks grouped by value, so a 64-rank job's message stays short."""
+    groups: Dict[str, List[int]] = {}
+    for r in sorted(values):
+        groups.setdefault(values[r], []).append(r)
+    return "; ".join(f"{value} on rank(s) {rs}" for value, rs in groups.items())
+
+
+def _short(value: Any) -> str:
+    """`value` as text, cut to _MAX_SIZES_CHARS (the sizes of a coalesced collective fill a screen)."""
+    text = str(value)
+    return text if len(text) <= _MAX_SIZES_CHARS else text[:_MAX_SIZES_CHARS - 3] + "..."
+
+
+def _op_of(name: str) -> str:
+    """'all_reduce' of 'gloo:all_reduce': the collective without its backend."""
+    return name.split(":", 1)[-1]
+
+
+def _describe_disagreement(answers: Dict[int, Dict[str, Any]]) -> Optional[str]:
+    """What the ranks of a roll call disagree on (different collectives, sizes or dtypes), None if nothing.
+
+    Only what the ranks recorded is compared: a rank without a flight recorder agrees with everyone.
+    Sizes and dtypes are compared only for collectives whose inputs must match on every rank.
+    """
+    names = {r: a["name"] for r, a in answers.items() if a.get("name")}
+    if len(set(names.values())) > 1:
+        ops = {r: names[r] + (f" (input sizes {_short(answers[r]['sizes'])})" if answers[r].get("sizes") else "")
+               for r in names}
+        return (f"; the ranks were in different collectives at this sequence number: {_by_rank(ops)}. A collective "
+                "that runs on some ranks only (a save, a log or a metric behind `if rank == 0`, or a branch on "
+                "rank-local data) desynchronizes them; run it on every rank of the group, or on none")
+    if not names or _op_of(next(iter(names.values()))) not in _SAME_INPUT_ON_EVERY_RANK:
+        return None
+    for field in ("sizes", "dtypes"):
+        values = {r: answers[r][field] for r in names if answers[r].get(field) is not None}
+        if len({json.dumps(v) for v in values.values()}) > 1:
+            shown = _by_rank({r: _short(v) for r, v in values.items()})
+            return (f"; every rank of the group reached it but with different input tensor {field}: {shown}. Every "
+                    f"rank must pass tensors of the same {field} (one whose shape or dtype depends on the rank: an "
+                    "uneven last batch, a rank-local list, a branch on the rank?)")
+    return None
+
+
+def _roll_call_outcome(store: dist.Store, key: str, ranks: Sequence[int], me: int, grace_s: float,
+                       doing: Dict[str, Any]) -> str:
+    """The roll call's part of the message: the ranks that did not arrive, what the ranks disagree on, or neither."""
+    answers = roll_call(store, key, ranks, me, grace_s, doing)
+    missing = [r for r in ranks if r not in answers]
+    if missing:
+        return f"; rank(s) {missing} did not arrive ({_nodes_of(store, missing)})"
+    return _describe_disagreement(answers) or "; every rank of the group reached it (a slow or lost transfer)"
 
 
 def describe_collective_timeout(exc: BaseException, store: Optional[dist.Store]) -> str:
-    """A message naming the collective that timed out on this rank and the ranks that never reached it."""
+    """A message naming the collective that timed out on this rank and the ranks that never reached it.
+
+    When every rank reached the same sequence number but in different collectives (or with different
+    tensor sizes), the message says so and lists each rank's collective instead of blaming the network.
+    """
     timeout_s = collective_timeout().total_seconds()
     me = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
     pending = _pending_collective()
+    doing: Dict[str, Any] = {}
     if pending is None:
         what, ranks, key = "a collective", None, "unknown"
     else:
@@ -174,14 +262,14 @@ def describe_collective_timeout(exc: BaseException, store: Optional[dist.Store])
         what = (f"collective {pending['name']} (sequence number {pending['seq']} of process group "
                 f"{pending['pg']!r}{sizes})")
         ranks, key = pending["ranks"], f"{pending['pg_id']}/{pending['seq']}"
+        doing = {"name": pending["name"], "sizes": pending.get("sizes"), "dtypes": pending.get("dtypes")}
     if ranks is None and dist.is_initialized():
         ranks = list(range(dist.get_world_size()))
     missing_text = ""
     if store is not None and ranks:
         try:
-            missing = roll_call(store, f"atorch/timeout/{key}", ranks, me, min(timeout_s, _MAX_GRACE_S))
-            missing_text = (f"; rank(s) {missing} did not arrive ({_nodes_of(store, missing)})" if missing
-                            else "; every rank of the group reached it (a slow or lost transfer)")
+            missing_text = _roll_call_outcome(store, f"atorch/timeout/{key}", ranks, me,
+                                              min(timeout_s, _MAX_GRACE_S), doing)
         except Exception:  # noqa: BLE001 - the store may be gone with the failed rank
             missing_text = "; the other ranks could not be asked (the rendezvous store is unreachable)"
     lost = any(m in str(exc) for m in _PEER_LOST_MARKERS) and not any(m in str(exc) for m in _TIMEOUT_MARKERS)
