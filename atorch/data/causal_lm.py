@@ -313,9 +313,8 @@ class DatasetForCausalLM(Dataset):
         _save_atomically(self.index_files["samples"], samples)  # last: its presence marks a finished build
 
     def _load_index(self) -> None:
-        # Plain ndarray views of the maps: np.memmap's Python-level indexing costs per sample read.
         try:
-            arrays = {k: np.load(p, mmap_mode="r").view(np.ndarray) for k, p in self.index_files.items()}
+            arrays = {k: self._load_index_file(k) for k in self.index_files}
         except FileNotFoundError as e:
             raise FileNotFoundError(f"{e}: the local rank 0 of this node did not build this index; every rank of a "
                                     "node must construct the dataset with the same data_name and cache_dir") from e
@@ -331,6 +330,30 @@ class DatasetForCausalLM(Dataset):
                              "built for other data; delete its *.npy files and retry")
         self._doc_order, self._doc_offsets, self._samples = (arrays["doc_order"], arrays["doc_offsets"],
                                                              arrays["samples"])
+
+    def _load_index_file(self, key: str) -> np.ndarray:
+        """The cached `key` array, memory-mapped, as a plain ndarray view (np.memmap's Python-level indexing
+        costs per sample read).
+
+        A truncated or damaged file (a copy or a build that was cut short, a full disk) made np.load fail
+        with numpy's own words ("EOF: reading array header", "mmap length is greater than file size"),
+        which name neither the file nor the remedy: ValueError naming both instead. The index is rebuilt
+        only when a file is missing, so the remedy is to delete the set."""
+        path = self.index_files[key]
+        stem = str(path)[:-len(f"_{key}.npy")]
+        delete = (f"delete the cached index files {stem}_{{doc_order,doc_offsets,samples}}.npy and construct the "
+                  "dataset again, which rebuilds them")
+        try:
+            array = np.load(path, mmap_mode="r").view(np.ndarray)
+        except FileNotFoundError:
+            raise
+        except (ValueError, OSError, EOFError) as e:    # np.load's errors for a bad header, short data, a non-.npy
+            raise ValueError(f"cached index {str(path)!r} cannot be read, it is truncated or damaged ({e}); "
+                             f"{delete}") from e
+        if array.dtype.kind not in "iu":
+            raise ValueError(f"cached index {str(path)!r} holds {array.dtype} values, not the integers this dataset "
+                             f"writes: it is damaged or not this dataset's; {delete}")
+        return array
 
     def _check_index_lengths(self) -> None:
         """The cached index fits these documents' lengths, not only their count and total (a corpus written

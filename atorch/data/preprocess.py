@@ -143,6 +143,32 @@ def _is_local_path(name: Union[str, os.PathLike]) -> bool:
     return not isinstance(name, str) or os.path.isabs(text) or text.startswith((".", "~")) or text.count("/") > 1
 
 
+def _load_tokenizer_directory(directory: str) -> Any:
+    """`AutoTokenizer.from_pretrained(directory)`, with errors that name the directory and its tokenizer files.
+
+    A directory without tokenizer files (a model's weights only, a wrong path) made transformers fail with
+    "Couldn't instantiate the backend tokenizer ... You need to have sentencepiece or tiktoken installed",
+    which sends the user to install packages instead of to the path. The files are those `atorch merge
+    --tokenizer` copies (`atorch.checkpoint.tokenizer_files`), so both commands accept the same directories.
+    """
+    from transformers import AutoTokenizer
+
+    from atorch.checkpoint.tokenizer_files import TOKENIZER_FILES, tokenizer_files_in
+
+    found = tokenizer_files_in(directory)
+    if not found:
+        names = sorted(os.listdir(directory))
+        holds = f"it holds {names[:8]}{' ...' if len(names) > 8 else ''}" if names else "it is empty"
+        raise ValueError(f"tokenizer directory {directory} has none of the tokenizer files {list(TOKENIZER_FILES)} "
+                         f"({holds}); pass the directory a tokenizer was saved to (tokenizer.save_pretrained(DIR)), "
+                         "or a model directory that includes its tokenizer")
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load a tokenizer from directory {directory} (its tokenizer files: {found}): "
+                         f"{e}") from e
+
+
 def vocab_size_of(tokenizer: Any) -> int:
     """Number of token ids a tokenizer can produce, added tokens included."""
     if hasattr(tokenizer, "get_vocab_size"):  # tokenizers.Tokenizer
@@ -163,7 +189,8 @@ class DatasetPreprocessor:
 
     Args:
         tokenizer: a Hugging Face tokenizer, a `tokenizers.Tokenizer`, or a path to load with
-            `AutoTokenizer.from_pretrained`. Special tokens (BOS, ...) are not added.
+            `AutoTokenizer.from_pretrained` (a directory without tokenizer files is a ValueError naming it).
+            Special tokens (BOS, ...) are not added.
         chunk_size: documents per task sent to a worker.
         binarization_impl: "mmap" (default), "lazy" or "cached"; see `atorch.data.indexed_dataset`.
         append_eod: append `eod_token_id` to every document, so concatenated documents stay separated.
@@ -184,7 +211,10 @@ class DatasetPreprocessor:
                 # transformers would read it as a Hub repository id and fail with "Repo id must be in the form ...".
                 raise FileNotFoundError(f"tokenizer={os.fspath(tokenizer)!r} is not a directory; pass a tokenizer "
                                         "object or a directory written by save_pretrained")
-            tokenizer = AutoTokenizer.from_pretrained(os.fspath(tokenizer))
+            if os.path.isdir(tokenizer):
+                tokenizer = _load_tokenizer_directory(os.fspath(tokenizer))
+            else:
+                tokenizer = AutoTokenizer.from_pretrained(os.fspath(tokenizer))
         if binarization_impl not in BINARIZATION_IMPLS:
             raise ValueError(f"binarization_impl={binarization_impl!r} is not supported; choose one of "
                              f"{list(BINARIZATION_IMPLS)}")
