@@ -82,10 +82,11 @@ def init_distributed(
     coworker_num_per_node: int = 0,
     elastic_or_fault_tolerant: bool = False,
 ) -> bool:
-    """Initialize the default process group once; later calls are no-ops.
+    """Initialize the default process group once; later calls with the same backend (or None) are no-ops.
 
-    Returns True when a process group is ready. Raises ValueError for an unknown backend or a
-    malformed RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, before touching the network. `timeout`
+    Returns True when a process group is ready. Raises ValueError for an unknown backend, for
+    nccl in a process without CUDA GPUs, for a backend other than the one the group already runs
+    on, or for a malformed RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, before touching the network. `timeout`
     is the collectives' timeout (default: `ATORCH_COLLECTIVE_TIMEOUT` seconds, else 30 min);
     joining the rendezvous has its own, `ATORCH_INIT_TIMEOUT` (default 60 s): a rank that
     cannot meet the others at MASTER_ADDR:MASTER_PORT in that time (the port is another job's,
@@ -98,12 +99,18 @@ def init_distributed(
     `python -m atorch.distributed.run --fault_tolerant`); `coworker_num_per_node` > 0
     (CPU coworker processes) is not supported and raises.
     """
+    requested = backend
     if backend is None:
         backend = default_backend()
     if isinstance(backend, str):
         backend = backend.lower()
     if backend not in _SUPPORTED_BACKENDS:
         raise ValueError(f"backend={backend!r} is not supported; choose one of {list(_SUPPORTED_BACKENDS)} or None")
+    if dist.is_initialized():
+        if requested is not None:
+            _check_same_backend(backend)
+    elif backend == "nccl":
+        _check_nccl_has_gpus()
     _apply_atorch_init_options(set_cuda_device_using_local_rank, coworker_num_per_node, elastic_or_fault_tolerant)
     if dist.is_initialized():
         return True
@@ -122,6 +129,44 @@ def init_distributed(
     _register_exit_teardown()
     launcher_watch.watch_launcher()
     return True
+
+
+def _check_same_backend(backend: str) -> None:
+    """ValueError when the process group already runs on other backends than `backend`.
+
+    A second `init_distributed("nccl")` after a gloo initialization returned True and kept gloo: the caller
+    went on believing its collectives ran on the GPUs. The same backend again stays a no-op (so does None,
+    checked by the caller: "whatever is there"); a group of several backends (`"cpu:gloo,cuda:nccl"`, the
+    user's own `init_process_group`) has each of them.
+    """
+    try:
+        current = str(dist.get_backend())
+    except (RuntimeError, ValueError):    # no default group to ask (torch's own state says none): nothing to compare
+        return
+    names = {part.rpartition(":")[2].strip().lower() for part in current.split(",")}
+    if backend not in names:
+        usable = " or ".join(f"backend={name!r}" for name in sorted(names) if name in _SUPPORTED_BACKENDS)
+        raise ValueError(f"init_distributed(backend={backend!r}): the process group is already initialized with "
+                         f"backend {current!r}, and a group's backend cannot change; call atorch.reset_distributed() "
+                         f"first to start again with {backend!r}, or pass {usable + ' or ' if usable else ''}None to "
+                         "use the group as it is")
+
+
+def _check_nccl_has_gpus() -> None:
+    """ValueError, before any network use, when backend="nccl" is asked for in a process without CUDA GPUs.
+
+    Without it, the first CUDA call (choosing this process's GPU) failed with a message about LOCAL_RANK,
+    CUDA_VISIBLE_DEVICES and Slurm flags, which are not the problem.
+    """
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return
+    if torch.version.cuda is None:
+        why = f"this PyTorch build ({torch.__version__}) has no CUDA support"
+    else:
+        why = (f"no CUDA GPU is visible to this process (CUDA_VISIBLE_DEVICES="
+               f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    raise ValueError(f"backend='nccl' needs CUDA GPUs, but {why}; use backend='gloo' to run on CPUs, or None (the "
+                     "default) for nccl where there are GPUs and gloo where there are none")
 
 
 # torch's timeouts for groups created without one, as they were before `init_distributed` replaced them
