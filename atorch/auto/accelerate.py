@@ -26,6 +26,7 @@ from atorch import distributed as adist
 from atorch.auto.arguments import (
     DEFAULT_GLOBAL_BATCH,
     check_dry_run_batches,
+    check_sample_batch,
     validate_arguments,
     validate_resolved_layout,
 )
@@ -107,7 +108,10 @@ def auto_accelerate(
                            dataloader_args=dataloader_args, lr_scheduler_cls=lr_scheduler_cls,
                            lr_scheduler_args=lr_scheduler_args, save_strategy_to_file=save_strategy_to_file,
                            report_path=report_path, excluded=excluded, included=included)
-        check_dry_run_batches(has_batches=dataset is not None or compat.dry_run_dataset() is not None,
+        stand_in = compat.dry_run_dataset()
+        if stand_in is not None:
+            check_sample_batch(stand_in, compat.expand_sample_batch, model, model_input_format, prepare_input)
+        check_dry_run_batches(has_batches=dataset is not None or stand_in is not None,
                               load_strategy_given=load_strategy is not None,
                               ignore_dryrun_on_load_strategy=ignore_dryrun_on_load_strategy)
     except Exception as e:  # noqa: BLE001 - agreed across ranks below, then raised on each

@@ -276,6 +276,39 @@ def _check_token_model_sample(model: nn.Module, sample: Any, model_input_format:
                         "in dataloader_args (or prepare_input) that builds them")
 
 
+def check_sample_batch(stand_in: Any, expand: bool, model: nn.Module, model_input_format: Optional[str],
+                       prepare_input: Any) -> None:
+    """ATorch's `sample_batch` (the dry runs' stand-in dataset, `stand_in`), checked like a dataset before anything
+    runs: each mistake ended every dry run with status=False and the reason only in the log. One sample where
+    `expand` (ATorch's default: repeated batch_size times), so a batch there (token ids of [rows, tokens]) is
+    refused; then a batch of two stand-in rows goes through train_step's batch checks (integer ids, labels
+    shaped like them, ids inside the vocabulary)."""
+    from torch.utils.data import default_collate
+
+    from atorch.auto.train_step import check_batch, check_token_range, is_causal_lm, takes_token_ids, token_limits
+
+    try:
+        check_sample_format(stand_in, model_input_format, {}, prepare_input, model)
+    except TypeError as e:
+        raise TypeError(str(e).replace("dataset[0]", "sample_batch (the dry runs' dataset[0])")) from None
+    if prepare_input is not None:
+        return      # it may make model input of anything
+    sample = stand_in[0]
+    ids = sample.get("input_ids") if isinstance(sample, Mapping) else None
+    if expand and takes_token_ids(model) and isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+        raise ValueError(f"sample_batch['input_ids'] has shape {tuple(ids.shape)}, a batch; with expand_sample_batch="
+                         "True (ATorch's default) sample_batch is one sample, repeated batch_size times: pass one "
+                         "sample (each tensor's row 0), or expand_sample_batch=False to read it as a batch")
+    if not isinstance(sample, Mapping):
+        return
+    batch = default_collate([stand_in[i] for i in range(min(2, len(stand_in)))])
+    try:
+        check_batch(batch, is_causal_lm(model), takes_token_ids(model))
+        check_token_range(batch, type(model).__name__, token_limits(model))
+    except ValueError as e:
+        raise ValueError(str(e).replace("train_step: ", "").replace("batch[", "sample_batch[")) from None
+
+
 def check_optim_params_in_model(model: nn.Module, optim_param_func: Callable[[nn.Module], Any]) -> None:
     """What `optim_param_func(model)` returns are parameters of `model` (checked by identity, on the model as given,
     before any optimization replaces its parameters).

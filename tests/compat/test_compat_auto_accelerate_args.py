@@ -243,3 +243,32 @@ def test_two_ranks_sampler_class_seed_and_sample_batch():
         assert out["sample_status"] and out["loader"]
         assert out["sample_rows"] == [3]        # global batch_size=6 over 2 data ranks
     assert sorted(outs[0]["seen"] + outs[1]["seen"]) == list(range(16))
+
+
+def test_a_sample_batch_the_model_cannot_take_is_refused_before_any_dry_run():
+    """Each of these ended every dry run with status=False and the reason only in the log."""
+    from atorch.testing import tiny_llama
+
+    ids = torch.randint(4, 100, (2, 16))
+
+    def accelerate(sample_batch, expand=True):
+        return auto_accelerate(tiny_llama(), torch.optim.AdamW, sample_batch=sample_batch, batch_size=2,
+                               expand_sample_batch=expand, model_input_format="unpack_dict",
+                               load_strategy=["parallel_mode"], ignore_dryrun_on_load_strategy=False)
+
+    with pytest.raises(ValueError, match=r"sample_batch\['input_ids'\] has shape \(2, 16\), a batch; with "
+                                         r"expand_sample_batch=True \(ATorch's default\) sample_batch is one sample"):
+        accelerate({"input_ids": ids, "labels": ids})
+    with pytest.raises(ValueError, match=r"sample_batch\['labels'\] has shape \(2, 8\) but sample_batch\['input_ids'\] "
+                                         r"has shape \(2, 16\)"):
+        accelerate({"input_ids": ids, "labels": ids[:, :8]}, expand=False)
+    with pytest.raises(ValueError, match=r"sample_batch\['input_ids'\] is a float32 tensor"):
+        accelerate({"input_ids": ids.float(), "labels": ids}, expand=False)
+    with pytest.raises(ValueError, match=r"sample_batch\['input_ids'\] holds token id \d+, outside LlamaForCausalLM's "
+                                         r"vocabulary"):
+        accelerate({"input_ids": ids + 5000, "labels": ids}, expand=False)
+    with pytest.raises(TypeError, match=r"calls model\(\*\*batch\), but sample_batch \(the dry runs' dataset\[0\]\) "
+                                        r"is tuple"):
+        accelerate((ids[0], ids[0]))
+    status, _, _ = accelerate({"input_ids": ids[0], "labels": ids[0]})
+    assert status
