@@ -643,6 +643,12 @@ def _micro_losses(result: AutoAccelerateResult, model: Any, micro: Any, steps: i
             raise
         raise _unused_parameters_error(model, str(e)) from e
     loss = result.loss_func(micro, output)
+    if not loss.requires_grad and torch.is_grad_enabled():
+        # Else autograd's "element 0 of tensors does not require grad and does not have a grad_fn" at backward.
+        who = "loss_func" if result.user_loss_func else "the model output's .loss"
+        raise ValueError(f"train_step: {who} returned a loss that does not require grad (detached, computed under "
+                         "torch.no_grad, or from .item() / .data), so backward cannot reach the model: compute it "
+                         "from the model output's tensors")
     if shares is None:
         return _scaled(loss, steps, weights, i), loss.detach()
     return shares.scale(loss, i), shares.scale(default_loss_func(micro, output).detach(), i)
