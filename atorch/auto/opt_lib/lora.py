@@ -434,9 +434,9 @@ class LoraOptimization(Optimization):
             moved, params = expert_targets(context.model, targets, context.model_config)
             if moved:
                 raise ValueError(f"lora with tensor_parallel adapts linear layers; peft maps the targets "
-                                 f"{sorted(moved)} to the fused expert weights {sorted(params)} of {type(context.model).__name__}, "
-                                 "which tensor-parallel LoRA cannot adapt: target the attention projections only, "
-                                 "or drop tensor_parallel")
+                                 f"{sorted(moved)} to the fused expert weights {sorted(params)} of "
+                                 f"{type(context.model).__name__}, which tensor-parallel LoRA cannot adapt: target "
+                                 "the attention projections only, or drop tensor_parallel")
             _check_tensor_parallel_targets(context.model, targets)
 
     def apply(self, ctx: ModelContext, config: LoraConfig) -> None:
