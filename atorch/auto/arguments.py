@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Optional, Tuple
 import torch
 from torch import nn
 
+from atorch.auto.token_limits import position_limit
+
 if TYPE_CHECKING:
     from atorch.auto.opt_lib.base import ValidationContext
 
@@ -38,8 +40,6 @@ DEFAULT_GLOBAL_BATCH = 1
 _OWN_DATALOADER_KEYS = ("batch_size", "shuffle", "seed", "drop_last")
 # DataLoader keywords atorch sets itself: a user value would be silently replaced.
 _RESERVED_DATALOADER_KEYS = ("dataset", "sampler", "batch_sampler")
-# Config fields holding the longest sequence a model's position embeddings cover.
-_POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx")
 
 
 def _check_not_wrapped(model: nn.Module) -> None:
@@ -285,7 +285,8 @@ def check_sample_batch(stand_in: Any, expand: bool, model: nn.Module, model_inpu
     shaped like them, ids inside the vocabulary)."""
     from torch.utils.data import default_collate
 
-    from atorch.auto.train_step import check_batch, check_token_range, is_causal_lm, takes_token_ids, token_limits
+    from atorch.auto.token_limits import check_token_range, token_limits
+    from atorch.auto.train_step import check_batch, is_causal_lm, takes_token_ids
 
     try:
         check_sample_format(stand_in, model_input_format, {}, prepare_input, model)
@@ -345,17 +346,6 @@ def check_optim_params_in_model(model: nn.Module, optim_param_func: Callable[[nn
                          f"{tuple(first.shape)}); the optimizer would update them and never the model's weights, so "
                          "the model would not train. Return parameters of the model it is given (e.g. from "
                          "model.parameters() or model.named_parameters())")
-
-
-def position_limit(config: Any) -> Optional[Tuple[str, int]]:
-    """(field, value): the longest sequence a model config's position embeddings cover, the field named as the
-    config names it (GPT-2's n_positions); None where the config declares no limit (e.g. BLOOM's ALiBi)."""
-    found = next(((f, getattr(config, f)) for f in _POSITION_FIELDS
-                  if isinstance(getattr(config, f, None), int) and getattr(config, f) > 0), None)
-    if found is None:
-        return None
-    field, value = found
-    return (getattr(config, "attribute_map", None) or {}).get(field, field), value
 
 
 def check_sequence_length(model: nn.Module, dataset: Any) -> None:

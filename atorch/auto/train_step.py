@@ -54,6 +54,7 @@ from torch import nn
 
 from atorch.auto.model_context import call_model, default_loss_func
 from atorch.auto.result import AutoAccelerateResult
+from atorch.auto.token_limits import check_token_range, token_limits
 from atorch.distributed.agreement import agree_on_values
 from atorch.modules.pipeline.batches import (
     IGNORE_INDEX,
@@ -369,62 +370,6 @@ def check_batch(batch: Any, causal_lm: bool, token_ids: bool = True) -> None:
         raise ValueError(f"train_step: batch['labels'] has shape {tuple(labels.shape)} but batch['input_ids'] has "
                          f"shape {tuple(ids.shape)}; a causal LM predicts each next token of its input, so labels "
                          "must have input_ids' shape (the same ids, with -100 where no token is predicted)")
-
-
-def token_limits(model: Any) -> Tuple[Optional[int], Optional[Tuple[str, int]]]:
-    """(vocabulary size, (position field, longest sequence)) of a Hugging Face model under atorch's wrappers
-    (DDP, DeepSpeed engines: `.module`; peft), read off its (text) config; None for what it does not declare."""
-    from atorch.auto.arguments import position_limit
-
-    inner, config = model, None
-    for _ in range(4):
-        config = getattr(inner, "config", None)
-        if config is not None and hasattr(config, "to_dict"):
-            break
-        inner = getattr(inner, "module", None)
-        if not isinstance(inner, nn.Module):
-            return None, None
-    if config is None or not hasattr(config, "to_dict"):
-        return None, None
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    vocab = getattr(text, "vocab_size", None)
-    vocab = vocab if isinstance(vocab, int) and vocab > 0 else None
-    # An embedding larger than the config says (padded, or resized without updating it) embeds those ids too;
-    # a tensor-parallel shard holds fewer rows than the vocabulary, so the larger of the two.
-    embeddings = getattr(inner, "get_input_embeddings", None)
-    try:
-        rows = getattr(embeddings() if callable(embeddings) else None, "num_embeddings", None)
-    except (NotImplementedError, AttributeError):
-        rows = None
-    if vocab is not None and isinstance(rows, int):
-        vocab = max(vocab, rows)
-    return vocab, position_limit(text)
-
-
-def check_token_range(batch: Any, model_name: str, limits: Tuple[Optional[int], Optional[Tuple[str, int]]]) -> None:
-    """ValueError for `input_ids` the model cannot embed: an id outside its vocabulary (torch's "index out of
-    range in self" on CPU, a device-side assert that ends the process on a GPU) or a sequence longer than its
-    position embeddings (GPT-2's learned positions fail the same way; a rotary model trains silently beyond
-    the positions it was trained on). The arguments check reads dataset[0] only; this sees every batch. A
-    batch still on the host only: on a GPU the reduction would wait for the device every step."""
-    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
-    if not isinstance(ids, torch.Tensor) or ids.device.type != "cpu" or ids.dtype not in _INTEGER_DTYPES \
-            or ids.numel() == 0:
-        return
-    vocab, positions = limits
-    if positions is not None and ids.dim() >= 2 and ids.shape[-1] > positions[1]:
-        raise ValueError(f"train_step: batch['input_ids'] has {ids.shape[-1]} tokens per row, more than "
-                         f"{model_name}'s {positions[0]}={positions[1]}; cut the sequences to at most "
-                         f"{positions[1]} tokens (the dataset or collate_fn)")
-    if vocab is None:
-        return
-    low, high = int(ids.min()), int(ids.max())
-    if high >= vocab or low < 0:
-        bad = high if high >= vocab else low
-        raise ValueError(f"train_step: batch['input_ids'] holds token id {bad}, outside {model_name}'s vocabulary "
-                         f"of {vocab} ids (config.vocab_size); a tokenizer with more tokens than the model needs "
-                         "model.resize_token_embeddings(len(tokenizer)) before auto_accelerate, and padding or "
-                         "ignored positions belong in labels (-100), not in input_ids")
 
 
 # -- micro-batches ----------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from atorch.auto import auto_accelerate, train_step
-from atorch.auto.train_step import token_limits
+from atorch.auto.token_limits import token_limits
 from atorch.testing import tiny_gpt2, tiny_llama
 from atorch.testing.parity import TokenDataset
 

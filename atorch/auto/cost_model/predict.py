@@ -91,7 +91,7 @@ def estimate(model_or_config: Union[nn.Module, Any, ModelShape], strategy: Strat
 def _check_as_auto_accelerate(model_or_config: Any, strategy: Strategy, batch_size: int, seq_len: int,
                               world_size: int, device_type: str) -> None:
     """ValueError for what `auto_accelerate` refuses of this strategy and model before applying it (see `estimate`)."""
-    from atorch.auto.arguments import position_limit
+    from atorch.auto.token_limits import position_limit
     from atorch.auto.opt_lib.base import ValidationContext
     from atorch.auto.opt_lib.resolve import resolve_strategy
 

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 import pandas as pd
 import torch
 
-from atorch.auto.arguments import position_limit
+from atorch.auto.token_limits import position_limit
 from atorch.auto.devices import DeviceSpec, device_spec
 from atorch.auto.search.space import SearchSpace
 
