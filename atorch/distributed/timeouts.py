@@ -42,6 +42,8 @@ _TIMEOUT_MARKERS = ("Timed out waiting", "timed out", "Timeout", "timeout")
 _PEER_LOST_MARKERS = ("closed by peer", "Connection reset", "pair closure", "Broken pipe", "Connection refused")
 NODE_KEY = "atorch/node"
 _MAX_GRACE_S = 30.0
+# How long a rank that has read every answer of a roll call waits for the others to have read them too.
+READ_WAIT_S = 10.0
 # Collectives whose input tensors have the same sizes and dtypes on every rank of the group (names after
 # the backend's "gloo:"/"nccl:" prefix). An allow-list: the others (scatter, gather, all_to_all with uneven
 # splits, ...) may differ legitimately, and a size difference there says nothing about the timeout.
@@ -176,19 +178,32 @@ def roll_call(store: dist.Store, key: str, ranks: Sequence[int], me: int, grace_
     """
     store.set(f"{key}/{me}", json.dumps(doing or {}))
     deadline = time.monotonic() + grace_s
+    answers: Dict[int, Dict[str, Any]] = {}
     while True:
-        arrived = [r for r in ranks if store.check([f"{key}/{r}"])]
-        if len(arrived) == len(ranks) or time.monotonic() >= deadline:
+        for r in ranks:     # each answer read as soon as it is there, once
+            if r not in answers and store.check([f"{key}/{r}"]):
+                answers[r] = _answer(store.get(f"{key}/{r}"))
+        if len(answers) == len(ranks) or time.monotonic() >= deadline:
             break
         time.sleep(0.2)
-    answers: Dict[int, Dict[str, Any]] = {}
-    for r in arrived:
-        try:
-            answer = json.loads(store.get(f"{key}/{r}").decode())
-        except ValueError:   # not JSON: a rank that knew nothing to tell
-            answer = {}
-        answers[r] = answer if isinstance(answer, dict) else {}
+    # No rank leaves before every rank that answered has read the answers: the store may live in one of these
+    # processes (rank 0's, as under the spawn helper), and a rank still reading when it exits found it gone
+    # ("the rendezvous store is unreachable" in a 2-rank test, 1 run in ~20). Bounded: a rank that dies now
+    # costs at most READ_WAIT_S.
+    store.set(f"{key}/read/{me}", "1")
+    read_deadline = time.monotonic() + min(grace_s, READ_WAIT_S)
+    while not all(store.check([f"{key}/read/{r}"]) for r in answers) and time.monotonic() < read_deadline:
+        time.sleep(0.05)
     return answers
+
+
+def _answer(raw: bytes) -> Dict[str, Any]:
+    """One rank's roll-call answer; {} for one that is not a JSON object (a rank that knew nothing to tell)."""
+    try:
+        answer = json.loads(raw.decode())
+    except ValueError:
+        return {}
+    return answer if isinstance(answer, dict) else {}
 
 
 def _by_rank(values: Dict[int, str]) -> str:
