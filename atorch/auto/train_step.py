@@ -208,7 +208,8 @@ def _check_replica_peers_share_the_batch(result: AutoAccelerateResult, batch: An
     gathered: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (replica, batch_digest(batch)))
     by_replica = _replicas_by_batch(gathered)
-    _warn_if_every_replica_has_one_batch(by_replica)
+    if not _repeats_one_sample(result):
+        _warn_if_every_replica_has_one_batch(by_replica)
     for members in by_replica.values():
         if len(members) > 1:
             ranks = sorted(r for group in members.values() for r in group)
@@ -218,6 +219,13 @@ def _check_replica_peers_share_the_batch(result: AutoAccelerateResult, batch: An
                 f"given different batches (the same batch went to {fed}); feed every rank of a replica the same "
                 "batch: iterate result.dataloader, or shard your data over the 'data' dimension "
                 "(result.parallel.size('data') and the rank's 'data' coordinate), not over the world")
+
+
+def _repeats_one_sample(result: AutoAccelerateResult) -> bool:
+    """Whether the result's loader reads ATorch's `sample_batch`, whose rows are the same everywhere on purpose."""
+    from atorch.auto.compat import SampleBatchDataset
+
+    return isinstance(getattr(result.dataloader, "dataset", None), SampleBatchDataset)
 
 
 def _warn_if_every_replica_has_one_batch(by_replica: Dict[Any, Dict[str, List[int]]]) -> None:
