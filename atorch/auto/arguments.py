@@ -253,7 +253,9 @@ def _check_token_model_sample(model: nn.Module, sample: Any, model_input_format:
     passed whole (model(batch)) and failed inside the embedding ("argument 'indices' must be Tensor, not
     list"); a dict naming none of the forward's inputs (untokenized {'text': ...}) failed inside transformers
     ("You must specify exactly one of input_ids or inputs_embeds")."""
-    if not type(model).__module__.startswith("transformers."):
+    from atorch.auto.train_step import takes_token_ids
+
+    if not takes_token_ids(model):
         return
     try:
         accepted = set(inspect.signature(model.forward).parameters)

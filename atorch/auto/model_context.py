@@ -76,10 +76,9 @@ def _inferred_format(model: Any, batch: Any) -> str:
     return chosen
 
 
-def _forward_of(model: Any) -> Callable:
-    """The user's forward under atorch's wrappers: DDP and DeepSpeed engines keep the module as `.module`, and
-    `lora`'s peft `PeftModel` forwards `(*args, **kwargs)` to the model `get_base_model()` returns (its own
-    signature names nothing, so a Hugging Face batch looked like keys the forward does not take)."""
+def users_module(model: Any) -> Any:
+    """The user's model under atorch's wrappers: DDP and DeepSpeed engines keep the module as `.module`, and
+    `lora`'s peft `PeftModel` forwards `(*args, **kwargs)` to the model `get_base_model()` returns."""
     inner = model
     for _ in range(6):
         wrapped = getattr(inner, "module", None)
@@ -89,6 +88,13 @@ def _forward_of(model: Any) -> Callable:
         if not isinstance(wrapped, nn.Module) or wrapped is inner:
             break
         inner = wrapped
+    return inner
+
+
+def _forward_of(model: Any) -> Callable:
+    """The user's forward under atorch's wrappers (`users_module`): peft's own signature names nothing, so a
+    Hugging Face batch looked like keys the forward does not take."""
+    inner = users_module(model)
     return getattr(inner, "forward", inner)
 
 

@@ -11,11 +11,13 @@ from collections.abc import Mapping
 from typing import Any, Optional, Tuple
 
 import torch
-from torch import nn
+
+from atorch.auto.model_context import users_module
 
 # Config fields naming the longest sequence, in the order they are looked for (GPT-2 calls it n_positions).
 _POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx")
-_INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+# Token ids' dtypes (train_step checks a batch's ids against them too).
+INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def position_limit(config: Any) -> Optional[Tuple[str, int]]:
@@ -32,14 +34,8 @@ def position_limit(config: Any) -> Optional[Tuple[str, int]]:
 def token_limits(model: Any) -> Tuple[Optional[int], Optional[Tuple[str, int]]]:
     """(vocabulary size, (position field, longest sequence)) of a Hugging Face model under atorch's wrappers
     (DDP, DeepSpeed engines: `.module`; peft), read off its (text) config; None for what it does not declare."""
-    inner, config = model, None
-    for _ in range(4):
-        config = getattr(inner, "config", None)
-        if config is not None and hasattr(config, "to_dict"):
-            break
-        inner = getattr(inner, "module", None)
-        if not isinstance(inner, nn.Module):
-            return None, None
+    inner = users_module(model)
+    config = getattr(inner, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         return None, None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -64,7 +60,7 @@ def check_token_range(batch: Any, model_name: str, limits: Tuple[Optional[int], 
     the positions it was trained on). The arguments check reads dataset[0] only; this sees every batch. A
     batch still on the host only: on a GPU the reduction would wait for the device every step."""
     ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
-    if not isinstance(ids, torch.Tensor) or ids.device.type != "cpu" or ids.dtype not in _INTEGER_DTYPES \
+    if not isinstance(ids, torch.Tensor) or ids.device.type != "cpu" or ids.dtype not in INTEGER_DTYPES \
             or ids.numel() == 0:
         return
     vocab, positions = limits

@@ -52,9 +52,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from atorch.auto.model_context import call_model, default_loss_func
+from atorch.auto.model_context import call_model, default_loss_func, users_module
 from atorch.auto.result import AutoAccelerateResult
-from atorch.auto.token_limits import check_token_range, token_limits
+from atorch.auto.token_limits import INTEGER_DTYPES, check_token_range, token_limits
 from atorch.distributed.agreement import agree_on_values
 from atorch.modules.pipeline.batches import (
     IGNORE_INDEX,
@@ -285,7 +285,6 @@ def _check_max_norm(what: str, value: Any) -> None:
 
 # -- the batch ----------------------------------------------------------------------------------
 
-_INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 # Causal language models by the names of their classes (Hugging Face's `*ForCausalLM` and the older
 # `*LMHeadModel`s that are causal): their loss takes token ids as labels. Not every `*LMHeadModel` is
 # (XLNet's labels are the `target_mapping` positions' tokens, [batch, num_predict]); other models' labels
@@ -317,14 +316,8 @@ def _classes(model: Any) -> List[type]:
 
 
 def _model_name(model: Any) -> str:
-    """The user's model class under atorch's wrappers (`.module`), e.g. LlamaForCausalLM."""
-    for _ in range(4):
-        inner = getattr(model, "module", None)
-        if not isinstance(inner, nn.Module):
-            break
-        model = inner
-    base = getattr(model, "get_base_model", None)     # peft
-    return type(base() if callable(base) else model).__name__
+    """The user's model class under atorch's wrappers (`users_module`), e.g. LlamaForCausalLM."""
+    return type(users_module(model)).__name__
 
 
 def is_causal_lm(model: Any) -> bool:
@@ -341,7 +334,7 @@ def takes_token_ids(model: Any) -> bool:
 
 
 def _check_token_tensor(key: str, value: Any) -> None:
-    if not isinstance(value, torch.Tensor) or value.dtype not in _INTEGER_DTYPES or value.dim() < 2:
+    if not isinstance(value, torch.Tensor) or value.dtype not in INTEGER_DTYPES or value.dim() < 2:
         raise ValueError(f"train_step: batch[{key!r}] is {_describe(value)}; {key} must be an integer tensor (token "
                          f"ids, e.g. torch.long) of shape [rows, tokens]: return tensors from the dataset or "
                          f"collate_fn (the result's dataloader stacks a dataset's tensors), with .long() for ids "

@@ -217,20 +217,20 @@ def head_trains(shape: ModelShape, traits: StrategyTraits) -> bool:
 
 @functools.lru_cache(maxsize=64)
 def peft_expert_targets(model_type: str, targets: Tuple[str, ...]) -> Tuple[FrozenSet[str], Dict[str, int]]:
-    """(the target leaf names peft moves onto fused expert weights for `model_type`, {expert weight leaf: rank
-    multiple}): peft's own rewrite (`opt_lib.lora.convert_like_peft`), read without a model; a weight fused from
-    two projections (gate and up) gets twice the rank. Nothing for a model type peft does not rewrite."""
+    """(the target names peft moves onto fused expert weights for `model_type`, {expert weight leaf: rank
+    multiple}): peft's own rewrite for the mixture-of-experts models transformers 5 fuses (what
+    `opt_lib.lora.convert_like_peft` applies to the real config), read without a model; a weight fused from two
+    projections (gate and up) gets twice the rank. Nothing for a model type peft does not rewrite, or an older
+    peft. Raises peft's ValueError for targets it cannot rewrite (gate_proj without up_proj)."""
     try:
         import peft
         from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
     except ImportError:
         return frozenset(), {}
     probe = peft.LoraConfig(r=1, lora_alpha=1, target_modules=list(targets))
-    view = SimpleNamespace(config=SimpleNamespace(model_type=model_type))
-    try:
-        convert_peft_config_for_transformers(probe, cast(Any, view), None)
-    except (ValueError, AttributeError):    # refused when lora is applied (`lora.expert_targets`)
-        return frozenset(), {}
+    # Only the model type is read for a list of targets (the modules only for a regex).
+    convert_peft_config_for_transformers(probe, cast(Any, SimpleNamespace(config=SimpleNamespace(
+        model_type=model_type))), None)
     moved = frozenset(targets) - frozenset(probe.target_modules or ())
     ranks = {leaf: 1 for leaf in probe.target_parameters or ()}
     for pattern, rank in (probe.rank_pattern or {}).items():
@@ -255,7 +255,11 @@ def lora_params(shape: ModelShape, traits: StrategyTraits, tensor: int = 1) -> f
     r = traits.lora_rank
     targets = _lora_targets(shape, traits) if shape.linear_layers else None
     if targets:
-        moved, expert_ranks = peft_expert_targets(shape.model_type, targets) if shape.expert_weights else (set(), {})
+        try:
+            moved, expert_ranks = peft_expert_targets(shape.model_type, targets) if shape.expert_weights \
+                else (frozenset(), {})
+        except ValueError:      # targets peft cannot rewrite: refused when lora is applied (`lora.expert_targets`)
+            moved, expert_ranks = frozenset(), {}
         total = 0.0
         for leaf, n_in, n_out, count in shape.linear_layers:
             if leaf in targets and leaf not in moved:   # peft adapts the experts for a moved name, not a dense layer

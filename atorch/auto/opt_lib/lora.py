@@ -134,19 +134,20 @@ def convert_like_peft(peft_config: Any, model: nn.Module, model_config: Any = No
     convert_peft_config_for_transformers(peft_config, cast(nn.Module, view), None)
 
 
-def expert_targets(model: nn.Module, targets: Tuple[str, ...], model_config: Any = None,
-                   r: int = 8, alpha: float = 16) -> Tuple[Set[str], Set[str]]:
+def expert_targets(model: nn.Module, targets: Tuple[str, ...], model_config: Any = None) -> Tuple[Set[str], Set[str]]:
     """(the target names peft moves onto fused expert weights, the parameter names it adapts instead): see
-    `convert_like_peft`; two empty sets for a model without such a rewrite."""
-    import peft
+    `convert_like_peft` and the cost model's reading of the same rewrite (`traits.peft_expert_targets`); two
+    empty sets for a model without such a rewrite."""
+    from atorch.auto.cost_model.traits import peft_expert_targets
 
-    probe = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets))  # type: ignore[arg-type]
+    model_type = _model_type(model, model_config)
+    if not isinstance(model_type, str):
+        return set(), set()
     try:
-        convert_like_peft(probe, model, model_config)
+        moved, ranks = peft_expert_targets(model_type, tuple(targets))
     except ValueError as e:     # e.g. gate_proj without up_proj, which transformers fuses into one weight
         raise ValueError(f"lora: target_modules {list(targets)}: {e}") from e
-    kept = set(probe.target_modules or ())
-    return {t for t in targets if t not in kept}, set(probe.target_parameters or ())
+    return set(moved), set(ranks)
 
 
 # (model type, moved names) already warned about: the automatic search applies lora once per dry run, and a
