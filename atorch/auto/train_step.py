@@ -134,13 +134,15 @@ def train_step_stats(result: AutoAccelerateResult, batch: Any, *, gradient_accum
                          "optim_func (e.g. torch.optim.AdamW) to auto_accelerate, or run forward and backward on "
                          "result.model yourself")
     if result.pipeline is not None:
-        return _pipeline_step(result, result.pipeline, batch, steps, max_grad_norm, by_tokens)
-    if result.custom_train_step is not None:  # engines with their own schedule (deepspeed_3d_parallel)
-        return _custom_step(result, result.custom_train_step, batch, steps, max_grad_norm)
-    engine = result.engine
-    if engine is not None:
-        return _deepspeed_step(result, engine, batch, steps, max_grad_norm, by_tokens)
-    return _plain_step(result, batch, steps, max_grad_norm, by_tokens)
+        stats = _pipeline_step(result, result.pipeline, batch, steps, max_grad_norm, by_tokens)
+    elif result.custom_train_step is not None:  # engines with their own schedule (deepspeed_3d_parallel)
+        stats = _custom_step(result, result.custom_train_step, batch, steps, max_grad_norm)
+    elif result.engine is not None:
+        stats = _deepspeed_step(result, result.engine, batch, steps, max_grad_norm, by_tokens)
+    else:
+        stats = _plain_step(result, batch, steps, max_grad_norm, by_tokens)
+    _warn_if_the_loss_is_not_finite(result, batch, stats, by_tokens)
+    return stats
 
 
 def _check_result(who: str, result: Any) -> None:
@@ -635,11 +637,68 @@ def _plain_step(result: AutoAccelerateResult, batch: Any, steps: int, max_grad_n
     norm = None
     if max_grad_norm is not None:
         norm = clip_grad_norm_(result, max_grad_norm)   # unscales fp16 gradients first
+        _refuse_a_step_on_a_nonfinite_norm(result, norm, _reported(losses, weights, shares))
     optim.step()
     optim.zero_grad(set_to_none=True)
     if result.lr_scheduler is not None:
         result.lr_scheduler.step()
     return StepStats(_reported(losses, weights, shares), norm, len(micros))
+
+
+def _fp16_scaler_enabled(optim: Any) -> bool:
+    """Whether `optim` is amp_native's fp16 wrapper with an enabled GradScaler (which skips a step whose
+    gradients hold inf or nan and lowers the scale: how fp16 training finds its scale)."""
+    scaler = getattr(optim, "scaler", None)
+    return scaler is not None and bool(scaler.is_enabled())
+
+
+def _refuse_a_step_on_a_nonfinite_norm(result: AutoAccelerateResult, norm: torch.Tensor,
+                                       loss: Optional[torch.Tensor]) -> None:
+    """Clipping reduces the global gradient norm to one value on every rank, so a nan or inf there refuses
+    the step on every rank alike (no rank is left in a collective): the gradients are cleared and the
+    parameters, optimizer state and schedule stay as they were, where `optim.step()` would have made every
+    parameter nan (Megatron's check_for_nan_in_loss_and_grad makes the same choice). Not under fp16
+    amp_native: its GradScaler skips such a step itself and lowers its scale. `loss`: this rank's, to name."""
+    if bool(torch.isfinite(norm)) or _fp16_scaler_enabled(result.optim):
+        return
+    cast(torch.optim.Optimizer, result.optim).zero_grad(set_to_none=True)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    said = "" if loss is None else f" (rank {rank}'s loss: {float(loss):.6g})"
+    raise FloatingPointError(
+        f"train_step: the global gradient norm is {float(norm)}{said}, so the step was not taken: the gradients "
+        "were cleared and the parameters, optimizer state and learning-rate schedule are unchanged on every rank. "
+        "Catch FloatingPointError around train_step to skip this batch, or find the cause: a learning rate too "
+        "high (the loss diverged), a half-precision overflow (fp16 without amp_native's loss scaling), bad inputs, "
+        "or a loss_func that divides by something that can be 0")
+
+
+def _warn_if_the_loss_is_not_finite(result: AutoAccelerateResult, batch: Any, stats: StepStats,
+                                    by_tokens: bool) -> None:
+    """Warn, on the rank that sees it, when a step's loss is nan or inf: without `max_grad_norm` (whose global
+    norm lets every rank refuse the step together, `_refuse_a_step_on_a_nonfinite_norm`) nothing agreed stops
+    the optimizer, and where the gradients are not finite either its update makes the parameters nan on every
+    rank (a local look at them would not be agreed: each rank holds other shards). Silent under fp16
+    amp_native, whose GradScaler skips such steps. Warns at every such step: each is worth a line in the log.
+
+    One nan is harmless and common enough to name: a Hugging Face causal LM's token mean over a micro-batch
+    whose labels are all -100 is 0/0 = nan, with a zero gradient (so the step trains on the other rows)."""
+    loss = stats.loss
+    if not isinstance(loss, torch.Tensor) or bool(torch.isfinite(loss).all()) or _fp16_scaler_enabled(result.optim):
+        return
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if not by_tokens and uses_the_models_loss(result) and result.pipeline is None and result.custom_train_step is None:
+        counts = [label_tokens(m) for m in split_batch(batch, stats.micro_batches)]
+        if any(c is not None and int(c) == 0 for c in counts):
+            logger.warning("train_step: rank %d's loss is nan at this step because a micro-batch of its batch has no "
+                           "label token (its labels are all -100 after the shift): the model's token mean over no "
+                           "tokens is 0/0, with a zero gradient, so the step trained on the other rows. "
+                           "loss_weighting='tokens' weighs each micro-batch by its label tokens (and reports the "
+                           "global batch's token mean); or leave such rows out of the data", rank)
+            return
+    logger.warning("train_step: rank %d's loss is %s at this step. Without max_grad_norm nothing stops the "
+                   "optimizer: where the gradients are nan or inf too, its step has made the parameters nan on every "
+                   "rank. Pass max_grad_norm to have train_step refuse, on every rank, a step whose gradient norm "
+                   "is not finite", rank, float(loss))
 
 
 def _unscale_for_clipping(optim: Any) -> None:
@@ -767,7 +826,10 @@ def _pipeline_step(result: AutoAccelerateResult, pipeline: Any, batch: Any, step
             for p in params:
                 if p.grad is not None:
                     p.grad.div_(steps)
-    norm = clip_grad_norm_(result, max_grad_norm) if max_grad_norm is not None else None
+    norm = None
+    if max_grad_norm is not None:
+        norm = clip_grad_norm_(result, max_grad_norm)
+        _refuse_a_step_on_a_nonfinite_norm(result, norm, _mean(losses))   # the last stage's, on every stage
     optim = cast(torch.optim.Optimizer, result.optim)  # as in train_step: a step needs the optimizer
     optim.step()
     optim.zero_grad(set_to_none=True)

@@ -29,6 +29,7 @@ observed: losses 2e-7, norms 1.4e-6, weights 1.7e-6), while the default "rows" i
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -265,6 +266,62 @@ def _data_ranks_fed_one_batch() -> Dict[str, Any]:
     return {"same": same, "own": list(records)}
 
 
+def _nan_losses() -> Dict[str, Any]:
+    """FSDP2 on 2 ranks, two kinds of nan loss on rank 1.
+
+    Its rows with only -100 labels: the model's token mean is 0/0 = nan with a zero gradient, so the step trains
+    on rank 0's rows; rank 1 warns, naming the cause. A loss_func that divides by 0 on rank 1's batch: its
+    gradient is inf/nan and the reduce-scatter spreads it to every shard. With max_grad_norm the global norm is
+    nan on every rank, so every rank raises the same FloatingPointError before the optimizer and nothing
+    changes; without it the step goes ahead (every parameter turns nan) and rank 1 warns."""
+    import logging
+
+    def setup(loss_func: Any) -> Tuple[Any, Dict[str, torch.Tensor]]:
+        _, result, _ = auto_accelerate(
+            tiny_llama(seed=0), optim_func=torch.optim.SGD, dataset=dataset(), optim_args={"lr": LR},
+            model_input_format="unpack_dict", dataloader_args={"batch_size": GLOBAL_BATCH}, load_strategy=["fsdp"],
+            loss_func=loss_func)
+        return result, next(iter(result.dataloader))
+
+    def weights(result: Any) -> List[torch.Tensor]:
+        return [p.detach().full_tensor().clone() for p in result.model.parameters()]
+
+    records: List[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())     # type: ignore[method-assign]
+    logging.getLogger("atorch.auto.train_step").addHandler(handler)
+    out: Dict[str, Any] = {}
+    try:
+        result, batch = setup(None)
+        if dist.get_rank() == 1:
+            batch = dict(batch, labels=torch.full_like(batch["labels"], -100))
+        out["no label loss"] = float(train_step_stats(result, batch).loss)
+        out["no label finite after"] = all(bool(w.isfinite().all()) for w in weights(result))
+        out["no label warned"], records[:] = list(records), []
+
+        # A loss of the user's that divides by the smallest label: 0 on rank 1 (token 0 is in the vocabulary).
+        result, batch = setup(lambda batch, output: output.loss / batch["labels"].min())
+        if dist.get_rank() == 1:
+            batch = dict(batch, labels=batch["labels"].clamp(max=0))
+        before = weights(result)
+        try:
+            train_step_stats(result, batch, max_grad_norm=MAX_NORM)
+            out["refused"] = None
+        except FloatingPointError as e:
+            out["refused"] = str(e)
+        out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, weights(result)))
+        out["cleared"] = all(p.grad is None for p in result.model.parameters())
+        out["refused warned"], records[:] = list(records), []
+        train_step_stats(result, batch)
+        out["nan after"] = any(bool(w.isnan().any()) for w in weights(result))
+        out["warned"] = list(records)
+    finally:
+        logging.getLogger("atorch.auto.train_step").removeHandler(handler)
+    del result
+    dist.barrier()
+    return out
+
+
 class PaddedTokenDataset(TokenDataset):
     """TokenDataset rows right-padded to `PADDED_LENGTHS[i % 8]` real tokens (pad id 3, labels -100, attention 0).
 
@@ -353,6 +410,7 @@ def _train_all() -> Dict[str, Dict[str, Any]]:
     out = {name: _train(strategy) for name, strategy in STRATEGIES.items()}
     out["tensor peers fed different batches"] = _tensor_peers_fed_different_batches()
     out["data ranks fed one batch"] = _data_ranks_fed_one_batch()
+    out["nan losses"] = _nan_losses()
     out.update({name: _train_last_batch(strategy) for name, strategy in LAST_BATCH_STRATEGIES.items()})
     out["last batch pipeline"] = _train_last_batch(LAST_BATCH_PIPELINE)
     out.update({name: _train_weighted(strategy, "tokens") for name, strategy in TOKEN_STRATEGIES.items()})
@@ -436,6 +494,33 @@ def test_data_ranks_fed_the_same_batch_are_warned_about_once(runs):
     assert warned[0].startswith("train_step: all 2 data-parallel replicas were given the same batch at the first step")
     assert not any("same batch" in m for m in runs[1]["data ranks fed one batch"]["same"])   # rank 0 says it
     assert not any("same batch" in m for per_rank in runs for m in per_rank["data ranks fed one batch"]["own"])
+
+
+def test_a_nan_gradient_norm_refuses_the_step_on_every_rank(runs):
+    outs = [per_rank["nan losses"] for per_rank in runs]
+    assert all(o["refused"] is not None for o in outs), outs
+    assert outs[0]["refused"].startswith("train_step: the global gradient norm is nan (rank 0's loss: ")
+    assert outs[1]["refused"].startswith("train_step: the global gradient norm is nan (rank 1's loss: inf), ")
+    said = [o["refused"].split("), ", 1)[1] for o in outs]     # the same but for the rank's own loss
+    assert said[0] == said[1] and "optimizer state and learning-rate schedule are unchanged on every rank" in said[0]
+    assert all(o["unchanged"] and o["cleared"] for o in outs), outs
+    assert not any(o["refused warned"] for o in outs), outs
+
+
+def test_a_nan_loss_without_clipping_is_warned_about_by_its_rank(runs):
+    outs = [per_rank["nan losses"] for per_rank in runs]
+    assert all(o["nan after"] for o in outs), "without max_grad_norm the step goes ahead: the warning is all there is"
+    assert not outs[0]["warned"] and len(outs[1]["warned"]) == 1, outs   # rank 0's loss is finite
+    assert outs[1]["warned"][0].startswith("train_step: rank 1's loss is inf at this step. Without max_grad_norm")
+
+
+def test_a_micro_batch_without_label_tokens_is_named_as_the_nan_loss_cause(runs):
+    outs = [per_rank["nan losses"] for per_rank in runs]
+    assert math.isnan(outs[1]["no label loss"]) and math.isfinite(outs[0]["no label loss"]), outs
+    assert all(o["no label finite after"] for o in outs), "its gradient is zero: the step trains on the other rows"
+    assert not outs[0]["no label warned"] and len(outs[1]["no label warned"]) == 1, outs
+    assert outs[1]["no label warned"][0].startswith("train_step: rank 1's loss is nan at this step because a "
+                                                    "micro-batch of its batch has no label token")
 
 
 def test_ddp_skips_the_gradient_sync_of_non_final_micro_steps(runs):
