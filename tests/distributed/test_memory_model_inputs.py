@@ -48,8 +48,21 @@ def tiny_qwen3_moe() -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
 
+def qwen3_moe_large_experts() -> torch.nn.Module:
+    """16 experts of 128 x 256 in each of 2 layers: the expert weights (25 MB in fp32) outweigh the activations."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=16,
+                            num_experts_per_tok=2, moe_intermediate_size=256, mlp_only_layers=[],
+                            tie_word_embeddings=False, max_position_embeddings=128)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
 MODELS = {"llama": lambda: tiny_llama(seed=0), "tied llama": lambda: tiny_llama(seed=0, tie_word_embeddings=True),
-          "gpt2": lambda: tiny_gpt2(seed=0), "qwen3 moe": tiny_qwen3_moe}
+          "gpt2": lambda: tiny_gpt2(seed=0), "qwen3 moe": tiny_qwen3_moe,
+          "qwen3 moe, large experts": qwen3_moe_large_experts}
 EXPERT_TARGETS = ("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj")
 
 # name -> (strategy, optimizer, parameter names containing these are frozen, model, what is compared)
@@ -87,6 +100,14 @@ CASES: Dict[str, Tuple[List[Any], Tuple[Any, Dict[str, Any]], Tuple[str, ...], s
                                     "qwen3 moe", "resident"),
     "lora on fused experts + fsdp2": (["parallel_mode", ("lora", {"target_modules": EXPERT_TARGETS}), "fsdp"], ADAMW,
                                       (), "qwen3 moe", "resident"),
+    # peft builds each adapted expert weight whole (W + B @ A) at every forward and the experts' matmuls save it:
+    # a copy of every expert weight until backward (one block's when checkpointed); autocast saves half slices.
+    "lora on fused experts + ddp, peak": (["parallel_mode", ("lora", {"target_modules": EXPERT_TARGETS})], ADAMW,
+                                          (), "qwen3 moe, large experts", "peak"),
+    "lora on fused experts + ddp + checkpoint, peak": (["parallel_mode", ("lora", {"target_modules": EXPERT_TARGETS}),
+                                                        "checkpoint"], ADAMW, (), "qwen3 moe, large experts", "peak"),
+    "lora on fused experts + ddp + autocast, peak": (["parallel_mode", ("lora", {"target_modules": EXPERT_TARGETS}),
+                                                      "amp_native"], ADAMW, (), "qwen3 moe, large experts", "peak"),
     # GPT-2's learned position embedding, norms and row-parallel biases stay whole on every tensor rank.
     "gpt2 + tensor parallel": ([TP2, "tensor_parallel"], ADAMW, (), "gpt2", "resident"),
 }

@@ -243,6 +243,34 @@ def test_lora_on_fused_experts_counts_peft_s_expert_adapters_not_the_dense_layer
     assert lora_params(shape, traits) == sum(p.numel() for p in adapted.parameters() if p.requires_grad)
 
 
+def test_lora_on_fused_experts_holds_a_whole_copy_of_each_adapted_expert_weight_until_backward():
+    """peft builds W + B @ A whole at every forward of an adapted expert weight, and the experts' matmuls save it:
+    a copy per block (one rebuilt block's when checkpointed; under autocast the saved slices are half casts that
+    `weight_casts` counts, and the running block's fp32 copies are transient). Measured on 2 ranks in
+    tests/distributed/test_memory_model_inputs.py."""
+    from transformers import AutoModelForCausalLM
+
+    from atorch.testing.tp_families import family_config
+
+    model = AutoModelForCausalLM.from_config(family_config("qwen3_moe"), attn_implementation="eager")
+    shape = ModelShape.from_module(model)
+    (_, e1, a1, b1, n1), (_, e2, a2, b2, n2) = shape.expert_weights      # down_proj, gate_up_proj
+    block = 4 * (e1 * a1 * b1 + e2 * a2 * b2)                            # fp32 bytes of one block's experts
+    assert n1 == n2 >= 1
+    lora = ("lora", {"r": 4, "target_modules": ("q_proj", "gate_proj", "up_proj", "down_proj")})
+    plain = _memory(shape, ["parallel_mode", lora])
+    assert plain["lora_expert_copies"] == n1 * block
+    assert 0 < plain["lora_expert_backward"] <= block
+    checkpointed = _memory(shape, ["parallel_mode", lora, "checkpoint"])
+    assert "lora_expert_copies" not in checkpointed and checkpointed["lora_expert_backward"] > block
+    autocast = _memory(shape, ["parallel_mode", lora, "amp_native"])
+    assert autocast["lora_expert_copies"] == block          # the running block's fp32 copies only
+    half = _memory(shape, ["parallel_mode", lora, "amp_native", "fsdp"])     # FSDP2 computes in bf16
+    assert half["lora_expert_copies"] == n1 * block / 2
+    # Attention-only LoRA leaves the experts alone.
+    assert "lora_expert_copies" not in _memory(shape, ["parallel_mode", ("lora", {"target_modules": ("q_proj",)})])
+
+
 def test_tensor_parallelism_keeps_positions_norms_and_row_biases_whole():
     from transformers.pytorch_utils import Conv1D
 

@@ -13,7 +13,8 @@ from typing import Dict, Mapping, Optional, Tuple
 from atorch.auto.cost_model.activations import (activation_bytes, block_activation_bytes, last_stage_bytes,
                                                 loss_buffer_bytes, loss_softmax_bytes)
 from atorch.auto.cost_model.shape import ModelShape, _largest_param_elements, _parameter_sizes
-from atorch.auto.cost_model.traits import StrategyTraits, head_trains, lora_params, lora_saved_leaves, precision_mode
+from atorch.auto.cost_model.traits import (StrategyTraits, head_trains, lora_expert_weights, lora_params,
+                                           lora_saved_leaves, precision_mode)
 
 ADAM_STATE_BYTES_PER_PARAM = 8       # exp_avg + exp_avg_sq in fp32 (other optimizers: `traits.optimizer`)
 
@@ -48,23 +49,25 @@ RESIDENT_KEYS = MODEL_STATE_KEYS + ("ddp_buckets", "ds_reduce_buffer", "grad_fp3
 # (all activations, the loss freed) and at its end (all gradients).
 # Under gradient accumulation the gradients of the earlier micro-steps live through the later
 # micro-steps' forward and backward (`accumulated_grads`).
-FORWARD_END_KEYS = ("activations", "loss_softmax", "loss_buffers", "weight_casts", "gathered_params",
-                    "gathered_blocks", "ds_reduce_bucket", "accumulated_grads")
+FORWARD_END_KEYS = ("activations", "lora_expert_copies", "loss_softmax", "loss_buffers", "weight_casts",
+                    "gathered_params", "gathered_blocks", "ds_reduce_bucket", "accumulated_grads")
 # The last block's all-gather in forward, before the LM head's logits and loss exist: FSDP2 holds
 # the unit it gathers twice (its flat all-gather output and the unsharded parameters copied out of
 # it) and keeps the previous unit's flat output until this gather is issued, next to the gathered
 # root (`forward_gather`: the second copy and the previous output). Measured on 2 CPU ranks (the
 # live storages at the peak); it decides the peak of LoRA + FSDP2, whose backward reduces no
 # base-weight gradients.
-FORWARD_GATHER_KEYS = ("activations", "weight_casts", "gathered_params", "gathered_blocks", "forward_gather",
-                       "ds_reduce_bucket", "accumulated_grads")
+FORWARD_GATHER_KEYS = ("activations", "lora_expert_copies", "weight_casts", "gathered_params", "gathered_blocks",
+                       "forward_gather", "ds_reduce_bucket", "accumulated_grads")
 # A block's backward: its unsharded gradients and their reduce-scatter copy (`unit_grads`), a
 # checkpointed block rebuilt, FSDP2's root unit holding the LM head's unsharded gradient until the
 # root reduces last.
-BACKWARD_KEYS = ("weight_casts", "gathered_params", "ds_reduce_bucket", "unit_grads", "recompute", "held_root_grads")
+BACKWARD_KEYS = ("weight_casts", "gathered_params", "ds_reduce_bucket", "unit_grads", "recompute", "held_root_grads",
+                 "lora_expert_backward")
 # The first block's backward: every activation, the next block prefetched (FSDP2 resharding after
 # forward), every block still gathered (FSDP2 without resharding, `gathered_blocks`).
-BACKWARD_START_KEYS = ("activations", "accumulated_grads", "prefetch", "gathered_blocks") + BACKWARD_KEYS
+BACKWARD_START_KEYS = ("activations", "lora_expert_copies", "accumulated_grads", "prefetch",
+                       "gathered_blocks") + BACKWARD_KEYS
 # The last blocks' backward: the gradients that exist by then (`backward_grads`: all of them, but
 # under FSDP2 only the shards of the blocks already reduced, next to the prefetch; the root's reduce last).
 BACKWARD_END_KEYS = ("backward_grads",) + BACKWARD_KEYS
@@ -203,11 +206,46 @@ def memory_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int
     if traits.checkpoint:
         # Backward rebuilds one block at a time, while the gradients are being produced.
         out["recompute"] = block_activation_bytes(shape, traits, micro_batch, seq_len)
+    copies, backward = _lora_expert_weight_bytes(shape, traits)
+    if copies:
+        out["lora_expert_copies"] = copies
+    if backward:
+        out["lora_expert_backward"] = backward
     if device_type != "cpu":
         for key in _host_keys(traits):
             if key in out:
                 out[f"host_{key}"] = out.pop(key)
     return out
+
+
+def _lora_expert_weight_bytes(shape: ModelShape, traits: StrategyTraits) -> Tuple[float, float]:
+    """(bytes held in forward and at the start of backward, bytes a block's backward adds) for LoRA on fused
+    expert weights.
+
+    peft adapts a fused expert weight W (experts x d1 x d2) through a parametrization that builds the whole
+    W' = W + scale * B @ A in W's dtype (one baddbmm) at each forward of the layer, and the experts' matmuls
+    save views of it for backward: a full copy of every adapted expert weight per block and micro-batch in
+    flight, held until that block's backward (measured: 1.00x the expert weight bytes, peft 0.21). Under
+    autocast the matmuls save half casts of W' slices instead (`weight_casts` counts them as for the weight
+    itself), and the block being run holds its fp32 W's. Checkpointed blocks keep none; backward rebuilds one
+    block's. A block's backward builds the gradient of each whole W' (in W's dtype) before reducing it to A's
+    and B's: the smaller ones while every copy of the block lives, the largest (the input projection, run first
+    and differentiated last) after the others' copies are freed. Without these the model put LoRA on a
+    Qwen3-MoE whose experts dominate at 0.66-0.82x of its measured peak."""
+    adapted = lora_expert_weights(shape, traits)
+    if not adapted:
+        return 0.0, 0.0
+    mode = precision_mode(traits)
+    weight_bytes = 2 if mode == "half" or traits.param_dtype_bytes == 2 else 4
+    sizes = sorted(float(experts * d1 * d2 * weight_bytes) for _, experts, d1, d2, _ in adapted)
+    per_block = sum(sizes)
+    if mode == "autocast":
+        return per_block, sizes[-1]
+    backward = max([sizes[-1] - (per_block - sizes[-1])] + sizes[:-1])
+    if traits.checkpoint:
+        return 0.0, per_block + backward
+    blocks = max(-(-count // traits.pipeline) for *_, count in adapted)
+    return per_block * blocks * _in_flight_micro_batches(traits), backward
 
 
 def _host_keys(traits: StrategyTraits) -> Tuple[str, ...]:

@@ -255,11 +255,7 @@ def lora_params(shape: ModelShape, traits: StrategyTraits, tensor: int = 1) -> f
     r = traits.lora_rank
     targets = _lora_targets(shape, traits) if shape.linear_layers else None
     if targets:
-        try:
-            moved, expert_ranks = peft_expert_targets(shape.model_type, targets) if shape.expert_weights \
-                else (frozenset(), {})
-        except ValueError:      # targets peft cannot rewrite: refused when lora is applied (`lora.expert_targets`)
-            moved, expert_ranks = frozenset(), {}
+        moved, expert_ranks = _peft_expert_rewrite(shape, targets)
         total = 0.0
         for leaf, n_in, n_out, count in shape.linear_layers:
             if leaf in targets and leaf not in moved:   # peft adapts the experts for a moved name, not a dense layer
@@ -271,6 +267,28 @@ def lora_params(shape: ModelShape, traits: StrategyTraits, tensor: int = 1) -> f
                 total += count * r * expert_ranks[leaf] * experts * (d1 + d2)
         return total + lora_saved_params(shape, traits)
     return _lora_formula_params(shape, traits) / tensor + lora_saved_params(shape, traits)
+
+
+def _peft_expert_rewrite(shape: ModelShape, targets: Tuple[str, ...]) -> Tuple[FrozenSet[str], Dict[str, int]]:
+    """`peft_expert_targets` for the shape's model, nothing where it has no fused expert weights or peft cannot
+    rewrite the targets (refused when lora is applied: `lora.expert_targets`)."""
+    if not shape.expert_weights:
+        return frozenset(), {}
+    try:
+        return peft_expert_targets(shape.model_type, targets)
+    except ValueError:
+        return frozenset(), {}
+
+
+def lora_expert_weights(shape: ModelShape, traits: StrategyTraits) -> Tuple[Tuple[str, int, int, int, int], ...]:
+    """The fused expert weights (`ModelShape.expert_weights` rows) that LoRA adapts: peft wraps each whole."""
+    if not traits.lora_rank or not shape.expert_weights or not shape.linear_layers:
+        return ()
+    targets = _lora_targets(shape, traits)
+    if not targets:
+        return ()
+    _, ranks = _peft_expert_rewrite(shape, targets)
+    return tuple(row for row in shape.expert_weights if row[0] in ranks)
 
 
 def _lora_formula_params(shape: ModelShape, traits: StrategyTraits) -> int:
