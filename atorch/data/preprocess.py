@@ -163,10 +163,26 @@ def _load_tokenizer_directory(directory: str) -> Any:
                          f"({holds}); pass the directory a tokenizer was saved to (tokenizer.save_pretrained(DIR)), "
                          "or a model directory that includes its tokenizer")
     try:
-        return AutoTokenizer.from_pretrained(directory)
+        tokenizer = AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load a tokenizer from directory {directory} (its tokenizer files: {found}): "
                          f"{e}") from e
+    size = vocab_size_of(tokenizer)
+    if not set(found) & set(VOCABULARY_FILES) and size < BYTE_VOCABULARY:
+        # transformers 5 builds an empty tokenizer of the configured class from tokenizer_config.json alone (a
+        # LlamaTokenizer of 3 tokens): every document would become unknown tokens. Byte- and character-level
+        # tokenizers (ByT5, Canine) need no vocabulary file and know at least the 256 bytes.
+        raise ValueError(f"tokenizer directory {directory} holds no vocabulary ({found}, none of "
+                         f"{list(VOCABULARY_FILES)}): the {type(tokenizer).__name__} transformers built from it knows "
+                         f"{size} tokens. Pass the directory the tokenizer was saved to in full "
+                         "(tokenizer.save_pretrained(DIR))")
+    return tokenizer
+
+
+# Files that hold a tokenizer's vocabulary (the others: its settings, special tokens, chat template).
+VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model")
+# The smallest vocabulary of a tokenizer that needs no vocabulary file: the 256 byte values.
+BYTE_VOCABULARY = 256
 
 
 def vocab_size_of(tokenizer: Any) -> int:

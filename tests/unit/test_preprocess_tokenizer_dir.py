@@ -2,6 +2,7 @@
 directory and the files expected (as `atorch merge --tokenizer` gives), not transformers' "Couldn't instantiate
 the backend tokenizer ... install sentencepiece or tiktoken"."""
 
+import json
 import re
 
 import pytest
@@ -39,6 +40,23 @@ def test_the_command_reports_it_as_a_usage_error_and_writes_nothing(tmp_path, ca
     assert all(name in err for name in TOKENIZER_FILES)
     assert "sentencepiece" not in err
     assert not list(tmp_path.glob("out*"))
+
+
+@pytest.mark.parametrize("tokenizer_class", ["LlamaTokenizer", "GPT2Tokenizer", "BertTokenizer"])
+def test_settings_without_a_vocabulary_are_refused(tmp_path, tokenizer_class):
+    """transformers 5 builds a tokenizer of 1-5 tokens from tokenizer_config.json alone: every document would be
+    unknown tokens."""
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": tokenizer_class}))
+    (tmp_path / "special_tokens_map.json").write_text("{}")
+    with pytest.raises(ValueError, match=rf"tokenizer directory {re.escape(str(tmp_path))} holds no vocabulary "
+                                         rf"\(\[.*'tokenizer_config.json'.*\]\): the {tokenizer_class} "
+                                         r"transformers built from it knows \d tokens"):
+        DatasetPreprocessor(str(tmp_path))
+
+
+def test_a_byte_level_tokenizer_needs_no_vocabulary_file(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "ByT5Tokenizer"}))
+    assert DatasetPreprocessor(str(tmp_path)).vocab_size >= 256
 
 
 def test_a_tokenizer_directory_still_loads():
