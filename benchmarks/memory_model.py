@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import (AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, MixtralConfig,
-                          PretrainedConfig, Qwen2Config, Qwen3Config)
+                          PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 from atorch.auto import auto_accelerate
 from atorch.auto.cost_model import PHASES, estimate, peak_bytes
@@ -51,7 +51,8 @@ VOCAB = 32000
 # off the model class (`ModelShape.from_config`): Pythia-1.4B (GPT-NeoX: fused qkv with biases,
 # LayerNorm, two-matrix GELU MLP, parallel residual, untied head, vocabulary 50304), Qwen3-0.6B
 # (16 heads of 128 on a width of 1024, q/k norms, tied head, vocabulary 151936) and a small
-# Mixtral-style mixture of experts (8 experts of width 2816, top-2; 1.2B parameters, 0.4B active).
+# Mixtral-style mixture of experts (8 experts of width 2816, top-2; 1.2B parameters, 0.4B active); a Qwen3-MoE
+# (32 experts of width 768, top-4; 1.0B parameters) for LoRA on the fused expert weights.
 OTHER_MODELS: Dict[str, Any] = {
     "gpt2-xl": lambda: GPT2Config(n_embd=1600, n_layer=48, n_head=25, n_positions=1024, vocab_size=50257,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
@@ -71,6 +72,11 @@ OTHER_MODELS: Dict[str, Any] = {
     "moe-1.2b": lambda: MixtralConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
                                       num_attention_heads=16, num_key_value_heads=8, num_local_experts=8,
                                       num_experts_per_tok=2, vocab_size=VOCAB, tie_word_embeddings=False),
+    # transformers 5 fuses each layer's experts into 3-D weights, which peft's LoRA adapts whole.
+    "qwen3-moe-1b": lambda: Qwen3MoeConfig(hidden_size=1024, intermediate_size=3072, num_hidden_layers=12,
+                                           num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=32,
+                                           num_experts_per_tok=4, moe_intermediate_size=768, vocab_size=VOCAB,
+                                           mlp_only_layers=[], tie_word_embeddings=False),
 }
 MODELS: Dict[str, Dict[str, int]] = {
     "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
@@ -94,6 +100,13 @@ STRATEGIES: Dict[str, List[Any]] = {
     "fsdp+amp+checkpoint+accumulate2 sync once": [
         "parallel_mode", "module_replace", "amp_native", "fsdp", "checkpoint",
         ("gradient_accumulation", {"steps": 2, "sync_each_micro_step": False})],
+    # LoRA on the attention and on every expert projection (peft moves gate/up/down onto the fused expert weights).
+    "lora experts+fsdp+amp": ["parallel_mode", "module_replace", "amp_native", "fsdp",
+                              ("lora", {"r": 16, "target_modules": ("q_proj", "v_proj", "gate_proj", "up_proj",
+                                                                    "down_proj")})],
+    "lora experts+fsdp+amp+checkpoint": ["parallel_mode", "module_replace", "amp_native", "fsdp", "checkpoint",
+                                         ("lora", {"r": 16, "target_modules": ("q_proj", "v_proj", "gate_proj",
+                                                                               "up_proj", "down_proj")})],
 }
 # Strategies run by default (the accumulation rows are asked for by name: --strategies).
 DEFAULT_STRATEGIES = ("fsdp+amp", "zero2+amp", "fsdp fp32", "fsdp+amp+checkpoint")
@@ -191,7 +204,8 @@ def measure(model_name: str, world: int, strategy_name: str, micro_batch: int, s
     micro_steps = _accumulation_steps(strategy)
     start = time.monotonic()
     with fake_process_group(0, world):
-        mode = FakeTensorMode()
+        # LoRA adds its adapters as real tensors (auto_accelerate runs outside the fake mode): the step takes them in.
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
             model = AutoModelForCausalLM.from_config(config)
             ids = torch.randint(0, config.vocab_size, (micro_batch, seq))
