@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from atorch.auto.token_limits import position_limit
+from atorch.auto.user_errors import UserTypeError, UserValueError
 
 if TYPE_CHECKING:
     from atorch.auto.opt_lib.base import ValidationContext
@@ -205,10 +206,10 @@ def check_loss(loss: Any, func: Optional[Callable]) -> torch.Tensor:
     """The loss `func` returned, refused unless it is a one-element tensor (backward needs a scalar)."""
     who = f"loss_func {_name(func)}" if func is not None else "the model output's .loss (loss_func=None)"
     if not isinstance(loss, torch.Tensor):
-        raise TypeError(f"{who} returned {_describe(loss)}; it must return a scalar torch.Tensor "
+        raise UserTypeError(f"{who} returned {_describe(loss)}; it must return a scalar torch.Tensor "
                         "(or a sequence whose first item is one)")
     if loss.numel() != 1:
-        raise ValueError(f"{who} returned a loss of shape {tuple(loss.shape)}; it must return a scalar "
+        raise UserValueError(f"{who} returned a loss of shape {tuple(loss.shape)}; it must return a scalar "
                          "(reduce it, e.g. with .mean())")
     return loss
 

@@ -54,6 +54,7 @@ from atorch.auto.model_source import ModelSource
 from atorch.auto.search.search import DryRunResult
 from atorch.auto.step_timing import PILOT_SAMPLES, is_precise_enough, steps_per_sample, summarize
 from atorch.auto.strategy import Strategy
+from atorch.auto.user_errors import UserCodeError
 from atorch.utils.env import check_output_location, env_float, env_int, env_str
 from atorch.utils.peak_memory import PeakMemoryTracker, is_out_of_memory
 from atorch.utils.quiet import candidate_logs_quieted
@@ -497,7 +498,10 @@ def _cycle(result: Any) -> Iterator[Any]:
 
 def _classify(outcome: _LocalOutcome, error: BaseException) -> None:
     text = f"{type(error).__name__}: {error}".strip()
-    if is_out_of_memory(error):
+    if isinstance(error, UserCodeError):       # the same under every strategy: the search stops at it
+        base = "TypeError" if isinstance(error, TypeError) else "ValueError"
+        outcome.error_kind, outcome.message = "user", f"{base}: {error}"
+    elif is_out_of_memory(error):
         outcome.error_kind, outcome.message = "oom", text
     elif _is_collective_timeout(error):
         outcome.error_kind, outcome.message, outcome.collective_timeout = "timeout", text, True
@@ -631,7 +635,8 @@ def merge_outcomes(outcomes: List[_LocalOutcome], pilot: int = PILOT_SAMPLES) ->
         # own error is the reason. Out-of-memory first: it is what the search acts on.
         own = [o for o in failed if not o.collective_timeout] or failed
         # A rank's timeout is usually the consequence of another rank's error: errors first.
-        rank_of = {"oom": 0, "exception": 1, "timeout": 2}
+        # An error in the user's own code or data ends the search whatever else happened: it goes before all.
+        rank_of = {"user": -1, "oom": 0, "exception": 1, "timeout": 2}
         first = min(own, key=lambda o: (rank_of.get(o.error_kind or "exception", 1), o.rank))
         if first.error_kind == "timeout":
             error = "timeout" + (f": rank {first.rank}: {first.message}" if first.message else "")

@@ -55,6 +55,7 @@ from torch import nn
 from atorch.auto.model_context import call_model, default_loss_func, users_module
 from atorch.auto.result import AutoAccelerateResult
 from atorch.auto.token_limits import INTEGER_DTYPES, check_token_range, token_limits
+from atorch.auto.user_errors import UserValueError
 from atorch.distributed.agreement import agree_on_values
 from atorch.modules.pipeline.batches import (
     IGNORE_INDEX,
@@ -594,7 +595,7 @@ def _micro_losses(result: AutoAccelerateResult, model: Any, micro: Any, steps: i
     if not loss.requires_grad and torch.is_grad_enabled():
         # Else autograd's "element 0 of tensors does not require grad and does not have a grad_fn" at backward.
         who = "loss_func" if result.user_loss_func else "the model output's .loss"
-        raise ValueError(f"train_step: {who} returned a loss that does not require grad (detached, computed under "
+        raise UserValueError(f"train_step: {who} returned a loss that does not require grad (detached, computed under "
                          "torch.no_grad, or from .item() / .data), so backward cannot reach the model: compute it "
                          "from the model output's tensors")
     if shares is None:

@@ -20,6 +20,7 @@ from atorch.auto.search.space import Candidate, memory_saving_ranks
 from atorch.auto.search.stats import (LogEstimate, log_throughput_of_steps, mean_ci, pool_runs, ratio_ci,
                                       relative_half_width_to_log_var)
 from atorch.auto.strategy import Strategy
+from atorch.auto.user_errors import UserCodeError, UserTypeError, UserValueError
 
 
 class LastPlanner:
@@ -187,6 +188,42 @@ def test_the_same_error_everywhere_stops_at_patience_and_is_in_the_reason():
     assert "3x \"exception: TypeError: linear(): argument 'input' (position 1) must be Tensor, not list\"" \
         in result.reason
     assert "3 dry runs failed (not out of memory) before any ran" in result.reason
+
+
+@pytest.mark.parametrize("error", [
+    "user: rank 1: ValueError: loss_func <lambda> returned a loss of shape (60,); it must return a scalar",
+    UserTypeError("loss_func <lambda> returned a dict; it must return a scalar torch.Tensor"),
+])
+def test_an_error_in_the_users_code_stops_the_search_at_the_first_dry_run(error):
+    """A loss of the wrong shape fails every candidate alike: the search raises it at once (it used to charge it
+    to `patience` candidates, each built in full, and end with "no strategy runs")."""
+    calls = []
+
+    def evaluator(s):
+        calls.append(s)
+        if isinstance(error, Exception):
+            raise error
+        return DryRunResult(0.0, None, error)
+
+    expected = UserTypeError if isinstance(error, TypeError) else ValueError
+    with pytest.raises(expected, match=r"loss_func <lambda> returned a .* \(the dry run of .* raised it"
+                                       r"( on rank 1)?; the search stopped there: no strategy changes an error in "
+                                       r"the code or data it was given\)") as raised:
+        search_strategy(space16(), evaluator, max_trials=16, patience=3, random_samples=0,
+                        planner_factory=RecordingPlanner)
+    assert len(calls) == 1 and isinstance(raised.value, UserCodeError)
+
+
+def test_the_dry_runner_reports_a_user_error_before_any_other_ranks():
+    from atorch.auto.dry_runner import _classify, _LocalOutcome, merge_outcomes
+
+    outcomes = [_LocalOutcome(rank=r) for r in range(3)]
+    _classify(outcomes[0], RuntimeError("CUDA out of memory"))
+    _classify(outcomes[1], UserValueError("train_step: batch['input_ids'] holds token id 70000"))
+    _classify(outcomes[2], ValueError("some candidate's own error"))
+    merged = merge_outcomes(outcomes)
+    assert merged.status == "user"
+    assert merged.error == "user: rank 1: ValueError: train_step: batch['input_ids'] holds token id 70000"
 
 
 def test_oom_is_learned_by_dominance_without_a_predictor():

@@ -20,7 +20,8 @@ TRIAL_COLUMNS = ["trial", "strategy", "status", "throughput", "throughput_lo", "
 @dataclass
 class DryRunResult:
     """What one dry run of a strategy measured. `error` is None on success, else "oom",
-    "timeout" or "exception: <message>"; a failed run has throughput 0."""
+    "timeout", "exception: <message>" or "user: <message>" (an error in the user's code or data that
+    no strategy changes: `atorch.auto.user_errors`); a failed run has throughput 0."""
 
     # samples/s over the profiled steps; must be finite and > 0 on success (else the run counts as failed:
     # the samples per step are unknown, so step times alone cannot give it). Given step_times_s and no
@@ -41,7 +42,7 @@ class DryRunResult:
 
     @property
     def status(self) -> str:
-        """"ok", "oom", "timeout", "exception" or "failed": the error's head ("oom: ..."), in any
+        """"ok", "oom", "timeout", "exception", "user" or "failed": the error's head ("oom: ..."), in any
         case, or an out-of-memory message however an evaluator words it ("CUDA out of memory",
         "exception: ... CUBLAS_STATUS_ALLOC_FAILED": an allocation failure is learned as memory,
         not as a candidate that raises)."""
@@ -49,7 +50,7 @@ class DryRunResult:
             return "ok"
         text = str(self.error)
         head = text.split(":", 1)[0].strip().lower()
-        if head in ("oom", "timeout"):
+        if head in ("oom", "timeout", "user"):
             return head
         if mentions_out_of_memory(text):
             return "oom"

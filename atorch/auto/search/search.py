@@ -63,7 +63,7 @@ from atorch.auto.search.results import (TRIAL_COLUMNS, Comparison, DryRunResult,
                                         Predictor, SearchResult, usable_peak)
 from atorch.auto.search.seeding import Seeding
 from atorch.auto.search.space import SearchSpace, memory_saving_ranks
-from atorch.auto.search.trials import TrialLog, evaluate, p_faster
+from atorch.auto.search.trials import TrialLog, evaluate, p_faster, user_error
 
 if TYPE_CHECKING:
     from atorch.auto.search.bo import CandidatePlanner
@@ -352,6 +352,8 @@ class _Search:
         result, seconds = evaluate(self.evaluator, self.candidates[index].strategy, self.clock,
                                    self.memory_limit_bytes, self.warned)
         improved = self.trials.add(index, result, seconds, planner_s, source)
+        if result.status == "user":
+            raise user_error(str(result.error), self.candidates[index].strategy)
         self.feasibility.observe(index, result.status, usable_peak(result.peak_memory_bytes))
         self.failures.observe(index, result.status)
         self.bar.update(1)
