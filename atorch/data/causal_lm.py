@@ -177,8 +177,11 @@ class DatasetForCausalLM(Dataset):
         if not 0.0 <= start_weight < end_weight <= 1.0:
             raise ValueError(f"need 0 <= start_weight < end_weight <= 1, got start_weight={start_weight}, "
                              f"end_weight={end_weight}")
-        if not is_int(max_seq_length) or max_seq_length < 1:
-            raise ValueError(f"max_seq_length must be an int >= 1, got {max_seq_length!r}")
+        if not is_int(max_seq_length) or max_seq_length < 2:
+            # A causal LM predicts each token from those before it: a sample of one token has nothing to predict
+            # (its loss is nan and trains nothing).
+            raise ValueError(f"max_seq_length must be an int >= 2 (a sample of one token has no next token to "
+                             f"predict), got {max_seq_length!r}")
         if seed is not None and (not is_int(seed) or seed < 0):
             raise ValueError(f"seed must be None (file order) or an int >= 0, got {seed!r}")
         if vocab_size is not None and (not is_int(vocab_size) or vocab_size < 1):

@@ -26,15 +26,18 @@ from atorch.utils.metrics import TransformerFlops
 
 
 def check_search_settings() -> None:
-    """BO_SG_MAX_IETR, RANDOM_SAMPLE and the search's other variables, read as the planner will read them.
+    """BO_SG_MAX_IETR, RANDOM_SAMPLE, the search's other variables and the dry runs' (ATORCH_DRYRUN_*), read as
+    the planner and the dry runner will read them.
 
-    The planner reads them inside auto_accelerate, after the model and the data are loaded;
+    They read them inside auto_accelerate, after the model and the data are loaded;
     a bad value is a usage error now instead.
     """
+    from atorch.auto.dry_runner import DryRunConfig
     from atorch.auto.search.auto_search import SearchSettings
 
     try:
         SearchSettings.from_env()
+        DryRunConfig.from_env().validate()
     except ValueError as e:
         raise eu.UsageError(str(e)) from None
 

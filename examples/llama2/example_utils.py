@@ -111,6 +111,9 @@ def validate_common_args(args: argparse.Namespace) -> None:
     for name in ("block_size", "per_device_train_batch_size", "max_steps", "log_steps"):
         if getattr(args, name, 1) < 1:
             raise UsageError(f"--{name}={getattr(args, name)} must be >= 1")
+    if getattr(args, "block_size", 2) < 2:
+        raise UsageError(f"--block_size={args.block_size} (BLOCK_SIZE) must be >= 2: a sample of one token has no "
+                         "next token to predict")
     if args.save_total_limit < 1:
         raise UsageError(f"--save_total_limit={args.save_total_limit} must be >= 1")
     for name in ("save_steps", "warmup_steps"):

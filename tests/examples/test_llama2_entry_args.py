@@ -155,6 +155,9 @@ def args_for(tmp_path, *argv):
 def test_argument_mistakes_are_usage_errors_with_the_values(tmp_path):
     with pytest.raises(eu.UsageError, match="--block_size=0 must be >= 1"):
         args_for(tmp_path, "--block_size", "0")
+    with pytest.raises(eu.UsageError, match="--block_size=1 \\(BLOCK_SIZE\\) must be >= 2: a sample of one token has no "
+                                            "next token to predict"):
+        args_for(tmp_path, "--block_size", "1")
     with pytest.raises(eu.UsageError, match="not both"):
         args_for(tmp_path, "--model_name_or_path", "/a", "--config_name", "/b")
     with pytest.raises(eu.UsageError, match="--tokenizer_name='/t' needs --config_name"):
@@ -268,3 +271,17 @@ def test_parameter_counts_are_elements_all_three():
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     model[1].weight.requires_grad_(False)
     assert eu.parameter_counts(model) == {"total": 15 + 8, "trainable": 15 + 2, "trainable_non_lora": 15 + 2}
+
+
+@pytest.mark.parametrize("name, value, said", [
+    ("BO_SG_MAX_IETR", "0", "BO_SG_MAX_IETR"),
+    ("ATORCH_DRYRUN_MAX_STEPS", "0", "ATORCH_DRYRUN_MAX_STEPS"),
+    ("ATORCH_DRYRUN_TIMEOUT", "0", "ATORCH_DRYRUN_TIMEOUT"),
+    ("ATORCH_DRYRUN_TARGET_CI", "-1", "ATORCH_DRYRUN_TARGET_CI"),
+])
+def test_the_search_examples_settings_are_usage_errors_before_the_model_loads(monkeypatch, name, value, said):
+    """The search and dry-run variables are read inside auto_accelerate, after the model and data load: a bad
+    value is a usage error first (it was a traceback on every rank after the loads, exit 1)."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(eu.UsageError, match=said):
+        bayes_opt_sg_llama2.check_search_settings()

@@ -417,7 +417,7 @@ CASES: List[Case] = [
          "is truncated: 30 bytes, shorter than its 34-byte header"),
     Case("index_empty", lambda tmp: _truncated_index(tmp, 0), ValueError, "is empty (0 bytes)"),
     Case("dataset_max_seq_length_float", lambda tmp: DatasetForCausalLM(_corpus(tmp), 16.5), ValueError,
-         "max_seq_length must be an int >= 1, got 16.5"),
+         "max_seq_length must be an int >= 2 (a sample of one token has no next token to predict), got 16.5"),
     Case("dataset_seed_a_string", lambda tmp: DatasetForCausalLM(_corpus(tmp), 16, seed="x"), ValueError,
          "seed must be None (file order) or an int >= 0, got 'x'"),
     Case("dataset_eod_negative", lambda tmp: DatasetForCausalLM(_corpus(tmp), 16, eod_token_id=-1), ValueError,

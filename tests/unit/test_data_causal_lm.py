@@ -38,7 +38,7 @@ def data(tmp_path):
 def test_samples_cut_the_concatenated_stream(data):
     prefix, docs = data
     flat = sum(docs, [])
-    for seq in (1, 7, 64, len(flat)):
+    for seq in (2, 7, 64, len(flat)):
         ds = DatasetForCausalLM(prefix, seq)
         assert len(ds) == len(flat) // seq
         assert stream(ds) == flat[: len(ds) * seq]  # the tail shorter than a sample is dropped
@@ -77,12 +77,12 @@ def test_eod_inserted_for_files_without_it(tmp_path):
 
 def test_an_empty_document_gets_no_inserted_eod(tmp_path):
     """As Megatron's preprocessor (and ours with append_eod) writes none for it: no lone-EOD samples."""
-    prefix = write_docs(tmp_path / "raw", [[], [1, 2], [], [], [3], []])
-    ds = DatasetForCausalLM(prefix, 1, eod_token_id=9)
-    assert stream(ds) == [1, 2, 9, 3, 9]
+    prefix = write_docs(tmp_path / "raw", [[], [1, 2], [], [], [3], [], [4]])
+    ds = DatasetForCausalLM(prefix, 2, eod_token_id=9)
+    assert stream(ds) == [1, 2, 9, 3, 9, 4]
     assert ds.index_files["samples"].name.endswith("_eod9-nonempty_samples.npy")   # not an older atorch's index
     # Without empty documents the index (and its name) is the one it always was.
-    assert DatasetForCausalLM(write_docs(tmp_path / "full", [[1], [2]]), 1, eod_token_id=9).index_files[
+    assert DatasetForCausalLM(write_docs(tmp_path / "full", [[1], [2]]), 2, eod_token_id=9).index_files[
         "samples"].name.endswith("_eod9_samples.npy")
 
 
@@ -199,7 +199,8 @@ def test_bad_arguments(data, tmp_path):
     with pytest.raises(ValueError, match=rf"max_seq_length=100000 is larger than split 'test' of .*d', which holds "
                                          rf"{tokens} tokens \(documents \[45, 50\)\)"):
         DatasetForCausalLM(prefix, 100000, "test", 0.9, 1.0)
-    with pytest.raises(ValueError, match="max_seq_length must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"max_seq_length must be an int >= 2 \(a sample of one token has no next "
+                                         r"token to predict\), got 0"):
         DatasetForCausalLM(prefix, 0)
     with pytest.raises(FileNotFoundError, match=r"index file '.*nothing\.idx' not found"):
         DatasetForCausalLM(tmp_path / "nothing", 4)
