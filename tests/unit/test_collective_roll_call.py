@@ -20,7 +20,8 @@ PG_ID, SEQ = "0", 7
 ALL_REDUCE_1 = {"name": "gloo:all_reduce", "sizes": [[1]], "dtypes": ["Float"]}
 
 
-def _diagnose(monkeypatch, me: Dict[str, Any], others: Dict[int, Optional[Dict[str, Any]]]) -> str:
+def _diagnose(monkeypatch, me: Dict[str, Any], others: Dict[int, Optional[Dict[str, Any]]],
+              error: str = "Timed out waiting 3000ms for recv") -> str:
     """Rank 0's message when it is in collective `me` and rank r answered `others[r]` (None: never arrived)."""
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv(timeouts.COLLECTIVE_TIMEOUT_ENV, "0.5")   # also the grace for a rank that never arrives
@@ -31,7 +32,7 @@ def _diagnose(monkeypatch, me: Dict[str, Any], others: Dict[int, Optional[Dict[s
     for r, answer in others.items():
         if answer is not None:
             store.set(f"atorch/timeout/{PG_ID}/{SEQ}/{r}", json.dumps(answer))
-    return timeouts.describe_collective_timeout(RuntimeError("Timed out waiting 3000ms for recv"), store)
+    return timeouts.describe_collective_timeout(RuntimeError(error), store)
 
 
 def test_ranks_in_different_collectives_are_listed_with_the_likely_cause(monkeypatch):
@@ -69,3 +70,18 @@ def test_agreeing_ranks_still_point_at_the_transfer(monkeypatch, me, other):
 def test_a_rank_that_never_arrived_is_named_as_before(monkeypatch):
     message = _diagnose(monkeypatch, ALL_REDUCE_1, {1: {"name": "gloo:broadcast"}, 2: None})
     assert "; rank(s) [2] did not arrive (unknown node: ranks [2]) (original error: " in message, message
+
+
+def test_a_lost_peer_is_waited_for_briefly(monkeypatch):
+    """A peer that closed its connection will not answer: the survivors' roll call waits _LOST_PEER_GRACE_S, not
+    the 30 s that a rank merely late to a timed-out collective gets (a job whose rank exited early took 34 s)."""
+    graces = []
+    real = timeouts.roll_call
+    monkeypatch.setattr(timeouts, "roll_call", lambda *args: graces.append(args[4]) or real(*args))
+    monkeypatch.setattr(timeouts, "_LOST_PEER_GRACE_S", 0.2)
+    monkeypatch.setattr(timeouts, "_MAX_GRACE_S", 0.4)
+    lost = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:12197"
+    message = _diagnose(monkeypatch, ALL_REDUCE_1, {1: None}, error=lost)
+    assert "failed: a peer closed its connection; rank(s) [1] did not arrive" in message, message
+    _diagnose(monkeypatch, ALL_REDUCE_1, {1: None})
+    assert graces == [0.2, 0.4]
