@@ -112,6 +112,10 @@ def check_merge_output(out_dir: Any, ckpt_dir: Any = None, func: str = "merge_ch
     out = os.fspath(out_dir)
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"{out_arg}={out!r} is an existing file; give a directory for the Hugging Face model")
+    blocker = _file_in_the_way(out)
+    if blocker is not None:   # found late, it named the staging directory the merge writes first
+        raise ValueError(f"{out_arg}={out!r} cannot be created: {blocker!r} is an existing file, not a directory; "
+                         "give a directory for the Hugging Face model that is not under a file")
     why = mf.checkpoint_use(out)
     if why is None:
         return
@@ -125,6 +129,17 @@ def check_merge_output(out_dir: Any, ckpt_dir: Any = None, func: str = "merge_ch
     raise ValueError(f"{out_arg}={out!r} {why}; merging would write config.json and the weights among checkpoint "
                      "files. Merge into a directory outside the checkpoints (a new one, or one holding an earlier "
                      "merged model)")
+
+
+def _file_in_the_way(path: str) -> Optional[str]:
+    """The nearest existing ancestor of a not-yet-existing `path` when that is not a directory (a regular file), else
+    None: the directory could not be created."""
+    if os.path.exists(path):
+        return None
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    return parent if os.path.exists(parent) and not os.path.isdir(parent) else None
 
 
 def check_model_class(model_class: type, ckpt_dir: str, model_meta: Dict[str, Any]) -> None:

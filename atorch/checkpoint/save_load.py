@@ -65,6 +65,7 @@ from atorch.checkpoint.tokenizer_files import check_tokenizer, record_tokenizer
 from atorch.checkpoint.tp_lora import adapters_of
 from atorch.data.samplers import SET_EPOCH_CALLED
 from atorch.distributed.agreement import agree_on_error, agree_on_values
+from atorch.utils.memory import innermost_optimizer
 
 if TYPE_CHECKING:
     from atorch.distributed.mesh import ParallelMesh
@@ -247,6 +248,27 @@ def _check_save_args(path: Any, *, step: Any, data_position: Any, keep_last: Any
         check_tokenizer(tokenizer)
 
 
+def _check_optimizer_holds_model_parameters(func: str, objs: TrainingObjects) -> None:
+    """ValueError when the optimizer holds a parameter that is not one of the model's (by identity), e.g. the model
+    was rebuilt after its optimizer was created: torch's state-dict code then fails with a bare `KeyError: 0`.
+
+    Local (no collective): called inside the argument checks that every rank votes on. A DeepSpeed engine's
+    optimizer steps its own fp32 partitions, not the model's parameters: it is left to its handler."""
+    if objs.optimizer is None or objs.engine is not None:
+        return
+    own = {id(p) for p in objs.model.parameters()}
+    foreign = [(g, i, tuple(p.shape)) for g, group in enumerate(innermost_optimizer(objs.optimizer).param_groups)
+               for i, p in enumerate(group["params"]) if id(p) not in own]
+    if foreign:
+        g, i, shape = foreign[0]
+        verb = "load into" if func == "load_checkpoint" else "save"
+        raise ValueError(f"{func}: the optimizer holds {len(foreign)} parameter(s) that are not the model's (e.g. "
+                         f"param_groups[{g}]['params'][{i}], shape {list(shape)}): it was built over another "
+                         "model's parameters (was the model rebuilt after the optimizer was created?); build the "
+                         f"optimizer from the model you {verb}, e.g. torch.optim.AdamW(model.parameters())"
+                         + (", or pass load_optimizer=False to load the weights only" if verb == "load into" else ""))
+
+
 def _optimizer_flag(flag: bool, handler: LayoutHandler) -> str:
     """`save_optimizer` / `load_optimizer` as the ranks compare it: True on a rank whose target has no optimizer
     does nothing there, which is as different from the other ranks as False (a sharded optimizer's state
@@ -353,6 +375,8 @@ def _agree_on_save_args(target: Any, path: Any, *, optimizer: Any, lr_scheduler:
         final_dir = os.path.normpath(path)
         _check_save_path(final_dir)
         handler = objs.handler("save_checkpoint" if save_optimizer else None)
+        if save_optimizer is True:
+            _check_optimizer_holds_model_parameters("save_checkpoint", objs)
     # Named without the path: the message must be the same on every rank, and the path may be what differs.
     # The path as given, not made absolute: nodes may run in different working directories or mount the
     # shared filesystem at different places, and only a path that differs as given is a mistake.
@@ -841,6 +865,8 @@ def _agree_on_load_args(target: Any, path: Any, *, optimizer: Any, lr_scheduler:
         for name, flag in (("load_optimizer", load_optimizer), ("load_rng", load_rng), ("strict", strict)):
             _check_flag("load_checkpoint", name, flag)
         handler = objs.handler("load_checkpoint" if load_optimizer else None)
+        if load_optimizer is True:
+            _check_optimizer_holds_model_parameters("load_checkpoint", objs)
     agree_on_values("load_checkpoint", {
         "path": os.fspath(path), "load_optimizer": _optimizer_flag(load_optimizer, handler),
         "load_rng": repr(load_rng), "strict": repr(strict)})

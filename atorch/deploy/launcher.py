@@ -60,10 +60,13 @@ def _source(model_or_path: Union[nn.Module, str, os.PathLike]) -> Dict[str, Any]
     from atorch.checkpoint import manifest as mf
 
     if mf.is_checkpoint(path) or os.path.isfile(os.path.join(path, mf.LATEST_NAME)):
-        from atorch.checkpoint.save_load import _read_meta
+        from atorch.checkpoint.save_load import _read_meta, verify_checkpoint
         from atorch.deploy.worker import check_deployable_checkpoint
 
         ckpt = mf.resolve_checkpoint_dir(path)     # CheckpointError (a ValueError) for a broken `latest`
+        # Every file against the manifest, here: a corrupted checkpoint is a CheckpointError before any worker
+        # starts, not a WorkerError from each worker after they have started.
+        verify_checkpoint(ckpt, collective=False)
         check_deployable_checkpoint(ckpt, _read_meta(ckpt).get("model") or {})
         return {"source": "atorch_checkpoint", "path": os.path.abspath(path)}
     if os.path.isfile(os.path.join(path, "config.json")):
@@ -136,7 +139,8 @@ def deploy(model_or_path: Union[nn.Module, str, os.PathLike], tensor_parallel_si
         model_or_path: a transformers model object (its weights are streamed to the workers), a
             merged Hugging Face folder (each worker loads it), or an atorch checkpoint directory
             (each worker loads it whole and shards it: any saved layout works; a LoRA checkpoint is
-            refused with ValueError before any worker starts: merge it first, `atorch merge`).
+            refused with ValueError before any worker starts: merge it first, `atorch merge`; so is one
+            that fails verification against its manifest, with CheckpointError, a ValueError).
         tensor_parallel_size: ranks; the model is split by atorch's tensor-parallel plans and
             returns full logits, so every rank generates the same tokens.
         device: "cpu" (gloo) or "cuda" (rank r on GPU r % count, NCCL).

@@ -190,6 +190,20 @@ def _first_tensor_device(args: Any, kwargs: Dict[str, Any]) -> torch.device:
     return torch.device("cpu")
 
 
+def _refuse_stop_strings(kwargs: Dict[str, Any]) -> None:
+    """ValueError for `stop_strings` (as an argument or in a generation_config) and `tokenizer`: transformers' stop
+    strings need the tokenizer object in every worker, and a tokenizer cannot be sent to them."""
+    gc = kwargs.get("generation_config")
+    in_config = gc.get("stop_strings") if isinstance(gc, dict) else getattr(gc, "stop_strings", None)
+    for name, value in (("stop_strings", kwargs.get("stop_strings")), ("generation_config.stop_strings", in_config),
+                        ("tokenizer", kwargs.get("tokenizer"))):
+        if value is not None:
+            raise ValueError(f"deployed model: generate({name}=...) is not supported: stop strings need the "
+                             "tokenizer object in the workers, which cannot be sent to them; stop on token ids "
+                             "instead with eos_token_id=<a token id or a list of them> (e.g. the ids your tokenizer "
+                             "gives the stop text)")
+
+
 class DeployedModel:
     """Stands in for the deployed model: `generate`, `__call__`/`forward` and `config` as on the model.
 
@@ -198,6 +212,8 @@ class DeployedModel:
     the other. `generate(..., fused_no_repeat_ngram_blocking=True)` uses atorch's vectorized
     n-gram blocking. Sampling draws one seed from the caller's torch RNG per call, so every
     rank samples the same tokens and `torch.manual_seed` in the caller makes it repeatable.
+    `stop_strings` (and `tokenizer`) are refused with a ValueError: the workers have no tokenizer
+    object; stop on token ids with `eos_token_id` instead.
     """
 
     def __init__(self, workers: WorkerGroup, config: Any, tensor_parallel_size: int,
@@ -217,6 +233,7 @@ class DeployedModel:
         return self._generation_config
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
+        _refuse_stop_strings(kwargs)
         gc = kwargs.get("generation_config")
         if gc is not None and hasattr(gc, "to_dict"):
             kwargs["generation_config"] = gc.to_dict()

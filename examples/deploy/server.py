@@ -7,7 +7,8 @@
 test suite's tiny Llama, built from a config: no download). POST /generate takes JSON:
 `input_ids` (list of token-id lists, all the same length) or `text` (a string or a list of
 strings, tokenized with the bundled tokenizer when `--model tiny`, or the folder's
-tokenizer), plus generate options among `ALLOWED_OPTIONS`; it answers
+tokenizer), not both, plus generate options among `ALLOWED_OPTIONS` (finite numbers; `eos_token_id`
+a token id or a list of them; `stop_strings` is refused: the workers have no tokenizer); it answers
 `{"output_ids": [[...]], "text": [...]}`. GET /health answers `{"ok": true}` while the
 workers are alive.
 
@@ -19,6 +20,10 @@ most `--max-sequences-limit` (default 16), since the workers' memory grows with 
 without `max_new_tokens` gets the model's generation-config value, else transformers' default of 20,
 cut to fit both limits.
 
+A `--model` that cannot be served (a corrupted atorch checkpoint included) stops the server before any
+worker starts: one `server.py: error:` line, exit code 2; workers failing to build the model: one such
+line, exit code 1.
+
 Standard library `http.server` (ThreadingHTTPServer), not FastAPI + uvicorn: nothing to
 install, and one endpoint needs no framework. Requests are handled in threads; the deployed
 model serializes them (see `atorch.deploy`). SIGTERM / SIGINT stop the server and close the
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -43,7 +49,10 @@ from atorch.deploy import WorkerError
 
 ALLOWED_OPTIONS = {"max_new_tokens": int, "min_new_tokens": int, "num_beams": int, "do_sample": bool,
                    "temperature": float, "top_k": int, "top_p": float, "no_repeat_ngram_size": int,
-                   "repetition_penalty": float, "fused_no_repeat_ngram_blocking": bool}
+                   "repetition_penalty": float, "fused_no_repeat_ngram_blocking": bool, "eos_token_id": list}
+# generate() options a deployed model cannot take (they need the tokenizer object in the workers), with what to use.
+UNSUPPORTED_OPTIONS = {"stop_strings": "it needs a tokenizer in the workers, which a deployed model does not have; "
+                                       "send eos_token_id (a token id or a list of them) instead"}
 MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_NEW_TOKENS_LIMIT = 256
 DEFAULT_MAX_SEQUENCES_LIMIT = 16
@@ -84,6 +93,11 @@ def load_tokenizer(model: str) -> Optional[Any]:
         return AutoTokenizer.from_pretrained(folder)
     except Exception as e:  # noqa: BLE001 - any loader failure: one line naming the folder
         raise SystemExit(f"server: error: the tokenizer in {folder} cannot be loaded: {type(e).__name__}: {e}") from e
+
+
+def one_line(message: str) -> str:
+    """A multi-line error (a checkpoint's list of problems) as one line for `server.py: error: ...`."""
+    return " ".join(part.strip() for part in message.splitlines() if part.strip())
 
 
 def _divisors(value: int) -> List[int]:
@@ -181,6 +195,9 @@ class GenerateHandler(BaseHTTPRequestHandler):
     def _parse(self, request: Any) -> tuple:
         if not isinstance(request, dict):
             raise ValueError("the body must be a JSON object")
+        for key, why in UNSUPPORTED_OPTIONS.items():
+            if key in request:
+                raise ValueError(f"{key} is not supported: {why}")
         unknown = [k for k in request if k not in ALLOWED_OPTIONS and k not in ("input_ids", "text")]
         if unknown:
             raise ValueError(f"unknown field(s) {unknown}; allowed: input_ids or text, and {sorted(ALLOWED_OPTIONS)}")
@@ -188,20 +205,42 @@ class GenerateHandler(BaseHTTPRequestHandler):
         for key, kind in ALLOWED_OPTIONS.items():
             if key in request:
                 value = request[key]
+                if key == "eos_token_id":
+                    options[key] = eos_token_ids(value)
+                    continue
                 if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
                     if not (kind is float and isinstance(value, int) and not isinstance(value, bool)):
                         raise ValueError(f"{key} must be a {kind.__name__}, got {value!r}")
                 options[key] = value
         check_option_ranges(options)
         config, generation = self.model.config, getattr(self.model, "generation_config", None)
-        ids = prompt_ids(request, getattr(config, "vocab_size", None), self.tokenizer)
+        vocab_size = getattr(config, "vocab_size", None)
+        ids = prompt_ids(request, vocab_size, self.tokenizer)
+        if vocab_size is not None and not all(0 <= t < vocab_size for t in options.get("eos_token_id", [])):
+            raise ValueError(f"eos_token_id must be token ids in [0, {vocab_size}), got {options['eos_token_id']}")
         check_sequences(ids.shape[0], options.get("num_beams", 1), self.max_sequences_limit)
+        model_default = getattr(generation, "max_new_tokens", None)
+        positions = getattr(config, "max_position_embeddings", None)
         options["max_new_tokens"] = settle_new_tokens(
-            ids.shape[1], options.get("max_new_tokens"), self.max_new_tokens_limit,
-            getattr(config, "max_position_embeddings", None), getattr(generation, "max_new_tokens", None))
-        if options.get("min_new_tokens", 0) > options["max_new_tokens"]:
-            raise ValueError(f"min_new_tokens={options['min_new_tokens']} exceeds max_new_tokens="
-                             f"{options['max_new_tokens']}")
+            ids.shape[1], options.get("max_new_tokens"), self.max_new_tokens_limit, positions, model_default)
+        least = options.get("min_new_tokens", 0)
+        if least > options["max_new_tokens"]:
+            if "max_new_tokens" in request:
+                raise ValueError(f"min_new_tokens={least} exceeds max_new_tokens={options['max_new_tokens']}")
+            # The client never sent the max_new_tokens it is compared with: say where it comes from.
+            default = model_default or DEFAULT_NEW_TOKENS
+            origin = (f"the model's generation_config.max_new_tokens={default}" if model_default
+                      else f"transformers' default of {default}")
+            settled = options["max_new_tokens"]
+            if settled < default:   # what cut it: the server's limit, the positions the prompt leaves, or both
+                cuts = [f"--max-new-tokens-limit={settled}"] if self.max_new_tokens_limit == settled else []
+                if positions is not None and positions - ids.shape[1] == settled:
+                    cuts.append(f"the {settled} positions the model has left after the prompt")
+                origin += f", cut to {settled} by {' and '.join(cuts)}"
+            raise ValueError(f"min_new_tokens={least} exceeds max_new_tokens={options['max_new_tokens']}, the "
+                             f"server's default for a request without max_new_tokens ({origin}); send "
+                             f"max_new_tokens >= {least} in the request (this server allows at most "
+                             f"{self.max_new_tokens_limit}: --max-new-tokens-limit)")
         return ids, options
 
 
@@ -215,7 +254,9 @@ def check_sequences(rows: int, num_beams: int, limit: int) -> None:
 
 def prompt_ids(request: Dict[str, Any], vocab_size: Optional[int], tokenizer: Any) -> torch.Tensor:
     """The request's prompt as a [rows, tokens] tensor: its `input_ids` (each in [0, vocab_size)), or its `text`
-    tokenized with `tokenizer` (None: text is refused)."""
+    tokenized with `tokenizer` (None: text is refused). Not both: one of them would be silently ignored."""
+    if "input_ids" in request and "text" in request:
+        raise ValueError("send either input_ids or text, not both")
     if "input_ids" in request:
         ids = request["input_ids"]
         # bool is an int subclass: true/false are not token ids.
@@ -263,8 +304,21 @@ def settle_new_tokens(prompt_len: int, requested: Optional[int], limit: int, max
     return requested
 
 
+def eos_token_ids(value: Any) -> List[int]:
+    """A request's `eos_token_id` (a token id or a non-empty list of them) as a list; ValueError (a 400) otherwise."""
+    ids = [value] if type(value) is int else value
+    if not (isinstance(ids, list) and ids and all(type(t) is int for t in ids)):
+        raise ValueError(f"eos_token_id must be a token id or a non-empty list of token ids (ints), got {value!r}")
+    return ids
+
+
 def check_option_ranges(options: Dict[str, Any]) -> None:
-    """Values generate() would fail on deep in the workers (num_beams=0 divides by zero), refused as a 400."""
+    """Values generate() would fail on deep in the workers (num_beams=0 divides by zero), refused as a 400.
+
+    json.loads reads the non-standard literals NaN and Infinity: a float option must be finite."""
+    for key, value in options.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{key} must be a finite number, got {value}")
     if options.get("max_new_tokens", 1) < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {options['max_new_tokens']}")
     for key, least in (("num_beams", 1), ("min_new_tokens", 0), ("top_k", 0), ("no_repeat_ngram_size", 0)):
@@ -302,8 +356,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         source = tiny_llama(seed=0).eval()
     try:
         model = atorch.deploy(source, tensor_parallel_size=args.tensor_parallel_size, device=args.device)
-    except ValueError as e:   # what deploy refuses before starting a worker: the arguments given
-        parser.error(str(e))
+    except ValueError as e:   # what deploy refuses before starting a worker (a corrupted checkpoint too): exit 2
+        parser.error(one_line(str(e)))
+    except WorkerError as e:  # a worker failed (or died) while building the model: one line, without its traceback
+        reason = str(e).split("\nTraceback (most recent call last):")[0]
+        print(f"{parser.prog}: error: the workers could not start: {one_line(reason)}", file=sys.stderr, flush=True)
+        sys.exit(1)
     GenerateHandler.model = model
     GenerateHandler.tokenizer = tokenizer
     GenerateHandler.max_new_tokens_limit = args.max_new_tokens_limit

@@ -452,3 +452,36 @@ def test_sampler_settings_and_step_options_given_differently_per_rank_raise_the_
         assert got[0]["message"] == got[1]["message"], f"{name}: ranks differ: {got}"
     assert [(r["loading_differs"]["kind"], r["loading_differs"]["message"]) for r in results] == \
         [("returned", "True")] * 2
+
+
+def _load_with_a_stale_optimizer_on_rank_1(root: str) -> Dict[str, Any]:
+    """Both ranks save a replicated tiny Llama with its optimizer; then rank 1 loads with an optimizer built over
+    another model's parameters (the model rebuilt after the optimizer was created), rank 0 with its own."""
+    from atorch.checkpoint import load_checkpoint, save_checkpoint
+    from atorch.testing import tiny_llama
+
+    model = tiny_llama(seed=0)
+    ckpt = save_checkpoint(model, os.path.join(root, "step_1"), optimizer=torch.optim.AdamW(model.parameters()))
+    target = tiny_llama(seed=1)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    optimizer = torch.optim.AdamW((tiny_llama(seed=1) if _rank() == 1 else target).parameters())
+    start = time.monotonic()
+    try:
+        load_checkpoint(target, ckpt, optimizer=optimizer)
+        kind, message = "ok", ""
+    except Exception as e:  # noqa: BLE001 - compared across ranks by the test
+        kind, message = type(e).__name__, str(e)
+    return {"kind": kind, "message": message, "seconds": time.monotonic() - start,
+            "unchanged": all(torch.equal(v, before[k]) for k, v in target.state_dict().items())}
+
+
+def test_an_optimizer_over_another_model_on_one_rank_is_refused_on_every_rank_before_loading(tmp_path):
+    """torch's state-dict code raised a bare `KeyError: 0` on that rank only, inside the load's collectives."""
+    results = run_distributed(_load_with_a_stale_optimizer_on_rank_1, 2, str(tmp_path), timeout=120)
+    for rank, r in enumerate(results):
+        assert r["kind"] == "ValueError", f"rank {rank}: {r}"
+        assert "load_checkpoint: checking the arguments failed on rank [1]: load_checkpoint: the optimizer holds " \
+               "21 parameter(s) that are not the model's" in r["message"], r["message"]
+        assert "build the optimizer from the model you load into" in r["message"]
+        assert r["seconds"] < BOUND_S and r["unchanged"], r
+    assert results[0]["message"] == results[1]["message"]

@@ -222,6 +222,16 @@ def test_bad_arguments_are_value_errors_before_any_process_starts(tmp_path, monk
         for path in (ckpt, os.path.dirname(ckpt)):        # the checkpoint, and its root's `latest`
             with pytest.raises(ValueError, match=rf"is a {kind} LoRA checkpoint .*`atorch merge {ckpt} MERGED_DIR`"):
                 atorch.deploy(path, tensor_parallel_size=2)
+    # A corrupted checkpoint: verified here (each worker found it after starting: a WorkerError).
+    from atorch.checkpoint import CheckpointError, save_checkpoint
+
+    ckpt = save_checkpoint(tiny_llama(), str(tmp_path / "plain" / "step_1"), save_optimizer=False)
+    shard = next(Path(ckpt, "dcp").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-10])
+    for path in (ckpt, os.path.dirname(ckpt)):
+        with pytest.raises(CheckpointError, match=rf"(?s)checkpoint {ckpt} failed verification.*{shard.name}: "
+                                                  "truncated"):
+            atorch.deploy(path, tensor_parallel_size=2)
 
 
 def _no_worker(*args, **kwargs):

@@ -125,6 +125,28 @@ def test_optimizer_requested_but_not_saved(tmp_path):
         load_checkpoint(model, ckpt, optimizer=optim)
 
 
+def test_an_optimizer_over_another_models_parameters_is_refused_naming_the_fix(saved, tmp_path):
+    """The model rebuilt after its optimizer was created: torch's state-dict code raised a bare `KeyError: 0`."""
+    model, before = _fresh()
+    stale = torch.optim.AdamW(tiny_llama(seed=5).parameters(), lr=1e-3)
+    fix = r"build the optimizer from the model you {}, e.g. torch.optim.AdamW\(model.parameters\(\)\)"
+    with pytest.raises(ValueError, match=r"^load_checkpoint: the optimizer holds 21 parameter\(s\) that are not the "
+                       r"model's \(e.g. param_groups\[0\]\['params'\]\[0\], shape \[1024, 64\]\): it was built over "
+                       r"another model's parameters .*" + fix.format("load into") + ", or pass load_optimizer=False"):
+        load_checkpoint(model, saved, optimizer=stale)
+    assert _unchanged(model, before)
+    load_checkpoint(model, saved, optimizer=stale, load_optimizer=False)     # the optimizer is not touched
+    with pytest.raises(ValueError, match=r"^save_checkpoint: the optimizer holds 21 parameter\(s\) .*"
+                       + fix.format("save") + "$"):
+        save_checkpoint(model, str(tmp_path / "step_1"), optimizer=stale)
+    assert not os.path.exists(tmp_path / "step_1")
+    # One foreign parameter among the model's own is enough (torch's KeyError named only its index).
+    mixed = torch.optim.AdamW([*model.parameters(), torch.nn.Parameter(torch.zeros(3))])
+    with pytest.raises(ValueError, match=r"holds 1 parameter\(s\) .*params'\]\[21\], shape \[3\]"):
+        load_checkpoint(model, saved, optimizer=mixed)
+    assert load_checkpoint(model, saved, optimizer=torch.optim.AdamW(model.parameters())).optimizer_restored
+
+
 def test_not_a_checkpoint(tmp_path):
     (tmp_path / "random").mkdir()
     (tmp_path / "random" / "weights.bin").write_bytes(b"x")

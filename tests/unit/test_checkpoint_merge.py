@@ -210,6 +210,14 @@ def test_merge_input_errors(tmp_path):
                                              rf"checkpoint .* holds a LlamaConfig .*pass model_class=None"):
             merge_checkpoint(ckpt, str(tmp_path / "o"), model_class=cls)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "latest"]     # nothing written
+    # Under a regular file: NotADirectoryError naming the merge's internal staging directory (sub.tmp-...) before.
+    (tmp_path / "a_file").write_text("x")
+    for out in (tmp_path / "a_file" / "sub", tmp_path / "a_file" / "deeper" / "sub"):
+        with pytest.raises(ValueError, match=rf"^out_dir='{out}' cannot be created: '{tmp_path / 'a_file'}' is an "
+                                             r"existing file, not a directory"):
+            merge_checkpoint(ckpt, str(out))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "ckpt", "latest"]
+    (tmp_path / "a_file").unlink()
 
     class MyLlama(LlamaForCausalLM):      # a custom class of the same architecture is taken
         pass
