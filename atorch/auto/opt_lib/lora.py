@@ -470,5 +470,6 @@ class LoraOptimization(Optimization):
         if config.modules_to_save:
             summary["modules_to_save"] = sorted(config.modules_to_save)
         ctx.summaries["lora"] = summary
-        logger.info("lora: training %d of %d parameters (%.2f%%), adapters on %s", trainable, total,
-                    100.0 * trainable / max(total, 1), summary["target_modules"])
+        experts = f" and on the fused expert weights {expert_weights}" if expert_weights else ""
+        logger.info("lora: training %d of %d parameters (%.2f%%), adapters on %s%s", trainable, total,
+                    100.0 * trainable / max(total, 1), summary["target_modules"], experts)
