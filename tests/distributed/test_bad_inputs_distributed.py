@@ -222,7 +222,7 @@ EXPECTED: Dict[str, Tuple[str, str]] = {
     "model_not_module": ("TypeError", "model must be a torch.nn.Module"),
     "save_strategy_missing_dir": ("ValueError", "save_strategy_to_file"),
     "strategy_file_missing": ("ValueError", "missing.json"),
-    "loss_not_scalar": ("ValueError", "loss_per_token returned a loss of shape (2, 16)"),
+    "loss_not_scalar": ("UserValueError", "loss_per_token returned a loss of shape (2, 16)"),
     "apply_value_error_on_rank_0": ("ValueError",
                                     "calling optim_func failed on rank [0]: optim_func: lr schedule table"),
     "apply_runtime_error_on_rank_1": ("status=False", ""),
