@@ -56,7 +56,7 @@ from atorch.auto.model_context import call_model, default_loss_func, users_modul
 from atorch.auto.result import AutoAccelerateResult
 from atorch.auto.token_limits import INTEGER_DTYPES, check_token_range, token_limits
 from atorch.auto.user_errors import UserValueError
-from atorch.distributed.agreement import agree_on_values
+from atorch.distributed.agreement import agree_on_error, agree_on_values
 from atorch.modules.pipeline.batches import (
     IGNORE_INDEX,
     causal_lm_loss,
@@ -183,6 +183,27 @@ def _agree_on_first_call(result: AutoAccelerateResult, gradient_accumulation_ste
     _check_replica_peers_share_the_batch(result, batch)
     _agreed_results.add(key)
     weakref.finalize(result, _agreed_results.discard, key)
+
+
+# ids of the results whose first batch's checks were voted on (`_checks_agreed_at_the_first_call`).
+_first_batches_checked: Set[int] = set()
+
+
+@contextlib.contextmanager
+def _checks_agreed_at_the_first_call(result: AutoAccelerateResult) -> Iterator[None]:
+    """At the first call on `result`, the batch checks in the block (local: no collective inside) are voted on,
+    so a bad first batch on one rank (token ids beyond the vocabulary, rows too long, a prepare_input that raises)
+    is the same error on every rank instead of one rank's error and the others waiting in the forward's first
+    collective until the collective timeout. Later batches are checked locally only: a vote at every step would
+    cost a round trip between all ranks per step (the launcher ends the others when one fails)."""
+    key = id(result)
+    if key in _first_batches_checked:
+        yield
+        return
+    _first_batches_checked.add(key)
+    weakref.finalize(result, _first_batches_checked.discard, key)
+    with agree_on_error("train_step: checking the first batch"):
+        yield
 
 
 # Dimensions whose ranks hold one model replica together: they must be fed the same batch.
@@ -573,11 +594,12 @@ def _prepared_micro_batches(result: AutoAccelerateResult, model: Any, batch: Any
     causal_lm, token_ids = is_causal_lm(model), takes_token_ids(model)
     limits, name = token_limits(model) if token_ids else (None, None), _model_name(model)
     prepared = []
-    for micro in micros:
-        check_token_range(micro, name, limits)
-        micro = result.prepare_input(micro)
-        check_batch(micro, causal_lm, token_ids)
-        prepared.append(micro)
+    with _checks_agreed_at_the_first_call(result):
+        for micro in micros:
+            check_token_range(micro, name, limits)
+            micro = result.prepare_input(micro)
+            check_batch(micro, causal_lm, token_ids)
+            prepared.append(micro)
     return prepared, weights, _TokenShares.count(result, prepared) if by_tokens else None
 
 
@@ -781,10 +803,11 @@ def _custom_step(result: AutoAccelerateResult, custom_step: Callable, batch: Any
     set_deepspeed_clipping(engine, max_grad_norm if max_grad_norm is not None else configured)
     # DeepSpeed 3D takes a batch dict or the list of its micro-batch dicts of a Hugging Face model's token
     # ids. Its labels are left to its stages: a loss_func of the user's may take labels of any shape.
-    for part in (batch if isinstance(batch, (list, tuple)) and all(isinstance(b, Mapping) for b in batch)
-                 else [batch]):
-        check_batch(part, causal_lm=False, token_ids=True)
-        check_token_range(part, _model_name(engine), token_limits(engine))
+    with _checks_agreed_at_the_first_call(result):
+        for part in (batch if isinstance(batch, (list, tuple)) and all(isinstance(b, Mapping) for b in batch)
+                     else [batch]):
+            check_batch(part, causal_lm=False, token_ids=True)
+            check_token_range(part, _model_name(engine), token_limits(engine))
     loss = custom_step(result, batch)
     norm = _deepspeed_norm(engine) if max_grad_norm is not None else None
     return StepStats(loss, norm, steps)
@@ -805,12 +828,13 @@ def _pipeline_step(result: AutoAccelerateResult, pipeline: Any, batch: Any, step
     losses: List[torch.Tensor] = []
     micros = []
     limits, name = token_limits(pipeline.stage_module), _model_name(pipeline.stage_module)
-    for micro in split_batch(batch, steps):
-        check_token_range(micro, name, limits)
-        micro = result.prepare_input(micro)
-        # The native pipeline's default loss is the causal-LM loss (a loss_fn of the user's takes its own labels).
-        check_batch(micro, causal_lm=getattr(pipeline, "loss_fn", None) is None)
-        micros.append(micro)
+    with _checks_agreed_at_the_first_call(result):
+        for micro in split_batch(batch, steps):
+            check_token_range(micro, name, limits)
+            micro = result.prepare_input(micro)
+            # The native pipeline's default loss is the causal-LM loss (a loss_fn of the user's takes its own labels).
+            check_batch(micro, causal_lm=getattr(pipeline, "loss_fn", None) is None)
+            micros.append(micro)
     shares = _TokenShares.count(result, micros) if by_tokens else None
     with _pipeline_loss_over_global_tokens(pipeline, shares):
         for micro in micros:

@@ -266,6 +266,28 @@ def _data_ranks_fed_one_batch() -> Dict[str, Any]:
     return {"same": same, "own": list(records)}
 
 
+def _a_bad_first_batch_on_one_rank() -> Dict[str, Any]:
+    """FSDP2 where rank 1's first batch holds a token id beyond the vocabulary: the first call's checks are voted
+    on, so both ranks raise the same error (rank 0 used to wait in the forward's all-gather until the collective
+    timeout). Then a good batch trains."""
+    _, result, _ = auto_accelerate(
+        tiny_llama(seed=0), optim_func=torch.optim.SGD, dataset=dataset(), optim_args={"lr": LR},
+        model_input_format="unpack_dict", dataloader_args={"batch_size": GLOBAL_BATCH}, load_strategy=["fsdp"])
+    batch = next(iter(result.dataloader))
+    bad = dict(batch, input_ids=batch["input_ids"].clone())
+    if dist.get_rank() == 1:
+        bad["input_ids"][0, 0] = 10 ** 6
+    try:
+        train_step_stats(result, bad)
+        error = None
+    except ValueError as e:
+        error = f"{type(e).__name__}: {e}"
+    loss = float(train_step_stats(result, batch).loss)
+    del result
+    dist.barrier()
+    return {"error": error, "loss": loss}
+
+
 def _nan_losses() -> Dict[str, Any]:
     """FSDP2 on 2 ranks, two kinds of nan loss on rank 1.
 
@@ -411,6 +433,7 @@ def _train_all() -> Dict[str, Dict[str, Any]]:
     out["tensor peers fed different batches"] = _tensor_peers_fed_different_batches()
     out["data ranks fed one batch"] = _data_ranks_fed_one_batch()
     out["nan losses"] = _nan_losses()
+    out["a bad first batch on one rank"] = _a_bad_first_batch_on_one_rank()
     out.update({name: _train_last_batch(strategy) for name, strategy in LAST_BATCH_STRATEGIES.items()})
     out["last batch pipeline"] = _train_last_batch(LAST_BATCH_PIPELINE)
     out.update({name: _train_weighted(strategy, "tokens") for name, strategy in TOKEN_STRATEGIES.items()})
@@ -494,6 +517,14 @@ def test_data_ranks_fed_the_same_batch_are_warned_about_once(runs):
     assert warned[0].startswith("train_step: all 2 data-parallel replicas were given the same batch at the first step")
     assert not any("same batch" in m for m in runs[1]["data ranks fed one batch"]["same"])   # rank 0 says it
     assert not any("same batch" in m for per_rank in runs for m in per_rank["data ranks fed one batch"]["own"])
+
+
+def test_a_bad_first_batch_on_one_rank_raises_the_same_error_on_every_rank(runs):
+    outs = [per_rank["a bad first batch on one rank"] for per_rank in runs]
+    assert outs[0]["error"] is not None and outs[1]["error"] == outs[0]["error"], outs
+    assert outs[0]["error"].startswith("UserValueError: train_step: checking the first batch failed on rank [1]: "
+                                       "train_step: batch['input_ids'] holds token id 1000000"), outs
+    assert all(math.isfinite(o["loss"]) for o in outs), outs
 
 
 def test_a_nan_gradient_norm_refuses_the_step_on_every_rank(runs):
