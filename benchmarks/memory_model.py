@@ -34,8 +34,11 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from transformers import (AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, MixtralConfig,
-                          PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, BloomConfig, DeepseekV3Config, FalconConfig, Gemma2Config,
+                          Gemma3TextConfig, GPT2Config, GPTJConfig, GPTNeoXConfig, LlamaConfig, MixtralConfig,
+                          Olmo2Config, OlmoeConfig, OPTConfig, Phi3Config, PretrainedConfig, Qwen2Config,
+                          Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Starcoder2Config)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from atorch.auto import auto_accelerate
 from atorch.auto.cost_model import PHASES, estimate, peak_bytes
@@ -72,6 +75,73 @@ OTHER_MODELS: Dict[str, Any] = {
     "moe-1.2b": lambda: MixtralConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
                                       num_attention_heads=16, num_key_value_heads=8, num_local_experts=8,
                                       num_experts_per_tok=2, vocab_size=VOCAB, tie_word_embeddings=False),
+    # Session 29: architectures the model was not developed on, public layouts scaled to 0.8-2B.
+    # Gemma-2-2B shape, 18 of 26 layers: head_dim 256, 8 q / 4 kv heads, softcapping, alternating window, tied 256000.
+    "gemma2-2b": lambda: Gemma2Config(hidden_size=2304, intermediate_size=9216, num_hidden_layers=18,
+                                      num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000,
+                                      sliding_window=512, tie_word_embeddings=True),
+    # Gemma-3-1B text as published (26 layers, 1 kv head, 5:1 local/global, window 512, vocab 262144, tied).
+    "gemma3-1b": lambda: Gemma3TextConfig(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                                          num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                          vocab_size=262144, sliding_window=512, tie_word_embeddings=True),
+    # Phi-3-mini shape, 14 of 32 layers (fused qkv_proj, gate_up_proj; vocab 32064, untied).
+    "phi3-mini-14l": lambda: Phi3Config(hidden_size=3072, intermediate_size=8192, num_hidden_layers=14,
+                                        num_attention_heads=32, num_key_value_heads=32, vocab_size=32064,
+                                        tie_word_embeddings=False, resid_pdrop=0.0, embd_pdrop=0.0,
+                                        attention_dropout=0.0, pad_token_id=0),
+    # Falcon-7B layout (multi-query, parallel attention, one LayerNorm) at width 2048, 24 layers, vocab 65024.
+    "falcon-mq-1.2b": lambda: FalconConfig(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32,
+                                           multi_query=True, parallel_attn=True, new_decoder_architecture=False,
+                                           vocab_size=65024, hidden_dropout=0.0, attention_dropout=0.0, alibi=False,
+                                           bias=False),
+    # Falcon-40B/180B layout (new_decoder_architecture: 8 kv groups, two LayerNorms) at width 2048, 24 layers.
+    "falcon-new-1.2b": lambda: FalconConfig(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32,
+                                            num_kv_heads=8, new_decoder_architecture=True, parallel_attn=True,
+                                            vocab_size=65024, hidden_dropout=0.0, attention_dropout=0.0, alibi=False,
+                                            bias=False),
+    # OPT-1.3B as published (pre-LN, ReLU, learned positions, tied 50272).
+    "opt-1.3b": lambda: OPTConfig(hidden_size=2048, ffn_dim=8192, num_hidden_layers=24, num_attention_heads=32,
+                                  vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=2048,
+                                  do_layer_norm_before=True, dropout=0.0, attention_dropout=0.0),
+    # OPT-350m layout (post-LN, 512-wide embeddings projected in/out) scaled to width 2048 (0.9B).
+    "opt-postln-0.9b": lambda: OPTConfig(hidden_size=2048, ffn_dim=8192, num_hidden_layers=16, num_attention_heads=32,
+                                         vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=512,
+                                         do_layer_norm_before=False, dropout=0.0, attention_dropout=0.0),
+    # BLOOM-1b1 as published (ALiBi, embedding LayerNorm, tied 250880).
+    "bloom-1b1": lambda: BloomConfig(hidden_size=1536, n_layer=24, n_head=16, vocab_size=250880,
+                                     hidden_dropout=0.0, attention_dropout=0.0),
+    # StarCoder2-3B shape, 16 of 30 layers (GQA 2 kv, biases, GELU c_fc/c_proj MLP, LayerNorm, tied 49152).
+    "starcoder2-16l": lambda: Starcoder2Config(hidden_size=3072, intermediate_size=12288, num_hidden_layers=16,
+                                               num_attention_heads=24, num_key_value_heads=2, vocab_size=49152,
+                                               sliding_window=4096, tie_word_embeddings=True, residual_dropout=0.0,
+                                               embedding_dropout=0.0, attention_dropout=0.0),
+    # OLMo-2-1B as published (post-norms on attention/MLP outputs, q/k norms over all heads, vocab 100352, untied).
+    "olmo2-1b": lambda: Olmo2Config(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                    num_attention_heads=16, num_key_value_heads=16, vocab_size=100352,
+                                    tie_word_embeddings=False),
+    # Qwen1.5-MoE-A2.7B layout (60 experts top-4 + gated shared expert) at width 1024, 12 layers.
+    "qwen2-moe-1.6b": lambda: Qwen2MoeConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+                                             num_attention_heads=16, num_key_value_heads=16, num_experts=60,
+                                             num_experts_per_tok=4, moe_intermediate_size=512,
+                                             shared_expert_intermediate_size=2816, vocab_size=151936,
+                                             tie_word_embeddings=False, mlp_only_layers=[], decoder_sparse_step=1),
+    # OLMoE-1B-7B layout (64 experts top-8, q/k norms) at width 1024, 12 layers.
+    "olmoe-1.3b": lambda: OlmoeConfig(hidden_size=1024, intermediate_size=512, num_hidden_layers=12,
+                                      num_attention_heads=16, num_key_value_heads=16, num_experts=64,
+                                      num_experts_per_tok=8, vocab_size=50304, tie_word_embeddings=False),
+    # DeepSeek-V3 layout (MLA, 1 dense layer then shared + routed experts, sigmoid group routing), width 1536, 11 layers
+    "deepseek-v3-1.2b": lambda: DeepseekV3Config(hidden_size=1536, intermediate_size=4096, moe_intermediate_size=768,
+                                                 num_hidden_layers=11, first_k_dense_replace=1,
+                                                 num_attention_heads=16, num_key_value_heads=16, n_routed_experts=32,
+                                                 n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
+                                                 q_lora_rank=384, kv_lora_rank=256, qk_rope_head_dim=32,
+                                                 qk_nope_head_dim=64, v_head_dim=64, vocab_size=32000,
+                                                 tie_word_embeddings=False,
+                                                 rope_scaling=None),
+    # GPT-J-6B layout (parallel attn+MLP, partial rotary, gelu_new, biased head) at width 2048, 20 layers.
+    "gptj-1.2b": lambda: GPTJConfig(n_embd=2048, n_layer=20, n_head=16, rotary_dim=64, n_positions=2048,
+                                    vocab_size=50400, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                    tie_word_embeddings=False),
     # transformers 5 fuses each layer's experts into 3-D weights, which peft's LoRA adapts whole.
     "qwen3-moe-1b": lambda: Qwen3MoeConfig(hidden_size=1024, intermediate_size=3072, num_hidden_layers=12,
                                            num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=32,
@@ -127,12 +197,14 @@ class Row:
 
 
 def llama_config(name: str) -> PretrainedConfig:
-    """The config of `name` (a key of MODELS or OTHER_MODELS), with sdpa attention."""
+    """The config of `name` (a key of MODELS or OTHER_MODELS), with sdpa attention where its model class has it
+    (BLOOM and Gemma 2 have eager attention only in transformers 5)."""
     if name in OTHER_MODELS:
         config = OTHER_MODELS[name]()
     else:
         config = LlamaConfig(vocab_size=VOCAB, tie_word_embeddings=False, **MODELS[name])
-    config._attn_implementation = "sdpa"
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    config._attn_implementation = "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
     return config
 
 

@@ -111,7 +111,8 @@ def block_activation_bytes(shape: ModelShape, traits: StrategyTraits, micro_batc
     mode = precision_mode(traits)
     # The cache's cost measured on the model's own block replaces the formula's (counted on GPT-2).
     cache_elements = shape.kv_cache_elements if kv_cache else None
-    replicated, sharded = _block_saved_bytes(shape, mode, seq_len, traits.fused_attention or shape.fused_attention,
+    fused_attention = shape.fused_attention or (traits.fused_attention and shape.sdpa_capable)
+    replicated, sharded = _block_saved_bytes(shape, mode, seq_len, fused_attention,
                                              traits.fused_activation, traits.fused_norm,
                                              kv_cache and cache_elements is None)
     if traits.lora_rank:
@@ -152,6 +153,8 @@ def last_stage_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: int
     final = tokens * _final_norm_saved_bytes(shape, mode, frozen_head=frozen_head,
                                              fused_norm=traits.fused_norm)
     if traits.pipeline_engine is not None:
+        final += tokens * shape.vocab_size / traits.tensor * traits.compute_dtype_bytes
+    if shape.logit_softcapping:     # tanh's saved output, in the logits' dtype (measured on Gemma 2 at 2B)
         final += tokens * shape.vocab_size / traits.tensor * traits.compute_dtype_bytes
     return final + loss_softmax_bytes(shape, traits, micro_batch, seq_len)
 

@@ -83,6 +83,13 @@ class ModelShape:
     # preset or transformers' plan: norms, routers, a shared expert the plan leaves out), when the
     # model is known and has one; -1: `memory.tensor_replicated_params`' formula counts them.
     tensor_whole_params: int = -1
+    # The model can switch to sdpa attention (transformers' `_supports_sdpa`; True when unknown): module_replace's
+    # fused attention does nothing for BLOOM or Gemma 2 (transformers 5), whose eager attention saves its
+    # b*heads*s^2 scores and probabilities (0.74x / 0.83x of the measured peak when counted as fused).
+    sdpa_capable: bool = True
+    # The LM head's logits are soft-capped (Gemma 2's final_logit_softcapping: cap * tanh(logits / cap)): tanh
+    # saves its b*s*vocab output for backward beside the loss's softmax.
+    logit_softcapping: bool = False
 
     @property
     def compute_params(self) -> int:
@@ -176,7 +183,7 @@ def _formula_shape(config: Any) -> ModelShape:
                       head_dim=head_dim if head_dim * heads != h else 0,
                       python_gelu=_config_attr(config, "activation_function",
                                                _config_attr(config, "hidden_act", "gelu_new")) in _PYTHON_GELU_NAMES,
-                      tied_embeddings=tied)
+                      tied_embeddings=tied, logit_softcapping=_softcapped(config))
 
 
 def _experts_per_token(config: Any) -> Tuple[int, int]:
@@ -245,12 +252,20 @@ def _module_layout(model: nn.Module, config: Any, num_layers: int) -> Dict[str, 
         names = {part for name, _ in stacks[0][0].named_parameters() for part in name.split(".")}
         fields["gated"] = bool(names & _GATE_NAMES)
     fields["python_gelu"] = _has_python_gelu(model)
+    fields["sdpa_capable"] = bool(getattr(model, "_supports_sdpa", True))
+    fields["logit_softcapping"] = _softcapped(config)
     fields["linear_layers"] = _linear_layers(model)
     fields["expert_weights"] = _expert_weights(model)
     model_type = getattr(_text_config(config), "model_type", None) or getattr(config, "model_type", None)
     fields["model_type"] = model_type if isinstance(model_type, str) else ""
     fields["tensor_whole_params"] = _tensor_whole_params(model)
     return fields
+
+
+def _softcapped(config: Any) -> bool:
+    """Whether the config soft-caps the LM head's logits (`ModelShape.logit_softcapping`)."""
+    cap = _config_attr(_text_config(config), "final_logit_softcapping", None)
+    return isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap > 0
 
 
 def _tensor_whole_params(model: nn.Module) -> int:
