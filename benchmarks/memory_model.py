@@ -255,11 +255,17 @@ def _accumulation_steps(strategy: List[Any]) -> int:
     return configs[0].steps if configs else 1
 
 
+# The device type the cost model is asked about (--predict-device). The tracker's fake tensors are CPU tensors,
+# so the attention kernels torch picks are the CPU's: "cpu" compares like with like where that matters (sdpa's
+# math-path fallback, `ModelShape.sdpa_quadratic_bytes`); "cuda" (the default) is what the tables above used.
+PREDICT_DEVICE = "cuda"
+
+
 def predict(row: Row, micro_batch: int, seq: int) -> Row:
     """`row` with the cost model's current predictions (`micro_batch` rows per micro-step and rank)."""
     config, strategy = llama_config(row.model), STRATEGIES[row.strategy]
     global_batch = micro_batch * _accumulation_steps(strategy) * row.world
-    predicted = estimate(config, strategy, global_batch, seq, row.world, "cuda")
+    predicted = estimate(config, strategy, global_batch, seq, row.world, PREDICT_DEVICE)
     bd = predicted.breakdown
     states = sum(bd.get(f"mem_{k}", 0.0) for k in ("params", "grads", "master", "optimizer"))
     memory = {k[len("mem_"):]: v for k, v in bd.items() if k.startswith("mem_")}
@@ -319,7 +325,11 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--save", help="write the measured rows to this JSON file")
     parser.add_argument("--load", help="measure nothing: re-predict the rows of this JSON file")
+    parser.add_argument("--predict-device", default="cuda", choices=("cuda", "cpu"),
+                        help="the device type the cost model is asked about (see PREDICT_DEVICE)")
     args = parser.parse_args()
+    global PREDICT_DEVICE
+    PREDICT_DEVICE = args.predict_device
     print(f"micro-batch {args.micro_batch} x seq {args.seq} per rank, AdamW, torch {torch.__version__}\n")
     print("| model | params (B) | ranks | strategy | states measured GiB | model | ratio | peak measured GiB | model | "
           "ratio | model with step GiB | s |")

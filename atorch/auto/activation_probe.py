@@ -284,6 +284,43 @@ def _cache_elements(model: nn.Module, seq_len: int, without: BlockActivations) -
     return (with_cache.saved_bytes - without.saved_bytes) / (PROBE_BATCH * seq_len * element)
 
 
+# The lengths the sdpa probe compares (`sdpa_quadratic_bytes`), and what it takes for no quadratic term: under
+# 2% of the block's saves at the longer length, or at most one fp32 value per token pair and sequence. That is
+# the b x 1 x s x s mask Hugging Face builds under fake tensors (it cannot tell there that the mask is causal
+# only), held once for all blocks; a math path's matrix is one per head.
+SDPA_PROBE_TOKENS = (64, 128)
+SDPA_QUADRATIC_SHARE = 0.02
+SDPA_MASK_BYTES = 4.0
+
+
+def sdpa_quadratic_bytes(model: nn.Module, mode: Optional[FakeTensorMode] = None) -> float:
+    """Bytes per sequence and squared token that the first block of `model`, running sdpa attention, still saves
+    for backward: 0.0 where the fused kernel runs (it saves b x heads x s: linear), the b x heads x s x s matrix
+    where torch falls back to its math path on this device (on CPU: Falcon's multi-query attention passed
+    without enable_gqa, DeepSeek-V3's query/key head 96 against a value head 64). Measured at two lengths,
+    s and 2s: what grows 4x is the quadratic part. The cost model adds it where it counts attention as fused
+    (`ModelShape.sdpa_quadratic_bytes`); the eager-attention probe above cannot see it, and its scale, taken at
+    one short length, would spread a quadratic term linearly (1024 tokens: 8x short of 128 tokens' share).
+    `mode`: the fake-tensor mode `model` was built in, on a real device type (on the meta device every kernel
+    takes the math path), entered for the forward. 0.0 when unmeasurable (logged once)."""
+    short, long = SDPA_PROBE_TOKENS
+    try:
+        with mode if mode is not None else contextlib.nullcontext():
+            one = measure_first_block(model, short, batch=PROBE_BATCH).saved_bytes / PROBE_BATCH
+            two = measure_first_block(model, long, batch=PROBE_BATCH).saved_bytes / PROBE_BATCH
+    except Exception as e:  # noqa: BLE001 - as in block_activation_profile: the formula stands
+        name = type(model).__name__
+        if f"sdpa:{name}" not in _WARNED:
+            _WARNED.add(f"sdpa:{name}")
+            logger.info("activation probe: %s's sdpa attention not measured (%s: %s)", name, type(e).__name__, e)
+        return 0.0
+    # one = a s + q s^2, two = 2 a s + 4 q s^2 (s = short): two - 2 one = 2 q s^2.
+    quadratic = (two - 2 * one) / (2.0 * short * short)
+    if quadratic <= SDPA_MASK_BYTES or quadratic * long * long <= SDPA_QUADRATIC_SHARE * two:
+        return 0.0
+    return quadratic
+
+
 def _clipped_scale(name: str, two: BlockActivations, expected: float, seq_len: int) -> float:
     """Measured bytes per sequence / the formula's, clipped to `SCALE_RANGE` (logged); 1.0 when either is 0."""
     per_sequence = two.saved_bytes / PROBE_BATCH

@@ -334,3 +334,33 @@ def test_soft_capped_logits_keep_tanh_s_output_for_backward():
     extra = last_stage_bytes(capped, traits, 2, 64) - last_stage_bytes(uncapped, traits, 2, 64)
     assert extra == 2 * 64 * capped.vocab_size * 4                       # fp32 logits: b*s*vocab x 4 bytes
     assert not ModelShape.from_config(family_config("llama")).logit_softcapping
+
+
+def test_sdpa_that_falls_back_to_the_math_path_keeps_its_attention_matrix():
+    """Falcon's multi-query attention reaches torch's sdpa with one key/value head broadcast, which sends the CPU
+    to the math path: its fp32 b x heads x s x s matrix is saved, though the model counts sdpa as fused (at 1.2B
+    on 8 fake ranks: peak 0.58x of the tracker's before, 1.02x now; benchmarks/RESULTS.md (d2)). Measured by the
+    probe at two lengths; Llama's fused kernel saves nothing quadratic; CUDA's kernels are not assumed to fall
+    back (not measured)."""
+    from transformers import FalconConfig
+
+    from atorch.auto.cost_model.activations import shape_of
+    from atorch.testing.tp_families import family_config
+
+    mq = FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+                      new_decoder_architecture=False, alibi=False, bias=False, parallel_attn=True,
+                      hidden_dropout=0.0, attention_dropout=0.0)
+    shape = shape_of(mq, 64)
+    assert shape.sdpa_quadratic_bytes == pytest.approx(4 * 4, rel=1e-3)      # 4 heads x fp32 per token pair
+    assert shape_of(family_config("llama"), 64).sdpa_quadratic_bytes == 0.0
+    assert shape_of(family_config("bloom"), 64).sdpa_quadratic_bytes == 0.0  # eager only: the formula's matrix
+    fused = ["parallel_mode", ("module_replace", {"attention": True})]
+
+    def activations(seq, device):
+        est = estimate(mq, fused, 2, seq, 1, device)
+        return est.breakdown["mem_activations"] - est.breakdown.get("mem_loss_softmax", 0.0)
+
+    grown = activations(256, "cpu") - activations(128, "cpu")
+    linear = activations(256, "cuda") - activations(128, "cuda")
+    matrix = 2 * 4 * 4 * (256 ** 2 - 128 ** 2) * mq.num_hidden_layers        # batch 2, per block
+    assert grown - linear == pytest.approx(matrix, rel=0.01)

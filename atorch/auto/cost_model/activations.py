@@ -119,6 +119,8 @@ def block_activation_bytes(shape: ModelShape, traits: StrategyTraits, micro_batc
         frozen_replicated, frozen_sharded = _frozen_inputs_bytes(shape, mode)
         replicated, sharded = replicated - frozen_replicated, sharded - frozen_sharded
     saved = micro_batch * seq_len * (replicated + sharded / traits.tensor) * shape.activation_scale
+    if fused_attention:     # a fused kernel that falls back to the math path keeps its s x s matrix (per head)
+        saved += micro_batch * seq_len * seq_len * shape.sdpa_quadratic_bytes / traits.tensor
     if cache_elements is not None:
         # k, v and the projection they view are split over the tensor ranks with the heads.
         saved += micro_batch * seq_len * (4 if mode == "fp32" else 2) * cache_elements / traits.tensor
@@ -224,6 +226,34 @@ def _config_activation_scale(config: Any, shape: ModelShape, seq_len: int) -> _P
     return profile
 
 
+# config content -> `activation_probe.sdpa_quadratic_bytes` of its model built on the meta device with sdpa.
+_CONFIG_SDPA: "OrderedDict[str, float]" = OrderedDict()
+
+
+def _config_sdpa_quadratic_bytes(config: Any, shape: ModelShape) -> float:
+    """What sdpa attention still saves per sequence and squared token in a transformers config's first block
+    (`ModelShape.sdpa_quadratic_bytes`), measured under fake tensors and cached per config content; 0.0 for a
+    model without sdpa attention (its eager matrix is the formula's) or any other config."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from atorch.auto.activation_probe import sdpa_quadratic_bytes
+
+    key = _config_key(config)
+    if key is None or not shape.sdpa_capable:
+        return 0.0
+    if key not in _CONFIG_SDPA:
+        # Built in a fake-tensor mode on the CPU, not on the meta device: torch picks the attention kernel by the
+        # device type, and on meta every kernel is the math path.
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            model = _meta_model(config, "counting the sdpa attention of", attention="sdpa", device="cpu")
+        _CONFIG_SDPA[key] = 0.0 if model is None else sdpa_quadratic_bytes(model, mode)
+        if len(_CONFIG_SDPA) > _CONFIG_SCALES_MAX:
+            _CONFIG_SDPA.popitem(last=False)
+    _CONFIG_SDPA.move_to_end(key)
+    return _CONFIG_SDPA[key]
+
+
 def shape_of(obj: Any, seq_len: Optional[int] = None) -> ModelShape:
     """The `ModelShape` of a shape, a module or a config; with `seq_len`, its block activations
     measured by the activation probe (a module on itself, a transformers config on its model
@@ -236,7 +266,8 @@ def shape_of(obj: Any, seq_len: Optional[int] = None) -> ModelShape:
     if not seq_len:
         return shape
     scale, cache_elements = _config_activation_scale(obj, shape, seq_len)
-    return dataclasses.replace(shape, activation_scale=scale, kv_cache_elements=cache_elements)
+    return dataclasses.replace(shape, activation_scale=scale, kv_cache_elements=cache_elements,
+                               sdpa_quadratic_bytes=_config_sdpa_quadratic_bytes(obj, shape))
 
 
 # model -> {(seq_len, parameter count): profile}: one probe per model and sequence length.
@@ -264,4 +295,11 @@ def calibrated_shape(model: nn.Module, seq_len: int) -> ModelShape:
     if key not in scales:
         scales[key] = block_activation_profile(model, key[0], _block_formula(shape), kv_cache=shape.kv_cache)
     scale, cache_elements = scales[key]
-    return dataclasses.replace(shape, activation_scale=scale, kv_cache_elements=cache_elements)
+    # What sdpa would save, for a module running eager attention that module_replace switches to sdpa (measured on
+    # its config's copy under fake tensors: no compute). A module already on sdpa was probed as it runs, at the
+    # sequence length: its scale holds whatever its kernel saves, and adding the term would count it twice.
+    config = getattr(model, "config", None)
+    quadratic = _config_sdpa_quadratic_bytes(config, shape) if config is not None and not shape.fused_attention \
+        else 0.0
+    return dataclasses.replace(shape, activation_scale=scale, kv_cache_elements=cache_elements,
+                               sdpa_quadratic_bytes=quadratic)

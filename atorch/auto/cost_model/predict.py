@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -74,6 +75,11 @@ def estimate(model_or_config: Union[nn.Module, Any, ModelShape], strategy: Strat
     _check_profile(profile)
     s = _registered(strategy)
     shape = shape_of(model_or_config, seq_len)
+    if device_type != "cpu" and shape.sdpa_quadratic_bytes:
+        # Measured with the CPU's kernel choice; CUDA's flash and memory-efficient kernels take shapes (one key/value
+        # head broadcast, a value head narrower than the query's) that send the CPU to its math path. Not measured
+        # there (no GPU): the fused kernel is assumed, as before.
+        shape = dataclasses.replace(shape, sdpa_quadratic_bytes=0.0)
     traits = StrategyTraits.from_strategy(s, world_size, shape, device_type, optimizer)
     _check_layout(s, traits, shape, batch_size, world_size)
     if not isinstance(model_or_config, ModelShape):

@@ -90,6 +90,10 @@ class ModelShape:
     # The LM head's logits are soft-capped (Gemma 2's final_logit_softcapping: cap * tanh(logits / cap)): tanh
     # saves its b*s*vocab output for backward beside the loss's softmax.
     logit_softcapping: bool = False
+    # Bytes per sequence and squared token that one block's sdpa attention still saves where torch's fused kernel
+    # does not run and its math path keeps the b x heads x s x s matrix (`activation_probe.sdpa_quadratic_bytes`;
+    # 0: a fused kernel, or not measured). Counted wherever attention is counted as fused.
+    sdpa_quadratic_bytes: float = 0.0
 
     @property
     def compute_params(self) -> int:
@@ -331,16 +335,17 @@ def _config_key(config: Any) -> Optional[str]:
         return f"{type(config).__name__}:{id(config)}:{error}"   # unserializable: not cached across objects
 
 
-def _meta_model(config: Any, purpose: str) -> Optional[nn.Module]:
+def _meta_model(config: Any, purpose: str, attention: str = "eager", device: str = "meta") -> Optional[nn.Module]:
     """`AutoModelForCausalLM.from_config(config)` on the meta device with eager attention (the
     attention implementation does not change the parameters, and eager needs no optional kernel
-    package); None, with the reason logged once, when transformers cannot build it."""
+    package; `attention="sdpa"` for the probe of what sdpa saves; `device="cpu"` inside a fake-tensor mode
+    for that probe); None, with the reason logged once, when transformers cannot build it."""
     import transformers
 
     try:
         # A copy: from_config may write into the config.
-        with torch.device("meta"):
-            return transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager")
+        with torch.device(device):
+            return transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attention)
     except Exception as error:  # noqa: BLE001 - any failure means "use the formula", said once
         _log_once(f"{purpose} {type(config).__name__}'s by the Llama/GPT-2 formula (building its model on the meta "
                   f"device failed: {type(error).__name__}: {error})")
