@@ -244,7 +244,7 @@ def block_activation_scale(model: nn.Module, seq_len: int, formula: FormulaBytes
 
 
 def block_activation_profile(model: nn.Module, seq_len: int, formula: FormulaBytes,
-                             kv_cache: bool = False) -> Tuple[float, Optional[float]]:
+                             kv_cache: bool = False, half_retry: bool = False) -> Tuple[float, Optional[float]]:
     """`block_activation_scale`, and with `kv_cache` the elements per token the first block saves more
     with Hugging Face's key/value cache filled than without (None: not measured).
 
@@ -253,12 +253,22 @@ def block_activation_profile(model: nn.Module, seq_len: int, formula: FormulaByt
     the fused c_attn output, which stays saved (+2 x kv), while GPT-NeoX's q and k are fresh
     rotary outputs and only v viewed the fused query_key_value output, which the copy frees
     (-2 x hidden). Only the model's own block says which, so it is run both ways.
+
+    `half_retry`: the caller owns `model` (a meta copy built from a config): a forward that fails in fp32 is
+    tried once more in bf16 (fake mixture-of-experts kernels such as grouped_mm take bf16 only), compared with
+    the formula's half-precision bytes.
     """
     name = type(model).__name__
     on_meta = any(p.device.type == "meta" for p in model.parameters())
     seq_len = max(1, min(int(seq_len), FAKE_PROBE_TOKENS if on_meta else PROBE_TOKENS))
     try:
-        two = measure_first_block(model, seq_len, batch=PROBE_BATCH)
+        try:
+            two = measure_first_block(model, seq_len, batch=PROBE_BATCH)
+        except Exception:  # noqa: BLE001 - retried in bf16 where allowed, else reported below
+            if not half_retry or next(model.parameters()).dtype != torch.float32:
+                raise
+            model.to(torch.bfloat16)
+            two = measure_first_block(model, seq_len, batch=PROBE_BATCH)
         expected = formula(seq_len, "half" if two.dtype in (torch.float16, torch.bfloat16) else "fp32")
     except Exception as e:  # noqa: BLE001 - any failure of an arbitrary model's forward means "not measurable"
         if name not in _WARNED:

@@ -219,7 +219,7 @@ def _config_activation_scale(config: Any, shape: ModelShape, seq_len: int) -> _P
     if model is None:
         return 1.0, None
     formula = _block_formula(dataclasses.replace(shape, fused_attention=False))
-    profile = block_activation_profile(model, cache_key[1], formula, kv_cache=shape.kv_cache)
+    profile = block_activation_profile(model, cache_key[1], formula, kv_cache=shape.kv_cache, half_retry=True)
     _CONFIG_SCALES[cache_key] = profile
     if len(_CONFIG_SCALES) > _CONFIG_SCALES_MAX:
         _CONFIG_SCALES.popitem(last=False)
