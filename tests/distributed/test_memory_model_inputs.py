@@ -36,13 +36,13 @@ ALL_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 ADAMW: Tuple[Any, Dict[str, Any]] = (torch.optim.AdamW, {"lr": 1e-3})
 
 
-def tiny_qwen3_moe() -> torch.nn.Module:
-    """Every layer a mixture of 8 experts, fused by transformers into one 3-D weight per projection."""
+def qwen3_moe(hidden: int = 64, experts: int = 8, expert_width: int = 64) -> torch.nn.Module:
+    """Every layer (2) a mixture of `experts` experts, fused by transformers into one 3-D weight per projection."""
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    config = Qwen3MoeConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
-                            num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[],
+    config = Qwen3MoeConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, num_experts=experts,
+                            num_experts_per_tok=2, moe_intermediate_size=expert_width, mlp_only_layers=[],
                             tie_word_embeddings=False, max_position_embeddings=128)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
@@ -50,18 +50,11 @@ def tiny_qwen3_moe() -> torch.nn.Module:
 
 def qwen3_moe_large_experts() -> torch.nn.Module:
     """16 experts of 128 x 256 in each of 2 layers: the expert weights (25 MB in fp32) outweigh the activations."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    config = Qwen3MoeConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=16,
-                            num_experts_per_tok=2, moe_intermediate_size=256, mlp_only_layers=[],
-                            tie_word_embeddings=False, max_position_embeddings=128)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return qwen3_moe(hidden=128, experts=16, expert_width=256)
 
 
 MODELS = {"llama": lambda: tiny_llama(seed=0), "tied llama": lambda: tiny_llama(seed=0, tie_word_embeddings=True),
-          "gpt2": lambda: tiny_gpt2(seed=0), "qwen3 moe": tiny_qwen3_moe,
+          "gpt2": lambda: tiny_gpt2(seed=0), "qwen3 moe": qwen3_moe,
           "qwen3 moe, large experts": qwen3_moe_large_experts}
 EXPERT_TARGETS = ("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj")
 
