@@ -12,7 +12,7 @@ from typing import Dict, Mapping, Optional, Tuple
 
 from atorch.auto.cost_model.activations import (activation_bytes, block_activation_bytes, last_stage_bytes,
                                                 loss_buffer_bytes, loss_softmax_bytes)
-from atorch.auto.cost_model.shape import ModelShape, _largest_param_elements, _parameter_sizes
+from atorch.auto.cost_model.shape import ModelShape, _largest_param_elements, _parameter_sizes, fsdp2_rank0_share
 from atorch.auto.cost_model.traits import (StrategyTraits, head_trains, lora_expert_weights, lora_params,
                                            lora_saved_leaves, precision_mode)
 
@@ -347,8 +347,11 @@ def _fsdp2_grad_dtype_bytes(traits: StrategyTraits) -> int:
 def _fsdp2_states(shape: ModelShape, traits: StrategyTraits, params: float, trainable: float) -> Dict[str, float]:
     d, t, pbytes = traits.data, traits.tensor, traits.param_dtype_bytes
     gbytes = _fsdp2_grad_dtype_bytes(traits)
-    out = {"params": params * pbytes / d, "grads": trainable * gbytes / d,
-           "optimizer": trainable * traits.optimizer.state_copies * pbytes / d}
+    # Rank 0's shards, where a first dimension does not divide by the data ranks (whole parameters only: the
+    # tensor and pipeline splits change which dimensions FSDP2 sees).
+    uneven = fsdp2_rank0_share(shape, d) if t == 1 and traits.pipeline == 1 else 1.0
+    out = {"params": params * pbytes / d * uneven, "grads": trainable * gbytes / d * uneven,
+           "optimizer": trainable * traits.optimizer.state_copies * pbytes / d * uneven}
     gathered_bytes = traits.compute_dtype_bytes if traits.compute_dtype_bytes < pbytes else pbytes
     root = shape.embedding_params / t
     block = shape.layer_params / t

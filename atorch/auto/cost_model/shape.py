@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import json
 import logging
+import math
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -94,6 +95,10 @@ class ModelShape:
     # does not run and its math path keeps the b x heads x s x s matrix (`activation_probe.sdpa_quadratic_bytes`;
     # 0: a fused kernel, or not measured). Counted wherever attention is counted as fused.
     sdpa_quadratic_bytes: float = 0.0
+    # (shape, how many) of the parameters, when read off a model: FSDP2 pads each shard to ceil(dim / ranks) rows
+    # of the dimension it splits, so a rank holds more than an even share where that does not divide (60 experts
+    # over 8 ranks: 8 a rank, not 7.5). `fsdp2_rank0_share`.
+    param_shapes: Tuple[Tuple[Tuple[int, ...], int], ...] = ()
 
     @property
     def compute_params(self) -> int:
@@ -257,6 +262,11 @@ def _module_layout(model: nn.Module, config: Any, num_layers: int) -> Dict[str, 
         fields["gated"] = bool(names & _GATE_NAMES)
     fields["python_gelu"] = _has_python_gelu(model)
     fields["sdpa_capable"] = bool(getattr(model, "_supports_sdpa", True))
+    shapes: Dict[Tuple[int, ...], int] = {}
+    for p in params:
+        key = tuple(int(d) for d in p.shape)
+        shapes[key] = shapes.get(key, 0) + 1
+    fields["param_shapes"] = tuple(sorted(shapes.items()))
     fields["logit_softcapping"] = _softcapped(config)
     fields["linear_layers"] = _linear_layers(model)
     fields["expert_weights"] = _expert_weights(model)
@@ -264,6 +274,37 @@ def _module_layout(model: nn.Module, config: Any, num_layers: int) -> Dict[str, 
     fields["model_type"] = model_type if isinstance(model_type, str) else ""
     fields["tensor_whole_params"] = _tensor_whole_params(model)
     return fields
+
+
+# As `opt_lib._sharding.MAX_DIM0_PADDING` (checked equal by tests/unit/test_cost_model_user_inputs.py): the cost
+# model does not import the optimizations' code.
+FSDP2_MAX_DIM0_PADDING = 0.1
+
+
+def _fsdp2_shard_elements(dims: Tuple[int, ...], ranks: int) -> int:
+    """A rank's elements of a parameter of shape `dims` under atorch's FSDP2 placement
+    (`_sharding.least_padded_placement`): dim 0 padded to ceil(dim 0 / ranks) rows, unless that pads more than
+    FSDP2_MAX_DIM0_PADDING of it and another dimension splits evenly."""
+    numel = 1
+    for d in dims:
+        numel *= d
+    if not dims:
+        return numel
+    rows = -(-dims[0] // ranks)
+    dim0 = rows * (numel // max(1, dims[0]))
+    if len(dims) < 2 or dim0 * ranks - numel <= FSDP2_MAX_DIM0_PADDING * numel:
+        return dim0
+    return numel // ranks if any(d % ranks == 0 for d in dims[1:]) else dim0
+
+
+def fsdp2_rank0_share(shape: ModelShape, ranks: int) -> float:
+    """A rank's parameter elements under FSDP2 over `ranks` (`_fsdp2_shard_elements`, padding included) over an
+    even share, num_params / ranks; 1.0 where the shape does not list its parameters."""
+    if ranks <= 1 or not shape.param_shapes:
+        return 1.0
+    total = sum(math.prod(dims) * count for dims, count in shape.param_shapes)
+    local = sum(_fsdp2_shard_elements(dims, ranks) * count for dims, count in shape.param_shapes)
+    return max(1.0, local * ranks / max(1, total))
 
 
 def _softcapped(config: Any) -> bool:
