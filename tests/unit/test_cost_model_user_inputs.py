@@ -380,10 +380,8 @@ def test_fsdp2_shards_are_padded_to_whole_rows_of_the_dimension_it_splits():
     """60 experts over 8 data ranks: FSDP2 pads dim 0 to 64 (6.7% padding, under atorch's 10%: dim 0 stays), so
     every rank holds 8 experts, not 7.5 (Qwen2-MoE at 1.6B: model states 0.955 of the tracker's before, 1.000
     now). 8 experts over 64 ranks move to another dimension, which splits evenly (benchmarks/RESULTS.md (h))."""
-    from atorch.auto.cost_model.shape import FSDP2_MAX_DIM0_PADDING, fsdp2_rank0_share
-    from atorch.auto.opt_lib._sharding import MAX_DIM0_PADDING
+    from atorch.auto.cost_model.memory import fsdp2_rank0_share
 
-    assert FSDP2_MAX_DIM0_PADDING == MAX_DIM0_PADDING
     experts = ModelShape(num_params=60 * 64 * 32, num_layers=1, hidden_size=32, intermediate_size=64, num_heads=2,
                          vocab_size=8, layer_params=60 * 64 * 32, embedding_params=0,
                          param_shapes=(((60, 64, 32), 1),))

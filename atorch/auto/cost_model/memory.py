@@ -12,7 +12,7 @@ from typing import Dict, Mapping, Optional, Tuple
 
 from atorch.auto.cost_model.activations import (activation_bytes, block_activation_bytes, last_stage_bytes,
                                                 loss_buffer_bytes, loss_softmax_bytes)
-from atorch.auto.cost_model.shape import ModelShape, _largest_param_elements, _parameter_sizes, fsdp2_rank0_share
+from atorch.auto.cost_model.shape import ModelShape, _largest_param_elements, _parameter_sizes
 from atorch.auto.cost_model.traits import (StrategyTraits, head_trains, lora_expert_weights, lora_params,
                                            lora_saved_leaves, precision_mode)
 
@@ -342,6 +342,19 @@ def _fsdp2_grad_dtype_bytes(traits: StrategyTraits) -> int:
     """Bytes per element of FSDP2's gradients: MixedPrecisionPolicy(reduce_dtype=fp32) under amp (fp32 next
     to the fp32 shards), else the parameters' dtype."""
     return 4 if traits.autocast else traits.param_dtype_bytes
+
+
+def fsdp2_rank0_share(shape: ModelShape, ranks: int) -> float:
+    """A rank's parameter elements under atorch's FSDP2 over `ranks` (`_sharding.shard_elements`: each shard
+    padded to whole rows of the dimension it splits) over an even share, num_params / ranks; 1.0 where the shape
+    does not list its parameters."""
+    from atorch.auto.opt_lib._sharding import shard_elements
+
+    if ranks <= 1 or not shape.param_shapes:
+        return 1.0
+    total = sum(math.prod(dims) * count for dims, count in shape.param_shapes)
+    local = sum(shard_elements(dims, ranks) * count for dims, count in shape.param_shapes)
+    return max(1.0, local * ranks / max(1, total))
 
 
 def _fsdp2_states(shape: ModelShape, traits: StrategyTraits, params: float, trainable: float) -> Dict[str, float]:

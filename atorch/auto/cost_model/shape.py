@@ -12,7 +12,6 @@ import copy
 import dataclasses
 import json
 import logging
-import math
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -97,7 +96,7 @@ class ModelShape:
     sdpa_quadratic_bytes: float = 0.0
     # (shape, how many) of the parameters, when read off a model: FSDP2 pads each shard to ceil(dim / ranks) rows
     # of the dimension it splits, so a rank holds more than an even share where that does not divide (60 experts
-    # over 8 ranks: 8 a rank, not 7.5). `fsdp2_rank0_share`.
+    # over 8 ranks: 8 a rank, not 7.5). `memory.fsdp2_rank0_share`.
     param_shapes: Tuple[Tuple[Tuple[int, ...], int], ...] = ()
 
     @property
@@ -274,37 +273,6 @@ def _module_layout(model: nn.Module, config: Any, num_layers: int) -> Dict[str, 
     fields["model_type"] = model_type if isinstance(model_type, str) else ""
     fields["tensor_whole_params"] = _tensor_whole_params(model)
     return fields
-
-
-# As `opt_lib._sharding.MAX_DIM0_PADDING` (checked equal by tests/unit/test_cost_model_user_inputs.py): the cost
-# model does not import the optimizations' code.
-FSDP2_MAX_DIM0_PADDING = 0.1
-
-
-def _fsdp2_shard_elements(dims: Tuple[int, ...], ranks: int) -> int:
-    """A rank's elements of a parameter of shape `dims` under atorch's FSDP2 placement
-    (`_sharding.least_padded_placement`): dim 0 padded to ceil(dim 0 / ranks) rows, unless that pads more than
-    FSDP2_MAX_DIM0_PADDING of it and another dimension splits evenly."""
-    numel = 1
-    for d in dims:
-        numel *= d
-    if not dims:
-        return numel
-    rows = -(-dims[0] // ranks)
-    dim0 = rows * (numel // max(1, dims[0]))
-    if len(dims) < 2 or dim0 * ranks - numel <= FSDP2_MAX_DIM0_PADDING * numel:
-        return dim0
-    return numel // ranks if any(d % ranks == 0 for d in dims[1:]) else dim0
-
-
-def fsdp2_rank0_share(shape: ModelShape, ranks: int) -> float:
-    """A rank's parameter elements under FSDP2 over `ranks` (`_fsdp2_shard_elements`, padding included) over an
-    even share, num_params / ranks; 1.0 where the shape does not list its parameters."""
-    if ranks <= 1 or not shape.param_shapes:
-        return 1.0
-    total = sum(math.prod(dims) * count for dims, count in shape.param_shapes)
-    local = sum(_fsdp2_shard_elements(dims, ranks) * count for dims, count in shape.param_shapes)
-    return max(1.0, local * ranks / max(1, total))
 
 
 def _softcapped(config: Any) -> bool:

@@ -11,6 +11,7 @@ import functools
 import importlib.util
 import itertools
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple, Type, Union
@@ -161,14 +162,28 @@ def least_padded_placement(ranks: int) -> Callable[[nn.Parameter], Optional[Any]
     from torch.distributed.tensor import Shard
 
     def placement(param: nn.Parameter) -> Optional[Any]:
-        shape = tuple(param.shape)
-        if len(shape) < 2 or padded_elements(shape, 0, ranks) <= MAX_DIM0_PADDING * param.numel():
-            return None
-        # FSDP2 pads dim 0 only: another dimension must split evenly (the widest such one).
-        even = [dim for dim in range(1, len(shape)) if shape[dim] % ranks == 0]
-        return Shard(max(even, key=lambda dim: (shape[dim], -dim))) if even else None
+        dim = shard_dim(tuple(param.shape), ranks)
+        return None if dim == 0 else Shard(dim)
 
     return placement
+
+
+def shard_dim(shape: Sequence[int], ranks: int) -> int:
+    """The dimension `least_padded_placement` splits a tensor of `shape` along over `ranks`."""
+    if len(shape) < 2 or padded_elements(shape, 0, ranks) <= MAX_DIM0_PADDING * math.prod(shape):
+        return 0
+    # FSDP2 pads dim 0 only: another dimension must split evenly (the widest such one).
+    even = [dim for dim in range(1, len(shape)) if shape[dim] % ranks == 0]
+    return max(even, key=lambda dim: (shape[dim], -dim)) if even else 0
+
+
+def shard_elements(shape: Sequence[int], ranks: int) -> int:
+    """Elements every rank holds of a tensor of `shape` under `least_padded_placement` (padding included: FSDP2
+    pads each shard to ceil(dim / ranks) rows of the dimension it splits)."""
+    if not shape:
+        return 1
+    dim = shard_dim(shape, ranks)
+    return (math.prod(shape) + padded_elements(shape, dim, ranks)) // ranks
 
 
 def check_no_parameter_spans_blocks(model: nn.Module, blocks: Sequence[nn.Module], who: str) -> None:
