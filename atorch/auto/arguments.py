@@ -207,10 +207,10 @@ def check_loss(loss: Any, func: Optional[Callable]) -> torch.Tensor:
     who = f"loss_func {_name(func)}" if func is not None else "the model output's .loss (loss_func=None)"
     if not isinstance(loss, torch.Tensor):
         raise UserTypeError(f"{who} returned {_describe(loss)}; it must return a scalar torch.Tensor "
-                        "(or a sequence whose first item is one)")
+                            "(or a sequence whose first item is one)")
     if loss.numel() != 1:
         raise UserValueError(f"{who} returned a loss of shape {tuple(loss.shape)}; it must return a scalar "
-                         "(reduce it, e.g. with .mean())")
+                             "(reduce it, e.g. with .mean())")
     return loss
 
 

@@ -54,7 +54,7 @@ from atorch.auto.model_source import ModelSource
 from atorch.auto.search.search import DryRunResult
 from atorch.auto.step_timing import PILOT_SAMPLES, is_precise_enough, steps_per_sample, summarize
 from atorch.auto.strategy import Strategy
-from atorch.auto.user_errors import UserCodeError
+from atorch.auto.user_errors import UserCodeError, as_text
 from atorch.utils.env import check_output_location, env_float, env_int, env_str
 from atorch.utils.peak_memory import PeakMemoryTracker, is_out_of_memory
 from atorch.utils.quiet import candidate_logs_quieted
@@ -499,8 +499,7 @@ def _cycle(result: Any) -> Iterator[Any]:
 def _classify(outcome: _LocalOutcome, error: BaseException) -> None:
     text = f"{type(error).__name__}: {error}".strip()
     if isinstance(error, UserCodeError):       # the same under every strategy: the search stops at it
-        base = "TypeError" if isinstance(error, TypeError) else "ValueError"
-        outcome.error_kind, outcome.message = "user", f"{base}: {error}"
+        outcome.error_kind, outcome.message = "user", as_text(error)
     elif is_out_of_memory(error):
         outcome.error_kind, outcome.message = "oom", text
     elif _is_collective_timeout(error):

@@ -67,14 +67,14 @@ def check_token_range(batch: Any, model_name: str, limits: Tuple[Optional[int], 
     vocab, positions = limits
     if positions is not None and ids.dim() >= 2 and ids.shape[-1] > positions[1]:
         raise UserValueError(f"train_step: batch['input_ids'] has {ids.shape[-1]} tokens per row, more than "
-                         f"{model_name}'s {positions[0]}={positions[1]}; cut the sequences to at most "
-                         f"{positions[1]} tokens (the dataset or collate_fn)")
+                             f"{model_name}'s {positions[0]}={positions[1]}; cut the sequences to at most "
+                             f"{positions[1]} tokens (the dataset or collate_fn)")
     if vocab is None:
         return
     low, high = int(ids.min()), int(ids.max())
     if high >= vocab or low < 0:
         bad = high if high >= vocab else low
         raise UserValueError(f"train_step: batch['input_ids'] holds token id {bad}, outside {model_name}'s vocabulary "
-                         f"of {vocab} ids (config.vocab_size); a tokenizer with more tokens than the model needs "
-                         "model.resize_token_embeddings(len(tokenizer)) before auto_accelerate, and padding or "
-                         "ignored positions belong in labels (-100), not in input_ids")
+                             f"of {vocab} ids (config.vocab_size); a tokenizer with more tokens than the model needs "
+                             "model.resize_token_embeddings(len(tokenizer)) before auto_accelerate, and padding or "
+                             "ignored positions belong in labels (-100), not in input_ids")

@@ -10,7 +10,7 @@ TypeError, so code that caught those before still does.
 
 from __future__ import annotations
 
-__all__ = ["UserCodeError", "UserTypeError", "UserValueError"]
+__all__ = ["UserCodeError", "UserTypeError", "UserValueError", "as_text", "from_text"]
 
 
 class UserCodeError(Exception):
@@ -23,3 +23,15 @@ class UserValueError(UserCodeError, ValueError):
 
 class UserTypeError(UserCodeError, TypeError):
     """A wrong kind of object from the user's code (a loss function returning a dict)."""
+
+
+def as_text(error: UserCodeError) -> str:
+    """"TypeError: <message>" or "ValueError: <message>": how a dry run reports it (`from_text` reads it back)."""
+    return f"{'TypeError' if isinstance(error, TypeError) else 'ValueError'}: {error}"
+
+
+def from_text(text: str, suffix: str = "") -> UserCodeError:
+    """The error `as_text` wrote, its message followed by `suffix`."""
+    kind, _, message = text.partition(": ")
+    cls = UserTypeError if kind == "TypeError" else UserValueError
+    return cls(f"{message or text}{suffix}")

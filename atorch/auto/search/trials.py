@@ -19,7 +19,7 @@ from atorch.auto.search.stats import (LogEstimate, RatioCI, between_run_variance
                                       ratio_ci)
 from atorch.auto.step_timing import summarize
 from atorch.auto.strategy import Strategy
-from atorch.auto.user_errors import UserCodeError, UserTypeError, UserValueError
+from atorch.auto.user_errors import UserCodeError, as_text, from_text
 from atorch.utils.finite_numbers import finite_float
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def evaluate(evaluator: Evaluator, strategy: Strategy, clock: Callable[[], float
             raise TypeError(f"the evaluator returned {type(result).__name__}, expected DryRunResult")
         result = checked_result(result, memory_limit_bytes, strategy, warned if warned is not None else set())
     except UserCodeError as e:     # the user's code or data: the search stops at it (`user_error`)
-        result = DryRunResult(0.0, None, f"user: {'TypeError' if isinstance(e, TypeError) else 'ValueError'}: {e}")
+        result = DryRunResult(0.0, None, f"user: {as_text(e)}")
     except Exception as e:  # noqa: BLE001 - an evaluator that raises is one failed trial
         logger.warning("evaluating %s raised %s: %s", strategy.describe(), type(e).__name__, e)
         result = DryRunResult(0.0, None, f"exception: {type(e).__name__}: {e}")
@@ -91,10 +91,8 @@ def user_error(error: str, strategy: Strategy) -> UserCodeError:
     if text.startswith("rank "):
         rank, _, text = text.partition(": ")
         where = f" on {rank}"
-    kind, _, message = text.partition(": ")
-    cls = UserTypeError if kind == "TypeError" else UserValueError
-    return cls(f"{message or text} (the dry run of {strategy.describe()} raised it{where}; the search stopped "
-               "there: no strategy changes an error in the code or data it was given)")
+    return from_text(text, f" (the dry run of {strategy.describe()} raised it{where}; the search stopped there: no "
+                           "strategy changes an error in the code or data it was given)")
 
 
 def checked_result(result: DryRunResult, memory_limit_bytes: Optional[int], strategy: Strategy,
