@@ -152,9 +152,15 @@ def _check_result(who: str, result: Any) -> None:
                         f"{type(result).__name__}")
 
 
-# ids of the results whose first train_step call has compared the options across ranks (an id leaves
-# the set when its result is collected, so a new result reusing the id is compared again).
+# ids of the results whose first train_step call has compared the options across ranks (`_remember`).
 _agreed_results: Set[int] = set()
+
+
+def _remember(registry: Set[int], result: AutoAccelerateResult) -> None:
+    """Put `result`'s id in `registry` until the result is collected (so a new result reusing the id is new)."""
+    key = id(result)
+    registry.add(key)
+    weakref.finalize(result, registry.discard, key)
 
 
 def _agree_on_first_call(result: AutoAccelerateResult, gradient_accumulation_steps: Any,
@@ -167,8 +173,7 @@ def _agree_on_first_call(result: AutoAccelerateResult, gradient_accumulation_ste
     Only the first call: every rank calls train_step equally often, so "the first call" is the same
     call everywhere, while "a call whose options changed on this rank" is not (a rank cannot know
     that another's changed, and a vote only some ranks join is itself a hang)."""
-    key = id(result)
-    if key in _agreed_results:
+    if id(result) in _agreed_results:
         return
     steps = result.gradient_accumulation_steps if gradient_accumulation_steps is None else gradient_accumulation_steps
     norm = max_grad_norm
@@ -181,8 +186,7 @@ def _agree_on_first_call(result: AutoAccelerateResult, gradient_accumulation_ste
         values["loss_weighting"] = repr(loss_weighting)
     agree_on_values("train_step", values)
     _check_replica_peers_share_the_batch(result, batch)
-    _agreed_results.add(key)
-    weakref.finalize(result, _agreed_results.discard, key)
+    _remember(_agreed_results, result)
 
 
 # ids of the results whose first batch's checks were voted on (`_checks_agreed_at_the_first_call`).
@@ -195,15 +199,14 @@ def _checks_agreed_at_the_first_call(result: AutoAccelerateResult) -> Iterator[N
     so a bad first batch on one rank (token ids beyond the vocabulary, rows too long, a prepare_input that raises)
     is the same error on every rank instead of one rank's error and the others waiting in the forward's first
     collective until the collective timeout. Later batches are checked locally only: a vote at every step would
-    cost a round trip between all ranks per step (the launcher ends the others when one fails)."""
-    key = id(result)
-    if key in _first_batches_checked:
+    cost a round trip between all ranks per step (the launcher ends the others when one fails). A first batch
+    refused on every rank leaves the next call voted on too, as `_agree_on_first_call` does."""
+    if id(result) in _first_batches_checked:
         yield
         return
-    _first_batches_checked.add(key)
-    weakref.finalize(result, _first_batches_checked.discard, key)
     with agree_on_error("train_step: checking the first batch"):
         yield
+    _remember(_first_batches_checked, result)
 
 
 # Dimensions whose ranks hold one model replica together: they must be fed the same batch.
@@ -618,8 +621,8 @@ def _micro_losses(result: AutoAccelerateResult, model: Any, micro: Any, steps: i
         # Else autograd's "element 0 of tensors does not require grad and does not have a grad_fn" at backward.
         who = "loss_func" if result.user_loss_func else "the model output's .loss"
         raise UserValueError(f"train_step: {who} returned a loss that does not require grad (detached, computed under "
-                         "torch.no_grad, or from .item() / .data), so backward cannot reach the model: compute it "
-                         "from the model output's tensors")
+                             "torch.no_grad, or from .item() / .data), so backward cannot reach the model: compute it "
+                             "from the model output's tensors")
     if shares is None:
         return _scaled(loss, steps, weights, i), loss.detach()
     return shares.scale(loss, i), shares.scale(default_loss_func(micro, output).detach(), i)
@@ -704,9 +707,13 @@ def _warn_if_the_loss_is_not_finite(result: AutoAccelerateResult, batch: Any, st
     amp_native, whose GradScaler skips such steps. Warns at every such step: each is worth a line in the log.
 
     One nan is harmless and common enough to name: a Hugging Face causal LM's token mean over a micro-batch
-    whose labels are all -100 is 0/0 = nan, with a zero gradient (so the step trains on the other rows)."""
+    whose labels are all -100 is 0/0 = nan, with a zero gradient (so the step trains on the other rows).
+
+    A loss on the host only, as `check_token_range` reads ids: on a GPU, reading it would make every step wait
+    for the device (there, `max_grad_norm`'s refusal is the check, at one read of the norm a step)."""
     loss = stats.loss
-    if not isinstance(loss, torch.Tensor) or bool(torch.isfinite(loss).all()) or _fp16_scaler_enabled(result.optim):
+    if not isinstance(loss, torch.Tensor) or loss.device.type != "cpu" or bool(torch.isfinite(loss).all()) \
+            or _fp16_scaler_enabled(result.optim):
         return
     rank = dist.get_rank() if dist.is_initialized() else 0
     if not by_tokens and uses_the_models_loss(result) and result.pipeline is None and result.custom_train_step is None:
