@@ -64,11 +64,12 @@ def _source(model_or_path: Union[nn.Module, str, os.PathLike]) -> Dict[str, Any]
         from atorch.deploy.worker import check_deployable_checkpoint
 
         ckpt = mf.resolve_checkpoint_dir(path)     # CheckpointError (a ValueError) for a broken `latest`
-        # Every file against the manifest, here: a corrupted checkpoint is a CheckpointError before any worker
-        # starts, not a WorkerError from each worker after they have started.
+        # Every file against the manifest, here and once: a corrupted checkpoint is a CheckpointError before any
+        # worker starts, not a WorkerError from each worker after they have started; the workers load this
+        # checkpoint (not `latest` read again) without hashing it again.
         verify_checkpoint(ckpt, collective=False)
         check_deployable_checkpoint(ckpt, _read_meta(ckpt).get("model") or {})
-        return {"source": "atorch_checkpoint", "path": os.path.abspath(path)}
+        return {"source": "atorch_checkpoint", "path": os.path.abspath(ckpt), "verified": True}
     if os.path.isfile(os.path.join(path, "config.json")):
         return {"source": "hf_folder", "path": os.path.abspath(path)}
     raise ValueError(f"deploy: {path!r} is neither an atorch checkpoint ({mf.MANIFEST_NAME}) nor a Hugging Face "

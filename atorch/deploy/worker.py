@@ -69,7 +69,7 @@ def load_model(setup: Dict[str, Any], state: Dict[str, torch.Tensor]) -> nn.Modu
         kwargs = {"dtype": getattr(torch, setup["dtype"])} if setup.get("dtype") else {}
         return AutoModelForCausalLM.from_pretrained(setup["path"], **kwargs)
     if kind == "atorch_checkpoint":
-        model = _load_atorch_checkpoint(setup["path"])
+        model = _load_atorch_checkpoint(setup["path"], verified=bool(setup.get("verified")))
         return cast_floating(model, getattr(torch, setup["dtype"])) if setup.get("dtype") else model
     raise ValueError(f"deploy: unknown source kind {kind!r}")
 
@@ -91,11 +91,12 @@ def check_deployable_checkpoint(ckpt_dir: str, model_meta: Dict[str, Any]) -> No
                          "deployed")
 
 
-def _load_atorch_checkpoint(path: str) -> nn.Module:
+def _load_atorch_checkpoint(path: str, verified: bool = False) -> nn.Module:
     """The whole model of an atorch checkpoint of any layout (its tensors are read full size, then sharded by us).
 
     Built on CPU from the checkpoint's config.json (not on meta as `merge_checkpoint` does):
-    buffers that are not saved, such as rotary frequencies, must be real for inference.
+    buffers that are not saved, such as rotary frequencies, must be real for inference. `verified`: `deploy`
+    checked every file against the manifest before starting the workers (each would hash it all again).
     """
     from transformers import AutoConfig
 
@@ -104,7 +105,7 @@ def _load_atorch_checkpoint(path: str) -> nn.Module:
     from atorch.checkpoint.save_load import _read_meta, verify_checkpoint
 
     ckpt = mf.resolve_checkpoint_dir(path)
-    manifest = verify_checkpoint(ckpt, collective=False)
+    manifest = mf.Manifest.read(ckpt) if verified else verify_checkpoint(ckpt, collective=False)
     meta = _read_meta(ckpt).get("model") or {}
     check_deployable_checkpoint(ckpt, meta)
     config = AutoConfig.from_pretrained(ckpt)

@@ -199,6 +199,6 @@ def test_deploy_worker_casts_an_atorch_checkpoint_model_to_floating_dtype_only(m
 
     model = nn.Linear(2, 2)
     model.register_buffer("freqs_cis", torch.polar(torch.ones(2), torch.ones(2)))
-    monkeypatch.setattr(worker, "_load_atorch_checkpoint", lambda path: model)
+    monkeypatch.setattr(worker, "_load_atorch_checkpoint", lambda path, verified=False: model)
     loaded = worker.load_model({"source": "atorch_checkpoint", "path": "x", "dtype": "bfloat16"}, {})
     assert loaded.weight.dtype is torch.bfloat16 and loaded.freqs_cis.dtype is torch.complex64
