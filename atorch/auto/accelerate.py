@@ -123,6 +123,7 @@ def auto_accelerate(
     adist.init_distributed()
     agree("auto_accelerate: checking the arguments", error)
     configure_logging()
+    set_train_mode(model)
     if load_strategy is not None and (excluded or included):
         logger.warning("auto_accelerate: excluded=%s and included=%s only restrict the automatic search; with "
                        "load_strategy they are not used", excluded, included)
@@ -134,6 +135,21 @@ def auto_accelerate(
     with third_party_warnings_filtered():
         return _accelerate(ctx, load_strategy, ignore_dryrun_on_load_strategy, excluded, included, report_path,
                            save_strategy_to_file, compat)
+
+
+def set_train_mode(model: nn.Module) -> None:
+    """Put a model in eval mode into train mode, as Hugging Face's Trainer does, and say so once (INFO, rank 0).
+
+    `from_pretrained` returns a model in eval mode: trained so, its dropout stayed off, silently (only lora
+    switched it on, through peft). A model already in train mode is left as it is, submodules the user put
+    in eval mode (a frozen BatchNorm) included."""
+    if model.training:
+        return
+    model.train()
+    if adist.rank() == 0:
+        logger.info("auto_accelerate: the model (%s) was in eval mode (as from_pretrained returns it); it is now in "
+                    "train mode, so its dropout is on. Call model.eval() on result.model to evaluate",
+                    type(model).__name__)
 
 
 def _dry_run_context(ctx: ModelContext, compat: CompatArgs) -> ModelContext:

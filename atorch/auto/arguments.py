@@ -20,20 +20,24 @@ is left waiting in a collective.
 
 from __future__ import annotations
 
+import difflib
 import inspect
+import logging
 import os
 import tempfile
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from atorch.auto.token_limits import position_limit
+from atorch.auto.token_limits import check_token_range, position_limit, token_limits
 from atorch.auto.user_errors import UserTypeError, UserValueError
 
 if TYPE_CHECKING:
     from atorch.auto.opt_lib.base import ValidationContext
+
+logger = logging.getLogger(__name__)
 
 # The global batch size when dataloader_args has no "batch_size": torch's DataLoader default.
 DEFAULT_GLOBAL_BATCH = 1
@@ -99,6 +103,7 @@ def validate_arguments(
     _check_takes("prepare_input", prepare_input, "(batch, device)", 2)
     _check_takes("optim_param_func", optim_param_func, "(model)", 1)
     _check_factory("optim_func", optim_func, "optim_args", optim_args, skip_first=1)
+    _check_takes("optim_func", optim_func, "(parameters, **optim_args)", 1, dict(optim_args or {}))
     if optim_args and optim_func is None:
         raise ValueError(f"optim_args={dict(optim_args)!r} were given without optim_func; pass optim_func (e.g. "
                          "torch.optim.AdamW) or drop optim_args")
@@ -228,14 +233,13 @@ def check_optimizer(optim: Any, func: Any) -> Any:
 def check_sample_format(dataset: Any, model_input_format: Optional[str], dataloader_args: Mapping[str, Any],
                         prepare_input: Any, model: Optional[nn.Module] = None) -> None:
     """dataset[0] has the shape `model_input_format` unpacks (a dict for 'unpack_dict', a sequence for
-    'unpack_sequence'), and for a Hugging Face model taking `input_ids` one it can be called with (`model`);
-    skipped when a collate_fn or prepare_input may reshape the batch."""
+    'unpack_sequence'), and for a Hugging Face model taking `input_ids` one it can be called with (`model`), its
+    token ids inside the vocabulary and, for a causal LM (whose forward computes its loss from them), its labels;
+    skipped when a collate_fn or prepare_input may reshape the batch. A dataset that cannot be indexed by 0
+    raises TypeError (`first_sample`)."""
     if dataset is None or prepare_input is not None or dataloader_args.get("collate_fn") is not None:
         return
-    try:
-        sample = dataset[0]
-    except Exception:  # noqa: BLE001 - a dataset that cannot index 0 is checked by the dataloader instead
-        return
+    sample = first_sample(dataset)
     if model is not None:
         _check_token_model_sample(model, sample, model_input_format)
     if model_input_format == "unpack_dict" and not isinstance(sample, Mapping):
@@ -253,15 +257,19 @@ def _check_token_model_sample(model: nn.Module, sample: Any, model_input_format:
     """For a Hugging Face model whose forward takes `input_ids`: a tuple sample under the default format is
     passed whole (model(batch)) and failed inside the embedding ("argument 'indices' must be Tensor, not
     list"); a dict naming none of the forward's inputs (untokenized {'text': ...}) failed inside transformers
-    ("You must specify exactly one of input_ids or inputs_embeds")."""
-    from atorch.auto.train_step import takes_token_ids
+    ("You must specify exactly one of input_ids or inputs_embeds"); ids given as lists (a `datasets.Dataset`
+    without `.with_format('torch')`) were turned by torch's collate into one tensor per position; ids or
+    labels outside the vocabulary failed (or trained silently wrong) at the first step (`check_token_range`).
+    Keys the forward does not name are warned about (`_warn_unknown_keys`)."""
+    from atorch.auto.train_step import is_causal_lm, takes_token_ids
 
     if not takes_token_ids(model):
         return
     try:
-        accepted = set(inspect.signature(model.forward).parameters)
+        parameters = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return
+    accepted = set(parameters)
     if "input_ids" not in accepted:
         return
     name = type(model).__name__
@@ -277,6 +285,38 @@ def _check_token_model_sample(model: nn.Module, sample: Any, model_input_format:
         raise TypeError(f"dataset[0] has keys {sorted(map(str, sample))[:8]}, none of which {name}.forward takes; it "
                         f"needs 'input_ids' (token ids) and, to compute a loss, 'labels'{hint}; or pass a collate_fn "
                         "in dataloader_args (or prepare_input) that builds them")
+    if not isinstance(sample, Mapping) or model_input_format not in (None, "unpack_dict"):
+        return
+    listed = [k for k in ("input_ids", "labels") if isinstance(sample.get(k), (list, tuple))]
+    if listed:
+        raise TypeError(f"dataset[0][{listed[0]!r}] is a {type(sample[listed[0]]).__name__}, not a tensor: torch's "
+                        "default collate would make one tensor per position of it, not a [rows, tokens] batch. Return "
+                        "tensors from the dataset (a Hugging Face datasets.Dataset: dataset.with_format('torch')), or "
+                        "pass dataloader_args={'collate_fn': ...} that builds them (e.g. transformers' "
+                        "DataCollatorForLanguageModeling)")
+    if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        _warn_unknown_keys(name, sample, [p for p, v in parameters.items()
+                                          if v.kind in (v.POSITIONAL_OR_KEYWORD, v.KEYWORD_ONLY)])
+    check_token_range(sample, name, token_limits(model), labels=is_causal_lm(model), where="dataset[0]")
+
+
+def _warn_unknown_keys(model_name: str, sample: Mapping, named: List[str]) -> None:
+    """Warn (rank 0) about keys of dataset[0] that `model_name`.forward does not name: a forward taking **kwargs
+    (every transformers model does) drops them silently, so a typo (`attention_masks`) or a key another model
+    family takes (`token_type_ids` on Llama) trained as if it were not there. A warning, not an error: the
+    **kwargs may be meant to take them."""
+    from atorch import distributed as adist
+
+    unknown = [str(k) for k in sample if k not in named]
+    if not unknown or adist.rank() != 0:
+        return
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, named, n=1, cutoff=0.6)
+        hints.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+    logger.warning("dataset[0] has key(s) %s that %s.forward does not name; it takes them into **kwargs, where "
+                   "they are likely ignored: the model trains as if they were not in the batch. Rename or drop "
+                   "them (its named inputs: %s)", ", ".join(hints), model_name, ", ".join(named[:12]))
 
 
 def check_sample_batch(stand_in: Any, expand: bool, model: nn.Module, model_input_format: Optional[str],
@@ -288,13 +328,14 @@ def check_sample_batch(stand_in: Any, expand: bool, model: nn.Module, model_inpu
     shaped like them, ids inside the vocabulary)."""
     from torch.utils.data import default_collate
 
-    from atorch.auto.token_limits import check_token_range, token_limits
     from atorch.auto.train_step import check_batch, is_causal_lm, takes_token_ids
 
     try:
         check_sample_format(stand_in, model_input_format, {}, prepare_input, model)
-    except TypeError as e:
-        raise TypeError(str(e).replace("dataset[0]", "sample_batch (the dry runs' dataset[0])")) from None
+    except (TypeError, ValueError) as e:
+        text = str(e).replace("dataset[0][", "sample_batch[") \
+            .replace("dataset[0]", "sample_batch (the dry runs' dataset[0])")
+        raise type(e)(text) from None
     if prepare_input is not None:
         return      # it may make model input of anything
     sample = stand_in[0]
@@ -308,7 +349,7 @@ def check_sample_batch(stand_in: Any, expand: bool, model: nn.Module, model_inpu
     batch = default_collate([stand_in[i] for i in range(min(2, len(stand_in)))])
     try:
         check_batch(batch, is_causal_lm(model), takes_token_ids(model))
-        check_token_range(batch, type(model).__name__, token_limits(model))
+        check_token_range(batch, type(model).__name__, token_limits(model), labels=is_causal_lm(model))
     except ValueError as e:
         raise ValueError(str(e).replace("train_step: ", "").replace("batch[", "sample_batch[")) from None
 
@@ -342,6 +383,7 @@ def check_optim_params_in_model(model: nn.Module, optim_param_func: Callable[[nn
             continue   # not a collection of parameters: the optimizer names it
     own = {id(p) for p in model.parameters()}
     foreign = [t for t in tensors if isinstance(t, torch.Tensor) and id(t) not in own]
+    _check_no_parameter_twice(model, optim_param_func, [t for t in tensors if isinstance(t, torch.Tensor)])
     if foreign:
         first = foreign[0]
         raise ValueError(f"optim_param_func={_name(optim_param_func)} returned {len(foreign)} "
@@ -351,15 +393,30 @@ def check_optim_params_in_model(model: nn.Module, optim_param_func: Callable[[nn
                          "model.parameters() or model.named_parameters())")
 
 
+def _check_no_parameter_twice(model: nn.Module, optim_param_func: Callable, tensors: List[torch.Tensor]) -> None:
+    """ValueError naming a parameter `optim_param_func` returned more than once (twice in one group, or in two
+    groups): the optimizer would step it once per occurrence, doubling its update, where torch only warns (one
+    group) or names no parameter (two groups)."""
+    seen: Dict[int, int] = {}
+    for t in tensors:
+        seen[id(t)] = seen.get(id(t), 0) + 1
+    repeated = [(name, seen[id(p)]) for name, p in model.named_parameters()
+                if seen.get(id(p), 0) > 1]
+    if repeated:
+        name, count = repeated[0]
+        more = f" (and {len({n for n, _ in repeated}) - 1} more)" if len(repeated) > 1 else ""
+        raise ValueError(f"optim_param_func={_name(optim_param_func)} returned the parameter {name!r} {count} times"
+                         f"{more}; the optimizer would update it once per occurrence, {count}x its step. Return each "
+                         "parameter once (in one parameter group); to give it another learning rate, put it in a "
+                         "group of its own and leave it out of the others")
+
+
 def check_sequence_length(model: nn.Module, dataset: Any) -> None:
     """The first sample's `input_ids` fits the model's position embeddings (when both are known)."""
     limit = position_limit(getattr(model, "config", None))
     if limit is None or not hasattr(dataset, "__getitem__"):
         return
-    try:
-        sample = dataset[0]
-    except Exception:  # noqa: BLE001 - a dataset that cannot index 0 is checked by the dataloader instead
-        return
+    sample = first_sample(dataset)
     ids = sample.get("input_ids") if isinstance(sample, Mapping) else None
     if isinstance(ids, torch.Tensor) and ids.dim() >= 1:
         length = ids.shape[-1]
@@ -407,8 +464,9 @@ def _check_mapping(name: str, value: Any) -> Dict[str, Any]:
     return dict(value)
 
 
-def _check_takes(name: str, func: Any, how: str, positional: int) -> None:
-    """`func` can be called with `positional` positional arguments (as atorch calls it: `how`)."""
+def _check_takes(name: str, func: Any, how: str, positional: int, keywords: Optional[Dict[str, Any]] = None) -> None:
+    """`func` can be called with `positional` positional arguments and `keywords` (as atorch calls it: `how`);
+    e.g. an optim_func of no arguments (lambda: SGD(...)) failed while the strategy was applied."""
     if func is None:
         return
     try:
@@ -416,7 +474,7 @@ def _check_takes(name: str, func: Any, how: str, positional: int) -> None:
     except (TypeError, ValueError):  # a builtin without a signature: nothing to check against
         return
     try:
-        signature.bind(*range(positional))
+        signature.bind(*range(positional), **(keywords or {}))
     except TypeError as e:
         raise TypeError(f"{name}={_name(func)}{signature} cannot be called as {name}{how}, which is how atorch "
                         f"calls it: {e}") from e
@@ -488,9 +546,44 @@ def _check_dataset(dataset: Any, global_batch: int, drop_last: bool) -> None:
         raise TypeError(f"dataset must be a map-style dataset (with __len__ and __getitem__), got "
                         f"{type(dataset).__name__}; auto_accelerate shards it with a DistributedSampler")
     size = len(dataset)
+    if size > 0:
+        first_sample(dataset)   # before the length: a DatasetDict's is its number of splits
     if size == 0 or (drop_last and size < global_batch):
         raise ValueError(f"dataset has {size} samples, fewer than one global batch "
                          f"(dataloader_args['batch_size']={global_batch}): the dataloader would yield no batch")
+
+
+def first_sample(dataset: Any) -> Any:
+    """dataset[0]; a TypeError naming the dataset's type and what indexing raised when it cannot be read so.
+
+    The dataloader reads samples as dataset[i] for i in range(len(dataset)). A mapping that is no such dataset
+    passed the checks and failed at the first batch (a `datasets.DatasetDict` whose split was not chosen:
+    KeyError "Please first select a split"; a tokenizer's BatchEncoding or a dict of columns: KeyError 0), or
+    was refused as "dataset has 1 samples" (a DatasetDict's length is its number of splits)."""
+    try:
+        return dataset[0]
+    except Exception as e:  # noqa: BLE001 - any failure of dataset[0] is the dataloader's at the first batch
+        raise TypeError(_unindexable(dataset, e)) from e
+
+
+def _unindexable(dataset: Any, error: Exception) -> str:
+    """Why `dataset` cannot be read by index (dataset[0] raised `error`), and what to pass instead."""
+    module = type(dataset).__module__
+    kind = type(dataset).__qualname__ if module == "builtins" else f"{module}.{type(dataset).__qualname__}"
+    raised = f"dataset[0] raised {type(error).__name__}: {str(error)[:200]}"
+    if not isinstance(dataset, Mapping):
+        return (f"dataset ({kind}) cannot be read by index: {raised}; the dataloader reads samples as dataset[i] for "
+                "i in range(len(dataset)), so dataset[0] must return the first sample")
+    keys = [str(k) for k in list(dataset)[:8]]
+    values = [dataset[k] for k in list(dataset)[:1]]
+    columns = bool(values) and (isinstance(values[0], (torch.Tensor, list, tuple)) or hasattr(values[0], "__array__"))
+    if columns:
+        return (f"dataset is a {kind} of columns {keys}, not a dataset of samples ({raised}); the dataloader reads "
+                "one sample as dataset[i]: pass e.g. datasets.Dataset.from_dict(columns).with_format('torch'), or a "
+                "list of per-sample dicts [{key: column[i], ...} for i in range(rows)]")
+    split = "train" if "train" in dataset else keys[0] if keys else "train"
+    return (f"dataset is a {kind} (a mapping with keys {keys}), not a dataset of samples ({raised}); pass one of "
+            f"its datasets, e.g. dataset[{split!r}]")
 
 
 def _check_report_path(path: Any) -> None:

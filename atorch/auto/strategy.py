@@ -182,8 +182,14 @@ class Strategy:
             payload = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"strategy is not valid JSON: {e}") from e
-        if not isinstance(payload, dict) or payload.get("format") != "atorch.strategy/1":
-            raise ValueError("strategy JSON must be an object with format 'atorch.strategy/1' and 'items'")
+        if not isinstance(payload, dict):
+            raise ValueError(f"strategy JSON must be an object with format 'atorch.strategy/1' and 'items', got a "
+                             f"{type(payload).__name__}")
+        if payload.get("format") != "atorch.strategy/1":
+            found = f"format {payload['format']!r}" if "format" in payload else "no 'format' key"
+            raise ValueError(f"strategy JSON has {found}; this atorch reads format 'atorch.strategy/1' (an object "
+                             "{\"format\": \"atorch.strategy/1\", \"items\": [...]}, as Strategy.save writes); a "
+                             "file of another version or tool needs converting: list its optimizations as items")
         items = payload.get("items")
         if not isinstance(items, list):
             raise ValueError(f"strategy JSON 'items' must be a list of {{'name': ..., 'config': ...}} objects, got "

@@ -361,9 +361,13 @@ def takes_token_ids(model: Any) -> bool:
 
 
 def _check_token_tensor(key: str, value: Any) -> None:
+    """ValueError unless batch[key] holds token ids as an integer tensor of [rows, tokens]."""
     if not isinstance(value, torch.Tensor) or value.dtype not in INTEGER_DTYPES or value.dim() < 2:
-        raise ValueError(f"train_step: batch[{key!r}] is {_describe(value)}; {key} must be an integer tensor (token "
-                         f"ids, e.g. torch.long) of shape [rows, tokens]: return tensors from the dataset or "
+        # A Hugging Face datasets.Dataset yields lists until told otherwise, the commonest source of a list here.
+        lists = (" (a Hugging Face datasets.Dataset yields lists: use dataset.with_format('torch'), or a collate_fn "
+                 "that builds tensors)" if isinstance(value, (list, tuple)) else "")
+        raise ValueError(f"train_step: batch[{key!r}] is {_describe(value)}{lists}; {key} must be an integer tensor "
+                         f"(token ids, e.g. torch.long) of shape [rows, tokens]: return tensors from the dataset or "
                          f"collate_fn (the result's dataloader stacks a dataset's tensors), with .long() for ids "
                          f"stored as floats, and a row dimension for a single sample (ids[None])")
 
@@ -596,10 +600,12 @@ def _prepared_micro_batches(result: AutoAccelerateResult, model: Any, batch: Any
     micros, weights = micro_batches(result, batch, steps)
     causal_lm, token_ids = is_causal_lm(model), takes_token_ids(model)
     limits, name = token_limits(model) if token_ids else (None, None), _model_name(model)
+    # A causal LM's forward computes its loss from labels whenever the batch holds them, a loss_func given or not.
+    labels = causal_lm and token_ids
     prepared = []
     with _checks_agreed_at_the_first_call(result):
         for micro in micros:
-            check_token_range(micro, name, limits)
+            check_token_range(micro, name, limits, labels=labels)
             micro = result.prepare_input(micro)
             check_batch(micro, causal_lm, token_ids)
             prepared.append(micro)
@@ -814,7 +820,8 @@ def _custom_step(result: AutoAccelerateResult, custom_step: Callable, batch: Any
         for part in (batch if isinstance(batch, (list, tuple)) and all(isinstance(b, Mapping) for b in batch)
                      else [batch]):
             check_batch(part, causal_lm=False, token_ids=True)
-            check_token_range(part, _model_name(engine), token_limits(engine))
+            # Without a loss_func the stages compute the causal-LM loss, over the vocabulary.
+            check_token_range(part, _model_name(engine), token_limits(engine), labels=not result.user_loss_func)
     loss = custom_step(result, batch)
     norm = _deepspeed_norm(engine) if max_grad_norm is not None else None
     return StepStats(loss, norm, steps)
@@ -835,12 +842,13 @@ def _pipeline_step(result: AutoAccelerateResult, pipeline: Any, batch: Any, step
     losses: List[torch.Tensor] = []
     micros = []
     limits, name = token_limits(pipeline.stage_module), _model_name(pipeline.stage_module)
+    # The native pipeline's default loss is the causal-LM loss (a loss_fn of the user's takes its own labels).
+    own_loss = getattr(pipeline, "loss_fn", None) is None
     with _checks_agreed_at_the_first_call(result):
         for micro in split_batch(batch, steps):
-            check_token_range(micro, name, limits)
+            check_token_range(micro, name, limits, labels=own_loss)
             micro = result.prepare_input(micro)
-            # The native pipeline's default loss is the causal-LM loss (a loss_fn of the user's takes its own labels).
-            check_batch(micro, causal_lm=getattr(pipeline, "loss_fn", None) is None)
+            check_batch(micro, causal_lm=own_loss)
             micros.append(micro)
     shares = _TokenShares.count(result, micros) if by_tokens else None
     with _pipeline_loss_over_global_tokens(pipeline, shares):

@@ -31,8 +31,11 @@ def _single_rank(group: Optional[dist.ProcessGroup]) -> bool:
 
 
 def model_layout(model: nn.Module) -> List[str]:
-    """One line per parameter, then per buffer: its name, shape and dtype (what collectives over it depend on)."""
-    lines = [f"{name} {tuple(p.shape)} {str(p.dtype).replace('torch.', '')}" for name, p in model.named_parameters()]
+    """One line per parameter, then per buffer: its name, shape and dtype, and for a frozen parameter
+    `requires_grad=False` (what collectives over it depend on: gradient buckets and shards hold only the
+    parameters that train, so one rank freezing a parameter the others train reduces buffers of other sizes)."""
+    lines = [f"{name} {tuple(p.shape)} {str(p.dtype).replace('torch.', '')}"
+             f"{'' if p.requires_grad else ' requires_grad=False'}" for name, p in model.named_parameters()]
     lines += [f"buffer {name} {tuple(b.shape)} {str(b.dtype).replace('torch.', '')}"
               for name, b in model.named_buffers()]
     return lines

@@ -30,6 +30,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: Group, vocab_start: int,
                 vocab_size: int, ignore_index: int, label_smoothing: float) -> torch.Tensor:
         local_vocab = logits.shape[-1]
+        # A target that no rank's slice holds (-1 as padding, an id past the vocabulary) would score a target
+        # logit of 0 on every rank: a finite, silently wrong loss where torch's cross entropy raises. Every rank
+        # of the group holds the same targets, so each raises alike before the first all-reduce (on the host: a
+        # check of device tensors would wait for the device every step; there the loss is NaN instead).
+        outside = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
+        if target.device.type == "cpu" and bool(outside.any()):
+            raise ValueError(f"vocab_parallel_cross_entropy: target holds {int(target[outside][0])}, outside the "
+                             f"vocabulary of {vocab_size} (ignored positions must be {ignore_index})")
         logits = logits.float()
         # Columns past the real vocabulary are padding: they must not take probability mass.
         valid = max(0, min(local_vocab, vocab_size - vocab_start))
@@ -57,7 +65,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             sum_shifted = _all_reduce_(shifted[..., :valid].sum(dim=-1), dist.ReduceOp.SUM, group)
             uniform = log_sum_exp - sum_shifted / vocab_size
             loss = (1.0 - label_smoothing) * loss + label_smoothing * uniform
-        loss = loss.masked_fill(ignored, 0.0)
+        loss = loss.masked_fill(ignored, 0.0).masked_fill(outside, float("nan"))
         exp.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward
         ctx.label_smoothing, ctx.vocab_size, ctx.valid = label_smoothing, vocab_size, valid
         ctx.save_for_backward(exp, local_target, owned, ignored)

@@ -89,6 +89,19 @@ def _patched(module: Any, name: str, rank: int, exc: BaseException, fn: Callable
 
 
 PIPELINE_2 = [("parallel_mode", ([("pipeline", 2)], None)), ("pipeline_parallel", {"chunks": 2})]
+TENSOR_2 = [("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"]
+
+
+def _step_with_labels(value: int, load_strategy: Any) -> float:
+    """One train_step on the loader's first batch with its last two labels set to `value` on every rank."""
+    from atorch.auto import train_step
+
+    status, result, _ = _accelerate(load_strategy=load_strategy)
+    assert status
+    batch = next(iter(result.dataloader))
+    labels = batch["labels"].clone()
+    labels[:, -2:] = value
+    return float(train_step(result, {**batch, "labels": labels}))
 
 
 def _cases(root: str) -> List[Tuple[str, Callable[[], Any]]]:
@@ -198,7 +211,26 @@ def _cases(root: str) -> List[Tuple[str, Callable[[], Any]]]:
         ("pipeline_last_batch_does_not_split_with_accumulation", lambda: _accelerate(
             dataset=TokenDataset(n=10), dataloader_args={"batch_size": 4, "drop_last": False},
             load_strategy=[("gradient_accumulation", 2), *PIPELINE_2])),
+        # labels neither -100 nor in the vocabulary: the native pipeline's last stage raised IndexError while the
+        # first waited in recv until the collective timeout; tensor_parallel's vocabulary-parallel loss scored such
+        # a target silently wrong (its logit taken as 0)
+        ("pipeline_labels_minus_one", lambda: _step_with_labels(-1, PIPELINE_2)),
+        ("tensor_labels_past_the_vocabulary", lambda: _step_with_labels(5000, TENSOR_2)),
+        # what the layout check missed: gloo aborted the process (SIGABRT) inside DDP's or FSDP's first collective
+        ("ddp_model_bf16_on_rank_1", lambda: _accelerate(
+            model=tiny_llama(seed=0).to(torch.bfloat16) if _rank() == 1 else tiny_llama(seed=0))),
+        ("fsdp_mlp_frozen_on_rank_1", lambda: _accelerate(model=_frozen_mlp_on_rank_1(), load_strategy=["fsdp"])),
     ]
+
+
+def _frozen_mlp_on_rank_1() -> torch.nn.Module:
+    from atorch.testing import tiny_llama
+
+    model = tiny_llama(seed=0)
+    for name, p in model.named_parameters():
+        if "mlp" in name and _rank() == 1:
+            p.requires_grad_(False)
+    return model
 
 
 def _rank() -> int:
@@ -268,6 +300,19 @@ EXPECTED: Dict[str, Tuple[str, str]] = {
     "deepspeed_layers_differ": ("ValueError", "zero2: the model differs across ranks: parameter counts on "
                                               "ranks [0, 1]: 21, 30"),
     "tensor_layers_differ": ("ValueError", "tensor_parallel: the model differs across ranks: parameter counts"),
+    "pipeline_labels_minus_one": ("UserValueError", "train_step: checking the first batch failed on ranks [0, 1]: "
+                                                    "train_step: batch['labels'] holds -1, outside the vocabulary of "
+                                                    "1024 (ignored positions must be -100)"),
+    "tensor_labels_past_the_vocabulary": ("UserValueError", "failed on ranks [0, 1]: train_step: batch['labels'] "
+                                                            "holds 5000, outside the vocabulary of 1024"),
+    "ddp_model_bf16_on_rank_1": ("ValueError", "ddp: the model differs across ranks: entry #0 (name, shape, dtype): "
+                                               "model.embed_tokens.weight (1024, 64) float32 on rank [0]; "
+                                               "model.embed_tokens.weight (1024, 64) bfloat16 on rank [1]; build the "
+                                               "same model"),
+    "fsdp_mlp_frozen_on_rank_1": ("ValueError", "fsdp: the model differs across ranks: entry #5 (name, shape, dtype): "
+                                                "model.layers.0.mlp.gate_proj.weight (128, 64) float32 on rank [0]; "
+                                                "model.layers.0.mlp.gate_proj.weight (128, 64) float32 "
+                                                "requires_grad=False on rank [1]"),
     "pipeline_last_batch_does_not_split": ("ValueError", "with dataloader_args['drop_last']=False the last batch of "
                                                          "each epoch has 1 rows per data-parallel rank (9 samples"),
     "pipeline_last_batch_does_not_split_with_accumulation": (

@@ -124,6 +124,20 @@ def test_conflicts():
         _resolve([("data", 4), ("pipeline", 2)], extra=[("pipeline_parallel", None)])
 
 
+def test_lora_is_refused_before_anything_runs_naming_the_native_pipeline():
+    """lora wraps the model in peft before the stages are cut, and the stage patchers know only the bare model's
+    paths: the pair passed validation and failed while applying ("LlamaForCausalLM has no attribute
+    `embed_tokens`"). The native pipeline takes lora (tests/distributed/test_pipeline_lora.py)."""
+    for lora in ("lora", ("lora", {"target_modules": ["q_proj", "v_proj"]})):
+        with pytest.raises(ValueError, match=r"'deepspeed_3d_parallel' and 'lora' cannot be combined: DeepSpeed's "
+                                             r"pipeline stages cannot be built from a peft model; use the native "
+                                             r"pipeline, pipeline_parallel, with lora instead"):
+            _resolve([("pipeline", 2)], world=2, extra=[lora])
+    # the combination the message proposes is valid
+    resolve_strategy(Strategy([("parallel_mode", ([("pipeline", 2)], None)), "pipeline_parallel", "lora"]),
+                     ValidationContext(world_size=2, model=_meta()))
+
+
 def test_model_without_preset_needs_a_patcher():
     config = GPTNeoXConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                            intermediate_size=128)

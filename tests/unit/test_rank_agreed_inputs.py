@@ -85,6 +85,19 @@ def test_optim_param_func_must_return_the_models_own_parameters():
     validate_arguments(model=model, optim_param_func=lambda m: [copy.weight])
 
 
+def test_optim_param_func_returning_a_parameter_twice_is_refused_naming_it():
+    """torch steps a parameter once per occurrence: listed twice, its update doubled with only a warning."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))
+    for func in (lambda m: [*m.parameters(), m[0].weight],
+                 lambda m: [{"params": list(m.parameters())}, {"params": [m[0].weight], "lr": 0.1}],
+                 lambda m: [*m.named_parameters(), ("again", m[0].weight)]):
+        with pytest.raises(ValueError, match=r"optim_param_func=.* returned the parameter '0.weight' 2 times; the "
+                                             r"optimizer would update it once per occurrence, 2x its step"):
+            check_optim_params_in_model(model, func)
+    with pytest.raises(ValueError, match=r"'0.weight' 3 times \(and 3 more\)"):
+        check_optim_params_in_model(model, lambda m: [*m.parameters(), *m.parameters(), m[0].weight])
+
+
 # -- save_strategy_to_file: a directory where no file can be created ---------------------------------
 
 def test_save_strategy_to_file_is_probed_where_the_permission_bits_say_yes(monkeypatch, tmp_path: Path):

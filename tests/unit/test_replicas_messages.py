@@ -66,3 +66,18 @@ def test_checksum_difference_names_the_global_ranks_of_the_group(data_group):
     group = data_group(mine, other)
     with pytest.raises(ValueError, match=r"weight and 1 more \(checksums on ranks \[1, 3\]: "):
         replicas.check_replicas_agree(mine, group, torch.device("cpu"), "fsdp", "seed every rank alike")
+
+
+def test_a_parameter_frozen_on_one_rank_only_is_a_layout_difference(data_group):
+    """Gradient buckets and shards hold only the parameters that train: one rank freezing a parameter the others
+    train made FSDP's reduce-scatter sizes differ, and gloo aborted the process (SIGABRT)."""
+    mine, other = nn.Linear(4, 4), nn.Linear(4, 4)
+    other.load_state_dict(mine.state_dict())
+    other.weight.requires_grad_(False)
+    group = data_group(mine, other)
+    with pytest.raises(ValueError, match=r"fsdp: the model differs across ranks: entry #0 \(name, shape, dtype\): "
+                                         r"weight \(4, 4\) float32 on rank \[1\]; weight \(4, 4\) float32 "
+                                         r"requires_grad=False on rank \[3\]; build the same model"):
+        replicas.check_layouts_agree(mine, group, torch.device("cpu"), "fsdp")
+    other.weight.requires_grad_(True)
+    assert replicas.layout_difference(mine, group, torch.device("cpu")) is None

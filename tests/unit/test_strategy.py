@@ -153,3 +153,18 @@ def test_a_json_strategy_imports_no_module_the_process_has_not_imported(tmp_path
     # Trusted packages are imported as before, submodules included.
     text = config({"wrap_cls": {"__class__": "torch.nn.modules.linear:Linear"}})
     assert Strategy.from_json(text)[0].config["wrap_cls"] is torch.nn.Linear
+
+
+def test_a_strategy_json_of_another_format_names_the_format_it_found():
+    """Before, every such file got one message that named nothing it found."""
+    items = [{"name": "fsdp"}]
+    with pytest.raises(ValueError, match=r"strategy JSON has format 'atorch.strategy/2'; this atorch reads format "
+                                         r"'atorch.strategy/1' .* needs converting"):
+        Strategy.from_json(json.dumps({"format": "atorch.strategy/2", "items": items}))
+    with pytest.raises(ValueError, match=r"strategy JSON has format 1; this atorch reads"):
+        Strategy.from_json(json.dumps({"format": 1, "items": items}))
+    with pytest.raises(ValueError, match=r"strategy JSON has no 'format' key; this atorch reads"):
+        Strategy.from_json(json.dumps({"items": items}))
+    with pytest.raises(ValueError, match=r"strategy JSON must be an object .*, got a str"):
+        Strategy.from_json(json.dumps("fsdp"))
+    assert Strategy.from_json(json.dumps({"format": "atorch.strategy/1", "items": items})).names() == ["fsdp"]

@@ -300,6 +300,18 @@ def test_layers_at_world_size_one_match_the_modules_they_replace():
     assert copy.deepcopy(fresh).group is fresh.group  # process groups are shared, not copied
 
 
+def test_vocab_parallel_cross_entropy_refuses_a_target_no_slice_holds():
+    """-1 (padding that is not the ignore index) or an id at or past the real vocabulary: no rank's slice owns it,
+    so its target logit was 0 on every rank and the loss logsumexp, finite and wrong (torch's raises)."""
+    logits = torch.randn(2, 6, 10)
+    for bad in (-1, 7):
+        target = torch.randint(0, 7, (2, 6))
+        target[1, 3] = bad
+        with pytest.raises(ValueError, match=rf"vocab_parallel_cross_entropy: target holds {bad}, outside the "
+                                             r"vocabulary of 7 \(ignored positions must be -100\)"):
+            vocab_parallel_cross_entropy(logits, target, group=None, vocab_size=7)
+
+
 def test_vocab_parallel_cross_entropy_matches_f_cross_entropy():
     torch.manual_seed(0)
     logits = torch.randn(2, 6, 10, requires_grad=True)

@@ -36,7 +36,8 @@ BAD = [
     ("labels shorter", lambda ids: {"input_ids": ids, "labels": ids[:, :4]},
      r"batch\['labels'\] has shape \(4, 4\) but batch\['input_ids'\] has shape \(4, 8\)"),
     ("python lists", lambda ids: {"input_ids": ids.tolist(), "labels": ids.tolist()},
-     r"batch\['input_ids'\] is a list; input_ids must be an integer tensor"),
+     r"batch\['input_ids'\] is a list \(a Hugging Face datasets.Dataset yields lists: use "
+     r"dataset.with_format\('torch'\), or a collate_fn that builds tensors\); input_ids must be an integer tensor"),
 ]
 
 

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from atorch.auto.model_context import ModelContext
 from atorch.auto.opt_lib._sharding import check_bool
 from atorch.auto.opt_lib.base import CostContext, Optimization, Order, WrapperOrder, register
+from atorch.distributed.replicas import check_layouts_agree
 
 logger = logging.getLogger(__name__)
 
@@ -64,5 +65,8 @@ class DdpOptimization(Optimization):
         if config.bucket_cap_mb is not None:
             kwargs["bucket_cap_mb"] = config.bucket_cap_mb
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        ctx.model = DistributedDataParallel(ctx.model, device_ids=device_ids,
-                                            process_group=ctx.require_parallel("ddp").group("data"), **kwargs)
+        group = ctx.require_parallel("ddp").group("data")
+        # DDP broadcasts rank 0's weights, but its buckets follow each rank's own dtypes and trainable parameters:
+        # a model in bf16 on one rank, or frozen differently, aborted the process inside gloo (SIGABRT).
+        check_layouts_agree(ctx.model, group, None, self.name)
+        ctx.model = DistributedDataParallel(ctx.model, device_ids=device_ids, process_group=group, **kwargs)

@@ -240,8 +240,9 @@ class DeepSpeed3DParallelOptimization(Optimization):
     wrapper_order = WrapperOrder.ENGINE
     requires = frozenset({"parallel_mode"})
     # It shards (tensor parallel), syncs gradients (pipeline engine) and sets precision (ds_config)
-    # itself; these are the optimizations that apply before it to the recorded model.
-    allowed_partners = frozenset({"parallel_mode", "checkpoint", "module_replace", "lora"})
+    # itself; these are the optimizations that apply before it to the recorded model. Not lora
+    # (`config_conflicts`).
+    allowed_partners = frozenset({"parallel_mode", "checkpoint", "module_replace"})
     distributed_only = False  # one process is a valid (1, 1, 1) layout, handy for debugging
     Config = DeepSpeed3DParallelConfig
     search_dimension = None   # driven by the user's ds_config (batch split, precision, ZeRO stage)
@@ -251,6 +252,16 @@ class DeepSpeed3DParallelOptimization(Optimization):
 
     def __init__(self) -> None:
         self._ds_config: Dict[str, Any] = {}   # resolved in apply, used to build the engine in apply_wrapper
+
+    @classmethod
+    def config_conflicts(cls, config: DeepSpeed3DParallelConfig) -> Dict[str, str]:
+        """Partners a user is likely to try that it does not take, with what to use instead."""
+        # lora applies first and wraps the model in peft's PeftModel, whose module paths (base_model.model....)
+        # the stage patchers do not know: it failed while applying ("LlamaForCausalLM has no attribute
+        # `embed_tokens`"). The native pipeline adds the adapters to each stage and is tested for parity.
+        return {"lora": "DeepSpeed's pipeline stages cannot be built from a peft model; use the native pipeline, "
+                        "pipeline_parallel, with lora instead (e.g. [('parallel_mode', ([('pipeline', 2)], None)), "
+                        "'pipeline_parallel', 'lora'])"}
 
     @classmethod
     def syncs_gradients(cls, config: DeepSpeed3DParallelConfig) -> bool:
