@@ -146,7 +146,13 @@ def test_never_called_layers_are_not_suggested_and_refused_as_targets():
 @pytest.mark.parametrize("raw,message", [
     ({"r": 0}, r"r=0; expected an integer >= 1"),
     ({"r": 2.5}, r"r=2.5; expected an integer >= 1"),
-    ({"alpha": 0}, r"alpha=0; expected a number > 0"),
+    ({"alpha": 0}, r"alpha=0; expected a finite number > 0"),
+    ({"alpha": float("nan")}, r"alpha=nan; expected a finite number > 0"),    # NaN passed `alpha <= 0`
+    ({"alpha": float("inf")}, r"alpha=inf; expected a finite number > 0"),
+    ({"seed": 1.5}, r"seed=1.5; expected an integer in \[0, 2\*\*64\) \(torch.manual_seed's range\)"),
+    ({"seed": -1}, r"seed=-1; expected an integer in \[0, 2\*\*64\)"),
+    ({"seed": 2 ** 70}, r"seed=1180591620717411303424; expected an integer in \[0, 2\*\*64\)"),
+    ({"seed": True}, r"seed=True; expected an integer"),
     ({"dropout": 1.0}, r"dropout=1.0; expected a probability in \[0, 1\)"),
     ({"target_modules": []}, r"target_modules=\(\); expected None or a non-empty list"),
     ({"rank": 4}, r"unknown config key\(s\) \['rank'\]; valid keys are \['r', 'alpha', 'target_modules', "
@@ -338,3 +344,16 @@ def test_expert_names_that_peft_cannot_map_or_tensor_parallel_cannot_adapt_are_r
     # The attention projections alone stay adaptable under tensor parallelism.
     resolve_strategy(Strategy([pm, "tensor_parallel", ("lora", {"target_modules": ["q_proj", "v_proj"]})]),
                      ValidationContext(world_size=2, model=_qwen3_moe([1])))
+
+
+def test_fused_expert_names_are_suggested_for_a_mixture_of_experts():
+    """transformers 5 keeps OLMoE's experts as stacked parameters, not layers: the suggestion listed only the
+    attention projections, while gate_proj / up_proj / down_proj adapt the experts (`convert_like_peft`)."""
+    from transformers import AutoModelForCausalLM, OlmoeConfig
+
+    model = AutoModelForCausalLM.from_config(OlmoeConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=64,
+        num_experts=4, num_experts_per_tok=2))
+    with pytest.raises(ValueError, match=r"adaptable layer names are \['down_proj', 'embed_tokens', 'gate_proj', "
+                                         r"'k_proj', 'lm_head', 'o_proj', 'q_proj', 'up_proj', 'v_proj'\]"):
+        _validate(model, {"target_modules": ["nothing_of_that_name"]})

@@ -198,3 +198,19 @@ def test_llama_layout_families_pieces_equal_their_own_forward(family):
             for layer in layers:
                 x = layer(x)
         torch.testing.assert_close(x, expected, atol=1e-6, rtol=0)
+
+
+def test_a_task_head_of_a_preset_family_is_refused_as_not_a_causal_lm():
+    """Qwen2ForSequenceClassification shares qwen2's preset (found by model_type) but has no lm_head: the error
+    blamed a custom_patcher the user never passed."""
+    from transformers import AutoModelForSequenceClassification, Qwen2Config
+
+    from atorch.modules.pipeline.patchers import resolve_patcher
+
+    model = AutoModelForSequenceClassification.from_config(Qwen2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, num_labels=3))
+    with pytest.raises(ValueError, match=r"the 'qwen2' preset describes its causal LM .*Qwen2ForSequenceClassification "
+                                         r"has no \['lm_head'\] .*Pipelines train causal LMs only"):
+        resolve_patcher(model, None)
+    assert list(resolve_patcher(tiny_llama(), None)) == ["model.embed_tokens", "model.layers", "model.norm", "lm_head"]

@@ -95,7 +95,29 @@ def _adaptable_layer_names(model: nn.Module) -> List[str]:
         if name and isinstance(m, adaptable) and name not in uncalled:
             parts = name.split(".")
             names.add(".".join(parts[-2:]) if parts[-1].isdigit() and len(parts) > 1 else parts[-1])
-    return sorted(names)
+    return sorted(names | _fused_expert_names(model))
+
+
+# The expert projection names peft moves onto fused expert weights, by naming convention (Llama-style, Mixtral).
+_EXPERT_NAME_SETS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w2", "w3"))
+
+
+def _fused_expert_names(model: nn.Module) -> Set[str]:
+    """The expert projection names that adapt `model`'s fused expert weights (`convert_like_peft`): transformers 5
+    keeps a mixture of experts as stacked parameters, not layers, so the layer names alone suggested only the
+    attention projections for OLMoE."""
+    from atorch.auto.cost_model.traits import peft_expert_targets
+
+    model_type = _model_type(model, None)
+    if not isinstance(model_type, str):
+        return set()
+    names: Set[str] = set()
+    for candidates in _EXPERT_NAME_SETS:
+        try:
+            names |= peft_expert_targets(model_type, candidates)[0]
+        except ValueError:
+            continue
+    return names
 
 
 def _uncalled_layers(model: nn.Module) -> Dict[str, str]:
@@ -405,10 +427,17 @@ class LoraOptimization(Optimization):
     def validate(self, config: LoraConfig, context: ValidationContext) -> None:
         if not isinstance(config.r, int) or isinstance(config.r, bool) or config.r < 1:
             raise ValueError(f"lora: r={config.r!r}; expected an integer >= 1")
-        if not isinstance(config.alpha, (int, float)) or config.alpha <= 0:
-            raise ValueError(f"lora: alpha={config.alpha!r}; expected a number > 0")
-        if not isinstance(config.dropout, (int, float)) or not 0.0 <= config.dropout < 1.0:
+        # `not x > 0` rather than `x <= 0`: NaN fails every comparison, and nan (or inf) scaled every adapter output.
+        if isinstance(config.alpha, bool) or not isinstance(config.alpha, (int, float)) \
+                or not 0 < config.alpha < float("inf"):
+            raise ValueError(f"lora: alpha={config.alpha!r}; expected a finite number > 0")
+        if isinstance(config.dropout, bool) or not isinstance(config.dropout, (int, float)) \
+                or not 0.0 <= config.dropout < 1.0:
             raise ValueError(f"lora: dropout={config.dropout!r}; expected a probability in [0, 1)")
+        # torch.manual_seed truncated 1.5 to 1 and failed on 2**70 only while applying ("Overflow when unpacking").
+        if isinstance(config.seed, bool) or not isinstance(config.seed, int) or not 0 <= config.seed < 2 ** 64:
+            raise ValueError(f"lora: seed={config.seed!r}; expected an integer in [0, 2**64) (torch.manual_seed's "
+                             "range)")
         if config.target_modules is not None and (
                 not config.target_modules or not all(isinstance(t, str) and t for t in config.target_modules)):
             raise ValueError(f"lora: target_modules={config.target_modules!r}; expected None or a non-empty list "

@@ -535,7 +535,23 @@ def get_custom_patcher(model_or_config: Any) -> Dict[str, PatchFn]:
 
 
 def resolve_patcher(model: nn.Module, custom_patcher: Optional[CustomPatcher]) -> CustomPatcher:
-    return custom_patcher if custom_patcher is not None else get_custom_patcher(model)
+    """The user's `custom_patcher`, else the preset of the model's type, checked against the model.
+
+    A preset describes the model type's causal LM (embedding, blocks, norm, lm_head); a task head of the
+    same type (ForSequenceClassification's `score`) shares the model_type, so the preset was found and its
+    missing `lm_head` blamed on a custom_patcher the user never passed."""
+    if custom_patcher is not None:
+        return custom_patcher
+    patcher = get_custom_patcher(model)
+    modules = dict(model.named_modules())
+    missing = [path for path in patcher if path not in modules]
+    if missing:
+        model_type = getattr(model_config_of(model), "model_type", "?")
+        raise ValueError(f"pipeline: the {model_type!r} preset describes its causal LM (...ForCausalLM, trained on "
+                         f"the language-model loss); {type(model).__name__} has no {missing} (its top-level modules "
+                         f"are {list(model._modules)}). Pipelines train causal LMs only: use data, FSDP or tensor "
+                         "parallelism for this model, or pass a custom_patcher for a model shaped like a causal LM")
+    return patcher
 
 
 def tied_head_paths(model: nn.Module, pieces: Sequence[PieceSpec]) -> Optional[Tuple[str, str]]:
