@@ -128,7 +128,7 @@ def test_pool_runs_between_and_within():
 
 # -- failed trials and feasibility ----------------------------------------------------------------
 
-def test_failed_trials_never_reach_the_planner_and_are_not_retried():
+def test_failed_trials_never_reach_the_planner_and_are_retried_at_most_once():
     RecordingPlanner.instances.clear()
     space = space16()
     strategies = space.strategies()
@@ -142,21 +142,24 @@ def test_failed_trials_never_reach_the_planner_and_are_not_retried():
             return DryRunResult(0.0, None, "timeout")
         return DryRunResult(table[s], 100)
 
-    result = search_strategy(space, evaluator, max_trials=16, patience=16, random_samples=1,
+    result = search_strategy(space, evaluator, max_trials=18, patience=18, random_samples=1,
                              planner_factory=RecordingPlanner)
     planner = RecordingPlanner.instances[-1]
     bad = {strategies.index(raising), strategies.index(timing_out)}
     tried = [s for s in result.evaluated]
-    assert tried.count(raising) == 1 and tried.count(timing_out) == 1
+    # A timeout may be the machine's: one retry (`FailureModel.p_retry_runs`), never a third run; "boom" reads
+    # like the strategy's own and no failure was seen not to repeat: not retried.
+    assert tried.count(raising) == 1 and tried.count(timing_out) == 2
     for observed, remaining in planner.calls:
         assert not bad & set(observed), "a failed trial was given to the surrogate"
         assert len(set(observed)) == len(observed)
-    # A candidate already tried (failed ones included) is never offered again.
+    # A candidate already tried is never offered again, unless its only dry run failed.
     index = {st_: i for i, st_ in enumerate(strategies)}
-    rows = [k for k, src in enumerate(result.trials["source"]) if src == "hebo-first"]
+    rows = [k for k, src in enumerate(result.trials["source"]) if src in ("hebo-first", "retry")]
     assert len(rows) == len(planner.calls)
     for k, (_, remaining) in zip(rows, planner.calls):
-        assert not {index[x] for x in result.evaluated[:k]} & set(remaining)
+        offered_again = {index[x] for x in result.evaluated[:k]} & set(remaining)
+        assert offered_again <= {i for i in bad if result.evaluated[:k].count(strategies[i]) == 1}
     assert result.best == max(table, key=table.get)
 
 

@@ -362,6 +362,29 @@ def format_bytes(n: Optional[float]) -> str:
 # searches: >= 0.98 of the best in 110 vs 112); at 15 it matched the fixed rate there (112).
 ISOLATED_FAILURE_RATE = 0.1
 ISOLATED_PRIOR_RUNS = 15.0
+# Of the failures that are a candidate's own and read like the machine's (a timeout, a connection
+# reset: `looks_transient`), the share that would not repeat, a Beta(a, b) prior updated by what
+# retries and re-measurements show: a candidate that failed and also ran is one that did not repeat,
+# one that failed twice without running one that did. A priori 1 in 5: a retry costs a dry run.
+TRANSIENT_PRIOR = (0.5, 2.0)
+# What a failure of the machine rather than of the strategy says (lower case): collectives and
+# rendezvous that timed out or lost a peer, a port taken. Any other exception (compile cannot trace
+# the model, a shape error) is the strategy's own and repeats: it is retried only once this search
+# has seen a failure not repeat.
+TRANSIENT_MARKERS = ("timed out", "timeout", "connection reset", "connection refused", "connection closed",
+                     "broken pipe", "address already in use", "nccl error", "unhandled system error",
+                     "socket", "peer")
+# Failures that may be the machine's (a collective that timed out under load, a port taken): a
+# candidate that failed so is retried once (`FailureModel.p_retry_runs`) and, having run, can outlive
+# them (`trials.TrialLog.eligible`). Out of memory is not one (the same job near its limit would run
+# out again in a long training run), nor an error in the user's code.
+RETRYABLE_STATUSES = ("exception", "timeout", "failed")
+
+
+def looks_transient(error: str) -> bool:
+    """Whether a failure's message reads like the machine's rather than the strategy's (`TRANSIENT_MARKERS`)."""
+    text = error.lower()
+    return any(marker in text for marker in TRANSIENT_MARKERS)
 
 
 class FailureModel:
@@ -390,15 +413,22 @@ class FailureModel:
         self.raised: List[int] = []            # candidates whose dry run raised, once per dry run
         self.runs = 0                          # dry runs that raised, ran or ran out of memory
         self.rate = ISOLATED_FAILURE_RATE
+        self.got_past: set = set()             # candidates that ran or ran out of memory at least once
+        # each candidate's latest retryable failure: (status, whether it reads like the machine's)
+        self.failed_last: Dict[int, Tuple[str, bool]] = {}
+        self.failed_count: Dict[int, int] = {}  # and how many it had
+        self.did_not_repeat, self.repeated = 0, 0   # evidence on `TRANSIENT_PRIOR`
 
     @staticmethod
     def _keys(choice: Sequence[int]) -> List[tuple]:
         singles = [(d, int(v)) for d, v in enumerate(choice)]
         return singles + [a + b for k, a in enumerate(singles) for b in singles[k + 1:]]
 
-    def observe(self, i: int, status: str) -> None:
+    def observe(self, i: int, status: str, error: str = "") -> None:
         """One dry run of candidate i: "exception" makes its options and pairs suspects; "ok" and
-        "oom" rule them out; anything else (a timeout) is ignored."""
+        "oom" rule them out; anything else (a timeout) is ignored here. Every status also teaches
+        how often a failure repeats (`p_retry_runs`; `error`: the failure's message)."""
+        self._learn_repeats(i, status, error)
         if status == "exception":
             for k in self.keys[i]:
                 self.failures[k] = self.failures.get(k, 0) + 1
@@ -409,6 +439,41 @@ class FailureModel:
             return
         self.runs += 1
         self.rate = self.isolated_rate()
+
+    def _learn_repeats(self, i: int, status: str, error: str) -> None:
+        if status in RETRYABLE_STATUSES:
+            if i in self.got_past:
+                self.did_not_repeat += 1
+            elif i in self.failed_last:
+                self.repeated += 1
+            self.failed_last[i] = (status, status == "timeout" or looks_transient(error))
+            self.failed_count[i] = self.failed_count.get(i, 0) + 1
+        elif status in ("ok", "oom"):
+            if i in self.failed_last and i not in self.got_past:
+                self.did_not_repeat += 1
+            self.got_past.add(i)
+
+    def transient_share(self) -> float:
+        """The share of a candidate's own failures that do not repeat (`TRANSIENT_PRIOR`'s posterior mean)."""
+        a, b = TRANSIENT_PRIOR
+        return (a + self.did_not_repeat) / (a + b + self.did_not_repeat + self.repeated)
+
+    def p_retry_runs(self, i: int) -> float:
+        """P(a retry of candidate i runs): 0 unless its only dry run failed in a way that may be the
+        machine's (`RETRYABLE_STATUSES`) and it never got past that point; then the chance that the
+        failure was its own rather than an option's or pair's times the share of such failures that
+        do not repeat. A failure whose message does not read like the machine's (`looks_transient`)
+        gets no retry until this search has seen a failure not repeat: a deterministic error (compile
+        cannot trace the model) would cost a second dry run for nothing."""
+        last = self.failed_last.get(i)
+        if last is None or i in self.got_past or self.failed_count[i] > 1:
+            return 0.0
+        status, machines = last
+        if not machines and not self.did_not_repeat:
+            return 0.0
+        # A timeout is never blamed on options (load causes them): only an exception has a shared cause.
+        own = self._p_isolated(i) if status == "exception" else 1.0
+        return own * self.transient_share()
 
     def isolated_rate(self) -> float:
         """The rate at which a dry run raises for a reason of its own, learned from the runs.

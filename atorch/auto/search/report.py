@@ -11,7 +11,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Dict, Optional
 
-from atorch.auto.search.feasibility import format_bytes     # the units of the pruned table's reasons
+from atorch.auto.search.feasibility import RETRYABLE_STATUSES, format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -80,7 +80,7 @@ def explain(result: "SearchResult", limit_source: str = "") -> str:
     failed = trials[trials["status"] != "ok"] if not trials.empty else trials
     if result.best is not None and not failed.empty:
         parts.append(f"{len(failed)} trial(s) failed ({_counts(failed['status'].value_counts().to_dict())})")
-        dropped = _failed_after_running(trials)
+        dropped = _failed_after_running(trials, result.best.describe())
         if dropped:
             parts.append(dropped)
     runs = len(trials)
@@ -115,18 +115,26 @@ def _pruned_clause(pruned: "pd.DataFrame", limit_source: str) -> str:
     return f"{head}: {leanest.get('strategy', '?')} {reason}".rstrip() + source
 
 
-def _failed_after_running(trials: "pd.DataFrame") -> str:
-    """The fastest candidate that ran and then failed a re-measurement, which makes it ineligible
-    ("" when none did): otherwise the fastest row of the table vanishes from the verdict unexplained."""
+def _failed_after_running(trials: "pd.DataFrame", best: str = "") -> str:
+    """What became of candidates that both ran and failed ("" when none did): the fastest of them that is
+    not eligible (out of memory, more failures than runs, or a failed last run: `trials.TrialLog.eligible`), else the
+    fastest row of the table vanishes from the verdict unexplained; and the winner `best` when it failed a run
+    it then outlived (a failure that did not repeat), which the user should know before a long job."""
     ok = trials[trials["status"] == "ok"]
     failed = trials[trials["status"] != "ok"]
-    both = ok[ok["strategy"].isin(set(failed["strategy"]))]
-    if both.empty:
-        return ""
-    best = both.sort_values("throughput", ascending=False).iloc[0]
-    status = failed[failed["strategy"] == best["strategy"]].iloc[0]["status"]
-    return (f"{best['strategy']} measured {float(best['throughput']):.4g} samples/s but failed when run again "
-            f"({status}), so it is not eligible")
+    both = ok[ok["strategy"].isin(set(failed["strategy"]))].sort_values("throughput", ascending=False)
+    declared, dropped = "", ""
+    for name, group in both.groupby("strategy", sort=False):      # fastest first
+        fails = failed[failed["strategy"] == name]
+        if name == best:
+            kinds = "/".join(sorted(set(fails["status"])))
+            declared = (f"{name} failed {len(fails)} of its {len(group) + len(fails)} dry runs ({kinds}) and ran "
+                        "in the others: declared, as a failure that did not repeat")
+        elif not dropped and not (fails["status"].isin(RETRYABLE_STATUSES).all() and len(group) >= len(fails)
+                                  and trials[trials["strategy"] == name].iloc[-1]["status"] == "ok"):
+            dropped = (f"{name} measured {float(group.iloc[0]['throughput']):.4g} samples/s but failed when run "
+                       f"again ({fails.iloc[0]['status']}), so it is not eligible")
+    return "; ".join(part for part in (declared, dropped) if part)
 
 
 def _common_errors(reasons: "pd.Series", shown: int = 2, width: int = 300) -> str:

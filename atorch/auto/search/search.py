@@ -15,9 +15,13 @@ predictor (the cost model); it never imports training code. Order of work:
    feature whose weight is learned, the measured noise as its noise floor; the acquisition
    (expected improvement of log-throughput) times P(fit), an out-of-memory run counting as 0;
    when nothing promises a measurable gain, the candidate with the most combinations of three
-   options never measured together (what a two-way model cannot see). Failed trials are not throughput observations: an exception or
-   timeout retires that one candidate, an out-of-memory trial teaches feasibility (step 1);
-   neither reaches the GP. An exception also makes the candidate's options and pairs of options
+   options never measured together (what a two-way model cannot see). Failed trials are not throughput
+   observations: an exception or timeout retires that one candidate, an out-of-memory trial teaches
+   feasibility (step 1); neither reaches the GP. A failure may be the machine's (a collective that
+   timed out under load): a candidate whose only run raised or timed out stays on offer to the
+   planner, weighted by P(a retry runs) (`FailureModel.p_retry_runs`: learned from how often
+   failures in this search did not repeat), and a candidate that ran can outlive such a failure
+   (`TrialLog.eligible`). An exception also makes the candidate's options and pairs of options
    suspects of raising wherever they appear (`feasibility.FailureModel`: compile failing on the
    model fails every compile candidate), and P(fit) is multiplied by P(does not raise): to the
    GP a failed region looks unmeasured, and its expected improvement drew the search back there
@@ -35,14 +39,16 @@ predictor (the cost model); it never imports training code. Order of work:
    interleaved with the candidate likeliest to beat it (counted in `max_trials`; the surrogate's
    posterior, which pools similar candidates, says who that is: a measured rival, or an untried
    candidate when the posterior, times its chance to run, gives it better odds; its row's source
-   is then "challenger"), round after round until a 99% interval of their throughput ratio
+   is then "challenger"; when the leader's repeat raises or times out, the partner's run retries the
+   leader instead, source "retry"), round after round until a 99% interval of their throughput ratio
    (`stats.py`, `trials.LOOK_CONFIDENCE`; the one reported is 95%) separates the leader from
-   every other candidate or the rounds are spent; inside the noise, the one using at least 10% less memory
-   wins if it gives up little throughput (measured means within 1%, or, when it is the one
-   measured slower, an expected loss below 1%: `TrialLog.compare`), else the higher measured mean. A leader ahead of everyone by more than `CLEAR_LEAD`
-   (with 95% confidence) is not re-measured, and no budget is kept for it meanwhile; budget kept
-   for rounds that the separation made unnecessary goes back to the search (once). `SearchResult.comparison` holds the
-   winner against the runner-up, `reason` says it in one line.
+   every other candidate or the rounds are spent; inside the noise, the one using at least 10% less
+   memory wins if it gives up little throughput (measured means within 1%, or, when it is the one
+   measured slower, an expected loss below 1%: `TrialLog.compare`), else the higher measured mean.
+   A leader ahead of everyone by more than `CLEAR_LEAD` (with 95% confidence) is not re-measured,
+   and no budget is kept for it meanwhile; budget kept for rounds that the separation made
+   unnecessary goes back to the search (once). `SearchResult.comparison` holds the winner against
+   the runner-up, `reason` says it in one line.
 """
 
 from __future__ import annotations
@@ -255,9 +261,9 @@ class _Search:
         gave its spare runs back, so nothing is kept any more."""
         limits = self.limits
         while True:
-            remaining = self.runnable(self.untried())
+            remaining, retryable = self.runnable(self.untried()), self.retryable()
             reserve = self._reserve(released)
-            if not remaining and len(self.trials.tried) >= len(self.candidates):
+            if not remaining and not retryable and len(self.trials.tried) >= len(self.candidates):
                 return "every candidate that fits evaluated", 0
             if self.trials.count >= limits.max_trials - reserve:
                 kept = f" ({reserve} kept for re-measuring the top candidates)" if reserve else ""
@@ -265,13 +271,13 @@ class _Search:
             if self.since_improvement >= limits.patience:
                 return (f"no improvement in {limits.patience} trials (patience)" if self.trials.runs else
                         f"{limits.patience} dry runs failed (not out of memory) before any ran (patience)"), 0
-            if not remaining:      # budget is left, and only candidates predicted not to fit
+            if not remaining and not retryable:      # budget is left, and only candidates predicted not to fit
                 retry = self._pruned_to_retry()
                 if retry is None:
                     return "every candidate that fits evaluated", 0
                 self._count_for_patience(self.run_trial(retry, float("nan"), "pruned-retry"), False)
                 continue
-            pick = self.next_pick(remaining)
+            pick = self.next_pick(remaining, retryable)
             if pick is None:
                 return self.time_stop_reason(), 0
             improved = self.run_trial(pick.index, pick.planner_s, pick.source)
@@ -318,21 +324,36 @@ class _Search:
             return _remeasure_reserve(self.limits.max_trials, self.limits.remeasure_rounds)
         return 0
 
-    def next_pick(self, remaining: Dict[int, float]) -> Optional[_Pick]:
-        """The next candidate among `remaining`: a seed while seeding lasts, then the planner's
-        suggestion; None when it (and, for a suggestion, the planner's work) would overrun time_limit_s."""
-        remaining = self.within_time(remaining)
-        if not remaining:
+    def next_pick(self, remaining: Dict[int, float], retryable: Dict[int, float]) -> Optional[_Pick]:
+        """The next candidate among `remaining` (untried) and `retryable` (`retryable`): a seed while
+        seeding lasts (untried candidates only), then the planner's suggestion; None when it (and, for a
+        suggestion, the planner's work) would overrun time_limit_s."""
+        remaining, retryable = self.within_time(remaining), self.within_time(retryable)
+        if not remaining and not retryable:
             return None
-        seeded = self.seeding.next(remaining, self.predictions, self.trials.tried, list(self.trials.runs))
+        seeded = self.seeding.next(remaining, self.predictions, self.trials.tried, list(self.trials.runs)) \
+            if remaining else None
         if self.out_of_time(self.planner.expected_seconds if self.planner and seeded is None else 0.0):
             return None
         if seeded is not None:
             return _Pick(seeded[0], seeded[1], float("nan"), True)
-        suggestion = self._suggest(remaining)
+        suggestion = self._suggest({**remaining, **retryable})
         if self.out_of_time(index=suggestion.index):     # the suggestion took longer than the planner expected
             return None
-        return _Pick(suggestion.index, f"hebo-{suggestion.how}", suggestion.seconds, False)
+        retry = suggestion.index in self.trials.tried
+        return _Pick(suggestion.index, "retry" if retry else f"hebo-{suggestion.how}", suggestion.seconds, False)
+
+    def retryable(self) -> Dict[int, float]:
+        """Candidates whose only dry run raised or timed out, weighted by their chance to run on a
+        retry (P(fit) x `FailureModel.p_retry_runs`): the planner weighs a retry like any other
+        trial. A failure that does not repeat (20% of dry runs failing once on an outside tester's
+        landscapes) otherwise retired the best candidate for good whenever its one run hit it."""
+        failed = [i for i in self.failures.failed_last if i not in self.trials.runs]
+        if not failed:
+            return {}
+        fit = self.feasibility.probabilities(failed)
+        weights = {i: fit[i].p * self.failures.p_retry_runs(i) for i in failed}
+        return {i: p for i, p in weights.items() if p >= PRUNE_BELOW}
 
     def _suggest(self, remaining: Dict[int, float]) -> Any:
         """The planner's suggestion among `remaining`, each weighted by its chance to run."""
@@ -355,7 +376,7 @@ class _Search:
         if result.status == "user":
             raise user_error(str(result.error), self.candidates[index].strategy)
         self.feasibility.observe(index, result.status, usable_peak(result.peak_memory_bytes))
-        self.failures.observe(index, result.status)
+        self.failures.observe(index, result.status, str(result.error or ""))
         self.bar.update(1)
         self.bar.set_postfix_str(f"best {self.trials.best_mean_throughput():.4g}/s")
         if self.learner is not None and result.ok:
@@ -421,12 +442,15 @@ class _Search:
         posterior gives better odds of beating the leader (its row's source: "challenger")."""
         leader = pair[0]
         newcomer = _likelier_newcomer(posterior, pair, untried) if posterior else None
-        if newcomer is not None:
-            self.run_trial(leader, float("nan"), "remeasure")
+        self.run_trial(leader, float("nan"), "remeasure")
+        if self.trials.needs_retry(leader):
+            # Its repeat raised or timed out: the partner's run goes to a retry of the leader instead,
+            # which tells a one-off failure (the machine's: it stays eligible) from one that repeats.
+            self.run_trial(leader, float("nan"), "retry")
+        elif newcomer is not None:
             self.run_trial(newcomer, float("nan"), "challenger")
         else:
-            for index in pair:
-                self.run_trial(index, float("nan"), "remeasure")
+            self.run_trial(pair[1], float("nan"), "remeasure")
 
     def gives_spare_runs_back(self, held: int, separated: bool) -> bool:
         """Whether the search phase gets dry runs back (then, once, it runs again, and the
