@@ -66,14 +66,16 @@ def test_the_share_of_failures_that_do_not_repeat_is_learned():
     assert model.transient_share() == pytest.approx(prior_share)
     assert 0 < model.p_retry_runs(0) <= prior_share   # x P(the failure was its own, not an option's)
     assert model.p_retry_runs(2) == 0.0               # the strategy's own error: no retry before evidence
-    model.observe(1, "timeout", "timeout: exceeded 300 s")
+    model.observe(1, "timeout", "timeout: rank 1: Timed out waiting 30000ms for recv operation to complete")
     assert model.p_retry_runs(1) == pytest.approx(prior_share)   # timeouts are never blamed on options
+    model.observe(3, "timeout", "timeout: exceeded 300 s")       # the whole dry run too slow: slow again
+    assert model.p_retry_runs(3) == 0.0
     model.observe(4, "ok")
     model.observe(4, "timeout")                       # ran, then failed: a failure that did not repeat
     model.observe(1, "ok")                            # failed, then ran: another
     assert model.transient_share() == pytest.approx((a + 2) / (a + b + 2))
     assert model.p_retry_runs(1) == 0.0 and model.p_retry_runs(4) == 0.0   # they got past: no retry
-    assert model.p_retry_runs(2) > 0.0                # failures here do not all repeat: worth a retry now
+    assert model.p_retry_runs(2) > 0.0 and model.p_retry_runs(3) > 0.0   # failures here do not all repeat
     model.observe(0, "exception", "exception: RuntimeError: NCCL error")   # failed again: it repeats, no third try
     assert model.transient_share() == pytest.approx((a + 2) / (a + b + 3))
     assert model.p_retry_runs(0) == 0.0

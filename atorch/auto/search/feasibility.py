@@ -372,8 +372,7 @@ TRANSIENT_PRIOR = (0.5, 2.0)
 # the model, a shape error) is the strategy's own and repeats: it is retried only once this search
 # has seen a failure not repeat.
 TRANSIENT_MARKERS = ("timed out", "timeout", "connection reset", "connection refused", "connection closed",
-                     "broken pipe", "address already in use", "nccl error", "unhandled system error",
-                     "socket", "peer")
+                     "broken pipe", "address already in use", "nccl error", "unhandled system error", "socket")
 # Failures that may be the machine's (a collective that timed out under load, a port taken): a
 # candidate that failed so is retried once (`FailureModel.p_retry_runs`) and, having run, can outlive
 # them (`trials.TrialLog.eligible`). Out of memory is not one (the same job near its limit would run
@@ -381,9 +380,13 @@ TRANSIENT_MARKERS = ("timed out", "timeout", "connection reset", "connection ref
 RETRYABLE_STATUSES = ("exception", "timeout", "failed")
 
 
-def looks_transient(error: str) -> bool:
-    """Whether a failure's message reads like the machine's rather than the strategy's (`TRANSIENT_MARKERS`)."""
+def looks_transient(status: str, error: str) -> bool:
+    """Whether a failure reads like the machine's rather than the strategy's: a timeout of a collective or a
+    peer (the dry runner's "timeout: rank 1: ..."), not of the whole dry run ("timeout: exceeded 300 s": a
+    strategy that slow is slow again); an exception whose message has one of `TRANSIENT_MARKERS`."""
     text = error.lower()
+    if status == "timeout":
+        return "exceeded" not in text
     return any(marker in text for marker in TRANSIENT_MARKERS)
 
 
@@ -446,7 +449,7 @@ class FailureModel:
                 self.did_not_repeat += 1
             elif i in self.failed_last:
                 self.repeated += 1
-            self.failed_last[i] = (status, status == "timeout" or looks_transient(error))
+            self.failed_last[i] = (status, looks_transient(status, error))
             self.failed_count[i] = self.failed_count.get(i, 0) + 1
         elif status in ("ok", "oom"):
             if i in self.failed_last and i not in self.got_past:
