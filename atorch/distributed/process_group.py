@@ -563,9 +563,33 @@ def retire_groups(groups: Sequence[Any], destroy: bool) -> None:
             dist.destroy_process_group(group)
 
 
+def _forget_dtensor_specs() -> None:
+    """Empty DTensor's sharding-propagation caches (the C++ dispatch cache and the Python ones).
+
+    They are keyed by DTensorSpecs, and a spec's DeviceMesh compares equal to a mesh of the same ranks
+    over another process group (torch 2.13: `DeviceMesh.__eq__` ignores the groups). After a dry run's
+    groups were retired, FSDP2 over the live groups built parameters whose DTensors came back from the
+    cache naming the destroyed group: `train_step(max_grad_norm=...)`, `clip_grad_norm_`, `full_tensor()`
+    and a full state dict raised "Could not resolve the process group registered under the name 1"
+    (`tests/distributed/test_after_dry_runs.py`). Clearing costs the next ops one propagation each."""
+    api = sys.modules.get("torch.distributed.tensor._api")
+    if api is None:
+        return
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()
+    propagator = api.DTensor._op_dispatcher.sharding_propagator
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        cache_clear = getattr(getattr(propagator, name, None), "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
+
+
 def forget_library_groups(groups: Optional[Sequence[Any]]) -> None:
-    """Drop DeepSpeed's cached references to `groups` (None: to every group). Imports nothing:
-    a process that never imported DeepSpeed has nothing cached."""
+    """Drop DeepSpeed's cached references to `groups` (None: to every group), and DTensor's sharding
+    caches (`_forget_dtensor_specs`). Imports nothing: a process that never imported DeepSpeed or
+    DTensor has nothing cached."""
+    _forget_dtensor_specs()
     ds_groups = sys.modules.get("deepspeed.utils.groups")
     if ds_groups is None:
         return
