@@ -340,6 +340,18 @@ def test_time_limit_is_honoured(dummy_opts):
     assert "time_limit_s=35" in result.stop_reason
 
 
+def test_a_time_limit_spent_before_the_first_dry_run_says_so(dummy_opts):
+    """A limit smaller than the search's own start (the cost model, the planner's import and first fit) said
+    "a trial took longer than expected" of a search where no trial ran (an outside probe, session 30)."""
+    space = space32()
+    ticks = iter([0.0] + [2.0] * 100)
+    result = search_strategy(space, lambda s: DryRunResult(10.0), max_trials=5, time_limit_s=0.5,
+                             clock=lambda: next(ticks), planner_factory=FirstRemaining)
+    assert result.best is None and len(result.trials) == 0
+    assert result.stop_reason == ("time_limit_s=0.5 exceeded before the first dry run: 2.0 s went to predicting the "
+                                  "candidates and starting the planner; allow more (ATORCH_SEARCH_TIME_LIMIT)")
+
+
 def test_time_limit_counts_a_candidate_predicted_slow(dummy_opts):
     """A dry run's length follows its step time: a candidate predicted 15x slower than those tried is
     not started with time for a typical trial left (one overran time_limit_s=5 threefold) while

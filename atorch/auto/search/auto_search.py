@@ -170,7 +170,8 @@ def search_for_context(ctx: ModelContext, excluded: Optional[Sequence[str]] = No
     if adist.rank() == 0:
         found, report = result, _write_report_or_warn(result, directory, plot_name)
     if best is None:
-        raise SearchError(f"no strategy ran in the automatic search: {reason}")
+        # The reason line of a search where nothing ran starts "no strategy ran" itself.
+        raise SearchError(f"the automatic search found no strategy: {reason}")
     return SearchOutcome(best, reason, found, report)
 
 

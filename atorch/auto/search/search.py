@@ -226,6 +226,9 @@ class _Search:
         """Why the search stopped on time: the limit ahead, or already passed (a trial took longer than expected)."""
         limit = self.limits.time_limit_s
         spent = self.clock() - self.start
+        if limit is not None and spent > limit and not self.trials.count:
+            return (f"time_limit_s={limit:g} exceeded before the first dry run: {spent:.1f} s went to predicting the "
+                    "candidates and starting the planner; allow more (ATORCH_SEARCH_TIME_LIMIT)")
         if limit is not None and spent > limit:
             return f"time_limit_s={limit:g} exceeded: {spent:.1f} s spent (a trial took longer than expected)"
         return f"time_limit_s={limit:g} would be exceeded by another trial"
