@@ -36,6 +36,7 @@ from atorch.auto.engine import (
     apply_resolved,
     apply_strategy,
     build_dataloader,
+    new_call,
     validation_context,
 )
 from atorch.auto.model_context import ModelContext
@@ -124,6 +125,7 @@ def auto_accelerate(
     agree("auto_accelerate: checking the arguments", error)
     configure_logging()
     set_train_mode(model)
+    new_call()
     if load_strategy is not None and (excluded or included):
         logger.warning("auto_accelerate: excluded=%s and included=%s only restrict the automatic search; with "
                        "load_strategy they are not used", excluded, included)

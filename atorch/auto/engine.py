@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -140,6 +140,16 @@ def stack_samples(samples: List[Any]) -> Any:
                          "labels with -100)") from e
 
 
+# (dataset length, global batch, drop_last) already told about its last global batch (`build_dataloader`),
+# since the current auto_accelerate call began (`new_call`).
+_SAID_OF_THE_LAST_BATCH: Set[Tuple[Optional[int], int, bool]] = set()
+
+
+def new_call() -> None:
+    """An auto_accelerate call begins: what `build_dataloader` says once, it says again in it."""
+    _SAID_OF_THE_LAST_BATCH.clear()
+
+
 def build_dataloader(ctx: ModelContext, global_batch: Optional[int] = None,
                      micro_batches: int = 1) -> Tuple[DataLoader, Sampler]:
     """A DataLoader whose `batch_size` is the global one (or `global_batch`) divided over the data-parallel ranks
@@ -167,7 +177,10 @@ def build_dataloader(ctx: ModelContext, global_batch: Optional[int] = None,
     loader = DataLoader(ctx.dataset, batch_size=global_batch // dp // micro_batches, drop_last=drop_last,
                         sampler=WholeStepsSampler(sampler, global_batch // dp) if whole_steps else sampler, **args)
     size = len(ctx.dataset) if hasattr(ctx.dataset, "__len__") else None
-    if size is not None and size % global_batch and adist.rank() == 0:
+    # Once per auto_accelerate call and setting: an automatic search builds a dataloader for every dry run.
+    said = (size, global_batch, drop_last)
+    if size is not None and size % global_batch and adist.rank() == 0 and said not in _SAID_OF_THE_LAST_BATCH:
+        _SAID_OF_THE_LAST_BATCH.add(said)
         if drop_last:
             logger.warning("dataloader: %d samples in global batches of %d: the last %d are left out in each epoch "
                            "(dataloader_args['drop_last']=True)", size, global_batch, size % global_batch)

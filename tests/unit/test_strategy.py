@@ -168,3 +168,24 @@ def test_a_strategy_json_of_another_format_names_the_format_it_found():
     with pytest.raises(ValueError, match=r"strategy JSON must be an object .*, got a str"):
         Strategy.from_json(json.dumps("fsdp"))
     assert Strategy.from_json(json.dumps({"format": "atorch.strategy/1", "items": items})).names() == ["fsdp"]
+
+
+def test_the_last_global_batch_is_told_about_once_per_call_not_per_dry_run(caplog):
+    """An automatic search builds a dataloader for every dry run: the drop_last warning came once per dry run
+    (7 times in one search, an outside probe, session 30); once per auto_accelerate call now."""
+    import torch
+
+    from atorch.auto.engine import build_dataloader, new_call
+    from atorch.auto.model_context import ModelContext
+    from atorch.testing import tiny_llama
+    from atorch.testing.parity import TokenDataset
+
+    ctx = ModelContext(model=tiny_llama(), dataset=TokenDataset(n=10, seq_len=8), dataloader_args={"batch_size": 4})
+    new_call()
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            build_dataloader(ctx, 4)
+        new_call()
+        build_dataloader(ctx, 4)
+    said = [r for r in caplog.records if "the last 2 are left out in each epoch" in r.getMessage()]
+    assert len(said) == 2
