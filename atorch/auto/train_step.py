@@ -370,6 +370,16 @@ def _check_token_tensor(key: str, value: Any) -> None:
                          f"(token ids, e.g. torch.long) of shape [rows, tokens]: return tensors from the dataset or "
                          f"collate_fn (the result's dataloader stacks a dataset's tensors), with .long() for ids "
                          f"stored as floats, and a row dimension for a single sample (ids[None])")
+    # Integer, but of a type the model cannot take: an embedding indexes with int64 or int32 only, and cross
+    # entropy's targets are int64 ("Expected tensor for argument #1 'indices' to have one of the following
+    # scalar types: Long, Int; but got torch.ByteTensor", "expected target dtype to be Long or Byte, but got Int").
+    taken, why = ((torch.int64,), "the loss takes int64 targets") if key == "labels" else \
+        ((torch.int64, torch.int32), "an embedding takes int64 or int32 ids")
+    if value.dtype not in taken:
+        names = " or ".join(str(t).replace("torch.", "") for t in taken)
+        raise ValueError(f"train_step: batch[{key!r}] is {_describe(value)}; {key} must be {names} ({why}): "
+                         "convert it with .long() in the dataset or collate_fn (token ids stored as uint8 or int16 "
+                         "to save memory included)")
 
 
 def check_batch(batch: Any, causal_lm: bool, token_ids: bool = True) -> None:

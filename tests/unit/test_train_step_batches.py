@@ -35,6 +35,11 @@ BAD = [
      r"batch\['input_ids'\] is a int64 tensor of shape \(8,\); .* of shape \[rows, tokens\]"),
     ("labels shorter", lambda ids: {"input_ids": ids, "labels": ids[:, :4]},
      r"batch\['labels'\] has shape \(4, 4\) but batch\['input_ids'\] has shape \(4, 8\)"),
+    ("uint8 input_ids", lambda ids: {"input_ids": ids.to(torch.uint8), "labels": ids},
+     r"batch\['input_ids'\] is a uint8 tensor of shape \(4, 8\); input_ids must be int64 or int32 \(an embedding "
+     r"takes int64 or int32 ids\): convert it with .long\(\)"),
+    ("int32 labels", lambda ids: {"input_ids": ids, "labels": ids.int()},
+     r"batch\['labels'\] is a int32 tensor of shape \(4, 8\); labels must be int64 \(the loss takes int64 targets\)"),
     ("python lists", lambda ids: {"input_ids": ids.tolist(), "labels": ids.tolist()},
      r"batch\['input_ids'\] is a list \(a Hugging Face datasets.Dataset yields lists: use "
      r"dataset.with_format\('torch'\), or a collate_fn that builds tensors\); input_ids must be an integer tensor"),
