@@ -20,6 +20,7 @@ is left waiting in a collective.
 
 from __future__ import annotations
 
+import collections
 import difflib
 import inspect
 import logging
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# `sample` not given: the check reads dataset[0] itself.
+_UNREAD = object()
 # The global batch size when dataloader_args has no "batch_size": torch's DataLoader default.
 DEFAULT_GLOBAL_BATCH = 1
 # Keys of `dataloader_args` that `build_dataloader` handles itself (the rest go to DataLoader).
@@ -129,9 +132,10 @@ def validate_arguments(
     _check_batch_size(global_batch)
     _check_dataloader_keys(args)
     if dataset is not None:
-        _check_dataset(dataset, global_batch, args.get("drop_last", True))
-        check_sequence_length(model, dataset)
-        check_sample_format(dataset, model_input_format, args, prepare_input, model)
+        # dataset[0] read once for every check of it (a dataset may tokenize on every read).
+        sample = _check_dataset(dataset, global_batch, args.get("drop_last", True))
+        check_sequence_length(model, dataset, sample=sample)
+        check_sample_format(dataset, model_input_format, args, prepare_input, model, sample=sample)
     _check_report_path(report_path)
     _check_output_path("save_strategy_to_file", save_strategy_to_file, created_dir=_report_directory(report_path))
     for name, value in (("excluded", excluded), ("included", included)):
@@ -231,15 +235,16 @@ def check_optimizer(optim: Any, func: Any) -> Any:
 
 
 def check_sample_format(dataset: Any, model_input_format: Optional[str], dataloader_args: Mapping[str, Any],
-                        prepare_input: Any, model: Optional[nn.Module] = None) -> None:
+                        prepare_input: Any, model: Optional[nn.Module] = None, sample: Any = _UNREAD) -> None:
     """dataset[0] has the shape `model_input_format` unpacks (a dict for 'unpack_dict', a sequence for
     'unpack_sequence'), and for a Hugging Face model taking `input_ids` one it can be called with (`model`), its
     token ids inside the vocabulary and, for a causal LM (whose forward computes its loss from them), its labels;
     skipped when a collate_fn or prepare_input may reshape the batch. A dataset that cannot be indexed by 0
-    raises TypeError (`first_sample`)."""
+    raises TypeError (`first_sample`); `sample`: dataset[0] when the caller has read it."""
     if dataset is None or prepare_input is not None or dataloader_args.get("collate_fn") is not None:
         return
-    sample = first_sample(dataset)
+    if sample is _UNREAD:
+        sample = first_sample(dataset)
     if model is not None:
         _check_token_model_sample(model, sample, model_input_format)
     if model_input_format == "unpack_dict" and not isinstance(sample, Mapping):
@@ -397,26 +402,25 @@ def _check_no_parameter_twice(model: nn.Module, optim_param_func: Callable, tens
     """ValueError naming a parameter `optim_param_func` returned more than once (twice in one group, or in two
     groups): the optimizer would step it once per occurrence, doubling its update, where torch only warns (one
     group) or names no parameter (two groups)."""
-    seen: Dict[int, int] = {}
-    for t in tensors:
-        seen[id(t)] = seen.get(id(t), 0) + 1
-    repeated = [(name, seen[id(p)]) for name, p in model.named_parameters()
-                if seen.get(id(p), 0) > 1]
+    seen = collections.Counter(id(t) for t in tensors)
+    repeated = [(name, seen[id(p)]) for name, p in model.named_parameters() if seen[id(p)] > 1]
     if repeated:
         name, count = repeated[0]
-        more = f" (and {len({n for n, _ in repeated}) - 1} more)" if len(repeated) > 1 else ""
+        more = f" (and {len(repeated) - 1} more)" if len(repeated) > 1 else ""
         raise ValueError(f"optim_param_func={_name(optim_param_func)} returned the parameter {name!r} {count} times"
                          f"{more}; the optimizer would update it once per occurrence, {count}x its step. Return each "
                          "parameter once (in one parameter group); to give it another learning rate, put it in a "
                          "group of its own and leave it out of the others")
 
 
-def check_sequence_length(model: nn.Module, dataset: Any) -> None:
-    """The first sample's `input_ids` fits the model's position embeddings (when both are known)."""
+def check_sequence_length(model: nn.Module, dataset: Any, sample: Any = _UNREAD) -> None:
+    """The first sample's `input_ids` fits the model's position embeddings (when both are known); `sample`:
+    dataset[0] when the caller has read it."""
     limit = position_limit(getattr(model, "config", None))
     if limit is None or not hasattr(dataset, "__getitem__"):
         return
-    sample = first_sample(dataset)
+    if sample is _UNREAD:
+        sample = first_sample(dataset)
     ids = sample.get("input_ids") if isinstance(sample, Mapping) else None
     if isinstance(ids, torch.Tensor) and ids.dim() >= 1:
         length = ids.shape[-1]
@@ -541,16 +545,18 @@ def _check_dataloader_keys(args: Dict[str, Any]) -> None:
                          f"{sorted(accepted - set(_RESERVED_DATALOADER_KEYS))}")
 
 
-def _check_dataset(dataset: Any, global_batch: int, drop_last: bool) -> None:
+def _check_dataset(dataset: Any, global_batch: int, drop_last: bool) -> Any:
+    """A map-style dataset that fills one global batch; returns dataset[0] (`first_sample`)."""
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise TypeError(f"dataset must be a map-style dataset (with __len__ and __getitem__), got "
                         f"{type(dataset).__name__}; auto_accelerate shards it with a DistributedSampler")
     size = len(dataset)
-    if size > 0:
-        first_sample(dataset)   # before the length: a DatasetDict's is its number of splits
+    # Read before the length is judged: a DatasetDict's length is its number of splits.
+    sample = first_sample(dataset) if size > 0 else None
     if size == 0 or (drop_last and size < global_batch):
         raise ValueError(f"dataset has {size} samples, fewer than one global batch "
                          f"(dataloader_args['batch_size']={global_batch}): the dataloader would yield no batch")
+    return sample
 
 
 def first_sample(dataset: Any) -> Any:

@@ -74,9 +74,8 @@ def check_token_range(batch: Any, model_name: str, limits: Tuple[Optional[int], 
 def _check_id_range(batch: Any, model_name: str, limits: Tuple[Optional[int], Optional[Tuple[str, int]]],
                     where: str) -> None:
     """`check_token_range` for `input_ids`."""
-    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
-    if not isinstance(ids, torch.Tensor) or ids.device.type != "cpu" or ids.dtype not in INTEGER_DTYPES \
-            or ids.numel() == 0:
+    ids = _on_host(batch.get("input_ids") if isinstance(batch, Mapping) else None)
+    if ids is None:
         return
     vocab, positions = limits
     if positions is not None and ids.dim() >= 2 and ids.shape[-1] > positions[1]:
@@ -105,9 +104,8 @@ def check_label_range(batch: Any, vocab: Optional[int], where: str = "train_step
     if not isinstance(batch, Mapping) or vocab is None:
         return
     for key in ("labels", "shift_labels"):
-        labels = batch.get(key)
-        if not isinstance(labels, torch.Tensor) or labels.device.type != "cpu" or labels.dtype not in INTEGER_DTYPES \
-                or labels.numel() == 0:
+        labels = _on_host(batch.get(key))
+        if labels is None:
             continue
         if int(labels.min()) >= 0 and int(labels.max()) < vocab:
             continue
@@ -117,3 +115,12 @@ def check_label_range(batch: Any, vocab: Optional[int], where: str = "train_step
                                  f"(ignored positions must be {IGNORE_INDEX}): every label is a token id in "
                                  f"[0, {vocab}) or {IGNORE_INDEX}, which the loss skips; mark padding and prompt "
                                  f"positions with {IGNORE_INDEX} in the dataset or collate_fn")
+
+
+def _on_host(value: Any) -> Optional[torch.Tensor]:
+    """`value` when it is a non-empty integer tensor on the host (the ids the checks read), else None: a tensor on
+    a device is not read (the reduction would wait for the device every step), nor anything not token ids."""
+    if not isinstance(value, torch.Tensor) or value.device.type != "cpu" or value.dtype not in INTEGER_DTYPES \
+            or value.numel() == 0:
+        return None
+    return value

@@ -380,6 +380,13 @@ TRANSIENT_MARKERS = ("timed out", "timeout", "connection reset", "connection ref
 RETRYABLE_STATUSES = ("exception", "timeout", "failed")
 
 
+def outlived(failures: Sequence[str], runs: int, last_ran: bool) -> bool:
+    """Whether a candidate that ran `runs` times outlived the failed runs of statuses `failures`: each one that
+    may be the machine's (`RETRYABLE_STATUSES`), no more of them than runs, and its latest run a success. The
+    one rule by which the search lets such a candidate win (`trials.TrialLog.eligible`) and the report says so."""
+    return last_ran and runs >= len(failures) and all(f in RETRYABLE_STATUSES for f in failures)
+
+
 def looks_transient(status: str, error: str) -> bool:
     """Whether a failure reads like the machine's rather than the strategy's: a timeout of a collective or a
     peer (the dry runner's "timeout: rank 1: ..."), not of the whole dry run ("timeout: exceeded 300 s": a

@@ -11,7 +11,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Dict, Optional
 
-from atorch.auto.search.feasibility import RETRYABLE_STATUSES, format_bytes
+from atorch.auto.search.feasibility import format_bytes, outlived
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -117,7 +117,7 @@ def _pruned_clause(pruned: "pd.DataFrame", limit_source: str) -> str:
 
 def _failed_after_running(trials: "pd.DataFrame", best: str = "") -> str:
     """What became of candidates that both ran and failed ("" when none did): the fastest of them that is
-    not eligible (out of memory, more failures than runs, or a failed last run: `trials.TrialLog.eligible`), else the
+    not eligible (out of memory, more failures than runs, or a failed last run: `feasibility.outlived`), else the
     fastest row of the table vanishes from the verdict unexplained; and the winner `best` when it failed a run
     it then outlived (a failure that did not repeat), which the user should know before a long job."""
     ok = trials[trials["status"] == "ok"]
@@ -130,8 +130,8 @@ def _failed_after_running(trials: "pd.DataFrame", best: str = "") -> str:
             kinds = "/".join(sorted(set(fails["status"])))
             declared = (f"{name} failed {len(fails)} of its {len(group) + len(fails)} dry runs ({kinds}) and ran "
                         "in the others: declared, as a failure that did not repeat")
-        elif not dropped and not (fails["status"].isin(RETRYABLE_STATUSES).all() and len(group) >= len(fails)
-                                  and trials[trials["strategy"] == name].iloc[-1]["status"] == "ok"):
+        elif not dropped and not outlived(list(fails["status"]), len(group),
+                                          trials[trials["strategy"] == name].iloc[-1]["status"] == "ok"):
             dropped = (f"{name} measured {float(group.iloc[0]['throughput']):.4g} samples/s but failed when run "
                        f"again ({fails.iloc[0]['status']}), so it is not eligible")
     return "; ".join(part for part in (declared, dropped) if part)

@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import numpy as np
 import pandas as pd
 
-from atorch.auto.search.feasibility import RETRYABLE_STATUSES
+from atorch.auto.search.feasibility import outlived
 from atorch.auto.search.results import (TRIAL_COLUMNS, Comparison, DryRunResult, Evaluator, SearchResult,
                                         usable_peak)
 from atorch.auto.search.space import Candidate
@@ -317,23 +317,22 @@ class TrialLog:
         return est
 
     def eligible(self) -> List[int]:
-        """Candidates that can win: they ran, and outlived any failure of theirs: each an exception
-        or a timeout (`RETRYABLE_STATUSES`, never out of memory), no more of them than successful
-        runs, and the latest run a success. A failure that does not repeat says nothing of the
+        """Candidates that can win: they ran, and outlived any failure of theirs (`feasibility.outlived`):
+        each an exception or a timeout (never out of memory), no more of them than successful runs,
+        and the latest run a success. A failure that does not repeat says nothing of the
         strategy; one that comes back in every other run would fail a long job. (Dropping any
         candidate that ever failed lost the leader to a one-off failure of its re-measurement in 10
         of 40 searches on an outside tester's landscapes where 20% of dry runs fail once:
         benchmarks/search_outside_s29.py, transient.)"""
-        return [i for i in self.runs if self._outlived(i) and self.last_ok[i]]
+        return [i for i in self.runs if self._outlived(i, self.last_ok[i])]
 
-    def _outlived(self, index: int) -> bool:
-        failures = self.failed.get(index, [])
-        return all(f.status in RETRYABLE_STATUSES for f in failures) and len(self.runs[index]) >= len(failures)
+    def _outlived(self, index: int, last_ran: bool) -> bool:
+        return outlived([f.status for f in self.failed.get(index, [])], len(self.runs[index]), last_ran)
 
     def needs_retry(self, index: int) -> bool:
         """Candidate `index` ran, then failed in a way one more successful run would outlive
         (`eligible`): one retry tells the machine's one-off failure from the strategy's own."""
-        return index in self.runs and not self.last_ok[index] and self._outlived(index)
+        return index in self.runs and not self.last_ok[index] and self._outlived(index, last_ran=True)
 
     def ranked(self) -> List[int]:
         """Eligible candidates by pooled mean log-throughput, best first."""
