@@ -41,6 +41,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union, cast
 import numpy as np
 from scipy.special import ndtr
 
+from atorch.auto.search.failure_causes import CauseSets, suspects_of
+
 # Below this probability of fitting a candidate is not run (reported in `pruned`).
 PRUNE_BELOW = 0.02
 # Prior standard deviations (log scale) of the memory model with a predictor: the global bias of
@@ -354,9 +356,12 @@ def format_bytes(n: Optional[float]) -> str:
 
 
 # The prior rate at which a candidate raises for a reason of its own (no option it shares with others):
-# the weight of the "no shared cause" explanation of a failure. At 0.1, one failure makes each of
-# its options and pairs a suspect of about 15% (in a space of ~60 options and pairs), two failures
-# sharing one about 60%, three about 95%. The rate is learned from the runs (`FailureModel.isolated_rate`):
+# the weight of the "no shared cause" explanation of a failure. At 0.1, in a space of ~70 options and
+# pairs and before any run rules one out, one failure makes each of its options and pairs a cause with
+# P 0.05 (a candidate sharing one option with it runs with P 0.95), two sharing an option make it 0.15
+# (0.6), three 0.32 (0.5): other options and pairs they share, and two separate causes, explain them
+# too (`failure_causes`); beside runs that rule those out, three failures on one option make it 0.9.
+# The rate is learned from the runs (`FailureModel.isolated_rate`):
 # this is the mean of its Beta prior, worth `ISOLATED_PRIOR_RUNS` dry runs. A prior worth 5 runs
 # followed the first failures of a shared cause too readily (benchmarks/search.py failing-3%, 120 paired
 # searches: >= 0.98 of the best in 110 vs 112); at 15 it matched the fixed rate there (112).
@@ -406,11 +411,12 @@ class FailureModel:
     raises), a priori one cause in the space (prior 1 / the number of options and pairs); a
     failure can also be the candidate's own, at a rate learned from the runs (`isolated_rate`). A
     possible cause seen in a candidate that ran (or ran out of memory: it got past building and its
-    first steps) is ruled out; one seen only in f candidates that raised is a cause with posterior
-    prior / (prior + (1 - prior) rate^f). A candidate runs when none of its options and pairs is a
-    cause (taken as independent): P = prod(1 - posterior) over them, 1 for a candidate that
-    shares nothing with a failure. (1 - the largest posterior alone learned slower: failing-3% in
-    benchmarks/search.py, >= 0.98 of the best in 51 of 60 searches vs 57.) Timeouts teach nothing
+    first steps) is ruled out. The posterior is over sets of at most two causes among the rest
+    (`failure_causes.CauseSets`), so explanations of the same failures compete for them: two failures
+    of amp off with module_replace off are amp off, or that pair, or two causes, and a candidate with
+    amp off and module_replace on keeps P(run) ~0.6 (it was 0.11 when each suspect was weighed alone,
+    and the best candidate of such a space was never tried). A candidate runs when none of its options
+    and pairs is a cause; 1 for a candidate that shares nothing with a failure. Timeouts teach nothing
     here (load can cause them).
     """
 
@@ -428,6 +434,9 @@ class FailureModel:
         self.failed_last: Dict[int, Tuple[str, bool]] = {}
         self.failed_count: Dict[int, int] = {}  # and how many it had
         self.did_not_repeat, self.repeated = 0, 0   # evidence on `TRANSIENT_PRIOR`
+        self._cause_state: Optional[tuple] = None
+        self._cause_sets: Optional[CauseSets] = None
+        self._clear_all: Optional[np.ndarray] = None
 
     @staticmethod
     def _keys(choice: Sequence[int]) -> List[tuple]:
@@ -503,28 +512,29 @@ class FailureModel:
             rate = (ISOLATED_FAILURE_RATE * ISOLATED_PRIOR_RUNS + unexplained) / (ISOLATED_PRIOR_RUNS + self.runs)
         return rate
 
+    def _causes(self) -> CauseSets:
+        """The posterior over sets of causes for the evidence so far at the current `rate` (cached)."""
+        state = (len(self.raised), len(self.ruled_out), self.rate)
+        if self._cause_state != state:
+            self._cause_sets = CauseSets(suspects_of(self.failures, self.ruled_out),
+                                         [self.keys[i] for i in self.raised], self.prior, self.rate)
+            self._cause_state = state
+            self._clear_all = None
+        return cast(CauseSets, self._cause_sets)
+
     def _p_isolated(self, i: int) -> float:
-        """P(candidate i's failure is its own): a cause among its options and pairs (prior: as the
-        other failures left them) would make it raise surely, its own reason at `rate`."""
-        no_cause = 1.0
-        for k in self.keys[i]:
-            if k not in self.ruled_out:
-                others = self.failures.get(k, 0) - 1
-                no_cause *= 1.0 - self.prior / (self.prior + (1.0 - self.prior) * self.rate ** others)
-        own = self.rate * no_cause
-        return own / (own + 1.0 - no_cause) if own > 0 else 0.0
+        """P(candidate i's failure is its own): no cause among its options and pairs (`failure_causes`)."""
+        return self._causes().p_clear(self.keys[i])
 
     def posterior(self, key: tuple) -> float:
         """Probability that an option (d, v) or a pair (d, v, e, w) makes every candidate with it raise."""
-        f = self.failures.get(key, 0)
-        if f == 0 or key in self.ruled_out:
-            return 0.0
-        evidence = (1.0 - self.prior) * self.rate ** f
-        return self.prior / (self.prior + evidence)
+        return self._causes().marginal(key)
 
     def p_runs(self, i: int) -> float:
-        p = 1.0
-        for k in self.keys[i]:
-            if k in self.failures:
-                p *= 1.0 - self.posterior(k)
-        return p
+        """P(candidate i has none of the causes of failures): 1 for a candidate that shares nothing with one."""
+        if not self.raised:
+            return 1.0
+        causes = self._causes()
+        if self._clear_all is None:    # every candidate at once: the search asks for all that remain
+            self._clear_all = causes.p_clear_many(self.keys)
+        return float(self._clear_all[i])
