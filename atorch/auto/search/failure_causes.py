@@ -15,7 +15,9 @@ causes; those explanations compete for the same evidence. Counted independently,
 likely as the one explanation alone, and a candidate with two of them was blocked twice: after two
 failures of amp off with module_replace off (the cause: the pair), every candidate with amp off ran with
 P 0.11, and the search never tried the best candidate of the space, amp off with module_replace on
-(benchmarks/search.py failing-3% #10 at offset 250000: 0.55 of the best). Here it is about 0.6.
+(benchmarks/search.py failing-3% #10 at offset 250000: 0.55 of the best). Here it is about 0.6 (that
+search now tries amp off, with other partners, and still misses; over 180 such searches at 64/14, 149 -> 155
+at >= 0.98 of the best: benchmarks/RESULTS.md, "Session 31").
 
 Sets of more than two causes are left out (their prior is prior^3: a third cause explains failures at
 least as well as the own-reason rate only after several failures, which the rate absorbs meanwhile).
