@@ -507,6 +507,31 @@ def test_report_table_plot_and_reason(dummy_opts, tmp_path):
     assert width >= 400 and height >= 200
 
 
+
+def test_a_ranking_from_single_timed_steps_says_it_has_no_interval(dummy_opts):
+    """ATORCH_DRYRUN_MAX_STEPS=1: every dry run times one step, so no run has a spread; the line read
+    "A: 1.23x the runner-up B" as if that were a measured difference."""
+    space = space8()
+    table = landscape(space, 3)
+
+    def one_step(strategy):
+        return DryRunResult(table[strategy], 1000, step_time_s=8 / table[strategy], step_times_s=(8 / table[strategy],))
+
+    line = search_strategy(space, one_step, max_trials=4, batch_size=8).reason
+    assert "no interval: dry runs timed too few steps to measure their noise" in line
+    assert "at least 3 timed steps give an interval" in line
+    # A table evaluator reports no step times at all: its ratios are exact, no such note.
+    assert "no interval" not in search_strategy(space, Recorder(table), max_trials=4).reason
+    # Enough steps for a spread: an interval, and no note.
+    rng = np.random.default_rng(0)
+
+    def timed(strategy):
+        steps = tuple(8 / table[strategy] * (1 + 0.01 * rng.standard_normal(10)))
+        return DryRunResult(table[strategy], 1000, step_time_s=float(np.mean(steps)), step_times_s=steps)
+
+    assert "no interval" not in search_strategy(space, timed, max_trials=4, batch_size=8).reason
+
+
 def test_dry_run_result_status():
     assert DryRunResult(5.0).status == "ok"
     assert DryRunResult(0.0, None, "oom: rank 1: out of memory").status == "oom"

@@ -12,6 +12,7 @@ import os
 from typing import TYPE_CHECKING, Dict, Optional
 
 from atorch.auto.search.feasibility import format_bytes, outlived
+from atorch.auto.step_timing import MIN_SAMPLES_FOR_INTERVAL
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -75,6 +76,12 @@ def explain(result: "SearchResult", limit_source: str = "") -> str:
                          f"({result.best_throughput:.4g} samples/s)")
         else:
             parts.append(f"{name}: the only strategy that ran ({result.best_throughput:.4g} samples/s)")
+    if result.best is not None and result.too_few_steps and \
+            (result.comparison is None or result.comparison.lo is None or result.comparison.hi is None):
+        # Without it the line read "A: 1.23x the runner-up B" from one timed step of each (ATORCH_DRYRUN_MAX_STEPS=1).
+        parts.append("no interval: dry runs timed too few steps to measure their noise (a ratio from one or two "
+                     f"steps is not a measured difference; at least {MIN_SAMPLES_FOR_INTERVAL} timed steps give an "
+                     "interval: ATORCH_DRYRUN_MAX_STEPS, ATORCH_DRYRUN_PROFILE_STEP)")
     if not result.pruned.empty:
         parts.append(_pruned_clause(result.pruned, limit_source))
     failed = trials[trials["status"] != "ok"] if not trials.empty else trials

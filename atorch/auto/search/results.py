@@ -153,6 +153,8 @@ class SearchResult:
     memory_limit_bytes: Optional[int] = None
     reason: str = ""                                            # one line: why the winner won
     comparison: Optional[Comparison] = None                     # winner vs runner-up, when two ran
+    # Some dry run timed steps, but too few for an interval (fewer than 2 kept): its ratios rest on single samples.
+    too_few_steps: bool = False
 
     @property
     def planner_seconds(self) -> List[float]:

@@ -232,6 +232,8 @@ class TrialLog:
         self.tried: Set[int] = set()
         self.order: List[int] = []                 # aligned with rows
         self.noise_reported = False
+        # A successful run that timed steps, too few for a spread (ATORCH_DRYRUN_MAX_STEPS=1): said in the reason.
+        self.too_few_steps = False
         self._best_mean = -math.inf
 
     @property
@@ -255,6 +257,7 @@ class TrialLog:
             # and re-measuring them would repeat the same number: only a variance above rounding
             # (a relative standard error of 1e-6; real timings are >= 1e-3) counts.
             self.noise_reported = self.noise_reported or (est[1] is not None and est[1] > NO_NOISE_VAR)
+            self.too_few_steps = self.too_few_steps or (bool(result.step_times_s) and est[1] is None)
         else:
             self.failed.setdefault(index, []).append(result)
         pred = self.predictions[index]
@@ -498,7 +501,8 @@ class TrialLog:
         best = self.candidates[best_index].strategy if best_index is not None else None
         best_tp = self.mean_throughput(best_index) if best_index is not None else 0.0
         out = SearchResult(best, best_tp, trials, pruned, [self.candidates[i].strategy for i in self.order],
-                           stop_reason or failure or "", num_candidates, memory_limit_bytes, comparison=comparison)
+                           stop_reason or failure or "", num_candidates, memory_limit_bytes, comparison=comparison,
+                           too_few_steps=self.too_few_steps)
         out.reason = explain(out, memory_limit_source)
         return out
 
