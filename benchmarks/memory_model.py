@@ -142,6 +142,11 @@ OTHER_MODELS: Dict[str, Any] = {
     "gptj-1.2b": lambda: GPTJConfig(n_embd=2048, n_layer=20, n_head=16, rotary_dim=64, n_positions=2048,
                                     vocab_size=50400, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                     tie_word_embeddings=False),
+    # Llama-3.2-1B as published: the input embedding tied to the LM head, 128256 tokens (the tied embedding's
+    # backward holds three vocab x hidden gradients: `memory._sums_tied_head`).
+    "llama3.2-1b": lambda: LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                       num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                                       tie_word_embeddings=True),
     # transformers 5 fuses each layer's experts into 3-D weights, which peft's LoRA adapts whole.
     "qwen3-moe-1b": lambda: Qwen3MoeConfig(hidden_size=1024, intermediate_size=3072, num_hidden_layers=12,
                                            num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=32,
@@ -163,6 +168,8 @@ STRATEGIES: Dict[str, List[Any]] = {
     "zero2+amp": ["parallel_mode", "module_replace", "amp_native", "zero2"],
     "fsdp fp32": ["parallel_mode", "module_replace", "fsdp"],
     "fsdp+amp+checkpoint": ["parallel_mode", "module_replace", "amp_native", "fsdp", "checkpoint"],
+    "fsdp fp32+checkpoint": ["parallel_mode", "module_replace", "fsdp", "checkpoint"],
+    "zero2+amp+checkpoint": ["parallel_mode", "module_replace", "amp_native", "zero2", "checkpoint"],
     # Two micro-batches per step: FSDP2 reduce-scatters in each (the default), or once a step, keeping
     # every unit's unsharded fp32 gradient through the second micro-step.
     "fsdp+amp+checkpoint+accumulate2": ["parallel_mode", "module_replace", "amp_native", "fsdp", "checkpoint",

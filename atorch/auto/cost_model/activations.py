@@ -17,12 +17,15 @@ import dataclasses
 import math
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
 from torch import nn
 
 from atorch.auto.cost_model.shape import ModelShape, _config_key, _meta_model
 from atorch.auto.cost_model.traits import StrategyTraits, head_trains, precision_mode
+
+if TYPE_CHECKING:
+    from atorch.auto.activation_probe import BlockProfile
 
 
 def _block_saved_bytes(shape: ModelShape, mode: str, seq_len: int, fused_attention: bool,
@@ -60,22 +63,34 @@ def _block_saved_bytes(shape: ModelShape, mode: str, seq_len: int, fused_attenti
     """
     h, f, q = shape.hidden_size, shape.intermediate_size, shape.q_dim
     kv = (shape.kv_dim or h) if fused_attention else q
-    attn = 0 if fused_attention or shape.num_heads == 0 else shape.num_heads * seq_len
+    matrix = 0.0 if fused_attention else seq_len * _attention_matrix_bytes(shape, mode)
     if shape.gated:
         qkvo = 2 * q + 2 * kv
         replicated = {"fp32": 4 * 6 * h, "autocast": 4 * 4 * h + 2 * 5 * h, "half": 4 * 2 * h + 2 * 4 * h}[mode]
-        sharded = {"fp32": 4 * qkvo + 4 * 4 * f + 4 * attn, "autocast": 2 * qkvo + 2 * 4 * f + 6 * attn,
-                   "half": 2 * qkvo + 2 * 4 * f + 6 * attn}[mode]
+        sharded = {"fp32": 4 * qkvo + 4 * 4 * f, "autocast": 2 * qkvo + 2 * 4 * f, "half": 2 * qkvo + 2 * 4 * f}[mode]
         if fused_norm and mode == "half":
             replicated += 2 * 2 * h
     else:
         ffn = 5 if shape.python_gelu and not fused_activation else 2      # b*s*ffn tensors the MLP keeps
         replicated = {"fp32": 4 * 4 * h, "autocast": 4 * 2 * h + 2 * 2 * h, "half": 2 * 4 * h}[mode]
-        sharded = {"fp32": 4 * 4 * h + 4 * ffn * f + 4 * attn, "autocast": 2 * 4 * h + 2 * ffn * f + 6 * attn,
-                   "half": 2 * 4 * h + 2 * ffn * f + 2 * attn}[mode]
+        sharded = {"fp32": 4 * 4 * h + 4 * ffn * f, "autocast": 2 * 4 * h + 2 * ffn * f,
+                   "half": 2 * 4 * h + 2 * ffn * f}[mode]
         if kv_cache:
             sharded += (4 if mode == "fp32" else 2) * 2 * (shape.kv_dim or h)
-    return float(replicated), float(sharded)
+    return float(replicated), float(sharded + matrix)
+
+
+# Bytes per head and token pair of eager attention's b x heads x s x s matrices, as counted on the formula's two
+# blocks: Llama's softmax keeps its output in fp32 (`softmax(..., dtype=float32)`) and, under autocast and in
+# half, a half copy for the matmul with v; GPT-2's softmax runs in the compute dtype, one half matrix in half,
+# and under autocast an fp32 output (autocast's fp32 list) beside the half copy.
+_ATTENTION_MATRIX_BYTES = {True: {"fp32": 4, "autocast": 6, "half": 6}, False: {"fp32": 4, "autocast": 6, "half": 2}}
+
+
+def _attention_matrix_bytes(shape: ModelShape, mode: str) -> float:
+    """Bytes per token pair (per sequence) of the formula's eager attention matrices, all heads: the quadratic part
+    of `_block_saved_bytes` (sharded with the heads under tensor parallelism)."""
+    return float(shape.num_heads * _ATTENTION_MATRIX_BYTES[shape.gated][mode])
 
 
 def _frozen_inputs_bytes(shape: ModelShape, mode: str) -> Tuple[float, float]:
@@ -118,9 +133,14 @@ def block_activation_bytes(shape: ModelShape, traits: StrategyTraits, micro_batc
     if traits.lora_rank:
         frozen_replicated, frozen_sharded = _frozen_inputs_bytes(shape, mode)
         replicated, sharded = replicated - frozen_replicated, sharded - frozen_sharded
-    saved = micro_batch * seq_len * (replicated + sharded / traits.tensor) * shape.activation_scale
+    # The probe's scale is measured on the block's linear part (`activation_probe`): the s x s matrices are not
+    # scaled by it, they are counted as the formula has them plus what the model's own block keeps beyond.
+    matrix = 0.0 if fused_attention else seq_len * _attention_matrix_bytes(shape, mode)
+    saved = micro_batch * seq_len * (replicated + (sharded - matrix) / traits.tensor) * shape.activation_scale
     if fused_attention:     # a fused kernel that falls back to the math path keeps its s x s matrix (per head)
         saved += micro_batch * seq_len * seq_len * shape.sdpa_quadratic_bytes / traits.tensor
+    else:
+        saved += micro_batch * seq_len * (matrix + seq_len * shape.eager_quadratic(mode)) / traits.tensor
     if cache_elements is not None:
         # k, v and the projection they view are split over the tensor ranks with the heads.
         saved += micro_batch * seq_len * (4 if mode == "fp32" else 2) * cache_elements / traits.tensor
@@ -189,41 +209,70 @@ def loss_buffer_bytes(shape: ModelShape, traits: StrategyTraits, micro_batch: in
     return max(tokens * v * 8.0, head_grad + tokens * v * (cb - 4))
 
 
-# The activation probe's (scale, key/value cache elements per token) for a block.
-_Profile = Tuple[float, Optional[float]]
 # (config content, probe tokens) -> the activation probe's profile of that config's block.
-_CONFIG_SCALES: "OrderedDict[Tuple[str, int], _Profile]" = OrderedDict()
+_CONFIG_SCALES: "OrderedDict[Tuple[str, int], BlockProfile]" = OrderedDict()
 _CONFIG_SCALES_MAX = 64
 
 
-def _config_activation_scale(config: Any, shape: ModelShape, seq_len: int) -> _Profile:
-    """The activation probe's measured / formula bytes for a transformers config's first block: its
-    model built on the meta device and run under fake tensors (`activation_probe`; no memory, no
-    compute), cached per config content and probe length; 1.0 for any other config.
+def _config_block_profile(config: Any, shape: ModelShape, seq_len: int) -> "BlockProfile":
+    """The activation probe's profile of a transformers config's first block: its model built on the meta device
+    and run under fake tensors (`activation_probe`; no memory, no compute) at three lengths in fp32 and in bf16,
+    and a copy built on the CPU in a fake-tensor mode under autocast; cached per config content and probe length.
+    An empty profile (scale 1.0) for any other config.
 
     The meta model runs eager attention, so the formula it is compared with counts the attention
-    matrix too; the scale then corrects the rest of the block (q/k norms, parallel attention,
-    non-gated MLPs, experts) for whichever attention the strategy uses. With the config's
-    `use_cache`, the block is also measured with the cache filled (`ModelShape.kv_cache_elements`).
+    matrix too; the scale then corrects the linear rest of the block (q/k norms, parallel attention,
+    non-gated MLPs, experts) for whichever attention the strategy uses, and what the block keeps per token
+    pair beyond the formula's matrix is its `quadratic_extra` in each precision mode, counted where attention is
+    not fused. With the config's `use_cache`, the block is also measured with the cache filled
+    (`ModelShape.kv_cache_elements`). Costs 3-9 forwards of the first block at <= 128 tokens (fp32; bf16 and
+    autocast where they can matter), 0.1-0.6 s for a 1-7B config here (2 cores), once per config.
     """
-    from atorch.auto.activation_probe import FAKE_PROBE_TOKENS, block_activation_profile
+    from atorch.auto.activation_probe import FAKE_PROBE_TOKENS, BlockProfile, block_activation_profile
 
     key = _config_key(config)
     if key is None:
-        return 1.0, None
+        return BlockProfile()
     cache_key = (key, max(1, min(int(seq_len), FAKE_PROBE_TOKENS)))
     if cache_key in _CONFIG_SCALES:
         _CONFIG_SCALES.move_to_end(cache_key)
         return _CONFIG_SCALES[cache_key]
     model = _meta_model(config, "counting the block activations of")
     if model is None:
-        return 1.0, None
+        return BlockProfile()
     formula = _block_formula(dataclasses.replace(shape, fused_attention=False))
-    profile = block_activation_profile(model, cache_key[1], formula, kv_cache=shape.kv_cache, half_retry=True)
+    # The extras of the other precision modes count only where attention is not fused: not for a config that
+    # runs sdpa or flash attention itself.
+    profile = block_activation_profile(model, cache_key[1], formula, kv_cache=shape.kv_cache, half_retry=True,
+                                       half_extra=not shape.fused_attention)
+    # Autocast only where the block keeps more or less than the formula in fp32 or in half. Where both match, so
+    # does autocast: the formula's two blocks write attention the two ways there are (Llama's softmax kept in
+    # fp32 beside a half copy, GPT-2's in the compute dtype, which autocast runs in fp32 beside the half copy),
+    # and the probe skips a copy built on the CPU and three forwards (~0.2 s a 1B config).
+    if any(extra for _, extra in profile.quadratic_extra) and not shape.fused_attention:
+        autocast = _config_autocast_extra(config, cache_key[1], formula)
+        profile = dataclasses.replace(profile, quadratic_extra=tuple(sorted(profile.quadratic_extra + autocast)))
     _CONFIG_SCALES[cache_key] = profile
     if len(_CONFIG_SCALES) > _CONFIG_SCALES_MAX:
         _CONFIG_SCALES.popitem(last=False)
     return profile
+
+
+def _config_autocast_extra(config: Any, seq_len: int, formula: Callable[[int, str], float]
+                           ) -> Tuple[Tuple[str, float], ...]:
+    """(("autocast", bytes per sequence and squared token beyond the formula's matrix),) of a transformers config's
+    first block under autocast, measured on its model built on the CPU in a fake-tensor mode (autocast has no
+    region for the meta device); () when it cannot be built."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from atorch.auto.activation_probe import autocast_quadratic_extra
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        model = _meta_model(config, "counting the autocast attention of", device="cpu")
+    if model is None:
+        return ()
+    return (("autocast", autocast_quadratic_extra(model, seq_len, formula, mode)),)
 
 
 # config content -> `activation_probe.sdpa_quadratic_bytes` of its model built on the meta device with sdpa.
@@ -265,13 +314,14 @@ def shape_of(obj: Any, seq_len: Optional[int] = None) -> ModelShape:
     shape = ModelShape.from_config(obj)
     if not seq_len:
         return shape
-    scale, cache_elements = _config_activation_scale(obj, shape, seq_len)
-    return dataclasses.replace(shape, activation_scale=scale, kv_cache_elements=cache_elements,
-                               sdpa_quadratic_bytes=_config_sdpa_quadratic_bytes(obj, shape))
+    profile = _config_block_profile(obj, shape, seq_len)
+    return dataclasses.replace(shape, activation_scale=profile.scale, kv_cache_elements=profile.cache_elements,
+                               sdpa_quadratic_bytes=_config_sdpa_quadratic_bytes(obj, shape),
+                               eager_quadratic_bytes=profile.quadratic_extra)
 
 
 # model -> {(seq_len, parameter count): profile}: one probe per model and sequence length.
-_SCALES: "weakref.WeakKeyDictionary[nn.Module, Dict[Tuple[int, int], _Profile]]" = weakref.WeakKeyDictionary()
+_SCALES: "weakref.WeakKeyDictionary[nn.Module, Dict[Tuple[int, int], BlockProfile]]" = weakref.WeakKeyDictionary()
 
 
 def _block_formula(shape: ModelShape) -> Callable[[int, str], float]:
@@ -291,15 +341,23 @@ def calibrated_shape(model: nn.Module, seq_len: int) -> ModelShape:
 
     shape = ModelShape.from_module(model)
     key = (int(seq_len), shape.num_params)
+    config = getattr(model, "config", None)
+    eager = not shape.fused_attention and config is not None
+    # A module running eager attention: what its block keeps per token pair beyond the formula's matrix, in each
+    # precision mode, measured on its config's copy under fake tensors (no compute; the module itself is measured at
+    # one length, in its own dtype). A module already on sdpa was probed as it runs, at the sequence length: its
+    # scale holds whatever its kernel saves, and adding a term would count it twice.
+    extra = _config_block_profile(config, shape, seq_len).quadratic_extra if eager else ()
     scales = _SCALES.setdefault(model, {})
     if key not in scales:
-        scales[key] = block_activation_profile(model, key[0], _block_formula(shape), kv_cache=shape.kv_cache)
-    scale, cache_elements = scales[key]
+        scales[key] = block_activation_profile(model, key[0], _block_formula(shape), kv_cache=shape.kv_cache,
+                                               quadratic_extra=dict(extra))
+    profile = scales[key]
+    measured = dict(extra)
+    if eager:   # a meta module fitted on itself (on sdpa, what it saw is the meta device's math path: not kept)
+        measured.update(profile.quadratic_extra)
     # What sdpa would save, for a module running eager attention that module_replace switches to sdpa (measured on
-    # its config's copy under fake tensors: no compute). A module already on sdpa was probed as it runs, at the
-    # sequence length: its scale holds whatever its kernel saves, and adding the term would count it twice.
-    config = getattr(model, "config", None)
-    quadratic = _config_sdpa_quadratic_bytes(config, shape) if config is not None and not shape.fused_attention \
-        else 0.0
-    return dataclasses.replace(shape, activation_scale=scale, kv_cache_elements=cache_elements,
-                               sdpa_quadratic_bytes=quadratic)
+    # its config's copy under fake tensors: no compute).
+    quadratic = _config_sdpa_quadratic_bytes(config, shape) if eager else 0.0
+    return dataclasses.replace(shape, activation_scale=profile.scale, kv_cache_elements=profile.cache_elements,
+                               sdpa_quadratic_bytes=quadratic, eager_quadratic_bytes=tuple(sorted(measured.items())))

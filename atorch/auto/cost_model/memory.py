@@ -71,13 +71,18 @@ BACKWARD_START_KEYS = ("activations", "lora_expert_copies", "accumulated_grads",
 # The last blocks' backward: the gradients that exist by then (`backward_grads`: all of them, but
 # under FSDP2 only the shards of the blocks already reduced, next to the prefetch; the root's reduce last).
 BACKWARD_END_KEYS = ("backward_grads",) + BACKWARD_KEYS
+# The tied embedding's backward, the last of backward: what a model whose LM head shares the input embedding's
+# weight holds there (`_sums_tied_head`), next to what earlier micro-steps left.
+TIED_EMBEDDING_KEYS = ("tied_embedding_backward", "accumulated_grads")
 # After backward: the root unit's reduce-scatter; DeepSpeed's fp32 gradient copy for the step.
 GRADIENT_PHASE_KEYS = ("grads", "reduce_scatter", "step_grad_fp32")
 # The optimizer step: the gradients and the step's own temporaries (`optimizer_step`).
 STEP_PHASE_KEYS = ("grads", "step_grad_fp32", "optimizer_step")
-PHASES = (FORWARD_GATHER_KEYS, FORWARD_END_KEYS, BACKWARD_START_KEYS, BACKWARD_END_KEYS, GRADIENT_PHASE_KEYS, STEP_PHASE_KEYS)
+PHASES = (FORWARD_GATHER_KEYS, FORWARD_END_KEYS, BACKWARD_START_KEYS, BACKWARD_END_KEYS, TIED_EMBEDDING_KEYS,
+          GRADIENT_PHASE_KEYS, STEP_PHASE_KEYS)
 # Entries of the activation phases (forward and backward), for callers that want them summed.
-ACTIVATION_PHASE_KEYS = tuple(dict.fromkeys(FORWARD_GATHER_KEYS + FORWARD_END_KEYS + BACKWARD_KEYS + ("prefetch",)))
+ACTIVATION_PHASE_KEYS = tuple(dict.fromkeys(FORWARD_GATHER_KEYS + FORWARD_END_KEYS + BACKWARD_KEYS +
+                                            ("prefetch", "tied_embedding_backward")))
 
 
 def peak_bytes(breakdown: Mapping[str, float], phases: Optional[Tuple[Tuple[str, ...], ...]] = None) -> int:
@@ -193,7 +198,7 @@ def memory_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int
         # The LM head's whole (unsharded) weight gradient, in the dtype backward produces it
         # (the compute dtype under FSDP2/DeepSpeed mixed precision); under autocast the half
         # gradient of the cast weight is accumulated into the fp32 one.
-        head = shape.vocab_size * shape.hidden_size / t
+        head = shape.head_params / t
         gbytes = traits.storage_bytes if traits.sharding != "fsdp2" else min(traits.compute_dtype_bytes,
                                                                            traits.param_dtype_bytes)
         head_grad = head * (gbytes + (2 if precision_mode(traits) == "autocast" else 0))
@@ -216,6 +221,19 @@ def memory_breakdown(shape: ModelShape, traits: StrategyTraits, micro_batch: int
             if key in out:
                 out[f"host_{key}"] = out.pop(key)
     return out
+
+
+def _sums_tied_head(shape: ModelShape, traits: StrategyTraits) -> bool:
+    """Whether backward sums the LM head's and the input embedding's gradients of one shared weight, holding three
+    vocab x hidden gradients at the embedding's backward (`tied_embedding_backward`, phase `TIED_EMBEDDING_KEYS`).
+
+    The input embedding and the LM head are one leaf, reached twice in the graph: autograd holds the head's weight
+    gradient (computed first) in that leaf's input buffer until the embedding's arrives (computed last, the last op
+    of backward), then sums the two out of place: head, embedding and sum, alive together. Measured with torch's
+    trackers (FakeTensorMode, benchmarks/memory_model.py) at 1-2B with vocabularies of 128k-256k, where it is the
+    peak the model missed (with checkpointing: Gemma 2 0.93x of it, Llama-3.2-1B 0.89x, both 0.78-0.82x in fp32).
+    Not where pipeline stages hold their own copies of the weight, nor under DeepSpeed (not measured)."""
+    return shape.tied_embeddings and head_trains(shape, traits) and traits.pipeline == 1
 
 
 def _lora_expert_weight_bytes(shape: ModelShape, traits: StrategyTraits) -> Tuple[float, float]:
@@ -335,6 +353,13 @@ def _replicated_states(shape: ModelShape, traits: StrategyTraits, params: float,
            "optimizer": trainable * traits.optimizer.state_copies * pbytes / traits.optimizer_shard}
     if traits.ddp_buckets:
         out["ddp_buckets"] = trainable * pbytes
+    if _sums_tied_head(shape, traits):
+        # The three head-sized gradients in the parameters' dtype (under autocast the head's half gradient is cast
+        # back before autograd holds it) and every other gradient; no weight cast (freed with the blocks' backward).
+        # Measured without a wrapper on one rank; DDP adds its buckets, held throughout. Accumulating, the earlier
+        # micro-steps' gradients (`accumulated_grads`) include the leaf's own: a fourth head-sized one.
+        head = shape.head_params / traits.tensor * pbytes
+        out["tied_embedding_backward"] = 3 * head if traits.accumulation_steps > 1 else out["grads"] + 2 * head
     return out
 
 
@@ -380,7 +405,7 @@ def _fsdp2_states(shape: ModelShape, traits: StrategyTraits, params: float, trai
         out["forward_gather"] = (block + max(root, block)) * gathered_bytes
     if head_trains(shape, traits):
         # The root unit reduces last: the LM head's unsharded gradient lives through the blocks' backward.
-        out["held_root_grads"] = shape.vocab_size * shape.hidden_size / t * gathered_bytes
+        out["held_root_grads"] = shape.head_params / t * gathered_bytes
     # A unit's backward leaves its unsharded gradients (in the compute dtype) and copies them into
     # the flat fp32 reduce-scatter input. The largest unit (the root: embeddings and head) reduces
     # last, when the activations are gone; a block reduces while most activations are still alive
@@ -402,6 +427,16 @@ def _fsdp2_states(shape: ModelShape, traits: StrategyTraits, params: float, trai
     if traits.reshard_after_forward and blocks >= 2:
         later += max(0.0, out["prefetch"] - block_shard)
     out["backward_grads"] = later
+    if _sums_tied_head(shape, traits):
+        # The three head-sized gradients in the compute dtype, the root unit still gathered, the last block's
+        # reduce-scatter input not yet freed, and every block reduced to its shard (measured: resharding after
+        # forward or not). Accumulating, the earlier micro-steps' gradients (`accumulated_grads`) stand for the
+        # blocks' shards; offloaded shards are in host memory.
+        head = shape.head_params / t
+        tied = (root + 3 * head) * gathered_bytes + block * gbytes * share
+        if traits.accumulation_steps == 1 and not traits.cpu_offload:
+            tied += blocks * block_shard
+        out["tied_embedding_backward"] = tied
     return out
 
 

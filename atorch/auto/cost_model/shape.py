@@ -94,6 +94,13 @@ class ModelShape:
     # does not run and its math path keeps the b x heads x s x s matrix (`activation_probe.sdpa_quadratic_bytes`;
     # 0: a fused kernel, or not measured). Counted wherever attention is counted as fused.
     sdpa_quadratic_bytes: float = 0.0
+    # (precision mode, bytes per sequence and squared token) that one block's eager attention saves beyond the
+    # formula's b x heads x s x s matrices (`activations._attention_matrix_bytes`), measured by the activation probe
+    # on the model's own block at three lengths: BLOOM's softmax kept in fp32 beside its half copy in "half" (the
+    # formula, counted on GPT-2, keeps one half matrix: +4 bytes a head), Gemma 2's soft-capped scores (tanh's
+    # output, +1 value a head). Negative where a block keeps less. (): none, or not measured. Counted wherever
+    # attention is not fused (`eager_quadratic`).
+    eager_quadratic_bytes: Tuple[Tuple[str, float], ...] = ()
     # (shape, how many) of the parameters, when read off a model: FSDP2 pads each shard to ceil(dim / ranks) rows
     # of the dimension it splits, so a rank holds more than an even share where that does not divide (60 experts
     # over 8 ranks: 8 a rank, not 7.5). `memory.fsdp2_rank0_share`.
@@ -102,6 +109,18 @@ class ModelShape:
     @property
     def compute_params(self) -> int:
         return self.active_params or self.num_params
+
+    def eager_quadratic(self, mode: str) -> float:
+        """`eager_quadratic_bytes` of precision mode `mode` ("fp32", "autocast", "half"); 0.0 where not measured."""
+        return dict(self.eager_quadratic_bytes).get(mode, 0.0)
+
+    @property
+    def head_params(self) -> int:
+        """Elements of the LM head's weight (what its gradient holds): vocab x the input width of the model's own
+        `lm_head` where the shape lists it (OPT with `word_embed_proj_dim` projects to 512 first), else vocab x
+        hidden."""
+        widths = [n_in for leaf, n_in, n_out, _ in self.linear_layers if leaf == "lm_head" and n_out == self.vocab_size]
+        return self.vocab_size * (widths[0] if widths else self.hidden_size)
 
     @property
     def q_dim(self) -> int:
