@@ -80,6 +80,8 @@ class Family:
     # microbatch shape only: accumulating keeps a gradient copy alive (not sharded by ZeRO), so more
     # micro-batches can need more memory, against the order the options declare (the cost model knows)
     accumulated_grads: bool = False
+    # failing families: how many independent causes (each an option or pair on 10-25% of the candidates)
+    failing_causes: int = 1
 
 
 FAMILIES = {
@@ -190,7 +192,8 @@ class Landscape:
         self.raising = self.strategies[int(rng.integers(len(self.strategies)))]
         self.failing = {self.raising}
         if family.failing:
-            self.failing |= self._failing_option(cands, sizes, shape_rng)
+            for _ in range(family.failing_causes):
+                self.failing |= self._failing_option(cands, sizes, shape_rng)
         if family.shape == "needle":
             self._needle(shape_rng)
         ok = self.runnable()
@@ -486,6 +489,9 @@ def main() -> None:
     parser.add_argument("--noise", type=float,
                         help="every family's dry runs off by this much instead of its own noise (the same "
                              "landscapes: e.g. 0.015, the standard error a 3%% 95%% half-width leaves)")
+    parser.add_argument("--failing-causes", type=int, default=1,
+                        help="failing families: that many independent causes of failures (the last one's "
+                             "`failing_cause` is kept for traces)")
     parser.add_argument("--summarize-log", help="print the table rows from a (stopped) run's output and exit")
     args = parser.parse_args()
     if args.summarize_log:
@@ -505,6 +511,8 @@ def main() -> None:
         family = FAMILIES[fam_name]
         if args.noise is not None:
             family = dataclasses.replace(family, noise=args.noise)
+        if args.failing_causes != 1:
+            family = dataclasses.replace(family, failing_causes=args.failing_causes)
         ours: Dict[str, List[float]] = {p: [] for p in args.predictors}
         infos: Dict[str, List[dict]] = {p: [] for p in args.predictors}
         rand: List[float] = []
