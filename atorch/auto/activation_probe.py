@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, cast
 
 import torch
 from torch import nn
@@ -384,10 +384,9 @@ def block_activation_profile(model: nn.Module, seq_len: int, formula: FormulaByt
             half = _half_quadratic(model, lengths)
             if half is not None:
                 extras["half"] = _quadratic_extra(name, "half", half, formula_split(formula, "half", seq_len)[1])
-    else:
-        assert one is not None
+    else:   # measured at one length (`_measure` returns the fit or the one measurement)
         per_pair = quadratic + dict(quadratic_extra or {}).get(mode, 0.0)
-        per_token = one.saved_bytes / PROBE_BATCH / seq_len - per_pair * seq_len
+        per_token = cast(BlockActivations, one).saved_bytes / PROBE_BATCH / seq_len - per_pair * seq_len
     # Under fake tensors (a meta model) the cache's copies do not show: the same bytes with and without
     # it (GPT-2, GPT-NeoX), where real parameters show +2 x kv and -2 x hidden; the formula's term stays.
     cache_elements = _cache_elements(model, seq_len, one) if kv_cache and not on_meta and one is not None else None
