@@ -23,7 +23,8 @@ predictor (the cost model); it never imports training code. Order of work:
    failures in this search did not repeat), and a candidate that ran can outlive such a failure
    (`TrialLog.eligible`). An exception also makes the candidate's options and pairs of options
    suspects of raising wherever they appear (`feasibility.FailureModel`: compile failing on the
-   model fails every compile candidate), and P(fit) is multiplied by P(does not raise): to the
+   model fails every compile candidate; the explanations of the failures seen, sets of at most two
+   causes, share the blame: `failure_causes`), and P(fit) is multiplied by P(does not raise): to the
    GP a failed region looks unmeasured, and its expected improvement drew the search back there
    (benchmarks/search.py, failing-3%: up to 11 of 20 dry runs raised). A predictor that
    learns (`LearningPredictorLike`: it has `observe(strategy, step_time_s)`) is told every
