@@ -27,7 +27,7 @@ Pure numpy: hundreds of suspects are thousands of pairs, milliseconds.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Mapping, Sequence, Tuple
+from typing import Dict, Iterable, List, Sequence, Tuple
 
 import numpy as np
 
@@ -106,7 +106,7 @@ class CauseSets:
         return mass / self.total
 
 
-def suspects_of(failures: Mapping[Key, int], ruled_out: set) -> List[Key]:
+def suspects_of(seen_failing: Iterable[Key], ruled_out: set) -> List[Key]:
     """The possible causes seen in a failure and in no run, in a stable order."""
-    return sorted(k for k, f in failures.items() if f > 0 and k not in ruled_out)
+    return sorted(k for k in seen_failing if k not in ruled_out)
 

@@ -424,7 +424,7 @@ class FailureModel:
         self.keys = [self._keys(c) for c in choices]
         every = {k for keys in self.keys for k in keys}
         self.prior = 1.0 / max(len(every), 1)
-        self.failures: Dict[tuple, int] = {}
+        self.seen_failing: set = set()             # options and pairs of candidates that raised
         self.ruled_out: set = set()
         self.raised: List[int] = []            # candidates whose dry run raised, once per dry run
         self.runs = 0                          # dry runs that raised, ran or ran out of memory
@@ -449,8 +449,7 @@ class FailureModel:
         how often a failure repeats (`p_retry_runs`; `error`: the failure's message)."""
         self._learn_repeats(i, status, error)
         if status == "exception":
-            for k in self.keys[i]:
-                self.failures[k] = self.failures.get(k, 0) + 1
+            self.seen_failing.update(self.keys[i])
             self.raised.append(i)
         elif status in ("ok", "oom"):
             self.ruled_out.update(self.keys[i])
@@ -516,7 +515,7 @@ class FailureModel:
         """The posterior over sets of causes for the evidence so far at the current `rate` (cached)."""
         state = (len(self.raised), len(self.ruled_out), self.rate)
         if self._cause_state != state:
-            self._cause_sets = CauseSets(suspects_of(self.failures, self.ruled_out),
+            self._cause_sets = CauseSets(suspects_of(self.seen_failing, self.ruled_out),
                                          [self.keys[i] for i in self.raised], self.prior, self.rate)
             self._cause_state = state
             self._clear_all = None

@@ -76,8 +76,7 @@ def explain(result: "SearchResult", limit_source: str = "") -> str:
                          f"({result.best_throughput:.4g} samples/s)")
         else:
             parts.append(f"{name}: the only strategy that ran ({result.best_throughput:.4g} samples/s)")
-    if result.best is not None and result.too_few_steps and \
-            (result.comparison is None or result.comparison.lo is None or result.comparison.hi is None):
+    if result.best is not None and result.too_few_steps and (result.comparison is None or result.comparison.lo is None):
         # Without it the line read "A: 1.23x the runner-up B" from one timed step of each (ATORCH_DRYRUN_MAX_STEPS=1).
         parts.append("no interval: dry runs timed too few steps to measure their noise (a ratio from one or two "
                      f"steps is not a measured difference; at least {MIN_SAMPLES_FOR_INTERVAL} timed steps give an "
